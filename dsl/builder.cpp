@@ -1,0 +1,200 @@
+// Tracing: runs a kernel body against a Builder and collects its IR.
+#include <algorithm>
+#include <atomic>
+
+#include "builder_impl.h"
+
+namespace kerf::dsl {
+namespace {
+
+thread_local Builder* g_tracing = nullptr;
+
+// Makes `b` the builder of this thread for the scope of a trace.
+class TraceScope {
+ public:
+  explicit TraceScope(Builder* b) : prev_(g_tracing) { g_tracing = b; }
+  ~TraceScope() { g_tracing = prev_; }
+  TraceScope(const TraceScope&) = delete;
+  TraceScope& operator=(const TraceScope&) = delete;
+
+ private:
+  Builder* prev_;
+};
+
+bool is_pow2(int64_t x) { return x > 0 && (x & (x - 1)) == 0; }
+
+}  // namespace
+
+Builder& current_builder(const char* op) {
+  if (!g_tracing)
+    throw DefinitionError(std::string("op '") + op +
+                          "' was used outside a kernel body being traced");
+  return *g_tracing;
+}
+
+ir::ValueId Builder::Impl::emit(ir::Operation op, const ir::Type* result_type) {
+  ir::ValueId r = -1;
+  if (result_type) {
+    r = fn.new_value(*result_type);
+    op.results.push_back(r);
+    defined_in.push_back(blocks.back());
+  }
+  blocks.back()->ops.push_back(std::move(op));
+  return r;
+}
+
+void Builder::Impl::check_usable(const Value& v, const char* op) const {
+  if (!v.valid()) fail(op, "an operand is an empty Value (default-constructed)");
+  if (&v.builder().impl() != this)
+    fail(op, "an operand belongs to another kernel's trace");
+  const ir::Block* home = defined_in.at(size_t(v.id()));
+  if (std::find(blocks.begin(), blocks.end(), home) == blocks.end())
+    fail(op, "%" + std::to_string(v.id()) +
+                 " was defined inside a loop body that has ended; return it from the body "
+                 "as a carried value instead");
+}
+
+Builder::Builder(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) { impl_->self = this; }
+Builder::~Builder() = default;
+
+const std::string& Builder::kernel_name() const { return impl_->fn.name; }
+
+Tensor Builder::tensor(const std::string& name, int rank) {
+  Impl& s = *impl_;
+  const int index = int(s.fn.params.size());
+  if (rank < 1 || rank > 8) s.fail("tensor", "'" + name + "' must have rank 1..8");
+  if (size_t(index) >= s.args.size())
+    s.fail("tensor", "argument " + std::to_string(index) + " '" + name +
+                         "' is declared, but the call passes only " +
+                         std::to_string(s.args.size()) + " arguments");
+  const ArgSpec& a = s.args[size_t(index)];
+  if (a.kind != ir::ParamKind::Tensor)
+    s.fail("tensor", "argument " + std::to_string(index) + " '" + name +
+                         "' is a tensor, but the call passes a scalar");
+  if (a.rank != rank)
+    s.fail("tensor", "argument " + std::to_string(index) + " '" + name + "' is declared rank " +
+                         std::to_string(rank) + ", but the call passes a rank-" +
+                         std::to_string(a.rank) + " tensor");
+  for (const auto& p : s.fn.params)
+    if (p.name == name) s.fail("tensor", "argument name '" + name + "' is used twice");
+  ir::Param p;
+  p.name = name;
+  p.kind = ir::ParamKind::Tensor;
+  p.dtype = a.dtype;
+  p.rank = rank;
+  p.facts = a.facts;
+  s.fn.params.push_back(p);
+  return Tensor(this, index, rank, a.dtype);
+}
+
+Tensor Builder::tensor(const std::string& name, int rank, DType fixed) {
+  Impl& s = *impl_;
+  const size_t index = s.fn.params.size();
+  if (index < s.args.size() && s.args[index].kind == ir::ParamKind::Tensor &&
+      s.args[index].dtype != fixed)
+    s.fail("tensor", "argument " + std::to_string(index) + " '" + name + "' must be " +
+                         dtype_name(fixed) + ", but the call passes " +
+                         dtype_name(s.args[index].dtype));
+  return tensor(name, rank);
+}
+
+Value Builder::scalar(const std::string& name, DType dtype) {
+  Impl& s = *impl_;
+  const int index = int(s.fn.params.size());
+  if (size_t(index) >= s.args.size())
+    s.fail("scalar", "argument " + std::to_string(index) + " '" + name +
+                         "' is declared, but the call passes only " +
+                         std::to_string(s.args.size()) + " arguments");
+  if (s.args[size_t(index)].kind != ir::ParamKind::Scalar)
+    s.fail("scalar", "argument " + std::to_string(index) + " '" + name +
+                         "' is a scalar, but the call passes a tensor");
+  if (dtype == DType::i1) s.fail("scalar", "'" + name + "': i1 scalars are not supported");
+  for (const auto& p : s.fn.params)
+    if (p.name == name) s.fail("scalar", "argument name '" + name + "' is used twice");
+  ir::Param p;
+  p.name = name;
+  p.kind = ir::ParamKind::Scalar;
+  p.dtype = dtype;
+  s.fn.params.push_back(p);
+  ir::Operation op(ir::OpKind::Param);
+  op.attrs.param = index;
+  const ir::Type t{dtype, {}};
+  return Value(this, s.emit(std::move(op), &t));
+}
+
+int64_t Builder::meta(const std::string& name) {
+  Impl& s = *impl_;
+  auto it = s.meta->find(name);
+  if (it == s.meta->end())
+    throw DefinitionError("kernel '" + s.fn.name + "': meta-parameter '" + name +
+                          "' is not set and has no default");
+  s.meta_used[name] = it->second;
+  return it->second;
+}
+
+int64_t Builder::meta(const std::string& name, int64_t fallback) {
+  Impl& s = *impl_;
+  auto it = s.meta->find(name);
+  const int64_t v = it == s.meta->end() ? fallback : it->second;
+  s.meta_used[name] = v;
+  return v;
+}
+
+// ---------------------------------------------------------------- Kernel
+
+struct Kernel::State {
+  std::string name;
+  Body body;
+  uint64_t id;
+};
+
+Kernel::Kernel(std::string name, Body body) {
+  static std::atomic<uint64_t> next_id{1};
+  if (name.empty()) throw DefinitionError("a kernel needs a name");
+  for (char c : name)
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_'))
+      throw DefinitionError("kernel name '" + name +
+                            "' may hold only letters, digits and underscores");
+  if (!body) throw DefinitionError("kernel '" + name + "' has no body");
+  state_ = std::make_shared<const State>(State{std::move(name), std::move(body), next_id++});
+}
+
+const std::string& Kernel::name() const { return state_->name; }
+uint64_t Kernel::id() const { return state_->id; }
+
+ir::Function Kernel::trace(const std::vector<ArgSpec>& args, const MetaMap& meta) const {
+  auto impl = std::make_unique<Builder::Impl>();
+  impl->fn.name = state_->name;
+  impl->args = args;
+  impl->meta = &meta;
+  impl->blocks.push_back(&impl->fn.body);
+  Builder b(std::move(impl));
+  Builder::Impl& s = b.impl();
+
+  // Launch meta-parameters that every kernel has.
+  const int64_t warps = b.meta("num_warps", 4);
+  const int64_t stages = b.meta("num_stages", 1);
+  if (!is_pow2(warps) || warps > 32)
+    throw DefinitionError("kernel '" + s.fn.name + "': num_warps must be a power of two <= 32, got " +
+                          std::to_string(warps));
+  if (stages < 1 || stages > 8)
+    throw DefinitionError("kernel '" + s.fn.name + "': num_stages must be in 1..8, got " +
+                          std::to_string(stages));
+  {
+    TraceScope scope(&b);
+    state_->body(b);
+  }
+  if (s.fn.params.size() != args.size())
+    throw DefinitionError("kernel '" + s.fn.name + "' declares " +
+                          std::to_string(s.fn.params.size()) + " arguments, but the call passes " +
+                          std::to_string(args.size()));
+  for (const auto& [name, value] : meta)
+    if (!s.meta_used.count(name))
+      throw DefinitionError("kernel '" + s.fn.name + "': meta-parameter '" + name +
+                            "' was given but the kernel does not use it");
+  for (const auto& [name, value] : s.meta_used) s.fn.meta.push_back(ir::MetaValue{name, value});
+  ir::verify(s.fn);
+  return std::move(s.fn);
+}
+
+}  // namespace kerf::dsl

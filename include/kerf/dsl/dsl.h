@@ -1,0 +1,261 @@
+// kerf's embedded tile DSL.
+//
+// A kernel is a C++ callable that receives a Builder and describes what one
+// *program* (a CTA on the GPU, a task on the CPU) computes, on tiles of static
+// shape. The callable runs once per specialization (meta-parameters, argument
+// dtypes and facts) and records IR; it never touches data. Mistakes (shapes
+// that do not broadcast, a dot of mismatched tiles, a store of the wrong dtype,
+// a meta-parameter left unset) throw kerf::DefinitionError naming the kernel
+// and the op.
+//
+//   Kernel add("vec_add", [](Builder& k) {
+//     auto x = k.tensor("x", 1), y = k.tensor("y", 1), out = k.tensor("out", 1);
+//     const int64_t B = k.meta("BLOCK");
+//     auto i = program_id(0) * B + arange(B);
+//     auto m = i < x.dim(0);
+//     store(out, {i}, load(x, {i}, m) + load(y, {i}, m), m);
+//   });
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <initializer_list>
+#include <map>
+#include <memory>
+#include <string>
+#include <concepts>
+#include <type_traits>
+#include <vector>
+
+#include "kerf/dtype.h"
+#include "kerf/jit/ir.h"
+
+namespace kerf::dsl {
+
+class Builder;
+
+// What a call passes for one kernel argument, in declaration order.
+struct ArgSpec {
+  ir::ParamKind kind = ir::ParamKind::Tensor;
+  DType dtype = DType::f32;  // tensors: the element type; scalars: ignored (the kernel fixes it)
+  int rank = 0;
+  ir::TensorFacts facts;
+
+  static ArgSpec tensor(DType t, int rank, ir::TensorFacts facts = {}) {
+    return ArgSpec{ir::ParamKind::Tensor, t, rank, facts};
+  }
+  static ArgSpec scalar() { return ArgSpec{ir::ParamKind::Scalar, DType::f32, 0, {}}; }
+};
+
+using MetaMap = std::map<std::string, int64_t>;
+
+// Indexing helpers: x[{_, newaxis}] is x expanded to [n, 1]; x[{newaxis, _}] to [1, n].
+enum class Axis { all, newaxis };
+inline constexpr Axis _ = Axis::all;
+inline constexpr Axis newaxis = Axis::newaxis;
+
+// A symbolic tile (or scalar) inside a kernel being traced.
+class Value {
+ public:
+  Value() = default;
+  Value(Builder* b, ir::ValueId id) : b_(b), id_(id) {}
+
+  bool valid() const { return b_ != nullptr; }
+  ir::ValueId id() const { return id_; }
+  Builder& builder() const;
+  const ir::Type& type() const;
+  DType dtype() const { return type().dtype; }
+  const ir::Shape& shape() const { return type().shape; }
+  bool is_scalar() const { return type().is_scalar(); }
+
+  Value operator[](std::initializer_list<Axis> axes) const;
+  Value col() const;  // [n] -> [n, 1]
+  Value row() const;  // [n] -> [1, n]
+  Value to(DType t) const;  // cast
+
+ private:
+  Builder* b_ = nullptr;
+  ir::ValueId id_ = -1;
+};
+
+// A tensor argument: a base address with per-dimension sizes and strides.
+class Tensor {
+ public:
+  Tensor() = default;
+  Tensor(Builder* b, int param, int rank, DType dtype)
+      : b_(b), param_(param), rank_(rank), dtype_(dtype) {}
+  Value dim(int d) const;     // i32 scalar
+  Value stride(int d) const;  // i64 scalar, in elements
+  int rank() const { return rank_; }
+  DType dtype() const { return dtype_; }
+  int param() const { return param_; }
+  Builder& builder() const;
+
+ private:
+  Builder* b_ = nullptr;
+  int param_ = -1;
+  int rank_ = 0;
+  DType dtype_ = DType::f32;
+};
+
+class Builder {
+ public:
+  // Declares the next tensor argument. Its dtype comes from the call unless fixed here.
+  Tensor tensor(const std::string& name, int rank);
+  Tensor tensor(const std::string& name, int rank, DType fixed_dtype);
+  // Declares the next scalar argument; the kernel fixes its dtype.
+  Value scalar(const std::string& name, DType dtype = DType::f32);
+  // A meta-parameter: a compile-time integer (block sizes, ...).
+  int64_t meta(const std::string& name);
+  int64_t meta(const std::string& name, int64_t fallback);
+  const std::string& kernel_name() const;
+
+  // ---- used by the DSL's free functions; not needed by kernel authors.
+  struct Impl;
+  explicit Builder(std::unique_ptr<Impl> impl);
+  ~Builder();
+  Impl& impl() { return *impl_; }
+  const Impl& impl() const { return *impl_; }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// A DSL kernel: a name and a body. Cheap to copy; the body runs at trace time.
+class Kernel {
+ public:
+  using Body = std::function<void(Builder&)>;
+  Kernel(std::string name, Body body);
+
+  const std::string& name() const;
+  uint64_t id() const;  // unique within the process
+
+  // Runs the body for one specialization and returns verified IR.
+  // `meta` may set num_warps (default 4) and num_stages (default 1).
+  ir::Function trace(const std::vector<ArgSpec>& args, const MetaMap& meta) const;
+
+ private:
+  struct State;
+  std::shared_ptr<const State> state_;
+};
+
+// ---------------------------------------------------------------- free functions
+// They act on the kernel being traced on this thread.
+Value program_id(int axis);
+Value num_programs(int axis);
+Value arange(int64_t start, int64_t end);
+inline Value arange(int64_t n) { return arange(0, n); }
+Value constant(double value, DType dtype);
+Value full(const ir::Shape& shape, double value, DType dtype);
+inline Value zeros(const ir::Shape& shape, DType dtype = DType::f32) {
+  return full(shape, 0.0, dtype);
+}
+
+Value cast(const Value& v, DType t);
+Value where(const Value& cond, const Value& a, const Value& b);
+Value where(const Value& cond, const Value& a, double b);
+Value where(const Value& cond, double a, const Value& b);
+Value sqrt(const Value& v);
+Value rsqrt(const Value& v);
+Value exp(const Value& v);
+Value log(const Value& v);
+Value abs(const Value& v);
+Value maximum(const Value& a, const Value& b);
+Value minimum(const Value& a, const Value& b);
+Value cdiv(const Value& a, const Value& b);  // ceil(a / b) for non-negative integers
+
+Value expand_dims(const Value& v, int axis);
+Value broadcast_to(const Value& v, const ir::Shape& shape);
+Value trans(const Value& v);
+
+// Reductions over one axis; half types accumulate in f32 and round once.
+Value sum(const Value& v, int axis);
+Value max(const Value& v, int axis);
+Value min(const Value& v, int axis);
+
+// a[M,K] @ b[K,N] -> f32[M,N], accumulated in fp32 (tensor cores for bf16/f16 on the GPU).
+Value dot(const Value& a, const Value& b);
+Value dot(const Value& a, const Value& b, const Value& acc);
+
+// Memory. One index tile per tensor dimension; indices, mask (and the stored
+// value) broadcast to a common shape. Masked-off lanes are not accessed;
+// loads give `other` (default 0) there.
+Value load(const Tensor& t, const std::vector<Value>& idx, const Value& mask = {},
+           const Value& other = {});
+Value load(const Tensor& t, const std::vector<Value>& idx, const Value& mask, double other);
+void store(const Tensor& t, const std::vector<Value>& idx, const Value& value,
+           const Value& mask = {});
+void atomic_add(const Tensor& t, const std::vector<Value>& idx, const Value& value,
+                const Value& mask = {});
+
+// An integer scalar operand: a Value or a C++ integer (a constant of the trace).
+class IntArg {
+ public:
+  IntArg(const Value& v) : value_(v) {}  // NOLINT(google-explicit-constructor)
+  template <std::integral T>
+  IntArg(T v) : constant_(int64_t(v)), is_constant_(true) {}  // NOLINT
+  Value value() const;
+
+ private:
+  Value value_;
+  int64_t constant_ = 0;
+  bool is_constant_ = false;
+};
+
+// Structured loop: for (iv = lo; iv < hi; iv += step). Carried values keep
+// their types from one iteration to the next. A step <= 0 runs no iteration.
+using LoopBody = std::function<std::vector<Value>(const Value& iv, const std::vector<Value>&)>;
+std::vector<Value> for_range(IntArg lo, IntArg hi, IntArg step, const std::vector<Value>& init,
+                             const LoopBody& body);
+Value for_range(IntArg lo, IntArg hi, IntArg step, const Value& init,
+                const std::function<Value(const Value& iv, const Value& carried)>& body);
+void for_range(IntArg lo, IntArg hi, IntArg step,
+               const std::function<void(const Value& iv)>& body);
+
+// An integer or float literal as a scalar Value of the kernel being traced.
+Value literal(int64_t v);
+Value literal(double v);
+
+// ---------------------------------------------------------------- operators
+enum class BinOp { add, sub, mul, div, rem, min, max, band, bor, bxor, shl, shr,
+                   lt, le, gt, ge, eq, ne };
+Value binary(BinOp op, const Value& a, const Value& b);
+Value binary(BinOp op, const Value& a, double b, bool b_is_int);
+Value binary(BinOp op, double a, bool a_is_int, const Value& b);
+
+template <class T>
+concept Number = std::is_arithmetic_v<T>;
+
+#define KERF_DSL_BINARY(sym, op)                                                       \
+  inline Value operator sym(const Value& a, const Value& b) { return binary(op, a, b); } \
+  template <Number T>                                                                  \
+  Value operator sym(const Value& a, T b) {                                            \
+    return binary(op, a, double(b), std::is_integral_v<T>);                            \
+  }                                                                                    \
+  template <Number T>                                                                  \
+  Value operator sym(T a, const Value& b) {                                            \
+    return binary(op, double(a), std::is_integral_v<T>, b);                            \
+  }
+KERF_DSL_BINARY(+, BinOp::add)
+KERF_DSL_BINARY(-, BinOp::sub)
+KERF_DSL_BINARY(*, BinOp::mul)
+KERF_DSL_BINARY(/, BinOp::div)
+KERF_DSL_BINARY(%, BinOp::rem)
+KERF_DSL_BINARY(&, BinOp::band)
+KERF_DSL_BINARY(|, BinOp::bor)
+KERF_DSL_BINARY(^, BinOp::bxor)
+KERF_DSL_BINARY(<<, BinOp::shl)
+KERF_DSL_BINARY(>>, BinOp::shr)
+KERF_DSL_BINARY(<, BinOp::lt)
+KERF_DSL_BINARY(<=, BinOp::le)
+KERF_DSL_BINARY(>, BinOp::gt)
+KERF_DSL_BINARY(>=, BinOp::ge)
+KERF_DSL_BINARY(==, BinOp::eq)
+KERF_DSL_BINARY(!=, BinOp::ne)
+#undef KERF_DSL_BINARY
+
+Value operator-(const Value& v);
+Value operator!(const Value& v);  // logical not of an i1 tile
+Value operator~(const Value& v);  // bitwise not of an integer tile
+
+}  // namespace kerf::dsl

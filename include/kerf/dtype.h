@@ -1,0 +1,31 @@
+// Element types kerf knows, shared by the IR, the runtime and the ops.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace kerf {
+
+enum class DType : uint8_t { i1, i32, i64, f16, bf16, f32, f64 };
+
+// Canonical short name: "i1", "i32", "i64", "f16", "bf16", "f32", "f64".
+const char* dtype_name(DType t);
+// Accepts the canonical names and the common aliases ("float32", "bfloat16", "bool", ...).
+std::optional<DType> parse_dtype(std::string_view name);
+
+int dtype_size_bytes(DType t);  // i1 is stored as one byte
+inline bool is_float(DType t) {
+  return t == DType::f16 || t == DType::bf16 || t == DType::f32 || t == DType::f64;
+}
+inline bool is_int(DType t) { return t == DType::i1 || t == DType::i32 || t == DType::i64; }
+inline bool is_half(DType t) { return t == DType::f16 || t == DType::bf16; }
+
+// Scalar conversions used by references, tests and the CPU paths.
+float bf16_to_float(uint16_t bits);
+uint16_t float_to_bf16(float value);  // round to nearest even, NaN kept a NaN
+float f16_to_float(uint16_t bits);
+uint16_t float_to_f16(float value);  // round to nearest even
+
+}  // namespace kerf

@@ -1,0 +1,171 @@
+// kerf's kernel IR: typed, SSA, with structured loops.
+//
+// A Function is one specialization of a DSL kernel: its meta-parameters are
+// baked into static tile shapes and constants, its parameters carry the
+// dtypes and the facts (contiguity, alignment) that code generation may use.
+// Every value has a Type: an element dtype and a static tile shape (empty
+// shape = a scalar, uniform across the program). Tile dimensions are powers
+// of two, so that the GPU back end can spread them over threads exactly.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kerf/dtype.h"
+
+namespace kerf::ir {
+
+using Shape = std::vector<int64_t>;
+using ValueId = int32_t;
+
+struct Type {
+  DType dtype = DType::f32;
+  Shape shape;  // empty: scalar
+
+  bool is_scalar() const { return shape.empty(); }
+  int rank() const { return int(shape.size()); }
+  int64_t numel() const;
+  bool operator==(const Type& o) const { return dtype == o.dtype && shape == o.shape; }
+  bool operator!=(const Type& o) const { return !(*this == o); }
+};
+
+std::string to_string(const Type& t);    // "f32[64,128]", "i32"
+std::string shape_string(const Shape& s);  // "[64,128]"
+
+enum class OpKind : uint8_t {
+  // ---- leaves
+  Param,        // the value of scalar kernel parameter `attrs.param`
+  Constant,     // a scalar constant (attrs.fvalue for floats, attrs.ivalue for ints)
+  ProgramId,    // this program's index along grid axis attrs.axis (i32 scalar)
+  NumPrograms,  // the grid size along axis attrs.axis (i32 scalar)
+  Arange,       // i32 tile [end-start]: start, start+1, ..., end-1
+  TensorDim,    // size of dimension attrs.axis of tensor parameter attrs.param (i32 scalar)
+  TensorStride, // stride (in elements) of that dimension (i64 scalar)
+  // ---- shape
+  Splat,        // a scalar repeated over a tile
+  ExpandDims,   // insert a size-1 dimension at attrs.axis
+  Broadcast,    // stretch size-1 dimensions to the result shape
+  Transpose,    // swap the two dimensions of a rank-2 tile
+  // ---- elementwise, unary
+  Neg, Not, Abs, Sqrt, Rsqrt, Exp, Log,
+  // ---- elementwise, binary (operands of one type; comparisons give i1)
+  Add, Sub, Mul, Div, Rem, Min, Max, And, Or, Xor, Shl, Shr,
+  Lt, Le, Gt, Ge, Eq, Ne,
+  Select,       // cond ? a : b, elementwise
+  Cast,         // convert to the result dtype (round to nearest even; float->int truncates)
+  // ---- reductions over attrs.axis (half types accumulate in f32)
+  ReduceSum, ReduceMax, ReduceMin,
+  // ---- matrix product: a[M,K] x b[K,N] (+ acc[M,N]) -> f32[M,N] (fp32 accumulation)
+  Dot,
+  // ---- memory (attrs.param names the tensor parameter; the index operands,
+  //      one per tensor dimension, and the mask all have the access's shape)
+  Load,         // operands: idx..., [mask], [other]
+  Store,        // operands: idx..., value, [mask]
+  AtomicAdd,    // operands: idx..., value, [mask]  (relaxed, device scope)
+  // ---- control
+  For,          // operands: lo, hi, step, init...; body args: iv, carried...; results: carried
+  Yield,        // terminator of a For body: the next carried values
+};
+
+const char* op_name(OpKind k);
+bool is_elementwise_unary(OpKind k);
+bool is_elementwise_binary(OpKind k);
+bool is_comparison(OpKind k);
+bool is_reduction(OpKind k);
+
+struct Attrs {
+  int64_t axis = 0;     // ProgramId, NumPrograms, ExpandDims, reductions, TensorDim/Stride
+  int64_t param = -1;   // Param, TensorDim/Stride, Load/Store/AtomicAdd
+  int64_t start = 0;    // Arange
+  int64_t end = 0;      // Arange
+  int64_t ivalue = 0;   // Constant (integer dtypes)
+  double fvalue = 0.0;  // Constant (float dtypes)
+  bool has_mask = false;   // Load/Store/AtomicAdd
+  bool has_other = false;  // Load
+};
+
+struct Block;
+
+struct Operation {
+  OpKind kind;
+  std::vector<ValueId> operands;
+  std::vector<ValueId> results;
+  Attrs attrs;
+  std::unique_ptr<Block> body;  // For only
+
+  Operation(OpKind k) : kind(k) {}
+  Operation(Operation&&) = default;
+  Operation& operator=(Operation&&) = default;
+};
+
+struct Block {
+  std::vector<ValueId> args;
+  std::vector<Operation> ops;
+};
+
+enum class ParamKind : uint8_t { Tensor, Scalar };
+
+// Facts about a tensor argument that change the generated code; they are part
+// of the specialization (and so of the IR text and its hash). "div16" means
+// divisible by 16 elements, the granularity of kerf's vector accesses.
+struct TensorFacts {
+  bool contiguous_last = false;  // the last dimension has stride 1
+  bool aligned16 = false;        // the data address is a multiple of 16 bytes
+  uint32_t dims_div16 = 0;       // bit d: size of dimension d is a multiple of 16
+  uint32_t strides_div16 = 0;    // bit d: stride of dimension d is a multiple of 16
+  bool operator==(const TensorFacts& o) const {
+    return contiguous_last == o.contiguous_last && aligned16 == o.aligned16 &&
+           dims_div16 == o.dims_div16 && strides_div16 == o.strides_div16;
+  }
+};
+
+struct Param {
+  std::string name;
+  ParamKind kind = ParamKind::Tensor;
+  DType dtype = DType::f32;
+  int rank = 0;  // tensors only
+  TensorFacts facts;
+};
+
+struct MetaValue {
+  std::string name;
+  int64_t value = 0;
+};
+
+struct Function {
+  std::string name;
+  std::vector<Param> params;
+  std::vector<MetaValue> meta;  // sorted by name
+  std::vector<Type> types;      // indexed by ValueId
+  Block body;
+
+  const Type& type(ValueId v) const { return types.at(size_t(v)); }
+  ValueId new_value(Type t) {
+    types.push_back(std::move(t));
+    return ValueId(types.size() - 1);
+  }
+  int64_t meta_value(const std::string& name, int64_t fallback) const;
+};
+
+// Canonical text: deterministic, the same for the same kernel in every process.
+std::string print(const Function& f);
+
+// XXH3-128 of the canonical text, as 32 lowercase hex digits.
+struct Hash128 {
+  uint64_t hi = 0, lo = 0;
+  std::string hex() const;
+  bool operator==(const Hash128& o) const { return hi == o.hi && lo == o.lo; }
+  bool operator!=(const Hash128& o) const { return !(*this == o); }
+};
+Hash128 hash_bytes(const void* data, size_t size);
+Hash128 hash(const Function& f);
+
+// Throws kerf::InternalError naming the op when the IR is ill-typed.
+void verify(const Function& f);
+
+// Number of uses of each value (index = ValueId), counting uses inside loop bodies.
+std::vector<int> count_uses(const Function& f);
+
+}  // namespace kerf::ir

@@ -1,0 +1,236 @@
+// The DSL records the IR it should, and reports definition mistakes by kernel and op.
+#include <string>
+
+#include "catch.h"
+#include "kerf/dsl/dsl.h"
+#include "kerf/error.h"
+
+using namespace kerf;
+using namespace kerf::dsl;
+
+namespace {
+
+Kernel vec_add() {
+  return Kernel("vec_add", [](Builder& k) {
+    auto x = k.tensor("x", 1), y = k.tensor("y", 1), out = k.tensor("out", 1);
+    const int64_t B = k.meta("BLOCK");
+    auto i = program_id(0) * B + arange(B);
+    auto m = i < x.dim(0);
+    store(out, {i}, load(x, {i}, m) + load(y, {i}, m), m);
+  });
+}
+
+std::vector<ArgSpec> three_vectors(DType t = DType::f32) {
+  return {ArgSpec::tensor(t, 1), ArgSpec::tensor(t, 1), ArgSpec::tensor(t, 1)};
+}
+
+// Expects `fn` to throw a DefinitionError whose message contains every needle.
+template <class F>
+void expect_definition_error(F&& fn, std::initializer_list<std::string> needles) {
+  try {
+    fn();
+    FAIL("no error was raised");
+  } catch (const DefinitionError& e) {
+    const std::string msg = e.what();
+    for (const auto& n : needles) {
+      INFO("message: " << msg);
+      CHECK(msg.find(n) != std::string::npos);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("a traced kernel records typed IR with its meta-parameters", "[dsl]") {
+  ir::Function f = vec_add().trace(three_vectors(), {{"BLOCK", 128}});
+  const std::string text = ir::print(f);
+  INFO(text);
+  CHECK(text.find("kernel @vec_add(@x: tensor<f32,1>") != std::string::npos);
+  CHECK(text.find("BLOCK=128") != std::string::npos);
+  CHECK(text.find("num_warps=4") != std::string::npos);
+  CHECK(text.find("arange 0, 128 : i32[128]") != std::string::npos);
+  CHECK(text.find("load @x[") != std::string::npos);
+  CHECK(text.find(" mask ") != std::string::npos);
+  CHECK(text.find("store @out[") != std::string::npos);
+  CHECK(f.params.size() == 3);
+}
+
+TEST_CASE("literals take the dtype of the tile they meet", "[dsl]") {
+  Kernel k("lit", [](Builder& b) {
+    auto x = b.tensor("x", 1);
+    auto i = arange(16);
+    auto v = load(x, {i});
+    store(x, {i}, v * 2.5 + 1);
+  });
+  ir::Function f = k.trace({ArgSpec::tensor(DType::bf16, 1)}, {});
+  const std::string text = ir::print(f);
+  INFO(text);
+  CHECK(text.find("const 2.5 : bf16") != std::string::npos);
+  CHECK(text.find("const 1.0 : bf16") != std::string::npos);
+}
+
+TEST_CASE("mixed float tiles promote to f32 and half tiles are cast explicitly", "[dsl]") {
+  Kernel k("promote", [](Builder& b) {
+    auto x = b.tensor("x", 1), y = b.tensor("y", 1), out = b.tensor("out", 1);
+    auto i = arange(32);
+    auto s = load(x, {i}) + load(y, {i});  // bf16 + f16 -> f32
+    store(out, {i}, s);
+  });
+  ir::Function f = k.trace({ArgSpec::tensor(DType::bf16, 1), ArgSpec::tensor(DType::f16, 1),
+                            ArgSpec::tensor(DType::f32, 1)},
+                           {});
+  const std::string text = ir::print(f);
+  CHECK(text.find("cast %") != std::string::npos);
+  CHECK(text.find("add %") != std::string::npos);
+}
+
+TEST_CASE("loops carry typed values and reductions drop an axis", "[dsl]") {
+  Kernel k("rowsum", [](Builder& b) {
+    auto x = b.tensor("x", 2), out = b.tensor("out", 1);
+    const int64_t BM = b.meta("BM"), BN = b.meta("BN");
+    auto rows = program_id(0) * BM + arange(BM);
+    auto acc = for_range(0, x.dim(1), BN, zeros({BM, BN}), [&](const Value& c0, const Value& a) {
+      auto cols = c0 + arange(BN);
+      auto m = (rows.col() < x.dim(0)) & (cols.row() < x.dim(1));
+      return a + load(x, {rows.col(), cols.row()}, m);
+    });
+    store(out, {rows}, sum(acc, 1), rows < x.dim(0));
+  });
+  ir::Function f = k.trace({ArgSpec::tensor(DType::f32, 2), ArgSpec::tensor(DType::f32, 1)},
+                           {{"BM", 16}, {"BN", 32}});
+  const std::string text = ir::print(f);
+  INFO(text);
+  CHECK(text.find("for %") != std::string::npos);
+  CHECK(text.find("yield %") != std::string::npos);
+  CHECK(text.find("reduce_sum %") != std::string::npos);
+  CHECK(text.find(": f32[16]") != std::string::npos);
+}
+
+TEST_CASE("the same kernel hashes the same; any change changes the hash", "[ir][hash]") {
+  const auto a = ir::hash(vec_add().trace(three_vectors(), {{"BLOCK", 128}}));
+  const auto b = ir::hash(vec_add().trace(three_vectors(), {{"BLOCK", 128}}));
+  CHECK(a == b);
+  CHECK(a.hex().size() == 32);
+  // meta-parameter
+  CHECK(a != ir::hash(vec_add().trace(three_vectors(), {{"BLOCK", 256}})));
+  // warps
+  CHECK(a != ir::hash(vec_add().trace(three_vectors(), {{"BLOCK", 128}, {"num_warps", 8}})));
+  // dtype
+  CHECK(a != ir::hash(vec_add().trace(three_vectors(DType::bf16), {{"BLOCK", 128}})));
+  // facts
+  auto facts = three_vectors();
+  facts[0].facts.contiguous_last = true;
+  CHECK(a != ir::hash(vec_add().trace(facts, {{"BLOCK", 128}})));
+  // an op
+  Kernel sub("vec_add", [](Builder& k) {
+    auto x = k.tensor("x", 1), y = k.tensor("y", 1), out = k.tensor("out", 1);
+    const int64_t B = k.meta("BLOCK");
+    auto i = program_id(0) * B + arange(B);
+    auto m = i < x.dim(0);
+    store(out, {i}, load(x, {i}, m) - load(y, {i}, m), m);
+  });
+  CHECK(a != ir::hash(sub.trace(three_vectors(), {{"BLOCK", 128}})));
+  // a constant
+  Kernel scaled("vec_add", [](Builder& k) {
+    auto x = k.tensor("x", 1), y = k.tensor("y", 1), out = k.tensor("out", 1);
+    const int64_t B = k.meta("BLOCK");
+    auto i = program_id(0) * B + arange(B);
+    auto m = i < x.dim(0);
+    store(out, {i}, load(x, {i}, m) + load(y, {i}, m) * 1.0, m);
+  });
+  CHECK(a != ir::hash(scaled.trace(three_vectors(), {{"BLOCK", 128}})));
+}
+
+TEST_CASE("the IR hash matches xxHash's XXH3-128 of the text", "[ir][hash]") {
+  // Reference value of XXH3_128bits("abc") from xxHash's own documentation of 0.8.
+  CHECK(ir::hash_bytes("abc", 3).hex() == "06b05ab6733a618578af5f94892f3950");
+}
+
+TEST_CASE("broadcasting incompatible shapes is a definition error", "[dsl][errors]") {
+  Kernel k("bad_broadcast", [](Builder&) {
+    auto a = arange(16), b = arange(32);
+    (void)(a + b);
+  });
+  expect_definition_error([&] { k.trace({}, {}); },
+                          {"bad_broadcast", "'add'", "[16]", "[32]", "do not broadcast"});
+}
+
+TEST_CASE("dot of mismatched tiles is a definition error", "[dsl][errors]") {
+  Kernel k("bad_dot", [](Builder&) {
+    auto a = zeros({16, 32}), b = zeros({16, 64});
+    (void)dot(a, b);
+  });
+  expect_definition_error([&] { k.trace({}, {}); }, {"bad_dot", "'dot'", "K=32 vs 16"});
+  Kernel k2("bad_dot_dtype", [](Builder&) {
+    auto a = zeros({16, 16}, DType::bf16), b = zeros({16, 16}, DType::f32);
+    (void)dot(a, b);
+  });
+  expect_definition_error([&] { k2.trace({}, {}); }, {"bad_dot_dtype", "share a dtype"});
+}
+
+TEST_CASE("storing the wrong dtype is a definition error", "[dsl][errors]") {
+  Kernel k("bad_store", [](Builder& b) {
+    auto out = b.tensor("out", 1);
+    store(out, {arange(16)}, zeros({16}, DType::f32));
+  });
+  expect_definition_error([&] { k.trace({ArgSpec::tensor(DType::bf16, 1)}, {}); },
+                          {"bad_store", "'store'", "bf16", "f32"});
+}
+
+TEST_CASE("a meta-parameter left unset is a definition error", "[dsl][errors]") {
+  expect_definition_error([&] { vec_add().trace(three_vectors(), {}); },
+                          {"vec_add", "BLOCK", "not set"});
+  expect_definition_error([&] { vec_add().trace(three_vectors(), {{"BLOCK", 64}, {"BLCK", 2}}); },
+                          {"vec_add", "BLCK", "does not use"});
+}
+
+TEST_CASE("tile lengths must be powers of two", "[dsl][errors]") {
+  Kernel k("odd", [](Builder&) { (void)arange(0, 100); });
+  expect_definition_error([&] { k.trace({}, {}); }, {"odd", "'arange'", "power"});
+}
+
+TEST_CASE("arguments that disagree with the declaration are definition errors", "[dsl][errors]") {
+  expect_definition_error(
+      [&] { vec_add().trace({ArgSpec::tensor(DType::f32, 2)}, {{"BLOCK", 64}}); },
+      {"vec_add", "rank 1", "rank-2"});
+  expect_definition_error([&] { vec_add().trace({ArgSpec::tensor(DType::f32, 1)}, {{"BLOCK", 64}}); },
+                          {"vec_add", "passes only 1"});
+}
+
+TEST_CASE("loop-carried values must keep their type", "[dsl][errors]") {
+  Kernel k("bad_loop", [](Builder&) {
+    (void)for_range(0, 10, 1, zeros({16}), [&](const Value&, const Value& a) {
+      return a.to(DType::bf16);
+    });
+  });
+  expect_definition_error([&] { k.trace({}, {}); }, {"bad_loop", "'for'", "f32[16]", "bf16[16]"});
+}
+
+TEST_CASE("a value escaping its loop body is a definition error", "[dsl][errors]") {
+  Kernel k("escape", [](Builder& b) {
+    auto out = b.tensor("out", 1);
+    Value leaked;
+    for_range(0, 4, 1, [&](const Value& iv) { leaked = iv + arange(16); });
+    store(out, {arange(16)}, leaked);
+  });
+  expect_definition_error([&] { k.trace({ArgSpec::tensor(DType::i32, 1)}, {}); },
+                          {"escape", "loop body"});
+}
+
+TEST_CASE("ops used outside a trace are reported, not crashed on", "[dsl][errors]") {
+  CHECK_THROWS_AS(arange(16), DefinitionError);
+}
+
+TEST_CASE("the verifier rejects ill-typed IR", "[ir][verifier]") {
+  ir::Function f = vec_add().trace(three_vectors(), {{"BLOCK", 64}});
+  ir::verify(f);  // well typed
+  // Corrupt the type of the add's result.
+  for (auto& op : f.body.ops)
+    if (op.kind == ir::OpKind::Add) f.types[size_t(op.results[0])].dtype = DType::i32;
+  CHECK_THROWS_AS(ir::verify(f), InternalError);
+
+  ir::Function g = vec_add().trace(three_vectors(), {{"BLOCK", 64}});
+  // Use a value before it is defined: swap the first two ops.
+  std::swap(g.body.ops[0], g.body.ops.back());
+  CHECK_THROWS_AS(ir::verify(g), InternalError);
+}
