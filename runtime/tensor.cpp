@@ -1,0 +1,62 @@
+#include "kerf/runtime/tensor.h"
+
+#include "kerf/error.h"
+#include "kerf/jit/ir.h"
+
+namespace kerf {
+
+std::string Device::str() const {
+  return kind == Kind::cpu ? "cpu" : "cuda:" + std::to_string(index);
+}
+
+TensorView TensorView::contiguous(void* data, DType dtype, const std::vector<int64_t>& shape,
+                                  Device device) {
+  std::vector<int64_t> strides(shape.size(), 1);
+  for (size_t i = shape.size(); i-- > 1;) strides[i - 1] = strides[i] * shape[i];
+  return strided(data, dtype, shape, strides, device);
+}
+
+TensorView TensorView::strided(void* data, DType dtype, const std::vector<int64_t>& shape,
+                               const std::vector<int64_t>& strides, Device device) {
+  if (shape.size() > size_t(kMaxRank))
+    throw InvalidArgument("tensors of rank " + std::to_string(shape.size()) +
+                          " are not supported (at most " + std::to_string(kMaxRank) + ")");
+  if (shape.size() != strides.size())
+    throw InvalidArgument("a tensor view needs one stride per dimension");
+  TensorView t;
+  t.data = data;
+  t.dtype = dtype;
+  t.rank = int(shape.size());
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] < 0) throw InvalidArgument("tensor sizes must be non-negative");
+    t.shape[i] = shape[i];
+    t.strides[i] = strides[i];
+  }
+  t.device = device;
+  return t;
+}
+
+int64_t TensorView::numel() const {
+  int64_t n = 1;
+  for (int d = 0; d < rank; ++d) n *= shape[size_t(d)];
+  return n;
+}
+
+bool TensorView::is_contiguous() const {
+  int64_t expect = 1;
+  for (int d = rank; d-- > 0;) {
+    if (shape[size_t(d)] != 1 && strides[size_t(d)] != expect) return false;
+    expect *= shape[size_t(d)];
+  }
+  return true;
+}
+
+std::string TensorView::describe() const {
+  std::string s = std::string(dtype_name(dtype)) + "[";
+  for (int d = 0; d < rank; ++d) s += (d ? "," : "") + std::to_string(shape[size_t(d)]);
+  s += "] strides [";
+  for (int d = 0; d < rank; ++d) s += (d ? "," : "") + std::to_string(strides[size_t(d)]);
+  return s + "] on " + device.str();
+}
+
+}  // namespace kerf
