@@ -1,0 +1,147 @@
+// The CUDA driver, opened at run time with dlopen("libcuda.so.1"): kerf links
+// no CUDA library, so it loads and works (CPU back end, code generation,
+// NVRTC) on machines without a GPU, and says clearly when one is needed.
+//
+// Contexts: kerf uses each device's primary context (the one the CUDA runtime,
+// PyTorch and CuPy use), so pointers and streams pass freely between them.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kerf/runtime/tensor.h"
+
+namespace kerf::cuda {
+
+// Never throw: whether the driver loaded and initialised, and why not.
+bool driver_available();
+std::string driver_unavailable_reason();  // e.g. "no CUDA driver found (libcuda.so.1: ...)"
+int device_count();                       // 0 when the driver is unavailable
+int driver_version();                     // e.g. 13000; 0 when unavailable
+
+// Throws kerf::NotAvailable with driver_unavailable_reason() when no driver or no device.
+void require_device(int device = 0);
+
+struct DeviceInfo {
+  int index = 0;
+  std::string name;
+  int cc_major = 0, cc_minor = 0;
+  int sm_count = 0;
+  int max_threads_per_block = 0;
+  int max_smem_per_block_optin = 0;  // bytes a block may use after opting in
+  int smem_per_sm = 0;
+  int regs_per_sm = 0;
+  int l2_bytes = 0;
+  int64_t total_mem_bytes = 0;
+  int clock_khz = 0;
+  int mem_clock_khz = 0;
+  int mem_bus_width_bits = 0;
+};
+DeviceInfo device_info(int device);
+
+// The exact architecture NVRTC should compile for: "sm_90a" on Hopper (9.0),
+// "sm_100a" on 10.0, "sm_120a" on 12.0, otherwise "sm_XY".
+std::string arch_name(int cc_major, int cc_minor);
+
+// Makes the device's primary context current on this thread (retaining it once).
+void set_current_device(int device);
+
+using StreamHandle = void*;  // a CUstream; nullptr is the legacy default stream
+
+// A loaded module (cubin or PTX image) and its kernels.
+class Module {
+ public:
+  Module() = default;
+  Module(const void* image, int device);  // cuModuleLoadData on the device's primary context
+  ~Module();
+  Module(Module&& o) noexcept;
+  Module& operator=(Module&& o) noexcept;
+  Module(const Module&) = delete;
+  Module& operator=(const Module&) = delete;
+
+  void* function(const std::string& name) const;  // a CUfunction; throws when missing
+  bool loaded() const { return handle_ != nullptr; }
+
+ private:
+  void* handle_ = nullptr;
+  int device_ = 0;
+};
+
+// Raises the dynamic shared memory limit of `function` to `bytes` (needed above 48 KiB).
+void set_max_dynamic_smem(void* function, int bytes);
+// Registers and spilled bytes of a loaded kernel, for reports.
+struct FunctionAttributes {
+  int num_regs = 0;
+  int local_bytes = 0;
+  int static_smem_bytes = 0;
+  int max_threads_per_block = 0;
+};
+FunctionAttributes function_attributes(void* function);
+
+// cuLaunchKernel. `params` follows the driver's kernelParams convention.
+void launch(void* function, Grid grid, int block_threads, int dynamic_smem_bytes,
+            StreamHandle stream, void** params);
+
+// Device memory owned by this object (cuMemAlloc / cuMemFree).
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(size_t bytes, int device = 0);
+  ~DeviceBuffer();
+  DeviceBuffer(DeviceBuffer&& o) noexcept;
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  void* data() const { return ptr_; }
+  size_t bytes() const { return bytes_; }
+  int device() const { return device_; }
+  void copy_from_host(const void* src, size_t bytes, size_t offset = 0);
+  void copy_to_host(void* dst, size_t bytes, size_t offset = 0) const;
+  void fill_bytes(uint8_t value);  // cuMemsetD8
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+  int device_ = 0;
+};
+
+void memcpy_device_to_device(void* dst, const void* src, size_t bytes, StreamHandle stream);
+void stream_synchronize(StreamHandle stream);
+void device_synchronize(int device);
+
+class Stream {
+ public:
+  explicit Stream(int device = 0);  // a non-blocking stream
+  ~Stream();
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  StreamHandle handle() const { return handle_; }
+  void synchronize() const;
+
+ private:
+  StreamHandle handle_ = nullptr;
+};
+
+class Event {
+ public:
+  Event();
+  ~Event();
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  void record(StreamHandle stream);
+  void synchronize() const;
+  // Milliseconds between two recorded events.
+  static float elapsed_ms(const Event& start, const Event& end);
+
+ private:
+  void* handle_ = nullptr;
+};
+
+// Where a pointer lives: Device::cpu() for host memory the driver does not know,
+// Device::cuda(n) for device (or managed) memory of device n.
+Device pointer_device(const void* ptr);
+
+}  // namespace kerf::cuda
