@@ -29,6 +29,7 @@ class CpuKernel {
   virtual ~CpuKernel() = default;
   virtual Entry entry() const = 0;
   double compile_ms = 0.0;  // IR generation + optimisation + machine code
+  int64_t stack_bytes = 0;  // stack the tiles of one program need (run_grid picks threads by it)
 };
 
 // Compiles a verified Function. Throws kerf::CompileError if LLVM rejects it.
@@ -42,7 +43,7 @@ std::string emit_llvm_ir(const ir::Function& f);
 void run_grid(const CpuKernel& k, Grid grid, const Slot* args);
 
 // Number of worker threads in the pool (hardware concurrency unless
-// KERF_CPU_THREADS is set).
+// KERF_CPU_THREADS is set; 0 when kerf was built without LLVM).
 int thread_count();
 
 }  // namespace kerf::jit::cpu

@@ -1,0 +1,151 @@
+// The device-side helper code every generated kernel includes, embedded as a
+// string so that NVRTC needs no files of kerf's at run time. Everything here
+// is kerf's own: half conversions and tensor-core instructions through inline
+// PTX, vector memory access, guarded integer division, atomics.
+#include "device_library.h"
+
+namespace kerf::jit::cuda {
+
+const char* device_library_source() {
+  return R"KERF(
+// ---- kerf device library (generated kernels include this first)
+namespace kerf_dev {
+
+template <int N> struct Args { unsigned long long s[N]; };
+
+// 16-bit floats are kept as their bits; arithmetic happens in f32.
+__device__ __forceinline__ float bf16_to_f32(unsigned short x) {
+  return __uint_as_float(((unsigned int)x) << 16);
+}
+__device__ __forceinline__ unsigned short f32_to_bf16(float f) {
+#if __CUDA_ARCH__ >= 800
+  unsigned short r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return r;
+#else
+  unsigned int u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (unsigned short)(u >> 16);
+#endif
+}
+__device__ __forceinline__ float f16_to_f32(unsigned short x) {
+  float r;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(x));
+  return r;
+}
+__device__ __forceinline__ unsigned short f32_to_f16(float f) {
+  unsigned short r;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return r;
+}
+
+// Integer division and remainder that never trap: a zero divisor gives 0.
+template <class T> __device__ __forceinline__ T idiv(T a, T b) {
+  if (b == 0) return 0;
+  if (b == -1) return (T)(0 - (unsigned long long)a);
+  return a / b;
+}
+template <class T> __device__ __forceinline__ T irem(T a, T b) {
+  if (b == 0 || b == -1) return 0;
+  return a % b;
+}
+
+// Vector memory access of B bytes.
+template <int B> struct VecBits;
+template <> struct VecBits<1> { typedef unsigned char type; };
+template <> struct VecBits<2> { typedef unsigned short type; };
+template <> struct VecBits<4> { typedef unsigned int type; };
+template <> struct VecBits<8> { typedef uint2 type; };
+template <> struct VecBits<16> { typedef uint4 type; };
+
+template <class T, int W> struct __align__(sizeof(T) * W) Pack { T v[W]; };
+
+template <class T, int W> __device__ __forceinline__ Pack<T, W> ld(const T* p) {
+  typedef typename VecBits<sizeof(T) * W>::type V;
+  Pack<T, W> r;
+  *reinterpret_cast<V*>(&r) = *reinterpret_cast<const V*>(p);
+  return r;
+}
+template <class T, int W> __device__ __forceinline__ void st(T* p, const Pack<T, W>& v) {
+  typedef typename VecBits<sizeof(T) * W>::type V;
+  *reinterpret_cast<V*>(p) = *reinterpret_cast<const V*>(&v);
+}
+
+// Atomics (relaxed, device scope). 16-bit floats use a compare-and-swap loop
+// on the aligned 32-bit word that holds them.
+__device__ __forceinline__ void atomic_add(float* p, float v) { atomicAdd(p, v); }
+__device__ __forceinline__ void atomic_add(double* p, double v) { atomicAdd(p, v); }
+__device__ __forceinline__ void atomic_add(int* p, int v) { atomicAdd(p, v); }
+__device__ __forceinline__ void atomic_add(long long* p, long long v) {
+  atomicAdd(reinterpret_cast<unsigned long long*>(p), (unsigned long long)v);
+}
+template <bool IsBf16>
+__device__ __forceinline__ void atomic_add_16(unsigned short* p, unsigned short v) {
+  unsigned int* word = reinterpret_cast<unsigned int*>((size_t)p & ~(size_t)3);
+  const unsigned int shift = ((size_t)p & 2) ? 16u : 0u;
+  unsigned int old = *word, assumed;
+  const float add = IsBf16 ? bf16_to_f32(v) : f16_to_f32(v);
+  do {
+    assumed = old;
+    const unsigned short cur = (unsigned short)((assumed >> shift) & 0xffffu);
+    const float sum = (IsBf16 ? bf16_to_f32(cur) : f16_to_f32(cur)) + add;
+    const unsigned short nxt = IsBf16 ? f32_to_bf16(sum) : f32_to_f16(sum);
+    const unsigned int repl = (assumed & ~(0xffffu << shift)) | ((unsigned int)nxt << shift);
+    old = atomicCAS(word, assumed, repl);
+  } while (old != assumed);
+}
+
+// Tensor cores: D = A(16x16, row) * B(16x8, col) + C, fp32 accumulation.
+__device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned* a, const unsigned* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ void mma_f16_16816(float* c, const unsigned* a, const unsigned* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Fragments from shared memory (16-byte aligned rows).
+__device__ __forceinline__ void ldmatrix_x4(unsigned* r, const void* smem_row) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(smem_row);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void ldmatrix_x2_trans(unsigned* r, const void* smem_row) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(smem_row);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];"
+               : "=r"(r[0]), "=r"(r[1]) : "r"(a));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const void* smem_row) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(smem_row);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+// Asynchronous global -> shared copies (sm_80+), for software pipelining.
+template <int B>
+__device__ __forceinline__ void cp_async(void* smem, const void* gmem, bool pred) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  const int src_bytes = pred ? B : 0;  // 0: fill with zeros, read nothing
+  if (B == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(s), "l"(gmem), "r"(src_bytes));
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" :: "r"(s), "l"(gmem), "n"(B), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" :: "n"(N));
+}
+
+}  // namespace kerf_dev
+)KERF";
+}
+
+}  // namespace kerf::jit::cuda

@@ -1,0 +1,255 @@
+#include "layout.h"
+
+#include <algorithm>
+
+#include "kerf/error.h"
+
+namespace kerf::jit::cuda {
+namespace {
+
+int log2i(int64_t x) {
+  int n = 0;
+  while ((int64_t(1) << n) < x) ++n;
+  return n;
+}
+
+// Hands out the bits of each dimension from the lowest up.
+class BitPool {
+ public:
+  explicit BitPool(const ir::Shape& shape) {
+    for (int64_t s : shape) {
+      left_.push_back(log2i(s));
+      next_.push_back(1);
+    }
+  }
+  bool has(int d) const { return left_[size_t(d)] > 0; }
+  Basis take(int d) {
+    Basis b{d, next_[size_t(d)]};
+    next_[size_t(d)] *= 2;
+    left_[size_t(d)]--;
+    return b;
+  }
+
+ private:
+  std::vector<int> left_;
+  std::vector<int64_t> next_;
+};
+
+std::string basis_list(const std::vector<Basis>& v) {
+  std::string s;
+  for (const Basis& b : v) {
+    if (!s.empty()) s += ",";
+    s += b.zero() ? "_" : std::to_string(b.dim) + ":" + std::to_string(b.value);
+  }
+  return s;
+}
+
+// Renumbers dimensions after dropping `axis`.
+Basis drop_dim(Basis b, int axis) {
+  if (b.zero()) return b;
+  if (b.dim == axis) return Basis{};
+  if (b.dim > axis) b.dim--;
+  return b;
+}
+
+}  // namespace
+
+int64_t Layout::reg_coord(int r, int d) const {
+  int64_t c = 0;
+  for (size_t i = 0; i < reg.size(); ++i)
+    if ((r >> i) & 1)
+      if (reg[i].dim == d) c += reg[i].value;
+  return c;
+}
+
+uint32_t Layout::replicated_lane_mask() const {
+  uint32_t m = 0;
+  for (size_t i = 0; i < lane.size(); ++i)
+    if (lane[i].zero()) m |= 1u << i;
+  return m;
+}
+
+uint32_t Layout::replicated_warp_mask() const {
+  uint32_t m = 0;
+  for (size_t i = 0; i < warp.size(); ++i)
+    if (warp[i].zero()) m |= 1u << i;
+  return m;
+}
+
+int Layout::contiguous_regs(int dim) const {
+  int n = 1;
+  for (size_t i = 0; i < reg.size(); ++i) {
+    if (reg[i].dim != dim || reg[i].value != n) break;
+    n *= 2;
+  }
+  return n;
+}
+
+std::string Layout::key() const {
+  return ir::shape_string(shape) + "{r:" + basis_list(reg) + " l:" + basis_list(lane) +
+         " w:" + basis_list(warp) + "}";
+}
+
+void Layout::check() const {
+  for (int d = 0; d < rank(); ++d) {
+    int64_t covered = 0;
+    auto add = [&](const Basis& b) {
+      if (b.dim != d) return;
+      if (covered & b.value) throw InternalError("layout " + key() + " covers a bit twice");
+      covered |= b.value;
+    };
+    for (const Basis& b : reg) {
+      if (b.zero()) throw InternalError("layout " + key() + " has a zero register basis");
+      add(b);
+    }
+    for (const Basis& b : lane) add(b);
+    for (const Basis& b : warp) add(b);
+    if (covered != shape[size_t(d)] - 1)
+      throw InternalError("layout " + key() + " does not cover dimension " + std::to_string(d));
+  }
+}
+
+Layout blocked_layout(const ir::Shape& shape, int num_warps, int vec) {
+  Layout l;
+  l.shape = shape;
+  const int r = int(shape.size());
+  const int warp_bits = log2i(num_warps);
+  if (r == 0) {
+    l.lane.assign(5, Basis{});
+    l.warp.assign(size_t(warp_bits), Basis{});
+    return l;
+  }
+  int64_t numel = 1;
+  for (int64_t s : shape) numel *= s;
+  // Spread the tile over the whole CTA before giving a thread several vectors.
+  const int64_t threads = 32 * int64_t(num_warps);
+  int64_t v = std::min<int64_t>(vec, shape[size_t(r - 1)]);
+  while (v > 1 && numel / v < threads) v /= 2;
+  BitPool pool(shape);
+  for (int i = 0; i < log2i(v); ++i) l.reg.push_back(pool.take(r - 1));
+  for (int i = 0; i < 5; ++i) {
+    int d = r - 1;
+    while (d >= 0 && !pool.has(d)) --d;
+    l.lane.push_back(d >= 0 ? pool.take(d) : Basis{});
+  }
+  for (int i = 0; i < warp_bits; ++i) {
+    int d = 0;
+    while (d < r && !pool.has(d)) ++d;
+    l.warp.push_back(d < r ? pool.take(d) : Basis{});
+  }
+  for (int d = r - 1; d >= 0; --d)
+    while (pool.has(d)) l.reg.push_back(pool.take(d));
+  l.check();
+  return l;
+}
+
+void mma_warp_split(const ir::Shape& shape, int num_warps, int* warps_m, int* warps_n) {
+  int wm = 1;
+  while (wm * 2 <= num_warps && int64_t(wm * 2) * 16 <= shape[0]) wm *= 2;
+  int wn = 1;
+  while (wm * wn * 2 <= num_warps && int64_t(wn * 2) * 8 <= shape[1]) wn *= 2;
+  *warps_m = wm;
+  *warps_n = wn;
+}
+
+Layout mma_acc_layout(const ir::Shape& shape, int num_warps, int warps_m, int warps_n) {
+  if (shape.size() != 2 || shape[0] < 16 || shape[1] < 8)
+    throw InternalError("mma accumulator layout needs an [M>=16, N>=8] tile, got " +
+                        ir::shape_string(shape));
+  Layout l;
+  l.shape = shape;
+  BitPool pool(shape);
+  const Basis c1 = pool.take(1), c2 = pool.take(1), c4 = pool.take(1);  // cols 1, 2, 4
+  const Basis r1 = pool.take(0), r2 = pool.take(0), r4 = pool.take(0), r8 = pool.take(0);
+  l.reg = {c1, r8};
+  l.lane = {c2, c4, r1, r2, r4};
+  for (int w = 1; w < warps_m; w *= 2) l.warp.push_back(pool.has(0) ? pool.take(0) : Basis{});
+  for (int w = 1; w < warps_n; w *= 2) l.warp.push_back(pool.has(1) ? pool.take(1) : Basis{});
+  for (int w = warps_m * warps_n; w < num_warps; w *= 2) l.warp.push_back(Basis{});  // copies
+  while (pool.has(1)) l.reg.push_back(pool.take(1));  // n tiles
+  while (pool.has(0)) l.reg.push_back(pool.take(0));  // m tiles
+  l.check();
+  return l;
+}
+
+Derived slice_layout(const Layout& l, int axis) {
+  Derived out;
+  out.layout.shape = l.shape;
+  out.layout.shape.erase(out.layout.shape.begin() + axis);
+  for (size_t i = 0; i < l.reg.size(); ++i) {
+    if (l.reg[i].dim == axis) continue;
+    out.layout.reg.push_back(drop_dim(l.reg[i], axis));
+    out.kept.push_back(int(i));
+  }
+  for (const Basis& b : l.lane) out.layout.lane.push_back(drop_dim(b, axis));
+  for (const Basis& b : l.warp) out.layout.warp.push_back(drop_dim(b, axis));
+  out.layout.check();
+  return out;
+}
+
+Derived squeeze_layout(const Layout& l, int axis) {
+  if (l.shape[size_t(axis)] != 1) throw InternalError("squeeze of a dimension of size > 1");
+  return slice_layout(l, axis);
+}
+
+Derived unbroadcast_layout(const Layout& l, const ir::Shape& x_shape) {
+  Derived out;
+  out.layout.shape = x_shape;
+  auto keep = [&](const Basis& b) {
+    return b.zero() || x_shape[size_t(b.dim)] != 1 ? b : Basis{};
+  };
+  for (size_t i = 0; i < l.reg.size(); ++i) {
+    if (x_shape[size_t(l.reg[i].dim)] == 1) continue;
+    out.layout.reg.push_back(l.reg[i]);
+    out.kept.push_back(int(i));
+  }
+  for (const Basis& b : l.lane) out.layout.lane.push_back(keep(b));
+  for (const Basis& b : l.warp) out.layout.warp.push_back(keep(b));
+  out.layout.check();
+  return out;
+}
+
+Derived transpose_layout(const Layout& l) {
+  Derived out;
+  out.layout.shape = {l.shape[1], l.shape[0]};
+  auto swap = [](Basis b) {
+    if (!b.zero()) b.dim = 1 - b.dim;
+    return b;
+  };
+  for (size_t i = 0; i < l.reg.size(); ++i) {
+    out.layout.reg.push_back(swap(l.reg[i]));
+    out.kept.push_back(int(i));
+  }
+  for (const Basis& b : l.lane) out.layout.lane.push_back(swap(b));
+  for (const Basis& b : l.warp) out.layout.warp.push_back(swap(b));
+  return out;
+}
+
+bool is_identity(const std::vector<int>& kept, int num_reg_bits) {
+  if (int(kept.size()) != num_reg_bits) return false;
+  for (size_t j = 0; j < kept.size(); ++j)
+    if (kept[j] != int(j)) return false;
+  return true;
+}
+
+std::string reg_map_expr(const std::vector<int>& kept, const std::string& r) {
+  if (kept.empty()) return "0";
+  // Group runs of consecutive source bits into one shift-and-mask term.
+  std::string expr;
+  size_t j = 0;
+  while (j < kept.size()) {
+    size_t k = j;
+    while (k + 1 < kept.size() && kept[k + 1] == kept[k] + 1) ++k;
+    const int src = kept[j];
+    const int len = int(k - j + 1);
+    const int dst = int(j);
+    std::string term = "(((" + r + ") >> " + std::to_string(src) + ") & " +
+                       std::to_string((1 << len) - 1) + ")";
+    if (dst) term = "(" + term + " << " + std::to_string(dst) + ")";
+    expr += (expr.empty() ? "" : " | ") + term;
+    j = k + 1;
+  }
+  return "(" + expr + ")";
+}
+
+}  // namespace kerf::jit::cuda

@@ -1,0 +1,87 @@
+// DoRA weight norm (see include/kerf/kernels/kernels.h for the contract).
+//
+// One program owns BLOCK_M rows of W and one of SPLIT_K slices of the
+// in-features. It keeps B's rows [BLOCK_M, R_PAD] in registers, and per
+// BLOCK_K columns forms V = W + s * (B @ A) with a tensor-core dot, squares it
+// and accumulates per element; the row sum is taken once, after the loop.
+#include "kerf/kernels/kernels.h"
+
+namespace kerf::kernels {
+namespace {
+
+using namespace kerf::dsl;
+
+// Sum over this program's columns of (W + s*B@A)^2, for its BLOCK_M rows.
+Value row_sum_of_squares(Builder& k, const Tensor& W, const Tensor& A, const Tensor& B,
+                         const Value& s, const Value& rows) {
+  const int64_t BM = k.meta("BLOCK_M"), BK = k.meta("BLOCK_K"), R = k.meta("R_PAD");
+  const int64_t split = k.meta("SPLIT_K", 1);
+  const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
+  const Value n_out = W.dim(0), n_in = W.dim(1), rank = A.dim(0);
+
+  const Value rk = arange(R);
+  const Value row_ok = rows.col() < n_out;
+  const Value b = load(B, {rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(dot_t);
+
+  // This split's range of columns, in whole blocks.
+  Value lo = literal(int64_t(0)), hi = n_in;
+  if (split > 1) {
+    const Value per_split = cdiv(cdiv(n_in, literal(BK)), num_programs(1)) * BK;
+    lo = program_id(1) * per_split;
+    hi = minimum(n_in, lo + per_split);
+  }
+  const Value acc = for_range(lo, hi, BK, zeros({BM, BK}), [&](const Value& k0, const Value& acc) {
+    const Value cols = k0 + arange(BK);
+    const Value col_ok = cols.row() < n_in;
+    const Value a = load(A, {rk.col(), cols.row()}, (rk.col() < rank) & col_ok).to(dot_t);
+    const Value w = load(W, {rows.col(), cols.row()}, row_ok & col_ok).to(DType::f32);
+    const Value v = w + s * dot(b, a);
+    return acc + v * v;
+  });
+  return sum(acc, 1);
+}
+
+}  // namespace
+
+const dsl::Kernel& dora_norm_fused() {
+  static const Kernel k("dora_norm", [](Builder& k) {
+    const Tensor W = k.tensor("W", 2), A = k.tensor("A", 2), B = k.tensor("B", 2);
+    const Tensor m = k.tensor("m", 1);
+    const Value s = k.scalar("s"), eps = k.scalar("eps");
+    const Tensor norm = k.tensor("norm", 1, DType::f32), scale = k.tensor("scale", 1, DType::f32);
+    const Value rows = program_id(0) * k.meta("BLOCK_M") + arange(k.meta("BLOCK_M"));
+    const Value ok = rows < W.dim(0);
+    const Value n = sqrt(row_sum_of_squares(k, W, A, B, s, rows) + eps);
+    store(norm, {rows}, n, ok);
+    store(scale, {rows}, load(m, {rows}, ok).to(DType::f32) / n, ok);
+  });
+  return k;
+}
+
+const dsl::Kernel& dora_norm_partial() {
+  static const Kernel k("dora_norm_partial", [](Builder& k) {
+    const Tensor W = k.tensor("W", 2), A = k.tensor("A", 2), B = k.tensor("B", 2);
+    const Value s = k.scalar("s");
+    const Tensor sumsq = k.tensor("sumsq", 1, DType::f32);
+    const Value rows = program_id(0) * k.meta("BLOCK_M") + arange(k.meta("BLOCK_M"));
+    atomic_add(sumsq, {rows}, row_sum_of_squares(k, W, A, B, s, rows), rows < W.dim(0));
+  });
+  return k;
+}
+
+const dsl::Kernel& dora_norm_finish() {
+  static const Kernel k("dora_norm_finish", [](Builder& k) {
+    const Tensor sumsq = k.tensor("sumsq", 1, DType::f32), m = k.tensor("m", 1);
+    const Value eps = k.scalar("eps");
+    const Tensor norm = k.tensor("norm", 1, DType::f32), scale = k.tensor("scale", 1, DType::f32);
+    const int64_t BLOCK = k.meta("BLOCK");
+    const Value i = program_id(0) * BLOCK + arange(BLOCK);
+    const Value ok = i < sumsq.dim(0);
+    const Value n = sqrt(load(sumsq, {i}, ok) + eps);
+    store(norm, {i}, n, ok);
+    store(scale, {i}, load(m, {i}, ok).to(DType::f32) / n, ok);
+  });
+  return k;
+}
+
+}  // namespace kerf::kernels

@@ -1,0 +1,39 @@
+// MoE LoRA weight materialization (contract in include/kerf/kernels/kernels.h).
+//
+// One program owns BLOCK_N rows of one expert's weight. It keeps that
+// expert's B rows [BLOCK_N, R_PAD] in registers and walks the K columns in
+// BLOCK_K steps: read W, add s * (B_e @ A_e) from a tensor-core dot, write
+// W_eff. W is read once and W_eff written once.
+#include "kerf/kernels/kernels.h"
+
+namespace kerf::kernels {
+
+using namespace kerf::dsl;
+
+const dsl::Kernel& moe_lora_materialize() {
+  static const Kernel k("moe_lora_materialize", [](Builder& k) {
+    const Tensor W = k.tensor("W", 3), A = k.tensor("A", 3), B = k.tensor("B", 3);
+    const Value s = k.scalar("s");
+    const Tensor out = k.tensor("W_eff", 3);
+    const int64_t BN = k.meta("BLOCK_N"), BK = k.meta("BLOCK_K"), R = k.meta("R_PAD");
+    const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
+    const Value e = program_id(1);
+    const Value n_rows = W.dim(1), n_cols = W.dim(2), rank = A.dim(1);
+
+    const Value rows = program_id(0) * BN + arange(BN);
+    const Value rk = arange(R);
+    const Value row_ok = rows.col() < n_rows;
+    const Value b = load(B, {e, rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(dot_t);
+    for_range(0, n_cols, BK, [&](const Value& k0) {
+      const Value cols = k0 + arange(BK);
+      const Value col_ok = cols.row() < n_cols;
+      const Value a = load(A, {e, rk.col(), cols.row()}, (rk.col() < rank) & col_ok).to(dot_t);
+      const Value ok = row_ok & col_ok;
+      const Value w = load(W, {e, rows.col(), cols.row()}, ok).to(DType::f32);
+      store(out, {e, rows.col(), cols.row()}, (w + s * dot(b, a)).to(out.dtype()), ok);
+    });
+  });
+  return k;
+}
+
+}  // namespace kerf::kernels

@@ -1,0 +1,58 @@
+#include "ops_common.h"
+
+#include <map>
+#include <mutex>
+
+#include "kerf/jit/cpu_backend.h"
+#include "kerf/runtime/cuda.h"
+
+namespace kerf::ops::detail {
+
+std::string shape_str(const TensorView& t) {
+  std::string s = "[";
+  for (int d = 0; d < t.rank; ++d) s += (d ? ", " : "") + std::to_string(t.shape[size_t(d)]);
+  return s + "]";
+}
+
+void expect_shape(const char* op, const char* name, const TensorView& t,
+                  const std::vector<int64_t>& want) {
+  bool ok = t.rank == int(want.size());
+  for (size_t d = 0; ok && d < want.size(); ++d) ok = want[d] < 0 || t.shape[d] == want[d];
+  if (ok) return;
+  std::string w = "[";
+  for (size_t d = 0; d < want.size(); ++d)
+    w += (d ? ", " : "") + (want[d] < 0 ? std::string("*") : std::to_string(want[d]));
+  throw InvalidArgument(std::string(op) + ": " + name + " must have shape " + w + "], got " +
+                        shape_str(t));
+}
+
+void expect_dtype(const char* op, const char* name, const TensorView& t,
+                  const std::vector<DType>& allowed) {
+  for (DType d : allowed)
+    if (t.dtype == d) return;
+  std::string a;
+  for (size_t i = 0; i < allowed.size(); ++i) a += (i ? ", " : "") + std::string(dtype_name(allowed[i]));
+  throw TypeError(std::string(op) + ": " + name + " must be one of {" + a + "}, got " +
+                  dtype_name(t.dtype));
+}
+
+void expect_device(const char* op, const std::vector<std::pair<const char*, const TensorView*>>& ts) {
+  for (const auto& [name, t] : ts)
+    if (t->device != ts[0].second->device)
+      throw InvalidArgument(std::string(op) + ": " + name + " is on " + t->device.str() + " but " +
+                            ts[0].first + " is on " + ts[0].second->device.str());
+}
+
+int parallelism(const Device& dev) {
+  if (!dev.is_cuda()) return jit::cpu::thread_count();
+  static std::mutex mu;
+  static std::map<int, int> sms;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = sms.find(dev.index);
+  if (it != sms.end()) return it->second;
+  const int n = cuda::device_info(dev.index).sm_count;
+  sms[dev.index] = n;
+  return n;
+}
+
+}  // namespace kerf::ops::detail

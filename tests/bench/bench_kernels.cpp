@@ -1,0 +1,293 @@
+// kerf's GPU benchmark for the flagship kernels.
+//
+// For each case: median time of many launches (CUDA events around each launch,
+// after warm-up), inputs drawn at random and rotated over several sets so that
+// L2 does not hold them, the bytes that must move (each input read once, each
+// output written once), and those bytes over the bandwidth of a
+// device-to-device copy of the same number of bytes (read + written), timed in
+// the same run. Results go to stdout as a table and, with --json FILE, as JSON
+// for tools/bench_table.py.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kerf/dtype.h"
+#include "kerf/error.h"
+#include "kerf/ops/ops.h"
+#include "kerf/runtime/cuda.h"
+
+using namespace kerf;
+
+namespace {
+
+struct Result {
+  std::string op, shape, config;
+  double median_us = 0, bytes = 0, gbps = 0, copy_gbps = 0;
+};
+
+// Fills a device buffer with uniform random values of `dtype` in [-1, 1) * amp.
+void fill_random(cuda::DeviceBuffer& buf, DType dtype, size_t n, uint64_t seed, float amp = 1.0f) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> dist(-amp, amp);
+  std::vector<uint8_t> host(n * size_t(dtype_size_bytes(dtype)));
+  for (size_t i = 0; i < n; ++i) {
+    const float v = dist(rng);
+    if (dtype == DType::bf16) {
+      const uint16_t h = float_to_bf16(v);
+      std::memcpy(&host[i * 2], &h, 2);
+    } else if (dtype == DType::f16) {
+      const uint16_t h = float_to_f16(v);
+      std::memcpy(&host[i * 2], &h, 2);
+    } else {
+      std::memcpy(&host[i * 4], &v, 4);
+    }
+  }
+  buf.copy_from_host(host.data(), host.size());
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Median microseconds of `iters` launches of `run(i)` (i selects the input set).
+double time_us(const std::function<void(int)>& run, int iters, cuda::StreamHandle stream) {
+  for (int i = 0; i < 5; ++i) run(i);
+  cuda::stream_synchronize(stream);
+  std::vector<cuda::Event> start(static_cast<size_t>(iters)), stop(static_cast<size_t>(iters));
+  for (int i = 0; i < iters; ++i) {
+    start[size_t(i)].record(stream);
+    run(i);
+    stop[size_t(i)].record(stream);
+  }
+  cuda::stream_synchronize(stream);
+  std::vector<double> t;
+  for (int i = 0; i < iters; ++i) t.push_back(1000.0 * cuda::Event::elapsed_ms(start[size_t(i)], stop[size_t(i)]));
+  return median(t);
+}
+
+// GB/s of a device-to-device copy that moves `bytes` (half read, half written).
+double copy_gbps(double bytes, cuda::StreamHandle stream) {
+  const size_t half = size_t(bytes / 2);
+  const int sets = int(std::max<double>(2, std::ceil(400e6 / bytes)));
+  std::vector<cuda::DeviceBuffer> src, dst;
+  for (int i = 0; i < sets; ++i) {
+    src.emplace_back(half);
+    dst.emplace_back(half);
+    src.back().fill_bytes(uint8_t(i + 1));
+  }
+  const double us = time_us(
+      [&](int i) { cuda::memcpy_device_to_device(dst[size_t(i % sets)].data(), src[size_t(i % sets)].data(), half, stream); },
+      200, stream);
+  return bytes / (us * 1e3);
+}
+
+std::string shape_str(std::initializer_list<int64_t> dims) {
+  std::string s;
+  for (int64_t d : dims) s += (s.empty() ? "" : "x") + std::to_string(d);
+  return s;
+}
+
+// Input sets of one benchmark case, allocated and filled once.
+struct DoraSets {
+  int64_t out, in, r;
+  DType wt;
+  double bytes;
+  struct Set {
+    cuda::DeviceBuffer W, A, B, m, norm, scale;
+  };
+  std::vector<Set> sets;
+};
+
+DoraSets make_dora(int64_t out, int64_t in, int64_t r, DType wt) {
+  DoraSets d{out, in, r, wt, double(out * in + r * in + out * r) * dtype_size_bytes(wt) + double(out) * 4 * 3, {}};
+  const int n = int(std::max<double>(2, std::ceil(300e6 / d.bytes)));
+  d.sets.resize(size_t(n));
+  for (int i = 0; i < n; ++i) {
+    auto& x = d.sets[size_t(i)];
+    x.W = cuda::DeviceBuffer(size_t(out * in) * dtype_size_bytes(wt));
+    x.A = cuda::DeviceBuffer(size_t(r * in) * dtype_size_bytes(wt));
+    x.B = cuda::DeviceBuffer(size_t(out * r) * dtype_size_bytes(wt));
+    x.m = cuda::DeviceBuffer(size_t(out) * 4);
+    x.norm = cuda::DeviceBuffer(size_t(out) * 4);
+    x.scale = cuda::DeviceBuffer(size_t(out) * 4);
+    fill_random(x.W, wt, size_t(out * in), 11 + i);
+    fill_random(x.A, wt, size_t(r * in), 23 + i, 0.1f);
+    fill_random(x.B, wt, size_t(out * r), 37 + i, 0.1f);
+    fill_random(x.m, DType::f32, size_t(out), 41 + i);
+  }
+  return d;
+}
+
+Result bench_dora(DoraSets& d, const ops::Config& cfg, cuda::StreamHandle stream) {
+  const Device dev = Device::cuda(0);
+  const int64_t out = d.out, in = d.in, r = d.r;
+  const DType wt = d.wt;
+  auto run = [&](int i) {
+    auto& x = d.sets[size_t(i) % d.sets.size()];
+    ops::dora_norm(TensorView::contiguous(x.W.data(), wt, {out, in}, dev),
+                   TensorView::contiguous(x.A.data(), wt, {r, in}, dev),
+                   TensorView::contiguous(x.B.data(), wt, {out, r}, dev),
+                   TensorView::contiguous(x.m.data(), DType::f32, {out}, dev), 2.0,
+                   TensorView::contiguous(x.norm.data(), DType::f32, {out}, dev),
+                   TensorView::contiguous(x.scale.data(), DType::f32, {out}, dev), 0.0, stream, cfg);
+  };
+  Result res;
+  res.op = "dora_norm r=" + std::to_string(r);
+  res.shape = shape_str({out, in});
+  res.config = "bm" + std::to_string(cfg.block_m) + " bk" + std::to_string(cfg.block_k) + " split" +
+               std::to_string(cfg.split_k) + " w" + std::to_string(cfg.num_warps) + " s" +
+               std::to_string(cfg.num_stages);
+  res.median_us = time_us(run, 100, stream);
+  res.bytes = d.bytes;
+  res.gbps = d.bytes / (res.median_us * 1e3);
+  return res;
+}
+
+struct MoeSets {
+  int64_t E, N, K, r;
+  DType wt;
+  double bytes;
+  struct Set {
+    cuda::DeviceBuffer W, A, B, out;
+  };
+  std::vector<Set> sets;
+};
+
+MoeSets make_moe(int64_t E, int64_t N, int64_t K, int64_t r, DType wt) {
+  MoeSets d{E, N, K, r, wt, double(2 * E * N * K + E * r * K + E * N * r) * dtype_size_bytes(wt), {}};
+  const int n = int(std::max<double>(2, std::ceil(300e6 / d.bytes)));
+  d.sets.resize(size_t(n));
+  for (int i = 0; i < n; ++i) {
+    auto& x = d.sets[size_t(i)];
+    x.W = cuda::DeviceBuffer(size_t(E * N * K) * dtype_size_bytes(wt));
+    x.out = cuda::DeviceBuffer(size_t(E * N * K) * dtype_size_bytes(wt));
+    x.A = cuda::DeviceBuffer(size_t(E * r * K) * dtype_size_bytes(wt));
+    x.B = cuda::DeviceBuffer(size_t(E * N * r) * dtype_size_bytes(wt));
+    fill_random(x.W, wt, size_t(E * N * K), 5 + i);
+    fill_random(x.A, wt, size_t(E * r * K), 7 + i, 0.1f);
+    fill_random(x.B, wt, size_t(E * N * r), 9 + i, 0.1f);
+  }
+  return d;
+}
+
+Result bench_moe(MoeSets& d, const ops::Config& cfg, cuda::StreamHandle stream) {
+  const Device dev = Device::cuda(0);
+  const int64_t E = d.E, N = d.N, K = d.K, r = d.r;
+  const DType wt = d.wt;
+  auto run = [&](int i) {
+    auto& x = d.sets[size_t(i) % d.sets.size()];
+    ops::moe_lora_materialize(TensorView::contiguous(x.W.data(), wt, {E, N, K}, dev),
+                              TensorView::contiguous(x.A.data(), wt, {E, r, K}, dev),
+                              TensorView::contiguous(x.B.data(), wt, {E, N, r}, dev), 0.5,
+                              TensorView::contiguous(x.out.data(), wt, {E, N, K}, dev), stream, cfg);
+  };
+  Result res;
+  res.op = "moe_materialize r=" + std::to_string(r);
+  res.shape = shape_str({E, N, K});
+  res.config = "bn" + std::to_string(cfg.block_m) + " bk" + std::to_string(cfg.block_k) + " w" +
+               std::to_string(cfg.num_warps) + " s" + std::to_string(cfg.num_stages);
+  res.median_us = time_us(run, 50, stream);
+  res.bytes = d.bytes;
+  res.gbps = d.bytes / (res.median_us * 1e3);
+  return res;
+}
+
+// The best of a few configurations (kerf's autotuner lands separately; this
+// sweep is labelled as such in the output).
+template <class F>
+Result best_of(const std::vector<ops::Config>& configs, F run_one) {
+  Result best;
+  for (const ops::Config& c : configs) {
+    try {
+      Result r = run_one(c);
+      if (best.median_us == 0 || r.median_us < best.median_us) best = r;
+    } catch (const kerf::Error& e) {
+      std::fprintf(stderr, "  config skipped: %s\n", e.what());
+    }
+  }
+  return best;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string json_path;
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json_path = argv[++i];
+    if (!std::strcmp(argv[i], "--quick")) quick = true;
+  }
+  try {
+    cuda::require_device(0);
+    const cuda::DeviceInfo info = cuda::device_info(0);
+    std::printf("device: %s (%s, %d SMs)\n", info.name.c_str(),
+                cuda::arch_name(info.cc_major, info.cc_minor).c_str(), info.sm_count);
+    cuda::set_current_device(0);
+    cuda::Stream stream(0);
+    std::vector<Result> results;
+
+    std::vector<ops::Config> dora_cfgs;
+    for (int64_t bm : {64, 128})
+      for (int64_t bk : {64, 128})
+        for (int64_t warps : {4, 8})
+          for (int64_t stages : {2, 3}) dora_cfgs.push_back(ops::Config{bm, bk, 0, warps, stages});
+    if (quick) dora_cfgs = {ops::Config{64, 64, 0, 8, 3}, ops::Config{128, 64, 0, 8, 3}, ops::Config{64, 128, 0, 4, 3}};
+    const std::vector<std::pair<int64_t, int64_t>> dora_shapes = {
+        {4096, 4096}, {8192, 8192}, {14336, 4096}, {4096, 14336}};
+    for (int64_t r : {16, 32, 64}) {
+      for (auto [o, i] : dora_shapes) {
+        DoraSets sets = make_dora(o, i, r, DType::bf16);
+        Result res = best_of(dora_cfgs, [&](const ops::Config& c) { return bench_dora(sets, c, stream.handle()); });
+        res.copy_gbps = copy_gbps(res.bytes, stream.handle());
+        std::printf("%-22s %-12s %9.1f us %8.0f GB/s  copy %6.0f GB/s  %5.1f%%  [%s]\n", res.op.c_str(),
+                    res.shape.c_str(), res.median_us, res.gbps, res.copy_gbps, 100 * res.gbps / res.copy_gbps,
+                    res.config.c_str());
+        std::fflush(stdout);
+        results.push_back(res);
+      }
+    }
+    std::vector<ops::Config> moe_cfgs;
+    for (int64_t bn : {32, 64, 128})
+      for (int64_t bk : {64, 128})
+        for (int64_t warps : {4, 8})
+          for (int64_t stages : {2, 3}) moe_cfgs.push_back(ops::Config{bn, bk, 0, warps, stages});
+    if (quick) moe_cfgs = {ops::Config{64, 64, 0, 8, 3}, ops::Config{32, 128, 0, 4, 3}, ops::Config{64, 128, 0, 4, 2}};
+    struct MoeCase {
+      int64_t E, N, K, r;
+    };
+    for (const MoeCase& c : {MoeCase{128, 1536, 2048, 16}, MoeCase{128, 2048, 768, 16}, MoeCase{64, 2816, 2048, 64}}) {
+      MoeSets sets = make_moe(c.E, c.N, c.K, c.r, DType::bf16);
+      Result res = best_of(moe_cfgs, [&](const ops::Config& cfg) { return bench_moe(sets, cfg, stream.handle()); });
+      res.copy_gbps = copy_gbps(res.bytes, stream.handle());
+      std::printf("%-22s %-12s %9.1f us %8.0f GB/s  copy %6.0f GB/s  %5.1f%%  [%s]\n", res.op.c_str(),
+                  res.shape.c_str(), res.median_us, res.gbps, res.copy_gbps, 100 * res.gbps / res.copy_gbps,
+                  res.config.c_str());
+      std::fflush(stdout);
+      results.push_back(res);
+    }
+    if (!json_path.empty()) {
+      std::ofstream js(json_path);
+      js << "{\"device\": \"" << info.name << "\", \"results\": [\n";
+      for (size_t i = 0; i < results.size(); ++i) {
+        const Result& r = results[i];
+        js << "  {\"impl\": \"kerf\", \"op\": \"" << r.op << "\", \"shape\": \"" << r.shape << "\", \"config\": \""
+           << r.config << "\", \"median_us\": " << r.median_us << ", \"bytes\": " << r.bytes
+           << ", \"gbps\": " << r.gbps << ", \"copy_gbps\": " << r.copy_gbps << "}"
+           << (i + 1 < results.size() ? "," : "") << "\n";
+      }
+      js << "]}\n";
+    }
+  } catch (const kerf::Error& e) {
+    std::fprintf(stderr, "kerf_bench: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,189 @@
+"""Reference timings for kerf's benchmark: PyTorch eager and Triton versions of
+the same math, on the same shapes, timed the same way (CUDA events around each
+launch, medians, random inputs rotated over several sets, bytes over a
+same-size device copy measured in this run). Writes JSON for bench_table.py.
+
+    python3 tests/bench/reference_bench.py --json out.json
+"""
+import argparse
+import json
+import math
+import statistics
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # Triton is optional
+    triton = None
+
+
+def median_us(fn, sets, iters=100):
+    for i in range(5):
+        fn(sets[i % len(sets)])
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    stops = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        starts[i].record()
+        fn(sets[i % len(sets)])
+        stops[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(1000.0 * s.elapsed_time(e) for s, e in zip(starts, stops))
+
+
+def copy_gbps(nbytes):
+    half = int(nbytes // 2)
+    nsets = max(2, math.ceil(400e6 / nbytes))
+    pairs = [(torch.empty(half, dtype=torch.uint8, device="cuda").random_(),
+              torch.empty(half, dtype=torch.uint8, device="cuda")) for _ in range(nsets)]
+    us = median_us(lambda p: p[1].copy_(p[0]), pairs, 200)
+    return nbytes / (us * 1e3)
+
+
+if triton is not None:
+
+    @triton.jit
+    def dora_norm_tiled(W, A, B, M, S, NORM, SCALE, n_out, n_in, rank, s,
+                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, R_PAD: tl.constexpr):
+        # norm[i] = || W[i,:] + s * B[i,:] @ A ||, one program per BLOCK_M rows, tl.dot on tiles.
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, R_PAD)
+        b = tl.load(B + rows[:, None] * rank + rk[None, :],
+                    mask=(rows[:, None] < n_out) & (rk[None, :] < rank), other=0.0)
+        acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, n_in, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(A + rk[:, None] * n_in + cols[None, :],
+                        mask=(rk[:, None] < rank) & (cols[None, :] < n_in), other=0.0)
+            w = tl.load(W + rows[:, None] * n_in + cols[None, :],
+                        mask=(rows[:, None] < n_out) & (cols[None, :] < n_in), other=0.0)
+            v = w.to(tl.float32) + s * tl.dot(b, a)
+            acc += v * v
+        n = tl.sqrt(tl.sum(acc, axis=1))
+        ok = rows < n_out
+        tl.store(NORM + rows, n, mask=ok)
+        tl.store(SCALE + rows, tl.load(M + rows, mask=ok, other=1.0) / n, mask=ok)
+
+    @triton.jit
+    def moe_materialize_tiled(W, A, B, OUT, N, K, rank, s,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, R_PAD: tl.constexpr):
+        # OUT[e] = W[e] + s * B[e] @ A[e]; one program per (BLOCK_N rows, expert).
+        e = tl.program_id(1)
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, R_PAD)
+        b = tl.load(B + e * N * rank + rows[:, None] * rank + rk[None, :],
+                    mask=(rows[:, None] < N) & (rk[None, :] < rank), other=0.0)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(A + e * rank * K + rk[:, None] * K + cols[None, :],
+                        mask=(rk[:, None] < rank) & (cols[None, :] < K), other=0.0)
+            ok = (rows[:, None] < N) & (cols[None, :] < K)
+            off = e * N * K + rows[:, None] * K + cols[None, :]
+            w = tl.load(W + off, mask=ok, other=0.0)
+            tl.store(OUT + off, (w.to(tl.float32) + s * tl.dot(b, a)).to(w.dtype), mask=ok)
+
+
+def best_triton(run_with_config, configs, sets):
+    best = None
+    for cfg in configs:
+        try:
+            us = median_us(lambda x: run_with_config(x, cfg), sets)
+        except Exception:  # a config that does not fit this GPU
+            continue
+        if best is None or us < best[0]:
+            best = (us, cfg)
+    return best
+
+
+def bench_dora(out, inn, r, results):
+    dt = torch.bfloat16
+    nbytes = (out * inn + r * inn + out * r) * 2 + out * 4 * 3
+    nsets = max(2, math.ceil(300e6 / nbytes))
+    sets = []
+    for _ in range(nsets):
+        sets.append(dict(W=torch.randn(out, inn, device="cuda", dtype=dt),
+                         A=0.1 * torch.randn(r, inn, device="cuda", dtype=dt),
+                         B=0.1 * torch.randn(out, r, device="cuda", dtype=dt),
+                         m=torch.rand(out, device="cuda") + 0.5,
+                         norm=torch.empty(out, device="cuda"),
+                         scale=torch.empty(out, device="cuda")))
+    s = 2.0
+    shape = f"{out}x{inn}"
+    op = f"dora_norm r={r}"
+    cg = copy_gbps(nbytes)
+
+    def eager(x):
+        n = torch.linalg.norm(x["W"] + s * (x["B"] @ x["A"]), dim=1)
+        return x["m"] / n.float()
+
+    us = median_us(eager, sets)
+    results.append(dict(impl="torch eager", op=op, shape=shape, median_us=us, bytes=nbytes,
+                        gbps=nbytes / (us * 1e3), copy_gbps=cg))
+    if triton is not None:
+        def run(x, cfg):
+            bm, bk, warps = cfg
+            dora_norm_tiled[(triton.cdiv(out, bm),)](
+                x["W"], x["A"], x["B"], x["m"], None, x["norm"], x["scale"], out, inn, r, s,
+                BLOCK_M=bm, BLOCK_K=bk, R_PAD=max(16, triton.next_power_of_2(r)), num_warps=warps)
+        best = best_triton(run, [(bm, bk, w) for bm in (32, 64, 128) for bk in (64, 128)
+                                 for w in (4, 8)], sets)
+        if best:
+            results.append(dict(impl="triton tl.dot", op=op, shape=shape, median_us=best[0],
+                                bytes=nbytes, gbps=nbytes / (best[0] * 1e3), copy_gbps=cg,
+                                config=str(best[1])))
+
+
+def bench_moe(E, N, K, r, results):
+    dt = torch.bfloat16
+    nbytes = (2 * E * N * K + E * r * K + E * N * r) * 2
+    nsets = max(2, math.ceil(300e6 / nbytes))
+    sets = []
+    for _ in range(nsets):
+        sets.append(dict(W=torch.randn(E, N, K, device="cuda", dtype=dt),
+                         A=0.1 * torch.randn(E, r, K, device="cuda", dtype=dt),
+                         B=0.1 * torch.randn(E, N, r, device="cuda", dtype=dt),
+                         out=torch.empty(E, N, K, device="cuda", dtype=dt)))
+    s = 0.5
+    shape = f"{E}x{N}x{K}"
+    op = f"moe_materialize r={r}"
+    cg = copy_gbps(nbytes)
+    us = median_us(lambda x: torch.baddbmm(x["W"], x["B"], x["A"], alpha=s, out=x["out"]), sets, 50)
+    results.append(dict(impl="torch eager", op=op, shape=shape, median_us=us, bytes=nbytes,
+                        gbps=nbytes / (us * 1e3), copy_gbps=cg))
+    if triton is not None:
+        def run(x, cfg):
+            bn, bk, warps = cfg
+            moe_materialize_tiled[(triton.cdiv(N, bn), E)](
+                x["W"], x["A"], x["B"], x["out"], N, K, r, s,
+                BLOCK_N=bn, BLOCK_K=bk, R_PAD=max(16, triton.next_power_of_2(r)), num_warps=warps)
+        best = best_triton(run, [(bn, bk, w) for bn in (32, 64, 128) for bk in (64, 128)
+                                 for w in (4, 8)], sets)
+        if best:
+            results.append(dict(impl="triton tl.dot", op=op, shape=shape, median_us=best[0],
+                                bytes=nbytes, gbps=nbytes / (best[0] * 1e3), copy_gbps=cg,
+                                config=str(best[1])))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", required=True)
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args()
+    results = []
+    shapes = [(4096, 4096), (8192, 8192), (14336, 4096), (4096, 14336)]
+    for r in (16, 32, 64):
+        for out, inn in shapes:
+            bench_dora(out, inn, r, results)
+            print(results[-1], flush=True)
+    for E, N, K, r in [(128, 1536, 2048, 16), (128, 2048, 768, 16), (64, 2816, 2048, 64)]:
+        bench_moe(E, N, K, r, results)
+        print(results[-1], flush=True)
+    with open(args.json, "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                       triton=getattr(triton, "__version__", None), results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

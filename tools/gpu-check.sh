@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# kerf's GPU check, for a machine with an NVIDIA GPU: builds kerf, runs the
+# [gpu] tests, runs them again under compute-sanitizer (memcheck), runs the
+# benchmarks (kerf, then PyTorch eager and Triton where installed), and prints
+# a short summary table last. Logs and JSON go to $OUT (default build-gpu/out).
+#
+#   tools/gpu-check.sh                     # everything
+#   tools/gpu-check.sh --stages test,bench # a subset: build is implied
+#   tools/gpu-check.sh --quick             # fewer benchmark configurations
+#
+# Debian packages the machine lacks (xxHash headers, Catch2 v2) may be put as
+# .deb files in .deps/ (see README); they are unpacked into a private prefix.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+stages="test,sanitize,bench"
+quick=""
+test_filter="[gpu]"
+while (($#)); do
+  case "$1" in
+    --stages) stages="$2"; shift 2 ;;
+    --quick) quick="--quick"; shift ;;
+    --filter) test_filter="$2"; shift 2 ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+done
+build=${KERF_GPU_BUILD_DIR:-$root/build-gpu}
+final=${OUT:-$build/out}
+out="$build/logs"   # everything lands here; $final gets the summary, table and one archive
+mkdir -p "$out" "$final"
+summary=()
+status=0
+note() { summary+=("$1"); }
+
+prefix=/tmp/kerf-deps
+if compgen -G ".deps/*.deb" >/dev/null; then
+  mkdir -p "$prefix"
+  for f in .deps/*.deb; do dpkg -x "$f" "$prefix"; done
+  export PKG_CONFIG_PATH="$prefix/usr/lib/x86_64-linux-gnu/pkgconfig:$prefix/usr/share/pkgconfig:${PKG_CONFIG_PATH:-}"
+  if [[ ! -f /usr/include/xxhash.h ]]; then export PKG_CONFIG_SYSROOT_DIR="$prefix"; fi
+  export LD_LIBRARY_PATH="$prefix/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+fi
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv \
+  > "$out/device.txt" 2>&1 || true
+device=$(sed -n 2p "$out/device.txt" | cut -d, -f1)
+
+echo "== build"
+t0=$SECONDS
+if ! cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKERF_BUILD_PYTHON=OFF \
+      -DCMAKE_PREFIX_PATH="$prefix/usr" > "$out/configure.log" 2>&1; then
+  tail -30 "$out/configure.log"; echo "configure failed"; exit 1
+fi
+grep -E "kerf:" "$out/configure.log"
+if ! cmake --build "$build" -j "$(nproc)" --target kerf_tests kerf_bench > "$out/build.log" 2>&1; then
+  grep -E "error|Error" "$out/build.log" | head -40; echo "build failed"; exit 1
+fi
+note "build: ok ($((SECONDS - t0)) s)"
+
+if [[ ,$stages, == *,test,* ]]; then
+  echo "== [gpu] tests"
+  t0=$SECONDS
+  "$build/tests/kerf_tests" "$test_filter" -r compact > "$out/gpu-tests.log" 2>&1
+  rc=$?
+  tail -5 "$out/gpu-tests.log"
+  grep -E "failed|FAILED" "$out/gpu-tests.log" | head -40
+  note "[gpu] tests: $(tail -1 "$out/gpu-tests.log") (exit $rc, $((SECONDS - t0)) s)"
+  ((rc)) && status=1
+fi
+
+if [[ ,$stages, == *,sanitize,* ]]; then
+  echo "== compute-sanitizer memcheck"
+  t0=$SECONDS
+  # Tests that provoke driver errors on purpose are left out of the memory check.
+  compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
+    "$build/tests/kerf_tests" "$test_filter~[provokes-errors]" -r compact > "$out/sanitizer.log" 2>&1
+  rc=$?
+  grep -E "ERROR SUMMARY|Invalid|out of bounds" "$out/sanitizer.log" | head -20
+  note "memcheck: $(grep -E 'ERROR SUMMARY' "$out/sanitizer.log" | tail -1) (exit $rc, $((SECONDS - t0)) s)"
+  ((rc)) && status=1
+fi
+
+if [[ ,$stages, == *,bench,* ]]; then
+  echo "== benchmarks"
+  t0=$SECONDS
+  "$build/tests/bench/kerf_bench" $quick --json "$out/kerf-bench.json" 2>&1 | tee "$out/kerf-bench.log"
+  if python3 -c "import torch" 2>/dev/null; then
+    PYTHONUNBUFFERED=1 python3 tests/bench/reference_bench.py $quick --json "$out/reference-bench.json" \
+      > "$out/reference-bench.log" 2>&1 || tail -5 "$out/reference-bench.log"
+  fi
+  python3 tools/bench_table.py "$out/kerf-bench.json" "$out/reference-bench.json" > "$out/bench-table.md"
+  note "benchmarks: $((SECONDS - t0)) s"
+fi
+
+{
+  echo "== summary ($device, $(date -u +%Y-%m-%d))"
+  for s in "${summary[@]}"; do echo "  $s"; done
+  [[ -f "$out/bench-table.md" && ,$stages, == *,bench,* ]] && cat "$out/bench-table.md"
+} > "$out/summary.txt"
+cp "$out/summary.txt" "$final/"
+[[ -f "$out/kerf-bench.json" ]] && cp "$out"/*bench*.json "$final/" 2>/dev/null
+tar -czf "$final/logs.tar.gz" -C "$out" . 2>/dev/null
+echo
+cat "$out/summary.txt"
+exit $status
