@@ -1,9 +1,9 @@
 // MoE LoRA weight materialization (contract in include/kerf/kernels/kernels.h).
 //
 // One program owns BLOCK_N rows of one expert's weight. It keeps that
-// expert's B rows [BLOCK_N, R_PAD] in registers and walks the K columns in
-// BLOCK_K steps: read W, add s * (B_e @ A_e) from a tensor-core dot, write
-// W_eff. W is read once and W_eff written once.
+// expert's s*B rows [BLOCK_N, R_PAD] in registers and walks the K columns in
+// BLOCK_K steps: read W, let a tensor-core dot add (s*B_e) @ A_e to it in
+// fp32, round once, write W_eff. W is read once and W_eff written once.
 #include "kerf/kernels/kernels.h"
 
 namespace kerf::kernels {
@@ -23,14 +23,14 @@ const dsl::Kernel& moe_lora_materialize() {
     const Value rows = program_id(0) * BN + arange(BN);
     const Value rk = arange(R);
     const Value row_ok = rows.col() < n_rows;
-    const Value b = load(B, {e, rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(dot_t);
+    const Value bs = (load(B, {e, rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(DType::f32) * s).to(dot_t);
     for_range(0, n_cols, BK, [&](const Value& k0) {
       const Value cols = k0 + arange(BK);
       const Value col_ok = cols.row() < n_cols;
       const Value a = load(A, {e, rk.col(), cols.row()}, (rk.col() < rank) & col_ok).to(dot_t);
       const Value ok = row_ok & col_ok;
       const Value w = load(W, {e, rows.col(), cols.row()}, ok).to(DType::f32);
-      store(out, {e, rows.col(), cols.row()}, (w + s * dot(b, a)).to(out.dtype()), ok);
+      store(out, {e, rows.col(), cols.row()}, dot(bs, a, w).to(out.dtype()), ok);  // W + s*B@A
     });
   });
   return k;

@@ -1060,7 +1060,12 @@ class Codegen {
     const Layout& L = layouts_[size_t(l)];
     std::vector<Tile> idx;
     for (int d = 0; d < p.rank; ++d) idx.push_back(get(op.operands[size_t(d)], l));
-    const Tile val = get(value, l);
+    // A value whose math lives in another layout (a dot's accumulator) is
+    // finished there, and only the stored elements move through shared memory.
+    const int pv = pref_[size_t(value)];
+    const Tile val = (pv >= 0 && pv != l && acc_layouts_.count(pv))
+                         ? convert_tile(value, get(value, pv), pv, l)
+                         : get(value, l);
     Tile mask;
     if (op.attrs.has_mask) mask = get(op.operands[size_t(p.rank) + 1], l);
     const int w = atomic ? 1 : vector_width(op, l);
@@ -1153,13 +1158,26 @@ class Codegen {
       const int64_t MT = M / (16 * wm), NT = N / (8 * wn);
       const std::string mma = ta.dtype == DType::bf16 ? "kerf_dev::mma_bf16_16816" : "kerf_dev::mma_f16_16816";
       line(lv, "const int wm = warp & " + S(wm - 1) + ", wn = (warp >> " + S(log2i(wm)) + ") & " + S(wn - 1) + ";");
+      // A's fragments: loaded once where A is defined when the dot sits in a
+      // loop that A does not depend on (e.g. B's rows in DoRA).
+      const int la = level_of_[size_t(a)];
+      const auto frag_key = std::make_pair(a, int64_t(wm) << 32 | int64_t(wn));
+      std::string af = afrags_.count(frag_key) ? afrags_[frag_key] : "";
+      if (af.empty()) {
+        af = fresh("afrag");
+        const std::string base = la < lv ? "reinterpret_cast<const " + at + "*>(kerf_smem + (" + sa.offset + "))" : "sa";
+        const std::string wmx = "(warp & " + S(wm - 1) + ")";
+        line(la, "unsigned " + af + "[" + S(K / 16) + "][" + S(MT) + "][4];  // A fragments of %" + S(a));
+        line(la, "#pragma unroll");
+        line(la, "for (int ki = 0; ki < " + S(K / 16) + "; ++ki)");
+        line(la, "  #pragma unroll");
+        line(la, "  for (int mi = 0; mi < " + S(MT) + "; ++mi)");
+        line(la, "    kerf_dev::ldmatrix_x4(" + af + "[ki][mi], " + base + " + (" + wmx + " * 16 + mi * " + S(16 * wm) +
+                     " + (lane & 15)) * " + S(sa.pitch) + " + ki * 16 + (lane >> 4) * 8);");
+        if (la < lv) afrags_[frag_key] = af;
+      }
       line(lv, "#pragma unroll");
       line(lv, "for (int ki = 0; ki < " + S(K / 16) + "; ++ki) {");
-      line(lv, "  unsigned af[" + S(MT) + "][4];");
-      line(lv, "  #pragma unroll");
-      line(lv, "  for (int mi = 0; mi < " + S(MT) + "; ++mi)");
-      line(lv, "    kerf_dev::ldmatrix_x4(af[mi], sa + (wm * 16 + mi * " + S(16 * wm) + " + (lane & 15)) * " +
-                   S(sa.pitch) + " + ki * 16 + (lane >> 4) * 8);");
       line(lv, "  #pragma unroll");
       line(lv, "  for (int ni = 0; ni < " + S(NT) + "; ++ni) {");
       line(lv, "    unsigned bf[2];");
@@ -1167,7 +1185,7 @@ class Codegen {
                    " + wn * 8 + ni * " + S(8 * wn) + ");");
       line(lv, "    #pragma unroll");
       line(lv, "    for (int mi = 0; mi < " + S(MT) + "; ++mi) " + mma + "(&" + name + "[(ni << 2) | (mi << " +
-                   S(2 + log2i(NT)) + ")], af[mi], bf);");
+                   S(2 + log2i(NT)) + ")], " + af + "[ki][mi], bf);");
       line(lv, "  }");
       line(lv, "}");
     } else {
@@ -1299,9 +1317,9 @@ class Codegen {
       const int lv = depth() - 1;
       switch (op.kind) {
         case OpKind::Load:
-          // Loads keep their place relative to stores.
+          // Loads keep their place relative to stores (pipelined ones were issued ahead).
           if (type(op.results[0]).is_scalar()) scalar(op.results[0]);
-          else get(op.results[0], home_layout(op.results[0]));
+          else if (!async_.count(op.results[0])) get(op.results[0], home_layout(op.results[0]));
           break;
         case OpKind::Store:
         case OpKind::AtomicAdd: emit_store(op, lv); break;
@@ -1428,6 +1446,8 @@ class Codegen {
       it2 = level_of_[size_t(it2->first)] > lv ? staged_.erase(it2) : std::next(it2);
     for (auto it2 = reduced_.begin(); it2 != reduced_.end();)
       it2 = level_of_[size_t(it2->first)] > lv ? reduced_.erase(it2) : std::next(it2);
+    for (auto it2 = afrags_.begin(); it2 != afrags_.end();)
+      it2 = level_of_[size_t(it2->first.first)] > lv ? afrags_.erase(it2) : std::next(it2);
     line(lv, "if (" + step + " > 0)");
     line(lv, "for (int " + iv + " = " + lo + "; " + iv + " < " + hi + "; " + iv + " += " + step + ") {");
     frame(lv).code += body_code;
@@ -1463,6 +1483,7 @@ class Codegen {
   std::map<ValueId, int> home_;
   std::map<ValueId, Staged> staged_;
   std::map<ValueId, std::string> reduced_;
+  std::map<std::pair<ValueId, int64_t>, std::string> afrags_;  // (A, warp split) -> fragments
   std::set<std::string> pointers_;
   std::string pointer_lines_;
   int counter_ = 0;
