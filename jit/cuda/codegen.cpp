@@ -903,8 +903,21 @@ class Codegen {
                     ptr + " + off : " + ptr + ", ok);");
     line(inner, "}");
     const std::string code = close_frame(inner, replaced);
-    scalars_ = saved_scalars;
-    scalar_level_ = saved_levels;
+    // Scalars the block computed for its iteration go; outer ones it emitted stay.
+    for (auto it = scalar_level_.begin(); it != scalar_level_.end();) {
+      if (it->second >= inner) {
+        scalars_.erase(it->first);
+        it = scalar_level_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    for (const auto& [v, lvl] : saved_levels)
+      if (lvl >= inner) {
+        scalars_[v] = saved_scalars.at(v);
+        scalar_level_[v] = lvl;
+      }
+    scalars_[iv] = saved_scalars.count(iv) ? saved_scalars.at(iv) : "v" + S(iv);
     line(target, "{  // prefetch @" + p.name + " for iteration " + iv_value);
     line(target, "  const int v" + S(iv) + " = " + iv_value + ";");
     frame(target).code += code;

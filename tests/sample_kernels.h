@@ -1,0 +1,91 @@
+// DSL kernels that exercise the language, shared by tests that run them (CPU,
+// GPU) and by the test that compiles every generated kernel with NVRTC.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "kerf/dsl/dsl.h"
+#include "kerf/kernels/kernels.h"
+
+namespace kerf::test {
+
+using namespace kerf::dsl;
+
+// out[i] = x[i] + y[i]
+inline const Kernel& vec_add_kernel() {
+  static const Kernel k("vec_add", [](Builder& b) {
+    auto x = b.tensor("x", 1), y = b.tensor("y", 1), out = b.tensor("out", 1);
+    const int64_t B = b.meta("BLOCK");
+    auto i = program_id(0) * B + arange(B);
+    auto m = i < x.dim(0);
+    store(out, {i}, load(x, {i}, m) + load(y, {i}, m), m);
+  });
+  return k;
+}
+
+// out = softmax(x) along rows, computed in f32; one program per BM rows.
+inline const Kernel& softmax_kernel() {
+  static const Kernel k("row_softmax", [](Builder& b) {
+    auto x = b.tensor("x", 2), out = b.tensor("out", 2);
+    const int64_t BM = b.meta("BM"), BN = b.meta("BN");
+    auto rows = program_id(0) * BM + arange(BM);
+    auto cols = arange(BN);
+    auto m = (rows.col() < x.dim(0)) & (cols.row() < x.dim(1));
+    auto v = where(m, load(x, {rows.col(), cols.row()}, m).to(DType::f32), -1e30);
+    auto e = exp(v - max(v, 1).col());
+    store(out, {rows.col(), cols.row()}, (e / sum(e, 1).col()).to(out.dtype()), m);
+  });
+  return k;
+}
+
+// C = A @ B with a K loop carrying the accumulator.
+inline const Kernel& matmul_kernel() {
+  static const Kernel k("matmul", [](Builder& b) {
+    auto A = b.tensor("A", 2), B = b.tensor("B", 2), C = b.tensor("C", 2);
+    const int64_t BM = b.meta("BM"), BN = b.meta("BN"), BK = b.meta("BK");
+    auto rm = program_id(0) * BM + arange(BM);
+    auto rn = program_id(1) * BN + arange(BN);
+    auto acc = for_range(0, A.dim(1), BK, zeros({BM, BN}), [&](const Value& k0, const Value& acc) {
+      auto rk = k0 + arange(BK);
+      auto a = load(A, {rm.col(), rk.row()}, (rm.col() < A.dim(0)) & (rk.row() < A.dim(1)));
+      auto bb = load(B, {rk.col(), rn.row()}, (rk.col() < B.dim(0)) & (rn.row() < B.dim(1)));
+      return dot(a, bb, acc);
+    });
+    store(C, {rm.col(), rn.row()}, acc.to(C.dtype()), (rm.col() < C.dim(0)) & (rn.row() < C.dim(1)));
+  });
+  return k;
+}
+
+// out[j] += sum over this program's rows of x[i, j]: many programs add into one output.
+inline const Kernel& column_sum_atomic_kernel() {
+  static const Kernel k("column_sum_atomic", [](Builder& b) {
+    auto x = b.tensor("x", 2), out = b.tensor("out", 1);
+    const int64_t BM = b.meta("BM"), BN = b.meta("BN");
+    auto rows = program_id(0) * BM + arange(BM);
+    auto cols = program_id(1) * BN + arange(BN);
+    auto m = (rows.col() < x.dim(0)) & (cols.row() < x.dim(1));
+    atomic_add(out, {cols}, sum(load(x, {rows.col(), cols.row()}, m), 0), cols < x.dim(1));
+  });
+  return k;
+}
+
+// A grab bag of elementwise ops, casts and selects over one tile.
+inline const Kernel& elementwise_kernel() {
+  static const Kernel k("elementwise_mix", [](Builder& b) {
+    auto x = b.tensor("x", 1), y = b.tensor("y", 1), out = b.tensor("out", 1), iout = b.tensor("iout", 1);
+    const int64_t B = b.meta("BLOCK");
+    auto i = program_id(0) * B + arange(B);
+    auto m = i < x.dim(0);
+    auto a = load(x, {i}, m, 1.0).to(DType::f32);
+    auto c = load(y, {i}, m, 2.0).to(DType::f32);
+    auto r = maximum(sqrt(abs(a)) + rsqrt(abs(c) + 1.0f), exp(minimum(a, c))) - log(abs(c) + 1.0f);
+    r = where(a > c, r, -r);
+    store(out, {i}, r.to(out.dtype()), m);
+    auto ii = i.to(DType::i64) * 3 / 2 % 7 - (i >> 1) + (i & 5);
+    store(iout, {i}, where(m, ii.to(DType::i32), 0).to(iout.dtype()), m);
+  });
+  return k;
+}
+
+}  // namespace kerf::test

@@ -1,0 +1,120 @@
+// Every kernel of the suite and of kernels_src/ is generated as CUDA C++ and
+// compiled by NVRTC for sm_80 and sm_90a, on any machine (NVRTC needs no GPU).
+#include <string>
+#include <vector>
+
+#include "catch.h"
+#include "gpu_test_util.h"
+#include "kerf/jit/cuda_codegen.h"
+#include "kerf/jit/nvrtc.h"
+#include "kerf/kernels/kernels.h"
+#include "sample_kernels.h"
+
+using namespace kerf;
+using namespace kerf::dsl;
+
+namespace {
+
+ir::TensorFacts fast_facts(int rank) {
+  ir::TensorFacts f;
+  f.contiguous_last = true;
+  f.aligned16 = true;
+  f.dims_div16 = (1u << rank) - 1;
+  f.strides_div16 = (1u << (rank - 1)) - 1;
+  return f;
+}
+
+ArgSpec t(DType d, int rank, bool fast = true) {
+  return ArgSpec::tensor(d, rank, fast ? fast_facts(rank) : ir::TensorFacts{});
+}
+
+struct Case {
+  const Kernel* kernel;
+  std::vector<ArgSpec> args;
+  MetaMap meta;
+  std::string what;
+};
+
+std::vector<Case> all_cases() {
+  std::vector<Case> cases;
+  for (DType d : {DType::f32, DType::bf16, DType::f16})
+    for (bool fast : {true, false}) {
+      cases.push_back({&test::vec_add_kernel(), {t(d, 1, fast), t(d, 1, fast), t(d, 1, fast)}, {{"BLOCK", 1024}},
+                       "vec_add"});
+      cases.push_back({&test::softmax_kernel(), {t(d, 2, fast), t(d, 2, fast)}, {{"BM", 4}, {"BN", 256}}, "softmax"});
+      cases.push_back({&test::matmul_kernel(), {t(d, 2, fast), t(d, 2, fast), t(d, 2, fast)},
+                       {{"BM", 64}, {"BN", 64}, {"BK", 32}, {"num_stages", fast ? 3 : 1}}, "matmul"});
+      cases.push_back({&test::column_sum_atomic_kernel(), {t(d, 2, fast), t(d, 1, fast)}, {{"BM", 16}, {"BN", 64}},
+                       "column_sum_atomic"});
+      cases.push_back({&test::elementwise_kernel(),
+                       {t(d, 1, fast), t(d, 1, fast), t(d, 1, fast), t(DType::i64, 1, fast)},
+                       {{"BLOCK", 256}},
+                       "elementwise"});
+    }
+  // The kernel library, in each dtype it supports, pipelined and not.
+  for (DType w : {DType::bf16, DType::f16, DType::f32}) {
+    const DType dot = is_half(w) ? w : DType::f32;
+    for (int64_t stages : {1, 3}) {
+      const MetaMap dora = {{"BLOCK_M", 64}, {"BLOCK_K", 64}, {"R_PAD", 16}, {"DOT", int64_t(dot)}, {"num_stages", stages}};
+      cases.push_back({&kernels::dora_norm_fused(),
+                       {t(w, 2), t(w, 2), t(w, 2), t(DType::f32, 1), ArgSpec::scalar(), ArgSpec::scalar(),
+                        t(DType::f32, 1), t(DType::f32, 1)},
+                       dora, "dora_norm_fused"});
+      MetaMap partial = dora;
+      partial["SPLIT_K"] = 4;
+      cases.push_back({&kernels::dora_norm_partial(),
+                       {t(w, 2), t(DType::f32, 2), t(DType::f32, 2), ArgSpec::scalar(), t(DType::f32, 1)}, partial,
+                       "dora_norm_partial"});
+      cases.push_back({&kernels::moe_lora_materialize(),
+                       {t(w, 3), t(w, 3), ArgSpec::tensor(w, 3), ArgSpec::scalar(), t(w, 3)},
+                       {{"BLOCK_N", 64}, {"BLOCK_K", 128}, {"R_PAD", 32}, {"DOT", int64_t(dot)}, {"num_stages", stages}},
+                       "moe_lora_materialize"});
+    }
+  }
+  cases.push_back({&kernels::dora_norm_finish(),
+                   {t(DType::f32, 1), t(DType::bf16, 1), ArgSpec::scalar(), t(DType::f32, 1), t(DType::f32, 1)},
+                   {{"BLOCK", 1024}}, "dora_norm_finish"});
+  cases.push_back({&kernels::fill(), {t(DType::f32, 1), ArgSpec::scalar()}, {{"BLOCK", 1024}}, "fill"});
+  return cases;
+}
+
+}  // namespace
+
+TEST_CASE("every sample and library kernel compiles with NVRTC for sm_80 and sm_90a", "[cuda][codegen]") {
+  KERF_REQUIRE_NVRTC();
+  for (const Case& c : all_cases()) {
+    const ir::Function fn = c.kernel->trace(c.args, c.meta);
+    for (const char* arch : {"sm_80", "sm_90a"}) {
+      INFO(c.what << " for " << arch << "\n" << ir::print(fn));
+      const jit::cuda::KernelCode code = jit::cuda::generate(fn, arch);
+      CHECK(code.source.find("extern \"C\" __global__") != std::string::npos);
+      nvrtc::Output out;
+      REQUIRE_NOTHROW(out = nvrtc::compile(code.source, code.entry + ".cu", arch));
+      CHECK(out.is_cubin);
+      CHECK(out.image.size() > 4);
+    }
+  }
+}
+
+TEST_CASE("bf16 dots use tensor cores and pipelined loops use cp.async", "[cuda][codegen]") {
+  const ir::Function fn = test::matmul_kernel().trace(
+      {t(DType::bf16, 2), t(DType::bf16, 2), t(DType::bf16, 2)}, {{"BM", 64}, {"BN", 64}, {"BK", 32}, {"num_stages", 3}});
+  const std::string src = jit::cuda::generate(fn, "sm_90a").source;
+  CHECK(src.find("kerf_dev::mma_bf16_16816(") != std::string::npos);
+  CHECK(src.find("kerf_dev::cp_async<16>(") != std::string::npos);
+  // Without alignment facts the loads fall back to scalar accesses (and are not pipelined).
+  const ir::Function slow = test::matmul_kernel().trace(
+      {t(DType::bf16, 2, false), t(DType::bf16, 2, false), t(DType::bf16, 2, false)},
+      {{"BM", 64}, {"BN", 64}, {"BK", 32}, {"num_stages", 3}});
+  const std::string slow_src = jit::cuda::generate(slow, "sm_90a").source;
+  CHECK(slow_src.find("cp_async<") == std::string::npos);
+  CHECK(slow_src.find("1-wide") != std::string::npos);
+}
+
+TEST_CASE("fp32 dots use fp32 FMA, not tensor cores", "[cuda][codegen]") {
+  const ir::Function fn = test::matmul_kernel().trace(
+      {t(DType::f32, 2), t(DType::f32, 2), t(DType::f32, 2)}, {{"BM", 32}, {"BN", 32}, {"BK", 16}});
+  const std::string src = jit::cuda::generate(fn, "sm_90a").source;
+  CHECK(src.find("kerf_dev::mma_bf16_16816(&") == std::string::npos);
+  CHECK(src.find("fmaf(") != std::string::npos);
+}
