@@ -240,8 +240,8 @@ Access make_access(Builder::Impl& s, const char* opname, const Tensor& t,
   return a;
 }
 
-void store_like(OpKind k, const char* opname, const Tensor& t, const std::vector<Value>& idx,
-                const Value& value, const Value& mask) {
+Value store_like(OpKind k, const char* opname, const Tensor& t, const std::vector<Value>& idx,
+                 const Value& value, const Value& mask, bool acq_rel) {
   Builder::Impl& s = t.builder().impl();
   s.check_usable(value, opname);
   const std::string& tname = s.fn.params[size_t(t.param())].name;
@@ -255,13 +255,19 @@ void store_like(OpKind k, const char* opname, const Tensor& t, const std::vector
   Value v = to_shape(s, value, a.shape, opname);
   ir::Operation op(k);
   op.attrs.param = t.param();
+  op.attrs.acq_rel = acq_rel;
   for (const Value& i : a.idx) op.operands.push_back(i.id());
   op.operands.push_back(v.id());
   if (a.mask.valid()) {
     op.operands.push_back(a.mask.id());
     op.attrs.has_mask = true;
   }
-  s.emit(std::move(op), nullptr);
+  if (k == OpKind::Store) {
+    s.emit(std::move(op), nullptr);
+    return Value();
+  }
+  const Type rt{t.dtype(), a.shape};
+  return make(s, std::move(op), rt);
 }
 
 Value scalar_i32(Builder::Impl& s, const Value& v, const char* opname, const char* what) {
@@ -590,12 +596,12 @@ Value load(const Tensor& t, const std::vector<Value>& idx, const Value& mask, do
 }
 
 void store(const Tensor& t, const std::vector<Value>& idx, const Value& value, const Value& mask) {
-  store_like(OpKind::Store, "store", t, idx, value, mask);
+  store_like(OpKind::Store, "store", t, idx, value, mask, false);
 }
 
-void atomic_add(const Tensor& t, const std::vector<Value>& idx, const Value& value,
-                const Value& mask) {
-  store_like(OpKind::AtomicAdd, "atomic_add", t, idx, value, mask);
+Value atomic_add(const Tensor& t, const std::vector<Value>& idx, const Value& value, const Value& mask,
+                 MemoryOrder order) {
+  return store_like(OpKind::AtomicAdd, "atomic_add", t, idx, value, mask, order == MemoryOrder::acq_rel);
 }
 
 Value IntArg::value() const {

@@ -61,6 +61,32 @@ const dsl::Kernel& dora_norm_fused() {
   return k;
 }
 
+const dsl::Kernel& dora_norm_split() {
+  static const Kernel k("dora_norm_split", [](Builder& k) {
+    const Tensor W = k.tensor("W", 2), A = k.tensor("A", 2), B = k.tensor("B", 2);
+    const Tensor m = k.tensor("m", 1);
+    const Value s = k.scalar("s"), eps = k.scalar("eps");
+    const Tensor norm = k.tensor("norm", 1, DType::f32), scale = k.tensor("scale", 1, DType::f32);
+    const Tensor sumsq = k.tensor("sumsq", 1, DType::f32), tickets = k.tensor("tickets", 1, DType::i32);
+    const Value block = program_id(0);
+    const Value rows = block * k.meta("BLOCK_M") + arange(k.meta("BLOCK_M"));
+    const Value ok = rows < W.dim(0);
+    atomic_add(sumsq, {rows}, row_sum_of_squares(k, W, A, B, s, rows), ok);
+    // The split that arrives last for this row block sees every partial sum.
+    const Value ticket = atomic_add(tickets, {block}, literal(int64_t(1)), Value(), MemoryOrder::acq_rel);
+    const Value last = ticket == num_programs(1) - 1;
+    const Value mine = ok & last;
+    const Value total = atomic_add(sumsq, {rows}, zeros({k.meta("BLOCK_M")}), mine);  // a coherent read
+    const Value n = sqrt(total + eps);
+    store(norm, {rows}, n, mine);
+    store(scale, {rows}, load(m, {rows}, mine).to(DType::f32) / n, mine);
+    // Leave the workspace as it was found: zero.
+    store(sumsq, {rows}, zeros({k.meta("BLOCK_M")}), mine);
+    store(tickets, {block}, literal(int64_t(0)), last);
+  });
+  return k;
+}
+
 const dsl::Kernel& dora_norm_partial() {
   static const Kernel k("dora_norm_partial", [](Builder& k) {
     const Tensor W = k.tensor("W", 2), A = k.tensor("A", 2), B = k.tensor("B", 2);

@@ -2,6 +2,7 @@
 
 #include <map>
 #include <mutex>
+#include <vector>
 
 #include "kerf/jit/cpu_backend.h"
 #include "kerf/runtime/cuda.h"
@@ -41,6 +42,26 @@ void expect_device(const char* op, const std::vector<std::pair<const char*, cons
     if (t->device != ts[0].second->device)
       throw InvalidArgument(std::string(op) + ": " + name + " is on " + t->device.str() + " but " +
                             ts[0].first + " is on " + ts[0].second->device.str());
+}
+
+void* workspace(const Device& dev, void* stream, size_t bytes) {
+  if (!dev.is_cuda()) {
+    // CPU calls are synchronous, so one buffer per thread is never shared.
+    thread_local std::vector<uint64_t> host;
+    if (host.size() * 8 < bytes) host.assign((bytes + 7) / 8, 0);
+    return host.data();
+  }
+  static std::mutex mu;
+  static std::map<std::pair<int, void*>, cuda::DeviceBuffer> buffers;
+  std::lock_guard<std::mutex> lock(mu);
+  cuda::DeviceBuffer& buf = buffers[{dev.index, stream}];
+  if (buf.bytes() < bytes) {
+    // Kernels queued on this stream may still use the old buffer.
+    if (buf.bytes()) cuda::stream_synchronize(stream);
+    buf = cuda::DeviceBuffer(std::max<size_t>(bytes, 1 << 16), dev.index);
+    buf.fill_bytes(0);
+  }
+  return buf.data();
 }
 
 int parallelism(const Device& dev) {

@@ -32,4 +32,9 @@ void expect_device(const char* op, const std::vector<std::pair<const char*, cons
 // Multiprocessors of the tensors' device (the number of CPU threads on the CPU).
 int parallelism(const Device& dev);
 
+// Scratch memory for kernels that accumulate across programs: at least `bytes`,
+// zero, on `dev`, private to `stream` (to the calling thread on the CPU).
+// Kernels using it must leave it zero when they finish.
+void* workspace(const Device& dev, void* stream, size_t bytes);
+
 }  // namespace kerf::ops::detail

@@ -43,8 +43,8 @@ void dora_norm(const TensorView& W, const TensorView& A, const TensorView& B, co
   const int64_t blocks_m = cdiv(out, bm);
   int64_t split = config.split_k;
   if (split == 0) {
-    // Enough programs to fill the device twice over, in whole BLOCK_K steps.
-    const int64_t target = 2 * int64_t(parallelism(W.device));
+    // Enough programs for several per multiprocessor, in whole BLOCK_K steps.
+    const int64_t target = 3 * int64_t(parallelism(W.device));
     split = std::clamp<int64_t>(cdiv(target, blocks_m), 1, std::max<int64_t>(1, cdiv(in, bk)));
   }
   dsl::MetaMap meta = {{"BLOCK_M", bm}, {"BLOCK_K", bk}, {"R_PAD", r_pad},
@@ -57,14 +57,15 @@ void dora_norm(const TensorView& W, const TensorView& A, const TensorView& B, co
            stream);
     return;
   }
-  // Partial sums of squares accumulate in `norm`, then become the norm in place.
-  launch(kernels::fill(), {norm, Scalar(0.0)}, Grid{uint32_t(cdiv(out, 1024)), 1, 1}, {{"BLOCK", 1024}},
-         stream);
+  // One launch: the splits add partial sums into a zeroed workspace and the
+  // last split of each row block finishes it (and zeroes it again).
   meta["SPLIT_K"] = split;
-  launch(kernels::dora_norm_partial(), {W, A, B, Scalar(s), norm}, Grid{uint32_t(blocks_m), uint32_t(split), 1},
-         meta, stream);
-  launch(kernels::dora_norm_finish(), {norm, m, Scalar(eps), norm, scale},
-         Grid{uint32_t(cdiv(out, 1024)), 1, 1}, {{"BLOCK", 1024}}, stream);
+  const int64_t ws_floats = (out + 3) / 4 * 4;
+  float* ws = static_cast<float*>(workspace(W.device, stream, size_t(ws_floats + blocks_m) * 4));
+  const TensorView sumsq = TensorView::contiguous(ws, DType::f32, {out}, W.device);
+  const TensorView tickets = TensorView::contiguous(ws + ws_floats, DType::i32, {blocks_m}, W.device);
+  launch(kernels::dora_norm_split(), {W, A, B, m, Scalar(s), Scalar(eps), norm, scale, sumsq, tickets},
+         Grid{uint32_t(blocks_m), uint32_t(split), 1}, meta, stream);
 }
 
 }  // namespace kerf::ops

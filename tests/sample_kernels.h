@@ -88,4 +88,21 @@ inline const Kernel& elementwise_kernel() {
   return k;
 }
 
+// Each program takes a ticket (old counter value, acquire-release) and records
+// it; then adds its values into x and records the old values of x.
+inline const Kernel& ticket_kernel() {
+  static const Kernel k("ticket", [](Builder& b) {
+    auto counter = b.tensor("counter", 1), tickets = b.tensor("tickets", 1);
+    auto x = b.tensor("x", 1), old = b.tensor("old", 1);
+    const int64_t B = b.meta("BLOCK");
+    auto pid = program_id(0);
+    auto t = atomic_add(counter, {literal(int64_t(0))}, literal(int64_t(1)), Value(), MemoryOrder::acq_rel);
+    store(tickets, {pid}, t);
+    auto i = pid * B + arange(B);
+    auto m = i < x.dim(0);
+    store(old, {i}, atomic_add(x, {i}, broadcast_to(literal(1.0), {B}), m), m);
+  });
+  return k;
+}
+
 }  // namespace kerf::test

@@ -60,6 +60,10 @@ std::vector<Case> all_cases() {
                        {t(w, 2), t(w, 2), t(w, 2), t(DType::f32, 1), ArgSpec::scalar(), ArgSpec::scalar(),
                         t(DType::f32, 1), t(DType::f32, 1)},
                        dora, "dora_norm_fused"});
+      cases.push_back({&kernels::dora_norm_split(),
+                       {t(w, 2), t(w, 2), t(w, 2), t(DType::f32, 1), ArgSpec::scalar(), ArgSpec::scalar(),
+                        t(DType::f32, 1), t(DType::f32, 1), t(DType::f32, 1), t(DType::i32, 1)},
+                       dora, "dora_norm_split"});
       MetaMap partial = dora;
       partial["SPLIT_K"] = 4;
       cases.push_back({&kernels::dora_norm_partial(),
@@ -75,6 +79,8 @@ std::vector<Case> all_cases() {
                    {t(DType::f32, 1), t(DType::bf16, 1), ArgSpec::scalar(), t(DType::f32, 1), t(DType::f32, 1)},
                    {{"BLOCK", 1024}}, "dora_norm_finish"});
   cases.push_back({&kernels::fill(), {t(DType::f32, 1), ArgSpec::scalar()}, {{"BLOCK", 1024}}, "fill"});
+  cases.push_back({&test::ticket_kernel(), {t(DType::i32, 1), t(DType::i32, 1), t(DType::f32, 1), t(DType::f32, 1)},
+                   {{"BLOCK", 64}}, "ticket"});
   return cases;
 }
 

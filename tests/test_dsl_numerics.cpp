@@ -137,6 +137,43 @@ void elementwise(Device dev, DType d, int64_t n, uint64_t seed) {
   CHECK(test::max_relative_error(got, ref, 20.0) <= test::tolerance(d));
 }
 
+// Atomics return old values: tickets are a permutation of 0..P-1 and the old
+// values of x are what x held.
+void tickets(Device dev, int64_t n, uint64_t seed) {
+  CAPTURE(dev.str(), n, seed);
+  std::mt19937_64 rng(seed);
+  const int64_t programs = (n + 63) / 64;
+  TestTensor counter(DType::i32, {1}, dev), tick(DType::i32, {programs}, dev);
+  TestTensor x(DType::f32, {n}, dev), old(DType::f32, {n}, dev);
+  counter.set(0, 0);
+  counter.upload();
+  tick.poison();
+  x.randomize(rng);
+  std::vector<double> x0;
+  for (int64_t i = 0; i < n; ++i) x0.push_back(x.get(i));
+  old.poison();
+  launch(test::ticket_kernel(), {counter.view(), tick.view(), x.view(), old.view()}, Grid{uint32_t(programs)},
+         {{"BLOCK", 64}});
+  sync(dev);
+  counter.download();
+  tick.download();
+  x.download();
+  old.download();
+  CHECK(int64_t(counter.get(0)) == programs);
+  std::vector<int> seen(size_t(programs), 0);
+  for (int64_t p = 0; p < programs; ++p) {
+    const int64_t t = int64_t(tick.get(p));
+    REQUIRE(t >= 0);
+    REQUIRE(t < programs);
+    seen[size_t(t)]++;
+  }
+  for (int s : seen) CHECK(s == 1);
+  for (int64_t i = 0; i < n; ++i) {
+    CHECK(old.get(i) == x0[size_t(i)]);
+    CHECK(x.get(i) == double(float(x0[size_t(i)] + 1.0)));
+  }
+}
+
 void run_all(Device dev) {
   uint64_t seed = 2024;
   for (DType d : {DType::f32, DType::bf16, DType::f16})
@@ -154,6 +191,8 @@ void run_all(Device dev) {
   column_sums(dev, 300, 100, seed++);
   column_sums(dev, 1000, 64, seed++);
   for (DType d : {DType::f32, DType::bf16}) elementwise(dev, d, 1000, seed++);
+  tickets(dev, 1000, seed++);
+  tickets(dev, 64 * 300, seed++);
 }
 
 }  // namespace

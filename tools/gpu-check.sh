@@ -64,7 +64,7 @@ if [[ ,$stages, == *,test,* ]]; then
   rc=$?
   tail -5 "$out/gpu-tests.log"
   grep -E "failed|FAILED" "$out/gpu-tests.log" | head -40
-  note "[gpu] tests: $(tail -1 "$out/gpu-tests.log") (exit $rc, $((SECONDS - t0)) s)"
+  note "[gpu] tests: $(grep -E 'Passed all|test cases' "$out/gpu-tests.log" | tail -1) (exit $rc, $((SECONDS - t0)) s)"
   ((rc)) && status=1
 fi
 
@@ -76,7 +76,7 @@ if [[ ,$stages, == *,sanitize,* ]]; then
     "$build/tests/kerf_tests" "$test_filter~[provokes-errors]" -r compact > "$out/sanitizer.log" 2>&1
   rc=$?
   grep -E "ERROR SUMMARY|Invalid|out of bounds" "$out/sanitizer.log" | head -20
-  note "memcheck: $(grep -E 'ERROR SUMMARY' "$out/sanitizer.log" | tail -1) (exit $rc, $((SECONDS - t0)) s)"
+  note "memcheck: $(grep -E 'Passed all|test cases' "$out/sanitizer.log" | tail -1); $(grep -E 'ERROR SUMMARY' "$out/sanitizer.log" | tail -1) (exit $rc, $((SECONDS - t0)) s)"
   ((rc)) && status=1
 fi
 

@@ -463,23 +463,23 @@ class KernelEmitter {
     return phi;
   }
 
-  void atomic_add(DType t, llvm::Value* ptr, llvm::Value* value) {
+  // Returns the old value (in register form).
+  llvm::Value* atomic_add(DType t, llvm::Value* ptr, llvm::Value* value, bool acq_rel) {
     const llvm::Align align(uint64_t(dtype_size_bytes(t)));
-    const auto relaxed = llvm::AtomicOrdering::Monotonic;
+    const auto relaxed = acq_rel ? llvm::AtomicOrdering::AcquireRelease : llvm::AtomicOrdering::Monotonic;
+    const auto load_order = acq_rel ? llvm::AtomicOrdering::Acquire : llvm::AtomicOrdering::Monotonic;
     switch (t) {
       case DType::f32:
       case DType::f64:
-        b_.CreateAtomicRMW(llvm::AtomicRMWInst::FAdd, ptr, value, align, relaxed);
-        return;
+        return b_.CreateAtomicRMW(llvm::AtomicRMWInst::FAdd, ptr, value, align, relaxed);
       case DType::i32:
       case DType::i64:
-        b_.CreateAtomicRMW(llvm::AtomicRMWInst::Add, ptr, value, align, relaxed);
-        return;
+        return b_.CreateAtomicRMW(llvm::AtomicRMWInst::Add, ptr, value, align, relaxed);
       case DType::f16:
       case DType::bf16: {
         // No 16-bit float atomics: add in f32, round, and publish with compare-exchange.
         llvm::LoadInst* first = b_.CreateAlignedLoad(b_.getInt16Ty(), ptr, align);
-        first->setAtomic(relaxed);
+        first->setAtomic(load_order);
         llvm::BasicBlock* entry = b_.GetInsertBlock();
         llvm::BasicBlock* retry = llvm::BasicBlock::Create(ctx_, "atomic.cas", fn_);
         llvm::BasicBlock* done = llvm::BasicBlock::Create(ctx_, "atomic.done", fn_);
@@ -489,15 +489,16 @@ class KernelEmitter {
         old_bits->addIncoming(first, entry);
         llvm::Value* sum = ops_.binary(OpKind::Add, t, ops_.to_register(t, old_bits), value);
         llvm::Value* pair =
-            b_.CreateAtomicCmpXchg(ptr, old_bits, ops_.to_memory(t, sum), align, relaxed, relaxed);
+            b_.CreateAtomicCmpXchg(ptr, old_bits, ops_.to_memory(t, sum), align, relaxed, load_order);
         old_bits->addIncoming(b_.CreateExtractValue(pair, 0), b_.GetInsertBlock());
         b_.CreateCondBr(b_.CreateExtractValue(pair, 1), done, retry);
         b_.SetInsertPoint(done);
-        return;
+        return ops_.to_register(t, old_bits);
       }
       case DType::i1:
         break;  // refused by emit_store_like
     }
+    return nullptr;
   }
 
   // Store and AtomicAdd: one loop nest over the access shape.
@@ -511,18 +512,36 @@ class KernelEmitter {
       throw CompileError(
           "kernel '" + f_.name + "': atomic_add on the i1 tensor @" + p.name + " is not supported",
           "", "");
-    for_each_index(type(value).shape, [&](const Index& idx) {
+    // The old values of an atomic, when the kernel uses them (0 where masked off).
+    const ValueId old = op.results.empty() || plan_.uses[size_t(op.results[0])] == 0 ? -1 : op.results[0];
+    const Shape& shape = type(value).shape;
+    llvm::Value* old_array = nullptr;
+    if (old >= 0) {
+      old_array = new_array(t, std::max<int64_t>(1, type(old).numel()), "atomic.old");
+      for_each_index(shape, [&](const Index& idx) {
+        b_.CreateStore(ops_.zero(t), array_element(old_array, t, shape, idx));
+      });
+    }
+    for_each_index(shape, [&](const Index& idx) {
       llvm::Value* ptr = element_address(op, idx);
       llvm::Value* v = elem(value, idx);
       llvm::Value* m = mask >= 0 ? elem(mask, idx) : nullptr;
       guarded(m, op.kind == OpKind::Store ? "masked.store" : "masked.atomic", [&] {
-        if (op.kind == OpKind::Store)
+        if (op.kind == OpKind::Store) {
           b_.CreateAlignedStore(ops_.to_memory(t, v), ptr,
                                 llvm::Align(uint64_t(dtype_size_bytes(t))));
-        else
-          atomic_add(t, ptr, v);
+          return;
+        }
+        llvm::Value* prev = atomic_add(t, ptr, v, op.attrs.acq_rel);
+        if (old_array) b_.CreateStore(prev, array_element(old_array, t, shape, idx));
       });
     });
+    if (old_array) {
+      if (shape.empty())
+        scalar_[size_t(old)] = b_.CreateLoad(ops_.register_type(t), old_array);
+      else
+        array_[size_t(old)] = old_array;
+    }
   }
 
   // ------------------------------------------------------------ ops that fill arrays

@@ -139,6 +139,7 @@ class Planner {
         const bool reused = plan_.uses[ri] > 1 || u.nested;
         switch (op.kind) {
           case OpKind::For:
+          case OpKind::AtomicAdd:  // the old values come from memory as the op runs
           case OpKind::Dot:
           case OpKind::ReduceSum:
           case OpKind::ReduceMax:

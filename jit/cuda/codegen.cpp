@@ -136,6 +136,7 @@ class Codegen {
 
   KernelCode run() {
     axis_ = ir::analyze_axis_info(f_);
+    uses_ = ir::count_uses(f_);
     def_op_.assign(f_.types.size(), nullptr);
     level_of_.assign(f_.types.size(), 0);
     pref_.assign(f_.types.size(), -1);
@@ -630,6 +631,10 @@ class Codegen {
       case OpKind::Load:
         if (async_.count(v)) return from_async(v, l);
         return from_home(v, l);
+      case OpKind::AtomicAdd: {
+        const int h = home_.at(v);  // set when the atomic was emitted, in program order
+        return convert_tile(v, *find_memo(std::make_pair(v, h)), h, l);
+      }
       case OpKind::Dot:
       case OpKind::ReduceSum:
       case OpKind::ReduceMax:
@@ -1059,14 +1064,40 @@ class Codegen {
     const std::string ptr = pointer_expr(op);
     const std::string st = storage_type(p.dtype);
     const bool atomic = op.kind == OpKind::AtomicAdd;
+    // An atomic whose old values are used, or that orders memory, needs more than a fire-and-forget add.
+    const ValueId old = atomic && !op.results.empty() && uses_[size_t(op.results[0])] > 0 ? op.results[0] : -1;
+    if (atomic && op.attrs.acq_rel) {
+      line(level, "__threadfence();  // release: this program's earlier writes come first");
+      line(level, "__syncthreads();");
+    }
     if (type(value).is_scalar()) {
       std::vector<Tile> idx;
       for (int d = 0; d < p.rank; ++d) idx.push_back(Tile{scalar(op.operands[size_t(d)]), true, {}, true});
       const std::string off = offset_expr(op, idx, "0");
       std::string cond = "threadIdx.x == 0";
-      if (op.attrs.has_mask) cond += " && " + scalar(op.operands[size_t(p.rank) + 1]);
+      const std::string mask = op.attrs.has_mask ? scalar(op.operands[size_t(p.rank) + 1]) : "true";
       const std::string val = scalar(value);
-      line(level, "if (" + cond + ") " + store_stmt(p.dtype, atomic, ptr + " + (" + off + ")", val) + ";");
+      if (old < 0) {
+        line(level, "if (" + cond + " && " + mask + ") " + store_stmt(p.dtype, atomic, ptr + " + (" + off + ")", val) + ";");
+        if (atomic && op.attrs.acq_rel) {
+          line(level, "__threadfence();  // acquire: later reads come after the atomic");
+          line(level, "__syncthreads();");
+        }
+        return;
+      }
+      // One thread adds; every thread of the program gets the old value.
+      const int slot = alloc_smem(16);
+      const std::string name = "v" + S(old);
+      line(level, "if (" + cond + ") {");
+      line(level, "  " + st + " prev = (" + st + ")0;");
+      line(level, "  if (" + mask + ") prev = " + store_stmt(p.dtype, true, ptr + " + (" + off + ")", val) + ";");
+      if (op.attrs.acq_rel) line(level, "  __threadfence();  // acquire");
+      line(level, "  *reinterpret_cast<" + st + "*>(kerf_smem + " + S(slot) + ") = prev;");
+      line(level, "}");
+      line(level, "__syncthreads();");
+      line(level, "const " + st + " " + name + " = *reinterpret_cast<const " + st + "*>(kerf_smem + " + S(slot) + ");");
+      scalars_[old] = name;
+      scalar_level_[old] = level_of_[size_t(old)];
       return;
     }
     const int l = store_layout(value);
@@ -1084,6 +1115,12 @@ class Codegen {
     const int w = atomic ? 1 : vector_width(op, l);
     const int n = L.num_regs();
     const std::string own = owner_predicate(l);
+    const std::string old_name = old >= 0 ? "atom" + S(old) + "_" + S(l) : "";
+    if (old >= 0) {
+      line(level, st + " " + old_name + "[" + S(n) + "];  // old values of the atomic");
+      line(level, "#pragma unroll");
+      line(level, "for (int r = 0; r < " + S(n) + "; ++r) " + old_name + "[r] = (" + st + ")0;");
+    }
     line(level, "// " + std::string(atomic ? "atomic_add" : "store") + " @" + p.name + " from " + L.key() +
                     ", " + S(w) + "-wide");
     line(level, "if (" + (own.empty() ? std::string("true") : own) + ") {");
@@ -1092,7 +1129,9 @@ class Codegen {
     line(level, "  const int r = q * " + S(w) + ";");
     line(level, "  const long long off = " + offset_expr(op, idx, "r") + ";");
     const std::string guard = op.attrs.has_mask ? "if (" + elem(mask, "r") + ") " : "";
-    if (w == 1) {
+    if (old >= 0) {
+      line(level, "  " + guard + old_name + "[r] = " + store_stmt(p.dtype, true, ptr + " + off", elem(val, "r")) + ";");
+    } else if (w == 1) {
       line(level, "  " + guard + store_stmt(p.dtype, atomic, ptr + " + off", elem(val, "r")) + ";");
     } else {
       line(level, "  " + guard + "{ kerf_dev::Pack<" + st + ", " + S(w) + "> pk; for (int j = 0; j < " +
@@ -1101,6 +1140,25 @@ class Codegen {
     }
     line(level, "}");
     line(level, "}");
+    if (atomic && op.attrs.acq_rel) {
+      line(level, "__threadfence();  // acquire: later reads come after the atomics");
+      line(level, "__syncthreads();");
+    }
+    if (old < 0) return;
+    Tile result{old_name, false, {}, true};
+    if (!own.empty()) {
+      // Copies of an element live in several threads; the one that added tells the others.
+      const DType dt = p.dtype;
+      const auto pitch = smem_pitches(L.shape, dtype_size_bytes(dt));
+      const int off = alloc_smem(smem_bytes_for(L.shape, dtype_size_bytes(dt)));
+      const std::string buf = fresh("old");
+      line(level, st + "* " + buf + " = reinterpret_cast<" + st + "*>(kerf_smem + " + S(off) + ");");
+      write_smem(level, result, l, dt, buf, pitch);
+      line(level, "__syncthreads();");
+      result = read_smem(level, old, buf, l, dt, pitch);  // now complete in every thread
+    }
+    home_[old] = l;
+    frame(level_of_[size_t(old)]).memo[std::make_pair(old, l)] = result;
   }
 
   std::string store_stmt(DType t, bool atomic, const std::string& addr, const std::string& val) {
@@ -1479,6 +1537,7 @@ class Codegen {
   int num_warps_ = 4;
   int num_stages_ = 1;
   std::vector<ir::AxisInfo> axis_;
+  std::vector<int> uses_;
   std::vector<const Operation*> def_op_;
   std::vector<int> level_of_;
   std::vector<int> pref_;

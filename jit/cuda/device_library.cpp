@@ -86,14 +86,14 @@ template <class T, int W> __device__ __forceinline__ void st(T* p, const Pack<T,
 
 // Atomics (relaxed, device scope). 16-bit floats use a compare-and-swap loop
 // on the aligned 32-bit word that holds them.
-__device__ __forceinline__ void atomic_add(float* p, float v) { atomicAdd(p, v); }
-__device__ __forceinline__ void atomic_add(double* p, double v) { atomicAdd(p, v); }
-__device__ __forceinline__ void atomic_add(int* p, int v) { atomicAdd(p, v); }
-__device__ __forceinline__ void atomic_add(long long* p, long long v) {
-  atomicAdd(reinterpret_cast<unsigned long long*>(p), (unsigned long long)v);
+__device__ __forceinline__ float atomic_add(float* p, float v) { return atomicAdd(p, v); }
+__device__ __forceinline__ double atomic_add(double* p, double v) { return atomicAdd(p, v); }
+__device__ __forceinline__ int atomic_add(int* p, int v) { return atomicAdd(p, v); }
+__device__ __forceinline__ long long atomic_add(long long* p, long long v) {
+  return (long long)atomicAdd(reinterpret_cast<unsigned long long*>(p), (unsigned long long)v);
 }
 template <bool IsBf16>
-__device__ __forceinline__ void atomic_add_16(unsigned short* p, unsigned short v) {
+__device__ __forceinline__ unsigned short atomic_add_16(unsigned short* p, unsigned short v) {
   unsigned int* word = reinterpret_cast<unsigned int*>((size_t)p & ~(size_t)3);
   const unsigned int shift = ((size_t)p & 2) ? 16u : 0u;
   unsigned int old = *word, assumed;
@@ -106,6 +106,7 @@ __device__ __forceinline__ void atomic_add_16(unsigned short* p, unsigned short 
     const unsigned int repl = (assumed & ~(0xffffu << shift)) | ((unsigned int)nxt << shift);
     old = atomicCAS(word, assumed, repl);
   } while (old != assumed);
+  return (unsigned short)((old >> shift) & 0xffffu);
 }
 
 // Tensor cores: D = A(16x16, row) * B(16x8, col) + C, fp32 accumulation.

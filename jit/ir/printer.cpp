@@ -123,6 +123,7 @@ class Printer {
         if (op.kind != OpKind::Load) out_ += ", " + v(op.operands[i++]);
         if (a.has_mask) out_ += " mask " + v(op.operands[i++]);
         if (a.has_other) out_ += " other " + v(op.operands[i++]);
+        if (a.acq_rel) out_ += " acq_rel";
         break;
       }
       case OpKind::For: {

@@ -208,10 +208,14 @@ class Verifier {
           expect(r.dtype == p.dtype, op, "loads give the tensor's dtype");
           shape = r.shape;
         } else {
-          expect(op.results.empty(), op, "has no result");
           const Type& val = t(op.operands[rank]);
           expect(val.dtype == p.dtype, op, "stored value must have the tensor's dtype");
           shape = val.shape;
+          if (op.kind == OpKind::Store)
+            expect(op.results.empty() && !a.acq_rel, op, "has no result and no ordering");
+          else
+            expect(op.results.empty() || (op.results.size() == 1 && t(op.results[0]) == val), op,
+                   "the old values have the added value's type");
         }
         for (size_t i = 0; i < rank; ++i) {
           const Type& it = t(op.operands[i]);

@@ -222,11 +222,28 @@ Result best_of(const std::vector<ops::Config>& configs, F run_one) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string json_path;
+  std::string json_path, only;
   bool quick = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json_path = argv[++i];
     if (!std::strcmp(argv[i], "--quick")) quick = true;
+    // --only OUT,IN,R,BM,BK,SPLIT,WARPS,STAGES: one DoRA case and config, timed
+    // repeatedly (for profilers).
+    if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
+  }
+  if (!only.empty()) {
+    long long v[8] = {0};
+    if (std::sscanf(only.c_str(), "%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5],
+                    &v[6], &v[7]) != 8) {
+      std::fprintf(stderr, "--only wants OUT,IN,R,BM,BK,SPLIT,WARPS,STAGES\n");
+      return 2;
+    }
+    cuda::set_current_device(0);
+    cuda::Stream stream(0);
+    DoraSets sets = make_dora(v[0], v[1], v[2], DType::bf16);
+    const Result r = bench_dora(sets, ops::Config{v[3], v[4], v[5], v[6], v[7]}, stream.handle());
+    std::printf("%s %s %.1f us %.0f GB/s [%s]\n", r.op.c_str(), r.shape.c_str(), r.median_us, r.gbps, r.config.c_str());
+    return 0;
   }
   try {
     cuda::require_device(0);

@@ -185,8 +185,15 @@ Value load(const Tensor& t, const std::vector<Value>& idx, const Value& mask = {
 Value load(const Tensor& t, const std::vector<Value>& idx, const Value& mask, double other);
 void store(const Tensor& t, const std::vector<Value>& idx, const Value& value,
            const Value& mask = {});
-void atomic_add(const Tensor& t, const std::vector<Value>& idx, const Value& value,
-                const Value& mask = {});
+// Memory ordering of an atomic: relaxed, or acquire-release (the atomic comes
+// after every earlier write of the program and before every later read, so a
+// program that sees a counter reach its final value sees the writes that came
+// before each increment). A scalar atomic is performed once per program.
+enum class MemoryOrder { relaxed, acq_rel };
+
+// Adds `value` and returns the old values (0 where masked off).
+Value atomic_add(const Tensor& t, const std::vector<Value>& idx, const Value& value,
+                 const Value& mask = {}, MemoryOrder order = MemoryOrder::relaxed);
 
 // An integer scalar operand: a Value or a C++ integer (a constant of the trace).
 class IntArg {

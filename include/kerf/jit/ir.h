@@ -63,7 +63,9 @@ enum class OpKind : uint8_t {
   //      one per tensor dimension, and the mask all have the access's shape)
   Load,         // operands: idx..., [mask], [other]
   Store,        // operands: idx..., value, [mask]
-  AtomicAdd,    // operands: idx..., value, [mask]  (relaxed, device scope)
+  AtomicAdd,    // operands: idx..., value, [mask]; optional result: the old values
+                // (0 where masked off). Device scope; attrs.acq_rel orders it
+                // after every earlier write of the program and before every later read.
   // ---- control
   For,          // operands: lo, hi, step, init...; body args: iv, carried...; results: carried
   Yield,        // terminator of a For body: the next carried values
@@ -84,6 +86,7 @@ struct Attrs {
   double fvalue = 0.0;  // Constant (float dtypes)
   bool has_mask = false;   // Load/Store/AtomicAdd
   bool has_other = false;  // Load
+  bool acq_rel = false;    // AtomicAdd: acquire-release instead of relaxed
 };
 
 struct Block;

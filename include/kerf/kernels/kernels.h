@@ -17,10 +17,16 @@ namespace kerf::kernels {
 // two >= r), SPLIT_K, DOT (dtype code of the product: the DType enum value).
 //
 // dora_norm_fused   (SPLIT_K == 1): args W, A, B, m, s, eps, norm, scale
+// dora_norm_split  (SPLIT_K >= 1, one launch): args W, A, B, m, s, eps, norm, scale,
+//                   sumsq (f32 [out]), tickets (i32 [cdiv(out, BLOCK_M)]); both
+//                   workspaces must be zero on entry and are zero again on exit:
+//                   each split adds its partial sums into sumsq, and the split that
+//                   arrives last at a row block's ticket finishes norm and scale.
 // dora_norm_partial (SPLIT_K >= 1): args W, A, B, s, sumsq; adds each split's
 //                   partial sum of squares into sumsq (zeroed by the caller)
 // dora_norm_finish:                 args sumsq, m, eps, norm, scale; grid cdiv(out, BLOCK)
 const dsl::Kernel& dora_norm_fused();
+const dsl::Kernel& dora_norm_split();
 const dsl::Kernel& dora_norm_partial();
 const dsl::Kernel& dora_norm_finish();
 
