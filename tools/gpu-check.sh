@@ -58,6 +58,10 @@ fi
 note "build: ok ($((SECONDS - t0)) s)"
 
 if [[ ,$stages, == *,test,* ]]; then
+  echo "== demo"
+  cmake --build "$build" --target kerf_demo > "$out/demo-build.log" 2>&1
+  "$build/examples/kerf_demo" 2>&1 | tee "$out/demo.log"
+  note "demo: $(tail -1 "$out/demo.log")"
   echo "== [gpu] tests"
   t0=$SECONDS
   "$build/tests/kerf_tests" "$test_filter" -r compact > "$out/gpu-tests.log" 2>&1

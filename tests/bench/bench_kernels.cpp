@@ -259,7 +259,8 @@ int main(int argc, char** argv) {
       for (int64_t bk : {64, 128})
         for (int64_t warps : {4, 8})
           for (int64_t stages : {2, 3}) dora_cfgs.push_back(ops::Config{bm, bk, 0, warps, stages});
-    // Without split-K (one launch instead of three), smaller row blocks fill the device.
+    for (int64_t stages : {2, 3}) dora_cfgs.push_back(ops::Config{256, 64, 0, 8, stages});
+    // Without split-K, smaller row blocks fill the device.
     for (int64_t bm : {16, 32, 64})
       for (int64_t warps : {4, 8}) dora_cfgs.push_back(ops::Config{bm, 64, 1, warps, 3});
     if (quick) dora_cfgs = {ops::Config{64, 64, 0, 8, 3}, ops::Config{128, 64, 0, 8, 3}, ops::Config{64, 128, 0, 4, 3}};
@@ -282,6 +283,8 @@ int main(int argc, char** argv) {
       for (int64_t bk : {64, 128})
         for (int64_t warps : {4, 8})
           for (int64_t stages : {2, 3}) moe_cfgs.push_back(ops::Config{bn, bk, 0, warps, stages});
+    // Taller row blocks read each expert's A fewer times (it matters at r=64).
+    for (int64_t stages : {2, 3}) moe_cfgs.push_back(ops::Config{256, 64, 0, 8, stages});
     if (quick) moe_cfgs = {ops::Config{64, 64, 0, 8, 3}, ops::Config{32, 128, 0, 4, 3}, ops::Config{64, 128, 0, 4, 2}};
     struct MoeCase {
       int64_t E, N, K, r;

@@ -1,0 +1,81 @@
+#include "kerf/kernels/library.h"
+
+#include "kerf/kernels/kernels.h"
+
+namespace kerf::kernels {
+namespace {
+
+dsl::ArgSpec tensor(DType t, int rank) {
+  ir::TensorFacts f;
+  f.contiguous_last = true;
+  f.aligned16 = true;
+  f.dims_div16 = (1u << rank) - 1;
+  f.strides_div16 = (1u << (rank - 1)) - 1;
+  return dsl::ArgSpec::tensor(t, rank, f);
+}
+
+int64_t dot_code(DType t) { return int64_t(is_half(t) ? t : DType::f32); }
+
+}  // namespace
+
+const std::vector<LibraryEntry>& library() {
+  static const std::vector<LibraryEntry> entries = [] {
+    std::vector<LibraryEntry> e;
+    const auto scalar = dsl::ArgSpec::scalar();
+    e.push_back({"dora_norm", dora_norm_fused,
+                 [=](DType t) {
+                   return std::vector<dsl::ArgSpec>{tensor(t, 2), tensor(t, 2), tensor(t, 2), tensor(DType::f32, 1),
+                                                    scalar, scalar, tensor(DType::f32, 1), tensor(DType::f32, 1)};
+                 },
+                 [](DType t) {
+                   return dsl::MetaMap{{"BLOCK_M", 64}, {"BLOCK_K", 64}, {"R_PAD", 16}, {"DOT", dot_code(t)},
+                                       {"num_warps", 8}, {"num_stages", 3}};
+                 }});
+    e.push_back({"dora_norm_split", dora_norm_split,
+                 [=](DType t) {
+                   return std::vector<dsl::ArgSpec>{tensor(t, 2),          tensor(t, 2),          tensor(t, 2),
+                                                    tensor(DType::f32, 1), scalar,                scalar,
+                                                    tensor(DType::f32, 1), tensor(DType::f32, 1), tensor(DType::f32, 1),
+                                                    tensor(DType::i32, 1)};
+                 },
+                 [](DType t) {
+                   return dsl::MetaMap{{"BLOCK_M", 64}, {"BLOCK_K", 64}, {"R_PAD", 16}, {"DOT", dot_code(t)},
+                                       {"SPLIT_K", 3}, {"num_warps", 8}, {"num_stages", 3}};
+                 }});
+    e.push_back({"dora_norm_partial", dora_norm_partial,
+                 [=](DType t) {
+                   return std::vector<dsl::ArgSpec>{tensor(t, 2), tensor(t, 2), tensor(t, 2), scalar,
+                                                    tensor(DType::f32, 1)};
+                 },
+                 [](DType t) {
+                   return dsl::MetaMap{{"BLOCK_M", 64}, {"BLOCK_K", 64}, {"R_PAD", 16}, {"DOT", dot_code(t)},
+                                       {"SPLIT_K", 4}, {"num_stages", 3}};
+                 }});
+    e.push_back({"dora_norm_finish", dora_norm_finish,
+                 [=](DType) {
+                   return std::vector<dsl::ArgSpec>{tensor(DType::f32, 1), tensor(DType::f32, 1), scalar,
+                                                    tensor(DType::f32, 1), tensor(DType::f32, 1)};
+                 },
+                 [](DType) { return dsl::MetaMap{{"BLOCK", 1024}}; }});
+    e.push_back({"moe_lora_materialize", moe_lora_materialize,
+                 [=](DType t) {
+                   return std::vector<dsl::ArgSpec>{tensor(t, 3), tensor(t, 3), tensor(t, 3), scalar, tensor(t, 3)};
+                 },
+                 [](DType t) {
+                   return dsl::MetaMap{{"BLOCK_N", 64}, {"BLOCK_K", 128}, {"R_PAD", 16}, {"DOT", dot_code(t)},
+                                       {"num_warps", 8}, {"num_stages", 3}};
+                 }});
+    e.push_back({"fill", fill, [=](DType t) { return std::vector<dsl::ArgSpec>{tensor(t, 1), scalar}; },
+                 [](DType) { return dsl::MetaMap{{"BLOCK", 1024}}; }});
+    return e;
+  }();
+  return entries;
+}
+
+const LibraryEntry* find_in_library(const std::string& name) {
+  for (const LibraryEntry& e : library())
+    if (e.name == name) return &e;
+  return nullptr;
+}
+
+}  // namespace kerf::kernels

@@ -1,0 +1,91 @@
+// kerf-inspect: what kerf makes of a library kernel, without a GPU.
+//
+//   kerf-inspect list
+//   kerf-inspect KERNEL [--dtype bf16] [--meta NAME=VALUE ...]   IR text and hash
+//   kerf-inspect KERNEL ... --hash                              the hash alone
+//   kerf-inspect KERNEL ... --cuda sm_90a                       the generated CUDA C++
+//   kerf-inspect KERNEL ... --compile sm_90a                    NVRTC compile; prints sizes and time
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "kerf/error.h"
+#include "kerf/jit/cuda_codegen.h"
+#include "kerf/jit/nvrtc.h"
+#include "kerf/kernels/library.h"
+
+using namespace kerf;
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !std::strcmp(argv[1], "--help")) {
+    std::printf("usage: kerf-inspect list | KERNEL [--dtype T] [--meta K=V]... [--hash] [--cuda ARCH] [--compile ARCH]\n");
+    return argc < 2 ? 2 : 0;
+  }
+  try {
+    const std::string name = argv[1];
+    if (name == "list") {
+      for (const auto& e : kernels::library()) std::printf("%s\n", e.name.c_str());
+      return 0;
+    }
+    const kernels::LibraryEntry* entry = kernels::find_in_library(name);
+    if (!entry) throw InvalidArgument("no library kernel named '" + name + "' (kerf-inspect list shows them)");
+    DType dtype = DType::bf16;
+    bool hash_only = false;
+    std::string cuda_arch, compile_arch;
+    dsl::MetaMap overrides;
+    for (int i = 2; i < argc; ++i) {
+      const std::string a = argv[i];
+      auto value = [&]() -> std::string {
+        if (i + 1 >= argc) throw InvalidArgument(a + " needs a value");
+        return argv[++i];
+      };
+      if (a == "--dtype") {
+        const std::string v = value();
+        const auto d = parse_dtype(v);
+        if (!d) throw InvalidArgument("unknown dtype '" + v + "'");
+        dtype = *d;
+      } else if (a == "--meta") {
+        const std::string v = value();
+        const auto eq = v.find('=');
+        if (eq == std::string::npos) throw InvalidArgument("--meta wants NAME=VALUE, got '" + v + "'");
+        overrides[v.substr(0, eq)] = std::stoll(v.substr(eq + 1));
+      } else if (a == "--hash") {
+        hash_only = true;
+      } else if (a == "--cuda") {
+        cuda_arch = value();
+      } else if (a == "--compile") {
+        compile_arch = value();
+      } else {
+        throw InvalidArgument("unknown option '" + a + "'");
+      }
+    }
+    dsl::MetaMap meta = entry->example_meta(dtype);
+    for (const auto& [k, v] : overrides) meta[k] = v;
+    const ir::Function fn = entry->kernel().trace(entry->example_args(dtype), meta);
+    if (hash_only) {
+      std::printf("%s\n", ir::hash(fn).hex().c_str());
+      return 0;
+    }
+    if (!cuda_arch.empty()) {
+      std::fputs(jit::cuda::generate(fn, cuda_arch).source.c_str(), stdout);
+      return 0;
+    }
+    if (!compile_arch.empty()) {
+      const jit::cuda::KernelCode code = jit::cuda::generate(fn, compile_arch);
+      const nvrtc::Output out = nvrtc::compile(code.source, code.entry + ".cu", compile_arch);
+      std::printf("%s: %zu bytes of %s for %s in %.1f ms; %d threads, %d bytes of shared memory\n",
+                  code.entry.c_str(), out.image.size(), out.is_cubin ? "cubin" : "PTX", compile_arch.c_str(),
+                  out.compile_ms, code.threads, code.smem_bytes);
+      return 0;
+    }
+    std::fputs(ir::print(fn).c_str(), stdout);
+    std::printf("// hash %s\n", ir::hash(fn).hex().c_str());
+    return 0;
+  } catch (const kerf::Error& e) {
+    std::fprintf(stderr, "kerf-inspect: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kerf-inspect: %s\n", e.what());
+    return 1;
+  }
+}
