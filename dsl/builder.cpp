@@ -194,6 +194,8 @@ ir::Function Kernel::trace(const std::vector<ArgSpec>& args, const MetaMap& meta
                             "' was given but the kernel does not use it");
   for (const auto& [name, value] : s.meta_used) s.fn.meta.push_back(ir::MetaValue{name, value});
   ir::verify(s.fn);
+  ir::canonicalize(s.fn);
+  ir::verify(s.fn);
   return std::move(s.fn);
 }
 

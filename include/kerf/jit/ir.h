@@ -168,6 +168,12 @@ Hash128 hash(const Function& f);
 // Throws kerf::InternalError naming the op when the IR is ill-typed.
 void verify(const Function& f);
 
+// Puts a traced Function in canonical form: identical pure ops merged, unused
+// pure ops dropped, ops ordered and values numbered by a walk from the ops with
+// effects in program order, so the text does not depend on the order in which
+// C++ evaluated the operands of the kernel's expressions.
+void canonicalize(Function& f);
+
 // Number of uses of each value (index = ValueId), counting uses inside loop bodies.
 std::vector<int> count_uses(const Function& f);
 
