@@ -88,6 +88,24 @@ inline const Kernel& elementwise_kernel() {
   return k;
 }
 
+// In place, tile by tile along the columns: x <- 2x + 1 (or, with SHIFT = 1,
+// x[:, j] <- 2 x[:, j+1] + 1, which reads what a later iteration has not yet written).
+inline const Kernel& inplace_kernel() {
+  static const Kernel k("inplace_update", [](Builder& b) {
+    auto x = b.tensor("x", 2);
+    const int64_t BM = b.meta("BM"), BN = b.meta("BN"), shift = b.meta("SHIFT", 0);
+    auto rows = program_id(0) * BM + arange(BM);
+    for_range(0, x.dim(1), BN, [&](const Value& c0) {
+      auto cols = c0 + arange(BN);
+      auto src = shift ? cols + shift : cols;
+      auto m = (rows.col() < x.dim(0)) & (src.row() < x.dim(1));
+      auto v = load(x, {rows.col(), src.row()}, m);
+      store(x, {rows.col(), cols.row()}, v * 2 + 1, m);
+    });
+  });
+  return k;
+}
+
 // Each program takes a ticket (old counter value, acquire-release) and records
 // it; then adds its values into x and records the old values of x.
 inline const Kernel& ticket_kernel() {

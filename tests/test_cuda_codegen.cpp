@@ -79,6 +79,9 @@ std::vector<Case> all_cases() {
                    {t(DType::f32, 1), t(DType::bf16, 1), ArgSpec::scalar(), t(DType::f32, 1), t(DType::f32, 1)},
                    {{"BLOCK", 1024}}, "dora_norm_finish"});
   cases.push_back({&kernels::fill(), {t(DType::f32, 1), ArgSpec::scalar()}, {{"BLOCK", 1024}}, "fill"});
+  for (int64_t shift : {0, 1})
+    cases.push_back({&test::inplace_kernel(), {t(DType::bf16, 2)},
+                     {{"BM", 16}, {"BN", 64}, {"SHIFT", shift}, {"num_stages", 3}}, "inplace"});
   cases.push_back({&test::ticket_kernel(), {t(DType::i32, 1), t(DType::i32, 1), t(DType::f32, 1), t(DType::f32, 1)},
                    {{"BLOCK", 64}}, "ticket"});
   return cases;
@@ -115,6 +118,16 @@ TEST_CASE("bf16 dots use tensor cores and pipelined loops use cp.async", "[cuda]
   const std::string slow_src = jit::cuda::generate(slow, "sm_90a").source;
   CHECK(slow_src.find("cp_async<") == std::string::npos);
   CHECK(slow_src.find("1-wide") != std::string::npos);
+}
+
+TEST_CASE("in-place updates are pipelined only when iterations touch disjoint tiles", "[cuda][codegen]") {
+  const std::vector<ArgSpec> args = {t(DType::f32, 2)};
+  const std::string same = jit::cuda::generate(
+      test::inplace_kernel().trace(args, {{"BM", 16}, {"BN", 64}, {"num_stages", 3}}), "sm_90a").source;
+  CHECK(same.find("kerf_dev::cp_async<16>(") != std::string::npos);
+  const std::string shifted = jit::cuda::generate(
+      test::inplace_kernel().trace(args, {{"BM", 16}, {"BN", 64}, {"SHIFT", 1}, {"num_stages", 3}}), "sm_90a").source;
+  CHECK(shifted.find("kerf_dev::cp_async<") == std::string::npos);
 }
 
 TEST_CASE("fp32 dots use fp32 FMA, not tensor cores", "[cuda][codegen]") {

@@ -174,6 +174,31 @@ void tickets(Device dev, int64_t n, uint64_t seed) {
   }
 }
 
+// x <- 2x + 1 in place (pipelined on the GPU), and the shifted variant whose
+// loads must see the data before the store of the same iteration.
+void inplace(Device dev, DType d, int64_t rows, int64_t cols, int64_t shift, uint64_t seed) {
+  CAPTURE(dev.str(), dtype_name(d), rows, cols, shift, seed);
+  std::mt19937_64 rng(seed);
+  TestTensor x(d, {rows, cols}, dev);
+  x.randomize(rng);
+  std::vector<double> x0;
+  for (int64_t i = 0; i < rows * cols; ++i) x0.push_back(x.get(i));
+  launch(test::inplace_kernel(), {x.view()}, Grid{cdiv(rows, 16)},
+         {{"BM", 16}, {"BN", 64}, {"SHIFT", shift}, {"num_stages", 3}});
+  sync(dev);
+  x.download();
+  std::vector<double> got, ref;
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) {
+      // Tiles are processed left to right; with a shift, column j reads j+1, which
+      // a later tile writes only after this one read it.
+      const int64_t src = j + shift;
+      ref.push_back(src < cols ? 2 * x0[size_t(i * cols + src)] + 1 : x0[size_t(i * cols + j)]);
+      got.push_back(x.get(i * cols + j));
+    }
+  CHECK(test::max_relative_error(got, ref, 1.0) <= test::tolerance(d));
+}
+
 void run_all(Device dev) {
   uint64_t seed = 2024;
   for (DType d : {DType::f32, DType::bf16, DType::f16})
@@ -192,6 +217,10 @@ void run_all(Device dev) {
   column_sums(dev, 1000, 64, seed++);
   for (DType d : {DType::f32, DType::bf16}) elementwise(dev, d, 1000, seed++);
   tickets(dev, 1000, seed++);
+  for (int64_t shift : {0, 1}) {
+    inplace(dev, DType::f32, 100, 1000, shift, seed++);
+    inplace(dev, DType::bf16, 64, 4096, shift, seed++);
+  }
   tickets(dev, 64 * 300, seed++);
 }
 

@@ -843,15 +843,77 @@ class Codegen {
     return true;
   }
 
+  // The value under broadcasts and expand_dims.
+  ValueId strip_shape_ops(ValueId v) const {
+    for (;;) {
+      const Operation* d = def_op_[size_t(v)];
+      if (!d || (d->kind != OpKind::Broadcast && d->kind != OpKind::ExpandDims)) return v;
+      v = d->operands[0];
+    }
+  }
+
+  // Whether `idx` is iv + arange(0, n) (in any broadcast form); sets n.
+  bool iv_plus_range(ValueId idx, ValueId iv, int64_t* n) const {
+    const Operation* add = def_op_[size_t(strip_shape_ops(idx))];
+    if (!add || add->kind != OpKind::Add) return false;
+    for (int side = 0; side < 2; ++side) {
+      const Operation* sp = def_op_[size_t(strip_shape_ops(add->operands[size_t(side)]))];
+      const Operation* ar = def_op_[size_t(strip_shape_ops(add->operands[size_t(1 - side)]))];
+      if (sp && sp->kind == OpKind::Splat && sp->operands[0] == iv && ar && ar->kind == OpKind::Arange &&
+          ar->attrs.start == 0) {
+        *n = ar->attrs.end;
+        return true;
+      }
+    }
+    return false;
+  }
+
+  // A load from a tensor the kernel also writes may still run ahead when every
+  // write to that tensor is in this loop at the same indices, and one index is
+  // iv + arange(n) with a constant step >= n: each iteration then reads and
+  // writes its own tile, disjoint from every other iteration's (in-place
+  // updates such as W += s*B@A).
+  bool disjoint_in_place(const Operation& load, const Operation& loop) const {
+    const ir::Block& body = *loop.body;
+    const ValueId iv = body.args[0];
+    const size_t rank = size_t(tensor_of(load).rank);
+    size_t writes_here = 0;
+    for (const Operation& op : body.ops) {
+      if ((op.kind != OpKind::Store && op.kind != OpKind::AtomicAdd) || op.attrs.param != load.attrs.param) continue;
+      for (size_t d = 0; d < rank; ++d)
+        if (op.operands[d] != load.operands[d]) return false;
+      ++writes_here;
+    }
+    std::map<int64_t, int> all;
+    count_writes(f_.body, all);
+    if (size_t(all[load.attrs.param]) != writes_here) return false;
+    const Operation* step = def_op_[size_t(loop.operands[2])];
+    if (!step || step->kind != OpKind::Constant) return false;
+    for (size_t d = 0; d < rank; ++d) {
+      int64_t n = 0;
+      if (iv_plus_range(load.operands[d], iv, &n) && step->attrs.ivalue >= n) return true;
+    }
+    return false;
+  }
+
+  static void count_writes(const ir::Block& b, std::map<int64_t, int>& out) {
+    for (const Operation& op : b.ops) {
+      if (op.kind == OpKind::Store || op.kind == OpKind::AtomicAdd) out[op.attrs.param]++;
+      if (op.body) count_writes(*op.body, out);
+    }
+  }
+
   // Loads of a loop body that can be issued iterations ahead as cp.async copies.
-  std::vector<const Operation*> pipelinable_loads(const ir::Block& body, int inner) {
+  std::vector<const Operation*> pipelinable_loads(const Operation& loop, int inner) {
+    const ir::Block& body = *loop.body;
     std::vector<const Operation*> out;
     if (num_stages_ < 2 || sm_ < 80) return out;
     std::set<int64_t> written;
     collect_written(f_.body, written);
     for (const Operation& op : body.ops) {
       if (op.kind != OpKind::Load || op.attrs.has_other || type(op.results[0]).is_scalar()) continue;
-      if (written.count(op.attrs.param)) continue;  // a prefetch could overtake a store
+      // A prefetch must not overtake a store to what it reads.
+      if (written.count(op.attrs.param) && !disjoint_in_place(op, loop)) continue;
       std::set<ValueId> seen;
       bool ok = true;
       for (ValueId o : op.operands) ok = ok && iv_only(o, body.args[0], inner, seen);
@@ -1434,7 +1496,7 @@ class Codegen {
 
     // Software pipelining: loads that depend only on the induction variable are
     // copied into shared memory num_stages - 1 iterations ahead.
-    const std::vector<const Operation*> pipelined = pipelinable_loads(body, inner);
+    const std::vector<const Operation*> pipelined = pipelinable_loads(op, inner);
     const int S_ = num_stages_;
     const std::string it = "it" + S(ivid);
     if (!pipelined.empty()) {
