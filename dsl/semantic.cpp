@@ -312,42 +312,33 @@ Builder& Tensor::builder() const {
   return *b_;
 }
 
-Value Tensor::dim(int d) const {
-  Builder::Impl& s = builder().impl();
-  if (d < 0 || d >= rank_) s.fail("dim", "dimension " + std::to_string(d) + " is out of range");
-  auto key = std::make_pair(param_, d);
-  auto it = s.dims.find(key);
-  // Reuse the value when it is visible here (defined at function scope).
-  if (it != s.dims.end()) return Value(b_, it->second);
-  ir::Operation op(OpKind::TensorDim);
-  op.attrs.param = param_;
+// A size or stride of a tensor argument: one value per (tensor, dimension),
+// defined in the function's top block so that every loop body can use it.
+static Value tensor_property(Builder& b, OpKind kind, int param, int rank, int d,
+                             std::map<std::pair<int, int>, ir::ValueId>& cache) {
+  Builder::Impl& s = b.impl();
+  const char* name = kind == OpKind::TensorDim ? "dim" : "stride";
+  if (d < 0 || d >= rank) s.fail(name, "dimension " + std::to_string(d) + " is out of range");
+  const auto key = std::make_pair(param, d);
+  if (auto it = cache.find(key); it != cache.end()) return Value(&b, it->second);
+  ir::Operation op(kind);
+  op.attrs.param = param;
   op.attrs.axis = d;
-  // Hoist to the function's top block so that the value is visible everywhere.
   std::vector<ir::Block*> saved = s.blocks;
   s.blocks.resize(1);
-  const Type t{DType::i32, {}};
+  const Type t{kind == OpKind::TensorDim ? DType::i32 : DType::i64, {}};
   Value v = make(s, std::move(op), t);
   s.blocks = saved;
-  s.dims[key] = v.id();
+  cache[key] = v.id();
   return v;
 }
 
+Value Tensor::dim(int d) const {
+  return tensor_property(builder(), OpKind::TensorDim, param_, rank_, d, builder().impl().dims);
+}
+
 Value Tensor::stride(int d) const {
-  Builder::Impl& s = builder().impl();
-  if (d < 0 || d >= rank_) s.fail("stride", "dimension " + std::to_string(d) + " is out of range");
-  auto key = std::make_pair(param_, d);
-  auto it = s.strides.find(key);
-  if (it != s.strides.end()) return Value(b_, it->second);
-  ir::Operation op(OpKind::TensorStride);
-  op.attrs.param = param_;
-  op.attrs.axis = d;
-  std::vector<ir::Block*> saved = s.blocks;
-  s.blocks.resize(1);
-  const Type t{DType::i64, {}};
-  Value v = make(s, std::move(op), t);
-  s.blocks = saved;
-  s.strides[key] = v.id();
-  return v;
+  return tensor_property(builder(), OpKind::TensorStride, param_, rank_, d, builder().impl().strides);
 }
 
 // ---------------------------------------------------------------- free functions

@@ -44,6 +44,14 @@ Value row_sum_of_squares(Builder& k, const Tensor& W, const Tensor& A, const Ten
   return sum(acc, 1);
 }
 
+// norm = sqrt(sum of squares + eps) and scale = m / norm, for the rows `mask` selects.
+void store_norm_and_scale(const Tensor& norm, const Tensor& scale, const Tensor& m, const Value& rows,
+                          const Value& sum_of_squares, const Value& eps, const Value& mask) {
+  const Value n = sqrt(sum_of_squares + eps);
+  store(norm, {rows}, n, mask);
+  store(scale, {rows}, load(m, {rows}, mask).to(DType::f32) / n, mask);
+}
+
 }  // namespace
 
 const dsl::Kernel& dora_norm_fused() {
@@ -53,10 +61,7 @@ const dsl::Kernel& dora_norm_fused() {
     const Value s = k.scalar("s"), eps = k.scalar("eps");
     const Tensor norm = k.tensor("norm", 1, DType::f32), scale = k.tensor("scale", 1, DType::f32);
     const Value rows = program_id(0) * k.meta("BLOCK_M") + arange(k.meta("BLOCK_M"));
-    const Value ok = rows < W.dim(0);
-    const Value n = sqrt(row_sum_of_squares(k, W, A, B, s, rows) + eps);
-    store(norm, {rows}, n, ok);
-    store(scale, {rows}, load(m, {rows}, ok).to(DType::f32) / n, ok);
+    store_norm_and_scale(norm, scale, m, rows, row_sum_of_squares(k, W, A, B, s, rows), eps, rows < W.dim(0));
   });
   return k;
 }
@@ -77,9 +82,7 @@ const dsl::Kernel& dora_norm_split() {
     const Value last = ticket == num_programs(1) - 1;
     const Value mine = ok & last;
     const Value total = atomic_add(sumsq, {rows}, zeros({k.meta("BLOCK_M")}), mine);  // a coherent read
-    const Value n = sqrt(total + eps);
-    store(norm, {rows}, n, mine);
-    store(scale, {rows}, load(m, {rows}, mine).to(DType::f32) / n, mine);
+    store_norm_and_scale(norm, scale, m, rows, total, eps, mine);
     // Leave the workspace as it was found: zero.
     store(sumsq, {rows}, zeros({k.meta("BLOCK_M")}), mine);
     store(tickets, {block}, literal(int64_t(0)), last);
@@ -106,9 +109,7 @@ const dsl::Kernel& dora_norm_finish() {
     const int64_t BLOCK = k.meta("BLOCK");
     const Value i = program_id(0) * BLOCK + arange(BLOCK);
     const Value ok = i < sumsq.dim(0);
-    const Value n = sqrt(load(sumsq, {i}, ok) + eps);
-    store(norm, {i}, n, ok);
-    store(scale, {i}, load(m, {i}, ok).to(DType::f32) / n, ok);
+    store_norm_and_scale(norm, scale, m, i, load(sumsq, {i}, ok), eps, ok);
   });
   return k;
 }

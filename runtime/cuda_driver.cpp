@@ -14,21 +14,16 @@
 
 #include "kerf/error.h"
 #include "kerf/runtime/cuda.h"
+#include "common/never_destroyed.h"
 #include "runtime/cuda_api.h"
 
 namespace kerf::cuda {
 namespace detail {
 namespace {
 
-// Holds a T that is never destroyed: buffers, modules and streams owned by static
-// objects are released during static destruction and still need the driver then.
-template <class T>
-union NeverDestroyed {
-  T value;
-  template <class... Args>
-  explicit NeverDestroyed(Args&&... args) : value(std::forward<Args>(args)...) {}
-  ~NeverDestroyed() {}
-};
+// Buffers, modules and streams owned by static objects are released during
+// static destruction and still need the driver then.
+using kerf::detail::NeverDestroyed;
 
 struct NamedCode {
   CUresult code;

@@ -736,6 +736,18 @@ class Codegen {
     return e.empty() ? "0" : e;
   }
 
+  // Room in shared memory for one tile of `v` (row-major, rows padded).
+  struct SmemTile {
+    DType dtype;
+    std::vector<int64_t> pitch;
+    int offset;
+  };
+  SmemTile alloc_smem_tile(ValueId v) {
+    const DType dt = type(v).dtype;
+    const int eb = dtype_size_bytes(dt);
+    return SmemTile{dt, smem_pitches(type(v).shape, eb), alloc_smem(smem_bytes_for(type(v).shape, eb))};
+  }
+
   // Writes a tile into shared memory (row-major, padded). Emitted at `lv`.
   void write_smem(int lv, const Tile& t, int l, DType dt, const std::string& buf,
                   const std::vector<int64_t>& pitch) {
@@ -773,13 +785,8 @@ class Codegen {
       return compose(src, d, to);
     }
     const int lv = level_of_[size_t(v)];
-    const DType dt = type(v).dtype;
-    const Shape& shape = type(v).shape;
-    const int eb = dtype_size_bytes(dt);
-    const auto pitch = smem_pitches(shape, eb);
-    const int off = alloc_smem(smem_bytes_for(shape, eb));
+    const auto [dt, pitch, off] = alloc_smem_tile(v);
     const std::string st = storage_type(dt);
-    const std::string name = "v" + S(v) + "_" + S(to);
     const std::string buf = fresh("cvt");
     line(lv, "// %" + S(v) + ": " + layouts_[size_t(from)].key() + " -> " + layouts_[size_t(to)].key());
     line(lv, st + "* " + buf + " = reinterpret_cast<" + st + "*>(kerf_smem + " + S(off) + ");");
@@ -1238,13 +1245,9 @@ class Codegen {
     if (auto a = async_.find(v); a != async_.end())
       return Staged{async_slot_offset(a->second), a->second.pitch[0]};
     const int lv = level_of_[size_t(v)];
-    const DType dt = type(v).dtype;
-    const Shape& shape = type(v).shape;
-    const int eb = dtype_size_bytes(dt);
-    const auto pitch = smem_pitches(shape, eb);
-    const int off = alloc_smem(smem_bytes_for(shape, eb));
+    const auto [dt, pitch, off] = alloc_smem_tile(v);
     int l = pref_[size_t(v)];
-    if (l < 0) l = blocked(shape);
+    if (l < 0) l = blocked(type(v).shape);
     const Tile t = get(v, l);
     const std::string st = storage_type(dt);
     const std::string buf = fresh("stage");

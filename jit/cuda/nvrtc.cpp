@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/never_destroyed.h"
 #include "jit/cuda/nvrtc_api.h"
 #include "kerf/error.h"
 
@@ -23,15 +24,8 @@ namespace kerf::nvrtc {
 namespace detail {
 namespace {
 
-// Holds a T that is never destroyed, so that compiles running during static
-// destruction still find the library (it is never closed either).
-template <class T>
-union NeverDestroyed {
-  T value;
-  template <class... Args>
-  explicit NeverDestroyed(Args&&... args) : value(std::forward<Args>(args)...) {}
-  ~NeverDestroyed() {}
-};
+// Compiles running during static destruction still find the library (it is never closed).
+using kerf::detail::NeverDestroyed;
 
 std::string env(const char* name) {
   const char* value = std::getenv(name);
