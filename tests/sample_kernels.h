@@ -106,6 +106,28 @@ inline const Kernel& inplace_kernel() {
   return k;
 }
 
+// Language corners in one kernel: a rank-3 tile reduced along axis 0, a scalar
+// load broadcast into a tile, and a dot too small for tensor cores.
+//   out[j, k] = sum_e x[e, j, k] * g[0] + (a @ b)[j, k]
+// x [E, J, K] with E=4, J=8, K=16 tiles; a [8, 16], b [16, 16] (any float dtype).
+inline const Kernel& corners_kernel() {
+  static const Kernel k("language_corners", [](Builder& b) {
+    auto x = b.tensor("x", 3), g = b.tensor("g", 1), a = b.tensor("a", 2), bb = b.tensor("b", 2);
+    auto out = b.tensor("out", 2);
+    auto e = arange(4), j = arange(8), kk = arange(16), k2 = arange(16);
+    auto e3 = e[{_, newaxis, newaxis}], j3 = j[{newaxis, _, newaxis}], k3 = kk[{newaxis, newaxis, _}];
+    auto m3 = (e3 < x.dim(0)) & (j3 < x.dim(1)) & (k3 < x.dim(2));
+    auto t = load(x, {e3, j3, k3}, m3).to(DType::f32);          // [4, 8, 16]
+    auto gain = load(g, {literal(int64_t(0))}).to(DType::f32);  // a scalar
+    auto at = load(a, {j.col(), k2.row()}, (j.col() < a.dim(0)) & (k2.row() < a.dim(1)));
+    auto bt = load(bb, {k2.col(), kk.row()}, (k2.col() < bb.dim(0)) & (kk.row() < bb.dim(1)));
+    auto r = sum(t, 0) * gain + dot(at, bt);                      // [8, 16]
+    auto m2 = (j.col() < out.dim(0)) & (kk.row() < out.dim(1));
+    store(out, {j.col(), kk.row()}, r.to(out.dtype()), m2);
+  });
+  return k;
+}
+
 // Each program takes a ticket (old counter value, acquire-release) and records
 // it; then adds its values into x and records the old values of x.
 inline const Kernel& ticket_kernel() {

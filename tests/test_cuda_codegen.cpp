@@ -79,6 +79,8 @@ std::vector<Case> all_cases() {
                    {t(DType::f32, 1), t(DType::bf16, 1), ArgSpec::scalar(), t(DType::f32, 1), t(DType::f32, 1)},
                    {{"BLOCK", 1024}}, "dora_norm_finish"});
   cases.push_back({&kernels::fill(), {t(DType::f32, 1), ArgSpec::scalar()}, {{"BLOCK", 1024}}, "fill"});
+  for (DType d : {DType::f32, DType::bf16})
+    cases.push_back({&test::corners_kernel(), {t(d, 3), t(d, 1), t(d, 2), t(d, 2), t(d, 2)}, {}, "corners"});
   for (int64_t shift : {0, 1})
     cases.push_back({&test::inplace_kernel(), {t(DType::bf16, 2)},
                      {{"BM", 16}, {"BN", 64}, {"SHIFT", shift}, {"num_stages", 3}}, "inplace"});

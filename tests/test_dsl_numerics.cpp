@@ -199,6 +199,30 @@ void inplace(Device dev, DType d, int64_t rows, int64_t cols, int64_t shift, uin
   CHECK(test::max_relative_error(got, ref, 1.0) <= test::tolerance(d));
 }
 
+void corners(Device dev, DType d, int64_t E, int64_t J, int64_t K, uint64_t seed) {
+  CAPTURE(dev.str(), dtype_name(d), E, J, K, seed);
+  std::mt19937_64 rng(seed);
+  TestTensor x(d, {E, J, K}, dev), g(d, {1}, dev), a(d, {J, K}, dev), b(d, {K, K}, dev), out(d, {J, K}, dev);
+  x.randomize(rng);
+  g.randomize(rng, 0.5, 2.0);
+  a.randomize(rng);
+  b.randomize(rng);
+  out.poison();
+  launch(test::corners_kernel(), {x.view(), g.view(), a.view(), b.view(), out.view()}, Grid{1});
+  sync(dev);
+  out.download();
+  std::vector<double> got, ref;
+  for (int64_t j = 0; j < J; ++j)
+    for (int64_t k = 0; k < K; ++k) {
+      double s = 0, p = 0;
+      for (int64_t e = 0; e < E; ++e) s += x.get((e * J + j) * K + k);
+      for (int64_t q = 0; q < K; ++q) p += a.get(j * K + q) * b.get(q * K + k);
+      ref.push_back(s * g.get(0) + p);
+      got.push_back(out.get(j * K + k));
+    }
+  CHECK(test::max_relative_error(got, ref, 2.0) <= test::tolerance(d));
+}
+
 void run_all(Device dev) {
   uint64_t seed = 2024;
   for (DType d : {DType::f32, DType::bf16, DType::f16})
@@ -216,6 +240,9 @@ void run_all(Device dev) {
   column_sums(dev, 300, 100, seed++);
   column_sums(dev, 1000, 64, seed++);
   for (DType d : {DType::f32, DType::bf16}) elementwise(dev, d, 1000, seed++);
+  corners(dev, DType::f32, 4, 8, 16, seed++);
+  corners(dev, DType::bf16, 3, 7, 13, seed++);
+  corners(dev, DType::f16, 4, 8, 16, seed++);
   tickets(dev, 1000, seed++);
   for (int64_t shift : {0, 1}) {
     inplace(dev, DType::f32, 100, 1000, shift, seed++);
