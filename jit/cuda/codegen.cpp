@@ -1315,13 +1315,21 @@ class Codegen {
       line(lv, "#pragma unroll");
       line(lv, "for (int ki = 0; ki < " + S(K / 16) + "; ++ki) {");
       line(lv, "  #pragma unroll");
-      line(lv, "  for (int ni = 0; ni < " + S(NT) + "; ++ni) {");
-      line(lv, "    unsigned bf[2];");
-      line(lv, "    kerf_dev::ldmatrix_x2_trans(bf, sb + (ki * 16 + (lane & 15)) * " + S(sb.pitch) +
-                   " + wn * 8 + ni * " + S(8 * wn) + ");");
+      // B fragments for two n-tiles per ldmatrix.x4 (lanes 16-31 address the second).
+      const int64_t per = NT >= 2 ? 2 : 1;
+      line(lv, "  for (int ni = 0; ni < " + S(NT) + "; ni += " + S(per) + ") {");
+      line(lv, "    unsigned bf[" + S(2 * per) + "];");
+      if (per == 2)
+        line(lv, "    kerf_dev::ldmatrix_x4_trans(bf, sb + (ki * 16 + (lane & 15)) * " + S(sb.pitch) +
+                     " + wn * 8 + (ni + (lane >> 4)) * " + S(8 * wn) + ");");
+      else
+        line(lv, "    kerf_dev::ldmatrix_x2_trans(bf, sb + (ki * 16 + (lane & 15)) * " + S(sb.pitch) +
+                     " + wn * 8 + ni * " + S(8 * wn) + ");");
       line(lv, "    #pragma unroll");
-      line(lv, "    for (int mi = 0; mi < " + S(MT) + "; ++mi) " + mma + "(&" + name + "[(ni << 2) | (mi << " +
-                   S(2 + log2i(NT)) + ")], " + af + "[ki][mi], bf);");
+      line(lv, "    for (int h = 0; h < " + S(per) + "; ++h)");
+      line(lv, "      #pragma unroll");
+      line(lv, "      for (int mi = 0; mi < " + S(MT) + "; ++mi) " + mma + "(&" + name + "[((ni + h) << 2) | (mi << " +
+                   S(2 + log2i(NT)) + ")], " + af + "[ki][mi], bf + 2 * h);");
       line(lv, "  }");
       line(lv, "}");
     } else {
