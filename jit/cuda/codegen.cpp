@@ -238,34 +238,12 @@ class Codegen {
     return M % 16 == 0 && N % 8 == 0 && K % 16 == 0;
   }
 
-  // How the warps share an mma dot's [M, N] result. Every warp loads the B
-  // fragments of its columns, so warps stacked along M each re-read B; when A
-  // is loop-invariant its fragments stay in registers for the whole loop, and
-  // splitting along N (within a register budget for those fragments) cuts the
-  // shared-memory traffic of the per-iteration operand.
-  void dot_warp_split(const Operation& op, int* wm, int* wn) const {
-    const ir::Type& ta = type(op.operands[0]);
-    const Shape shape = type(op.results[0]).shape;
-    const int64_t M = shape[0], N = shape[1], K = ta.shape[1];
-    if (level_of_[size_t(op.operands[0])] >= level_of_[size_t(op.results[0])]) {
-      mma_warp_split(shape, num_warps_, wm, wn);
-      return;
-    }
-    constexpr int64_t kFragmentRegs = 32;  // per thread, for A's fragments
-    int m = 1;
-    while (m * 2 <= num_warps_ && int64_t(m * 2) * 16 <= M && (M / (16 * m)) * (K / 16) * 4 > kFragmentRegs) m *= 2;
-    int n = 1;
-    while (m * n * 2 <= num_warps_ && int64_t(n * 2) * 8 <= N) n *= 2;
-    *wm = m;
-    *wn = n;
-  }
-
   int acc_layout(const Operation& op) {
     const Shape& shape = type(op.results[0]).shape;
     int l;
     if (mma_eligible(op)) {
       int wm, wn;
-      dot_warp_split(op, &wm, &wn);
+      mma_warp_split(shape, num_warps_, &wm, &wn);
       l = intern(mma_acc_layout(shape, num_warps_, wm, wn));
     } else {
       l = intern(blocked_layout(shape, num_warps_, 4));
@@ -1312,7 +1290,7 @@ class Codegen {
     line(lv, "const " + at + "* sb = reinterpret_cast<const " + at + "*>(kerf_smem + (" + sb.offset + "));");
     if (mma_eligible(op)) {
       int wm, wn;
-      dot_warp_split(op, &wm, &wn);
+      mma_warp_split(Shape{M, N}, num_warps_, &wm, &wn);
       const int64_t MT = M / (16 * wm), NT = N / (8 * wn);
       const std::string mma = ta.dtype == DType::bf16 ? "kerf_dev::mma_bf16_16816" : "kerf_dev::mma_f16_16816";
       line(lv, "const int wm = warp & " + S(wm - 1) + ", wn = (warp >> " + S(log2i(wm)) + ") & " + S(wn - 1) + ";");
