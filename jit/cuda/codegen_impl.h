@@ -1,0 +1,469 @@
+// The CUDA code generator's state and steps, shared by the files that
+// implement it: codegen.cpp (analysis, layouts, statements), codegen_values.cpp
+// (scalars, tiles, layout conversions), codegen_memory.cpp (loads, stores,
+// atomics), codegen_pipeline.cpp (cp.async software pipelining), codegen_dot.cpp
+// (tensor-core and FMA dots) and codegen_reduce.cpp (reductions).
+#pragma once
+
+#include <algorithm>
+#include <cstdio>
+#include <deque>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "device_library.h"
+#include "jit/ir/axis_info.h"
+#include "kerf/error.h"
+#include "kerf/jit/abi.h"
+#include "kerf/jit/cuda_codegen.h"
+#include "layout.h"
+
+namespace kerf::jit::cuda::detail {
+
+using ir::Operation;
+using ir::OpKind;
+using ir::Shape;
+using ir::ValueId;
+
+inline std::string S(int64_t v) {
+  return std::to_string(v);
+}
+
+inline int log2i(int64_t x) {
+  int n = 0;
+  while ((int64_t(1) << n) < x) ++n;
+  return n;
+}
+
+// C++ type that holds one element in registers and memory.
+inline std::string storage_type(DType t) {
+  switch (t) {
+    case DType::i1:
+      return "bool";
+    case DType::i32:
+      return "int";
+    case DType::i64:
+      return "long long";
+    case DType::f16:
+    case DType::bf16:
+      return "unsigned short";
+    case DType::f32:
+      return "float";
+    case DType::f64:
+      return "double";
+  }
+  return "?";
+}
+
+// Type arithmetic happens in: 16-bit floats compute in f32.
+inline DType compute_dtype(DType t) {
+  return is_half(t) ? DType::f32 : t;
+}
+inline std::string compute_type(DType t) {
+  return storage_type(compute_dtype(t));
+}
+
+inline std::string to_compute(DType t, const std::string& x) {
+  if (t == DType::bf16) return "kerf_dev::bf16_to_f32(" + x + ")";
+  if (t == DType::f16) return "kerf_dev::f16_to_f32(" + x + ")";
+  return x;
+}
+
+inline std::string from_compute(DType t, const std::string& x) {
+  if (t == DType::bf16) return "kerf_dev::f32_to_bf16(" + x + ")";
+  if (t == DType::f16) return "kerf_dev::f32_to_f16(" + x + ")";
+  return x;
+}
+
+inline std::string float_literal(double v, DType t) {
+  if (v != v)
+    return t == DType::f64 ? "__longlong_as_double(0x7ff8000000000000LL)"
+                           : "__int_as_float(0x7fc00000)";
+  if (v == 1.0 / 0.0)
+    return t == DType::f64 ? "__longlong_as_double(0x7ff0000000000000LL)"
+                           : "__int_as_float(0x7f800000)";
+  if (v == -1.0 / 0.0)
+    return t == DType::f64 ? "__longlong_as_double(0xfff0000000000000LL)"
+                           : "__int_as_float(0xff800000)";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  std::string s = buf;
+  if (s.find_first_of(".e") == std::string::npos) s += ".0";
+  return t == DType::f64 ? s : s + "f";
+}
+
+inline std::string int_literal(int64_t v, DType t) {
+  if (t == DType::i64) return "(" + S(v) + "LL)";
+  if (t == DType::i1) return v ? "true" : "false";
+  if (v == INT32_MIN) return "(-2147483647 - 1)";
+  return S(v);
+}
+
+// Converts a compute-typed expression of dtype `from` to storage of dtype `to`.
+inline std::string convert(DType from, DType to, const std::string& x) {
+  if (from == to) return x;
+  if (to == DType::i1) return "(" + to_compute(from, x) + " != 0)";
+  const std::string c = to_compute(from, x);
+  if (is_half(to)) return from_compute(to, is_float(from) ? c : "(float)(" + c + ")");
+  return "(" + storage_type(to) + ")(" + c + ")";
+}
+
+struct Tile {
+  std::string name;       // register array (or a scalar expression when `scalar`)
+  bool scalar = false;    // the same value for every register
+  std::vector<int> kept;  // storage register bit j <- requested layout's register bit kept[j]
+  bool identity = true;
+};
+
+struct Staged {        // a rank-2 tile written row-major into shared memory
+  std::string offset;  // byte offset into kerf_smem (a C++ expression)
+  int64_t pitch = 0;   // elements per row
+};
+
+// Code and emitted tiles of one loop level.
+struct Frame {
+  std::string code;
+  std::map<std::pair<ValueId, int>, Tile> memo;
+};
+
+// A load inside a pipelined loop: copied global -> shared memory with
+// cp.async, `stages` iterations ahead, into a ring of buffers.
+struct AsyncLoad {
+  int ring_offset = 0;      // bytes into kerf_smem
+  int64_t stage_bytes = 0;  // one tile, rows padded
+  std::vector<int64_t> pitch;
+  std::string stage;  // C++ expression: the ring slot of this iteration
+};
+
+class Codegen {
+ public:
+  // ---- entry (codegen.cpp)
+  Codegen(const ir::Function& f, const std::string& arch);
+
+  KernelCode run();
+
+ private:
+  // ---- analysis (codegen.cpp)
+
+  static int parse_sm(const std::string& arch);
+
+  bool is_pure(OpKind k) const;
+
+  // Records each value's defining op and placement level.
+  void scan_block(const ir::Block& b, int level);
+
+  const ir::Type& type(ValueId v) const;
+
+  void choose_blocked_vectors(const ir::Block& b);
+
+  int blocked(const Shape& shape);
+
+  bool mma_eligible(const Operation& op) const;
+
+  int acc_layout(const Operation& op);
+
+  int merge_prefs(const std::vector<int>& ls) const;
+
+  // A layout each expensive value would like to live in.
+  void compute_prefs(const ir::Block& b);
+
+  // ---- layouts (codegen.cpp)
+
+  int intern(const Layout& l);
+
+  bool thread_part_nonzero(int l, int d) const;
+
+  // Coordinate along `d` of register `r` (a C++ expression) of layout `l`.
+  std::string coord(int l, int d, const std::string& r);
+
+  std::string prologue();
+
+  // True when this thread is the first of the threads holding copies of its elements.
+  std::string owner_predicate(int l) const;
+
+  // ---- code buffers (codegen.cpp)
+
+  Frame& frame(int level);
+  int depth() const;
+
+  void line(int level, const std::string& s);
+
+  const Tile* find_memo(const std::pair<ValueId, int>& key);
+
+  // Opens a fresh frame for `level` (a loop body, or a prefetch block that
+  // stands in for one); returns the frame it replaced, or -1 for a new level.
+  int open_frame(int level);
+
+  // Closes the frame of `level` and returns its code.
+  std::string close_frame(int level, int replaced);
+
+  std::string fresh(const std::string& base);
+
+  int alloc_smem(int64_t bytes);
+
+  std::string elem(const Tile& t, const std::string& r) const;
+
+  // A Tile of a value requested in layout `l`, given the tile of that value in
+  // a layout derived from `l` by dropping register bits.
+  Tile compose(Tile inner, const Derived& d, int l) const;
+
+  // ---- scalars (codegen_values.cpp)
+
+  std::string scalar(ValueId v);
+
+  // The expression of an elementwise op on storage-typed operand expressions.
+  template <class DtypeOf>
+  std::string elementwise_expr(const Operation& op, const std::vector<std::string>& x,
+                               DtypeOf dtype_of) {
+    const DType rt = type(op.results[0]).dtype;
+    if (op.kind == OpKind::Cast) return convert(dtype_of(0), rt, x[0]);
+    if (op.kind == OpKind::Select) return "(" + x[0] + " ? " + x[1] + " : " + x[2] + ")";
+    const DType t = dtype_of(0);
+    const std::string ct = compute_type(t);
+    auto c = [&](size_t i) { return to_compute(t, x[i]); };
+    const bool f = is_float(t);
+    const bool dbl = t == DType::f64;
+    std::string e;
+    switch (op.kind) {
+      case OpKind::Neg:
+        e = "(-" + c(0) + ")";
+        break;
+      case OpKind::Not:
+        e = t == DType::i1 ? "(!" + c(0) + ")" : "(~" + c(0) + ")";
+        break;
+      case OpKind::Abs:
+        e = f ? (dbl ? "fabs(" : "fabsf(") + c(0) + ")"
+              : (t == DType::i64 ? "llabs(" : "abs(") + c(0) + ")";
+        break;
+      case OpKind::Sqrt:
+        e = (dbl ? "sqrt(" : "sqrtf(") + c(0) + ")";
+        break;
+      case OpKind::Rsqrt:
+        e = (dbl ? "rsqrt(" : "rsqrtf(") + c(0) + ")";
+        break;
+      case OpKind::Exp:
+        e = (dbl ? "exp(" : "expf(") + c(0) + ")";
+        break;
+      case OpKind::Log:
+        e = (dbl ? "log(" : "logf(") + c(0) + ")";
+        break;
+      case OpKind::Add:
+        e = "(" + c(0) + " + " + c(1) + ")";
+        break;
+      case OpKind::Sub:
+        e = "(" + c(0) + " - " + c(1) + ")";
+        break;
+      case OpKind::Mul:
+        e = "(" + c(0) + " * " + c(1) + ")";
+        break;
+      case OpKind::Div:
+        e = f ? "(" + c(0) + " / " + c(1) + ")"
+              : "kerf_dev::idiv<" + ct + ">(" + c(0) + ", " + c(1) + ")";
+        break;
+      case OpKind::Rem:
+        e = f ? (dbl ? "fmod(" : "fmodf(") + c(0) + ", " + c(1) + ")"
+              : "kerf_dev::irem<" + ct + ">(" + c(0) + ", " + c(1) + ")";
+        break;
+      case OpKind::Min:
+        e = f ? (dbl ? "fmin(" : "fminf(") + c(0) + ", " + c(1) + ")"
+              : "(" + c(0) + " < " + c(1) + " ? " + c(0) + " : " + c(1) + ")";
+        break;
+      case OpKind::Max:
+        e = f ? (dbl ? "fmax(" : "fmaxf(") + c(0) + ", " + c(1) + ")"
+              : "(" + c(0) + " > " + c(1) + " ? " + c(0) + " : " + c(1) + ")";
+        break;
+      case OpKind::And:
+        e = "(" + ct + ")(" + c(0) + " & " + c(1) + ")";
+        break;
+      case OpKind::Or:
+        e = "(" + ct + ")(" + c(0) + " | " + c(1) + ")";
+        break;
+      case OpKind::Xor:
+        e = "(" + ct + ")(" + c(0) + " ^ " + c(1) + ")";
+        break;
+      case OpKind::Shl:
+        e = "(" + ct + ")(" + c(0) + " << " + c(1) + ")";
+        break;
+      case OpKind::Shr:
+        e = "(" + ct + ")(" + c(0) + " >> " + c(1) + ")";
+        break;
+      case OpKind::Lt:
+        return "(" + c(0) + " < " + c(1) + ")";
+      case OpKind::Le:
+        return "(" + c(0) + " <= " + c(1) + ")";
+      case OpKind::Gt:
+        return "(" + c(0) + " > " + c(1) + ")";
+      case OpKind::Ge:
+        return "(" + c(0) + " >= " + c(1) + ")";
+      case OpKind::Eq:
+        return "(" + c(0) + " == " + c(1) + ")";
+      case OpKind::Ne:
+        return "(" + c(0) + " != " + c(1) + ")";
+      default:
+        throw InternalError(std::string("CUDA codegen: no expression for op ") +
+                            ir::op_name(op.kind));
+    }
+    return from_compute(rt, e);
+  }
+
+  // ---- tiles (codegen_values.cpp)
+
+  Tile get(ValueId v, int l);
+
+  Tile compute(ValueId v, int l);
+
+  // An expensive value in its home layout, converted to `l` if that differs.
+  Tile from_home(ValueId v, int l);
+
+  int home_layout(ValueId v);
+
+  Tile home_tile(ValueId v, int h);
+
+  // Register-only remapping when the threads already hold what `to` needs.
+  bool register_subset(int from, int to, std::vector<int>* kept) const;
+
+  // Row-major offsets of a tile in shared memory; rows padded by 16 bytes
+  // so that column accesses of successive rows fall in different banks.
+  std::vector<int64_t> smem_pitches(const Shape& shape, int elem_bytes) const;
+
+  int64_t smem_bytes_for(const Shape& shape, int elem_bytes) const;
+
+  std::string smem_offset(int l, const std::vector<int64_t>& pitch, const std::string& r);
+
+  // Room in shared memory for one tile of `v` (row-major, rows padded).
+  struct SmemTile {
+    DType dtype;
+    std::vector<int64_t> pitch;
+    int offset;
+  };
+  SmemTile alloc_smem_tile(ValueId v);
+
+  // Writes a tile into shared memory (row-major, padded). Emitted at `lv`.
+  void write_smem(int lv, const Tile& t, int l, DType dt, const std::string& buf,
+                  const std::vector<int64_t>& pitch);
+
+  Tile convert_tile(ValueId v, const Tile& src, int from, int to);
+
+  // Reads a row-major padded tile from shared memory into registers of layout `to`.
+  Tile read_smem(int lv, ValueId v, const std::string& buf, int to, DType dt,
+                 const std::vector<int64_t>& pitch);
+
+  // ---- pipelined loads (codegen_pipeline.cpp)
+
+  std::string async_slot_offset(const AsyncLoad& a) const;
+
+  Tile from_async(ValueId v, int l);
+
+  // Whether `v` (inside the loop body at `inner`) depends on the loop only
+  // through its induction variable, with no memory reads.
+  bool iv_only(ValueId v, ValueId iv, int inner, std::set<ValueId>& seen) const;
+
+  // The value under broadcasts and expand_dims.
+  ValueId strip_shape_ops(ValueId v) const;
+
+  // Whether `idx` is iv + arange(0, n) (in any broadcast form); sets n.
+  bool iv_plus_range(ValueId idx, ValueId iv, int64_t* n) const;
+
+  // A load from a tensor the kernel also writes may still run ahead when every
+  // write to that tensor is in this loop at the same indices, and one index is
+  // iv + arange(n) with a constant step >= n: each iteration then reads and
+  // writes its own tile, disjoint from every other iteration's (in-place
+  // updates such as W += s*B@A).
+  bool disjoint_in_place(const Operation& load, const Operation& loop) const;
+
+  static void count_writes(const ir::Block& b, std::map<int64_t, int>& out);
+
+  // Loads of a loop body that can be issued iterations ahead as cp.async copies.
+  std::vector<const Operation*> pipelinable_loads(const Operation& loop, int inner);
+
+  static void collect_written(const ir::Block& b, std::set<int64_t>& out);
+
+  // Emits, into `target` level, a block that issues the cp.async copies of
+  // `op` for the iteration whose induction variable is `iv_value` into ring
+  // slot `slot`; `valid` says whether that iteration exists.
+  void emit_prefetch(const Operation& op, int target, int inner, ValueId iv,
+                     const std::string& iv_value, const std::string& slot,
+                     const std::string& valid);
+
+  // ---- memory (codegen_memory.cpp)
+
+  const ir::Param& tensor_of(const Operation& op) const;
+
+  std::string pointer_expr(const Operation& op);
+
+  std::string stride_expr(const Operation& op, int d);
+
+  std::string offset_expr(const Operation& op, const std::vector<Tile>& idx, const std::string& r);
+
+  // Elements per vector access for a load/store of `op` in layout `l`.
+  int vector_width(const Operation& op, int l) const;
+
+  std::string scalar_load(const Operation& op);
+
+  Tile emit_load(const Operation& op, int l);
+
+  // Store and atomic_add: the layout they write from.
+  int store_layout(ValueId value);
+
+  void emit_store(const Operation& op, int level);
+
+  std::string store_stmt(DType t, bool atomic, const std::string& addr, const std::string& val);
+
+  // ---- dot (codegen_dot.cpp)
+
+  Staged stage(ValueId v);
+
+  Tile emit_dot(const Operation& op, int h);
+
+  static std::string to_compute_float(DType t, const std::string& x);
+
+  // ---- reductions (codegen_reduce.cpp)
+
+  std::string emit_reduce(const Operation& op);
+
+  // ---- statements (codegen.cpp)
+
+  void emit_block(const ir::Block& b);
+
+  void emit_for(const Operation& op, int lv);
+
+  // ---- state
+
+  const ir::Function& f_;
+  std::string arch_;
+  int sm_ = 80;
+  int num_warps_ = 4;
+  int num_stages_ = 1;
+  std::vector<ir::AxisInfo> axis_;
+  std::vector<int> uses_;
+  std::vector<const Operation*> def_op_;
+  std::vector<int> level_of_;
+  std::vector<int> pref_;
+  std::map<Shape, int> blocked_vec_;
+  std::map<ValueId, int> reduce_input_;
+  std::set<int> acc_layouts_;
+  std::deque<Layout> layouts_;  // deque: references stay valid while interning
+  std::set<std::pair<int, int>> used_thread_coords_;
+
+  std::vector<Frame> frames_;
+  std::vector<int> active_;  // loop level -> frame
+  std::map<ValueId, AsyncLoad> async_;
+  std::map<ValueId, std::string> scalars_;
+  std::map<ValueId, int> scalar_level_;
+  std::map<ValueId, int> home_;
+  std::map<ValueId, Staged> staged_;
+  std::map<ValueId, std::string> reduced_;
+  std::map<std::pair<ValueId, int64_t>, std::string> afrags_;  // (A, warp split) -> fragments
+  std::set<std::string> pointers_;
+  std::string pointer_lines_;
+  int counter_ = 0;
+  int smem_top_ = 0;
+
+ public:
+  const std::string& pointer_lines() const;
+};
+
+}  // namespace kerf::jit::cuda::detail

@@ -1,0 +1,258 @@
+// Loads, stores and atomics: addresses, vector widths from the axis analysis,
+// masks, and the threads that own each element.
+#include "codegen_impl.h"
+
+namespace kerf::jit::cuda::detail {
+
+const ir::Param& Codegen::tensor_of(const Operation& op) const {
+  return f_.params[size_t(op.attrs.param)];
+}
+
+std::string Codegen::pointer_expr(const Operation& op) {
+  const ir::Param& p = tensor_of(op);
+  const size_t slot = slot_offsets(f_.params)[size_t(op.attrs.param)];
+  const std::string key = "p" + S(op.attrs.param);
+  if (!pointers_.count(key)) {
+    pointers_.insert(key);
+    pointer_lines_ += "  " + storage_type(p.dtype) + "* const " + key + " = reinterpret_cast<" +
+                      storage_type(p.dtype) + "*>(args.s[" + S(int64_t(slot)) + "]);\n";
+  }
+  return key;
+}
+
+std::string Codegen::stride_expr(const Operation& op, int d) {
+  const ir::Param& p = tensor_of(op);
+  if (p.facts.contiguous_last && d == p.rank - 1) return "";
+  const size_t slot =
+      slot_offsets(f_.params)[size_t(op.attrs.param)] + 1 + size_t(p.rank) + size_t(d);
+  const std::string key = "st" + S(op.attrs.param) + "_" + S(d);
+  if (!pointers_.count(key)) {
+    pointers_.insert(key);
+    pointer_lines_ +=
+        "  const long long " + key + " = (long long)args.s[" + S(int64_t(slot)) + "];\n";
+  }
+  return key;
+}
+
+std::string Codegen::offset_expr(const Operation& op, const std::vector<Tile>& idx,
+                                 const std::string& r) {
+  std::string e;
+  for (size_t d = 0; d < idx.size(); ++d) {
+    const std::string s = stride_expr(op, int(d));
+    const std::string i = "(long long)" + elem(idx[d], r);
+    e += (e.empty() ? "" : " + ") + (s.empty() ? i : i + " * " + s);
+  }
+  return e.empty() ? "0" : e;
+}
+
+// Elements per vector access for a load/store of `op` in layout `l`.
+int Codegen::vector_width(const Operation& op, int l) const {
+  const ir::Param& p = tensor_of(op);
+  const Layout& L = layouts_[size_t(l)];
+  const int rank = L.rank();
+  if (rank == 0 || !p.facts.contiguous_last) return 1;
+  const int D = rank - 1;
+  const int eb = dtype_size_bytes(p.dtype);
+  int64_t w = std::min<int64_t>(L.contiguous_regs(D), 16 / eb);
+  const ir::AxisInfo& last = axis_[size_t(op.operands[size_t(p.rank - 1)])];
+  w = std::min(w, last.contiguity[size_t(D)]);
+  int64_t div = last.divisibility[size_t(D)];
+  for (int k = 0; k + 1 < p.rank; ++k) {
+    const ir::AxisInfo& a = axis_[size_t(op.operands[size_t(k)])];
+    w = std::min(w, a.constancy[size_t(D)]);
+    const int64_t sd = (p.facts.strides_div16 >> k) & 1 ? 16 : 1;
+    div = std::min(div, std::min(ir::kMaxDivisibility, a.element_divisibility() * sd));
+  }
+  div = std::min<int64_t>(div, p.facts.aligned16 ? 16 / eb : 1);
+  w = std::min(w, div);
+  if (op.attrs.has_mask) {
+    const size_t mi = size_t(p.rank) + (op.kind == OpKind::Load ? 0 : 1);
+    w = std::min(w, axis_[size_t(op.operands[mi])].constancy[size_t(D)]);
+  }
+  int64_t out = 1;
+  while (out * 2 <= w) out *= 2;
+  return int(out);
+}
+
+std::string Codegen::scalar_load(const Operation& op) {
+  const ir::Param& p = tensor_of(op);
+  std::vector<Tile> idx;
+  for (int d = 0; d < p.rank; ++d)
+    idx.push_back(Tile{scalar(op.operands[size_t(d)]), true, {}, true});
+  const std::string ptr = pointer_expr(op);
+  const std::string off = offset_expr(op, idx, "0");
+  const std::string val = ptr + "[" + off + "]";
+  if (!op.attrs.has_mask) return val;
+  const std::string m = scalar(op.operands[size_t(p.rank)]);
+  const std::string other = op.attrs.has_other ? scalar(op.operands[size_t(p.rank) + 1])
+                                               : "(" + storage_type(p.dtype) + ")0";
+  return "(" + m + " ? " + val + " : " + other + ")";
+}
+
+Tile Codegen::emit_load(const Operation& op, int l) {
+  const ir::Param& p = tensor_of(op);
+  const ValueId v = op.results[0];
+  const int lv = level_of_[size_t(v)];
+  const Layout& L = layouts_[size_t(l)];
+  std::vector<Tile> idx;
+  for (int d = 0; d < p.rank; ++d) idx.push_back(get(op.operands[size_t(d)], l));
+  Tile mask, other;
+  if (op.attrs.has_mask) mask = get(op.operands[size_t(p.rank)], l);
+  if (op.attrs.has_other) other = get(op.operands[size_t(p.rank) + 1], l);
+  const int w = vector_width(op, l);
+  const int n = L.num_regs();
+  const std::string st = storage_type(p.dtype);
+  const std::string name = "v" + S(v) + "_" + S(l);
+  const std::string ptr = pointer_expr(op);
+  line(lv, st + " " + name + "[" + S(n) + "];  // load @" + p.name + " in " + L.key() + ", " +
+               S(w) + "-wide");
+  line(lv, "#pragma unroll");
+  line(lv, "for (int q = 0; q < " + S(n / w) + "; ++q) {");
+  line(lv, "  const int r = q * " + S(w) + ";");
+  line(lv, "  const long long off = " + offset_expr(op, idx, "r") + ";");
+  std::string load;
+  if (w == 1) {
+    load = name + "[r] = " + ptr + "[off];";
+  } else {
+    load = "{ const kerf_dev::Pack<" + st + ", " + S(w) + "> pk = kerf_dev::ld<" + st + ", " +
+           S(w) + ">(" + ptr + " + off); for (int j = 0; j < " + S(w) + "; ++j) " + name +
+           "[r + j] = pk.v[j]; }";
+  }
+  if (op.attrs.has_mask) {
+    const std::string fill = op.attrs.has_other ? elem(other, "r + j") : "(" + st + ")0";
+    line(lv, "  if (" + elem(mask, "r") + ") " + load);
+    line(lv, "  else for (int j = 0; j < " + S(w) + "; ++j) " + name + "[r + j] = " + fill + ";");
+  } else {
+    line(lv, "  " + load);
+  }
+  line(lv, "}");
+  return Tile{name, false, {}, true};
+}
+
+// Store and atomic_add: the layout they write from.
+int Codegen::store_layout(ValueId value) {
+  const Shape& shape = type(value).shape;
+  const int p = pref_[size_t(value)];
+  if (p >= 0 && shape.size() == 1) return p;  // reduction results: write in place
+  return blocked(shape);
+}
+
+void Codegen::emit_store(const Operation& op, int level) {
+  const ir::Param& p = tensor_of(op);
+  const ValueId value = op.operands[size_t(p.rank)];
+  const std::string ptr = pointer_expr(op);
+  const std::string st = storage_type(p.dtype);
+  const bool atomic = op.kind == OpKind::AtomicAdd;
+  // An atomic whose old values are used, or that orders memory, needs more than a fire-and-forget
+  // add.
+  const ValueId old =
+      atomic && !op.results.empty() && uses_[size_t(op.results[0])] > 0 ? op.results[0] : -1;
+  if (atomic && op.attrs.acq_rel) {
+    line(level, "__threadfence();  // release: this program's earlier writes come first");
+    line(level, "__syncthreads();");
+  }
+  if (type(value).is_scalar()) {
+    std::vector<Tile> idx;
+    for (int d = 0; d < p.rank; ++d)
+      idx.push_back(Tile{scalar(op.operands[size_t(d)]), true, {}, true});
+    const std::string off = offset_expr(op, idx, "0");
+    std::string cond = "threadIdx.x == 0";
+    const std::string mask = op.attrs.has_mask ? scalar(op.operands[size_t(p.rank) + 1]) : "true";
+    const std::string val = scalar(value);
+    if (old < 0) {
+      line(level, "if (" + cond + " && " + mask + ") " +
+                      store_stmt(p.dtype, atomic, ptr + " + (" + off + ")", val) + ";");
+      if (atomic && op.attrs.acq_rel) {
+        line(level, "__threadfence();  // acquire: later reads come after the atomic");
+        line(level, "__syncthreads();");
+      }
+      return;
+    }
+    // One thread adds; every thread of the program gets the old value.
+    const int slot = alloc_smem(16);
+    const std::string name = "v" + S(old);
+    line(level, "if (" + cond + ") {");
+    line(level, "  " + st + " prev = (" + st + ")0;");
+    line(level, "  if (" + mask +
+                    ") prev = " + store_stmt(p.dtype, true, ptr + " + (" + off + ")", val) + ";");
+    if (op.attrs.acq_rel) line(level, "  __threadfence();  // acquire");
+    line(level, "  *reinterpret_cast<" + st + "*>(kerf_smem + " + S(slot) + ") = prev;");
+    line(level, "}");
+    line(level, "__syncthreads();");
+    line(level, "const " + st + " " + name + " = *reinterpret_cast<const " + st +
+                    "*>(kerf_smem + " + S(slot) + ");");
+    scalars_[old] = name;
+    scalar_level_[old] = level_of_[size_t(old)];
+    return;
+  }
+  const int l = store_layout(value);
+  const Layout& L = layouts_[size_t(l)];
+  std::vector<Tile> idx;
+  for (int d = 0; d < p.rank; ++d) idx.push_back(get(op.operands[size_t(d)], l));
+  // A value whose math lives in another layout (a dot's accumulator) is
+  // finished there, and only the stored elements move through shared memory.
+  const int pv = pref_[size_t(value)];
+  const Tile val = (pv >= 0 && pv != l && acc_layouts_.count(pv))
+                       ? convert_tile(value, get(value, pv), pv, l)
+                       : get(value, l);
+  Tile mask;
+  if (op.attrs.has_mask) mask = get(op.operands[size_t(p.rank) + 1], l);
+  const int w = atomic ? 1 : vector_width(op, l);
+  const int n = L.num_regs();
+  const std::string own = owner_predicate(l);
+  const std::string old_name = old >= 0 ? "atom" + S(old) + "_" + S(l) : "";
+  if (old >= 0) {
+    line(level, st + " " + old_name + "[" + S(n) + "];  // old values of the atomic");
+    line(level, "#pragma unroll");
+    line(level, "for (int r = 0; r < " + S(n) + "; ++r) " + old_name + "[r] = (" + st + ")0;");
+  }
+  line(level, "// " + std::string(atomic ? "atomic_add" : "store") + " @" + p.name + " from " +
+                  L.key() + ", " + S(w) + "-wide");
+  line(level, "if (" + (own.empty() ? std::string("true") : own) + ") {");
+  line(level, "#pragma unroll");
+  line(level, "for (int q = 0; q < " + S(n / w) + "; ++q) {");
+  line(level, "  const int r = q * " + S(w) + ";");
+  line(level, "  const long long off = " + offset_expr(op, idx, "r") + ";");
+  const std::string guard = op.attrs.has_mask ? "if (" + elem(mask, "r") + ") " : "";
+  if (old >= 0) {
+    line(level, "  " + guard + old_name +
+                    "[r] = " + store_stmt(p.dtype, true, ptr + " + off", elem(val, "r")) + ";");
+  } else if (w == 1) {
+    line(level, "  " + guard + store_stmt(p.dtype, atomic, ptr + " + off", elem(val, "r")) + ";");
+  } else {
+    line(level, "  " + guard + "{ kerf_dev::Pack<" + st + ", " + S(w) +
+                    "> pk; for (int j = 0; j < " + S(w) + "; ++j) pk.v[j] = " + elem(val, "r + j") +
+                    "; kerf_dev::st<" + st + ", " + S(w) + ">(" + ptr + " + off, pk); }");
+  }
+  line(level, "}");
+  line(level, "}");
+  if (atomic && op.attrs.acq_rel) {
+    line(level, "__threadfence();  // acquire: later reads come after the atomics");
+    line(level, "__syncthreads();");
+  }
+  if (old < 0) return;
+  Tile result{old_name, false, {}, true};
+  if (!own.empty()) {
+    // Copies of an element live in several threads; the one that added tells the others.
+    const DType dt = p.dtype;
+    const auto pitch = smem_pitches(L.shape, dtype_size_bytes(dt));
+    const int off = alloc_smem(smem_bytes_for(L.shape, dtype_size_bytes(dt)));
+    const std::string buf = fresh("old");
+    line(level, st + "* " + buf + " = reinterpret_cast<" + st + "*>(kerf_smem + " + S(off) + ");");
+    write_smem(level, result, l, dt, buf, pitch);
+    line(level, "__syncthreads();");
+    result = read_smem(level, old, buf, l, dt, pitch);  // now complete in every thread
+  }
+  home_[old] = l;
+  frame(level_of_[size_t(old)]).memo[std::make_pair(old, l)] = result;
+}
+
+std::string Codegen::store_stmt(DType t, bool atomic, const std::string& addr,
+                                const std::string& val) {
+  if (!atomic) return "*(" + addr + ") = " + val;
+  if (t == DType::bf16) return "kerf_dev::atomic_add_16<true>(" + addr + ", " + val + ")";
+  if (t == DType::f16) return "kerf_dev::atomic_add_16<false>(" + addr + ", " + val + ")";
+  return "kerf_dev::atomic_add(" + addr + ", " + val + ")";
+}
+
+}  // namespace kerf::jit::cuda::detail

@@ -1,0 +1,309 @@
+// Scalars and tiles: values computed in the layout a consumer asks for, and
+// conversions between layouts through shared memory.
+#include "codegen_impl.h"
+
+namespace kerf::jit::cuda::detail {
+
+std::string Codegen::scalar(ValueId v) {
+  auto it = scalars_.find(v);
+  if (it != scalars_.end()) return it->second;
+  const Operation* op = def_op_[size_t(v)];
+  if (!op) throw InternalError("scalar %" + S(v) + " has no definition");
+  const int lv = level_of_[size_t(v)];
+  const DType t = type(v).dtype;
+  const ir::Attrs& a = op->attrs;
+  std::string expr;
+  switch (op->kind) {
+    case OpKind::Param: {
+      const size_t slot = slot_offsets(f_.params)[size_t(a.param)];
+      expr = "*reinterpret_cast<const " + storage_type(t) + "*>(&args.s[" + S(int64_t(slot)) + "])";
+      break;
+    }
+    case OpKind::Constant:
+      expr = is_float(t) ? float_literal(a.fvalue, t) : int_literal(a.ivalue, t);
+      if (is_half(t)) expr = from_compute(t, float_literal(a.fvalue, DType::f32));
+      break;
+    case OpKind::ProgramId:
+      expr = std::string("(int)blockIdx.") + "xyz"[a.axis];
+      break;
+    case OpKind::NumPrograms:
+      expr = std::string("(int)gridDim.") + "xyz"[a.axis];
+      break;
+    case OpKind::TensorDim: {
+      const size_t slot = slot_offsets(f_.params)[size_t(a.param)] + 1 + size_t(a.axis);
+      expr = "(int)args.s[" + S(int64_t(slot)) + "]";
+      break;
+    }
+    case OpKind::TensorStride: {
+      const ir::Param& p = f_.params[size_t(a.param)];
+      if (p.facts.contiguous_last && a.axis == p.rank - 1) {
+        expr = "1LL";
+      } else {
+        const size_t slot =
+            slot_offsets(f_.params)[size_t(a.param)] + 1 + size_t(p.rank) + size_t(a.axis);
+        expr = "(long long)args.s[" + S(int64_t(slot)) + "]";
+      }
+      break;
+    }
+    case OpKind::Load: {
+      expr = scalar_load(*op);
+      break;
+    }
+    case OpKind::ReduceSum:
+    case OpKind::ReduceMax:
+    case OpKind::ReduceMin: {
+      const std::string arr = emit_reduce(*op);
+      expr = arr + "[0]";
+      break;
+    }
+    default: {
+      std::vector<std::string> xs;
+      for (ValueId o : op->operands) xs.push_back(scalar(o));
+      expr = elementwise_expr(*op, xs, [&](size_t i) { return type(op->operands[i]).dtype; });
+      break;
+    }
+  }
+  const std::string name = "v" + S(v);
+  line(lv, "const " + storage_type(t) + " " + name + " = " + expr + ";  // " +
+               std::string(ir::op_name(op->kind)));
+  scalars_[v] = name;
+  scalar_level_[v] = lv;
+  return name;
+}
+
+Tile Codegen::get(ValueId v, int l) {
+  if (type(v).is_scalar()) return Tile{scalar(v), true, {}, true};
+  const int lv = level_of_[size_t(v)];
+  const auto key = std::make_pair(v, l);
+  if (const Tile* t = find_memo(key)) return *t;
+  if (layouts_[size_t(l)].shape != type(v).shape)
+    throw InternalError("CUDA codegen: layout " + layouts_[size_t(l)].key() + " requested for %" +
+                        S(v) + " of type " + ir::to_string(type(v)));
+  Tile t = compute(v, l);
+  frame(lv).memo[key] = t;
+  return t;
+}
+
+Tile Codegen::compute(ValueId v, int l) {
+  const Operation* op = def_op_[size_t(v)];
+  const int lv = level_of_[size_t(v)];
+  if (!op || op->kind == OpKind::For) return from_home(v, l);  // carried value or loop result
+  switch (op->kind) {
+    case OpKind::Splat:
+      return Tile{scalar(op->operands[0]), true, {}, true};
+    case OpKind::ExpandDims: {
+      const Derived d = squeeze_layout(layouts_[size_t(l)], int(op->attrs.axis));
+      return compose(get(op->operands[0], intern(d.layout)), d, l);
+    }
+    case OpKind::Broadcast: {
+      const Derived d = unbroadcast_layout(layouts_[size_t(l)], type(op->operands[0]).shape);
+      return compose(get(op->operands[0], intern(d.layout)), d, l);
+    }
+    case OpKind::Transpose: {
+      const Derived d = transpose_layout(layouts_[size_t(l)]);
+      return compose(get(op->operands[0], intern(d.layout)), d, l);
+    }
+    case OpKind::Arange: {
+      const std::string name = "v" + S(v) + "_" + S(l);
+      const int n = layouts_[size_t(l)].num_regs();
+      line(lv, "int " + name + "[" + S(n) + "];  // arange in " + layouts_[size_t(l)].key());
+      line(lv, "#pragma unroll");
+      line(lv, "for (int r = 0; r < " + S(n) + "; ++r) " + name + "[r] = " + S(op->attrs.start) +
+                   " + " + coord(l, 0, "r") + ";");
+      return Tile{name, false, {}, true};
+    }
+    case OpKind::Load:
+      if (async_.count(v)) return from_async(v, l);
+      return from_home(v, l);
+    case OpKind::AtomicAdd: {
+      const int h = home_.at(v);  // set when the atomic was emitted, in program order
+      return convert_tile(v, *find_memo(std::make_pair(v, h)), h, l);
+    }
+    case OpKind::Dot:
+    case OpKind::ReduceSum:
+    case OpKind::ReduceMax:
+    case OpKind::ReduceMin:
+      return from_home(v, l);
+    default:
+      break;
+  }
+  // Elementwise: compute in `l` from operands in `l`.
+  std::vector<Tile> xs;
+  for (ValueId o : op->operands) xs.push_back(get(o, l));
+  const DType rt = type(v).dtype;
+  const std::string name = "v" + S(v) + "_" + S(l);
+  const int n = layouts_[size_t(l)].num_regs();
+  std::vector<std::string> es;
+  for (const Tile& t : xs) es.push_back(elem(t, "r"));
+  const std::string e =
+      elementwise_expr(*op, es, [&](size_t i) { return type(op->operands[i]).dtype; });
+  line(lv, storage_type(rt) + " " + name + "[" + S(n) + "];  // " + ir::op_name(op->kind));
+  line(lv, "#pragma unroll");
+  line(lv, "for (int r = 0; r < " + S(n) + "; ++r) " + name + "[r] = " + e + ";");
+  return Tile{name, false, {}, true};
+}
+
+// An expensive value in its home layout, converted to `l` if that differs.
+Tile Codegen::from_home(ValueId v, int l) {
+  const int h = home_layout(v);
+  Tile home = home_tile(v, h);
+  if (h == l) return home;
+  return convert_tile(v, home, h, l);
+}
+
+int Codegen::home_layout(ValueId v) {
+  auto it = home_.find(v);
+  if (it != home_.end()) return it->second;
+  int h = pref_[size_t(v)];
+  if (h < 0) h = blocked(type(v).shape);
+  home_[v] = h;
+  return h;
+}
+
+Tile Codegen::home_tile(ValueId v, int h) {
+  const auto key = std::make_pair(v, h);
+  if (const Tile* t = find_memo(key)) return *t;
+  const Operation* op = def_op_[size_t(v)];
+  Tile t;
+  if (op && op->kind == OpKind::Load) {
+    t = emit_load(*op, h);
+  } else if (op && op->kind == OpKind::Dot) {
+    t = emit_dot(*op, h);
+  } else if (op && ir::is_reduction(op->kind)) {
+    t = Tile{emit_reduce(*op), false, {}, true};
+  } else {
+    throw InternalError("CUDA codegen: %" + S(v) + " has no home tile");
+  }
+  frame(level_of_[size_t(v)]).memo[key] = t;
+  return t;
+}
+
+// Register-only remapping when the threads already hold what `to` needs.
+bool Codegen::register_subset(int from, int to, std::vector<int>* kept) const {
+  const Layout& F = layouts_[size_t(from)];
+  const Layout& T = layouts_[size_t(to)];
+  if (F.lane != T.lane || F.warp != T.warp) return false;
+  kept->clear();
+  for (const Basis& b : T.reg) {
+    auto it = std::find(F.reg.begin(), F.reg.end(), b);
+    if (it == F.reg.end()) return false;
+    kept->push_back(int(it - F.reg.begin()));
+  }
+  return true;
+}
+
+// Row-major offsets of a tile in shared memory; rows padded by 16 bytes
+// so that column accesses of successive rows fall in different banks.
+std::vector<int64_t> Codegen::smem_pitches(const Shape& shape, int elem_bytes) const {
+  std::vector<int64_t> p(shape.size(), 1);
+  if (shape.empty()) return p;
+  const int64_t pad = shape.size() >= 2 ? std::max(1, 16 / elem_bytes) : 0;
+  int64_t stride = shape.back() + pad;
+  for (size_t i = shape.size() - 1; i-- > 0;) {
+    p[i] = stride;
+    stride *= shape[i];
+  }
+  return p;
+}
+
+int64_t Codegen::smem_bytes_for(const Shape& shape, int elem_bytes) const {
+  if (shape.empty()) return elem_bytes;
+  const auto p = smem_pitches(shape, elem_bytes);
+  return p[0] * shape[0] * elem_bytes;
+}
+
+std::string Codegen::smem_offset(int l, const std::vector<int64_t>& pitch, const std::string& r) {
+  std::string e;
+  for (int d = 0; d < layouts_[size_t(l)].rank(); ++d) {
+    const std::string c = coord(l, d, r);
+    if (c == "0") continue;
+    e += (e.empty() ? "" : " + ") + (pitch[size_t(d)] == 1 ? c : c + " * " + S(pitch[size_t(d)]));
+  }
+  return e.empty() ? "0" : e;
+}
+
+Codegen::SmemTile Codegen::alloc_smem_tile(ValueId v) {
+  const DType dt = type(v).dtype;
+  const int eb = dtype_size_bytes(dt);
+  return SmemTile{dt, smem_pitches(type(v).shape, eb),
+                  alloc_smem(smem_bytes_for(type(v).shape, eb))};
+}
+
+// Writes a tile into shared memory (row-major, padded). Emitted at `lv`.
+void Codegen::write_smem(int lv, const Tile& t, int l, DType dt, const std::string& buf,
+                         const std::vector<int64_t>& pitch) {
+  const Layout& L = layouts_[size_t(l)];
+  const int eb = dtype_size_bytes(dt);
+  const int rank = L.rank();
+  int w = rank ? std::min(L.contiguous_regs(rank - 1), 16 / eb) : 1;
+  if (rank && pitch.size() >= 2 && pitch[pitch.size() - 2] % w) w = 1;
+  const int n = L.num_regs();
+  const std::string st = storage_type(dt);
+  const std::string own = owner_predicate(l);
+  line(lv, "if (" + (own.empty() ? std::string("true") : own) + ") {");
+  line(lv, "  #pragma unroll");
+  line(lv, "  for (int q = 0; q < " + S(n / w) + "; ++q) {");
+  line(lv, "    const int r = q * " + S(w) + ";");
+  if (w == 1) {
+    line(lv, "    " + buf + "[" + smem_offset(l, pitch, "r") + "] = " + elem(t, "r") + ";");
+  } else {
+    line(lv, "    kerf_dev::Pack<" + st + ", " + S(w) + "> pk;");
+    line(lv, "    #pragma unroll");
+    line(lv, "    for (int j = 0; j < " + S(w) + "; ++j) pk.v[j] = " + elem(t, "r + j") + ";");
+    line(lv, "    kerf_dev::st<" + st + ", " + S(w) + ">(" + buf + " + " +
+                 smem_offset(l, pitch, "r") + ", pk);");
+  }
+  line(lv, "  }");
+  line(lv, "}");
+}
+
+Tile Codegen::convert_tile(ValueId v, const Tile& src, int from, int to) {
+  std::vector<int> kept;
+  if (register_subset(from, to, &kept)) {
+    Derived d;
+    d.layout = layouts_[size_t(to)];
+    d.kept = kept;
+    return compose(src, d, to);
+  }
+  const int lv = level_of_[size_t(v)];
+  const auto [dt, pitch, off] = alloc_smem_tile(v);
+  const std::string st = storage_type(dt);
+  const std::string buf = fresh("cvt");
+  line(lv,
+       "// %" + S(v) + ": " + layouts_[size_t(from)].key() + " -> " + layouts_[size_t(to)].key());
+  line(lv, st + "* " + buf + " = reinterpret_cast<" + st + "*>(kerf_smem + " + S(off) + ");");
+  line(lv, "__syncthreads();");
+  write_smem(lv, src, from, dt, buf, pitch);
+  line(lv, "__syncthreads();");
+  return read_smem(lv, v, "reinterpret_cast<const " + st + "*>(kerf_smem + " + S(off) + ")", to, dt,
+                   pitch);
+}
+
+// Reads a row-major padded tile from shared memory into registers of layout `to`.
+Tile Codegen::read_smem(int lv, ValueId v, const std::string& buf, int to, DType dt,
+                        const std::vector<int64_t>& pitch) {
+  const std::string st = storage_type(dt);
+  const int eb = dtype_size_bytes(dt);
+  const std::string name = "v" + S(v) + "_" + S(to);
+  const Layout& T = layouts_[size_t(to)];
+  const int rank = T.rank();
+  int w = rank ? std::min(T.contiguous_regs(rank - 1), 16 / eb) : 1;
+  if (rank >= 2 && pitch[size_t(rank - 2)] % w) w = 1;
+  const int n = T.num_regs();
+  line(lv, st + " " + name + "[" + S(n) + "];");
+  line(lv, "#pragma unroll");
+  line(lv, "for (int q = 0; q < " + S(n / w) + "; ++q) {");
+  line(lv, "  const int r = q * " + S(w) + ";");
+  if (w == 1) {
+    line(lv, "  " + name + "[r] = (" + buf + ")[" + smem_offset(to, pitch, "r") + "];");
+  } else {
+    line(lv, "  const kerf_dev::Pack<" + st + ", " + S(w) + "> pk = kerf_dev::ld<" + st + ", " +
+                 S(w) + ">(" + buf + " + " + smem_offset(to, pitch, "r") + ");");
+    line(lv, "  #pragma unroll");
+    line(lv, "  for (int j = 0; j < " + S(w) + "; ++j) " + name + "[r + j] = pk.v[j];");
+  }
+  line(lv, "}");
+  return Tile{name, false, {}, true};
+}
+
+}  // namespace kerf::jit::cuda::detail
