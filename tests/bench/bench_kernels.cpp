@@ -260,6 +260,7 @@ int main(int argc, char** argv) {
         for (int64_t warps : {4, 8})
           for (int64_t stages : {2, 3}) dora_cfgs.push_back(ops::Config{bm, bk, 0, warps, stages});
     for (int64_t stages : {2, 3}) dora_cfgs.push_back(ops::Config{256, 64, 0, 8, stages});
+    for (int64_t bm : {128, 256}) dora_cfgs.push_back(ops::Config{bm, 64, 0, 16, 3});
     // Without split-K, smaller row blocks fill the device.
     for (int64_t bm : {16, 32, 64})
       for (int64_t warps : {4, 8}) dora_cfgs.push_back(ops::Config{bm, 64, 1, warps, 3});
