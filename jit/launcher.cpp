@@ -1,19 +1,25 @@
-// The JIT's entry point: specialization key -> compiled kernel -> launch.
+// The JIT's entry point: specialization -> kernel in memory (L1) -> launch.
+//
+// The hot path (the kernel is loaded) builds a small key on the stack from the
+// kernel's id, the device, the layout, the meta-parameters and the arguments'
+// specialization facts, finds it in the in-process map and launches: no
+// tracing, no hashing of source or IR, no disk. A miss traces the kernel and
+// asks the cache (cache/cuda_binary.h, cache/cpu_kernel.h): bundles, the disk
+// tier, then the compiler.
 #include <chrono>
-#include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <future>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
 
+#include "kerf/cache/cpu_kernel.h"
+#include "kerf/cache/cuda_binary.h"
 #include "kerf/error.h"
 #include "kerf/jit/abi.h"
 #include "kerf/jit/cpu_backend.h"
 #include "kerf/jit/cuda_codegen.h"
 #include "kerf/jit/launch.h"
-#include "kerf/jit/nvrtc.h"
 #include "kerf/runtime/cuda.h"
 
 namespace kerf {
@@ -37,40 +43,114 @@ struct Compiled {
   int threads = 0;
   int smem_bytes = 0;
   std::string backend;
+  KernelSource source = KernelSource::compiled;
 };
 
-// The in-process key: everything that selects generated code, as 64-bit words.
-struct Key {
-  std::vector<uint64_t> words;
-  bool operator==(const Key& o) const { return words == o.words; }
-};
+// ---------------------------------------------------------------- the in-memory key
+// Mixing for the L1 hash (not a cache key: entries are compared in full).
+inline uint64_t mix(uint64_t h, uint64_t w) {
+  h ^= w + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+  return h * 0xff51afd7ed558ccdull;
+}
 
-struct KeyHash {
-  size_t operator()(const Key& k) const {
-    uint64_t h = 1469598103934665603ull;
-    for (uint64_t w : k.words) {
-      h ^= w;
-      h *= 1099511628211ull;
-      h ^= h >> 29;
+inline uint64_t mix_bytes(uint64_t h, std::string_view s) {
+  size_t i = 0;
+  for (; i + 8 <= s.size(); i += 8) {
+    uint64_t w;
+    std::memcpy(&w, s.data() + i, 8);
+    h = mix(h, w);
+  }
+  uint64_t tail = s.size();
+  for (; i < s.size(); ++i) tail = tail << 8 | uint8_t(s[i]);
+  return mix(h, tail);
+}
+
+ir::TensorFacts facts_of(const TensorView& t) {
+  ir::TensorFacts f;
+  const int eb = dtype_size_bytes(t.dtype);
+  f.contiguous_last = t.rank > 0 && t.strides[size_t(t.rank - 1)] == 1;
+  f.aligned16 = (reinterpret_cast<uintptr_t>(t.data) % 16) == 0;
+  for (int d = 0; d < t.rank; ++d) {
+    if (t.shape[size_t(d)] % 16 == 0) f.dims_div16 |= 1u << d;
+    if (t.strides[size_t(d)] % 16 == 0 && (t.strides[size_t(d)] * eb) % 16 == 0)
+      f.strides_div16 |= 1u << d;
+  }
+  return f;
+}
+
+// One argument's specialization as one word: kind, dtype, rank, facts.
+uint64_t spec_word(const Arg& a) {
+  const TensorView* t = std::get_if<TensorView>(&a);
+  if (!t) return uint64_t(ir::ParamKind::Scalar);
+  const ir::TensorFacts f = facts_of(*t);
+  return uint64_t(ir::ParamKind::Tensor) | uint64_t(t->dtype) << 4 | uint64_t(t->rank) << 12 |
+         uint64_t(f.contiguous_last) << 20 | uint64_t(f.aligned16) << 21 |
+         uint64_t(f.dims_div16 & 0xFF) << 24 | uint64_t(f.strides_div16 & 0xFF) << 32;
+}
+
+// A lookup key, built on the stack for each call; it borrows the caller's data.
+struct Probe {
+  static constexpr size_t kInlineArgs = 32;
+  uint64_t kernel_id = 0;
+  uint32_t device = 0;
+  std::string_view layout;
+  const dsl::MetaMap* meta = nullptr;
+  uint64_t inline_specs[kInlineArgs];
+  std::vector<uint64_t> heap_specs;  // only for calls with more than kInlineArgs arguments
+  const uint64_t* specs = nullptr;
+  size_t num_specs = 0;
+  uint64_t hash = 0;
+
+  Probe(const dsl::Kernel& k, Device dev, const std::vector<Arg>& args, const dsl::MetaMap& m,
+        std::string_view lay)
+      : kernel_id(k.id()),
+        device(uint32_t(dev.kind) << 16 | uint32_t(dev.index)),
+        layout(lay),
+        meta(&m) {
+    num_specs = args.size();
+    uint64_t* out = inline_specs;
+    if (num_specs > kInlineArgs) {
+      heap_specs.resize(num_specs);
+      out = heap_specs.data();
     }
-    return size_t(h);
+    uint64_t h = mix(mix(0, kernel_id), device);
+    for (size_t i = 0; i < num_specs; ++i) h = mix(h, out[i] = spec_word(args[i]));
+    for (const auto& [name, value] : m) h = mix(mix_bytes(h, name), uint64_t(value));
+    hash = layout.empty() ? h : mix_bytes(h, layout);
+    specs = out;
   }
 };
 
-uint64_t string_word(const std::string& s) {
-  uint64_t h = 1469598103934665603ull;
-  for (char c : s) {
-    h ^= uint8_t(c);
-    h *= 1099511628211ull;
-  }
-  return h;
-}
+// An L1 entry: an owned copy of the key, and the kernel once it is ready.
+struct Slot {
+  uint64_t kernel_id = 0;
+  uint32_t device = 0;
+  std::string layout;
+  std::vector<std::pair<std::string, int64_t>> meta;
+  std::vector<uint64_t> specs;
+  std::shared_ptr<Compiled> ready;                        // set once built
+  std::shared_future<std::shared_ptr<Compiled>> pending;  // for callers that wait
 
-uint64_t spec_word(const dsl::ArgSpec& a) {
-  return uint64_t(a.kind) | uint64_t(a.dtype) << 4 | uint64_t(a.rank) << 12 |
-         uint64_t(a.facts.contiguous_last) << 20 | uint64_t(a.facts.aligned16) << 21 |
-         uint64_t(a.facts.dims_div16 & 0xFF) << 24 | uint64_t(a.facts.strides_div16 & 0xFF) << 32;
-}
+  Slot(const Probe& p)
+      : kernel_id(p.kernel_id),
+        device(p.device),
+        layout(p.layout),
+        meta(p.meta->begin(), p.meta->end()),
+        specs(p.specs, p.specs + p.num_specs) {}
+
+  bool matches(const Probe& p) const {
+    if (kernel_id != p.kernel_id || device != p.device || layout != p.layout ||
+        specs.size() != p.num_specs || meta.size() != p.meta->size())
+      return false;
+    if (std::memcmp(specs.data(), p.specs, p.num_specs * sizeof(uint64_t)) != 0) return false;
+    auto it = p.meta->begin();
+    for (const auto& [name, value] : meta) {
+      if (name != it->first || value != it->second) return false;
+      ++it;
+    }
+    return true;
+  }
+};
 
 class KernelCache {
  public:
@@ -79,35 +159,43 @@ class KernelCache {
     return c;
   }
 
-  // Returns the compiled kernel for `key`, building it once (other callers wait).
-  std::shared_ptr<Compiled> get(const Key& key, const std::function<std::shared_ptr<Compiled>()>& build,
-                                bool* built) {
-    std::shared_future<std::shared_ptr<Compiled>> fut;
+  // The kernel for `probe`, built once by `build` (concurrent callers of one key wait for it).
+  // A template, not std::function: wrapping the caller's lambda would allocate on every launch.
+  template <class Build>
+  std::shared_ptr<Compiled> get(const Probe& probe, const Build& build, bool* built) {
+    std::shared_ptr<Slot> slot;
     std::promise<std::shared_ptr<Compiled>> promise;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      auto it = map_.find(key);
-      if (it != map_.end()) {
-        fut = it->second;
-      } else {
-        fut = promise.get_future().share();
-        map_.emplace(key, fut);
+      auto [lo, hi] = map_.equal_range(probe.hash);
+      for (auto it = lo; it != hi; ++it) {
+        if (!it->second->matches(probe)) continue;
+        if (it->second->ready) return it->second->ready;  // the hot path
+        slot = it->second;
+        break;
+      }
+      if (!slot) {
+        slot = std::make_shared<Slot>(probe);
+        slot->pending = promise.get_future().share();
+        map_.emplace(probe.hash, slot);
         *built = true;
       }
     }
-    if (*built) {
-      try {
-        promise.set_value(build());
-      } catch (...) {
-        // A failed build is not cached: the next call tries again.
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          map_.erase(key);
-        }
-        promise.set_exception(std::current_exception());
+    if (!*built) return slot->pending.get();
+    try {
+      std::shared_ptr<Compiled> c = build();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        slot->ready = c;
       }
+      promise.set_value(c);
+      return c;
+    } catch (...) {
+      // A failed build is not kept: the next call tries again.
+      erase(probe.hash, slot);
+      promise.set_exception(std::current_exception());
+      throw;
     }
-    return fut.get();
   }
 
   void clear() {
@@ -116,12 +204,21 @@ class KernelCache {
   }
 
  private:
+  void erase(uint64_t hash, const std::shared_ptr<Slot>& slot) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto [lo, hi] = map_.equal_range(hash);
+    for (auto it = lo; it != hi; ++it)
+      if (it->second == slot) {
+        map_.erase(it);
+        return;
+      }
+  }
+
   std::mutex mu_;
-  std::unordered_map<Key, std::shared_future<std::shared_ptr<Compiled>>, KeyHash> map_;
+  std::unordered_multimap<uint64_t, std::shared_ptr<Slot>> map_;
 };
 
-bool pow2_16_multiple(int64_t v) { return v % 16 == 0; }
-
+// ---------------------------------------------------------------- checks
 Device common_device(const std::vector<Arg>& args, const std::string& kernel_name) {
   bool seen = false;
   Device dev;
@@ -132,46 +229,108 @@ Device common_device(const std::vector<Arg>& args, const std::string& kernel_nam
       dev = t->device;
       seen = true;
     } else if (t->device != dev) {
-      throw InvalidArgument("kernel '" + kernel_name + "': argument " + std::to_string(i) + " is on " +
-                            t->device.str() + " but an earlier tensor is on " + dev.str() +
-                            "; all tensors of one launch must share a device");
+      throw InvalidArgument("kernel '" + kernel_name + "': argument " + std::to_string(i) +
+                            " is on " + t->device.str() + " but an earlier tensor is on " +
+                            dev.str() + "; all tensors of one launch must share a device");
     }
   }
   return dev;
 }
 
+// The message is built only when something is wrong: this runs on every launch.
 void check_tensor(const TensorView& t, size_t index, const std::string& kernel_name) {
-  const std::string where = "kernel '" + kernel_name + "': argument " + std::to_string(index);
+  const auto where = [&] {
+    return "kernel '" + kernel_name + "': argument " + std::to_string(index);
+  };
   if (t.rank < 1 || t.rank > kMaxRank)
-    throw InvalidArgument(where + " has rank " + std::to_string(t.rank) + " (supported: 1.." +
+    throw InvalidArgument(where() + " has rank " + std::to_string(t.rank) + " (supported: 1.." +
                           std::to_string(kMaxRank) + ")");
   for (int d = 0; d < t.rank; ++d) {
-    if (t.shape[size_t(d)] < 0) throw InvalidArgument(where + " has a negative size");
+    if (t.shape[size_t(d)] < 0) throw InvalidArgument(where() + " has a negative size");
     if (t.shape[size_t(d)] > INT32_MAX)
-      throw InvalidArgument(where + " has size " + std::to_string(t.shape[size_t(d)]) + " along dimension " +
-                            std::to_string(d) + "; kerf kernels index dimensions with 32-bit integers");
+      throw InvalidArgument(where() + " has size " + std::to_string(t.shape[size_t(d)]) +
+                            " along dimension " + std::to_string(d) +
+                            "; kerf kernels index dimensions with 32-bit integers");
   }
-  if (t.data == nullptr && t.numel() > 0) throw InvalidArgument(where + " has a null data pointer");
+  if (t.data == nullptr && t.numel() > 0)
+    throw InvalidArgument(where() + " has a null data pointer");
 }
 
-std::string dump_dir() {
-  const char* d = std::getenv("KERF_DUMP_DIR");
-  return d && *d ? d : "";
-}
-
-void dump(const std::string& name, const std::string& text) {
-  const std::string dir = dump_dir();
-  if (dir.empty()) return;
-  std::ofstream(dir + "/" + name) << text;
-}
-
-std::shared_ptr<Compiled> build_cpu(const ir::Function& fn) {
+// ---------------------------------------------------------------- building (the L1 miss)
+std::shared_ptr<Compiled> build_cpu(const ir::Function& fn, std::string_view layout) {
+  cache::CpuLoaded loaded = cache::cpu_kernel(fn, layout);
   auto c = std::make_shared<Compiled>();
   c->params = fn.params;
   c->num_slots = jit::slot_count(fn.params);
-  c->cpu = jit::cpu::compile(fn);
+  c->cpu = std::move(loaded.kernel);
   c->backend = "cpu";
+  c->source = loaded.source;
   return c;
+}
+
+std::shared_ptr<Compiled> build_cuda(const ir::Function& fn, int device, std::string_view layout) {
+  const std::string arch = device_arch(device);
+  cache::CudaBinary bin = cache::cuda_binary(fn, arch, layout);
+  auto c = std::make_shared<Compiled>();
+  c->params = fn.params;
+  c->num_slots = jit::slot_count(fn.params);
+  c->module = cuda::Module(bin.image.data(), device);
+  c->function = c->module.function(bin.entry);
+  c->threads = bin.threads;
+  c->smem_bytes = bin.smem_bytes;
+  if (bin.smem_bytes > 48 * 1024) cuda::set_max_dynamic_smem(c->function, bin.smem_bytes);
+  c->backend = arch;
+  c->source = bin.source;
+  return c;
+}
+
+// Checks the call, finds (or builds) its kernel; fills `info`. Null when the grid is empty.
+std::shared_ptr<Compiled> resolve(const dsl::Kernel& kernel, const std::vector<Arg>& args,
+                                  Grid grid, const dsl::MetaMap& meta, std::string_view layout,
+                                  Device* dev_out, LaunchInfo& info) {
+  for (size_t i = 0; i < args.size(); ++i)
+    if (const TensorView* t = std::get_if<TensorView>(&args[i])) check_tensor(*t, i, kernel.name());
+  const Device dev = common_device(args, kernel.name());
+  *dev_out = dev;
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return nullptr;  // nothing to run
+
+  const Probe probe(kernel, dev, args, meta, layout);
+  const auto t0 = Clock::now();
+  bool built = false;
+  std::shared_ptr<Compiled> c = KernelCache::instance().get(
+      probe,
+      [&]() -> std::shared_ptr<Compiled> {
+        const ir::Function fn = kernel.trace(arg_specs(args), meta);
+        if (dev.is_cuda()) {
+          cuda::require_device(dev.index);
+          return build_cuda(fn, dev.index, layout);
+        }
+        return build_cpu(fn, layout);
+      },
+      &built);
+  if (built) {
+    info.compile_ms = ms_since(t0);
+    info.source = c->source;
+    info.compiled = c->source == KernelSource::compiled;
+  }
+  info.backend = c->backend;
+  return c;
+}
+
+}  // namespace
+
+const char* kernel_source_name(KernelSource s) {
+  switch (s) {
+    case KernelSource::memory:
+      return "memory";
+    case KernelSource::bundle:
+      return "bundle";
+    case KernelSource::disk:
+      return "disk";
+    case KernelSource::compiled:
+      return "compiled";
+  }
+  return "?";
 }
 
 std::string device_arch(int device) {
@@ -186,82 +345,30 @@ std::string device_arch(int device) {
   return arch;
 }
 
-std::shared_ptr<Compiled> build_cuda(const ir::Function& fn, int device) {
-  const std::string arch = device_arch(device);
-  const jit::cuda::KernelCode code = jit::cuda::generate(fn, arch);
-  dump(code.entry + ".ir", ir::print(fn));
-  dump(code.entry + ".cu", code.source);
-  const nvrtc::Output out = nvrtc::compile(code.source, code.entry + ".cu", arch);
-  auto c = std::make_shared<Compiled>();
-  c->params = fn.params;
-  c->num_slots = jit::slot_count(fn.params);
-  c->module = cuda::Module(out.image.data(), device);
-  c->function = c->module.function(code.entry);
-  c->threads = code.threads;
-  c->smem_bytes = code.smem_bytes;
-  if (code.smem_bytes > 48 * 1024) cuda::set_max_dynamic_smem(c->function, code.smem_bytes);
-  c->backend = arch;
-  return c;
-}
-
-}  // namespace
-
 std::vector<dsl::ArgSpec> arg_specs(const std::vector<Arg>& args) {
   std::vector<dsl::ArgSpec> specs;
   specs.reserve(args.size());
   for (const Arg& a : args) {
     const TensorView* t = std::get_if<TensorView>(&a);
-    if (!t) {
-      specs.push_back(dsl::ArgSpec::scalar());
-      continue;
-    }
-    ir::TensorFacts f;
-    const int eb = dtype_size_bytes(t->dtype);
-    f.contiguous_last = t->rank > 0 && t->strides[size_t(t->rank - 1)] == 1;
-    f.aligned16 = (reinterpret_cast<uintptr_t>(t->data) % 16) == 0;
-    for (int d = 0; d < t->rank; ++d) {
-      if (pow2_16_multiple(t->shape[size_t(d)])) f.dims_div16 |= 1u << d;
-      if (pow2_16_multiple(t->strides[size_t(d)]) && (t->strides[size_t(d)] * eb) % 16 == 0)
-        f.strides_div16 |= 1u << d;
-    }
-    specs.push_back(dsl::ArgSpec::tensor(t->dtype, t->rank, f));
+    specs.push_back(t ? dsl::ArgSpec::tensor(t->dtype, t->rank, facts_of(*t))
+                      : dsl::ArgSpec::scalar());
   }
   return specs;
 }
 
 LaunchInfo launch(const dsl::Kernel& kernel, const std::vector<Arg>& args, Grid grid,
                   const dsl::MetaMap& meta, void* stream) {
-  for (size_t i = 0; i < args.size(); ++i)
-    if (const TensorView* t = std::get_if<TensorView>(&args[i])) check_tensor(*t, i, kernel.name());
-  const Device dev = common_device(args, kernel.name());
-  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return LaunchInfo{false, 0.0, ""};  // nothing to run
-  const std::vector<dsl::ArgSpec> specs = arg_specs(args);
+  LaunchOptions options;
+  options.stream = stream;
+  return launch(kernel, args, grid, meta, options);
+}
 
-  Key key;
-  key.words.reserve(4 + 2 * meta.size() + specs.size());
-  key.words.push_back(kernel.id());
-  key.words.push_back(uint64_t(dev.kind) << 32 | uint64_t(uint32_t(dev.index)));
-  for (const auto& [name, value] : meta) {
-    key.words.push_back(string_word(name));
-    key.words.push_back(uint64_t(value));
-  }
-  for (const dsl::ArgSpec& s : specs) key.words.push_back(spec_word(s));
-
+LaunchInfo launch(const dsl::Kernel& kernel, const std::vector<Arg>& args, Grid grid,
+                  const dsl::MetaMap& meta, const LaunchOptions& options) {
   LaunchInfo info;
-  const auto t0 = Clock::now();
-  std::shared_ptr<Compiled> c = KernelCache::instance().get(
-      key,
-      [&]() -> std::shared_ptr<Compiled> {
-        const ir::Function fn = kernel.trace(specs, meta);
-        if (dev.is_cuda()) {
-          cuda::require_device(dev.index);
-          return build_cuda(fn, dev.index);
-        }
-        return build_cpu(fn);
-      },
-      &info.compiled);
-  if (info.compiled) info.compile_ms = ms_since(t0);
-  info.backend = c->backend;
+  Device dev;
+  const std::shared_ptr<Compiled> c = resolve(kernel, args, grid, meta, options.layout, &dev, info);
+  if (!c) return info;
 
   constexpr size_t kInlineSlots = 64;
   jit::Slot inline_slots[kInlineSlots];
@@ -274,23 +381,34 @@ LaunchInfo launch(const dsl::Kernel& kernel, const std::vector<Arg>& args, Grid 
   jit::pack_args(c->params, args, slots);
   if (dev.is_cuda()) {
     if (grid.y > 65535 || grid.z > 65535)
-      throw InvalidArgument("kernel '" + kernel.name() + "': grid y and z must be at most 65535, got (" +
+      throw InvalidArgument("kernel '" + kernel.name() +
+                            "': grid y and z must be at most 65535, got (" +
                             std::to_string(grid.x) + ", " + std::to_string(grid.y) + ", " +
                             std::to_string(grid.z) + ")");
     void* params[] = {slots};
-    cuda::launch(c->function, grid, c->threads, c->smem_bytes, stream, params);
+    cuda::launch(c->function, grid, c->threads, c->smem_bytes, options.stream, params);
   } else {
     jit::cpu::run_grid(*c->cpu, grid, slots);
   }
   return info;
 }
 
-std::string cuda_source(const dsl::Kernel& kernel, const std::vector<Arg>& args, const dsl::MetaMap& meta,
-                        const std::string& arch) {
+LaunchInfo prepare(const dsl::Kernel& kernel, const std::vector<Arg>& args,
+                   const dsl::MetaMap& meta, const LaunchOptions& options) {
+  LaunchInfo info;
+  Device dev;
+  resolve(kernel, args, Grid{1, 1, 1}, meta, options.layout, &dev, info);
+  return info;
+}
+
+std::string cuda_source(const dsl::Kernel& kernel, const std::vector<Arg>& args,
+                        const dsl::MetaMap& meta, const std::string& arch) {
   const ir::Function fn = kernel.trace(arg_specs(args), meta);
   return jit::cuda::generate(fn, arch).source;
 }
 
-void clear_kernel_cache() { KernelCache::instance().clear(); }
+void clear_kernel_cache() {
+  KernelCache::instance().clear();
+}
 
 }  // namespace kerf

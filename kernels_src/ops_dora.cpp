@@ -1,6 +1,7 @@
 // ops::dora_norm: argument checks, variant and configuration, launches.
 #include <algorithm>
 
+#include "kerf/jit/autotune.h"
 #include "kerf/jit/launch.h"
 #include "kerf/kernels/kernels.h"
 #include "kerf/ops/ops.h"
@@ -9,6 +10,73 @@
 namespace kerf::ops {
 
 using namespace detail;
+
+namespace {
+
+// One launch of the DoRA norm: the variant, its meta-parameters and grid.
+struct DoraPlan {
+  const dsl::Kernel* kernel = nullptr;
+  dsl::MetaMap meta;
+  Grid grid;
+  int64_t split = 1;
+  int64_t blocks_m = 0;
+  int64_t ws_floats = 0;  // workspace: sumsq floats (then blocks_m ticket ints) when split > 1
+};
+
+// `programs`: multiprocessors (CPU threads) the launch should fill.
+DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, DType w_dtype, bool gpu, int64_t programs,
+                   const Config& config) {
+  const DType dot = is_half(w_dtype) ? w_dtype : DType::f32;
+  const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
+  const int64_t bm = config.block_m ? config.block_m : (gpu ? 64 : 16);
+  const int64_t bk = config.block_k ? config.block_k : (gpu ? 128 : 64);
+  const int64_t warps = config.num_warps ? config.num_warps : 4;
+  DoraPlan p;
+  p.blocks_m = cdiv(out, bm);
+  p.split = config.split_k;
+  if (p.split == 0) {
+    // Enough programs for several per multiprocessor, in whole BLOCK_K steps.
+    const int64_t target = 3 * programs;
+    p.split = std::clamp<int64_t>(cdiv(target, p.blocks_m), 1, std::max<int64_t>(1, cdiv(in, bk)));
+  }
+  p.meta = {{"BLOCK_M", bm}, {"BLOCK_K", bk}, {"R_PAD", r_pad}, {"DOT", int64_t(dot)}, {"num_warps", warps}};
+  // cp.async pipelining on the GPU; the CPU back end has no use for stages.
+  p.meta["num_stages"] = config.num_stages ? config.num_stages : (gpu ? 3 : 1);
+  if (p.split == 1) {
+    p.kernel = &kernels::dora_norm_fused();
+    p.grid = Grid{uint32_t(p.blocks_m), 1, 1};
+    return p;
+  }
+  // One launch: the splits add partial sums into a zeroed workspace and the
+  // last split of each row block finishes it (and zeroes it again).
+  p.meta["SPLIT_K"] = p.split;
+  p.kernel = &kernels::dora_norm_split();
+  p.grid = Grid{uint32_t(p.blocks_m), uint32_t(p.split), 1};
+  p.ws_floats = (out + 3) / 4 * 4;
+  return p;
+}
+
+size_t workspace_bytes(const DoraPlan& p) { return size_t(p.ws_floats + p.blocks_m) * 4; }
+
+// Stands for the workspace where a plan is only compiled or measured, never run:
+// aligned like a real one, so the specialization facts are the same.
+void* const kUnusedWorkspace = reinterpret_cast<void*>(uintptr_t(1) << 16);
+
+// The plan's arguments; `ws` is the workspace when the plan splits (workspace_bytes of it).
+std::vector<Arg> dora_args(const DoraPlan& p, const TensorView& W, const TensorView& A, const TensorView& B,
+                           const TensorView& m, double s, double eps, const TensorView& norm,
+                           const TensorView& scale, void* ws) {
+  if (p.split == 1) return {W, A, B, m, Scalar(s), Scalar(eps), norm, scale};
+  float* f = static_cast<float*>(ws);
+  const TensorView sumsq = TensorView::contiguous(f, DType::f32, {W.shape[0]}, W.device);
+  const TensorView tickets = TensorView::contiguous(f + p.ws_floats, DType::i32, {p.blocks_m}, W.device);
+  return {W, A, B, m, Scalar(s), Scalar(eps), norm, scale, sumsq, tickets};
+}
+
+Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& m,
+                         const TensorView& norm, const TensorView& scale, void* stream);
+
+}  // namespace
 
 void dora_norm(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& m,
                double s, const TensorView& norm, const TensorView& scale, double eps, void* stream,
@@ -35,37 +103,105 @@ void dora_norm(const TensorView& W, const TensorView& A, const TensorView& B, co
   if (out == 0) return;
 
   const bool gpu = W.device.is_cuda();
-  const DType dot = is_half(W.dtype) ? W.dtype : DType::f32;
-  const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
-  const int64_t bm = config.block_m ? config.block_m : (gpu ? 64 : 16);
-  const int64_t bk = config.block_k ? config.block_k : (gpu ? 128 : 64);
-  const int64_t warps = config.num_warps ? config.num_warps : 4;
-  const int64_t blocks_m = cdiv(out, bm);
-  int64_t split = config.split_k;
-  if (split == 0) {
-    // Enough programs for several per multiprocessor, in whole BLOCK_K steps.
-    const int64_t target = 3 * int64_t(parallelism(W.device));
-    split = std::clamp<int64_t>(cdiv(target, blocks_m), 1, std::max<int64_t>(1, cdiv(in, bk)));
-  }
-  dsl::MetaMap meta = {{"BLOCK_M", bm}, {"BLOCK_K", bk}, {"R_PAD", r_pad},
-                       {"DOT", int64_t(dot)}, {"num_warps", warps}};
-  // cp.async pipelining on the GPU; the CPU back end has no use for stages.
-  meta["num_stages"] = config.num_stages ? config.num_stages : (gpu ? 3 : 1);
-  const Grid grid_m{uint32_t(blocks_m), 1, 1};
-  if (split == 1) {
-    launch(kernels::dora_norm_fused(), {W, A, B, m, Scalar(s), Scalar(eps), norm, scale}, grid_m, meta,
-           stream);
-    return;
-  }
-  // One launch: the splits add partial sums into a zeroed workspace and the
-  // last split of each row block finishes it (and zeroes it again).
-  meta["SPLIT_K"] = split;
-  const int64_t ws_floats = (out + 3) / 4 * 4;
-  float* ws = static_cast<float*>(workspace(W.device, stream, size_t(ws_floats + blocks_m) * 4));
-  const TensorView sumsq = TensorView::contiguous(ws, DType::f32, {out}, W.device);
-  const TensorView tickets = TensorView::contiguous(ws + ws_floats, DType::i32, {blocks_m}, W.device);
-  launch(kernels::dora_norm_split(), {W, A, B, m, Scalar(s), Scalar(eps), norm, scale, sumsq, tickets},
-         Grid{uint32_t(blocks_m), uint32_t(split), 1}, meta, stream);
+  // A caller's Config wins; otherwise the autotuner's choice (its defaults when tuning is off).
+  const Config cfg = config.block_m || config.block_k || config.split_k || config.num_warps || config.num_stages
+                         ? config
+                         : tuned_dora_config(W, A, B, m, norm, scale, stream);
+  const DoraPlan p = plan_dora(out, in, r, W.dtype, gpu, parallelism(W.device), cfg);
+  void* ws = p.split > 1 ? workspace(W.device, stream, workspace_bytes(p)) : nullptr;
+  launch(*p.kernel, dora_args(p, W, A, B, m, s, eps, norm, scale, ws), p.grid, p.meta, stream);
 }
+
+// ---------------------------------------------------------------- autotuning (jit/autotune.h)
+namespace {
+
+// GPU: BLOCK_M x BLOCK_K x warps x stages (split-K follows from BLOCK_M: it fills the device).
+std::vector<autotune::Config> dora_gpu_candidates() {
+  return autotune::product(
+      {{"BLOCK_M", {32, 64, 128, 256}}, {"BLOCK_K", {64, 128}}, {"num_warps", {4, 8}}, {"num_stages", {2, 3}}});
+}
+
+// CPU: a few tile sizes (each candidate is an LLVM compile).
+std::vector<autotune::Config> dora_cpu_candidates() {
+  return autotune::product({{"BLOCK_M", {16, 32}}, {"BLOCK_K", {32, 64}}, {"num_warps", {4}}, {"num_stages", {1}}});
+}
+
+Config config_of(const autotune::Config& c) {
+  Config cfg;
+  cfg.block_m = autotune::value_or_zero(c, "BLOCK_M");
+  cfg.block_k = autotune::value_or_zero(c, "BLOCK_K");
+  cfg.num_warps = autotune::value_or_zero(c, "num_warps");
+  cfg.num_stages = autotune::value_or_zero(c, "num_stages");
+  return cfg;
+}
+
+Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& m,
+                         const TensorView& norm, const TensorView& scale, void* stream) {
+  if (!autotune::enabled_for(W.device)) return {};
+  const bool gpu = W.device.is_cuda();
+  const int64_t out = W.shape[0], in = W.shape[1], r = A.shape[0];
+  const int64_t programs = parallelism(W.device);
+  autotune::Problem problem{"dora_norm",
+                            {next_pow2(out), next_pow2(in), std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)))},
+                            {W.dtype, A.dtype, B.dtype, m.dtype},
+                            "",
+                            W.device};
+  // The candidates run on the caller's tensors: norm and scale are outputs only, and
+  // the split workspace is zero again after every launch, so nothing needs restoring.
+  const auto launch_of = [&](const autotune::Config& c, bool run) {
+    const DoraPlan p = plan_dora(out, in, r, W.dtype, gpu, programs, config_of(c));
+    void* ws = p.split == 1 ? nullptr : run ? workspace(W.device, stream, workspace_bytes(p)) : kUnusedWorkspace;
+    const std::vector<Arg> args = dora_args(p, W, A, B, m, 1.0, 0.0, norm, scale, ws);
+    if (run)
+      launch(*p.kernel, args, p.grid, p.meta, stream);
+    else
+      prepare(*p.kernel, args, p.meta);
+  };
+  autotune::Hooks hooks;
+  hooks.keep = [&](const autotune::Config& c) {
+    // Tiles far beyond the problem only waste work; keep the smallest of each list.
+    const Config cfg = config_of(c);
+    if (cfg.block_m > std::max<int64_t>(gpu ? 32 : 16, next_pow2(out))) return false;
+    if (cfg.block_k > std::max<int64_t>(gpu ? 64 : 32, next_pow2(in))) return false;
+    if (!gpu) return true;
+    const DoraPlan p = plan_dora(out, in, r, W.dtype, gpu, programs, cfg);
+    const std::vector<Arg> args = dora_args(p, W, A, B, m, 1.0, 0.0, norm, scale, kUnusedWorkspace);
+    return autotune::shared_memory_bytes(*p.kernel, args, p.meta, device_arch(W.device.index)) <=
+           autotune::max_shared_memory(W.device.index);
+  };
+  hooks.compile = [&](const autotune::Config& c) { launch_of(c, false); };
+  hooks.run = [&](const autotune::Config& c) { launch_of(c, true); };
+  autotune::Options options;
+  options.stream = stream;
+  const autotune::Choice choice = autotune::choose(problem, gpu ? dora_gpu_candidates() : dora_cpu_candidates(),
+                                                   {}, hooks, options);
+  return config_of(choice.config);
+}
+
+// For kerf-cache warm.
+const bool dora_registered = [] {
+  autotune::TunableOp op;
+  op.name = "dora_norm";
+  op.shape_names = {"out", "in", "r"};
+  op.layouts = {""};
+  op.operands = [](const std::vector<int64_t>& s, DType t) {
+    return std::vector<autotune::Operand>{{{s[0], s[1]}, t}, {{s[2], s[1]}, t}, {{s[0], s[2]}, t},
+                                          {{s[0]}, t},       {{s[0]}, DType::f32}, {{s[0]}, DType::f32}};
+  };
+  op.call = [](const std::vector<TensorView>& v, void* stream) {
+    dora_norm(v[0], v[1], v[2], v[3], 1.0, v[4], v[5], 0.0, stream);
+  };
+  op.kernels = [](const std::vector<TensorView>& v, const autotune::Config& c, int sm_count) {
+    const DoraPlan p = plan_dora(v[0].shape[0], v[0].shape[1], v[1].shape[0], v[0].dtype, true, sm_count,
+                                 config_of(c));
+    return std::vector<autotune::KernelCall>{
+        {p.kernel, dora_args(p, v[0], v[1], v[2], v[3], 1.0, 0.0, v[4], v[5], kUnusedWorkspace), p.meta}};
+  };
+  op.gpu_candidates = dora_gpu_candidates;
+  autotune::register_op(std::move(op));
+  return true;
+}();
+
+}  // namespace
 
 }  // namespace kerf::ops

@@ -1,14 +1,45 @@
 // ops::moe_lora_materialize: argument checks, configuration, launch.
 #include <algorithm>
+#include <cstring>
 
+#include "kerf/jit/autotune.h"
 #include "kerf/jit/launch.h"
 #include "kerf/kernels/kernels.h"
 #include "kerf/ops/ops.h"
+#include "kerf/runtime/cuda.h"
 #include "ops_common.h"
 
 namespace kerf::ops {
 
 using namespace detail;
+
+namespace {
+
+// The launch's meta-parameters and grid for `config` (0 fields: the defaults).
+struct MoePlan {
+  dsl::MetaMap meta;
+  Grid grid;
+};
+
+MoePlan plan_moe(const TensorView& W, int64_t r, bool gpu, const Config& config) {
+  const int64_t E = W.shape[0], N = W.shape[1];
+  const DType dot = is_half(W.dtype) ? W.dtype : DType::f32;
+  const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
+  const int64_t bn = config.block_m ? config.block_m : (gpu ? 64 : 16);
+  const int64_t bk = config.block_k ? config.block_k : (gpu ? 128 : 64);
+  MoePlan p;
+  p.meta = {{"BLOCK_N", bn}, {"BLOCK_K", bk}, {"R_PAD", r_pad}, {"DOT", int64_t(dot)},
+            {"num_warps", config.num_warps ? config.num_warps : 4}};
+  // cp.async pipelining on the GPU; the CPU back end has no use for stages.
+  p.meta["num_stages"] = config.num_stages ? config.num_stages : (gpu ? 3 : 1);
+  p.grid = Grid{uint32_t(cdiv(N, bn)), uint32_t(E), 1};
+  return p;
+}
+
+Config tuned_moe_config(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& W_eff,
+                        void* stream);
+
+}  // namespace
 
 void moe_lora_materialize(const TensorView& W, const TensorView& A, const TensorView& B, double s,
                           const TensorView& W_eff, void* stream, const Config& config) {
@@ -29,17 +60,139 @@ void moe_lora_materialize(const TensorView& W, const TensorView& A, const Tensor
   if (E > 65535) throw InvalidArgument(std::string(op) + ": at most 65535 experts per call, got " + std::to_string(E));
   if (E == 0 || N == 0 || K == 0) return;
 
-  const bool gpu = W.device.is_cuda();
-  const DType dot = is_half(W.dtype) ? W.dtype : DType::f32;
-  const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
-  const int64_t bn = config.block_m ? config.block_m : (gpu ? 64 : 16);
-  const int64_t bk = config.block_k ? config.block_k : (gpu ? 128 : 64);
-  dsl::MetaMap meta = {{"BLOCK_N", bn}, {"BLOCK_K", bk}, {"R_PAD", r_pad}, {"DOT", int64_t(dot)},
-                       {"num_warps", config.num_warps ? config.num_warps : 4}};
-  // cp.async pipelining on the GPU; the CPU back end has no use for stages.
-  meta["num_stages"] = config.num_stages ? config.num_stages : (gpu ? 3 : 1);
-  launch(kernels::moe_lora_materialize(), {W, A, B, Scalar(s), W_eff},
-         Grid{uint32_t(cdiv(N, bn)), uint32_t(E), 1}, meta, stream);
+  // A caller's Config wins; otherwise the autotuner's choice (its defaults when tuning is off).
+  const Config cfg = config.block_m || config.block_k || config.split_k || config.num_warps || config.num_stages
+                         ? config
+                         : tuned_moe_config(W, A, B, W_eff, stream);
+  const MoePlan p = plan_moe(W, r, W.device.is_cuda(), cfg);
+  launch(kernels::moe_lora_materialize(), {W, A, B, Scalar(s), W_eff}, p.grid, p.meta, stream);
 }
+
+// ---------------------------------------------------------------- autotuning (jit/autotune.h)
+namespace {
+
+// GPU: BLOCK_N x BLOCK_K x warps x stages.
+std::vector<autotune::Config> moe_gpu_candidates() {
+  return autotune::product(
+      {{"BLOCK_N", {32, 64, 128}}, {"BLOCK_K", {64, 128}}, {"num_warps", {4, 8}}, {"num_stages", {2, 3}}});
+}
+
+std::vector<autotune::Config> moe_cpu_candidates() {
+  return autotune::product({{"BLOCK_N", {16, 32}}, {"BLOCK_K", {32, 64}}, {"num_warps", {4}}, {"num_stages", {1}}});
+}
+
+Config config_of(const autotune::Config& c) {
+  Config cfg;
+  cfg.block_m = autotune::value_or_zero(c, "BLOCK_N");  // Config::block_m carries BLOCK_N for MoE
+  cfg.block_k = autotune::value_or_zero(c, "BLOCK_K");
+  cfg.num_warps = autotune::value_or_zero(c, "num_warps");
+  cfg.num_stages = autotune::value_or_zero(c, "num_stages");
+  return cfg;
+}
+
+// The bytes from a view's first element to its last (non-negative strides).
+size_t span_bytes(const TensorView& t) {
+  int64_t last = 0;
+  for (int d = 0; d < t.rank; ++d) last += (t.shape[size_t(d)] - 1) * t.strides[size_t(d)];
+  return size_t(last + 1) * size_t(dtype_size_bytes(t.dtype));
+}
+
+// When W_eff overlaps W (materializing in place), every timed run would add s*B@A
+// once more: keep W's bytes and put them back before each run.
+class InPlaceGuard {
+ public:
+  InPlaceGuard(const TensorView& W, const TensorView& W_eff, void* stream) : W_(W), stream_(stream) {
+    const char* w = static_cast<const char*>(W.data);
+    const char* o = static_cast<const char*>(W_eff.data);
+    bytes_ = span_bytes(W);
+    if (o + span_bytes(W_eff) <= w || w + bytes_ <= o) bytes_ = 0;  // disjoint
+    if (!bytes_) return;
+    if (W.device.is_cuda()) {
+      device_copy_ = cuda::DeviceBuffer(bytes_, W.device.index);
+      cuda::memcpy_device_to_device(device_copy_.data(), W.data, bytes_, stream);
+    } else {
+      host_copy_.assign(w, w + bytes_);
+    }
+  }
+  bool active() const { return bytes_ != 0; }
+  void restore() const {
+    if (W_.device.is_cuda())
+      cuda::memcpy_device_to_device(W_.data, device_copy_.data(), bytes_, stream_);
+    else
+      std::memcpy(W_.data, host_copy_.data(), bytes_);
+  }
+
+ private:
+  TensorView W_;
+  void* stream_;
+  size_t bytes_ = 0;
+  cuda::DeviceBuffer device_copy_;
+  std::vector<char> host_copy_;
+};
+
+Config tuned_moe_config(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& W_eff,
+                        void* stream) {
+  if (!autotune::enabled_for(W.device)) return {};
+  const bool gpu = W.device.is_cuda();
+  const int64_t E = W.shape[0], N = W.shape[1], K = W.shape[2], r = A.shape[1];
+  autotune::Problem problem{
+      "moe_lora_materialize",
+      {next_pow2(E), next_pow2(N), next_pow2(K), std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)))},
+      {W.dtype, A.dtype, B.dtype},
+      "",
+      W.device};
+  const std::vector<Arg> args = {W, A, B, Scalar(1.0), W_eff};
+  const auto plan = [&](const autotune::Config& c) { return plan_moe(W, r, gpu, config_of(c)); };
+  autotune::Hooks hooks;
+  hooks.keep = [&](const autotune::Config& c) {
+    const Config cfg = config_of(c);
+    if (cfg.block_m > std::max<int64_t>(gpu ? 32 : 16, next_pow2(N))) return false;
+    if (cfg.block_k > std::max<int64_t>(gpu ? 64 : 32, next_pow2(K))) return false;
+    if (!gpu) return true;
+    return autotune::shared_memory_bytes(kernels::moe_lora_materialize(), args, plan(c).meta,
+                                         device_arch(W.device.index)) <= autotune::max_shared_memory(W.device.index);
+  };
+  hooks.compile = [&](const autotune::Config& c) { prepare(kernels::moe_lora_materialize(), args, plan(c).meta); };
+  hooks.run = [&](const autotune::Config& c) {
+    const MoePlan p = plan(c);
+    launch(kernels::moe_lora_materialize(), args, p.grid, p.meta, stream);
+  };
+  // The guard copies W only when a tuning actually runs candidates.
+  std::unique_ptr<InPlaceGuard> guard;
+  hooks.restore = [&] {
+    if (!guard) guard = std::make_unique<InPlaceGuard>(W, W_eff, stream);
+    if (guard->active()) guard->restore();
+  };
+  autotune::Options options;
+  options.stream = stream;
+  const autotune::Choice choice =
+      autotune::choose(problem, gpu ? moe_gpu_candidates() : moe_cpu_candidates(), {}, hooks, options);
+  return config_of(choice.config);
+}
+
+// For kerf-cache warm.
+const bool moe_registered = [] {
+  autotune::TunableOp op;
+  op.name = "moe_lora_materialize";
+  op.shape_names = {"E", "N", "K", "r"};
+  op.layouts = {""};
+  op.operands = [](const std::vector<int64_t>& s, DType t) {
+    return std::vector<autotune::Operand>{
+        {{s[0], s[1], s[2]}, t}, {{s[0], s[3], s[2]}, t}, {{s[0], s[1], s[3]}, t}, {{s[0], s[1], s[2]}, t}};
+  };
+  op.call = [](const std::vector<TensorView>& v, void* stream) {
+    moe_lora_materialize(v[0], v[1], v[2], 1.0, v[3], stream);
+  };
+  op.kernels = [](const std::vector<TensorView>& v, const autotune::Config& c, int) {
+    const MoePlan p = plan_moe(v[0], v[1].shape[1], true, config_of(c));
+    return std::vector<autotune::KernelCall>{
+        {&kernels::moe_lora_materialize(), {v[0], v[1], v[2], Scalar(1.0), v[3]}, p.meta}};
+  };
+  op.gpu_candidates = moe_gpu_candidates;
+  autotune::register_op(std::move(op));
+  return true;
+}();
+
+}  // namespace
 
 }  // namespace kerf::ops

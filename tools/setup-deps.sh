@@ -6,7 +6,7 @@ set -euo pipefail
 have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 
 # What the build needs (LLVM is optional: without it kerf builds without the CPU backend).
-required=(cmake ninja-build g++ pkg-config libxxhash-dev catch2 python3-dev pybind11-dev
+required=(cmake ninja-build g++ pkg-config libxxhash-dev catch2 python3-dev pybind11-dev nlohmann-json3-dev
           python3-numpy python3-pytest)
 optional_llvm=()
 if ! ls /usr/lib/llvm-*/lib/cmake/llvm/LLVMConfig.cmake >/dev/null 2>&1; then

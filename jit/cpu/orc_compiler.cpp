@@ -7,6 +7,7 @@
 // of static destruction.
 #include <llvm/ADT/StringMap.h>
 #include <llvm/Config/llvm-config.h>
+#include <llvm/ExecutionEngine/Orc/CompileUtils.h>
 #include <llvm/ExecutionEngine/Orc/ExecutionUtils.h>
 #include <llvm/ExecutionEngine/Orc/JITTargetMachineBuilder.h>
 #include <llvm/ExecutionEngine/Orc/LLJIT.h>
@@ -15,6 +16,7 @@
 #include <llvm/IR/Module.h>
 #include <llvm/Passes/PassBuilder.h>
 #include <llvm/Support/Host.h>
+#include <llvm/Support/MemoryBuffer.h>
 #include <llvm/Support/TargetSelect.h>
 #include <llvm/Support/raw_ostream.h>
 #include <llvm/Target/TargetMachine.h>
@@ -29,6 +31,7 @@
 #include <vector>
 
 #include "jit/cpu/llvm_codegen.h"
+#include "jit/cpu/object_code.h"
 #include "jit/cpu/stack_budget.h"
 #include "kerf/error.h"
 #include "kerf/jit/cpu_backend.h"
@@ -102,9 +105,42 @@ class JitSession {
     llvm::consumeError(tracker->remove());
   }
 
+  // Links an object (from emit_object) into a JITDylib of its own, so that two
+  // loads of one object, which define the same symbol, never clash. Lookups that
+  // miss there fall back to the main JITDylib's process symbols (libm, memcpy).
+  CpuKernel::Entry add_object(const ObjectCode& object, llvm::orc::JITDylib*& dylib) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto jd = jit_->createJITDylib("kerf_object_" + std::to_string(next_dylib_++));
+    if (!jd)
+      throw CompileError("CPU back end: cannot make a JITDylib", error_text(jd.takeError()), "");
+    jd->addToLinkOrder(jit_->getMainJITDylib());
+    const auto drop = [&] { llvm::consumeError(jit_->getExecutionSession().removeJITDylib(*jd)); };
+    auto buffer = llvm::MemoryBuffer::getMemBufferCopy(
+        llvm::StringRef(object.bytes.data(), object.bytes.size()), object.entry);
+    if (llvm::Error e = jit_->addObjectFile(*jd, std::move(buffer))) {
+      const std::string log = error_text(std::move(e));
+      drop();
+      throw CompileError("CPU back end: ORC rejected a cached object", log, "");
+    }
+    auto symbol = jit_->lookup(*jd, object.entry);
+    if (!symbol) {
+      const std::string log = error_text(symbol.takeError());
+      drop();
+      throw CompileError("CPU back end: a cached object has no '" + object.entry + "'", log, "");
+    }
+    dylib = &*jd;
+    return reinterpret_cast<CpuKernel::Entry>(static_cast<uintptr_t>(symbol->getAddress()));
+  }
+
+  void remove_dylib(llvm::orc::JITDylib& dylib) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    llvm::consumeError(jit_->getExecutionSession().removeJITDylib(dylib));
+  }
+
  private:
   std::mutex mutex_;
   std::unique_ptr<llvm::orc::LLJIT> jit_;
+  uint64_t next_dylib_ = 0;
 };
 
 class OrcKernel final : public CpuKernel {
@@ -119,6 +155,22 @@ class OrcKernel final : public CpuKernel {
  private:
   std::shared_ptr<JitSession> session_;
   llvm::orc::ResourceTrackerSP tracker_;
+  Entry entry_;
+};
+
+// A kernel loaded from an object, in its own JITDylib.
+class ObjectKernel final : public CpuKernel {
+ public:
+  ObjectKernel(std::shared_ptr<JitSession> session, llvm::orc::JITDylib* dylib, Entry entry)
+      : session_(std::move(session)), dylib_(dylib), entry_(entry) {}
+  ~ObjectKernel() override { session_->remove_dylib(*dylib_); }
+  ObjectKernel(const ObjectKernel&) = delete;
+  ObjectKernel& operator=(const ObjectKernel&) = delete;
+  Entry entry() const override { return entry_; }
+
+ private:
+  std::shared_ptr<JitSession> session_;
+  llvm::orc::JITDylib* dylib_;
   Entry entry_;
 };
 
@@ -146,6 +198,43 @@ std::string module_text(const llvm::Module& m) {
   llvm::raw_string_ostream os(text);
   m.print(os, nullptr);
   return os.str();
+}
+
+// IR -> optimised module for the host (shared by compile and emit_object).
+struct OptimizedModule {
+  std::unique_ptr<llvm::LLVMContext> ctx;
+  std::unique_ptr<llvm::Module> module;
+  std::unique_ptr<llvm::TargetMachine> tm;
+  int64_t stack_bytes = 0;
+};
+
+OptimizedModule optimized_module(const ir::Function& f, const std::string& entry_name) {
+  OptimizedModule out;
+  out.ctx = std::make_unique<llvm::LLVMContext>();
+  GeneratedModule gen = generate_llvm_module(f, *out.ctx, entry_name);
+  if (gen.stack_bytes > kMaxTileStackBytes)
+    throw CompileError(
+        "kernel '" + f.name + "': its tiles need " + std::to_string(gen.stack_bytes >> 20) +
+            " MiB per program; the CPU back end "
+            "keeps tiles on the stack and allows " +
+            std::to_string(kMaxTileStackBytes >> 20) + " MiB: use smaller block sizes",
+        "", "");
+  auto tm = host_machine_builder().createTargetMachine();
+  if (!tm)
+    throw NotAvailable("CPU back end: no target machine for this host: " +
+                       error_text(tm.takeError()));
+  gen.module->setDataLayout((*tm)->createDataLayout());
+  gen.module->setTargetTriple((*tm)->getTargetTriple().str());
+  optimize(*gen.module, **tm);
+  out.module = std::move(gen.module);
+  out.tm = std::move(*tm);
+  out.stack_bytes = gen.stack_bytes;
+  return out;
+}
+
+double ms_since(std::chrono::steady_clock::time_point start) {
+  using Ms = std::chrono::duration<double, std::milli>;
+  return Ms(std::chrono::steady_clock::now() - start).count();
 }
 
 }  // namespace
@@ -182,6 +271,37 @@ std::string emit_llvm_ir(const ir::Function& f) {
   return module_text(*gen.module);
 }
 
+ObjectCode emit_object(const ir::Function& f) {
+  ir::verify(f);
+  const auto start = std::chrono::steady_clock::now();
+  JitSession::get();  // initialises LLVM's native target once
+  ObjectCode object;
+  // Each loaded object has a JITDylib of its own, so one fixed name per kernel is enough.
+  object.entry = "kerf_" + f.name;
+  OptimizedModule m = optimized_module(f, object.entry);
+  // The same code generator (target machine, opt level) the JIT's compile layer uses.
+  llvm::orc::SimpleCompiler compiler(*m.tm);
+  auto buffer = compiler(*m.module);
+  if (!buffer)
+    throw CompileError("CPU back end: LLVM could not emit machine code for '" + f.name + "'",
+                       error_text(buffer.takeError()), "");
+  object.bytes.assign((*buffer)->getBufferStart(), (*buffer)->getBufferEnd());
+  object.stack_bytes = m.stack_bytes;
+  object.compile_ms = ms_since(start);
+  return object;
+}
+
+std::unique_ptr<CpuKernel> load_object(const ObjectCode& object) {
+  const auto start = std::chrono::steady_clock::now();
+  std::shared_ptr<JitSession> session = JitSession::get();
+  llvm::orc::JITDylib* dylib = nullptr;
+  const CpuKernel::Entry entry = session->add_object(object, dylib);
+  auto kernel = std::make_unique<ObjectKernel>(session, dylib, entry);
+  kernel->stack_bytes = object.stack_bytes;
+  kernel->compile_ms = ms_since(start);
+  return kernel;
+}
+
 std::unique_ptr<CpuKernel> compile(const ir::Function& f) {
   ir::verify(f);
   const auto start = std::chrono::steady_clock::now();
@@ -191,30 +311,14 @@ std::unique_ptr<CpuKernel> compile(const ir::Function& f) {
   static std::atomic<uint64_t> next_kernel{0};
   const std::string entry_name = "kerf_" + f.name + "_" + std::to_string(next_kernel++);
 
-  auto ctx = std::make_unique<llvm::LLVMContext>();
-  GeneratedModule gen = generate_llvm_module(f, *ctx, entry_name);
-  if (gen.stack_bytes > kMaxTileStackBytes)
-    throw CompileError(
-        "kernel '" + f.name + "': its tiles need " + std::to_string(gen.stack_bytes >> 20) +
-            " MiB per program; the CPU back end "
-            "keeps tiles on the stack and allows " +
-            std::to_string(kMaxTileStackBytes >> 20) + " MiB: use smaller block sizes",
-        "", "");
-  auto tm = host_machine_builder().createTargetMachine();
-  if (!tm)
-    throw NotAvailable("CPU back end: no target machine for this host: " +
-                       error_text(tm.takeError()));
-  gen.module->setDataLayout((*tm)->createDataLayout());
-  gen.module->setTargetTriple((*tm)->getTargetTriple().str());
-  optimize(*gen.module, **tm);
+  OptimizedModule m = optimized_module(f, entry_name);
 
   llvm::orc::ResourceTrackerSP tracker;
   const CpuKernel::Entry entry = session->add(
-      llvm::orc::ThreadSafeModule(std::move(gen.module), std::move(ctx)), entry_name, tracker);
+      llvm::orc::ThreadSafeModule(std::move(m.module), std::move(m.ctx)), entry_name, tracker);
   auto kernel = std::make_unique<OrcKernel>(session, tracker, entry);
-  kernel->stack_bytes = gen.stack_bytes;
-  kernel->compile_ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  kernel->stack_bytes = m.stack_bytes;
+  kernel->compile_ms = ms_since(start);
   return kernel;
 }
 

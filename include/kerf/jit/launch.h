@@ -4,10 +4,14 @@
 // ranks, alignment and contiguity facts, device) traces the kernel, generates
 // code for the device the tensors live on (CUDA C++ -> NVRTC -> cubin for a
 // GPU, LLVM -> native code for the CPU) and loads it; later calls find it in
-// an in-process map and go straight to the launch.
+// an in-process map and go straight to the launch. Between the two, the kernel
+// cache (include/kerf/cache/) is asked first: mounted bundles, then the disk
+// tier; a kernel compiled here is stored there for later processes.
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kerf/dsl/dsl.h"
@@ -15,10 +19,29 @@
 
 namespace kerf {
 
+// Where a call found its kernel.
+enum class KernelSource : uint8_t {
+  memory,    // already loaded in this process (the hot path)
+  bundle,    // a mounted bundle
+  disk,      // the on-disk cache, from an earlier process
+  compiled,  // compiled by this call (NVRTC or LLVM), then stored
+};
+const char* kernel_source_name(KernelSource s);  // "memory", "bundle", "disk", "compiled"
+
 struct LaunchInfo {
   bool compiled = false;     // this call generated and compiled the kernel
-  double compile_ms = 0.0;   // trace + code generation + compilation + load, when compiled
+  double compile_ms = 0.0;   // when the kernel was not in memory: trace, code generation,
+                             // cache lookup, compilation (if any) and load
   std::string backend;       // "cpu" or the CUDA architecture, e.g. "sm_90a"
+  KernelSource source = KernelSource::memory;
+};
+
+// Optional parts of a launch.
+struct LaunchOptions {
+  void* stream = nullptr;  // a CUstream (nullptr: the default stream)
+  // Canonical text of the sharding layout the calling op uses ("" when unsharded).
+  // It is part of the kernel's cache key (and of autotune keys); it must outlive the call.
+  std::string_view layout;
 };
 
 // Runs `kernel` over `grid` with `args` (tensors and scalars in the order the
@@ -27,6 +50,13 @@ struct LaunchInfo {
 // GPU launches are asynchronous, CPU launches return when done.
 LaunchInfo launch(const dsl::Kernel& kernel, const std::vector<Arg>& args, Grid grid,
                   const dsl::MetaMap& meta = {}, void* stream = nullptr);
+LaunchInfo launch(const dsl::Kernel& kernel, const std::vector<Arg>& args, Grid grid,
+                  const dsl::MetaMap& meta, const LaunchOptions& options);
+
+// Makes the kernel for such a call ready (from memory, a bundle, the disk tier, or
+// compiled) without running it: the autotuner compiles candidates with it.
+LaunchInfo prepare(const dsl::Kernel& kernel, const std::vector<Arg>& args,
+                   const dsl::MetaMap& meta = {}, const LaunchOptions& options = {});
 
 // The specialization facts kerf derives from arguments (dtype, rank, contiguity, alignment).
 std::vector<dsl::ArgSpec> arg_specs(const std::vector<Arg>& args);
@@ -34,6 +64,9 @@ std::vector<dsl::ArgSpec> arg_specs(const std::vector<Arg>& args);
 // The generated CUDA C++ for a call, without compiling or running it.
 std::string cuda_source(const dsl::Kernel& kernel, const std::vector<Arg>& args,
                         const dsl::MetaMap& meta, const std::string& arch);
+
+// The architecture kerf compiles for on CUDA device `device` ("sm_90a"); asked once per device.
+std::string device_arch(int device);
 
 // Drops every compiled kernel of this process (tests, benchmarks of cold starts).
 void clear_kernel_cache();

@@ -1,0 +1,267 @@
+// The on-disk tier (see disk_cache.h).
+#include "kerf/cache/disk_cache.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <ctime>
+#include <filesystem>
+
+#include "kerf/cache/log.h"
+#include "kerf/error.h"
+
+namespace kerf::cache {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr size_t kWriteChunk = size_t(1) << 20;
+constexpr int64_t kStaleTempSeconds = 3600;
+constexpr const char* kSuffix = ".kerf";
+
+std::atomic<DiskCache::WriteHook> g_write_hook{nullptr};
+
+// Closes a descriptor however the function leaves.
+struct Fd {
+  int fd = -1;
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+std::string errno_text(int e) {
+  return std::strerror(e);
+}
+
+int64_t now_s() {
+  return int64_t(std::time(nullptr));
+}
+
+}  // namespace
+
+std::optional<std::vector<char>> read_file(const std::string& path) {
+  Fd f;
+  f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (f.fd < 0) return std::nullopt;
+  struct stat st {};
+  if (::fstat(f.fd, &st) != 0 || !S_ISREG(st.st_mode)) return std::nullopt;
+  std::vector<char> bytes(size_t(st.st_size));
+  size_t got = 0;
+  while (got < bytes.size()) {
+    const ssize_t n = ::read(f.fd, bytes.data() + got, bytes.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    got += size_t(n);
+  }
+  bytes.resize(got);  // a file cut short while we read: the checks catch it
+  return bytes;
+}
+
+void write_file_atomically(const std::string& path, const std::vector<char>& bytes) {
+  static std::atomic<uint64_t> counter{0};
+  const std::string temp =
+      path + ".tmp-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
+  const auto failed = [&](const std::string& what, int e) {
+    ::unlink(temp.c_str());
+    return CacheError("cannot " + what + " " + path + ": " + errno_text(e));
+  };
+  {
+    Fd f;
+    f.fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (f.fd < 0) throw CacheError("cannot create " + temp + ": " + errno_text(errno));
+    size_t done = 0;
+    while (done < bytes.size()) {
+      const size_t n = std::min(kWriteChunk, bytes.size() - done);
+      const ssize_t w = ::write(f.fd, bytes.data() + done, n);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) throw failed("write", w < 0 ? errno : ENOSPC);
+      done += size_t(w);
+      if (DiskCache::WriteHook hook = g_write_hook.load()) hook(temp, done);
+    }
+    if (::close(f.fd) != 0) {
+      f.fd = -1;
+      throw failed("write", errno);
+    }
+    f.fd = -1;
+  }
+  // rename() is atomic: readers see the old entry, or none, or the whole new one.
+  if (::rename(temp.c_str(), path.c_str()) != 0) throw failed("rename into", errno);
+}
+
+DiskCache::DiskCache(std::string dir, DiskMode mode)
+    : dir_(dir + "/v" + std::to_string(kEntryFormatVersion)), root_(std::move(dir)), mode_(mode) {}
+
+void DiskCache::set_write_hook(WriteHook hook) {
+  g_write_hook.store(hook);
+}
+
+bool DiskCache::writable() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return mode_ == DiskMode::on && !write_failed_;
+}
+
+std::string DiskCache::path_for(const CacheKey& key) const {
+  const std::string stem = key.stem();
+  return dir_ + "/" + stem.substr(0, 2) + "/" + stem + kSuffix;
+}
+
+void DiskCache::report_bad(const std::string& path, const DecodedEntry& d) {
+  ++bad_entries_;
+  const bool rebuilds = writable();
+  log::once(log::Level::warn, "cache-entry:" + path,
+            "ignoring cache entry " + path + ": " + entry_problem_name(d.problem) +
+                (d.detail.empty() ? "" : " (" + d.detail + ")") +
+                (rebuilds ? "; it is rebuilt" : "; it is rebuilt in memory only"));
+}
+
+void DiskCache::report_unwritable(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    write_failed_ = true;
+  }
+  log::once(log::Level::warn, "cache-dir:" + root_,
+            "the kernel cache directory " + root_ + " cannot be written (" + why +
+                "); kerf keeps compiled kernels in memory for this process (set KERF_CACHE_DIR to "
+                "a writable directory, or KERF_CACHE=readonly to silence this)");
+}
+
+std::optional<Entry> DiskCache::read(const std::string& path, const CacheKey& key,
+                                     bool any_compiler) {
+  std::optional<std::vector<char>> bytes = read_file(path);
+  if (!bytes) return std::nullopt;
+  DecodedEntry d = decode_entry_for(bytes->data(), bytes->size(), key, any_compiler);
+  if (!d.ok()) {
+    report_bad(path, d);
+    return std::nullopt;
+  }
+  // Last use, for prune's LRU order; a read-only cache is not touched.
+  if (mode_ == DiskMode::on) ::utimensat(AT_FDCWD, path.c_str(), nullptr, 0);
+  return std::move(d.entry);
+}
+
+std::optional<Entry> DiskCache::find(const CacheKey& key, bool any_compiler) {
+  if (mode_ == DiskMode::off) return std::nullopt;
+  const std::string path = path_for(key);
+  if (std::optional<Entry> e = read(path, key, false)) return e;
+  if (!any_compiler) return std::nullopt;
+  // Another compiler's build of the same kernel: "<family>-*.kerf" beside it.
+  const std::string folder = path.substr(0, path.rfind('/'));
+  const std::string prefix = key.family.hex() + "-";
+  std::vector<std::string> candidates;
+  if (DIR* d = ::opendir(folder.c_str())) {
+    while (dirent* e = ::readdir(d)) {
+      const std::string name = e->d_name;
+      if (name.rfind(prefix, 0) == 0 && ends_with(name, kSuffix))
+        candidates.push_back(folder + "/" + name);
+    }
+    ::closedir(d);
+  }
+  std::sort(candidates.begin(), candidates.end());
+  for (const std::string& c : candidates)
+    if (c != path)
+      if (std::optional<Entry> e = read(c, key, true)) return e;
+  return std::nullopt;
+}
+
+bool DiskCache::store(const CacheKey& key, const Entry& entry) {
+  if (!writable()) return false;
+  const std::string path = path_for(key);
+  std::error_code ec;
+  fs::create_directories(fs::path(path).parent_path(), ec);
+  if (ec) {
+    report_unwritable(ec.message());
+    return false;
+  }
+  try {
+    write_file_atomically(path, encode_entry(key, entry));
+  } catch (const CacheError& e) {
+    report_unwritable(e.what());
+    return false;
+  }
+  return true;
+}
+
+std::vector<DiskCache::Listed> DiskCache::list() const {
+  std::vector<Listed> out;
+  std::error_code ec;
+  if (!fs::is_directory(dir_, ec)) return out;
+  for (fs::recursive_directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec)) {
+    if (!it->is_regular_file(ec) || !ends_with(it->path().string(), kSuffix)) continue;
+    Listed l;
+    l.path = it->path().string();
+    struct stat st {};
+    if (::stat(l.path.c_str(), &st) != 0) continue;
+    l.bytes = uint64_t(st.st_size);
+    l.mtime_s = int64_t(st.st_mtime);
+    if (std::optional<std::vector<char>> bytes = read_file(l.path)) {
+      l.decoded = decode_entry(bytes->data(), bytes->size());
+      l.decoded.entry.blob.clear();
+    }
+    out.push_back(std::move(l));
+  }
+  std::sort(out.begin(), out.end(),
+            [](const Listed& a, const Listed& b) { return a.path < b.path; });
+  return out;
+}
+
+DiskCache::PruneResult DiskCache::prune(int64_t max_age_s, int64_t max_bytes) {
+  struct File {
+    std::string path;
+    uint64_t bytes;
+    int64_t mtime_s;
+  };
+  std::vector<File> files;
+  PruneResult r;
+  const int64_t now = now_s();
+  std::error_code ec;
+  if (!fs::is_directory(dir_, ec)) return r;
+  const auto remove = [&](const File& f) {
+    if (::unlink(f.path.c_str()) == 0) {
+      ++r.removed;
+      r.bytes_removed += f.bytes;
+    }
+  };
+  for (fs::recursive_directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec)) {
+    if (!it->is_regular_file(ec)) continue;
+    const std::string p = it->path().string();
+    struct stat st {};
+    if (::stat(p.c_str(), &st) != 0) continue;
+    File f{p, uint64_t(st.st_size), int64_t(st.st_mtime)};
+    if (p.find(".tmp-") != std::string::npos) {
+      if (now - f.mtime_s > kStaleTempSeconds) remove(f);  // a killed writer's leftover
+      continue;
+    }
+    if (!ends_with(p, kSuffix)) continue;
+    if (max_age_s >= 0 && now - f.mtime_s > max_age_s) {
+      remove(f);
+      continue;
+    }
+    files.push_back(f);
+  }
+  uint64_t total = 0;
+  for (const File& f : files) total += f.bytes;
+  if (max_bytes >= 0 && total > uint64_t(max_bytes)) {
+    std::sort(files.begin(), files.end(),
+              [](const File& a, const File& b) { return a.mtime_s < b.mtime_s; });
+    for (const File& f : files) {
+      if (total <= uint64_t(max_bytes)) break;
+      remove(f);
+      total -= f.bytes;
+    }
+  }
+  r.bytes_left = total;
+  return r;
+}
+
+}  // namespace kerf::cache

@@ -1,0 +1,101 @@
+// KERF_LOG: leveled messages on stderr, each topic reported once when asked.
+#include "kerf/cache/log.h"
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <set>
+#include <string>
+
+#include "common/never_destroyed.h"
+
+namespace kerf::log {
+namespace {
+
+constexpr int kUnread = -1;
+
+Level parse(const char* text) {
+  if (!text || !*text) return Level::warn;
+  const std::string v = text;
+  if (v == "off" || v == "0" || v == "none") return Level::off;
+  if (v == "info") return Level::info;
+  if (v == "debug") return Level::debug;
+  return Level::warn;  // "warn", and anything unknown: never hide warnings by mistake
+}
+
+// One registry with a lock: the sink and the topics already reported.
+struct Registry {
+  std::atomic<int> level{kUnread};
+  std::mutex mu;
+  std::function<void(Level, const std::string&)> sink;
+  std::set<std::string> reported;
+};
+
+Registry& registry() {
+  // Never destroyed: messages written during static destruction still find it.
+  static kerf::detail::NeverDestroyed<Registry> r;
+  return r.value;
+}
+
+const char* tag(Level l) {
+  switch (l) {
+    case Level::warn:
+      return "warning";
+    case Level::info:
+      return "info";
+    case Level::debug:
+      return "debug";
+    case Level::off:
+      break;
+  }
+  return "";
+}
+
+}  // namespace
+
+Level level() {
+  Registry& r = registry();
+  int v = r.level.load(std::memory_order_relaxed);
+  if (v == kUnread) {
+    v = int(parse(std::getenv("KERF_LOG")));
+    r.level.store(v, std::memory_order_relaxed);
+  }
+  return Level(v);
+}
+
+void write(Level l, const std::string& message) {
+  if (!enabled(l)) return;
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  if (r.sink) {
+    r.sink(l, message);
+    return;
+  }
+  std::fprintf(stderr, "kerf %s: %s\n", tag(l), message.c_str());
+}
+
+void once(Level l, const std::string& topic, const std::string& message) {
+  if (!enabled(l)) return;
+  {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    if (!r.reported.insert(topic).second) return;
+  }
+  write(l, message);
+}
+
+void set_sink(std::function<void(Level, const std::string&)> sink) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.sink = std::move(sink);
+}
+
+void reload() {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.level.store(kUnread, std::memory_order_relaxed);
+  r.reported.clear();
+}
+
+}  // namespace kerf::log

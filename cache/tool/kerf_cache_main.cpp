@@ -1,0 +1,92 @@
+// kerf-cache: warm, pack, list, inspect, verify and prune kerf's kernel cache.
+//
+//   kerf-cache [--dir DIR] warm --op NAME --shape AxBxC [--dtype T] [--layout L] [--arch A] ...
+//   kerf-cache [--dir DIR] pack BUNDLE [--add BUNDLE]...
+//   kerf-cache [--dir DIR] list [BUNDLE] [--json]
+//   kerf-cache [--dir DIR] inspect [BUNDLE | ENTRY.kerf] [--json]
+//   kerf-cache [--dir DIR] verify [BUNDLE...]
+//   kerf-cache [--dir DIR] prune [--max-age 30d] [--max-size 2G]
+//
+// DIR defaults to $KERF_CACHE_DIR, else ${XDG_CACHE_HOME:-~/.cache}/kerf.
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "cache/tool/tool.h"
+#include "kerf/cache/store.h"
+#include "kerf/error.h"
+
+namespace kerf::cache_tool {
+
+std::string Args::next() {
+  if (empty()) throw InvalidArgument("missing an argument (kerf-cache --help shows the usage)");
+  return items_[at_++];
+}
+
+std::string Args::value_of(const std::string& option) {
+  if (empty()) throw InvalidArgument(option + " needs a value");
+  return next();
+}
+
+namespace {
+
+constexpr const char* kUsage = R"(usage: kerf-cache [--dir DIR] COMMAND ...
+
+  warm     compile (and, on a GPU of that architecture, tune) ops for shapes:
+             --op NAME       dora_norm, moe_lora_materialize (repeatable; default: all)
+             --shape S       sizes joined by 'x' in the op's order (repeatable):
+                             dora_norm out x in x r; moe_lora_materialize E x N x K x r
+             --dtype T       bf16, f16, f32 (repeatable; default bf16)
+             --layout L      sharding layout text (repeatable; default unsharded)
+             --arch A        sm_90a, sm_80, ..., cpu, or native (repeatable or a,b;
+                             default: the GPU's, else cpu). An architecture without a
+                             device here is compiled but not tuned.
+             --all-candidates  without a device, compile every autotune candidate
+                             (so that the target can tune without NVRTC)
+             --sm-count N    multiprocessors to plan for without a device
+             --no-tune       compile the default configurations only
+             -j N            compile threads without a device (default: all cores)
+  pack     BUNDLE [--add OTHER.bundle]...   write the cache's entries into one bundle
+  list     [BUNDLE] [--json]                one line per entry
+  inspect  [BUNDLE | FILE.kerf] [--json]    every property of every entry
+  verify   [BUNDLE...]                      check every checksum; exit 1 if any fails
+  prune    [--max-age AGE] [--max-size SIZE]  AGE like 30d, 12h; SIZE like 500M, 2G
+
+DIR defaults to $KERF_CACHE_DIR, else ${XDG_CACHE_HOME:-~/.cache}/kerf.
+)";
+
+}  // namespace
+}  // namespace kerf::cache_tool
+
+int main(int argc, char** argv) {
+  using namespace kerf::cache_tool;
+  std::vector<std::string> items(argv + 1, argv + argc);
+  if (items.empty() || items[0] == "--help" || items[0] == "-h") {
+    std::fputs(kUsage, items.empty() ? stderr : stdout);
+    return items.empty() ? 2 : 0;
+  }
+  try {
+    Args args(items);
+    std::string command = args.next();
+    if (command == "--dir") {
+      // The command works on this directory (and warm writes there).
+      ::setenv("KERF_CACHE_DIR", args.value_of("--dir").c_str(), 1);
+      command = args.next();
+    }
+    kerf::cache::reload_settings();
+    if (command == "warm") return warm(args);
+    if (command == "pack") return pack(args);
+    if (command == "list") return list(args, false);
+    if (command == "inspect") return list(args, true);
+    if (command == "verify") return verify(args);
+    if (command == "prune") return prune(args);
+    throw kerf::InvalidArgument("unknown command '" + command + "' (kerf-cache --help lists them)");
+  } catch (const kerf::Error& e) {
+    std::fprintf(stderr, "kerf-cache: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kerf-cache: %s\n", e.what());
+    return 2;
+  }
+}

@@ -1,0 +1,176 @@
+// kerf-cache pack, verify and prune: moving entries into bundles, checking
+// checksums, and keeping the disk tier small.
+#include <cstdio>
+#include <ctime>
+
+#include "cache/tool/tool.h"
+#include "kerf/cache/bundle.h"
+#include "kerf/cache/disk_cache.h"
+#include "kerf/cache/store.h"
+#include "kerf/error.h"
+
+namespace kerf::cache_tool {
+namespace {
+
+cache::DiskCache disk_tier() {
+  const cache::Settings s = cache::current_settings();
+  return cache::DiskCache(s.dir, cache::DiskMode::readonly);
+}
+
+std::string now_text() {
+  const std::time_t t = std::time(nullptr);
+  char buf[32];
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+int64_t scaled(const std::string& text, const char* what,
+               const std::vector<std::pair<char, int64_t>>& units) {
+  char* end = nullptr;
+  const double v = std::strtod(text.c_str(), &end);
+  if (end == text.c_str() || v < 0)
+    throw InvalidArgument("cannot read " + std::string(what) + " '" + text + "'");
+  int64_t unit = 1;
+  if (*end) {
+    bool found = false;
+    for (const auto& [c, u] : units)
+      if (*end == c || *end == char(c - 'a' + 'A')) {
+        unit = u;
+        found = true;
+      }
+    if (!found || end[1] != '\0')
+      throw InvalidArgument("cannot read " + std::string(what) + " '" + text + "'");
+  }
+  return int64_t(v * double(unit));
+}
+
+}  // namespace
+
+int64_t parse_duration_s(const std::string& text) {
+  return scaled(text, "the age",
+                {{'s', 1}, {'m', 60}, {'h', 3600}, {'d', 86400}, {'w', 7 * 86400}});
+}
+
+int64_t parse_size_bytes(const std::string& text) {
+  return scaled(text, "the size",
+                {{'k', 1ll << 10}, {'m', 1ll << 20}, {'g', 1ll << 30}, {'t', 1ll << 40}});
+}
+
+std::string human_bytes(uint64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = double(bytes);
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    ++u;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof buf, u ? "%.1f %s" : "%.0f %s", v, units[u]);
+  return buf;
+}
+
+int pack(Args& args) {
+  const std::string out = args.next();
+  std::vector<std::string> merge;
+  while (!args.empty()) {
+    const std::string a = args.next();
+    if (a != "--add") throw InvalidArgument("pack: unknown option '" + a + "'");
+    merge.push_back(args.value_of(a));
+  }
+  cache::BundleWriter writer;
+  int skipped = 0;
+  const cache::DiskCache disk = disk_tier();
+  for (const cache::DiskCache::Listed& l : disk.list()) {
+    if (!l.decoded.ok()) {
+      std::fprintf(stderr, "pack: skipping %s: %s\n", l.path.c_str(),
+                   cache::entry_problem_name(l.decoded.problem));
+      ++skipped;
+      continue;
+    }
+    if (auto bytes = cache::read_file(l.path)) {
+      try {
+        writer.add(*bytes);
+      } catch (const CacheError& e) {  // changed since list(): another process rewrote it
+        std::fprintf(stderr, "pack: skipping %s: %s\n", l.path.c_str(), e.what());
+        ++skipped;
+      }
+    }
+  }
+  for (const std::string& path : merge) {
+    const cache::Bundle b(path);
+    for (const cache::Bundle::Record& r : b.records()) writer.add(b.image(r));
+  }
+  writer.write(out, {{"kerf_version", cache::kerf_version()},
+                     {"created", now_text()},
+                     {"source", disk.dir()},
+                     {"entries", std::to_string(writer.size())}});
+  std::printf("packed %zu entries into %s (%d skipped)\n", writer.size(), out.c_str(), skipped);
+  return 0;
+}
+
+int verify(Args& args) {
+  int bad = 0, good = 0;
+  const auto report = [&](const std::string& where, const cache::DecodedEntry& d) {
+    if (d.ok()) {
+      ++good;
+      return;
+    }
+    ++bad;
+    std::printf("BAD %s: %s%s\n", where.c_str(), cache::entry_problem_name(d.problem),
+                d.detail.empty() ? "" : (" (" + d.detail + ")").c_str());
+  };
+  if (args.empty()) {
+    for (const cache::DiskCache::Listed& l : disk_tier().list()) {
+      // The file's name is its key: an entry under another key's name is as bad as a torn one.
+      cache::DecodedEntry d = l.decoded;
+      if (d.ok() && l.path.find(d.key.stem()) == std::string::npos) {
+        d.problem = cache::EntryProblem::wrong_key;
+        d.detail = "stored under another key's name";
+      }
+      report(l.path, d);
+    }
+  }
+  while (!args.empty()) {
+    const std::string path = args.next();
+    try {
+      const cache::Bundle b(path);
+      for (const cache::Bundle::Record& r : b.records()) {
+        cache::DecodedEntry d = b.decode(r);
+        if (d.ok() && (d.key.id != r.id || d.key.family != r.family)) {
+          d.problem = cache::EntryProblem::wrong_key;
+          d.detail = "the manifest names another key";
+        }
+        report(path + "@" + std::to_string(r.offset), d);
+      }
+    } catch (const CacheError& e) {
+      ++bad;
+      std::printf("BAD %s\n", e.what());
+    }
+  }
+  std::printf("%d valid, %d bad\n", good, bad);
+  return bad ? 1 : 0;
+}
+
+int prune(Args& args) {
+  int64_t max_age = -1, max_size = -1;
+  while (!args.empty()) {
+    const std::string a = args.next();
+    if (a == "--max-age")
+      max_age = parse_duration_s(args.value_of(a));
+    else if (a == "--max-size")
+      max_size = parse_size_bytes(args.value_of(a));
+    else
+      throw InvalidArgument("prune: unknown option '" + a + "'");
+  }
+  const cache::Settings s = cache::current_settings();
+  cache::DiskCache disk(s.dir, cache::DiskMode::on);
+  const cache::DiskCache::PruneResult r = disk.prune(max_age, max_size);
+  std::printf("removed %d entries (%s); %s left in %s\n", r.removed,
+              human_bytes(r.bytes_removed).c_str(), human_bytes(r.bytes_left).c_str(),
+              disk.dir().c_str());
+  return 0;
+}
+
+}  // namespace kerf::cache_tool

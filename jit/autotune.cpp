@@ -1,0 +1,322 @@
+// The autotuner's choice: memory, then the cache, then a fresh tuning (see autotune.h).
+#include "kerf/jit/autotune.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "kerf/cache/cpu_kernel.h"
+#include "kerf/cache/log.h"
+#include "kerf/cache/settings.h"
+#include "kerf/cache/store.h"
+#include "kerf/jit/launch.h"
+#include "kerf/runtime/cuda.h"
+
+namespace kerf::autotune {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// The problem's target: a choice made on one GPU model (or CPU) is not another's.
+cache::Target target_of(const Device& d) {
+  if (!d.is_cuda()) {
+    static const cache::Target cpu = [] {
+      cache::Target t = cache::cpu_target();
+      t.compiler.clear();  // choices outlive compiler upgrades
+      return t;
+    }();
+    return cpu;
+  }
+  static std::mutex mu;
+  static std::map<int, cache::Target> targets;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = targets.find(d.index);
+  if (it != targets.end()) return it->second;
+  cache::Target t;
+  t.backend = "cuda";
+  t.arch = device_arch(d.index);
+  t.device = cuda::device_info(d.index).name;
+  return targets[d.index] = t;
+}
+
+std::string bucket_text(const std::vector<int64_t>& b) {
+  std::string s;
+  for (int64_t v : b) s += (s.empty() ? "" : "x") + std::to_string(v);
+  return s;
+}
+
+std::string ms_text(double ms) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, ms < 10 ? "%.3f ms" : "%.0f ms", ms);
+  return buf;
+}
+
+std::string dtypes_text(const std::vector<DType>& ts) {
+  std::string s;
+  for (DType t : ts) s += (s.empty() ? "" : ",") + std::string(dtype_name(t));
+  return s;
+}
+
+// Choices made in this process, by choice key id; one registry with a lock.
+struct Memo {
+  std::mutex mu;
+  std::map<std::pair<uint64_t, uint64_t>, Choice> choices;
+  std::mutex tuning;  // one tuning at a time: candidates compete for the same device
+};
+
+Memo& memo() {
+  static Memo m;
+  return m;
+}
+
+// Compiles every candidate on up to `threads` threads; returns which succeeded.
+std::vector<bool> compile_all(const std::vector<Config>& cands, const Hooks& hooks, int threads,
+                              int* failed) {
+  std::vector<bool> ok(cands.size(), false);
+  std::vector<char> done(cands.size(), 0);
+  std::atomic<size_t> next{0};
+  const auto work = [&] {
+    for (size_t i; (i = next++) < cands.size();) {
+      try {
+        if (hooks.compile) hooks.compile(cands[i]);
+        done[i] = 1;
+      } catch (const std::exception& e) {
+        log::write(log::Level::debug,
+                   "autotune: candidate " + config_text(cands[i]) + " dropped: " + e.what());
+      }
+    }
+  };
+  const int n = std::max(1, std::min<int>(threads, int(cands.size())));
+  std::vector<std::thread> pool;
+  for (int t = 1; t < n; ++t) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+  for (size_t i = 0; i < cands.size(); ++i) {
+    ok[i] = done[i] != 0;
+    if (!ok[i]) ++*failed;
+  }
+  return ok;
+}
+
+}  // namespace
+
+const char* from_name(Choice::From f) {
+  switch (f) {
+    case Choice::From::defaults:
+      return "defaults";
+    case Choice::From::memory:
+      return "memory";
+    case Choice::From::cache:
+      return "cache";
+    case Choice::From::tuned:
+      return "tuned";
+  }
+  return "?";
+}
+
+bool enabled_for(const Device& device) {
+  switch (cache::current_settings().autotune) {
+    case cache::AutotuneMode::off:
+      return false;
+    case cache::AutotuneMode::gpu_only:
+      return device.is_cuda();
+    case cache::AutotuneMode::on:
+    case cache::AutotuneMode::force:
+      return true;
+  }
+  return false;
+}
+
+std::vector<Config> product(const std::vector<std::pair<std::string, std::vector<int64_t>>>& axes) {
+  std::vector<Config> out = {{}};
+  for (const auto& [name, values] : axes) {
+    std::vector<Config> next;
+    for (const Config& partial : out)
+      for (int64_t v : values) {
+        Config c = partial;
+        c[name] = v;
+        next.push_back(std::move(c));
+      }
+    out = std::move(next);
+  }
+  return out;
+}
+
+int64_t value_or_zero(const Config& c, const std::string& name) {
+  auto it = c.find(name);
+  return it == c.end() ? 0 : it->second;
+}
+
+std::string config_text(const Config& c) {
+  std::string s;
+  for (const auto& [k, v] : c) s += (s.empty() ? "" : ",") + k + "=" + std::to_string(v);
+  return s;
+}
+
+Config parse_config(const std::string& text) {
+  Config c;
+  size_t at = 0;
+  while (at < text.size()) {
+    size_t end = text.find(',', at);
+    if (end == std::string::npos) end = text.size();
+    const std::string item = text.substr(at, end - at);
+    const size_t eq = item.find('=');
+    if (eq == std::string::npos || eq == 0) return {};
+    try {
+      size_t used = 0;
+      const int64_t v = std::stoll(item.substr(eq + 1), &used);
+      if (used != item.size() - eq - 1) return {};
+      c[item.substr(0, eq)] = v;
+    } catch (const std::exception&) {
+      return {};
+    }
+    at = end + 1;
+  }
+  return c;
+}
+
+cache::CacheKey choice_key(const Problem& p) {
+  cache::TuneKeyFields f;
+  f.op = p.op;
+  f.shape_bucket = p.shape_bucket;
+  f.dtypes = p.dtypes;
+  f.layout = p.layout;
+  f.target = target_of(p.device);
+  f.kerf_version = cache::kerf_version();
+  return cache::tune_key(f);
+}
+
+void forget_choices() {
+  Memo& m = memo();
+  std::lock_guard<std::mutex> lock(m.mu);
+  m.choices.clear();
+}
+
+Choice choose(const Problem& p, const std::vector<Config>& candidates, const Config& fallback,
+              const Hooks& hooks, const Options& o) {
+  Choice c;
+  c.config = fallback;
+  if (!enabled_for(p.device)) return c;
+
+  const cache::CacheKey key = choice_key(p);
+  const std::pair<uint64_t, uint64_t> id{key.id.hi, key.id.lo};
+  Memo& m = memo();
+  const auto remembered = [&]() -> std::optional<Choice> {
+    std::lock_guard<std::mutex> lock(m.mu);
+    auto it = m.choices.find(id);
+    if (it == m.choices.end()) return std::nullopt;
+    Choice r = it->second;
+    r.from = Choice::From::memory;
+    return r;
+  };
+  const auto keep_choice = [&](const Choice& r) {
+    std::lock_guard<std::mutex> lock(m.mu);
+    m.choices[id] = r;
+  };
+  if (auto r = remembered()) return *r;
+  std::lock_guard<std::mutex> one_at_a_time(m.tuning);
+  if (auto r = remembered()) return *r;  // another thread tuned it meanwhile
+
+  const std::string what = p.op + " [" + bucket_text(p.shape_bucket) + "] " +
+                           dtypes_text(p.dtypes) + (p.layout.empty() ? "" : " layout " + p.layout) +
+                           " on " + target_of(p.device).arch;
+  const bool force = cache::current_settings().autotune == cache::AutotuneMode::force;
+  if (o.persist && !force) {
+    if (std::optional<cache::Found> f = cache::lookup(key)) {
+      Config stored = parse_config(f->entry.prop("config"));
+      if (f->entry.kind == cache::EntryKind::tune_choice && !stored.empty() &&
+          (!hooks.keep || hooks.keep(stored))) {
+        c.config = std::move(stored);
+        c.from = Choice::From::cache;
+        log::write(log::Level::info,
+                   "autotune " + what + ": " + config_text(c.config) + " (stored choice)");
+        keep_choice(c);
+        return c;
+      }
+    }
+  }
+
+  const auto t0 = Clock::now();
+  std::vector<Config> kept;
+  for (const Config& cand : candidates) {
+    if (!hooks.keep || hooks.keep(cand))
+      kept.push_back(cand);
+    else
+      ++c.pruned;
+  }
+  c.candidates = int(candidates.size());
+  const int threads = o.compile_threads > 0
+                          ? o.compile_threads
+                          : int(std::max(1u, std::thread::hardware_concurrency()));
+  const std::vector<bool> ok = compile_all(kept, hooks, threads, &c.failed);
+
+  std::unique_ptr<Timer> own_timer;
+  Timer* timer = o.timer;
+  if (!timer) {
+    own_timer = p.device.is_cuda() ? cuda_event_timer(o.stream) : wall_clock_timer();
+    timer = own_timer.get();
+  }
+  double best = -1.0;
+  for (size_t i = 0; i < kept.size(); ++i) {
+    if (!ok[i]) continue;
+    try {
+      const double ms =
+          timer->median_ms([&] { hooks.run(kept[i]); }, hooks.restore, o.warmup, o.repeats);
+      log::write(log::Level::debug,
+                 "autotune " + what + ": " + config_text(kept[i]) + " " + ms_text(ms));
+      if (best < 0 || ms < best) {
+        best = ms;
+        c.config = kept[i];
+      }
+    } catch (const std::exception& e) {
+      ++c.failed;
+      log::write(log::Level::debug,
+                 "autotune: candidate " + config_text(kept[i]) + " failed to run: " + e.what());
+    }
+  }
+  if (hooks.restore) hooks.restore();  // the op's own launch must see the inputs it was given
+  c.tune_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  if (best < 0) {
+    log::once(log::Level::warn, "autotune-none:" + key.id.hex(),
+              "autotune " + what + ": no candidate of " + std::to_string(c.candidates) +
+                  " could run (" + std::to_string(c.pruned) + " pruned, " +
+                  std::to_string(c.failed) +
+                  " failed; KERF_LOG=debug says why); using the defaults " + config_text(fallback));
+    c.config = fallback;
+    c.from = Choice::From::defaults;
+    keep_choice(c);
+    return c;
+  }
+  c.best_ms = best;
+  c.from = Choice::From::tuned;
+  log::write(log::Level::info, "autotune " + what + ": chose " + config_text(c.config) + " (" +
+                                   ms_text(best) + ") from " + std::to_string(c.candidates) +
+                                   " candidates (" + std::to_string(c.pruned) + " pruned, " +
+                                   std::to_string(c.failed) + " failed) in " + ms_text(c.tune_ms));
+  if (o.persist) {
+    cache::Entry e;
+    e.kind = cache::EntryKind::tune_choice;
+    const cache::Target t = target_of(p.device);
+    e.props = {{"op", p.op},
+               {"shape_bucket", bucket_text(p.shape_bucket)},
+               {"dtypes", dtypes_text(p.dtypes)},
+               {"layout", p.layout},
+               {"backend", t.backend},
+               {"arch", t.arch},
+               {"device", t.device},
+               {"config", config_text(c.config)},
+               {"best_ms", std::to_string(best)},
+               {"candidates", std::to_string(c.candidates)},
+               {"tune_ms", std::to_string(c.tune_ms)},
+               {"kerf_version", cache::kerf_version()}};
+    cache::remember(key, e);
+  }
+  keep_choice(c);
+  return c;
+}
+
+}  // namespace kerf::autotune

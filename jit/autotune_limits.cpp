@@ -1,0 +1,56 @@
+// What pruning rules compare candidates against: the shared memory a kernel
+// needs (from the code generator, without compiling) and what a device allows.
+#include <map>
+#include <mutex>
+
+#include "kerf/jit/autotune.h"
+#include "kerf/jit/cuda_codegen.h"
+#include "kerf/jit/launch.h"
+#include "kerf/runtime/cuda.h"
+
+namespace kerf::autotune {
+namespace {
+
+// "sm_90a" -> 90
+int arch_number(const std::string& arch) {
+  int n = 0;
+  for (char ch : arch)
+    if (ch >= '0' && ch <= '9') n = n * 10 + (ch - '0');
+  return n;
+}
+
+}  // namespace
+
+int shared_memory_bytes(const dsl::Kernel& kernel, const std::vector<Arg>& args, const Config& meta,
+                        const std::string& arch) {
+  return jit::cuda::generate(kernel.trace(arg_specs(args), meta), arch).smem_bytes;
+}
+
+int max_shared_memory(int device) {
+  static std::mutex mu;
+  static std::map<int, int> limits;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = limits.find(device);
+  if (it != limits.end()) return it->second;
+  return limits[device] = cuda::device_info(device).max_smem_per_block_optin;
+}
+
+// The figures of each generation's data-center part (A100, H100, B200); the
+// consumer parts of sm_86/89/120 have less shared memory.
+int typical_max_shared_memory(const std::string& arch) {
+  const int n = arch_number(arch);
+  if (n == 80 || n == 87) return 163 * 1024;
+  if (n == 90 || n == 100 || n == 103) return 227 * 1024;
+  return 99 * 1024;  // sm_75 (64 KiB is less, but kerf's NVRTC starts there), 86, 89, 120
+}
+
+int typical_sm_count(const std::string& arch) {
+  const int n = arch_number(arch);
+  if (n == 80) return 108;
+  if (n == 90) return 132;
+  if (n == 100 || n == 103) return 148;
+  if (n == 86 || n == 89) return 84;
+  return 128;
+}
+
+}  // namespace kerf::autotune

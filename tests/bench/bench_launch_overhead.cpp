@@ -1,0 +1,143 @@
+// Host-side cost of a cached kerf::launch next to the bare launch of the same
+// kernel, so that the in-memory hot path (no tracing, no hashing of source or
+// IR, no disk) stays cheap: the difference must stay under 1 us.
+//
+//   GPU (when a device is present): kerf::launch vs cuda::launch (a direct
+//       cuLaunchKernel through the driver table) of the same CUfunction.
+//   CPU back end: kerf::launch vs jit::cpu::run_grid of the same compiled
+//       kernel (one program, run on the calling thread), i.e. kerf's dispatch.
+//
+// Each figure is the median over batches of the mean time per call in a batch.
+// Exit status 1 when a difference is 1 us or more.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <vector>
+
+#include "kerf/cache/cuda_binary.h"
+#include "kerf/dsl/dsl.h"
+#include "kerf/jit/abi.h"
+#include "kerf/jit/cpu_backend.h"
+#include "kerf/jit/launch.h"
+#include "kerf/runtime/cuda.h"
+
+using namespace kerf;
+using namespace kerf::dsl;
+
+namespace {
+
+constexpr int kBatches = 21;
+
+const Kernel& axpb() {
+  static const Kernel k("bench_axpb", [](Builder& b) {
+    auto x = b.tensor("x", 1), out = b.tensor("out", 1);
+    auto a = b.scalar("a"), c = b.scalar("b");
+    const int64_t B = b.meta("BLOCK");
+    auto i = program_id(0) * B + arange(B);
+    auto m = i < x.dim(0);
+    store(out, {i}, load(x, {i}, m) * a + c, m);
+  });
+  return k;
+}
+
+// Median over batches of ns per call; `after_batch` runs untimed (e.g. a sync).
+double ns_per_call(int per_batch, const std::function<void()>& call,
+                   const std::function<void()>& after_batch) {
+  std::vector<double> ns;
+  for (int b = 0; b < kBatches; ++b) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < per_batch; ++i) call();
+    const auto t1 = std::chrono::steady_clock::now();
+    if (after_batch) after_batch();
+    ns.push_back(std::chrono::duration<double, std::nano>(t1 - t0).count() / per_batch);
+  }
+  std::sort(ns.begin(), ns.end());
+  return ns[ns.size() / 2];
+}
+
+bool report(const char* what, double kerf_ns, double bare_ns) {
+  const double diff = kerf_ns - bare_ns;
+  std::printf("%-4s  kerf::launch %8.1f ns   bare %8.1f ns   difference %7.1f ns   %s\n", what,
+              kerf_ns, bare_ns, diff, diff < 1000.0 ? "ok (< 1 us)" : "TOO SLOW (>= 1 us)");
+  return diff < 1000.0;
+}
+
+bool bench_cpu() {
+  if (!jit::cpu::available()) {
+    std::printf("cpu   skipped: the CPU back end is not built\n");
+    return true;
+  }
+  const int64_t n = 256;
+  std::vector<float> x(static_cast<size_t>(n), 1.0f), out(static_cast<size_t>(n));
+  const std::vector<Arg> args = {TensorView::contiguous(x.data(), DType::f32, {n}),
+                                 TensorView::contiguous(out.data(), DType::f32, {n}), Scalar(2.0),
+                                 Scalar(1.0)};
+  const dsl::MetaMap meta = {{"BLOCK", 256}};
+  launch(axpb(), args, Grid{1}, meta);  // compile or load once
+
+  const ir::Function fn = axpb().trace(arg_specs(args), meta);
+  const std::unique_ptr<jit::cpu::CpuKernel> k = jit::cpu::compile(fn);
+  std::vector<jit::Slot> slots(jit::slot_count(fn.params));
+  jit::pack_args(fn.params, args, slots.data());
+
+  const double kerf_ns = ns_per_call(20000, [&] { launch(axpb(), args, Grid{1}, meta); }, {});
+  const double bare_ns =
+      ns_per_call(20000, [&] { jit::cpu::run_grid(*k, Grid{1}, slots.data()); }, {});
+  const double prepare_ns = ns_per_call(20000, [&] { prepare(axpb(), args, meta); }, {});
+  std::printf("cpu   kerf::prepare (the lookup alone) %.1f ns\n", prepare_ns);
+  return report("cpu", kerf_ns, bare_ns);
+}
+
+bool bench_gpu() {
+  if (cuda::device_count() == 0) {
+    std::printf("gpu   skipped: %s\n", cuda::driver_unavailable_reason().c_str());
+    return true;
+  }
+  const int64_t n = 1 << 12;
+  cuda::DeviceBuffer dx(size_t(n) * 4), dout(size_t(n) * 4);
+  dx.fill_bytes(0);
+  const Device dev = Device::cuda(0);
+  const std::vector<Arg> args = {TensorView::contiguous(dx.data(), DType::f32, {n}, dev),
+                                 TensorView::contiguous(dout.data(), DType::f32, {n}, dev),
+                                 Scalar(2.0), Scalar(1.0)};
+  const dsl::MetaMap meta = {{"BLOCK", 256}};
+  const Grid grid{uint32_t(n / 256)};
+  cuda::Stream stream(0);
+  LaunchOptions options;
+  options.stream = stream.handle();
+  launch(axpb(), args, grid, meta, options);  // compile or load once
+  stream.synchronize();
+
+  // The same kernel, loaded by hand, with its argument slots packed once.
+  const ir::Function fn = axpb().trace(arg_specs(args), meta);
+  const cache::CudaBinary bin = cache::cuda_binary(fn, device_arch(0), "");
+  cuda::Module module(bin.image.data(), 0);
+  void* function = module.function(bin.entry);
+  std::vector<jit::Slot> slots(jit::slot_count(fn.params));
+  jit::pack_args(fn.params, args, slots.data());
+  void* params[] = {slots.data()};
+
+  const auto sync = [&] { stream.synchronize(); };
+  const int per_batch = 500;  // well under the launch queue's depth
+  const double kerf_ns = ns_per_call(
+      per_batch, [&] { launch(axpb(), args, grid, meta, options); }, sync);
+  const double bare_ns = ns_per_call(
+      per_batch,
+      [&] { cuda::launch(function, grid, bin.threads, bin.smem_bytes, stream.handle(), params); },
+      sync);
+  return report("gpu", kerf_ns, bare_ns);
+}
+
+}  // namespace
+
+int main() {
+  try {
+    const bool cpu_ok = bench_cpu();
+    const bool gpu_ok = bench_gpu();
+    return cpu_ok && gpu_ok ? 0 : 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_launch_overhead: %s\n", e.what());
+    return 2;
+  }
+}

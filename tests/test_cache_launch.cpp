@@ -1,0 +1,347 @@
+// kerf::launch with the cache tiers: a kernel compiled in one process loads in
+// the next, eight processes warming the same keys, failed compiles never
+// cached, the in-memory hot path touching nothing, layouts in the key.
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "catch.h"
+#include "cpu_test_util.h"
+#include "gpu_test_util.h"
+#include "kerf/cache/bundle.h"
+#include "kerf/cache/cuda_binary.h"
+#include "kerf/cache/disk_cache.h"
+#include "kerf/dsl/dsl.h"
+#include "test_cache_util.h"
+
+using namespace kerf;
+using namespace kerf::dsl;
+
+namespace {
+
+// out = x * a + b, over BLOCK-element programs.
+const Kernel& axpb_kernel() {
+  static const Kernel k("cache_test_axpb", [](Builder& b) {
+    auto x = b.tensor("x", 1), out = b.tensor("out", 1);
+    auto a = b.scalar("a"), c = b.scalar("b");
+    const int64_t B = b.meta("BLOCK");
+    auto i = program_id(0) * B + arange(B);
+    auto m = i < x.dim(0);
+    store(out, {i}, load(x, {i}, m) * a + c, m);
+  });
+  return k;
+}
+
+// Runs axpb on the CPU with BLOCK `block`; true when every output is right.
+bool run_axpb_cpu(int64_t block, LaunchInfo* info = nullptr, std::string_view layout = {}) {
+  const int64_t n = 1000;
+  std::vector<float> x(static_cast<size_t>(n)), out(static_cast<size_t>(n), -1.0f);
+  for (int64_t i = 0; i < n; ++i) x[size_t(i)] = float(i);
+  LaunchOptions options;
+  options.layout = layout;
+  const LaunchInfo li =
+      launch(axpb_kernel(),
+             {TensorView::contiguous(x.data(), DType::f32, {n}),
+              TensorView::contiguous(out.data(), DType::f32, {n}), Scalar(2.0), Scalar(1.0)},
+             Grid{uint32_t((n + block - 1) / block)}, {{"BLOCK", block}}, options);
+  if (info) *info = li;
+  for (int64_t i = 0; i < n; ++i)
+    if (out[size_t(i)] != 2.0f * float(i) + 1.0f) return false;
+  return true;
+}
+
+size_t valid_entries(const std::string& dir, size_t* bad = nullptr) {
+  size_t ok = 0;
+  for (const cache::DiskCache::Listed& l :
+       cache::DiskCache(dir, cache::DiskMode::readonly).list()) {
+    if (l.decoded.ok())
+      ++ok;
+    else if (bad)
+      ++*bad;
+  }
+  return ok;
+}
+
+// A kernel whose tiles cannot fit the CPU back end's stack: its compile always fails.
+const Kernel& huge_tile_kernel() {
+  static const Kernel k("cache_test_huge", [](Builder& b) {
+    auto out = b.tensor("out", 1);
+    const int64_t side = 4096;  // a 64 MiB carried tile: above the CPU back end's stack budget
+    auto acc = for_range(0, 3, 1, zeros({side, side}),
+                         [&](const Value& iv, const Value& a) { return a + iv.to(DType::f32); });
+    auto i = arange(side);
+    store(out, {i}, sum(acc, 1), i < out.dim(0));
+  });
+  return k;
+}
+
+}  // namespace
+
+TEST_CASE("a CPU kernel compiled by one process is loaded from disk by the next", "[cache][cpu]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  test::TempDir dir;
+  {
+    test::ScopedEnv env({{"KERF_CACHE_DIR", dir.path()}});
+    LaunchInfo info;
+    REQUIRE(run_axpb_cpu(128, &info));
+    CHECK(info.source == KernelSource::compiled);
+    CHECK(info.compiled);
+    REQUIRE(run_axpb_cpu(128, &info));
+    CHECK(info.source == KernelSource::memory);
+    CHECK(valid_entries(dir.path()) == 1);
+  }
+  test::Child child(test::self_test("[.cache-child-launch]"), {{"KERF_CACHE_DIR", dir.path()}});
+  REQUIRE(child.wait() == 0);
+  CHECK(child.value("SOURCE") == "disk");
+  CHECK(child.value("COMPILES") == "0");
+  CHECK(child.value("RIGHT") == "1");
+  std::printf("KERF-CACHE: a new process loaded a CPU kernel from disk in %s ms\n",
+              child.value("MS").c_str());
+}
+
+TEST_CASE("child: launch axpb on the CPU", "[.cache-child-launch]") {
+  LaunchInfo info;
+  const bool right = run_axpb_cpu(128, &info);
+  std::printf("SOURCE=%s\nCOMPILES=%llu\nRIGHT=%d\nMS=%.2f\n", kernel_source_name(info.source),
+              (unsigned long long)cache::stats().compiles, int(right), info.compile_ms);
+}
+
+TEST_CASE("eight processes warming the same keys at once all succeed and leave valid entries",
+          "[cache]") {
+  const bool cpu = jit::cpu::available(), gpu_code = nvrtc::available();
+  if (!cpu && !gpu_code) {
+    std::printf("KERF-SKIPPED: neither the CPU back end nor NVRTC is here to compile anything\n");
+    return;
+  }
+  test::TempDir dir;
+  std::vector<std::unique_ptr<test::Child>> children;
+  for (int i = 0; i < 8; ++i)
+    children.push_back(std::make_unique<test::Child>(
+        test::self_test("[.cache-child-warm]"),
+        std::map<std::string, std::string>{{"KERF_CACHE_DIR", dir.path()}}));
+  size_t distinct = 0;
+  for (auto& c : children) {
+    CHECK(c->wait() == 0);
+    INFO(c->output());
+    CHECK(c->value("RIGHT") == "1");
+    distinct = std::stoul(c->value("DISTINCT"));
+    // Four threads asked for each key; this process compiled each at most once.
+    CHECK(std::stoul(c->value("COMPILES")) <= distinct);
+  }
+  size_t bad = 0;
+  CHECK(valid_entries(dir.path(), &bad) == distinct);
+  CHECK(bad == 0);
+}
+
+TEST_CASE("child: warm three CPU kernels from four threads and two cubins", "[.cache-child-warm]") {
+  std::atomic<bool> right{true};
+  size_t distinct = 0;
+  if (jit::cpu::available()) {
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 4; ++t)
+      threads.emplace_back([&] {
+        for (int64_t block : {64, 128, 256})
+          if (!run_axpb_cpu(block)) right = false;
+      });
+    for (std::thread& t : threads) t.join();
+    distinct += 3;
+  }
+  if (nvrtc::available()) {
+    ir::TensorFacts f;
+    f.contiguous_last = f.aligned16 = true;
+    const ir::Function fn =
+        axpb_kernel().trace({ArgSpec::tensor(DType::f32, 1, f), ArgSpec::tensor(DType::f32, 1, f),
+                             ArgSpec::scalar(), ArgSpec::scalar()},
+                            {{"BLOCK", 256}});
+    for (const char* arch : {"sm_80", "sm_90a"}) cache::cuda_binary(fn, arch, "");
+    distinct += 2;
+  }
+  std::printf("RIGHT=%d\nCOMPILES=%llu\nDISTINCT=%zu\n", int(right.load()),
+              (unsigned long long)cache::stats().compiles, distinct);
+}
+
+TEST_CASE("a failed compile is never cached as a success", "[cache]") {
+  test::TempDir dir;
+  test::ScopedEnv env({{"KERF_CACHE_DIR", dir.path()}});
+  ir::TensorFacts f;
+  f.contiguous_last = f.aligned16 = true;
+  const ir::Function fn =
+      axpb_kernel().trace({ArgSpec::tensor(DType::f32, 1, f), ArgSpec::tensor(DType::f32, 1, f),
+                           ArgSpec::scalar(), ArgSpec::scalar()},
+                          {{"BLOCK", 64}});
+  const cache::Stats before = cache::stats();
+  int calls = 0;
+  const cache::CudaCompiler failing = [&](const std::string& src, const std::string&,
+                                          const std::string&) -> nvrtc::Output {
+    ++calls;
+    throw CompileError("NVRTC could not compile (test)", "error: test", src);
+  };
+  CHECK_THROWS_AS(cache::cuda_binary(fn, "sm_90a", "", failing), CompileError);
+  CHECK_THROWS_AS(cache::cuda_binary(fn, "sm_90a", "", failing), CompileError);
+  CHECK(calls == 2);  // asked again: the failure was not kept
+  CHECK(cache::stats().compile_failures == before.compile_failures + 2);
+  CHECK(valid_entries(dir.path()) == 0);
+  CHECK(cache::DiskCache(dir.path(), cache::DiskMode::readonly).list().empty());
+
+  const cache::CudaCompiler working = [&](const std::string&, const std::string&,
+                                          const std::string&) {
+    ++calls;
+    nvrtc::Output out;
+    out.image = {'c', 'u', 'b', 'i', 'n'};
+    return out;
+  };
+  CHECK(cache::cuda_binary(fn, "sm_90a", "", working).source == KernelSource::compiled);
+  CHECK(cache::cuda_binary(fn, "sm_90a", "", working).source == KernelSource::disk);
+  CHECK(calls == 3);
+}
+
+TEST_CASE("a CPU kernel that fails to compile is tried again and never stored", "[cache][cpu]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  test::TempDir dir;
+  test::ScopedEnv env({{"KERF_CACHE_DIR", dir.path()}});
+  std::vector<float> out(16);
+  const std::vector<Arg> args = {TensorView::contiguous(out.data(), DType::f32, {16})};
+  const cache::Stats before = cache::stats();
+  CHECK_THROWS_AS(launch(huge_tile_kernel(), args, Grid{1}), CompileError);
+  CHECK_THROWS_AS(launch(huge_tile_kernel(), args, Grid{1}), CompileError);
+  CHECK(cache::stats().compile_failures == before.compile_failures + 2);
+  CHECK(cache::DiskCache(dir.path(), cache::DiskMode::readonly).list().empty());
+}
+
+TEST_CASE("a launch whose kernel is in memory touches neither the cache tiers nor the disk",
+          "[cache][cpu]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  test::TempDir dir;
+  const std::string cache_dir = dir / "cache";
+  test::ScopedEnv env({{"KERF_CACHE_DIR", cache_dir}});
+  REQUIRE(run_axpb_cpu(64));
+  std::filesystem::remove_all(cache_dir);
+  const cache::Stats before = cache::stats();
+  for (int i = 0; i < 20; ++i) {
+    LaunchInfo info;
+    REQUIRE(run_axpb_cpu(64, &info));
+    CHECK(info.source == KernelSource::memory);
+    CHECK(info.compile_ms == 0.0);
+  }
+  const cache::Stats after = cache::stats();
+  CHECK(after.misses == before.misses);
+  CHECK(after.disk_hits == before.disk_hits);
+  CHECK(after.bundle_hits == before.bundle_hits);
+  CHECK(after.compiles == before.compiles);
+  CHECK_FALSE(std::filesystem::exists(cache_dir));
+}
+
+TEST_CASE("the sharding layout is part of a kernel's key", "[cache][cpu]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  test::TempDir dir;
+  test::ScopedEnv env({{"KERF_CACHE_DIR", dir.path()}});
+  LaunchInfo info;
+  REQUIRE(run_axpb_cpu(32, &info));
+  CHECK(info.source == KernelSource::compiled);
+  REQUIRE(run_axpb_cpu(32, &info, "mesh(tp=2) x:[tp] out:[tp]"));
+  CHECK(info.source == KernelSource::compiled);  // another key, another entry
+  REQUIRE(run_axpb_cpu(32, &info, "mesh(tp=2) x:[tp] out:[tp]"));
+  CHECK(info.source == KernelSource::memory);
+  CHECK(valid_entries(dir.path()) == 2);
+  size_t with_layout = 0;
+  for (const auto& l : cache::DiskCache(dir.path(), cache::DiskMode::readonly).list())
+    with_layout += l.decoded.entry.prop("layout") == "mesh(tp=2) x:[tp] out:[tp]";
+  CHECK(with_layout == 1);
+}
+
+TEST_CASE("prepare readies a kernel without running it", "[cache][cpu]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  test::TempDir dir;
+  test::ScopedEnv env({{"KERF_CACHE_DIR", dir.path()}});
+  std::vector<float> x(100, 1.0f), out(100, -7.0f);
+  const std::vector<Arg> args = {TensorView::contiguous(x.data(), DType::f32, {100}),
+                                 TensorView::contiguous(out.data(), DType::f32, {100}), Scalar(2.0),
+                                 Scalar(0.0)};
+  CHECK(prepare(axpb_kernel(), args, {{"BLOCK", 32}}).source == KernelSource::compiled);
+  CHECK(out[0] == -7.0f);
+  CHECK(launch(axpb_kernel(), args, Grid{4}, {{"BLOCK", 32}}).source == KernelSource::memory);
+  CHECK(out[99] == 2.0f);
+}
+
+// ---------------------------------------------------------------- on a GPU
+namespace {
+
+// Runs axpb on device 0; returns whether the output is right, and the first launch's time.
+bool run_axpb_gpu(LaunchInfo* info, double* first_ms) {
+  const int64_t n = 1 << 16;
+  std::vector<float> x(static_cast<size_t>(n)), out(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) x[size_t(i)] = float(i % 1000);
+  cuda::DeviceBuffer dx(size_t(n) * 4), dout(size_t(n) * 4);
+  dx.copy_from_host(x.data(), size_t(n) * 4);
+  cuda::device_synchronize(0);  // the context exists: time the launch, not the driver's start
+  const auto t0 = std::chrono::steady_clock::now();
+  *info = launch(axpb_kernel(),
+                 {TensorView::contiguous(dx.data(), DType::f32, {n}, Device::cuda(0)),
+                  TensorView::contiguous(dout.data(), DType::f32, {n}, Device::cuda(0)),
+                  Scalar(2.0), Scalar(1.0)},
+                 Grid{uint32_t(n / 256)}, {{"BLOCK", 256}});
+  cuda::device_synchronize(0);
+  *first_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  dout.copy_to_host(out.data(), size_t(n) * 4);
+  for (int64_t i = 0; i < n; ++i)
+    if (out[size_t(i)] != 2.0f * float(i % 1000) + 1.0f) return false;
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("a new process runs a cached kernel without NVRTC, its first call in under 5 ms",
+          "[cache][gpu]") {
+  KERF_REQUIRE_GPU();
+  KERF_REQUIRE_NVRTC();
+  test::TempDir dir;
+  {
+    test::ScopedEnv env({{"KERF_CACHE_DIR", dir.path()}});
+    LaunchInfo info;
+    double ms = 0;
+    REQUIRE(run_axpb_gpu(&info, &ms));
+    CHECK(info.source == KernelSource::compiled);
+    std::printf("KERF-CACHE: first call that compiled: %.2f ms\n", ms);
+  }
+  test::Child child(test::self_test("[.cache-child-gpu-first-call]"),
+                    {{"KERF_CACHE_DIR", dir.path()}, {"KERF_DISABLE_NVRTC", "1"}});
+  REQUIRE(child.wait() == 0);
+  CHECK(child.value("SOURCE") == "disk");
+  CHECK(child.value("RIGHT") == "1");
+  const double ms = std::stod(child.value("MS"));
+  std::printf(
+      "KERF-CACHE: first call in a new process, kernel from disk, NVRTC disabled: %.3f ms\n", ms);
+  if (test::timing_checks_apply()) CHECK(ms < 5.0);
+}
+
+TEST_CASE("child: first GPU call from the disk cache", "[.cache-child-gpu-first-call]") {
+  LaunchInfo info;
+  double ms = 0;
+  const bool right = run_axpb_gpu(&info, &ms);
+  std::printf("SOURCE=%s\nRIGHT=%d\nMS=%.3f\n", kernel_source_name(info.source), int(right), ms);
+}
+
+TEST_CASE("a GPU kernel runs from a mounted bundle with NVRTC disabled", "[cache][gpu]") {
+  KERF_REQUIRE_GPU();
+  KERF_REQUIRE_NVRTC();
+  test::TempDir build_dir, run_dir;
+  {
+    test::ScopedEnv env({{"KERF_CACHE_DIR", build_dir.path()}});
+    LaunchInfo info;
+    double ms = 0;
+    REQUIRE(run_axpb_gpu(&info, &ms));
+    cache::BundleWriter w;
+    for (const auto& l : cache::DiskCache(build_dir.path(), cache::DiskMode::readonly).list())
+      w.add(*cache::read_file(l.path));
+    w.write(build_dir / "app.kbundle", {});
+  }
+  test::ScopedEnv env({{"KERF_CACHE_DIR", run_dir.path()}, {"KERF_DISABLE_NVRTC", "1"}});
+  cache::mount_bundle(build_dir / "app.kbundle");
+  LaunchInfo info;
+  double ms = 0;
+  REQUIRE(run_axpb_gpu(&info, &ms));
+  CHECK(info.source == KernelSource::bundle);
+  std::printf("KERF-CACHE: first call from a bundle, NVRTC disabled: %.3f ms\n", ms);
+}

@@ -1,0 +1,102 @@
+// kerf-cache as a user runs it: warm, list, inspect --json, pack, verify, prune.
+#include <fstream>
+
+#include "catch.h"
+#include "kerf/cache/bundle.h"
+#include "kerf/cache/disk_cache.h"
+#include "kerf/jit/cpu_backend.h"
+#include "kerf/jit/nvrtc.h"
+#include "test_cache_util.h"
+
+using namespace kerf;
+
+namespace {
+
+#if defined(KERF_CACHE_TOOL_PATH)
+constexpr const char* kTool = KERF_CACHE_TOOL_PATH;
+#else
+constexpr const char* kTool = "";
+#endif
+
+// Runs kerf-cache with `args` on cache directory `dir`; returns the exit status and stdout.
+std::pair<int, std::string> tool(const std::string& dir, std::vector<std::string> args) {
+  args.insert(args.begin(), {kTool, "--dir", dir});
+  test::Child child(args, {{"KERF_LOG", "off"}});
+  const int rc = child.wait();
+  return {rc, child.output()};
+}
+
+}  // namespace
+
+TEST_CASE("kerf-cache warms, lists, packs, verifies and prunes", "[cache][tool]") {
+  if (!*kTool) {
+    std::printf("KERF-SKIPPED: kerf-cache was not built with the tests\n");
+    return;
+  }
+  const bool gpu_code = nvrtc::available(), cpu = jit::cpu::available();
+  if (!gpu_code && !cpu) {
+    std::printf("KERF-SKIPPED: nothing here can compile (no NVRTC, no LLVM)\n");
+    return;
+  }
+  test::TempDir dir;
+  const std::string cache_dir = dir / "cache";
+  // sm_80 has no device here: compiled, not tuned. The CPU runs (and tunes) the op itself.
+  std::vector<std::string> warm = {"warm",       "--op",    "dora_norm", "--shape",
+                                   "256x512x16", "--dtype", "f32"};
+  if (gpu_code) warm.insert(warm.end(), {"--arch", "sm_80"});
+  if (cpu) warm.insert(warm.end(), {"--arch", "cpu"});
+  auto [rc, out] = tool(cache_dir, warm);
+  INFO(out);
+  REQUIRE(rc == 0);
+  CHECK(out.find("warmed") != std::string::npos);
+  // A second warm finds everything cached.
+  std::tie(rc, out) = tool(cache_dir, warm);
+  CHECK(rc == 0);
+  CHECK(out.find(" 0 kernel(s) compiled") != std::string::npos);
+
+  std::tie(rc, out) = tool(cache_dir, {"list"});
+  CHECK(rc == 0);
+  if (gpu_code) CHECK(out.find("sm_80") != std::string::npos);
+  if (cpu)
+    CHECK(out.find("tune-choice") !=
+          std::string::npos);  // the CPU run tuned (warm turns tuning on)
+  CHECK(out.find("dora_norm") != std::string::npos);
+
+  std::tie(rc, out) = tool(cache_dir, {"inspect", "--json"});
+  if (rc == 0) {
+    CHECK(out.find("\"entries\"") != std::string::npos);
+    CHECK(out.find("\"ir_hash\"") != std::string::npos);
+  } else {
+    CHECK(out.empty());  // built without nlohmann-json: refused with a message on stderr
+  }
+
+  const std::string bundle = dir / "app.kbundle";
+  std::tie(rc, out) = tool(cache_dir, {"pack", bundle});
+  CHECK(rc == 0);
+  const size_t entries = cache::DiskCache(cache_dir, cache::DiskMode::readonly).list().size();
+  CHECK(cache::Bundle(bundle).records().size() == entries);
+  std::tie(rc, out) = tool(cache_dir, {"list", bundle});
+  CHECK(rc == 0);
+  CHECK(out.find("# kerf_version") != std::string::npos);
+  std::tie(rc, out) = tool(cache_dir, {"verify", bundle});
+  CHECK(rc == 0);
+  CHECK(out.find(std::to_string(entries) + " valid, 0 bad") != std::string::npos);
+
+  // A flipped bit in one entry: verify names it and fails.
+  const std::string victim =
+      cache::DiskCache(cache_dir, cache::DiskMode::readonly).list().front().path;
+  std::vector<char> bytes = *cache::read_file(victim);
+  bytes[bytes.size() / 2] ^= 0x40;
+  std::ofstream(victim, std::ios::binary | std::ios::trunc)
+      .write(bytes.data(), std::streamsize(bytes.size()));
+  std::tie(rc, out) = tool(cache_dir, {"verify"});
+  CHECK(rc == 1);
+  CHECK(out.find("BAD " + victim) != std::string::npos);
+
+  std::tie(rc, out) = tool(cache_dir, {"prune", "--max-size", "0"});
+  CHECK(rc == 0);
+  CHECK(cache::DiskCache(cache_dir, cache::DiskMode::readonly).list().empty());
+
+  std::tie(rc, out) = tool(cache_dir, {"warm", "--op", "no_such_op", "--shape", "1x2x3"});
+  CHECK(rc == 2);
+}
