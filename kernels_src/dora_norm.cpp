@@ -1,8 +1,8 @@
 // DoRA weight norm (see include/kerf/kernels/kernels.h for the contract).
 //
-// One program owns BLOCK_M rows of W and one of SPLIT_K slices of the
-// in-features. It keeps s*B's rows [BLOCK_M, R_PAD] in registers, and per
-// BLOCK_K columns forms V = W + (s*B) @ A with a tensor-core dot that starts
+// One program owns BLOCK_M rows of W and one of the slices of the in-features
+// that the programs of grid axis 1 share. It keeps s*B's rows [BLOCK_M, R_PAD]
+// in registers, and per BLOCK_K columns forms V = W + (s*B) @ A with a tensor-core dot that starts
 // from W, squares V and accumulates per element; the row sum is taken once,
 // after the loop. (s*B is rounded once to the product's dtype: for bf16 that
 // is a relative error of 2^-9 in the LoRA term, as for B itself.)
@@ -14,21 +14,23 @@ namespace {
 using namespace kerf::dsl;
 
 // Sum over this program's columns of (W + s*B@A)^2, for its BLOCK_M rows.
+// With `split`, the in-features are shared among the num_programs(1) programs
+// of a row block (grid axis 1), in whole BLOCK_K steps.
 Value row_sum_of_squares(Builder& k, const Tensor& W, const Tensor& A, const Tensor& B,
-                         const Value& s, const Value& rows) {
+                         const Value& s, const Value& rows, bool split) {
   const int64_t BM = k.meta("BLOCK_M"), BK = k.meta("BLOCK_K"), R = k.meta("R_PAD");
-  const int64_t split = k.meta("SPLIT_K", 1);
   const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
   const Value n_out = W.dim(0), n_in = W.dim(1), rank = A.dim(0);
 
   const Value rk = arange(R);
   const Value row_ok = rows.col() < n_out;
   // s * B, rounded once to the product's dtype, so the tensor cores add s*B@A to W directly.
-  const Value bs = (load(B, {rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(DType::f32) * s).to(dot_t);
+  const Value bs =
+      (load(B, {rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(DType::f32) * s).to(dot_t);
 
   // This split's range of columns, in whole blocks.
   Value lo = literal(int64_t(0)), hi = n_in;
-  if (split > 1) {
+  if (split) {
     const Value per_split = cdiv(cdiv(n_in, literal(BK)), num_programs(1)) * BK;
     lo = program_id(1) * per_split;
     hi = minimum(n_in, lo + per_split);
@@ -45,8 +47,9 @@ Value row_sum_of_squares(Builder& k, const Tensor& W, const Tensor& A, const Ten
 }
 
 // norm = sqrt(sum of squares + eps) and scale = m / norm, for the rows `mask` selects.
-void store_norm_and_scale(const Tensor& norm, const Tensor& scale, const Tensor& m, const Value& rows,
-                          const Value& sum_of_squares, const Value& eps, const Value& mask) {
+void store_norm_and_scale(const Tensor& norm, const Tensor& scale, const Tensor& m,
+                          const Value& rows, const Value& sum_of_squares, const Value& eps,
+                          const Value& mask) {
   const Value n = sqrt(sum_of_squares + eps);
   store(norm, {rows}, n, mask);
   store(scale, {rows}, load(m, {rows}, mask).to(DType::f32) / n, mask);
@@ -61,7 +64,8 @@ const dsl::Kernel& dora_norm_fused() {
     const Value s = k.scalar("s"), eps = k.scalar("eps");
     const Tensor norm = k.tensor("norm", 1, DType::f32), scale = k.tensor("scale", 1, DType::f32);
     const Value rows = program_id(0) * k.meta("BLOCK_M") + arange(k.meta("BLOCK_M"));
-    store_norm_and_scale(norm, scale, m, rows, row_sum_of_squares(k, W, A, B, s, rows), eps, rows < W.dim(0));
+    store_norm_and_scale(norm, scale, m, rows, row_sum_of_squares(k, W, A, B, s, rows, false), eps,
+                         rows < W.dim(0));
   });
   return k;
 }
@@ -72,16 +76,19 @@ const dsl::Kernel& dora_norm_split() {
     const Tensor m = k.tensor("m", 1);
     const Value s = k.scalar("s"), eps = k.scalar("eps");
     const Tensor norm = k.tensor("norm", 1, DType::f32), scale = k.tensor("scale", 1, DType::f32);
-    const Tensor sumsq = k.tensor("sumsq", 1, DType::f32), tickets = k.tensor("tickets", 1, DType::i32);
+    const Tensor sumsq = k.tensor("sumsq", 1, DType::f32),
+                 tickets = k.tensor("tickets", 1, DType::i32);
     const Value block = program_id(0);
     const Value rows = block * k.meta("BLOCK_M") + arange(k.meta("BLOCK_M"));
     const Value ok = rows < W.dim(0);
-    atomic_add(sumsq, {rows}, row_sum_of_squares(k, W, A, B, s, rows), ok);
+    atomic_add(sumsq, {rows}, row_sum_of_squares(k, W, A, B, s, rows, true), ok);
     // The split that arrives last for this row block sees every partial sum.
-    const Value ticket = atomic_add(tickets, {block}, literal(int64_t(1)), Value(), MemoryOrder::acq_rel);
+    const Value ticket =
+        atomic_add(tickets, {block}, literal(int64_t(1)), Value(), MemoryOrder::acq_rel);
     const Value last = ticket == num_programs(1) - 1;
     const Value mine = ok & last;
-    const Value total = atomic_add(sumsq, {rows}, zeros({k.meta("BLOCK_M")}), mine);  // a coherent read
+    const Value total =
+        atomic_add(sumsq, {rows}, zeros({k.meta("BLOCK_M")}), mine);  // a coherent read
     store_norm_and_scale(norm, scale, m, rows, total, eps, mine);
     // Leave the workspace as it was found: zero.
     store(sumsq, {rows}, zeros({k.meta("BLOCK_M")}), mine);
@@ -96,7 +103,7 @@ const dsl::Kernel& dora_norm_partial() {
     const Value s = k.scalar("s");
     const Tensor sumsq = k.tensor("sumsq", 1, DType::f32);
     const Value rows = program_id(0) * k.meta("BLOCK_M") + arange(k.meta("BLOCK_M"));
-    atomic_add(sumsq, {rows}, row_sum_of_squares(k, W, A, B, s, rows), rows < W.dim(0));
+    atomic_add(sumsq, {rows}, row_sum_of_squares(k, W, A, B, s, rows, true), rows < W.dim(0));
   });
   return k;
 }

@@ -40,7 +40,7 @@ const std::vector<LibraryEntry>& library() {
                  },
                  [](DType t) {
                    return dsl::MetaMap{{"BLOCK_M", 64}, {"BLOCK_K", 64}, {"R_PAD", 16}, {"DOT", dot_code(t)},
-                                       {"SPLIT_K", 3}, {"num_warps", 8}, {"num_stages", 3}};
+                                       {"num_warps", 8}, {"num_stages", 3}};
                  }});
     e.push_back({"dora_norm_partial", dora_norm_partial,
                  [=](DType t) {
@@ -49,7 +49,7 @@ const std::vector<LibraryEntry>& library() {
                  },
                  [](DType t) {
                    return dsl::MetaMap{{"BLOCK_M", 64}, {"BLOCK_K", 64}, {"R_PAD", 16}, {"DOT", dot_code(t)},
-                                       {"SPLIT_K", 4}, {"num_stages", 3}};
+                                       {"num_stages", 3}};
                  }});
     e.push_back({"dora_norm_finish", dora_norm_finish,
                  [=](DType) {

@@ -49,7 +49,6 @@ DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, DType w_dtype, bool gpu, 
   }
   // One launch: the splits add partial sums into a zeroed workspace and the
   // last split of each row block finishes it (and zeroes it again).
-  p.meta["SPLIT_K"] = p.split;
   p.kernel = &kernels::dora_norm_split();
   p.grid = Grid{uint32_t(p.blocks_m), uint32_t(p.split), 1};
   p.ws_floats = (out + 3) / 4 * 4;

@@ -64,8 +64,7 @@ std::vector<Case> all_cases() {
                        {t(w, 2), t(w, 2), t(w, 2), t(DType::f32, 1), ArgSpec::scalar(), ArgSpec::scalar(),
                         t(DType::f32, 1), t(DType::f32, 1), t(DType::f32, 1), t(DType::i32, 1)},
                        dora, "dora_norm_split"});
-      MetaMap partial = dora;
-      partial["SPLIT_K"] = 4;
+      const MetaMap& partial = dora;
       cases.push_back({&kernels::dora_norm_partial(),
                        {t(w, 2), t(DType::f32, 2), t(DType::f32, 2), ArgSpec::scalar(), t(DType::f32, 1)}, partial,
                        "dora_norm_partial"});
