@@ -2,10 +2,11 @@
 //
 // One program owns BLOCK_M rows of W and one of the slices of the in-features
 // that the programs of grid axis 1 share. It keeps s*B's rows [BLOCK_M, R_PAD]
-// in registers, and per BLOCK_K columns forms V = W + (s*B) @ A with a tensor-core dot that starts
-// from W, squares V and accumulates per element; the row sum is taken once,
-// after the loop. (s*B is rounded once to the product's dtype: for bf16 that
-// is a relative error of 2^-9 in the LoRA term, as for B itself.)
+// in registers, and per BLOCK_K columns forms V = W + (s*B) @ A with a
+// tensor-core dot that starts from W, squares V and accumulates per element;
+// the row sum is taken once, after the loop. (s*B is rounded once to the
+// product's dtype: for bf16 that is a relative error of 2^-9 in the LoRA term,
+// as for B itself.)
 #include "kerf/kernels/kernels.h"
 
 namespace kerf::kernels {
