@@ -65,6 +65,96 @@ const std::vector<LibraryEntry>& library() {
                    return dsl::MetaMap{{"BLOCK_N", 64}, {"BLOCK_K", 128}, {"R_PAD", 16}, {"DOT", dot_code(t)},
                                        {"num_warps", 8}, {"num_stages", 3}};
                  }});
+    // The LoRA ops' kernels (example args: contiguous, f32 accumulators where the ops use them).
+    e.push_back(
+        {"lora_merge", lora_merge,
+         [=](DType t) {
+           return std::vector<dsl::ArgSpec>{tensor(t, 3), tensor(t, 3), tensor(t, 3), scalar};
+         },
+         [](DType t) {
+           return dsl::MetaMap{{"BLOCK_M", 64},
+                               {"BLOCK_K", 128},
+                               {"R_PAD", 16},
+                               {"DOT", dot_code(t)},
+                               {"SCALE_AFTER", is_half(t) ? 1 : 0},
+                               {"num_stages", 3}};
+         }});
+    e.push_back({"moe_lora_backward", moe_lora_backward,
+                 [=](DType t) {
+                   return std::vector<dsl::ArgSpec>{tensor(t, 3),          tensor(t, 3),
+                                                    tensor(t, 3),          scalar,
+                                                    tensor(DType::f32, 3), tensor(t, 3)};
+                 },
+                 [](DType t) {
+                   return dsl::MetaMap{{"BLOCK_N", 128},     {"BLOCK_K", 64},  {"R_PAD", 16},
+                                       {"DOT", dot_code(t)}, {"num_warps", 8}, {"num_stages", 3}};
+                 }});
+    e.push_back({"lora_embedding", lora_embedding,
+                 [=](DType t) {
+                   return std::vector<dsl::ArgSpec>{
+                       tensor(DType::i64, 1), tensor(t, 2), tensor(t, 2),
+                       tensor(t, 2),          scalar,       tensor(t, 2),
+                       tensor(DType::i64, 1), scalar,       scalar};
+                 },
+                 [](DType t) {
+                   return dsl::MetaMap{{"BLOCK_T", 32},
+                                       {"BLOCK_D", 128},
+                                       {"R_PAD", 16},
+                                       {"DOT", dot_code(t)},
+                                       {"num_stages", 3}};
+                 }});
+    e.push_back({"lora_embedding_backward", lora_embedding_backward,
+                 [=](DType t) {
+                   return std::vector<dsl::ArgSpec>{tensor(DType::i64, 1),
+                                                    tensor(t, 2),
+                                                    tensor(t, 2),
+                                                    tensor(t, 2),
+                                                    scalar,
+                                                    tensor(DType::f32, 2),
+                                                    tensor(DType::f32, 2),
+                                                    tensor(DType::i32, 1),
+                                                    tensor(DType::i64, 1),
+                                                    scalar,
+                                                    scalar,
+                                                    scalar};
+                 },
+                 [](DType t) {
+                   return dsl::MetaMap{{"BLOCK_T", 64},
+                                       {"BLOCK_D", 64},
+                                       {"R_PAD", 16},
+                                       {"DOT", dot_code(t)},
+                                       {"num_stages", 3}};
+                 }});
+    e.push_back(
+        {"embedding_count_ids", embedding_count_ids,
+         [=](DType) {
+           return std::vector<dsl::ArgSpec>{tensor(DType::i64, 1), tensor(DType::i32, 1), scalar};
+         },
+         [](DType) {
+           return dsl::MetaMap{{"BLOCK_T", 64}};
+         }});
+    e.push_back(
+        {"dora_norm_backward", dora_norm_backward,
+         [=](DType t) {
+           return std::vector<dsl::ArgSpec>{tensor(DType::f32, 1), tensor(t, 1), tensor(t, 1)};
+         },
+         [](DType) {
+           return dsl::MetaMap{{"BLOCK", 1024}};
+         }});
+    e.push_back({"fill_3d", fill_3d,
+                 [=](DType t) {
+                   return std::vector<dsl::ArgSpec>{tensor(t, 3), scalar};
+                 },
+                 [](DType) {
+                   return dsl::MetaMap{{"BLOCK_M", 16}, {"BLOCK_K", 128}};
+                 }});
+    e.push_back({"flush_accumulator", flush_accumulator,
+                 [=](DType t) {
+                   return std::vector<dsl::ArgSpec>{tensor(DType::f32, 3), tensor(t, 3)};
+                 },
+                 [](DType) {
+                   return dsl::MetaMap{{"BLOCK_M", 16}, {"BLOCK_K", 128}};
+                 }});
     e.push_back({"fill", fill, [=](DType t) { return std::vector<dsl::ArgSpec>{tensor(t, 1), scalar}; },
                  [](DType) { return dsl::MetaMap{{"BLOCK", 1024}}; }});
     return e;

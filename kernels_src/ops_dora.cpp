@@ -204,3 +204,71 @@ const bool dora_registered = [] {
 }  // namespace
 
 }  // namespace kerf::ops
+
+// ---------------------------------------------------------------- sharded layouts (ops/layout.h)
+// Kept apart from the unsharded path above: the layout is checked first, then
+// the local shards run the same plan, launched with the layout's canonical
+// text (part of the kernel's cache key).
+#include "ops_checks.h"
+#include "ops_layout.h"
+
+namespace kerf::ops {
+
+void dora_norm(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& m,
+               double s, const TensorView& norm, const TensorView& scale, double eps, void* stream,
+               const Config& config, const Layout& layout) {
+  const char* op = "dora_norm";
+  const detail::LayoutSplits splits = detail::check_layout(op, layout,
+                                                           {{"W", {"out", "in"}},
+                                                            {"A", {"r", "in"}},
+                                                            {"B", {"out", "r"}},
+                                                            {"m", {"out"}},
+                                                            {"norm", {"out"}},
+                                                            {"scale", {"out"}}});
+  detail::expect_unsplit(
+      op, layout, splits, "r",
+      "the norm of W + s*B@A needs the whole product, so B and A keep every rank");
+  if (!splits.of("in").empty())
+    throw InvalidArgument(
+        std::string(op) + ": layout: " + detail::spec_text(layout, "W") + " splits in over '" +
+        splits.of("in") +
+        "': a row's norm needs every column; call dora_norm_partial on each shard, sum sumsq "
+        "over '" +
+        splits.of("in") + "' (all-reduce), then dora_norm_finish");
+  const std::string text = layout.canonical();
+  if (text.empty()) return dora_norm(W, A, B, m, s, norm, scale, eps, stream, config);
+  // Local shards: the same checks as the unsharded op.
+  expect_shape(op, "W", W, {-1, -1});
+  const int64_t out = W.shape[0], in = W.shape[1];
+  expect_shape(op, "A", A, {-1, in});
+  const int64_t r = A.shape[0];
+  expect_shape(op, "B", B, {out, r});
+  expect_shape(op, "m", m, {out});
+  expect_shape(op, "norm", norm, {out});
+  expect_shape(op, "scale", scale, {out});
+  expect_dtype(op, "W", W, detail::float_dtypes());
+  expect_dtype(op, "A", A, detail::float_dtypes());
+  expect_dtype(op, "B", B, detail::float_dtypes());
+  expect_dtype(op, "m", m, detail::float_dtypes());
+  expect_dtype(op, "norm", norm, {DType::f32});
+  expect_dtype(op, "scale", scale, {DType::f32});
+  expect_device(op,
+                {{"W", &W}, {"A", &A}, {"B", &B}, {"m", &m}, {"norm", &norm}, {"scale", &scale}});
+  if (r > 256)
+    throw InvalidArgument("dora_norm: rank " + std::to_string(r) + " is above the supported 256");
+  if (eps < 0) throw InvalidArgument("dora_norm: eps must be >= 0, got " + std::to_string(eps));
+  if (out == 0) return;
+  const bool gpu = W.device.is_cuda();
+  const Config cfg =
+      config.block_m || config.block_k || config.split_k || config.num_warps || config.num_stages
+          ? config
+          : tuned_dora_config(W, A, B, m, norm, scale, stream);
+  const DoraPlan p = plan_dora(out, in, r, W.dtype, gpu, parallelism(W.device), cfg);
+  void* ws = p.split > 1 ? workspace(W.device, stream, workspace_bytes(p)) : nullptr;
+  LaunchOptions options;
+  options.stream = stream;
+  options.layout = text;
+  launch(*p.kernel, dora_args(p, W, A, B, m, s, eps, norm, scale, ws), p.grid, p.meta, options);
+}
+
+}  // namespace kerf::ops

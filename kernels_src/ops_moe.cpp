@@ -41,6 +41,11 @@ Config tuned_moe_config(const TensorView& W, const TensorView& A, const TensorVi
 
 }  // namespace
 
+namespace detail {
+void check_moe_materialize_memory(const TensorView& W, const TensorView& A, const TensorView& B,
+                                  const TensorView& W_eff);
+}  // namespace detail
+
 void moe_lora_materialize(const TensorView& W, const TensorView& A, const TensorView& B, double s,
                           const TensorView& W_eff, void* stream, const Config& config) {
   const char* op = "moe_lora_materialize";
@@ -56,6 +61,7 @@ void moe_lora_materialize(const TensorView& W, const TensorView& A, const Tensor
   expect_dtype(op, "B", B, floats);
   expect_dtype(op, "W_eff", W_eff, {W.dtype});
   expect_device(op, {{"W", &W}, {"A", &A}, {"B", &B}, {"W_eff", &W_eff}});
+  check_moe_materialize_memory(W, A, B, W_eff);  // alignment, aliasing (end of file)
   if (r > 256) throw InvalidArgument(std::string(op) + ": rank " + std::to_string(r) + " is above the supported 256");
   if (E > 65535) throw InvalidArgument(std::string(op) + ": at most 65535 experts per call, got " + std::to_string(E));
   if (E == 0 || N == 0 || K == 0) return;
@@ -194,5 +200,78 @@ const bool moe_registered = [] {
 }();
 
 }  // namespace
+
+}  // namespace kerf::ops
+
+// ---------------------------------------------------------------- argument memory, sharded layouts
+// Kept apart from the unsharded path above. W_eff may be W itself (in place:
+// each element is read before it is written, by the program that writes it);
+// any other overlap of W_eff with an input is rejected.
+#include "ops_checks.h"
+#include "ops_layout.h"
+
+namespace kerf::ops {
+namespace detail {
+
+void check_moe_materialize_memory(const TensorView& W, const TensorView& A, const TensorView& B,
+                                  const TensorView& W_eff) {
+  const char* op = "moe_lora_materialize";
+  for (const auto& [n, t] : {std::pair{"W", &W}, {"A", &A}, {"B", &B}, {"W_eff", &W_eff}}) {
+    expect_element_aligned(op, n, *t);
+    expect_int32_dims(op, n, *t);
+  }
+  expect_no_self_overlap(op, "W_eff", W_eff);
+  const bool in_place = W_eff.data == W.data && W_eff.dtype == W.dtype &&
+                        std::equal(W.strides.begin(), W.strides.begin() + 3, W_eff.strides.begin());
+  if (!in_place) expect_disjoint(op, "W_eff", W_eff, "W", W);
+  expect_disjoint(op, "W_eff", W_eff, "A", A);
+  expect_disjoint(op, "W_eff", W_eff, "B", B);
+}
+
+}  // namespace detail
+
+void moe_lora_materialize(const TensorView& W, const TensorView& A, const TensorView& B, double s,
+                          const TensorView& W_eff, void* stream, const Config& config,
+                          const Layout& layout) {
+  const char* op = "moe_lora_materialize";
+  const detail::LayoutSplits splits = detail::check_layout(op, layout,
+                                                           {{"W", {"E", "N", "K"}},
+                                                            {"A", {"E", "r", "K"}},
+                                                            {"B", {"E", "N", "r"}},
+                                                            {"W_eff", {"E", "N", "K"}}});
+  detail::expect_unsplit(op, layout, splits, "r",
+                         "each expert's product B[e] @ A[e] needs every rank");
+  const std::string text = layout.canonical();
+  if (text.empty()) return moe_lora_materialize(W, A, B, s, W_eff, stream, config);
+  // Local shards: the same checks as the unsharded op.
+  expect_shape(op, "W", W, {-1, -1, -1});
+  const int64_t E = W.shape[0], N = W.shape[1], K = W.shape[2];
+  expect_shape(op, "A", A, {E, -1, K});
+  const int64_t r = A.shape[1];
+  expect_shape(op, "B", B, {E, N, r});
+  expect_shape(op, "W_eff", W_eff, {E, N, K});
+  expect_dtype(op, "W", W, detail::float_dtypes());
+  expect_dtype(op, "A", A, detail::float_dtypes());
+  expect_dtype(op, "B", B, detail::float_dtypes());
+  expect_dtype(op, "W_eff", W_eff, {W.dtype});
+  expect_device(op, {{"W", &W}, {"A", &A}, {"B", &B}, {"W_eff", &W_eff}});
+  detail::check_moe_materialize_memory(W, A, B, W_eff);
+  if (r > 256)
+    throw InvalidArgument(std::string(op) + ": rank " + std::to_string(r) +
+                          " is above the supported 256");
+  if (E > 65535)
+    throw InvalidArgument(std::string(op) + ": at most 65535 experts per call, got " +
+                          std::to_string(E));
+  if (E == 0 || N == 0 || K == 0) return;
+  const Config cfg =
+      config.block_m || config.block_k || config.split_k || config.num_warps || config.num_stages
+          ? config
+          : tuned_moe_config(W, A, B, W_eff, stream);
+  const MoePlan p = plan_moe(W, r, W.device.is_cuda(), cfg);
+  LaunchOptions options;
+  options.stream = stream;
+  options.layout = text;
+  launch(kernels::moe_lora_materialize(), {W, A, B, Scalar(s), W_eff}, p.grid, p.meta, options);
+}
 
 }  // namespace kerf::ops

@@ -125,6 +125,13 @@ class TestTensor {
   TensorView view(const std::vector<int64_t>& shape, const std::vector<int64_t>& strides) {
     return TensorView::strided(data(), dtype_, shape, strides, device_);
   }
+  // A view starting `offset` elements in (sub-tensors, misaligned starts).
+  TensorView view_at(int64_t offset, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides) {
+    return TensorView::strided(static_cast<uint8_t*>(data()) + size_t(offset) * esize(), dtype_, shape, strides,
+                               device_);
+  }
+  // The host copy's bytes (compare outputs bit for bit).
+  const std::vector<uint8_t>& bytes() const { return host_; }
 
  private:
   size_t esize() const { return size_t(dtype_size_bytes(dtype_)); }
@@ -150,6 +157,11 @@ inline double max_relative_error(const std::vector<double>& got, const std::vect
     worst = std::max(worst, std::abs(got[i] - ref[i]) / std::max(std::abs(ref[i]), floor));
   }
   return worst;
+}
+
+// Waits for a GPU's work (a no-op for the CPU, whose launches are synchronous).
+inline void sync(const Device& dev) {
+  if (dev.is_cuda()) cuda::device_synchronize(dev.index);
 }
 
 // Tolerance by the lowest-precision dtype involved.

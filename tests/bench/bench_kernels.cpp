@@ -14,10 +14,12 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "kerf/cache/store.h"
 #include "kerf/dtype.h"
 #include "kerf/error.h"
 #include "kerf/ops/ops.h"
@@ -200,9 +202,165 @@ Result bench_moe(MoeSets& d, const ops::Config& cfg, cuda::StreamHandle stream) 
   return res;
 }
 
+// ---------------------------------------------------------------- LoRA ops (merge, MoE backward, embedding)
+// Each case: a set of device buffers per input set; `run(i, cfg)` launches one
+// op on set i. bytes: each input read once, each output written once (the
+// in-place merge reads and writes W).
+struct OpCase {
+  std::string op, shape;
+  double bytes = 0;
+  std::vector<std::vector<cuda::DeviceBuffer>> sets;
+  std::function<void(std::vector<cuda::DeviceBuffer>&, const ops::Config&, cuda::StreamHandle)> run;
+};
+
+cuda::DeviceBuffer random_buffer(DType t, size_t n, uint64_t seed, float amp = 1.0f) {
+  cuda::DeviceBuffer b(n * size_t(dtype_size_bytes(t)));
+  fill_random(b, t, n, seed, amp);
+  return b;
+}
+
+// Input sets until they pass ~300 MB together (L2 does not hold them); at least 2.
+int set_count(double bytes) { return int(std::max<double>(2, std::ceil(300e6 / bytes))); }
+
+std::string config_str(const ops::Config& c) {
+  return "b" + std::to_string(c.block_m) + " bk" + std::to_string(c.block_k) + " split" + std::to_string(c.split_k) +
+         " w" + std::to_string(c.num_warps) + " s" + std::to_string(c.num_stages);
+}
+
+Result bench_op(OpCase& c, const ops::Config& cfg, cuda::StreamHandle stream, int iters = 50) {
+  Result res;
+  res.op = c.op;
+  res.shape = c.shape;
+  res.config = config_str(cfg);
+  res.median_us = time_us([&](int i) { c.run(c.sets[size_t(i) % c.sets.size()], cfg, stream); }, iters, stream);
+  res.bytes = c.bytes;
+  res.gbps = c.bytes / (res.median_us * 1e3);
+  return res;
+}
+
+// W [out, in] += s * B @ A in place, all bf16.
+OpCase make_merge(int64_t out, int64_t in, int64_t r) {
+  const Device dev = Device::cuda(0);
+  OpCase c;
+  c.op = "lora_merge r=" + std::to_string(r);
+  c.shape = shape_str({out, in});
+  c.bytes = double(2 * out * in + r * in + out * r) * 2;
+  for (int i = 0; i < set_count(c.bytes); ++i) {
+    std::vector<cuda::DeviceBuffer> b;
+    b.push_back(random_buffer(DType::bf16, size_t(out * in), 101 + i));
+    b.push_back(random_buffer(DType::bf16, size_t(r * in), 103 + i, 0.1f));
+    b.push_back(random_buffer(DType::bf16, size_t(out * r), 107 + i, 0.1f));
+    c.sets.push_back(std::move(b));
+  }
+  c.run = [=](std::vector<cuda::DeviceBuffer>& b, const ops::Config& cfg, cuda::StreamHandle stream) {
+    ops::lora_merge(TensorView::contiguous(b[0].data(), DType::bf16, {out, in}, dev),
+                    TensorView::contiguous(b[1].data(), DType::bf16, {r, in}, dev),
+                    TensorView::contiguous(b[2].data(), DType::bf16, {out, r}, dev), 1e-3, stream, cfg);
+  };
+  return c;
+}
+
+// dA = s B^T dW, dB = s dW A^T per expert; bf16 dW and adapters, gradients in `grads`.
+OpCase make_moe_backward(int64_t E, int64_t N, int64_t K, int64_t r, DType grads) {
+  const Device dev = Device::cuda(0);
+  OpCase c;
+  c.op = std::string("moe_backward r=") + std::to_string(r) + " " + dtype_name(grads) + " grads";
+  c.shape = shape_str({E, N, K});
+  c.bytes = double(E * N * K + E * r * K + E * N * r) * 2 + double(E * r * K + E * N * r) * dtype_size_bytes(grads);
+  for (int i = 0; i < set_count(c.bytes); ++i) {
+    std::vector<cuda::DeviceBuffer> b;
+    b.push_back(random_buffer(DType::bf16, size_t(E * N * K), 201 + i));
+    b.push_back(random_buffer(DType::bf16, size_t(E * r * K), 203 + i, 0.1f));
+    b.push_back(random_buffer(DType::bf16, size_t(E * N * r), 207 + i, 0.1f));
+    b.emplace_back(size_t(E * r * K) * dtype_size_bytes(grads));
+    b.emplace_back(size_t(E * N * r) * dtype_size_bytes(grads));
+    c.sets.push_back(std::move(b));
+  }
+  c.run = [=](std::vector<cuda::DeviceBuffer>& b, const ops::Config& cfg, cuda::StreamHandle stream) {
+    ops::moe_lora_materialize_backward(TensorView::contiguous(b[0].data(), DType::bf16, {E, N, K}, dev),
+                                       TensorView::contiguous(b[1].data(), DType::bf16, {E, r, K}, dev),
+                                       TensorView::contiguous(b[2].data(), DType::bf16, {E, N, r}, dev), 0.5,
+                                       TensorView::contiguous(b[3].data(), grads, {E, r, K}, dev),
+                                       TensorView::contiguous(b[4].data(), grads, {E, N, r}, dev), stream, cfg);
+  };
+  return c;
+}
+
+// Random ids in [0, V) as i64.
+cuda::DeviceBuffer random_ids(int64_t T, int64_t V, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int64_t> d(0, V - 1);
+  std::vector<int64_t> host(static_cast<size_t>(T));
+  for (auto& v : host) v = d(rng);
+  cuda::DeviceBuffer b(size_t(T) * 8);
+  b.copy_from_host(host.data(), host.size() * 8);
+  return b;
+}
+
+// out[t] = E[x[t]] + s A[:, x[t]] @ B^T, bf16 table and adapters; one table, ids rotated.
+OpCase make_embedding(int64_t T, int64_t V, int64_t D, int64_t r, bool backward) {
+  const Device dev = Device::cuda(0);
+  OpCase c;
+  c.op = std::string(backward ? "embedding_backward" : "embedding") + " r=" + std::to_string(r);
+  c.shape = shape_str({T, V, D});
+  // forward: ids, gathered rows and LoRA columns, B, out; backward: ids, g, gathered A, B, dA and dB (f32).
+  c.bytes = backward ? double(T) * 8 + double(T * D + T * r + D * r) * 2 + double(r * V + D * r) * 4
+                     : double(T) * 8 + double(T * D + T * r + D * r + T * D) * 2;
+  auto table = std::make_shared<cuda::DeviceBuffer>(random_buffer(DType::bf16, size_t(V * D), 301));
+  auto A = std::make_shared<cuda::DeviceBuffer>(random_buffer(DType::bf16, size_t(r * V), 303, 0.1f));
+  auto B = std::make_shared<cuda::DeviceBuffer>(random_buffer(DType::bf16, size_t(D * r), 307, 0.1f));
+  auto dA = std::make_shared<cuda::DeviceBuffer>(size_t(r * V) * 4);
+  auto dB = std::make_shared<cuda::DeviceBuffer>(size_t(D * r) * 4);
+  for (int i = 0; i < set_count(double(T * D) * 4); ++i) {
+    std::vector<cuda::DeviceBuffer> b;
+    b.push_back(random_ids(T, V, 311 + i));
+    b.emplace_back(size_t(T * D) * 2);  // out, or g
+    if (backward) fill_random(b.back(), DType::bf16, size_t(T * D), 313 + i);
+    c.sets.push_back(std::move(b));
+  }
+  c.run = [=](std::vector<cuda::DeviceBuffer>& b, const ops::Config& cfg, cuda::StreamHandle stream) {
+    ops::EmbeddingOptions o;
+    o.id_check = ops::IdCheck::deferred;  // no host wait per call (the ids are valid)
+    const TensorView x = TensorView::contiguous(b[0].data(), DType::i64, {T}, dev);
+    const TensorView a = TensorView::contiguous(A->data(), DType::bf16, {r, V}, dev);
+    const TensorView bb = TensorView::contiguous(B->data(), DType::bf16, {D, r}, dev);
+    const TensorView y = TensorView::contiguous(b[1].data(), DType::bf16, {T, D}, dev);
+    if (backward)
+      ops::lora_embedding_backward(x, a, bb, y, 2.0, TensorView::contiguous(dA->data(), DType::f32, {r, V}, dev),
+                                   TensorView::contiguous(dB->data(), DType::f32, {D, r}, dev), o, stream, cfg);
+    else
+      ops::lora_embedding(x, TensorView::contiguous(table->data(), DType::bf16, {V, D}, dev), a, bb, 2.0, y, o,
+                          stream, cfg);
+  };
+  return c;
+}
+
 // The best of a few configurations (kerf's autotuner lands separately; this
 // sweep is labelled as such in the output).
 std::vector<Result> g_sweep;  // every configuration tried, for the JSON report
+
+// The op with its own defaults (autotuner off) and autotuned (on), each timed.
+struct TunedVsDefault {
+  std::string op, shape;
+  double default_us = 0, tuned_us = 0;
+};
+std::vector<TunedVsDefault> g_tuning;
+
+template <class F>
+void tuned_vs_default(const Result& best, F run_with_config) {
+  TunedVsDefault t{best.op, best.shape, 0, 0};
+  setenv("KERF_AUTOTUNE", "0", 1);
+  cache::reload_settings();
+  t.default_us = run_with_config(ops::Config{}).median_us;
+  setenv("KERF_AUTOTUNE", "1", 1);
+  cache::reload_settings();
+  t.tuned_us = run_with_config(ops::Config{}).median_us;  // the warm-up call tunes
+  unsetenv("KERF_AUTOTUNE");
+  cache::reload_settings();
+  std::printf("  %-22s %-12s default %8.1f us, autotuned %8.1f us (%+.1f%%)\n", t.op.c_str(), t.shape.c_str(),
+              t.default_us, t.tuned_us, 100.0 * (t.tuned_us / t.default_us - 1.0));
+  g_tuning.push_back(t);
+}
 
 template <class F>
 Result best_of(const std::vector<ops::Config>& configs, F run_one) {
@@ -275,6 +433,7 @@ int main(int argc, char** argv) {
         std::printf("%-22s %-12s %9.1f us %8.0f GB/s  copy %6.0f GB/s  %5.1f%%  [%s]\n", res.op.c_str(),
                     res.shape.c_str(), res.median_us, res.gbps, res.copy_gbps, 100 * res.gbps / res.copy_gbps,
                     res.config.c_str());
+        tuned_vs_default(res, [&](const ops::Config& c) { return bench_dora(sets, c, stream.handle()); });
         std::fflush(stdout);
         results.push_back(res);
       }
@@ -297,9 +456,42 @@ int main(int argc, char** argv) {
       std::printf("%-22s %-12s %9.1f us %8.0f GB/s  copy %6.0f GB/s  %5.1f%%  [%s]\n", res.op.c_str(),
                   res.shape.c_str(), res.median_us, res.gbps, res.copy_gbps, 100 * res.gbps / res.copy_gbps,
                   res.config.c_str());
+      tuned_vs_default(res, [&](const ops::Config& cfg) { return bench_moe(sets, cfg, stream.handle()); });
       std::fflush(stdout);
       results.push_back(res);
     }
+    // The LoRA ops: each with kerf's own choice (Config{}: the autotuner on a GPU) and a few fixed configs.
+    const auto report = [&](Result res) {
+      res.copy_gbps = copy_gbps(res.bytes, stream.handle());
+      std::printf("%-34s %-18s %9.1f us %8.0f GB/s  copy %6.0f GB/s  %5.1f%%  [%s]\n", res.op.c_str(),
+                  res.shape.c_str(), res.median_us, res.gbps, res.copy_gbps, 100 * res.gbps / res.copy_gbps,
+                  res.config.c_str());
+      std::fflush(stdout);
+      results.push_back(res);
+    };
+    const auto run_case = [&](OpCase c, const std::vector<ops::Config>& cfgs) {
+      report(best_of(cfgs, [&](const ops::Config& cfg) { return bench_op(c, cfg, stream.handle()); }));
+    };
+    std::vector<ops::Config> merge_cfgs = {ops::Config{}};
+    if (!quick)
+      for (int64_t bm : {32, 64, 128})
+        for (int64_t bk : {64, 128})
+          for (int64_t warps : {4, 8}) merge_cfgs.push_back(ops::Config{bm, bk, 0, warps, 3});
+    for (auto [o, i] : std::vector<std::pair<int64_t, int64_t>>{{4096, 4096}, {8192, 8192}, {14336, 4096}})
+      run_case(make_merge(o, i, 16), merge_cfgs);
+    std::vector<ops::Config> moe_bwd_cfgs = {ops::Config{}};
+    if (!quick)
+      for (int64_t bn : {64, 128, 256})
+        for (int64_t bk : {32, 64})
+          for (int64_t warps : {4, 8}) moe_bwd_cfgs.push_back(ops::Config{bn, bk, 0, warps, 3});
+    for (const MoeCase& c : {MoeCase{128, 1536, 2048, 16}, MoeCase{128, 2048, 768, 16}, MoeCase{64, 2816, 2048, 64}})
+      for (DType grads : {DType::f32, DType::bf16}) run_case(make_moe_backward(c.E, c.N, c.K, c.r, grads), moe_bwd_cfgs);
+    std::vector<ops::Config> emb_cfgs = {ops::Config{}};
+    if (!quick)
+      for (int64_t bt : {16, 32, 64, 128})
+        for (int64_t bd : {64, 128, 256}) emb_cfgs.push_back(ops::Config{bt, bd, 0, 4, 3});
+    for (bool backward : {false, true}) run_case(make_embedding(8192, 128256, 4096, 16, backward), emb_cfgs);
+
     if (!json_path.empty()) {
       std::ofstream js(json_path);
       js << "{\"device\": \"" << info.name << "\", \"results\": [\n";
@@ -309,6 +501,12 @@ int main(int argc, char** argv) {
            << r.config << "\", \"median_us\": " << r.median_us << ", \"bytes\": " << r.bytes
            << ", \"gbps\": " << r.gbps << ", \"copy_gbps\": " << r.copy_gbps << "}"
            << (i + 1 < results.size() ? "," : "") << "\n";
+      }
+      js << "], \"tuning\": [\n";
+      for (size_t i = 0; i < g_tuning.size(); ++i) {
+        const TunedVsDefault& t = g_tuning[i];
+        js << "  {\"op\": \"" << t.op << "\", \"shape\": \"" << t.shape << "\", \"default_us\": " << t.default_us
+           << ", \"tuned_us\": " << t.tuned_us << "}" << (i + 1 < g_tuning.size() ? "," : "") << "\n";
       }
       js << "], \"sweep\": [\n";
       for (size_t i = 0; i < g_sweep.size(); ++i) {

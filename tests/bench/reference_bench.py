@@ -166,6 +166,70 @@ def bench_moe(E, N, K, r, results):
                                 config=str(best[1])))
 
 
+def bench_merge(out, inn, r, results):
+    """W.add_(s * (B @ A)) in place, all bf16 (the PEFT merge)."""
+    dt = torch.bfloat16
+    nbytes = (2 * out * inn + r * inn + out * r) * 2
+    nsets = max(2, math.ceil(300e6 / nbytes))
+    sets = [dict(W=torch.randn(out, inn, device="cuda", dtype=dt),
+                 A=0.1 * torch.randn(r, inn, device="cuda", dtype=dt),
+                 B=0.1 * torch.randn(out, r, device="cuda", dtype=dt)) for _ in range(nsets)]
+    s = 1e-3
+    us = median_us(lambda x: x["W"].add_(s * (x["B"] @ x["A"])), sets, 50)
+    results.append(dict(impl="torch eager", op=f"lora_merge r={r}", shape=f"{out}x{inn}", median_us=us,
+                        bytes=nbytes, gbps=nbytes / (us * 1e3), copy_gbps=copy_gbps(nbytes)))
+
+
+def bench_moe_backward(E, N, K, r, results):
+    """dA = s * bmm(B^T, dW), dB = s * bmm(dW, A^T): MoELoRAMaterialize.backward, bf16."""
+    dt = torch.bfloat16
+    nbytes = (2 * (E * N * K + E * r * K + E * N * r)) + 2 * (E * r * K + E * N * r)
+    nsets = max(2, math.ceil(300e6 / nbytes))
+    sets = [dict(dW=torch.randn(E, N, K, device="cuda", dtype=dt),
+                 A=0.1 * torch.randn(E, r, K, device="cuda", dtype=dt),
+                 B=0.1 * torch.randn(E, N, r, device="cuda", dtype=dt)) for _ in range(nsets)]
+    s = 0.5
+
+    def two_bmms(x):
+        dA = torch.bmm(x["B"].transpose(1, 2), x["dW"]).mul_(s)
+        dB = torch.bmm(x["dW"], x["A"].transpose(1, 2)).mul_(s)
+        return dA, dB
+
+    us = median_us(two_bmms, sets, 50)
+    results.append(dict(impl="torch eager", op=f"moe_backward r={r} bf16 grads", shape=f"{E}x{N}x{K}",
+                        median_us=us, bytes=nbytes, gbps=nbytes / (us * 1e3), copy_gbps=copy_gbps(nbytes)))
+
+
+def bench_embedding(T, V, D, r, results):
+    """PEFT's LoRA embedding: forward F.embedding + (F.embedding(x, A^T) @ B^T) * s; backward with
+    index_add_ for dA and a matmul for dB (what autograd runs), bf16 table/adapters, fp32 grads."""
+    dt = torch.bfloat16
+    F = torch.nn.functional
+    table = torch.randn(V, D, device="cuda", dtype=dt)
+    A = 0.1 * torch.randn(r, V, device="cuda", dtype=dt)
+    B = 0.1 * torch.randn(D, r, device="cuda", dtype=dt)
+    nsets = max(2, math.ceil(300e6 / (T * D * 4)))
+    sets = [dict(x=torch.randint(0, V, (T,), device="cuda"),
+                 g=torch.randn(T, D, device="cuda", dtype=dt)) for _ in range(nsets)]
+    s = 2.0
+    fwd_bytes = T * 8 + (T * D + T * r + D * r + T * D) * 2
+    us = median_us(lambda z: F.embedding(z["x"], table) + (F.embedding(z["x"], A.T) @ B.T) * s, sets, 50)
+    results.append(dict(impl="torch eager", op=f"embedding r={r}", shape=f"{T}x{V}x{D}", median_us=us,
+                        bytes=fwd_bytes, gbps=fwd_bytes / (us * 1e3), copy_gbps=copy_gbps(fwd_bytes)))
+
+    def backward(z):
+        gB = (z["g"] @ B).float() * s  # [T, r]
+        dA = torch.zeros(r, V, device="cuda")
+        dA.index_add_(1, z["x"], gB.T)
+        dB = (z["g"].T @ F.embedding(z["x"], A.T)).float() * s
+        return dA, dB
+
+    bwd_bytes = T * 8 + (T * D + T * r + D * r) * 2 + (r * V + D * r) * 4
+    us = median_us(backward, sets, 50)
+    results.append(dict(impl="torch eager", op=f"embedding_backward r={r}", shape=f"{T}x{V}x{D}", median_us=us,
+                        bytes=bwd_bytes, gbps=bwd_bytes / (us * 1e3), copy_gbps=copy_gbps(bwd_bytes)))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--json", required=True)
@@ -180,6 +244,15 @@ def main():
     for E, N, K, r in [(128, 1536, 2048, 16), (128, 2048, 768, 16), (64, 2816, 2048, 64)]:
         bench_moe(E, N, K, r, results)
         print(results[-1], flush=True)
+    for out, inn in [(4096, 4096), (8192, 8192), (14336, 4096)]:
+        bench_merge(out, inn, 16, results)
+        print(results[-1], flush=True)
+    for E, N, K, r in [(128, 1536, 2048, 16), (128, 2048, 768, 16), (64, 2816, 2048, 64)]:
+        bench_moe_backward(E, N, K, r, results)
+        print(results[-1], flush=True)
+    bench_embedding(8192, 128256, 4096, 16, results)
+    print(results[-2], flush=True)
+    print(results[-1], flush=True)
     with open(args.json, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                        triton=getattr(triton, "__version__", None), results=results), f, indent=1)

@@ -13,16 +13,17 @@ namespace kerf::kernels {
 //   norm[i]  = sqrt(sumsq[i] + eps),  scale[i] = m[i] / norm[i]
 // W [out, in] (bf16/f16/f32), A [r, in], B [out, r] (any float dtype; cast to
 // DOT dtype for the product), m [out]; norm and scale [out] f32.
-// Grid: (cdiv(out, BLOCK_M), SPLIT_K). Meta: BLOCK_M, BLOCK_K, R_PAD (power of
-// two >= r), SPLIT_K, DOT (dtype code of the product: the DType enum value).
+// Grid: (cdiv(out, BLOCK_M), splits): the programs of grid axis 1 share the
+// in-features in whole BLOCK_K steps. Meta: BLOCK_M, BLOCK_K, R_PAD (power of
+// two >= r), DOT (dtype code of the product: the DType enum value).
 //
-// dora_norm_fused   (SPLIT_K == 1): args W, A, B, m, s, eps, norm, scale
-// dora_norm_split  (SPLIT_K >= 1, one launch): args W, A, B, m, s, eps, norm, scale,
+// dora_norm_fused   (one split): args W, A, B, m, s, eps, norm, scale
+// dora_norm_split   (any number of splits, one launch): args W, A, B, m, s, eps, norm, scale,
 //                   sumsq (f32 [out]), tickets (i32 [cdiv(out, BLOCK_M)]); both
 //                   workspaces must be zero on entry and are zero again on exit:
 //                   each split adds its partial sums into sumsq, and the split that
 //                   arrives last at a row block's ticket finishes norm and scale.
-// dora_norm_partial (SPLIT_K >= 1): args W, A, B, s, sumsq; adds each split's
+// dora_norm_partial (any number of splits): args W, A, B, s, sumsq; adds each split's
 //                   partial sum of squares into sumsq (zeroed by the caller)
 // dora_norm_finish:                 args sumsq, m, eps, norm, scale; grid cdiv(out, BLOCK)
 const dsl::Kernel& dora_norm_fused();
@@ -38,6 +39,69 @@ const dsl::Kernel& dora_norm_finish();
 // Grid: (cdiv(N, BLOCK_N), E). Meta: BLOCK_N, BLOCK_K, R_PAD, DOT.
 // Args: W, A, B, s, W_eff.
 const dsl::Kernel& moe_lora_materialize();
+
+// grad_m[i] = grad_scale[i] / norm[i]: the backward of scale = m / norm with
+// the norm a constant (as DoRA treats it). norm, grad_scale, grad_m [out], any
+// float dtypes. Grid cdiv(out, BLOCK). Args: norm, grad_scale, grad_m.
+const dsl::Kernel& dora_norm_backward();
+
+// Backward of moe_lora_materialize, one pass over dW (= dW_eff):
+//   dA[e] += s * B[e]^T @ dW[e]      (fp32 atomics: dA must be zero on entry)
+//   dB[e]  = s * dW[e] @ A[e]^T      (stored; added atomically when DB_ATOMIC)
+// dW [E, N, K]; A [E, r, K]; B [E, N, r]; dA [E, r, K] f32; dB [E, N, r] (f32
+// when DB_ATOMIC); any strides. fp32 accumulation.
+// Grid (cdiv(N, BLOCK_N), splits, E): the programs of grid axis 1 share K in
+// whole BLOCK_K steps. Meta: BLOCK_N, BLOCK_K, R_PAD, DOT, DB_ATOMIC (needed
+// with several splits; dB is then f32 and zero on entry).
+// Args: dW, A, B, s, dA, dB.
+const dsl::Kernel& moe_lora_backward();
+
+// LoRA merge in place, one pass over W (unmerge: the op passes -s):
+//   W[g] <- W[g] + s * B[g] @ A[g]
+// W [G, out, in] bf16/f16/f32; A [G, r, in]; B [G, out, r]; any strides. fp32
+// sum, rounded once to W's dtype.
+// Grid (cdiv(out, BLOCK_M), splits, G): the programs of grid axis 1 share the
+// in-features in whole BLOCK_K steps. Meta: BLOCK_M, BLOCK_K, R_PAD, DOT,
+// SCALE_AFTER (1: B is exact in DOT and s is applied in fp32 after the
+// product; 0: s*B is rounded once to DOT).
+// Args: W, A, B, s.
+const dsl::Kernel& lora_merge();
+
+// LoRA embedding, PEFT layout (A = lora_embedding_A [r, V], B =
+// lora_embedding_B [D, r]); ids global, this shard holding [start, start + V):
+//   out[t, :] = weight[x[t] - start, :] + s * A[:, x[t] - start] @ B^T
+//   (zeros for ids outside the shard)
+// x [T] i32/i64; weight [V, D]; out [T, D]; err i64 [4]: an id outside
+// [0, total) adds 1 to err[0], and the first such leaves its position in
+// err[1], its value in err[2] and total in err[3]; nothing is read at such an id.
+// Grid (cdiv(T, BLOCK_T), splits): the programs of grid axis 1 share D in
+// whole BLOCK_D steps. Meta: BLOCK_T, BLOCK_D, R_PAD, DOT, SCALE_AFTER (as
+// lora_merge's, for A).
+// Args: x, weight, A, B, s, out, err, start, total.
+const dsl::Kernel& lora_embedding();
+
+// Its backward, one pass over g = grad_out [T, D]:
+//   dA[:, v] += s * w(v) * sum_{t: x[t] = v + start, x[t] != padding} g[t, :] @ B
+//   dB       += s * sum_t g[t, :]^T A[:, x[t] - start]^T
+// w(v) = 1 / counts[v] when BY_FREQ (counts [V] i32 from embedding_count_ids),
+// else 1. dA [r, V] and dB [D, r] f32, added to atomically (zero on entry).
+// Grid (cdiv(T, BLOCK_T), splits), sharing D as above. Meta: BLOCK_T,
+// BLOCK_D, R_PAD, DOT, BY_FREQ.
+// Args: x, A, B, g, s, dA, dB, counts, err, start, total, padding (-1: none).
+const dsl::Kernel& lora_embedding_backward();
+
+// counts[x[t] - start] += 1 for the ids inside [start, start + counts.dim(0));
+// with CLEAR, sets those counts back to 0. Grid cdiv(T, BLOCK_T).
+// Args: x, counts (i32), start.
+const dsl::Kernel& embedding_count_ids();
+
+// out[g, i, j] = value over a rank-3 view (any strides).
+// Grid (cdiv(d2, BLOCK_K), cdiv(d1, BLOCK_M), d0). Args: out, value.
+const dsl::Kernel& fill_3d();
+// out[g, i, j] = acc[g, i, j] rounded to out's dtype, then acc[g, i, j] = 0:
+// an fp32 accumulator moved to its output and left zero. Same grid as fill_3d.
+// Args: acc (f32), out.
+const dsl::Kernel& flush_accumulator();
 
 }  // namespace kerf::kernels
 

@@ -4,16 +4,21 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 
+#include "kerf/ops/layout.h"
 #include "kerf/runtime/tensor.h"
 
 namespace kerf::ops {
 
-// Block sizes and launch shape; 0 lets kerf choose.
+// Block sizes and launch shape; 0 lets kerf choose. block_m is the rows per
+// program (BLOCK_N for MoE, tokens for the embedding), block_k the columns
+// (embedding dims) per step, split_k the programs sharing one row block's
+// columns (DoRA norm, merge, MoE backward, embedding).
 struct Config {
-  int64_t block_m = 0;   // rows per program (block_n for MoE)
-  int64_t block_k = 0;   // columns per step
-  int64_t split_k = 0;   // programs sharing one row block (DoRA norm)
+  int64_t block_m = 0;
+  int64_t block_k = 0;
+  int64_t split_k = 0;
   int64_t num_warps = 0;
   int64_t num_stages = 0;
 };
@@ -33,6 +38,157 @@ void dora_norm(const TensorView& W, const TensorView& A, const TensorView& B, co
 // W_eff[e] = W[e] + s * B[e] @ A[e] for the experts of a MoE layer.
 // W, W_eff [E, N, K]; A [E, r, K]; B [E, N, r]; any strides.
 void moe_lora_materialize(const TensorView& W, const TensorView& A, const TensorView& B, double s,
-                          const TensorView& W_eff, void* stream = nullptr, const Config& config = {});
+                          const TensorView& W_eff, void* stream = nullptr,
+                          const Config& config = {});
+
+// ---------------------------------------------------------------- sharded DoRA norm
+// Layout operands: W [out, in], A [r, in], B [out, r], m, norm, scale [out]
+// (logical dims "out", "in", "r"). W split on out (B, m, norm and scale alike)
+// is purely local: the shards are computed as by dora_norm. W split on in
+// needs every column of a row and is rejected here with a message pointing at
+// dora_norm_partial -> sum over the axis -> dora_norm_finish. r cannot be split.
+void dora_norm(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& m,
+               double s, const TensorView& norm, const TensorView& scale, double eps, void* stream,
+               const Config& config, const Layout& layout);
+
+// The partial sums of squares of the DoRA norm over this shard's columns:
+//   sumsq[i] = sum_{j local} (W[i,j] + s * (B@A)[i,j])^2       (f32 [out], overwritten)
+// With W and A split on in over an axis, the sum of sumsq over that axis
+// (all-reduce) is the whole row's sum; dora_norm_finish then gives norm and
+// scale. Layout operands: W [out, in], A [r, in], B [out, r], sumsq [out];
+// out may be split too (local). Unsharded, it is the whole sum.
+void dora_norm_partial(const TensorView& W, const TensorView& A, const TensorView& B, double s,
+                       const TensorView& sumsq, void* stream = nullptr, const Config& config = {},
+                       const Layout& layout = {});
+
+// norm[i] = sqrt(sumsq[i] + eps), scale[i] = m[i] / norm[i]. sumsq [out] f32;
+// m [out] any float dtype; norm, scale [out] f32. Elementwise: any split of
+// "out" (operands sumsq, m, norm, scale) is local. eps as in dora_norm.
+void dora_norm_finish(const TensorView& sumsq, const TensorView& m, double eps,
+                      const TensorView& norm, const TensorView& scale, void* stream = nullptr,
+                      const Layout& layout = {});
+
+// Backward of scale = m / norm with the norm a constant (DoRA detaches it):
+//   grad_m[i] = grad_scale[i] / norm[i]
+// norm [out] (f32, as dora_norm writes it), grad_scale and grad_m [out] any
+// float dtypes. A zero norm gives inf/NaN as the division does (see eps).
+// Layout operands norm, grad_scale, grad_m (dim "out"): local.
+void dora_norm_backward(const TensorView& norm, const TensorView& grad_scale,
+                        const TensorView& grad_m, void* stream = nullptr,
+                        const Layout& layout = {});
+
+// ---------------------------------------------------------------- LoRA merge / unmerge
+// In place, one pass over W, the sum formed in fp32 and rounded once:
+//   lora_merge:   W <- W + s * B @ A
+//   lora_unmerge: W <- W - s * B @ A
+// W [out, in] bf16/f16/f32; A [r, in], B [out, r] bf16/f16/f32 (fp32 adapters
+// with a bf16 W included); any strides (PEFT's fan_in_fan_out weight is the
+// strided view W.T). A and B must not overlap W. r = 0 or an empty W: nothing
+// to do. Merge then unmerge gives W back within rounding of its dtype.
+void lora_merge(const TensorView& W, const TensorView& A, const TensorView& B, double s,
+                void* stream = nullptr, const Config& config = {});
+void lora_unmerge(const TensorView& W, const TensorView& A, const TensorView& B, double s,
+                  void* stream = nullptr, const Config& config = {});
+
+// The JAX/Flax layout (MaxText): kernel [in..., out...], lora_a [in..., r],
+// lora_b [r, out...] (e.g. query: kernel [emb, heads, head_dim], lora_a
+// [emb, r], lora_b [r, heads, head_dim]); the in dims are those lora_a has:
+//   kernel <- kernel +/- s * einsum("i...r,r o... -> i... o...", lora_a, lora_b)
+// Through strides, no copies; dimensions that cannot be flattened are looped.
+void lora_merge_flax(const TensorView& kernel, const TensorView& lora_a, const TensorView& lora_b,
+                     double s, void* stream = nullptr, const Config& config = {});
+void lora_unmerge_flax(const TensorView& kernel, const TensorView& lora_a, const TensorView& lora_b,
+                       double s, void* stream = nullptr, const Config& config = {});
+
+// ---------------------------------------------------------------- MoE LoRA
+// moe_lora_materialize with a layout. Operands W, W_eff [E, N, K], A [E, r, K],
+// B [E, N, r] (logical dims "E", "N", "K", "r"). Experts split (expert
+// parallel), and N or K split alike on every operand, are local; r cannot be split.
+void moe_lora_materialize(const TensorView& W, const TensorView& A, const TensorView& B, double s,
+                          const TensorView& W_eff, void* stream, const Config& config,
+                          const Layout& layout);
+
+// Backward of W_eff[e] = W[e] + s * B[e] @ A[e], one pass over dW_eff; no gradient for W:
+//   dA[e] = s * B[e]^T @ dW_eff[e]      [E, r, K]
+//   dB[e] = s * dW_eff[e] @ A[e]^T      [E, N, r]
+// dW_eff [E, N, K] bf16/f16/f32; A, B, dA, dB any float dtypes and any strides
+// (PEFT's flat layouts through peft_moe_lora_views, for the gradients too).
+// dA and dB are overwritten; fp32 accumulation. Outputs must not overlap inputs
+// or each other. Layout: operands dW_eff, A, B, dA, dB as in
+// moe_lora_materialize; E split is local; N split makes dA a partial sum
+// over that axis, K split makes dB one (the caller sums them).
+void moe_lora_materialize_backward(const TensorView& dW_eff, const TensorView& A,
+                                   const TensorView& B, double s, const TensorView& dA,
+                                   const TensorView& dB, void* stream = nullptr,
+                                   const Config& config = {}, const Layout& layout = {});
+
+// The [E, r, K] and [E, N, r] views of PEFT's (>= 0.19) flat expert adapters,
+// for a base weight W [E, d1, d2] (or its gradient), without copies:
+//   is_transposed = false (W[e] is [out=d1, in=d2]): lora_A [r*E, d2],
+//     lora_B [d1, r*E];  A_e[k, i] = lora_A[e*r + k, i], B_e[o, k] = lora_B[o, k*E + e]
+//   is_transposed = true (W[e] is [in=d1, out=d2]; PEFT does not swap in/out):
+//     lora_A [r*E, d1], lora_B [d2, r*E]; W_eff[e] = W[e] + s * (B_e @ A_e)^T,
+//     given to the ops as B'[e] = A_e^T [d1, r] and A'[e] = B_e^T [r, d2].
+// Throws InvalidArgument when the shapes do not fit the chosen layout (with
+// d1 == d2 both fit: the flag must say which one the model uses).
+struct MoeLoraViews {
+  TensorView A;  // [E, r, d2]: the ops' A
+  TensorView B;  // [E, d1, r]: the ops' B
+};
+MoeLoraViews peft_moe_lora_views(const TensorView& W, const TensorView& lora_A,
+                                 const TensorView& lora_B, bool is_transposed = false);
+
+// ---------------------------------------------------------------- LoRA embedding
+// How a GPU call reports an id outside [0, vocab).
+enum class IdCheck : uint8_t {
+  sync,      // wait for the kernel and throw InvalidArgument (the default)
+  deferred,  // record it on the device; check_embedding_ids() throws later
+};
+
+struct EmbeddingOptions {
+  // Backward: tokens with this id give no gradient to A (as F.embedding's
+  // padding_idx; negative values count from the end of the vocabulary).
+  std::optional<int64_t> padding_idx;
+  // Backward: each id's gradient divided by its number of occurrences in x.
+  bool scale_grad_by_freq = false;
+  IdCheck id_check = IdCheck::sync;
+};
+
+// out[t, :] = weight[x[t], :] + s * A[:, x[t]] @ B^T    (PEFT's layout)
+// x [...] i32/i64 token ids (any shape, flattened); weight [vocab, dim]
+// bf16/f16/f32; A = lora_embedding_A [r, vocab]; B = lora_embedding_B [dim, r];
+// out [..., dim] (x's shape + dim) bf16/f16/f32, fp32 sum rounded once.
+// An id outside [0, vocab) is an error (InvalidArgument) and is never read: on
+// the CPU the ids are checked before the launch; on a GPU the kernel masks it,
+// writes zeros for that token, and records it for the op to throw (see IdCheck).
+// Layout operands x, weight, A, B, out (dims "vocab", "dim", "r", and "x0",
+// "x1", ... for x's dims): vocab split (vocab parallel, needs Layout::coords):
+// shard c holds ids [c*V, (c+1)*V) of a vocabulary of V*n, looks up only those
+// and writes zeros for the rest, so out is a partial sum over that axis. dim
+// and token splits are local; r cannot be split.
+void lora_embedding(const TensorView& x, const TensorView& weight, const TensorView& A,
+                    const TensorView& B, double s, const TensorView& out,
+                    const EmbeddingOptions& options = {}, void* stream = nullptr,
+                    const Config& config = {}, const Layout& layout = {});
+
+// Its backward given grad_out [..., dim]: the gradients of A and B (the base
+// weight gets none), overwritten:
+//   grad_A[:, v] = s * w(v) * sum_{t: x[t] = v} grad_out[t, :] @ B   (no gradient at padding_idx)
+//   grad_B       = s * sum_t grad_out[t, :]^T A[:, x[t]]^T
+//   w(v) = 1 / (occurrences of v in x) with scale_grad_by_freq, else 1
+// grad_A [r, vocab], grad_B [dim, r] any float dtypes, fp32 accumulation. With
+// a layout (operands x, A, B, grad_out, grad_A, grad_B): vocab split makes
+// grad_B a partial sum over that axis; token splits make both partial; a dim
+// split makes grad_A partial.
+void lora_embedding_backward(const TensorView& x, const TensorView& A, const TensorView& B,
+                             const TensorView& grad_out, double s, const TensorView& grad_A,
+                             const TensorView& grad_B, const EmbeddingOptions& options = {},
+                             void* stream = nullptr, const Config& config = {},
+                             const Layout& layout = {});
+
+// Waits for `stream` and throws InvalidArgument when an embedding call with
+// IdCheck::deferred on it saw an id out of range since the last check (the
+// record is then cleared). A no-op for CPU devices.
+void check_embedding_ids(const Device& device, void* stream = nullptr);
 
 }  // namespace kerf::ops

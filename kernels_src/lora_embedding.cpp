@@ -1,0 +1,142 @@
+// LoRA embedding, forward and backward (contract in include/kerf/kernels/kernels.h).
+//
+//   forward:  out[t, :] = weight[x[t], :] + s * A[:, x[t]] @ B^T
+//   backward: dA[:, v] += s * w(v) * sum_{t: x[t] = v, v != padding} (g[t, :] @ B)
+//             dB       += s * sum_t g[t, :]^T A[:, x[t]]^T
+//             w(v) = 1 / count(v) with scale_grad_by_freq, else 1
+//   x [T] i32/i64 ids; weight [V, D]; A [r, V] (PEFT lora_embedding_A);
+//   B [D, r] (lora_embedding_B); g, out [T, D]; any strides.
+//
+// Ids are global; this shard holds ids [start, start + V). An id outside the
+// shard reads nothing and gives zeros (a sum over vocab shards is the whole
+// answer); an id outside [0, total) is also recorded in `err` (i64 [4]:
+// count, then the position and value of the first one seen, and total),
+// which the op checks. No lane ever reads or writes at an id it has not checked.
+#include "kerf/kernels/kernels.h"
+#include "split_range.h"
+
+namespace kerf::kernels {
+
+using namespace kerf::dsl;
+
+namespace {
+
+// This program's tokens and what their ids allow.
+struct Tokens {
+  Value tok, tok_ok, id, local, in_shard;
+};
+
+Tokens load_tokens(Builder& k, const Tensor& x, const Tensor& err, const Value& start,
+                   const Value& total, const Value& vocab_local) {
+  const int64_t BT = k.meta("BLOCK_T");
+  Tokens t;
+  t.tok = program_id(0) * BT + arange(BT);
+  t.tok_ok = t.tok < x.dim(0);
+  t.id = load(x, {t.tok}, t.tok_ok).to(DType::i64);
+  t.local = t.id - start;
+  t.in_shard = t.tok_ok & (t.local >= 0) & (t.local < vocab_local.to(DType::i64));
+  // An id outside [0, total): count it, and the first one counted leaves its position and value.
+  const Value bad = t.tok_ok & ((t.id < 0) | (t.id >= total));
+  const Value slot0 = zeros({BT}, DType::i32);
+  const Value old = atomic_add(err, {slot0}, full({BT}, 1.0, DType::i64), bad);
+  const Value first = bad & (old == 0);
+  store(err, {slot0 + 1}, t.tok.to(DType::i64), first);
+  store(err, {slot0 + 2}, t.id, first);
+  store(err, {slot0 + 3}, broadcast_to(total, {BT}), first);
+  return t;
+}
+
+}  // namespace
+
+const dsl::Kernel& lora_embedding() {
+  static const Kernel k("lora_embedding", [](Builder& k) {
+    const Tensor x = k.tensor("x", 1), weight = k.tensor("weight", 2);
+    const Tensor A = k.tensor("A", 2), B = k.tensor("B", 2);
+    const Value s = k.scalar("s");
+    const Tensor out = k.tensor("out", 2), err = k.tensor("err", 1, DType::i64);
+    const Value start = k.scalar("start", DType::i64), total = k.scalar("total", DType::i64);
+    const int64_t BD = k.meta("BLOCK_D"), R = k.meta("R_PAD");
+    const bool scale_after = k.meta("SCALE_AFTER", 0) != 0;
+    const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
+    const Value n_dim = weight.dim(1), rank = A.dim(0);
+
+    const Tokens t = load_tokens(k, x, err, start, total, weight.dim(0));
+    const Value rk = arange(R);
+    const Value a_raw =
+        load(A, {rk.row(), t.local.col()}, t.in_shard.col() & (rk.row() < rank)).to(DType::f32);
+    const Value a = scale_after ? a_raw.to(dot_t) : (a_raw * s).to(dot_t);  // [BT, R]
+    const auto [lo, hi] = split_range(n_dim, BD);
+    for_range(lo, hi, BD, [&](const Value& d0) {
+      const Value d = d0 + arange(BD);
+      const Value d_ok = d.row() < n_dim;
+      const Value e =
+          load(weight, {t.local.col(), d.row()}, t.in_shard.col() & d_ok).to(DType::f32);
+      const Value bt =
+          trans(load(B, {d.col(), rk.row()}, (d.col() < n_dim) & (rk.row() < rank)).to(dot_t));
+      const Value v = scale_after ? e + s * dot(a, bt) : dot(a, bt, e);  // [BT, BD]
+      store(out, {t.tok.col(), d.row()}, v.to(out.dtype()), t.tok_ok.col() & d_ok);
+    });
+  });
+  return k;
+}
+
+const dsl::Kernel& lora_embedding_backward() {
+  static const Kernel k("lora_embedding_backward", [](Builder& k) {
+    const Tensor x = k.tensor("x", 1), A = k.tensor("A", 2), B = k.tensor("B", 2),
+                 g = k.tensor("g", 2);
+    const Value s = k.scalar("s");
+    const Tensor dA = k.tensor("dA", 2, DType::f32), dB = k.tensor("dB", 2, DType::f32);
+    const Tensor counts = k.tensor("counts", 1, DType::i32), err = k.tensor("err", 1, DType::i64);
+    const Value start = k.scalar("start", DType::i64), total = k.scalar("total", DType::i64);
+    const Value padding = k.scalar("padding", DType::i64);
+    const int64_t BT = k.meta("BLOCK_T"), BD = k.meta("BLOCK_D"), R = k.meta("R_PAD");
+    const bool by_freq = k.meta("BY_FREQ", 0) != 0;
+    const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
+    const Value n_dim = g.dim(1), rank = A.dim(0);
+
+    const Tokens t = load_tokens(k, x, err, start, total, A.dim(1));
+    const Value rk = arange(R);
+    const Value rk_ok = rk.row() < rank;  // [1, R]
+    // The LoRA activations of these tokens (zero outside the shard): dB's right factor.
+    const Value act =
+        load(A, {rk.row(), t.local.col()}, t.in_shard.col() & rk_ok).to(dot_t);  // [BT, R]
+
+    const auto [lo, hi] = split_range(n_dim, BD);
+    // gB[t, :] = g[t, :] @ B over this program's slice of D; dB's rows of the slice on the way.
+    const Value gB = for_range(lo, hi, BD, zeros({BT, R}), [&](const Value& d0, const Value& acc) {
+      const Value d = d0 + arange(BD);
+      const Value d_ok = d.col() < n_dim;  // [BD, 1]
+      const Value gt = load(g, {t.tok.col(), d.row()}, t.tok_ok.col() & (d.row() < n_dim))
+                           .to(dot_t);                                       // [BT, BD]
+      const Value b = load(B, {d.col(), rk.row()}, d_ok & rk_ok).to(dot_t);  // [BD, R]
+      atomic_add(dB, {d.col(), rk.row()}, dot(trans(gt), act) * s, d_ok & rk_ok);
+      return dot(gt, b, acc);
+    });
+    Value w = broadcast_to(s, {BT});
+    if (by_freq)
+      w = w / maximum(load(counts, {t.local}, t.in_shard, 1.0).to(DType::f32), literal(1.0));
+    const Value gets = t.in_shard & (t.id != padding);
+    atomic_add(dA, {rk.row(), t.local.col()}, gB * w.col(), gets.col() & rk_ok);
+  });
+  return k;
+}
+
+const dsl::Kernel& embedding_count_ids() {
+  static const Kernel k("embedding_count_ids", [](Builder& k) {
+    const Tensor x = k.tensor("x", 1), counts = k.tensor("counts", 1, DType::i32);
+    const Value start = k.scalar("start", DType::i64);
+    const int64_t BT = k.meta("BLOCK_T");
+    const bool clear = k.meta("CLEAR", 0) != 0;
+    const Value tok = program_id(0) * BT + arange(BT);
+    const Value tok_ok = tok < x.dim(0);
+    const Value local = load(x, {tok}, tok_ok).to(DType::i64) - start;
+    const Value mine = tok_ok & (local >= 0) & (local < counts.dim(0).to(DType::i64));
+    if (clear)
+      store(counts, {local}, zeros({BT}, DType::i32), mine);
+    else
+      atomic_add(counts, {local}, full({BT}, 1.0, DType::i32), mine);
+  });
+  return k;
+}
+
+}  // namespace kerf::kernels

@@ -1,0 +1,51 @@
+// LoRA merge / unmerge in place (contract in include/kerf/kernels/kernels.h).
+//
+//   W[g] <- W[g] + s * B[g] @ A[g]        (the op passes -s to unmerge)
+//   W [G, out, in]; A [G, r, in]; B [G, out, r]; any strides.
+//
+// One program owns BLOCK_M rows of one W[g] and a slice of its
+// columns (the programs of grid axis 1 share them). It keeps B's rows [BLOCK_M, R_PAD] in registers
+// and per BLOCK_K columns reads W, lets a dot add B@A to it in fp32, rounds once and writes W back
+// where it read it. Load and store use the same indices, so each iteration touches its own tile and
+// the W loads may run ahead (cp.async).
+#include "kerf/kernels/kernels.h"
+#include "split_range.h"
+
+namespace kerf::kernels {
+
+using namespace kerf::dsl;
+
+const dsl::Kernel& lora_merge() {
+  static const Kernel k("lora_merge", [](Builder& k) {
+    const Tensor W = k.tensor("W", 3), A = k.tensor("A", 3), B = k.tensor("B", 3);
+    const Value s = k.scalar("s");
+    const int64_t BM = k.meta("BLOCK_M"), BK = k.meta("BLOCK_K"), R = k.meta("R_PAD");
+    const bool scale_after = k.meta("SCALE_AFTER", 0) != 0;
+    const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
+    const Value g = program_id(2);
+    const Value n_out = W.dim(1), n_in = W.dim(2), rank = A.dim(1);
+
+    const Value rows = program_id(0) * BM + arange(BM);
+    const Value rk = arange(R);
+    const Value row_ok = rows.col() < n_out;
+    const Value b_raw =
+        load(B, {g, rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(DType::f32);
+    // SCALE_AFTER: B is exact in the product's dtype, so s is applied in fp32 after
+    // the dot; otherwise s*B is rounded once to that dtype and the dot adds onto W.
+    const Value b = scale_after ? b_raw.to(dot_t) : (b_raw * s).to(dot_t);
+
+    const auto [lo, hi] = split_range(n_in, BK);
+    for_range(lo, hi, BK, [&](const Value& k0) {
+      const Value cols = k0 + arange(BK);
+      const Value col_ok = cols.row() < n_in;
+      const Value a = load(A, {g, rk.col(), cols.row()}, (rk.col() < rank) & col_ok).to(dot_t);
+      const Value ok = row_ok & col_ok;
+      const Value w = load(W, {g, rows.col(), cols.row()}, ok).to(DType::f32);
+      const Value v = scale_after ? w + s * dot(b, a) : dot(b, a, w);
+      store(W, {g, rows.col(), cols.row()}, v.to(W.dtype()), ok);
+    });
+  });
+  return k;
+}
+
+}  // namespace kerf::kernels

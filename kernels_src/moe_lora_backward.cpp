@@ -1,0 +1,58 @@
+// Backward of MoE LoRA weight materialization, one pass over dW_eff
+// (contract in include/kerf/kernels/kernels.h):
+//
+//   dA[e] = s * B[e]^T @ dW[e]      [r, K]
+//   dB[e] = s * dW[e] @ A[e]^T      [N, r]
+//   dW [E, N, K]; A [E, r, K]; B [E, N, r]; any strides.
+//
+// One program owns BLOCK_N rows of one expert's dW and a slice of its K
+// columns (the programs of grid axis 1 share them). Per BLOCK_K columns it reads the dW tile once
+// and feeds it to two dots: (B rows)^T @ tile is this row block's share of dA's columns, added with
+// fp32 atomics; tile @ (A columns)^T accumulates dB's rows in registers across the loop, stored
+// once at the end (added atomically with DB_ATOMIC, when several column slices each hold a part).
+#include "kerf/kernels/kernels.h"
+#include "split_range.h"
+
+namespace kerf::kernels {
+
+using namespace kerf::dsl;
+
+const dsl::Kernel& moe_lora_backward() {
+  static const Kernel k("moe_lora_backward", [](Builder& k) {
+    const Tensor dW = k.tensor("dW", 3), A = k.tensor("A", 3), B = k.tensor("B", 3);
+    const Value s = k.scalar("s");
+    const Tensor dA = k.tensor("dA", 3, DType::f32);
+    const Tensor dB = k.tensor("dB", 3);
+    const int64_t BN = k.meta("BLOCK_N"), BK = k.meta("BLOCK_K"), R = k.meta("R_PAD");
+    const bool db_atomic = k.meta("DB_ATOMIC", 0) != 0;
+    const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
+    const Value e = program_id(2);
+    const Value n_rows = dW.dim(1), n_cols = dW.dim(2), rank = A.dim(1);
+
+    const Value rows = program_id(0) * BN + arange(BN);
+    const Value rk = arange(R);
+    const Value row_ok = rows.col() < n_rows;
+    const Value rank_ok = rk.col() < rank;  // [R, 1]
+    const Value b =
+        load(B, {e, rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(dot_t);  // [BN, R]
+    const Value bt = trans(b);                                                     // [R, BN]
+
+    const auto [lo, hi] = split_range(n_cols, BK);
+    const Value acc = for_range(lo, hi, BK, zeros({BN, R}), [&](const Value& k0, const Value& acc) {
+      const Value cols = k0 + arange(BK);
+      const Value col_ok = cols.row() < n_cols;
+      const Value g = load(dW, {e, rows.col(), cols.row()}, row_ok & col_ok).to(dot_t);  // [BN, BK]
+      const Value a = load(A, {e, rk.col(), cols.row()}, rank_ok & col_ok).to(dot_t);    // [R, BK]
+      atomic_add(dA, {e, rk.col(), cols.row()}, dot(bt, g) * s, rank_ok & col_ok);
+      return dot(g, trans(a), acc);  // [BN, R]
+    });
+    const Value db_ok = row_ok & (rk.row() < rank);
+    if (db_atomic)
+      atomic_add(dB, {e, rows.col(), rk.row()}, acc * s, db_ok);
+    else
+      store(dB, {e, rows.col(), rk.row()}, (acc * s).to(dB.dtype()), db_ok);
+  });
+  return k;
+}
+
+}  // namespace kerf::kernels

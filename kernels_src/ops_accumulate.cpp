@@ -1,0 +1,52 @@
+#include "ops_accumulate.h"
+
+#include <algorithm>
+
+#include "kerf/kernels/kernels.h"
+#include "ops_common.h"
+
+namespace kerf::ops::detail {
+
+namespace {
+
+// Tiles of about 2048 elements, as wide as the last dim allows.
+dsl::MetaMap tile_meta(const TensorView& t, Grid* grid) {
+  const int64_t bk = std::clamp<int64_t>(next_pow2(t.shape[2]), 16, 256);
+  const int64_t bm = std::max<int64_t>(1, 2048 / bk);
+  *grid =
+      Grid{uint32_t(cdiv(t.shape[2], bk)), uint32_t(cdiv(t.shape[1], bm)), uint32_t(t.shape[0])};
+  return {{"BLOCK_M", bm}, {"BLOCK_K", bk}};
+}
+
+}  // namespace
+
+void fill_3d(const TensorView& t, double value, const LaunchOptions& options) {
+  if (t.numel() == 0) return;
+  Grid grid;
+  const dsl::MetaMap meta = tile_meta(t, &grid);
+  launch(kernels::fill_3d(), {t, Scalar(value)}, grid, meta, options);
+}
+
+void flush_accumulator(const TensorView& acc, const TensorView& out, const LaunchOptions& options) {
+  if (out.numel() == 0) return;
+  Grid grid;
+  const dsl::MetaMap meta = tile_meta(out, &grid);
+  launch(kernels::flush_accumulator(), {acc, out}, grid, meta, options);
+}
+
+size_t carved_bytes(int64_t d0, int64_t d1, int64_t d2) {
+  return (size_t(d0 * d1 * d2) * 4 + 15) / 16 * 16;
+}
+
+TensorView carve_f32(char** cursor, int64_t d0, int64_t d1, int64_t d2, const Device& dev) {
+  TensorView v = TensorView::contiguous(*cursor, DType::f32, {d0, d1, d2}, dev);
+  *cursor += carved_bytes(d0, d1, d2);
+  return v;
+}
+
+TensorView as_3d(const TensorView& t) {
+  return TensorView::strided(t.data, t.dtype, {1, t.shape[0], t.shape[1]},
+                             {0, t.strides[0], t.strides[1]}, t.device);
+}
+
+}  // namespace kerf::ops::detail

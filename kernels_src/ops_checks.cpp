@@ -1,0 +1,108 @@
+#include "ops_checks.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+
+#include "ops_common.h"
+
+namespace kerf::ops::detail {
+
+void expect_element_aligned(const char* op, const char* name, const TensorView& t) {
+  const auto addr = reinterpret_cast<uintptr_t>(t.data);
+  const int size = dtype_size_bytes(t.dtype);
+  if (t.numel() == 0 || addr % uintptr_t(size) == 0) return;
+  throw InvalidArgument(std::string(op) + ": " + name +
+                        " must start at a multiple of its element size (" + std::to_string(size) +
+                        " bytes for " + dtype_name(t.dtype) + "), got address " +
+                        std::to_string(addr));
+}
+
+void expect_no_self_overlap(const char* op, const char* name, const TensorView& t) {
+  if (t.numel() == 0) return;
+  std::vector<std::pair<int64_t, int64_t>> dims;  // |stride|, size
+  for (int d = 0; d < t.rank; ++d)
+    if (t.shape[size_t(d)] > 1)
+      dims.emplace_back(std::abs(t.strides[size_t(d)]), t.shape[size_t(d)]);
+  std::sort(dims.begin(), dims.end());
+  int64_t reach = 0;  // the furthest element the smaller strides reach
+  for (const auto& [stride, size] : dims) {
+    if (stride <= reach)
+      throw InvalidArgument(
+          std::string(op) + ": output " + name + " (" + t.describe() +
+          ") has strides under which two indices reach one element; outputs need distinct "
+          "elements (no zero or overlapping strides)");
+    reach += stride * (size - 1);
+  }
+}
+
+namespace {
+
+// [first byte, one past the last byte] a view may touch.
+std::pair<intptr_t, intptr_t> byte_span(const TensorView& t) {
+  int64_t lo = 0, hi = 0;
+  for (int d = 0; d < t.rank; ++d) {
+    const int64_t reach = (t.shape[size_t(d)] - 1) * t.strides[size_t(d)];
+    (reach < 0 ? lo : hi) += reach;
+  }
+  const int64_t es = dtype_size_bytes(t.dtype);
+  const auto base = reinterpret_cast<intptr_t>(t.data);
+  return {base + intptr_t(lo * es), base + intptr_t((hi + 1) * es)};
+}
+
+}  // namespace
+
+bool may_overlap(const TensorView& a, const TensorView& b) {
+  if (a.numel() == 0 || b.numel() == 0 || a.device != b.device) return false;
+  const auto [a0, a1] = byte_span(a);
+  const auto [b0, b1] = byte_span(b);
+  return a0 < b1 && b0 < a1;
+}
+
+void expect_disjoint(const char* op, const char* out_name, const TensorView& out,
+                     const char* in_name, const TensorView& in) {
+  if (!may_overlap(out, in)) return;
+  throw InvalidArgument(std::string(op) + ": output " + out_name + " overlaps " + in_name +
+                        " in memory (" + out_name + " " + out.describe() + ", " + in_name + " " +
+                        in.describe() + "); give it memory of its own");
+}
+
+void expect_int32_dims(const char* op, const char* name, const TensorView& t) {
+  for (int d = 0; d < t.rank; ++d)
+    if (t.shape[size_t(d)] > INT32_MAX)
+      throw InvalidArgument(std::string(op) + ": " + name + " dimension " + std::to_string(d) +
+                            " has " + std::to_string(t.shape[size_t(d)]) +
+                            " elements; at most 2^31 - 1 are supported");
+}
+
+MergedDims merge_dims(const std::vector<int64_t>& sizes,
+                      const std::vector<std::vector<int64_t>>& strides) {
+  MergedDims m;
+  m.strides.resize(strides.size());
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] == 1) continue;
+    bool merge = !m.sizes.empty();
+    for (size_t v = 0; merge && v < strides.size(); ++v)
+      merge = m.strides[v].back() == strides[v][d] * sizes[d];
+    if (merge) {
+      m.sizes.back() *= sizes[d];
+      for (size_t v = 0; v < strides.size(); ++v) m.strides[v].back() = strides[v][d];
+      continue;
+    }
+    m.sizes.push_back(sizes[d]);
+    for (size_t v = 0; v < strides.size(); ++v) m.strides[v].push_back(strides[v][d]);
+  }
+  if (m.sizes.empty()) {
+    // Every size is 1 (or there are no dims): one dim of size 1 and stride 1.
+    m.sizes.push_back(1);
+    for (auto& s : m.strides) s.push_back(1);
+  }
+  return m;
+}
+
+TensorView restride(const TensorView& t, const std::vector<int64_t>& shape,
+                    const std::vector<int64_t>& strides) {
+  return TensorView::strided(t.data, t.dtype, shape, strides, t.device);
+}
+
+}  // namespace kerf::ops::detail

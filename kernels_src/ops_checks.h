@@ -1,0 +1,54 @@
+// Argument checks the LoRA ops share beyond ops_common.h: memory overlap,
+// element alignment, integer ids, and collapsing strided dimensions.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kerf/error.h"
+#include "kerf/runtime/tensor.h"
+
+namespace kerf::ops::detail {
+
+inline const std::vector<DType>& float_dtypes() {
+  static const std::vector<DType> f = {DType::bf16, DType::f16, DType::f32};
+  return f;
+}
+
+// Throws InvalidArgument unless t's address is a multiple of its element size
+// (a GPU cannot load a misaligned element; kerf never tries).
+void expect_element_aligned(const char* op, const char* name, const TensorView& t);
+
+// Throws InvalidArgument when two distinct indices of output `t` reach one
+// element (a zero or overlapping stride): writes would race.
+void expect_no_self_overlap(const char* op, const char* name, const TensorView& t);
+
+// Whether the bytes two views may touch overlap (false when either is empty).
+bool may_overlap(const TensorView& a, const TensorView& b);
+
+// Throws InvalidArgument when output `out` shares memory with `in`.
+void expect_disjoint(const char* op, const char* out_name, const TensorView& out,
+                     const char* in_name, const TensorView& in);
+
+// Throws InvalidArgument unless every element count and stride fits the
+// kernels' 32-bit sizes (dims < 2^31).
+void expect_int32_dims(const char* op, const char* name, const TensorView& t);
+
+// Groups of dimensions of several views, merged where every view allows it:
+// dims d and d+1 merge when, in each view, stride[d] == stride[d+1] * size[d+1].
+// Returns, per view, the sizes and strides of the merged dims (all views share
+// the sizes). Dims of size 1 are dropped first; an empty group gives one dim
+// of size 1.
+struct MergedDims {
+  std::vector<int64_t> sizes;
+  std::vector<std::vector<int64_t>> strides;  // [view][dim]
+};
+MergedDims merge_dims(const std::vector<int64_t>& sizes,
+                      const std::vector<std::vector<int64_t>>& strides);
+
+// A view of `t` with other sizes and strides (same data, dtype, device).
+TensorView restride(const TensorView& t, const std::vector<int64_t>& shape,
+                    const std::vector<int64_t>& strides);
+
+}  // namespace kerf::ops::detail

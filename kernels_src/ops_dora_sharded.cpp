@@ -1,0 +1,166 @@
+// DoRA norm beyond ops::dora_norm: the partial sums of squares of a shard
+// split on in-features, the finish that turns summed partials into norm and
+// scale, and the backward of the scale with respect to the magnitude.
+#include <algorithm>
+#include <string>
+
+#include "kerf/jit/launch.h"
+#include "kerf/kernels/kernels.h"
+#include "kerf/ops/ops.h"
+#include "ops_checks.h"
+#include "ops_common.h"
+#include "ops_layout.h"
+
+namespace kerf::ops {
+
+using namespace detail;
+
+namespace {
+
+const std::vector<OperandDims>& partial_operands() {
+  static const std::vector<OperandDims> o = {
+      {"W", {"out", "in"}}, {"A", {"r", "in"}}, {"B", {"out", "r"}}, {"sumsq", {"out"}}};
+  return o;
+}
+
+// Zeroes a 1-D f32 tensor (any stride).
+void zero_1d(const TensorView& t, const LaunchOptions& options) {
+  launch(kernels::fill(), {t, Scalar(0.0)}, Grid{uint32_t(cdiv(t.shape[0], 1024)), 1, 1},
+         {{"BLOCK", 1024}}, options);
+}
+
+// In-place elementwise ops may write where they read, element for element;
+// any other overlap of an output with an input is rejected.
+void expect_disjoint_or_same(const char* op, const char* out_name, const TensorView& out,
+                             const char* in_name, const TensorView& in) {
+  const bool same =
+      out.data == in.data && out.dtype == in.dtype && out.rank == in.rank &&
+      std::equal(out.strides.begin(), out.strides.begin() + out.rank, in.strides.begin());
+  if (!same) expect_disjoint(op, out_name, out, in_name, in);
+}
+
+}  // namespace
+
+void dora_norm_partial(const TensorView& W, const TensorView& A, const TensorView& B, double s,
+                       const TensorView& sumsq, void* stream, const Config& config,
+                       const Layout& layout) {
+  const char* op = "dora_norm_partial";
+  const LayoutSplits splits = check_layout(op, layout, partial_operands());
+  expect_unsplit(op, layout, splits, "r",
+                 "the norm of W + s*B@A needs the whole product, so B and A keep every rank");
+  expect_shape(op, "W", W, {-1, -1});
+  const int64_t out = W.shape[0], in = W.shape[1];
+  expect_shape(op, "A", A, {-1, in});
+  const int64_t r = A.shape[0];
+  expect_shape(op, "B", B, {out, r});
+  expect_shape(op, "sumsq", sumsq, {out});
+  expect_dtype(op, "W", W, float_dtypes());
+  expect_dtype(op, "A", A, float_dtypes());
+  expect_dtype(op, "B", B, float_dtypes());
+  expect_dtype(op, "sumsq", sumsq, {DType::f32});
+  expect_device(op, {{"W", &W}, {"A", &A}, {"B", &B}, {"sumsq", &sumsq}});
+  for (const auto& [n, t] : {std::pair{"W", &W}, {"A", &A}, {"B", &B}, {"sumsq", &sumsq}}) {
+    expect_element_aligned(op, n, *t);
+    expect_int32_dims(op, n, *t);
+  }
+  expect_no_self_overlap(op, "sumsq", sumsq);
+  for (const auto& [n, t] : {std::pair{"W", &W}, {"A", &A}, {"B", &B}})
+    expect_disjoint(op, "sumsq", sumsq, n, *t);
+  if (r > 256)
+    throw InvalidArgument(std::string(op) + ": rank " + std::to_string(r) +
+                          " is above the supported 256");
+  if (out == 0) return;
+
+  const std::string text = layout.canonical();
+  LaunchOptions options;
+  options.stream = stream;
+  options.layout = text;
+  zero_1d(sumsq, options);
+  if (in == 0) return;
+  const bool gpu = W.device.is_cuda();
+  const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
+  const int64_t bm = config.block_m ? config.block_m : (gpu ? 64 : 16);
+  const int64_t bk = config.block_k ? config.block_k : (gpu ? 128 : 64);
+  const int64_t blocks = cdiv(out, bm);
+  const int64_t split = config.split_k
+                            ? config.split_k
+                            : std::clamp<int64_t>(cdiv(3 * parallelism(W.device), blocks), 1,
+                                                  std::max<int64_t>(1, cdiv(in, bk)));
+  const dsl::MetaMap meta = {{"BLOCK_M", bm},
+                             {"BLOCK_K", bk},
+                             {"R_PAD", r_pad},
+                             {"DOT", int64_t(is_half(W.dtype) ? W.dtype : DType::f32)},
+                             {"num_warps", config.num_warps ? config.num_warps : 4},
+                             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
+  launch(kernels::dora_norm_partial(), {W, A, B, Scalar(s), sumsq},
+         Grid{uint32_t(blocks), uint32_t(split), 1}, meta, options);
+}
+
+void dora_norm_finish(const TensorView& sumsq, const TensorView& m, double eps,
+                      const TensorView& norm, const TensorView& scale, void* stream,
+                      const Layout& layout) {
+  const char* op = "dora_norm_finish";
+  check_layout(op, layout,
+               {{"sumsq", {"out"}}, {"m", {"out"}}, {"norm", {"out"}}, {"scale", {"out"}}});
+  expect_shape(op, "sumsq", sumsq, {-1});
+  const int64_t out = sumsq.shape[0];
+  expect_shape(op, "m", m, {out});
+  expect_shape(op, "norm", norm, {out});
+  expect_shape(op, "scale", scale, {out});
+  expect_dtype(op, "sumsq", sumsq, {DType::f32});
+  expect_dtype(op, "m", m, float_dtypes());
+  expect_dtype(op, "norm", norm, {DType::f32});
+  expect_dtype(op, "scale", scale, {DType::f32});
+  expect_device(op, {{"sumsq", &sumsq}, {"m", &m}, {"norm", &norm}, {"scale", &scale}});
+  for (const auto& [n, t] :
+       {std::pair{"sumsq", &sumsq}, {"m", &m}, {"norm", &norm}, {"scale", &scale}}) {
+    expect_element_aligned(op, n, *t);
+    expect_int32_dims(op, n, *t);
+  }
+  if (!(eps >= 0))
+    throw InvalidArgument(std::string(op) + ": eps must be >= 0, got " + std::to_string(eps));
+  for (const auto& [n, t] : {std::pair{"norm", &norm}, {"scale", &scale}}) {
+    expect_no_self_overlap(op, n, *t);
+    expect_disjoint_or_same(op, n, *t, "sumsq", sumsq);
+    expect_disjoint_or_same(op, n, *t, "m", m);
+  }
+  expect_disjoint(op, "scale", scale, "norm", norm);
+  if (out == 0) return;
+  const std::string text = layout.canonical();
+  LaunchOptions options;
+  options.stream = stream;
+  options.layout = text;
+  launch(kernels::dora_norm_finish(), {sumsq, m, Scalar(eps), norm, scale},
+         Grid{uint32_t(cdiv(out, 1024)), 1, 1}, {{"BLOCK", 1024}}, options);
+}
+
+void dora_norm_backward(const TensorView& norm, const TensorView& grad_scale,
+                        const TensorView& grad_m, void* stream, const Layout& layout) {
+  const char* op = "dora_norm_backward";
+  check_layout(op, layout, {{"norm", {"out"}}, {"grad_scale", {"out"}}, {"grad_m", {"out"}}});
+  expect_shape(op, "norm", norm, {-1});
+  const int64_t out = norm.shape[0];
+  expect_shape(op, "grad_scale", grad_scale, {out});
+  expect_shape(op, "grad_m", grad_m, {out});
+  expect_dtype(op, "norm", norm, float_dtypes());
+  expect_dtype(op, "grad_scale", grad_scale, float_dtypes());
+  expect_dtype(op, "grad_m", grad_m, float_dtypes());
+  expect_device(op, {{"norm", &norm}, {"grad_scale", &grad_scale}, {"grad_m", &grad_m}});
+  for (const auto& [n, t] :
+       {std::pair{"norm", &norm}, {"grad_scale", &grad_scale}, {"grad_m", &grad_m}}) {
+    expect_element_aligned(op, n, *t);
+    expect_int32_dims(op, n, *t);
+  }
+  expect_no_self_overlap(op, "grad_m", grad_m);
+  expect_disjoint_or_same(op, "grad_m", grad_m, "grad_scale", grad_scale);
+  expect_disjoint_or_same(op, "grad_m", grad_m, "norm", norm);
+  if (out == 0) return;
+  const std::string text = layout.canonical();
+  LaunchOptions options;
+  options.stream = stream;
+  options.layout = text;
+  launch(kernels::dora_norm_backward(), {norm, grad_scale, grad_m},
+         Grid{uint32_t(cdiv(out, 1024)), 1, 1}, {{"BLOCK", 1024}}, options);
+}
+
+}  // namespace kerf::ops

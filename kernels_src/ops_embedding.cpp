@@ -1,0 +1,353 @@
+// ops::lora_embedding and its backward: argument checks, id checking, the
+// vocab-parallel layout, launches.
+//
+// Ids out of range: on the CPU the ids are read and checked before any launch.
+// On a GPU the host cannot read them without waiting, so the kernels check
+// every id themselves: an id outside [0, vocab) is never used as an address
+// (its lanes are masked; the token's output row is zeros) and is recorded in
+// a small per-(device, stream) record, which the op reads after the launch
+// (IdCheck::sync) or check_embedding_ids() reads later (IdCheck::deferred).
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "kerf/jit/launch.h"
+#include "kerf/kernels/kernels.h"
+#include "kerf/ops/ops.h"
+#include "kerf/runtime/cuda.h"
+#include "ops_accumulate.h"
+#include "ops_checks.h"
+#include "ops_common.h"
+#include "ops_layout.h"
+
+namespace kerf::ops {
+
+using namespace detail;
+
+namespace {
+
+constexpr int kRecordSlots = 4;  // count, first position, its id, the vocabulary size
+
+// The bad-id record the kernels write on a GPU, one per (device, stream): zero
+// until an id is out of range.
+cuda::DeviceBuffer& device_record(const Device& dev, void* stream) {
+  static std::mutex mu;
+  static std::map<std::pair<int, void*>, cuda::DeviceBuffer> records;  // nodes never move
+  std::lock_guard<std::mutex> lock(mu);
+  cuda::DeviceBuffer& buf = records[{dev.index, stream}];
+  if (!buf.bytes()) {
+    buf = cuda::DeviceBuffer(kRecordSlots * 8, dev.index);
+    buf.fill_bytes(0);
+  }
+  return buf;
+}
+
+TensorView error_record(const Device& dev, void* stream) {
+  if (!dev.is_cuda()) {
+    // CPU ids are checked before the launch; the kernels' record is never read.
+    thread_local int64_t host[kRecordSlots] = {0, 0, 0, 0};
+    return TensorView::contiguous(host, DType::i64, {kRecordSlots}, dev);
+  }
+  return TensorView::contiguous(device_record(dev, stream).data(), DType::i64, {kRecordSlots}, dev);
+}
+
+std::string bad_id_message(const char* op, int64_t count, int64_t pos, int64_t id, int64_t vocab) {
+  std::string m = std::string(op) + ": token id x[" + std::to_string(pos) +
+                  "] = " + std::to_string(id) + " is outside the vocabulary [0, " +
+                  std::to_string(vocab) + ")";
+  if (count > 1) m += " (" + std::to_string(count) + " ids out of range in all)";
+  return m;
+}
+
+// Waits for `stream`, reads the GPU record and clears it; throws when it holds a bad id.
+void throw_recorded_bad_ids(const char* op, const Device& dev, void* stream) {
+  cuda::DeviceBuffer& rec = device_record(dev, stream);
+  cuda::stream_synchronize(stream);
+  int64_t host[kRecordSlots] = {0, 0, 0, 0};
+  rec.copy_to_host(host, sizeof host);
+  if (host[0] == 0) return;
+  rec.fill_bytes(0);
+  throw InvalidArgument(bad_id_message(op, host[0], host[1], host[2], host[3]));
+}
+
+// Ids on the host: check them all before anything runs.
+void check_host_ids(const char* op, const TensorView& x1, int64_t vocab) {
+  const auto* base = static_cast<const uint8_t*>(x1.data);
+  const int64_t n = x1.shape[0], stride = x1.strides[0];
+  int64_t count = 0, first_pos = -1, first_id = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    int64_t id;
+    if (x1.dtype == DType::i32) {
+      int32_t v;
+      std::memcpy(&v, base + (t * stride) * 4, 4);
+      id = v;
+    } else {
+      std::memcpy(&id, base + (t * stride) * 8, 8);
+    }
+    if (id >= 0 && id < vocab) continue;
+    if (count++ == 0) {
+      first_pos = t;
+      first_id = id;
+    }
+  }
+  if (count) throw InvalidArgument(bad_id_message(op, count, first_pos, first_id, vocab));
+}
+
+// x [...] and a tensor [..., dim] whose leading dims are x's, as [T] and [T, dim].
+void flatten_tokens(const char* op, const TensorView& x, const char* yname, const TensorView& y,
+                    TensorView* x1, TensorView* y2) {
+  std::vector<int64_t> sizes;
+  std::vector<std::vector<int64_t>> strides(2);
+  for (int d = 0; d < x.rank; ++d) {
+    sizes.push_back(x.shape[size_t(d)]);
+    strides[0].push_back(x.strides[size_t(d)]);
+    strides[1].push_back(y.strides[size_t(d)]);
+  }
+  const MergedDims m = merge_dims(sizes, strides);
+  if (m.sizes.size() != 1)
+    throw InvalidArgument(std::string(op) + ": the token dims of x (" + x.describe() + ") and " +
+                          yname + " (" + y.describe() +
+                          ") must flatten alike to one dim (strides that nest)");
+  const int64_t T = x.numel();
+  *x1 = restride(x, {T}, {T > 1 ? m.strides[0][0] : 1});
+  const int64_t dim = y.shape[size_t(y.rank - 1)];
+  *y2 = restride(y, {T, dim}, {T > 1 ? m.strides[1][0] : dim, y.strides[size_t(y.rank - 1)]});
+}
+
+std::vector<int64_t> tokens_and(const TensorView& x, int64_t last) {
+  std::vector<int64_t> s(x.shape.begin(), x.shape.begin() + x.rank);
+  s.push_back(last);
+  return s;
+}
+
+std::vector<std::string> x_dims(const TensorView& x, bool with_dim) {
+  std::vector<std::string> d;
+  for (int i = 0; i < x.rank; ++i) d.push_back("x" + std::to_string(i));
+  if (with_dim) d.push_back("dim");
+  return d;
+}
+
+// The vocabulary this shard holds: ids [start, start + local) of `total`.
+struct VocabRange {
+  int64_t start = 0, total = 0;
+};
+
+VocabRange vocab_range(const Layout& layout, const LayoutSplits& splits, int64_t local) {
+  const std::string& axis = splits.of("vocab");
+  if (axis.empty()) return {0, local};
+  return {layout.coord(axis) * local, layout.axis_size(axis) * local};
+}
+
+void expect_ids(const char* op, const TensorView& x) {
+  if (x.rank < 1)
+    throw InvalidArgument(std::string(op) + ": x must have at least one dimension, got a scalar");
+  expect_dtype(op, "x", x, {DType::i32, DType::i64});
+}
+
+int64_t padding_id(const char* op, const EmbeddingOptions& o, int64_t total) {
+  if (!o.padding_idx) return -1;
+  const int64_t p = *o.padding_idx < 0 ? *o.padding_idx + total : *o.padding_idx;
+  if (p < 0 || p >= total)
+    throw InvalidArgument(std::string(op) + ": padding_idx " + std::to_string(*o.padding_idx) +
+                          " is outside the vocabulary [-" + std::to_string(total) + ", " +
+                          std::to_string(total) + ")");
+  return p;
+}
+
+// The product's dtype for a weight/gradient dtype `t` and the adapter dtypes.
+DType embedding_dot(DType t, DType a, DType b, bool* scale_after) {
+  *scale_after = is_half(a) && a == b;
+  if (*scale_after) return a;
+  return is_half(t) ? t : DType::f32;
+}
+
+int64_t split_for(int64_t blocks, int64_t programs, int64_t steps) {
+  return std::clamp<int64_t>(cdiv(3 * programs, std::max<int64_t>(blocks, 1)), 1,
+                             std::max<int64_t>(1, steps));
+}
+
+}  // namespace
+
+void lora_embedding(const TensorView& x, const TensorView& weight, const TensorView& A,
+                    const TensorView& B, double s, const TensorView& out,
+                    const EmbeddingOptions& options, void* stream, const Config& config,
+                    const Layout& layout) {
+  const char* op = "lora_embedding";
+  expect_ids(op, x);
+  const LayoutSplits splits = check_layout(op, layout,
+                                           {{"x", x_dims(x, false)},
+                                            {"weight", {"vocab", "dim"}},
+                                            {"A", {"r", "vocab"}},
+                                            {"B", {"dim", "r"}},
+                                            {"out", x_dims(x, true)}});
+  expect_unsplit(op, layout, splits, "r", "each token's LoRA term needs every rank of A and B");
+  expect_shape(op, "weight", weight, {-1, -1});
+  const int64_t V = weight.shape[0], D = weight.shape[1];
+  expect_shape(op, "A", A, {-1, V});
+  const int64_t r = A.shape[0];
+  expect_shape(op, "B", B, {D, r});
+  expect_shape(op, "out", out, tokens_and(x, D));
+  const std::vector<std::pair<const char*, const TensorView*>> all = {
+      {"x", &x}, {"weight", &weight}, {"A", &A}, {"B", &B}, {"out", &out}};
+  for (const auto& [n, t] : all) {
+    if (t != &x) expect_dtype(op, n, *t, float_dtypes());
+    expect_element_aligned(op, n, *t);
+    expect_int32_dims(op, n, *t);
+  }
+  expect_device(op, all);
+  if (r > 256)
+    throw InvalidArgument(std::string(op) + ": rank " + std::to_string(r) +
+                          " is above the supported 256");
+  expect_no_self_overlap(op, "out", out);
+  for (const auto& [n, t] : all)
+    if (t != &out) expect_disjoint(op, "out", out, n, *t);
+  const VocabRange vr = vocab_range(layout, splits, V);
+  if (x.numel() == 0 || D == 0) return;
+  TensorView x1, out2;
+  flatten_tokens(op, x, "out", out, &x1, &out2);
+  const int64_t T = x1.shape[0];
+  if (!x.device.is_cuda()) check_host_ids(op, x1, vr.total);
+
+  const bool gpu = x.device.is_cuda();
+  bool scale_after = false;
+  const DType dot = embedding_dot(weight.dtype, A.dtype, B.dtype, &scale_after);
+  const int64_t bt = config.block_m ? config.block_m : (gpu ? 32 : 16);
+  const int64_t bd = config.block_k ? config.block_k : (gpu ? 128 : 64);
+  const int64_t split =
+      config.split_k ? config.split_k : split_for(cdiv(T, bt), parallelism(x.device), cdiv(D, bd));
+  const dsl::MetaMap meta = {{"BLOCK_T", bt},
+                             {"BLOCK_D", bd},
+                             {"R_PAD", std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)))},
+                             {"DOT", int64_t(dot)},
+                             {"SCALE_AFTER", scale_after ? 1 : 0},
+                             {"num_warps", config.num_warps ? config.num_warps : 4},
+                             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
+  const std::string text = layout.canonical();
+  LaunchOptions lo;
+  lo.stream = stream;
+  lo.layout = text;
+  launch(kernels::lora_embedding(),
+         {x1, weight, A, B, Scalar(s), out2, error_record(x.device, stream), Scalar(vr.start),
+          Scalar(vr.total)},
+         Grid{uint32_t(cdiv(T, bt)), uint32_t(split), 1}, meta, lo);
+  if (gpu && options.id_check == IdCheck::sync) throw_recorded_bad_ids(op, x.device, stream);
+}
+
+void lora_embedding_backward(const TensorView& x, const TensorView& A, const TensorView& B,
+                             const TensorView& grad_out, double s, const TensorView& grad_A,
+                             const TensorView& grad_B, const EmbeddingOptions& options,
+                             void* stream, const Config& config, const Layout& layout) {
+  const char* op = "lora_embedding_backward";
+  expect_ids(op, x);
+  const LayoutSplits splits = check_layout(op, layout,
+                                           {{"x", x_dims(x, false)},
+                                            {"A", {"r", "vocab"}},
+                                            {"B", {"dim", "r"}},
+                                            {"grad_out", x_dims(x, true)},
+                                            {"grad_A", {"r", "vocab"}},
+                                            {"grad_B", {"dim", "r"}}});
+  expect_unsplit(op, layout, splits, "r", "each token's LoRA term needs every rank of A and B");
+  expect_shape(op, "A", A, {-1, -1});
+  const int64_t r = A.shape[0], V = A.shape[1];
+  expect_shape(op, "B", B, {-1, r});
+  const int64_t D = B.shape[0];
+  expect_shape(op, "grad_out", grad_out, tokens_and(x, D));
+  expect_shape(op, "grad_A", grad_A, {r, V});
+  expect_shape(op, "grad_B", grad_B, {D, r});
+  const std::vector<std::pair<const char*, const TensorView*>> all = {
+      {"x", &x},           {"A", &A},          {"B", &B}, {"grad_out", &grad_out},
+      {"grad_A", &grad_A}, {"grad_B", &grad_B}};
+  for (const auto& [n, t] : all) {
+    if (t != &x) expect_dtype(op, n, *t, float_dtypes());
+    expect_element_aligned(op, n, *t);
+    expect_int32_dims(op, n, *t);
+  }
+  expect_device(op, all);
+  if (r > 256)
+    throw InvalidArgument(std::string(op) + ": rank " + std::to_string(r) +
+                          " is above the supported 256");
+  for (const auto& [n, t] : {std::pair{"grad_A", &grad_A}, {"grad_B", &grad_B}}) {
+    expect_no_self_overlap(op, n, *t);
+    for (const auto& [in_name, in] : all)
+      if (in != &grad_A && in != &grad_B) expect_disjoint(op, n, *t, in_name, *in);
+  }
+  expect_disjoint(op, "grad_B", grad_B, "grad_A", grad_A);
+  const VocabRange vr = vocab_range(layout, splits, V);
+  const int64_t padding = padding_id(op, options, vr.total);
+  if (r == 0) return;
+
+  const std::string text = layout.canonical();
+  LaunchOptions lo;
+  lo.stream = stream;
+  lo.layout = text;
+  const TensorView dA3 = as_3d(grad_A), dB3 = as_3d(grad_B);
+  if (x.numel() == 0 || D == 0) {  // sums over nothing
+    fill_3d(dA3, 0.0, lo);
+    fill_3d(dB3, 0.0, lo);
+    return;
+  }
+  TensorView x1, g2;
+  flatten_tokens(op, x, "grad_out", grad_out, &x1, &g2);
+  const int64_t T = x1.shape[0];
+  if (!x.device.is_cuda()) check_host_ids(op, x1, vr.total);
+
+  // fp32 accumulators: the outputs themselves when f32 (zeroed), else workspace
+  // regions flushed into them; with scale_grad_by_freq, id counts too.
+  const bool da_direct = grad_A.dtype == DType::f32, db_direct = grad_B.dtype == DType::f32;
+  size_t ws_bytes = 0;
+  if (!da_direct) ws_bytes += carved_bytes(1, r, V);
+  if (!db_direct) ws_bytes += carved_bytes(1, D, r);
+  if (options.scale_grad_by_freq) ws_bytes += carved_bytes(1, 1, V);
+  char* cursor = ws_bytes ? static_cast<char*>(workspace(x.device, stream, ws_bytes)) : nullptr;
+  const TensorView da_acc = da_direct ? dA3 : carve_f32(&cursor, 1, r, V, x.device);
+  const TensorView db_acc = db_direct ? dB3 : carve_f32(&cursor, 1, D, r, x.device);
+  TensorView counts = TensorView::contiguous(nullptr, DType::i32, {0}, x.device);
+  if (options.scale_grad_by_freq) {
+    counts = carve_f32(&cursor, 1, 1, V, x.device);
+    counts = TensorView::contiguous(counts.data, DType::i32, {V}, x.device);
+  }
+  if (da_direct) fill_3d(dA3, 0.0, lo);
+  if (db_direct) fill_3d(dB3, 0.0, lo);
+
+  const bool gpu = x.device.is_cuda();
+  bool unused = false;
+  const DType dot = embedding_dot(grad_out.dtype, grad_out.dtype, grad_out.dtype, &unused);
+  // Tall token blocks: dB's atomics per element of grad_out are R_PAD / BLOCK_T.
+  const int64_t bt = config.block_m ? config.block_m : (gpu ? 128 : 16);
+  const int64_t bd = config.block_k ? config.block_k : 64;
+  const int64_t split =
+      config.split_k ? config.split_k : split_for(cdiv(T, bt), parallelism(x.device), cdiv(D, bd));
+  const Grid tokens{uint32_t(cdiv(T, bt)), 1, 1};
+  if (options.scale_grad_by_freq)
+    launch(kernels::embedding_count_ids(), {x1, counts, Scalar(vr.start)}, tokens,
+           {{"BLOCK_T", bt}}, lo);
+  const dsl::MetaMap meta = {
+      {"BLOCK_T", bt},
+      {"BLOCK_D", bd},
+      {"R_PAD", std::max<int64_t>(16, next_pow2(r))},
+      {"DOT", int64_t(dot)},
+      {"BY_FREQ", options.scale_grad_by_freq ? 1 : 0},
+      {"num_warps", config.num_warps ? config.num_warps : (gpu && bt >= 128 ? 8 : 4)},
+      {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
+  const TensorView dA2 = restride(da_acc, {r, V}, {da_acc.strides[1], da_acc.strides[2]});
+  const TensorView dB2 = restride(db_acc, {D, r}, {db_acc.strides[1], db_acc.strides[2]});
+  launch(kernels::lora_embedding_backward(),
+         {x1, A, B, g2, Scalar(s), dA2, dB2, counts, error_record(x.device, stream),
+          Scalar(vr.start), Scalar(vr.total), Scalar(padding)},
+         Grid{uint32_t(cdiv(T, bt)), uint32_t(split), 1}, meta, lo);
+  if (options.scale_grad_by_freq)
+    launch(kernels::embedding_count_ids(), {x1, counts, Scalar(vr.start)}, tokens,
+           {{"BLOCK_T", bt}, {"CLEAR", 1}}, lo);
+  if (!da_direct) flush_accumulator(da_acc, dA3, lo);
+  if (!db_direct) flush_accumulator(db_acc, dB3, lo);
+  if (gpu && options.id_check == IdCheck::sync) throw_recorded_bad_ids(op, x.device, stream);
+}
+
+void check_embedding_ids(const Device& device, void* stream) {
+  if (!device.is_cuda()) return;
+  throw_recorded_bad_ids("lora_embedding", device, stream);
+}
+
+}  // namespace kerf::ops

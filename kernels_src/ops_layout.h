@@ -1,0 +1,42 @@
+// Checking a sharding layout (include/kerf/ops/layout.h) against an op's operands.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "kerf/ops/layout.h"
+
+namespace kerf::ops::detail {
+
+// One operand as the layout check sees it: its name (the key of Layout::specs)
+// and the logical name of each of its dimensions ("out", "in", "r", "E", ...).
+struct OperandDims {
+  std::string name;
+  std::vector<std::string> dims;
+};
+
+// The mesh axis that splits each logical dimension ("" when it is whole).
+struct LayoutSplits {
+  std::map<std::string, std::string> axis;
+  // Which operand first fixed each logical dimension's split, for messages.
+  std::map<std::string, std::string> fixed_by;
+  const std::string& of(const std::string& dim) const;
+};
+
+// Checks the mesh (names unique and non-empty, sizes >= 1), that every spec
+// names one of the op's operands, fits its rank and names mesh axes, that no
+// operand uses an axis twice, and that operands sharing a logical dimension
+// split it the same way. Throws InvalidArgument (naming both specs on a
+// disagreement) before anything runs.
+LayoutSplits check_layout(const char* op, const Layout& layout,
+                          const std::vector<OperandDims>& operands);
+
+// Throws InvalidArgument unless logical dimension `dim` is whole; `why` ends the message.
+void expect_unsplit(const char* op, const Layout& layout, const LayoutSplits& splits,
+                    const std::string& dim, const std::string& why);
+
+// "W P(None, 'tp')": an operand's name and its spec as the layout gives it.
+std::string spec_text(const Layout& layout, const std::string& operand);
+
+}  // namespace kerf::ops::detail

@@ -1,0 +1,210 @@
+// ops::lora_merge / lora_unmerge, PyTorch and Flax layouts: argument checks,
+// the mapping of both layouts onto one kernel (W[g] += s * B[g] @ A[g]), launches.
+#include <algorithm>
+#include <functional>
+
+#include "kerf/jit/launch.h"
+#include "kerf/kernels/kernels.h"
+#include "kerf/ops/ops.h"
+#include "ops_checks.h"
+#include "ops_common.h"
+
+namespace kerf::ops {
+
+using namespace detail;
+
+namespace {
+
+// The product's dtype, and whether s is applied after it (B exact in that dtype).
+DType merge_dot_dtype(DType w, DType a, DType b, bool* scale_after) {
+  *scale_after = is_half(a) && a == b;
+  if (*scale_after) return a;
+  return is_half(w) ? w : DType::f32;
+}
+
+struct MergePlan {
+  dsl::MetaMap meta;
+  Grid grid;
+};
+
+// W3 [G, out, in], r: the meta-parameters and grid for `config` (0 fields: defaults).
+MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorView& B3, bool gpu,
+                     int64_t programs, const Config& config) {
+  const int64_t G = W3.shape[0], out = W3.shape[1], in = W3.shape[2], r = A3.shape[1];
+  bool scale_after = false;
+  const DType dot = merge_dot_dtype(W3.dtype, A3.dtype, B3.dtype, &scale_after);
+  const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
+  // B's rows stay in registers: fewer rows per program at large ranks.
+  const int64_t bm_default = gpu ? std::clamp<int64_t>(8192 / r_pad, 16, 64) : 16;
+  const int64_t bm = config.block_m ? config.block_m : bm_default;
+  const int64_t bk = config.block_k ? config.block_k : (gpu ? 128 : 64);
+  int64_t split = config.split_k;
+  if (split == 0) {
+    const int64_t blocks = cdiv(out, bm) * G;
+    split = std::clamp<int64_t>(cdiv(3 * programs, blocks), 1, std::max<int64_t>(1, cdiv(in, bk)));
+  }
+  MergePlan p;
+  p.meta = {{"BLOCK_M", bm},
+            {"BLOCK_K", bk},
+            {"R_PAD", r_pad},
+            {"DOT", int64_t(dot)},
+            {"SCALE_AFTER", scale_after ? 1 : 0},
+            {"num_warps", config.num_warps ? config.num_warps : 4},
+            {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
+  p.grid = Grid{uint32_t(cdiv(out, bm)), uint32_t(split), uint32_t(G)};
+  return p;
+}
+
+// One launch over W3 [G, out, in] += s * B3 [G, out, r] @ A3 [G, r, in].
+void launch_merge(const TensorView& W3, const TensorView& A3, const TensorView& B3, double s,
+                  void* stream, const Config& config) {
+  const MergePlan p = plan_merge(W3, A3, B3, W3.device.is_cuda(), parallelism(W3.device), config);
+  launch(kernels::lora_merge(), {W3, A3, B3, Scalar(s)}, p.grid, p.meta, stream);
+}
+
+void check_common(const char* op, const TensorView& W, const TensorView& A, const TensorView& B,
+                  const char* wn, const char* an, const char* bn) {
+  expect_dtype(op, wn, W, float_dtypes());
+  expect_dtype(op, an, A, float_dtypes());
+  expect_dtype(op, bn, B, float_dtypes());
+  expect_device(op, {{wn, &W}, {an, &A}, {bn, &B}});
+  for (const auto& [n, t] : {std::pair{wn, &W}, {an, &A}, {bn, &B}}) {
+    expect_element_aligned(op, n, *t);
+    expect_int32_dims(op, n, *t);
+  }
+  expect_no_self_overlap(op, wn, W);
+  expect_disjoint(op, wn, W, an, A);
+  expect_disjoint(op, wn, W, bn, B);
+}
+
+void merge_torch(const char* op, const TensorView& W, const TensorView& A, const TensorView& B,
+                 double s, void* stream, const Config& config) {
+  expect_shape(op, "W", W, {-1, -1});
+  const int64_t out = W.shape[0], in = W.shape[1];
+  expect_shape(op, "A", A, {-1, in});
+  const int64_t r = A.shape[0];
+  expect_shape(op, "B", B, {out, r});
+  check_common(op, W, A, B, "W", "A", "B");
+  if (r > 256)
+    throw InvalidArgument(std::string(op) + ": rank " + std::to_string(r) +
+                          " is above the supported 256");
+  if (out == 0 || in == 0 || r == 0) return;
+  launch_merge(restride(W, {1, out, in}, {0, W.strides[0], W.strides[1]}),
+               restride(A, {1, r, in}, {0, A.strides[0], A.strides[1]}),
+               restride(B, {1, out, r}, {0, B.strides[0], B.strides[1]}), s, stream, config);
+}
+
+std::string dims_text(const TensorView& t, int from, int to) {
+  std::string s = "[";
+  for (int d = from; d < to; ++d) s += (d > from ? ", " : "") + std::to_string(t.shape[size_t(d)]);
+  return s + "]";
+}
+
+// kernel [in..., out...] +/-= s * lora_a [in..., r] @ lora_b [r, out...], as
+// W'[g] += s * B'[g] @ A'[g] with W' = kernel, B' = lora_a, A' = lora_b.
+void merge_flax(const char* op, const TensorView& kernel, const TensorView& lora_a,
+                const TensorView& lora_b, double s, void* stream, const Config& config) {
+  if (lora_a.rank < 2)
+    throw InvalidArgument(std::string(op) +
+                          ": lora_a must have shape [in..., r] (rank >= 2), got " +
+                          shape_str(lora_a));
+  if (lora_b.rank < 2)
+    throw InvalidArgument(std::string(op) +
+                          ": lora_b must have shape [r, out...] (rank >= 2), got " +
+                          shape_str(lora_b));
+  const int n_in = lora_a.rank - 1, n_out = lora_b.rank - 1;
+  const int64_t r = lora_a.shape[size_t(n_in)];
+  if (kernel.rank != n_in + n_out)
+    throw InvalidArgument(std::string(op) + ": kernel must have shape [in..., out...] = " +
+                          dims_text(lora_a, 0, n_in) + " + " + dims_text(lora_b, 1, lora_b.rank) +
+                          " (lora_a's in dims, lora_b's out dims), got " + shape_str(kernel));
+  std::vector<int64_t> want_a, want_b = {r};
+  for (int d = 0; d < n_in; ++d) want_a.push_back(kernel.shape[size_t(d)]);
+  want_a.push_back(-1);
+  for (int d = 0; d < n_out; ++d) want_b.push_back(kernel.shape[size_t(n_in + d)]);
+  expect_shape(op, "lora_a", lora_a, want_a);
+  expect_shape(op, "lora_b", lora_b, want_b);
+  check_common(op, kernel, lora_a, lora_b, "kernel", "lora_a", "lora_b");
+  if (r > 256)
+    throw InvalidArgument(std::string(op) + ": rank " + std::to_string(r) +
+                          " is above the supported 256");
+  if (kernel.numel() == 0 || r == 0) return;
+
+  // Flatten the in dims (kernel and lora_a alike) and the out dims (kernel and lora_b alike).
+  std::vector<int64_t> in_sizes, out_sizes;
+  std::vector<std::vector<int64_t>> in_strides(2), out_strides(2);
+  for (int d = 0; d < n_in; ++d) {
+    in_sizes.push_back(kernel.shape[size_t(d)]);
+    in_strides[0].push_back(kernel.strides[size_t(d)]);
+    in_strides[1].push_back(lora_a.strides[size_t(d)]);
+  }
+  for (int d = 0; d < n_out; ++d) {
+    out_sizes.push_back(kernel.shape[size_t(n_in + d)]);
+    out_strides[0].push_back(kernel.strides[size_t(n_in + d)]);
+    out_strides[1].push_back(lora_b.strides[size_t(1 + d)]);
+  }
+  const MergedDims rows = merge_dims(in_sizes, in_strides),
+                   cols = merge_dims(out_sizes, out_strides);
+  // Dims that did not flatten become a batch: strides in kernel, lora_b (A'), lora_a (B').
+  struct BatchDim {
+    int64_t size, w, a, b;
+  };
+  std::vector<BatchDim> batch;
+  for (size_t d = 0; d + 1 < rows.sizes.size(); ++d)
+    batch.push_back({rows.sizes[d], rows.strides[0][d], 0, rows.strides[1][d]});
+  for (size_t d = 0; d + 1 < cols.sizes.size(); ++d)
+    batch.push_back({cols.sizes[d], cols.strides[0][d], cols.strides[1][d], 0});
+  const int64_t out = rows.sizes.back(), in = cols.sizes.back();
+  const int64_t w_row = rows.strides[0].back(), w_col = cols.strides[0].back();
+  const int64_t b_row = rows.strides[1].back(), a_col = cols.strides[1].back();
+  const int64_t a_rank = lora_b.strides[0], b_rank = lora_a.strides[size_t(n_in)];
+  const BatchDim last = batch.empty() ? BatchDim{1, 0, 0, 0} : batch.back();
+  if (!batch.empty()) batch.pop_back();
+  if (last.size > 65535)
+    throw InvalidArgument(
+        std::string(op) + ": a dimension of " + std::to_string(last.size) +
+        " that does not flatten with its neighbours is above the supported 65535");
+  // Any further batch dims: one launch each (offsets in elements).
+  std::function<void(size_t, int64_t, int64_t, int64_t)> each = [&](size_t d, int64_t ow,
+                                                                    int64_t oa, int64_t ob) {
+    if (d == batch.size()) {
+      const auto at = [](const TensorView& t, int64_t off) {
+        TensorView v = t;
+        v.data = static_cast<char*>(t.data) + off * dtype_size_bytes(t.dtype);
+        return v;
+      };
+      launch_merge(restride(at(kernel, ow), {last.size, out, in}, {last.w, w_row, w_col}),
+                   restride(at(lora_b, oa), {last.size, r, in}, {last.a, a_rank, a_col}),
+                   restride(at(lora_a, ob), {last.size, out, r}, {last.b, b_row, b_rank}), s,
+                   stream, config);
+      return;
+    }
+    for (int64_t i = 0; i < batch[d].size; ++i)
+      each(d + 1, ow + i * batch[d].w, oa + i * batch[d].a, ob + i * batch[d].b);
+  };
+  each(0, 0, 0, 0);
+}
+
+}  // namespace
+
+void lora_merge(const TensorView& W, const TensorView& A, const TensorView& B, double s,
+                void* stream, const Config& config) {
+  merge_torch("lora_merge", W, A, B, s, stream, config);
+}
+
+void lora_unmerge(const TensorView& W, const TensorView& A, const TensorView& B, double s,
+                  void* stream, const Config& config) {
+  merge_torch("lora_unmerge", W, A, B, -s, stream, config);
+}
+
+void lora_merge_flax(const TensorView& kernel, const TensorView& lora_a, const TensorView& lora_b,
+                     double s, void* stream, const Config& config) {
+  merge_flax("lora_merge_flax", kernel, lora_a, lora_b, s, stream, config);
+}
+
+void lora_unmerge_flax(const TensorView& kernel, const TensorView& lora_a, const TensorView& lora_b,
+                       double s, void* stream, const Config& config) {
+  merge_flax("lora_unmerge_flax", kernel, lora_a, lora_b, -s, stream, config);
+}
+
+}  // namespace kerf::ops

@@ -1,0 +1,164 @@
+// ops::moe_lora_materialize_backward (one pass over dW_eff) and the views of
+// PEFT's flat expert adapters the MoE ops take.
+#include <algorithm>
+#include <string>
+
+#include "kerf/jit/launch.h"
+#include "kerf/kernels/kernels.h"
+#include "kerf/ops/ops.h"
+#include "ops_accumulate.h"
+#include "ops_checks.h"
+#include "ops_common.h"
+#include "ops_layout.h"
+
+namespace kerf::ops {
+
+using namespace detail;
+
+namespace {
+
+struct MoeBackwardPlan {
+  dsl::MetaMap meta;
+  Grid grid;
+  int64_t split = 1;
+};
+
+MoeBackwardPlan plan_moe_backward(const TensorView& dW, int64_t r, bool gpu, int64_t programs,
+                                  const Config& config) {
+  const int64_t E = dW.shape[0], N = dW.shape[1], K = dW.shape[2];
+  const DType dot = is_half(dW.dtype) ? dW.dtype : DType::f32;
+  const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
+  // Tall row blocks: dA's atomics per dW element are R_PAD / BLOCK_N.
+  const int64_t bn =
+      config.block_m ? config.block_m : (gpu ? std::clamp<int64_t>(8192 / r_pad, 32, 128) : 16);
+  const int64_t bk = config.block_k ? config.block_k : 64;
+  MoeBackwardPlan p;
+  p.split = config.split_k;
+  if (p.split == 0) {
+    const int64_t blocks = cdiv(N, bn) * E;
+    p.split = std::clamp<int64_t>(cdiv(3 * programs, blocks), 1, std::max<int64_t>(1, cdiv(K, bk)));
+  }
+  p.meta = {{"BLOCK_N", bn},
+            {"BLOCK_K", bk},
+            {"R_PAD", r_pad},
+            {"DOT", int64_t(dot)},
+            {"DB_ATOMIC", p.split > 1 ? 1 : 0},
+            {"num_warps", config.num_warps ? config.num_warps : (gpu && bn >= 128 ? 8 : 4)},
+            {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
+  p.grid = Grid{uint32_t(cdiv(N, bn)), uint32_t(p.split), uint32_t(E)};
+  return p;
+}
+
+const std::vector<OperandDims>& backward_operands() {
+  static const std::vector<OperandDims> o = {{"dW_eff", {"E", "N", "K"}},
+                                             {"A", {"E", "r", "K"}},
+                                             {"B", {"E", "N", "r"}},
+                                             {"dA", {"E", "r", "K"}},
+                                             {"dB", {"E", "N", "r"}}};
+  return o;
+}
+
+}  // namespace
+
+void moe_lora_materialize_backward(const TensorView& dW, const TensorView& A, const TensorView& B,
+                                   double s, const TensorView& dA, const TensorView& dB,
+                                   void* stream, const Config& config, const Layout& layout) {
+  const char* op = "moe_lora_materialize_backward";
+  const LayoutSplits splits = check_layout(op, layout, backward_operands());
+  expect_unsplit(op, layout, splits, "r", "each expert's product B[e] @ A[e] needs every rank");
+  expect_shape(op, "dW_eff", dW, {-1, -1, -1});
+  const int64_t E = dW.shape[0], N = dW.shape[1], K = dW.shape[2];
+  expect_shape(op, "A", A, {E, -1, K});
+  const int64_t r = A.shape[1];
+  expect_shape(op, "B", B, {E, N, r});
+  expect_shape(op, "dA", dA, {E, r, K});
+  expect_shape(op, "dB", dB, {E, N, r});
+  const std::vector<std::pair<const char*, const TensorView*>> all = {
+      {"dW_eff", &dW}, {"A", &A}, {"B", &B}, {"dA", &dA}, {"dB", &dB}};
+  for (const auto& [n, t] : all) {
+    expect_dtype(op, n, *t, float_dtypes());
+    expect_element_aligned(op, n, *t);
+    expect_int32_dims(op, n, *t);
+  }
+  expect_device(op, all);
+  if (r > 256)
+    throw InvalidArgument(std::string(op) + ": rank " + std::to_string(r) +
+                          " is above the supported 256");
+  if (E > 65535)
+    throw InvalidArgument(std::string(op) + ": at most 65535 experts per call, got " +
+                          std::to_string(E));
+  for (const auto& [n, t] : {std::pair{"dA", &dA}, {"dB", &dB}}) {
+    expect_no_self_overlap(op, n, *t);
+    for (const auto& [in_name, in] : {std::pair{"dW_eff", &dW}, {"A", &A}, {"B", &B}})
+      expect_disjoint(op, n, *t, in_name, *in);
+  }
+  expect_disjoint(op, "dB", dB, "dA", dA);
+  if (E == 0 || r == 0) return;
+
+  const std::string text = layout.canonical();
+  LaunchOptions options;
+  options.stream = stream;
+  options.layout = text;
+  if (N == 0 || K == 0) {  // sums over nothing
+    fill_3d(dA, 0.0, options);
+    fill_3d(dB, 0.0, options);
+    return;
+  }
+  const bool gpu = dW.device.is_cuda();
+  MoeBackwardPlan p = plan_moe_backward(dW, r, gpu, parallelism(dW.device), config);
+  // dA is added to atomically in fp32: into dA itself when it is f32 (zeroed
+  // first), else into a zero workspace that is then flushed into dA. dB the
+  // same when several K slices each add a part; else stored directly.
+  const bool da_direct = dA.dtype == DType::f32;
+  const bool db_atomic = p.split > 1;
+  const bool db_direct = !db_atomic || dB.dtype == DType::f32;
+  size_t ws_bytes = 0;
+  if (!da_direct) ws_bytes += carved_bytes(E, r, K);
+  if (!db_direct) ws_bytes += carved_bytes(E, N, r);
+  char* cursor = ws_bytes ? static_cast<char*>(workspace(dW.device, stream, ws_bytes)) : nullptr;
+  const TensorView da_acc = da_direct ? dA : carve_f32(&cursor, E, r, K, dW.device);
+  const TensorView db_acc = db_direct ? dB : carve_f32(&cursor, E, N, r, dW.device);
+  if (da_direct) fill_3d(dA, 0.0, options);
+  if (db_atomic && db_direct) fill_3d(dB, 0.0, options);
+  launch(kernels::moe_lora_backward(), {dW, A, B, Scalar(s), da_acc, db_acc}, p.grid, p.meta,
+         options);
+  if (!da_direct) flush_accumulator(da_acc, dA, options);
+  if (!db_direct) flush_accumulator(db_acc, dB, options);
+}
+
+MoeLoraViews peft_moe_lora_views(const TensorView& W, const TensorView& lora_A,
+                                 const TensorView& lora_B, bool is_transposed) {
+  const char* op = "peft_moe_lora_views";
+  expect_shape(op, "W", W, {-1, -1, -1});
+  const int64_t E = W.shape[0], d1 = W.shape[1], d2 = W.shape[2];
+  const int64_t in = is_transposed ? d1 : d2, out = is_transposed ? d2 : d1;
+  const std::string which = is_transposed
+                                ? " (is_transposed: W[e] is [in=d1, out=d2], lora_A [r*E, d1], "
+                                  "lora_B [d2, r*E])"
+                                : " (W[e] is [out=d1, in=d2]: lora_A [r*E, d2], lora_B [d1, r*E])";
+  if (lora_A.rank != 2 || lora_A.shape[1] != in)
+    throw InvalidArgument(std::string(op) + ": lora_A must have shape [r*E, " + std::to_string(in) +
+                          "]" + which + ", got " + shape_str(lora_A));
+  const int64_t rE = lora_A.shape[0];
+  if ((E == 0 && rE != 0) || (E > 0 && rE % E != 0))
+    throw InvalidArgument(std::string(op) + ": lora_A has " + std::to_string(rE) +
+                          " rows, not a multiple of the " + std::to_string(E) +
+                          " experts (r*E rows)" + which);
+  const int64_t r = E ? rE / E : 0;
+  expect_shape(op, "lora_B", lora_B, {out, rE});
+  const int64_t a0 = lora_A.strides[0], a1 = lora_A.strides[1], b0 = lora_B.strides[0],
+                b1 = lora_B.strides[1];
+  MoeLoraViews v;
+  if (!is_transposed) {
+    // A_e[k, i] = lora_A[e*r + k, i];  B_e[o, k] = lora_B[o, k*E + e]
+    v.A = restride(lora_A, {E, r, in}, {r * a0, a0, a1});
+    v.B = restride(lora_B, {E, out, r}, {b1, b0, E * b1});
+  } else {
+    // W_eff[e] = W[e] + s * A_e^T @ B_e^T: B'[e][i, k] = A_e[k, i], A'[e][k, o] = B_e[o, k]
+    v.B = restride(lora_A, {E, in, r}, {r * a0, a1, a0});
+    v.A = restride(lora_B, {E, r, out}, {b1, E * b1, b0});
+  }
+  return v;
+}
+
+}  // namespace kerf::ops

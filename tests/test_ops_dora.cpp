@@ -1,0 +1,216 @@
+// The DoRA norm beyond ops::dora_norm: partial sums of squares and their
+// finish, the magnitude's backward (grad_m = grad_scale / norm), and what eps
+// does to a zero row (PEFT's eps = 0: norm 0, scale m/0).
+#include <cmath>
+#include <limits>
+#include <random>
+
+#include "catch.h"
+#include "cpu_test_util.h"
+#include "device_tensor.h"
+#include "gpu_test_util.h"
+#include "kerf/ops/ops.h"
+
+using namespace kerf;
+using kerf::test::TestTensor;
+
+namespace {
+
+// sumsq[i] = sum_j (W + s*B@A)[i, j]^2 in float64, over columns [c0, c1).
+std::vector<double> ref_sumsq(const TestTensor& W, const TestTensor& A, const TestTensor& B,
+                              double s, int64_t c0, int64_t c1) {
+  const int64_t out = W.shape()[0], in = W.shape()[1], r = A.shape()[0];
+  std::vector<double> ss(size_t(out), 0.0);
+  for (int64_t i = 0; i < out; ++i)
+    for (int64_t j = c0; j < c1; ++j) {
+      double ba = 0;
+      for (int64_t k = 0; k < r; ++k) ba += B.get(i * r + k) * A.get(k * in + j);
+      const double v = W.get(i * in + j) + s * ba;
+      ss[size_t(i)] += v * v;
+    }
+  return ss;
+}
+
+struct PartialCase {
+  int64_t out, in, r;
+  DType w, ab;
+  int64_t split;
+};
+
+void check_partial_and_finish(const PartialCase& c, Device dev, uint64_t seed) {
+  CAPTURE(c.out, c.in, c.r, dtype_name(c.w), dtype_name(c.ab), c.split, seed, dev.str());
+  std::mt19937_64 rng(seed);
+  TestTensor W(c.w, {c.out, c.in}, dev), A(c.ab, {c.r, c.in}, dev), B(c.ab, {c.out, c.r}, dev);
+  TestTensor m(DType::bf16, {c.out}, dev), sumsq(DType::f32, {c.out}, dev);
+  TestTensor norm(DType::f32, {c.out}, dev), scale(DType::f32, {c.out}, dev);
+  W.randomize(rng);
+  A.randomize(rng, -0.5, 0.5);
+  B.randomize(rng, -0.5, 0.5);
+  m.randomize(rng, 0.5, 1.5);
+  sumsq.poison();
+  norm.poison();
+  scale.poison();
+  const double s = 1.5, eps = 1e-6;
+  ops::Config cfg;
+  cfg.split_k = c.split;
+  ops::dora_norm_partial(W.view(), A.view(), B.view(), s, sumsq.view(), nullptr, cfg);
+  ops::dora_norm_finish(sumsq.view(), m.view(), eps, norm.view(), scale.view());
+  test::sync(dev);
+  sumsq.download();
+  norm.download();
+  scale.download();
+  const std::vector<double> ref = ref_sumsq(W, A, B, s, 0, c.in);
+  std::vector<double> gs, gn, gsc, rn, rsc;
+  for (int64_t i = 0; i < c.out; ++i) {
+    gs.push_back(sumsq.get(i));
+    gn.push_back(norm.get(i));
+    gsc.push_back(scale.get(i));
+    rn.push_back(std::sqrt(ref[size_t(i)] + eps));
+    rsc.push_back(m.get(i) / rn.back());
+  }
+  const double tol = test::tolerance(is_half(c.w) || is_half(c.ab) ? DType::bf16 : DType::f32);
+  CHECK(test::max_relative_error(gs, ref) <= tol);
+  CHECK(test::max_relative_error(gn, rn) <= tol);
+  CHECK(test::max_relative_error(gsc, rsc) <= tol);
+}
+
+void run_partial_cases(Device dev) {
+  const std::vector<PartialCase> cases = {
+      {100, 130, 5, DType::f32, DType::f32, 0},
+      {100, 130, 5, DType::bf16, DType::f32, 1},
+      {256, 512, 16, DType::bf16, DType::bf16, 3},
+      {37, 2000, 8, DType::f16, DType::f16, 0},
+  };
+  uint64_t seed = 7100;
+  for (const PartialCase& c : cases) check_partial_and_finish(c, dev, seed++);
+}
+
+void check_backward(Device dev) {
+  std::mt19937_64 rng(7200);
+  for (DType gs_t : {DType::f32, DType::bf16})
+    for (DType gm_t : {DType::f32, DType::bf16}) {
+      CAPTURE(dtype_name(gs_t), dtype_name(gm_t), dev.str());
+      const int64_t n = 1037;
+      TestTensor norm(DType::f32, {n}, dev), gs(gs_t, {n}, dev), gm(gm_t, {n}, dev);
+      norm.randomize(rng, 0.5, 4.0);
+      gs.randomize(rng);
+      gm.poison();
+      ops::dora_norm_backward(norm.view(), gs.view(), gm.view());
+      test::sync(dev);
+      gm.download();
+      std::vector<double> got, ref;
+      for (int64_t i = 0; i < n; ++i) {
+        got.push_back(gm.get(i));
+        ref.push_back(gs.get(i) / norm.get(i));
+      }
+      CHECK(test::max_relative_error(got, ref) <= test::tolerance(gm_t));
+    }
+  // In place: grad_m may be grad_scale itself.
+  TestTensor norm(DType::f32, {300}, dev), g(DType::f32, {300}, dev);
+  norm.randomize(rng, 0.5, 4.0);
+  g.randomize(rng);
+  std::vector<double> ref;
+  for (int64_t i = 0; i < 300; ++i) ref.push_back(g.get(i) / norm.get(i));
+  ops::dora_norm_backward(norm.view(), g.view(), g.view());
+  test::sync(dev);
+  g.download();
+  std::vector<double> got;
+  for (int64_t i = 0; i < 300; ++i) got.push_back(g.get(i));
+  CHECK(test::max_relative_error(got, ref) <= 1e-6);
+}
+
+// A zero row of W + s*B@A: with eps = 0 (PEFT) the norm is 0 and the scale is
+// m / 0: +inf for m > 0, -inf for m < 0, NaN for m = 0. With eps > 0 the norm
+// is sqrt(eps) and the scale finite. Both through dora_norm (fused and split)
+// and through dora_norm_partial + dora_norm_finish.
+void check_eps(Device dev) {
+  const int64_t out = 6, in = 300, r = 4;
+  std::mt19937_64 rng(7300);
+  TestTensor W(DType::bf16, {out, in}, dev), A(DType::f32, {r, in}, dev),
+      B(DType::f32, {out, r}, dev);
+  TestTensor m(DType::f32, {out}, dev), norm(DType::f32, {out}, dev), scale(DType::f32, {out}, dev),
+      sumsq(DType::f32, {out}, dev);
+  W.randomize(rng);
+  A.randomize(rng);
+  B.randomize(rng);
+  m.randomize(rng, 0.5, 1.5);
+  // Rows 1, 2, 3 are zero in W and in B: their V rows are zero.
+  for (int64_t i : {1, 2, 3}) {
+    for (int64_t j = 0; j < in; ++j) W.set(i * in + j, 0.0);
+    for (int64_t k = 0; k < r; ++k) B.set(i * r + k, 0.0);
+  }
+  m.set(1, 2.0);
+  m.set(2, -3.0);
+  m.set(3, 0.0);
+  W.upload();
+  B.upload();
+  m.upload();
+  for (double eps : {0.0, 1e-12, 0.25}) {
+    for (int variant = 0; variant < 3; ++variant) {
+      CAPTURE(eps, variant, dev.str());
+      norm.poison();
+      scale.poison();
+      ops::Config cfg;
+      if (variant == 0) cfg.split_k = 1;
+      if (variant == 1) cfg.split_k = 3;
+      if (variant < 2) {
+        ops::dora_norm(W.view(), A.view(), B.view(), m.view(), 1.0, norm.view(), scale.view(), eps,
+                       nullptr, cfg);
+      } else {
+        ops::dora_norm_partial(W.view(), A.view(), B.view(), 1.0, sumsq.view());
+        ops::dora_norm_finish(sumsq.view(), m.view(), eps, norm.view(), scale.view());
+      }
+      test::sync(dev);
+      norm.download();
+      scale.download();
+      const double n0 = std::sqrt(eps);
+      for (int64_t i : {1, 2, 3}) CHECK(norm.get(i) == float(n0));
+      if (eps == 0) {
+        CHECK(scale.get(1) == std::numeric_limits<double>::infinity());
+        CHECK(scale.get(2) == -std::numeric_limits<double>::infinity());
+        CHECK(std::isnan(scale.get(3)));
+      } else {
+        CHECK(scale.get(1) == Approx(2.0 / n0).epsilon(1e-6));
+        CHECK(scale.get(2) == Approx(-3.0 / n0).epsilon(1e-6));
+        CHECK(scale.get(3) == 0.0);
+      }
+      for (int64_t i : {0, 4, 5}) CHECK(std::isfinite(scale.get(i)));
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("dora_norm_partial and dora_norm_finish match a float64 reference on the CPU",
+          "[cpu][ops][dora]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  run_partial_cases(Device::cpu());
+}
+
+TEST_CASE("dora_norm_partial and dora_norm_finish match a float64 reference on the GPU",
+          "[gpu][ops][dora]") {
+  KERF_REQUIRE_GPU();
+  run_partial_cases(Device::cuda(0));
+}
+
+TEST_CASE("dora_norm_backward gives grad_m = grad_scale / norm on the CPU", "[cpu][ops][dora]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  check_backward(Device::cpu());
+}
+
+TEST_CASE("dora_norm_backward gives grad_m = grad_scale / norm on the GPU", "[gpu][ops][dora]") {
+  KERF_REQUIRE_GPU();
+  check_backward(Device::cuda(0));
+}
+
+TEST_CASE("dora_norm's eps decides what a zero row gives, as documented, on the CPU",
+          "[cpu][ops][dora]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  check_eps(Device::cpu());
+}
+
+TEST_CASE("dora_norm's eps decides what a zero row gives, as documented, on the GPU",
+          "[gpu][ops][dora]") {
+  KERF_REQUIRE_GPU();
+  check_eps(Device::cuda(0));
+}

@@ -1,0 +1,342 @@
+// ops::lora_embedding and lora_embedding_backward against float64 references
+// (PEFT's layout: A = lora_embedding_A [r, vocab], B = lora_embedding_B
+// [dim, r]); padding_idx, scale_grad_by_freq, ids out of range.
+#include <cmath>
+#include <random>
+
+#include "catch.h"
+#include "cpu_test_util.h"
+#include "device_tensor.h"
+#include "gpu_test_util.h"
+#include "kerf/error.h"
+#include "kerf/ops/ops.h"
+
+using namespace kerf;
+using kerf::test::TestTensor;
+
+namespace {
+
+// Errors relative to the root-mean-square of the reference's non-zero entries
+// (gradients are sums with cancellation, and sparse: elements near zero are
+// judged on the tensor's scale).
+double scaled_error(const std::vector<double>& got, const std::vector<double>& ref) {
+  double ss = 0;
+  size_t n = 0;
+  for (double r : ref)
+    if (r != 0) {
+      ss += r * r;
+      ++n;
+    }
+  const double rms = std::sqrt(ss / double(std::max<size_t>(n, 1)));
+  return test::max_relative_error(got, ref, std::max(rms, 1e-30));
+}
+
+struct EmbCase {
+  std::vector<int64_t> x_shape;
+  int64_t V, D, r;
+  DType ids, w, ab, out;
+  bool strided_x = false;  // x is every other element of a buffer twice as long
+};
+
+// Random ids in [0, V), with a few repeats forced.
+void fill_ids(TestTensor& buf, int64_t n, int64_t stride, int64_t V, std::mt19937_64& rng) {
+  std::uniform_int_distribution<int64_t> d(0, V - 1);
+  for (int64_t t = 0; t < n; ++t) buf.set(t * stride, double(t % 7 == 3 ? 5 : d(rng)));
+  buf.upload();
+}
+
+void check_forward(const EmbCase& c, Device dev, uint64_t seed) {
+  CAPTURE(c.x_shape, c.V, c.D, c.r, dtype_name(c.ids), dtype_name(c.w), dtype_name(c.ab),
+          dtype_name(c.out), c.strided_x, seed, dev.str());
+  std::mt19937_64 rng(seed);
+  int64_t T = 1;
+  for (int64_t d : c.x_shape) T *= d;
+  const int64_t xs = c.strided_x ? 2 : 1;
+  TestTensor X(c.ids, {T * xs}, dev), Wt(c.w, {c.V, c.D}, dev), A(c.ab, {c.r, c.V}, dev),
+      B(c.ab, {c.D, c.r}, dev);
+  fill_ids(X, T, xs, c.V, rng);
+  Wt.randomize(rng);
+  A.randomize(rng, -0.5, 0.5);
+  B.randomize(rng, -0.5, 0.5);
+  std::vector<int64_t> out_shape = c.x_shape, xstrides(c.x_shape.size());
+  out_shape.push_back(c.D);
+  int64_t st = xs;
+  for (size_t d = c.x_shape.size(); d-- > 0;) {
+    xstrides[d] = st;
+    st *= c.x_shape[d];
+  }
+  TestTensor out(c.out, out_shape, dev);
+  out.poison();
+  const double s = 1.25;
+  ops::lora_embedding(X.view(c.x_shape, xstrides), Wt.view(), A.view(), B.view(), s, out.view());
+  test::sync(dev);
+  out.download();
+  std::vector<double> got, ref;
+  for (int64_t t = 0; t < T; ++t) {
+    const auto id = int64_t(X.get(t * xs));
+    for (int64_t d = 0; d < c.D; ++d) {
+      double l = 0;
+      for (int64_t k = 0; k < c.r; ++k) l += A.get(k * c.V + id) * B.get(d * c.r + k);
+      ref.push_back(Wt.get(id * c.D + d) + s * l);
+      got.push_back(out.get(t * c.D + d));
+    }
+  }
+  const bool half = is_half(c.w) || is_half(c.out) || is_half(c.ab);
+  CHECK(test::max_relative_error(got, ref, 1.0) <=
+        test::tolerance(half ? DType::bf16 : DType::f32));
+}
+
+void run_forward_cases(Device dev) {
+  const std::vector<EmbCase> cases = {
+      {{3, 37}, 1000, 130, 5, DType::i64, DType::bf16, DType::f32, DType::bf16},
+      {{111}, 1000, 130, 5, DType::i32, DType::f32, DType::f32, DType::f32},
+      {{4, 16}, 512, 256, 16, DType::i64, DType::bf16, DType::bf16, DType::bf16},
+      {{2, 9}, 300, 64, 8, DType::i32, DType::f16, DType::f16, DType::f32, true},
+      {{50}, 77, 33, 1, DType::i64, DType::f32, DType::bf16, DType::f32, true},
+  };
+  uint64_t seed = 6100;
+  for (const EmbCase& c : cases) check_forward(c, dev, seed++);
+}
+
+struct BackCase {
+  int64_t T, V, D, r;
+  DType g, ab, grads;
+  std::optional<int64_t> padding;
+  bool by_freq;
+  int64_t split = 0;
+};
+
+void check_backward(const BackCase& c, Device dev, uint64_t seed) {
+  CAPTURE(c.T, c.V, c.D, c.r, dtype_name(c.g), dtype_name(c.ab), dtype_name(c.grads),
+          c.padding.value_or(-999), c.by_freq, c.split, seed, dev.str());
+  std::mt19937_64 rng(seed);
+  TestTensor X(DType::i64, {c.T}, dev), A(c.ab, {c.r, c.V}, dev), B(c.ab, {c.D, c.r}, dev);
+  TestTensor G(c.g, {c.T, c.D}, dev), dA(c.grads, {c.r, c.V}, dev), dB(c.grads, {c.D, c.r}, dev);
+  fill_ids(X, c.T, 1, c.V, rng);
+  if (c.padding)  // some padding tokens
+    for (int64_t t = 0; t < c.T; t += 5)
+      X.set(t, double(*c.padding < 0 ? *c.padding + c.V : *c.padding));
+  X.upload();
+  A.randomize(rng, -0.5, 0.5);
+  B.randomize(rng, -0.5, 0.5);
+  G.randomize(rng);
+  dA.poison();
+  dB.poison();
+  ops::EmbeddingOptions o;
+  o.padding_idx = c.padding;
+  o.scale_grad_by_freq = c.by_freq;
+  ops::Config cfg;
+  cfg.split_k = c.split;
+  const double s = 2.0;
+  ops::lora_embedding_backward(X.view(), A.view(), B.view(), G.view(), s, dA.view(), dB.view(), o,
+                               nullptr, cfg);
+  test::sync(dev);
+  dA.download();
+  dB.download();
+  const int64_t pad = c.padding ? (*c.padding < 0 ? *c.padding + c.V : *c.padding) : -1;
+  std::vector<double> count(size_t(c.V), 0.0), ra(size_t(c.r * c.V), 0.0),
+      rb(size_t(c.D * c.r), 0.0);
+  for (int64_t t = 0; t < c.T; ++t) count[size_t(X.get(t))] += 1;
+  for (int64_t t = 0; t < c.T; ++t) {
+    const auto id = int64_t(X.get(t));
+    for (int64_t k = 0; k < c.r; ++k) {
+      double gb = 0;
+      for (int64_t d = 0; d < c.D; ++d) gb += G.get(t * c.D + d) * B.get(d * c.r + k);
+      if (id != pad) ra[size_t(k * c.V + id)] += s * gb / (c.by_freq ? count[size_t(id)] : 1.0);
+      for (int64_t d = 0; d < c.D; ++d)
+        rb[size_t(d * c.r + k)] += s * G.get(t * c.D + d) * A.get(k * c.V + id);
+    }
+  }
+  std::vector<double> ga, gb;
+  for (int64_t i = 0; i < dA.numel(); ++i) ga.push_back(dA.get(i));
+  for (int64_t i = 0; i < dB.numel(); ++i) gb.push_back(dB.get(i));
+  const double tol = test::tolerance(is_half(c.g) || is_half(c.grads) ? DType::bf16 : DType::f32);
+  CHECK(scaled_error(ga, ra) <= tol);
+  CHECK(scaled_error(gb, rb) <= tol);
+  if (pad >= 0)
+    for (int64_t k = 0; k < c.r; ++k) CHECK(dA.get(k * c.V + pad) == 0.0);  // exactly no gradient
+}
+
+void run_backward_cases(Device dev) {
+  const std::vector<BackCase> cases = {
+      {111, 1000, 130, 5, DType::f32, DType::f32, DType::f32, std::nullopt, false},
+      {111, 1000, 130, 5, DType::bf16, DType::f32, DType::f32, 0, true},
+      {64, 512, 256, 16, DType::bf16, DType::bf16, DType::bf16, -1, false, 1},
+      {200, 300, 64, 8, DType::f16, DType::f32, DType::bf16, std::nullopt, true, 3},
+      {37, 50, 40, 3, DType::f32, DType::bf16, DType::f32, 7, true},
+  };
+  uint64_t seed = 6200;
+  for (const BackCase& c : cases) check_backward(c, dev, seed++);
+}
+
+// axolotl's regression tests: TestEmbeddingPaddingIdxGrad and TestEmbeddingScaleGradByFreq.
+void check_axolotl_regressions(Device dev) {
+  const int64_t V = 100, H = 32, r = 4;
+  std::mt19937_64 rng(6300);
+  TestTensor A(DType::f32, {r, V}, dev), B(DType::f32, {H, r}, dev), dA(DType::f32, {r, V}, dev),
+      dB(DType::f32, {H, r}, dev);
+  A.randomize(rng);
+  B.randomize(rng);
+  {
+    TestTensor X(DType::i64, {1, 5}, dev), G(DType::f32, {1, 5, H}, dev);
+    const double ids[] = {0, 1, 2, 0, 3};
+    for (int i = 0; i < 5; ++i) X.set(i, ids[i]);
+    X.upload();
+    G.randomize(rng);
+    ops::EmbeddingOptions o;
+    o.padding_idx = 0;
+    ops::lora_embedding_backward(X.view(), A.view(), B.view(), G.view(), 2.0, dA.view(), dB.view(),
+                                 o);
+    test::sync(dev);
+    dA.download();
+    for (int64_t k = 0; k < r; ++k) {
+      CHECK(dA.get(k * V + 0) == 0.0);
+      CHECK(dA.get(k * V + 1) != 0.0);
+    }
+  }
+  {
+    // Token 5 three times: with scale_grad_by_freq its gradient is a third.
+    TestTensor X(DType::i64, {6}, dev), G(DType::f32, {6, H}, dev);
+    const double ids[] = {5, 9, 5, 11, 5, 2};
+    for (int i = 0; i < 6; ++i) X.set(i, ids[i]);
+    X.upload();
+    G.randomize(rng);
+    ops::EmbeddingOptions o;
+    ops::lora_embedding_backward(X.view(), A.view(), B.view(), G.view(), 2.0, dA.view(), dB.view(),
+                                 o);
+    test::sync(dev);
+    dA.download();
+    std::vector<double> plain;
+    for (int64_t k = 0; k < r; ++k) plain.push_back(dA.get(k * V + 5));
+    o.scale_grad_by_freq = true;
+    ops::lora_embedding_backward(X.view(), A.view(), B.view(), G.view(), 2.0, dA.view(), dB.view(),
+                                 o);
+    test::sync(dev);
+    dA.download();
+    for (int64_t k = 0; k < r; ++k)
+      CHECK(std::abs(dA.get(k * V + 5) / plain[size_t(k)] - 1.0 / 3) < 0.01);
+  }
+}
+
+struct Bad {
+  TestTensor X, Wt, A, B, out;
+  explicit Bad(Device dev, DType ids = DType::i64)
+      : X(ids, {2, 6}, dev),
+        Wt(DType::f32, {50, 16}, dev),
+        A(DType::f32, {4, 50}, dev),
+        B(DType::f32, {16, 4}, dev),
+        out(DType::f32, {2, 6, 16}, dev) {
+    std::mt19937_64 rng(6400);
+    Wt.randomize(rng);
+    A.randomize(rng);
+    B.randomize(rng);
+    const double ids_v[] = {1, 2, 3,  50, 4, 5,
+                            6, 7, -3, 8,  9, 49};  // x[3] = 50 and x[8] = -3 are out of range
+    for (int i = 0; i < 12; ++i) X.set(i, ids_v[i]);
+    X.upload();
+    out.poison();
+  }
+  void call(const ops::EmbeddingOptions& o = {}) {
+    ops::lora_embedding(X.view(), Wt.view(), A.view(), B.view(), 1.0, out.view(), o);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("lora_embedding matches a float64 reference on the CPU", "[cpu][ops][embedding]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  run_forward_cases(Device::cpu());
+}
+
+TEST_CASE("lora_embedding matches a float64 reference on the GPU", "[gpu][ops][embedding]") {
+  KERF_REQUIRE_GPU();
+  run_forward_cases(Device::cuda(0));
+}
+
+TEST_CASE(
+    "lora_embedding_backward matches a float64 reference with padding_idx and scale_grad_by_freq "
+    "on the CPU",
+    "[cpu][ops][embedding]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  run_backward_cases(Device::cpu());
+}
+
+TEST_CASE(
+    "lora_embedding_backward matches a float64 reference with padding_idx and scale_grad_by_freq "
+    "on the GPU",
+    "[gpu][ops][embedding]") {
+  KERF_REQUIRE_GPU();
+  run_backward_cases(Device::cuda(0));
+}
+
+TEST_CASE(
+    "lora_embedding_backward passes axolotl's padding_idx and scale_grad_by_freq checks on the CPU",
+    "[cpu][ops][embedding]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  check_axolotl_regressions(Device::cpu());
+}
+
+TEST_CASE(
+    "lora_embedding_backward passes axolotl's padding_idx and scale_grad_by_freq checks on the GPU",
+    "[gpu][ops][embedding]") {
+  KERF_REQUIRE_GPU();
+  check_axolotl_regressions(Device::cuda(0));
+}
+
+TEST_CASE("lora_embedding rejects ids out of range on the CPU before anything runs",
+          "[cpu][ops][embedding]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  for (DType ids : {DType::i32, DType::i64}) {
+    Bad b(Device::cpu(), ids);
+    CHECK_THROWS_WITH(
+        b.call(),
+        Catch::Contains("lora_embedding: token id x[3] = 50 is outside the vocabulary [0, 50)") &&
+            Catch::Contains("(2 ids out of range in all)"));
+    b.out.download();
+    for (int64_t i = 0; i < b.out.numel(); ++i) CHECK(std::isnan(b.out.get(i)));  // untouched
+  }
+  Bad b(Device::cpu());
+  TestTensor G(DType::f32, {2, 6, 16}, Device::cpu()), dA(DType::f32, {4, 50}, Device::cpu()),
+      dB(DType::f32, {16, 4}, Device::cpu());
+  CHECK_THROWS_WITH(
+      ops::lora_embedding_backward(b.X.view(), b.A.view(), b.B.view(), G.view(), 1.0, dA.view(),
+                                   dB.view()),
+      Catch::Contains(
+          "lora_embedding_backward: token id x[3] = 50 is outside the vocabulary [0, 50)"));
+}
+
+TEST_CASE("lora_embedding masks ids out of range on the GPU and reports them",
+          "[gpu][ops][embedding]") {
+  KERF_REQUIRE_GPU();
+  const Device dev = Device::cuda(0);
+  {
+    Bad b(dev);
+    CHECK_THROWS_WITH(b.call(), Catch::Contains("token id x[") &&
+                                    Catch::Contains("is outside the vocabulary [0, 50)") &&
+                                    Catch::Contains("(2 ids out of range in all)"));
+    b.out.download();
+    // The bad tokens' rows are zeros; the others are right.
+    for (int64_t t : {3, 8})
+      for (int64_t d = 0; d < 16; ++d) CHECK(b.out.get(t * 16 + d) == 0.0);
+    for (int64_t d = 0; d < 16; ++d) {
+      double l = 0;
+      for (int64_t k = 0; k < 4; ++k) l += b.A.get(k * 50 + 49) * b.B.get(d * 4 + k);
+      CHECK(std::abs(b.out.get(11 * 16 + d) - (b.Wt.get(49 * 16 + d) + l)) < 1e-5);
+    }
+    // The record was cleared by the throw: a good call passes.
+    b.X.set(3, 0);
+    b.X.set(8, 0);
+    b.X.upload();
+    CHECK_NOTHROW(b.call());
+  }
+  {
+    // Deferred: the call returns; the check throws once, then the record is clear.
+    Bad b(dev);
+    ops::EmbeddingOptions o;
+    o.id_check = ops::IdCheck::deferred;
+    CHECK_NOTHROW(b.call(o));
+    CHECK_THROWS_WITH(ops::check_embedding_ids(dev),
+                      Catch::Contains("is outside the vocabulary [0, 50)"));
+    CHECK_NOTHROW(ops::check_embedding_ids(dev));
+  }
+}

@@ -1,0 +1,180 @@
+// The LoRA op kernels (merge, MoE backward, embedding, DoRA extras and the
+// accumulator helpers) generate CUDA C++ that NVRTC compiles for sm_80 and
+// sm_90a (no GPU needed), in the dtypes the ops use, with and without the
+// alignment facts (kerf's own library test compiles the library's kernels); and the fast paths use
+// what they should (tensor cores, cp.async, also for the in-place merge).
+#include <string>
+#include <vector>
+
+#include "catch.h"
+#include "gpu_test_util.h"
+#include "kerf/jit/cuda_codegen.h"
+#include "kerf/jit/nvrtc.h"
+#include "kerf/kernels/kernels.h"
+
+using namespace kerf;
+using namespace kerf::dsl;
+
+namespace {
+
+ir::TensorFacts fast_facts(int rank) {
+  ir::TensorFacts f;
+  f.contiguous_last = true;
+  f.aligned16 = true;
+  f.dims_div16 = (1u << rank) - 1;
+  f.strides_div16 = (1u << (rank - 1)) - 1;
+  return f;
+}
+
+ArgSpec T(DType d, int rank, bool fast = true) {
+  return ArgSpec::tensor(d, rank, fast ? fast_facts(rank) : ir::TensorFacts{});
+}
+const ArgSpec S = ArgSpec::scalar();
+
+struct Case {
+  const Kernel* kernel;
+  std::vector<ArgSpec> args;
+  MetaMap meta;
+  std::string what;
+  std::string arch;
+};
+
+// Each kernel in three variants (kept few: every one is an NVRTC compile):
+// bf16 with the fast-path facts for sm_90a, f32 without them for sm_80, f16
+// with them for sm_80; the switches (ids, atomics, by_freq) alternate.
+std::vector<Case> op_kernel_cases() {
+  std::vector<Case> c;
+  struct Variant {
+    DType w;
+    bool fast;
+    const char* arch;
+  };
+  for (const Variant v : {Variant{DType::bf16, true, "sm_90a"}, Variant{DType::f32, false, "sm_80"},
+                          Variant{DType::f16, true, "sm_80"}}) {
+    const DType w = v.w, dot = is_half(w) ? w : DType::f32;
+    const bool fast = v.fast;
+    const int64_t stages = fast ? 3 : 1, flag = w == DType::bf16 ? 1 : 0;
+    const DType ad = w == DType::f16 ? DType::bf16 : DType::f32;  // adapters
+    const DType ids = fast ? DType::i64 : DType::i32;
+    c.push_back({&kernels::lora_merge(),
+                 {T(w, 3, fast), T(ad, 3, fast), T(ad, 3, fast), S},
+                 {{"BLOCK_M", 64},
+                  {"BLOCK_K", 128},
+                  {"R_PAD", 16},
+                  {"DOT", int64_t(is_half(ad) ? ad : dot)},
+                  {"SCALE_AFTER", is_half(ad) ? 1 : 0},
+                  {"num_stages", stages}},
+                 "lora_merge",
+                 v.arch});
+    c.push_back({&kernels::moe_lora_backward(),
+                 {T(w, 3, fast), T(ad, 3, fast), T(ad, 3, fast), S, T(DType::f32, 3, fast),
+                  T(flag ? DType::f32 : w, 3, fast)},
+                 {{"BLOCK_N", 128},
+                  {"BLOCK_K", 64},
+                  {"R_PAD", 16},
+                  {"DOT", int64_t(dot)},
+                  {"DB_ATOMIC", flag},
+                  {"num_warps", 8},
+                  {"num_stages", stages}},
+                 "moe_lora_backward",
+                 v.arch});
+    c.push_back({&kernels::lora_embedding(),
+                 {T(ids, 1, fast), T(w, 2, fast), T(ad, 2, fast), T(ad, 2, fast), S, T(w, 2, fast),
+                  T(DType::i64, 1), S, S},
+                 {{"BLOCK_T", 32},
+                  {"BLOCK_D", 128},
+                  {"R_PAD", 16},
+                  {"DOT", int64_t(dot)},
+                  {"num_stages", stages}},
+                 "lora_embedding",
+                 v.arch});
+    c.push_back(
+        {&kernels::lora_embedding_backward(),
+         {T(ids, 1, fast), T(ad, 2, fast), T(ad, 2, fast), T(w, 2, fast), S, T(DType::f32, 2, fast),
+          T(DType::f32, 2, fast), T(DType::i32, 1), T(DType::i64, 1), S, S, S},
+         {{"BLOCK_T", 64},
+          {"BLOCK_D", 64},
+          {"R_PAD", 16},
+          {"DOT", int64_t(dot)},
+          {"BY_FREQ", flag},
+          {"num_stages", stages}},
+         "lora_embedding_backward",
+         v.arch});
+    c.push_back({&kernels::embedding_count_ids(),
+                 {T(ids, 1, fast), T(DType::i32, 1), S},
+                 {{"BLOCK_T", 64}, {"CLEAR", flag}},
+                 "embedding_count_ids",
+                 v.arch});
+    c.push_back({&kernels::dora_norm_backward(),
+                 {T(DType::f32, 1, fast), T(w, 1, fast), T(w, 1, fast)},
+                 {{"BLOCK", 1024}},
+                 "dora_norm_backward",
+                 v.arch});
+    c.push_back({&kernels::fill_3d(),
+                 {T(w, 3, fast), S},
+                 {{"BLOCK_M", 16}, {"BLOCK_K", 128}},
+                 "fill_3d",
+                 v.arch});
+    c.push_back({&kernels::flush_accumulator(),
+                 {T(DType::f32, 3), T(w, 3, fast)},
+                 {{"BLOCK_M", 16}, {"BLOCK_K", 128}},
+                 "flush_accumulator",
+                 v.arch});
+  }
+  return c;
+}
+
+std::string source_of(const Kernel& k, const std::vector<ArgSpec>& args, const MetaMap& meta) {
+  return jit::cuda::generate(k.trace(args, meta), "sm_90a").source;
+}
+
+}  // namespace
+
+TEST_CASE("every LoRA op kernel compiles with NVRTC for sm_80 and sm_90a", "[cuda][codegen][ops]") {
+  KERF_REQUIRE_NVRTC();
+  for (const Case& c : op_kernel_cases()) {
+    const ir::Function fn = c.kernel->trace(c.args, c.meta);
+    INFO(c.what << " for " << c.arch << "\n" << ir::print(fn));
+    const jit::cuda::KernelCode code = jit::cuda::generate(fn, c.arch);
+    nvrtc::Output out;
+    REQUIRE_NOTHROW(out = nvrtc::compile(code.source, code.entry + ".cu", c.arch));
+    CHECK(out.image.size() > 4);
+  }
+}
+
+TEST_CASE("the in-place merge pipelines its W loads and uses tensor cores for bf16",
+          "[cuda][codegen][ops]") {
+  const std::vector<ArgSpec> args = {T(DType::bf16, 3), T(DType::bf16, 3), T(DType::bf16, 3), S};
+  const MetaMap meta = {{"BLOCK_M", 64},    {"BLOCK_K", 128},
+                        {"R_PAD", 16},      {"DOT", int64_t(DType::bf16)},
+                        {"SCALE_AFTER", 1}, {"num_stages", 3}};
+  const std::string src = source_of(kernels::lora_merge(), args, meta);
+  CHECK(src.find("kerf_dev::mma_bf16_16816(") != std::string::npos);
+  // W is read and written: its loads run ahead as cp.async too (each iteration owns its tile).
+  CHECK(src.find("prefetch @W") != std::string::npos);
+  CHECK(src.find("prefetch @A") != std::string::npos);
+}
+
+TEST_CASE("the MoE backward reads dW once per tile and feeds both dots from it",
+          "[cuda][codegen][ops]") {
+  const std::vector<ArgSpec> args = {T(DType::bf16, 3), T(DType::bf16, 3), T(DType::bf16, 3), S,
+                                     T(DType::f32, 3),  T(DType::bf16, 3)};
+  const MetaMap meta = {{"BLOCK_N", 128}, {"BLOCK_K", 64},
+                        {"R_PAD", 16},    {"DOT", int64_t(DType::bf16)},
+                        {"num_warps", 8}, {"num_stages", 3}};
+  const ir::Function fn = kernels::moe_lora_backward().trace(args, meta);
+  // One load of dW in the IR, two dots.
+  const std::string ir_text = ir::print(fn);
+  size_t loads = 0, dots = 0;
+  for (size_t p = ir_text.find("load @dW"); p != std::string::npos;
+       p = ir_text.find("load @dW", p + 1))
+    ++loads;
+  for (size_t p = ir_text.find(" dot"); p != std::string::npos; p = ir_text.find(" dot", p + 1))
+    ++dots;
+  INFO(ir_text);
+  CHECK(loads == 1);
+  CHECK(dots == 2);
+  const std::string src = jit::cuda::generate(fn, "sm_90a").source;
+  CHECK(src.find("kerf_dev::mma_bf16_16816(") != std::string::npos);
+  CHECK(src.find("prefetch @dW") != std::string::npos);
+}

@@ -1,0 +1,260 @@
+// ops::lora_merge / lora_unmerge (PyTorch layout) and lora_merge_flax /
+// lora_unmerge_flax (MaxText's JAX layout) against float64 references, on
+// every dtype combination, odd and round shapes, strided and misaligned
+// views; merge then unmerge returns W within rounding of its dtype.
+#include <cmath>
+#include <random>
+
+#include "catch.h"
+#include "cpu_test_util.h"
+#include "device_tensor.h"
+#include "gpu_test_util.h"
+#include "kerf/ops/ops.h"
+
+using namespace kerf;
+using kerf::test::TestTensor;
+
+namespace {
+
+// The tolerance of W + s*B@A in W's dtype: fp32 W is exact up to fp32 sums
+// (half adapters are exact in the product); a half W rounds.
+double merge_tolerance(DType w) {
+  return test::tolerance(w);
+}
+
+struct MergeCase {
+  int64_t out, in, r;
+  DType w, a, b;
+  bool transposed = false;  // W given as the strided view of a [in, out] buffer (fan_in_fan_out)
+  int64_t offset = 0;  // W starts this many elements into its buffer (misaligned for the fast path)
+  double s = 1.5;
+};
+
+void check_merge(const MergeCase& c, Device dev, uint64_t seed) {
+  CAPTURE(c.out, c.in, c.r, dtype_name(c.w), dtype_name(c.a), dtype_name(c.b), c.transposed,
+          c.offset, seed, dev.str());
+  std::mt19937_64 rng(seed);
+  TestTensor Wbuf(c.w, {c.out * c.in + c.offset}, dev), A(c.a, {c.r, c.in}, dev),
+      B(c.b, {c.out, c.r}, dev);
+  Wbuf.randomize(rng);
+  A.randomize(rng, -0.5, 0.5);
+  B.randomize(rng, -0.5, 0.5);
+  // W[o, i] lives at element offset + (transposed ? i*out + o : o*in + i).
+  const auto w_at = [&](int64_t o, int64_t i) {
+    return c.offset + (c.transposed ? i * c.out + o : o * c.in + i);
+  };
+  const TensorView W = c.transposed ? Wbuf.view_at(c.offset, {c.out, c.in}, {1, c.out})
+                                    : Wbuf.view_at(c.offset, {c.out, c.in}, {c.in, 1});
+  std::vector<double> w0(size_t(Wbuf.numel()));
+  for (int64_t i = 0; i < Wbuf.numel(); ++i) w0[size_t(i)] = Wbuf.get(i);
+
+  ops::lora_merge(W, A.view(), B.view(), c.s);
+  test::sync(dev);
+  Wbuf.download();
+  std::vector<double> got, ref;
+  for (int64_t o = 0; o < c.out; ++o)
+    for (int64_t i = 0; i < c.in; ++i) {
+      double d = 0;
+      for (int64_t k = 0; k < c.r; ++k) d += B.get(o * c.r + k) * A.get(k * c.in + i);
+      ref.push_back(w0[size_t(w_at(o, i))] + c.s * d);
+      got.push_back(Wbuf.get(w_at(o, i)));
+    }
+  for (int64_t i = 0; i < c.offset; ++i)
+    CHECK(Wbuf.get(i) == w0[size_t(i)]);  // nothing before W is touched
+  // Relative to W's scale (~1): entries near zero are compared absolutely.
+  CHECK(test::max_relative_error(got, ref, 1.0) <= merge_tolerance(c.w));
+
+  ops::lora_unmerge(W, A.view(), B.view(), c.s);
+  test::sync(dev);
+  Wbuf.download();
+  std::vector<double> back, orig;
+  for (int64_t i = 0; i < Wbuf.numel(); ++i) {
+    back.push_back(Wbuf.get(i));
+    orig.push_back(w0[size_t(i)]);
+  }
+  // Two roundings of W's dtype (merge, then unmerge), relative to W's scale.
+  CHECK(test::max_relative_error(back, orig, 1.0) <= 2 * merge_tolerance(c.w));
+}
+
+void run_merge_cases(Device dev) {
+  std::vector<MergeCase> cases;
+  // Every dtype combination: W in {bf16, f16, f32} x adapters in {f32, bf16, f16}, odd shapes.
+  for (DType w : {DType::bf16, DType::f16, DType::f32})
+    for (DType ab : {DType::f32, DType::bf16, DType::f16}) cases.push_back({67, 130, 5, w, ab, ab});
+  cases.push_back(
+      {128, 256, 16, DType::bf16, DType::f32, DType::bf16});  // mixed adapter dtypes, round shape
+  cases.push_back({96, 64, 16, DType::f32, DType::bf16, DType::f32});
+  cases.push_back({300, 200, 64, DType::bf16, DType::bf16, DType::bf16});  // a large rank
+  cases.push_back({33, 47, 1, DType::f32, DType::f32, DType::f32});
+  cases.push_back({40, 72, 8, DType::bf16, DType::f32, DType::f32, true});  // fan_in_fan_out
+  cases.push_back({64, 128, 16, DType::bf16, DType::bf16, DType::bf16, false, 1});  // misaligned W
+  cases.push_back({50, 70, 3, DType::f32, DType::f32, DType::f32, false, 3, -0.75});
+  uint64_t seed = 4100;
+  for (const MergeCase& c : cases) check_merge(c, dev, seed++);
+}
+
+// MaxText: kernel [in..., out...] += s * einsum(lora_a [in..., r], lora_b [r, out...]).
+struct FlaxCase {
+  std::vector<int64_t> in_dims, out_dims;
+  int64_t r;
+  DType w, ab;
+  double s;
+  int64_t pad_last =
+      0;  // kernel and lora_b views of buffers whose last dim is wider: dims do not flatten
+};
+
+void check_flax(const FlaxCase& c, Device dev, uint64_t seed) {
+  CAPTURE(c.in_dims, c.out_dims, c.r, dtype_name(c.w), dtype_name(c.ab), c.s, c.pad_last, seed,
+          dev.str());
+  std::mt19937_64 rng(seed);
+  int64_t nin = 1, nout = 1;
+  for (int64_t d : c.in_dims) nin *= d;
+  for (int64_t d : c.out_dims) nout *= d;
+  // Buffers: the last out dim padded by pad_last elements.
+  const int64_t last = c.out_dims.back(), last_pad = last + c.pad_last;
+  const int64_t nout_buf = nout / last * last_pad;
+  TestTensor K(c.w, {nin * nout_buf}, dev), la(c.ab, {nin * c.r}, dev),
+      lb(c.ab, {c.r * nout_buf}, dev);
+  K.randomize(rng);
+  la.randomize(rng, -0.5, 0.5);
+  lb.randomize(rng, -0.5, 0.5);
+  // Row-major strides of the padded buffers.
+  std::vector<int64_t> kshape = c.in_dims, kstrides(c.in_dims.size() + c.out_dims.size());
+  kshape.insert(kshape.end(), c.out_dims.begin(), c.out_dims.end());
+  std::vector<int64_t> bshape = {c.r}, bstrides(c.out_dims.size() + 1);
+  bshape.insert(bshape.end(), c.out_dims.begin(), c.out_dims.end());
+  std::vector<int64_t> ashape = c.in_dims, astrides(c.in_dims.size() + 1);
+  ashape.push_back(c.r);
+  int64_t st = 1;
+  for (size_t d = kshape.size(); d-- > 0;) {
+    kstrides[d] = st;
+    st *= d + 1 == kshape.size() ? last_pad : kshape[d];
+  }
+  st = 1;
+  for (size_t d = bshape.size(); d-- > 0;) {
+    bstrides[d] = st;
+    st *= d + 1 == bshape.size() ? last_pad : bshape[d];
+  }
+  st = 1;
+  for (size_t d = ashape.size(); d-- > 0;) {
+    astrides[d] = st;
+    st *= ashape[d];
+  }
+  // Element offsets of (flat in index, flat out index) in the padded buffers.
+  const auto out_off = [&](int64_t o) { return (o / last) * last_pad + o % last; };
+  const auto k_at = [&](int64_t i, int64_t o) { return i * nout_buf + out_off(o); };
+  std::vector<double> k0(size_t(K.numel()));
+  for (int64_t i = 0; i < K.numel(); ++i) k0[size_t(i)] = K.get(i);
+
+  ops::lora_merge_flax(K.view(kshape, kstrides), la.view(ashape, astrides),
+                       lb.view(bshape, bstrides), c.s);
+  test::sync(dev);
+  K.download();
+  std::vector<double> got, ref;
+  for (int64_t i = 0; i < nin; ++i)
+    for (int64_t o = 0; o < nout; ++o) {
+      double d = 0;
+      for (int64_t k = 0; k < c.r; ++k)
+        d += la.get(i * c.r + k) * lb.get(k * nout_buf + out_off(o));
+      ref.push_back(k0[size_t(k_at(i, o))] + c.s * d);
+      got.push_back(K.get(k_at(i, o)));
+    }
+  CHECK(test::max_relative_error(got, ref, 1.0) <= merge_tolerance(c.w));
+  // Padding between rows is never written.
+  for (int64_t i = 0; i < nin; ++i)
+    for (int64_t p = 0; p < nout_buf; ++p)
+      if (p % last_pad >= last) CHECK(K.get(i * nout_buf + p) == k0[size_t(i * nout_buf + p)]);
+
+  ops::lora_unmerge_flax(K.view(kshape, kstrides), la.view(ashape, astrides),
+                         lb.view(bshape, bstrides), c.s);
+  test::sync(dev);
+  K.download();
+  std::vector<double> back, orig;
+  for (int64_t i = 0; i < K.numel(); ++i) {
+    back.push_back(K.get(i));
+    orig.push_back(k0[size_t(i)]);
+  }
+  if (c.w == DType::f32) {
+    // MaxText's own round-trip test: rtol 1e-5, atol 1e-6.
+    for (size_t i = 0; i < back.size(); ++i)
+      CHECK(std::abs(back[i] - orig[i]) <= 1e-6 + 1e-5 * std::abs(orig[i]));
+  } else {
+    CHECK(test::max_relative_error(back, orig, 1.0) <= 2 * merge_tolerance(c.w));
+  }
+}
+
+void run_flax_cases(Device dev) {
+  const std::vector<FlaxCase> cases = {
+      // MaxText's unit test: emb=4, heads=2, head_dim=3, rank=2, scales 0.5, 0.7, 1.0, fp32.
+      {{4}, {2, 3}, 2, DType::f32, DType::f32, 0.5},
+      {{4}, {2, 3}, 2, DType::f32, DType::f32, 0.7},
+      {{4}, {2, 3}, 2, DType::f32, DType::f32, 1.0},
+      // query [emb, heads, head_dim], odd and round shapes, bf16 kernels with fp32 adapters.
+      {{130}, {3, 24}, 8, DType::bf16, DType::f32, 0.25},
+      {{256}, {4, 32}, 16, DType::bf16, DType::bf16, 2.0},
+      // out [heads, head_dim, emb]: two in dims.
+      {{3, 20}, {70}, 4, DType::f16, DType::f16, 0.5},
+      // heads and head_dim that do not flatten (padded rows): a batch of launches.
+      {{37}, {3, 5}, 4, DType::f32, DType::f32, 0.5, 2},
+      {{2, 9}, {4, 6}, 3, DType::bf16, DType::f32, 1.0, 1},
+  };
+  uint64_t seed = 4200;
+  for (const FlaxCase& c : cases) check_flax(c, dev, seed++);
+}
+
+void check_merge_edges(Device dev) {
+  std::mt19937_64 rng(4300);
+  // r = 0: W is not touched at all.
+  TestTensor W(DType::bf16, {5, 7}, dev), A(DType::f32, {0, 7}, dev), B(DType::f32, {5, 0}, dev);
+  W.randomize(rng);
+  const std::vector<uint8_t> before = W.bytes();
+  ops::lora_merge(W.view(), A.view(), B.view(), 2.0);
+  ops::lora_unmerge_flax(W.view(), TestTensor(DType::f32, {5, 0}, dev).view(),
+                         TestTensor(DType::f32, {0, 7}, dev).view(), 2.0);
+  test::sync(dev);
+  W.download();
+  CHECK(W.bytes() == before);
+  // An empty W: nothing to do.
+  TestTensor E(DType::f32, {0, 7}, dev), Ae(DType::f32, {3, 7}, dev), Be(DType::f32, {0, 3}, dev);
+  CHECK_NOTHROW(ops::lora_merge(E.view(), Ae.view(), Be.view(), 1.0));
+}
+
+}  // namespace
+
+TEST_CASE(
+    "lora_merge and lora_unmerge match a float64 reference for every dtype combination on the CPU",
+    "[cpu][ops][merge]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  run_merge_cases(Device::cpu());
+}
+
+TEST_CASE(
+    "lora_merge and lora_unmerge match a float64 reference for every dtype combination on the GPU",
+    "[gpu][ops][merge]") {
+  KERF_REQUIRE_GPU();
+  run_merge_cases(Device::cuda(0));
+}
+
+TEST_CASE("lora_merge_flax handles MaxText kernels through strides on the CPU",
+          "[cpu][ops][merge]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  run_flax_cases(Device::cpu());
+}
+
+TEST_CASE("lora_merge_flax handles MaxText kernels through strides on the GPU",
+          "[gpu][ops][merge]") {
+  KERF_REQUIRE_GPU();
+  run_flax_cases(Device::cuda(0));
+}
+
+TEST_CASE("lora_merge with rank 0 or an empty W leaves memory untouched on the CPU",
+          "[cpu][ops][merge]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  check_merge_edges(Device::cpu());
+}
+
+TEST_CASE("lora_merge with rank 0 or an empty W leaves memory untouched on the GPU",
+          "[gpu][ops][merge]") {
+  KERF_REQUIRE_GPU();
+  check_merge_edges(Device::cuda(0));
+}

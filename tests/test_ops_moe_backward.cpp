@@ -1,0 +1,278 @@
+// ops::moe_lora_materialize_backward (dA, dB in one pass over dW_eff) and
+// ops::peft_moe_lora_views, against float64 references written in PEFT's own
+// index formulas: the plain batched layout, PEFT's flat layout, and PEFT's
+// layout for transposed expert weights (forward and backward).
+#include <cmath>
+#include <random>
+
+#include "catch.h"
+#include "cpu_test_util.h"
+#include "device_tensor.h"
+#include "gpu_test_util.h"
+#include "kerf/error.h"
+#include "kerf/ops/ops.h"
+
+using namespace kerf;
+using kerf::test::TestTensor;
+
+namespace {
+
+enum class MoeLayout { plain, peft, peft_transposed };
+
+const char* layout_name(MoeLayout l) {
+  return l == MoeLayout::plain ? "plain" : l == MoeLayout::peft ? "peft" : "peft_transposed";
+}
+
+// Errors relative to the root-mean-square of the reference's non-zero entries
+// (gradients are sums with cancellation, and sparse: elements near zero are
+// judged on the tensor's scale).
+double scaled_error(const std::vector<double>& got, const std::vector<double>& ref) {
+  double ss = 0;
+  size_t n = 0;
+  for (double r : ref)
+    if (r != 0) {
+      ss += r * r;
+      ++n;
+    }
+  const double rms = std::sqrt(ss / double(std::max<size_t>(n, 1)));
+  return test::max_relative_error(got, ref, std::max(rms, 1e-30));
+}
+
+struct BackwardCase {
+  int64_t E, d1, d2, r;
+  DType w, ab, grads;
+  MoeLayout layout;
+  int64_t split = 0;  // 0: kerf chooses; 1: dB stored directly; > 1: dB accumulated too
+};
+
+void check_backward(const BackwardCase& c, Device dev, uint64_t seed) {
+  CAPTURE(c.E, c.d1, c.d2, c.r, dtype_name(c.w), dtype_name(c.ab), dtype_name(c.grads),
+          layout_name(c.layout), c.split, seed, dev.str());
+  std::mt19937_64 rng(seed);
+  const int64_t E = c.E, d1 = c.d1, d2 = c.d2, r = c.r;
+  TestTensor dW(c.w, {E, d1, d2}, dev);
+  dW.randomize(rng);
+  const std::vector<uint8_t> dw_before = dW.bytes();
+  // in/out of each expert's matrix W[e] [d1, d2]: PEFT's names.
+  const bool transposed = c.layout == MoeLayout::peft_transposed;
+  const int64_t in = transposed ? d1 : d2, out = transposed ? d2 : d1;
+  // Adapters and gradients: PEFT's flat tensors, or plain [E, r, d2] / [E, d1, r].
+  const bool flat = c.layout != MoeLayout::plain;
+  TestTensor A(c.ab, flat ? std::vector<int64_t>{r * E, in} : std::vector<int64_t>{E, r, d2}, dev);
+  TestTensor B(c.ab, flat ? std::vector<int64_t>{out, r * E} : std::vector<int64_t>{E, d1, r}, dev);
+  TestTensor dA(c.grads, A.shape(), dev), dB(c.grads, B.shape(), dev);
+  A.randomize(rng, -0.5, 0.5);
+  B.randomize(rng, -0.5, 0.5);
+  dA.poison();
+  dB.poison();
+  TensorView a = A.view(), b = B.view(), da = dA.view(), db = dB.view();
+  if (flat) {
+    const TensorView wv = dW.view();
+    const ops::MoeLoraViews v = ops::peft_moe_lora_views(wv, A.view(), B.view(), transposed);
+    const ops::MoeLoraViews g = ops::peft_moe_lora_views(wv, dA.view(), dB.view(), transposed);
+    a = v.A;
+    b = v.B;
+    da = g.A;
+    db = g.B;
+  }
+  const double s = 0.75;
+  ops::Config cfg;
+  cfg.split_k = c.split;
+  ops::moe_lora_materialize_backward(dW.view(), a, b, s, da, db, nullptr, cfg);
+  test::sync(dev);
+  dA.download();
+  dB.download();
+  CHECK(dW.bytes() == dw_before);  // no gradient for W: dW_eff is only read
+
+  // References in each layout's own terms.
+  const auto w = [&](int64_t e, int64_t i, int64_t j) { return dW.get((e * d1 + i) * d2 + j); };
+  std::vector<double> ga, ra, gb, rb;
+  if (!flat) {
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t k = 0; k < r; ++k)
+        for (int64_t j = 0; j < d2; ++j) {
+          double acc = 0;
+          for (int64_t i = 0; i < d1; ++i) acc += B.get((e * d1 + i) * r + k) * w(e, i, j);
+          ra.push_back(s * acc);
+          ga.push_back(dA.get((e * r + k) * d2 + j));
+        }
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t i = 0; i < d1; ++i)
+        for (int64_t k = 0; k < r; ++k) {
+          double acc = 0;
+          for (int64_t j = 0; j < d2; ++j) acc += w(e, i, j) * A.get((e * r + k) * d2 + j);
+          rb.push_back(s * acc);
+          gb.push_back(dB.get((e * d1 + i) * r + k));
+        }
+  } else {
+    // PEFT: A_e[k, x] = lora_A[e*r + k, x] (x over in), B_e[o, k] = lora_B[o, k*E + e] (o over
+    // out); delta[e] = s * B_e @ A_e laid out as W[e] [out, in], or its transpose [in, out].
+    const auto wt = [&](int64_t e, int64_t o, int64_t x) {
+      return transposed ? w(e, x, o) : w(e, o, x);
+    };
+    const auto la = [&](int64_t e, int64_t k, int64_t x) { return A.get((e * r + k) * in + x); };
+    const auto lb = [&](int64_t e, int64_t o, int64_t k) { return B.get(o * r * E + k * E + e); };
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t k = 0; k < r; ++k)
+        for (int64_t x = 0; x < in; ++x) {
+          double acc = 0;
+          for (int64_t o = 0; o < out; ++o) acc += lb(e, o, k) * wt(e, o, x);
+          ra.push_back(s * acc);
+          ga.push_back(dA.get((e * r + k) * in + x));
+        }
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t o = 0; o < out; ++o)
+        for (int64_t k = 0; k < r; ++k) {
+          double acc = 0;
+          for (int64_t x = 0; x < in; ++x) acc += wt(e, o, x) * la(e, k, x);
+          rb.push_back(s * acc);
+          gb.push_back(dB.get(o * r * E + k * E + e));
+        }
+  }
+  const bool half = is_half(c.w) || is_half(c.grads);
+  const double tol = half ? test::tolerance(DType::bf16) : test::tolerance(DType::f32);
+  CHECK(scaled_error(ga, ra) <= tol);
+  CHECK(scaled_error(gb, rb) <= tol);
+}
+
+void run_backward_cases(Device dev) {
+  const std::vector<BackwardCase> cases = {
+      {3, 100, 130, 5, DType::f32, DType::f32, DType::f32, MoeLayout::plain},
+      {3, 100, 130, 5, DType::bf16, DType::f32, DType::f32, MoeLayout::peft},
+      {3, 100, 130, 5, DType::bf16, DType::bf16, DType::bf16, MoeLayout::peft, 1},
+      {2, 64, 256, 16, DType::bf16, DType::bf16, DType::f32, MoeLayout::plain, 1},
+      {2, 64, 256, 16, DType::bf16, DType::bf16, DType::bf16, MoeLayout::plain, 3},
+      {2, 64, 256, 16, DType::f16, DType::f32, DType::f16, MoeLayout::peft, 2},
+      {4, 48, 40, 8, DType::f32, DType::bf16, DType::f32, MoeLayout::peft_transposed},
+      {3, 70, 33, 4, DType::bf16, DType::f32, DType::bf16, MoeLayout::peft_transposed, 2},
+      {5, 17, 29, 1, DType::f32, DType::f32, DType::f32, MoeLayout::peft, 4},
+  };
+  uint64_t seed = 5100;
+  for (const BackwardCase& c : cases) check_backward(c, dev, seed++);
+}
+
+// The forward through PEFT's layout for transposed experts: W_eff[e][i, o] =
+// W[e][i, o] + s * sum_k lora_A[e*r + k, i] * lora_B[o, k*E + e].
+void check_forward_transposed(Device dev, uint64_t seed) {
+  const int64_t E = 3, d1 = 40, d2 = 56, r = 4;
+  CAPTURE(seed, dev.str());
+  std::mt19937_64 rng(seed);
+  TestTensor W(DType::bf16, {E, d1, d2}, dev), out(DType::bf16, {E, d1, d2}, dev);
+  TestTensor lA(DType::f32, {r * E, d1}, dev), lB(DType::f32, {d2, r * E}, dev);
+  W.randomize(rng);
+  lA.randomize(rng, -0.5, 0.5);
+  lB.randomize(rng, -0.5, 0.5);
+  out.poison();
+  const ops::MoeLoraViews v = ops::peft_moe_lora_views(W.view(), lA.view(), lB.view(), true);
+  ops::moe_lora_materialize(W.view(), v.A, v.B, 0.5, out.view());
+  test::sync(dev);
+  out.download();
+  std::vector<double> got, ref;
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t i = 0; i < d1; ++i)
+      for (int64_t o = 0; o < d2; ++o) {
+        double d = 0;
+        for (int64_t k = 0; k < r; ++k)
+          d += lA.get((e * r + k) * d1 + i) * lB.get(o * r * E + k * E + e);
+        ref.push_back(W.get((e * d1 + i) * d2 + o) + 0.5 * d);
+        got.push_back(out.get((e * d1 + i) * d2 + o));
+      }
+  CHECK(test::max_relative_error(got, ref, 1.0) <= test::tolerance(DType::bf16));
+}
+
+void check_backward_edges(Device dev) {
+  // N = 0: dA is a sum over nothing (zeros); dB is empty.
+  TestTensor dW(DType::bf16, {2, 0, 8}, dev), A(DType::f32, {2, 3, 8}, dev),
+      B(DType::f32, {2, 0, 3}, dev);
+  TestTensor dA(DType::f32, {2, 3, 8}, dev), dB(DType::f32, {2, 0, 3}, dev);
+  dA.poison();
+  ops::moe_lora_materialize_backward(dW.view(), A.view(), B.view(), 1.0, dA.view(), dB.view());
+  test::sync(dev);
+  dA.download();
+  for (int64_t i = 0; i < dA.numel(); ++i) CHECK(dA.get(i) == 0.0);
+  // E = 0 and r = 0: nothing to do.
+  TestTensor z(DType::f32, {0, 4, 4}, dev), za(DType::f32, {0, 2, 4}, dev),
+      zb(DType::f32, {0, 4, 2}, dev);
+  CHECK_NOTHROW(ops::moe_lora_materialize_backward(z.view(), za.view(), zb.view(), 1.0, za.view(),
+                                                   zb.view()));
+  TestTensor w(DType::f32, {2, 4, 4}, dev), ra(DType::f32, {2, 0, 4}, dev),
+      rb(DType::f32, {2, 4, 0}, dev);
+  CHECK_NOTHROW(ops::moe_lora_materialize_backward(w.view(), ra.view(), rb.view(), 1.0, ra.view(),
+                                                   rb.view()));
+}
+
+}  // namespace
+
+TEST_CASE("moe_lora_materialize_backward matches a float64 reference in every layout on the CPU",
+          "[cpu][ops][moe]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  run_backward_cases(Device::cpu());
+}
+
+TEST_CASE("moe_lora_materialize_backward matches a float64 reference in every layout on the GPU",
+          "[gpu][ops][moe]") {
+  KERF_REQUIRE_GPU();
+  run_backward_cases(Device::cuda(0));
+}
+
+TEST_CASE("moe_lora_materialize follows PEFT's layout for transposed experts on the CPU",
+          "[cpu][ops][moe]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  check_forward_transposed(Device::cpu(), 5200);
+}
+
+TEST_CASE("moe_lora_materialize follows PEFT's layout for transposed experts on the GPU",
+          "[gpu][ops][moe]") {
+  KERF_REQUIRE_GPU();
+  check_forward_transposed(Device::cuda(0), 5200);
+}
+
+TEST_CASE(
+    "moe_lora_materialize_backward of empty experts, rows or rank writes what it must on the CPU",
+    "[cpu][ops][moe]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  check_backward_edges(Device::cpu());
+}
+
+TEST_CASE(
+    "moe_lora_materialize_backward of empty experts, rows or rank writes what it must on the GPU",
+    "[gpu][ops][moe]") {
+  KERF_REQUIRE_GPU();
+  check_backward_edges(Device::cuda(0));
+}
+
+TEST_CASE("peft_moe_lora_views follows PEFT's index formulas and rejects mismatched shapes",
+          "[ops][moe]") {
+  const int64_t E = 4, d1 = 6, d2 = 10, r = 3;
+  int dummy = 0;
+  const TensorView W = TensorView::contiguous(&dummy, DType::f32, {E, d1, d2});
+  const TensorView lA = TensorView::contiguous(&dummy, DType::f32, {r * E, d2});
+  const TensorView lB = TensorView::contiguous(&dummy, DType::f32, {d1, r * E});
+  const ops::MoeLoraViews v = ops::peft_moe_lora_views(W, lA, lB);
+  // A_e[k, i] = lora_A[e*r + k, i]: offset (e*r + k) * d2 + i.
+  CHECK(v.A.shape[0] == E);
+  CHECK(v.A.shape[1] == r);
+  CHECK(v.A.shape[2] == d2);
+  CHECK(v.A.strides[0] == r * d2);
+  CHECK(v.A.strides[1] == d2);
+  CHECK(v.A.strides[2] == 1);
+  // B_e[o, k] = lora_B[o, k*E + e]: offset o * r*E + k*E + e.
+  CHECK(v.B.shape[1] == d1);
+  CHECK(v.B.strides[0] == 1);
+  CHECK(v.B.strides[1] == r * E);
+  CHECK(v.B.strides[2] == E);
+  // Non-transposed adapters given for a transposed base (d1 != d2): rejected, naming the layout.
+  try {
+    ops::peft_moe_lora_views(W, lA, lB, true);
+    FAIL("expected InvalidArgument");
+  } catch (const InvalidArgument& e) {
+    CHECK_THAT(e.what(), Catch::Contains("lora_A must have shape [r*E, 6]"));
+    CHECK_THAT(e.what(), Catch::Contains("is_transposed"));
+  }
+  const TensorView odd = TensorView::contiguous(&dummy, DType::f32, {r * E + 1, d2});
+  CHECK_THROWS_WITH(ops::peft_moe_lora_views(W, odd, lB),
+                    Catch::Contains("not a multiple of the 4 experts"));
+  const TensorView badB = TensorView::contiguous(&dummy, DType::f32, {d1, r * E + 2});
+  CHECK_THROWS_WITH(ops::peft_moe_lora_views(W, lA, badB),
+                    Catch::Contains("lora_B must have shape [6, 12]"));
+}

@@ -1,0 +1,483 @@
+// Sharding layouts on one device: each supported layout is tested by
+// splitting the tensors into shards (views of the whole tensors), running the
+// op on each shard with the layout, combining (concatenating split outputs,
+// summing partial ones, as an all-reduce would) and comparing with the
+// unsharded op. Layouts that cannot work together are rejected before any
+// launch, with messages naming both specs.
+#include <cmath>
+#include <random>
+
+#include "catch.h"
+#include "cpu_test_util.h"
+#include "device_tensor.h"
+#include "gpu_test_util.h"
+#include "kerf/error.h"
+#include "kerf/ops/ops.h"
+
+using namespace kerf;
+using kerf::test::TestTensor;
+
+namespace {
+
+// Errors relative to the reference's root-mean-square: sums taken in another
+// order differ by fp32 rounding of the tensor's scale, not of each element.
+double scaled_error(const std::vector<double>& got, const std::vector<double>& ref) {
+  double ss = 0;
+  for (double r : ref) ss += r * r;
+  return test::max_relative_error(got, ref, std::max(std::sqrt(ss / double(ref.size())), 1e-30));
+}
+
+std::vector<double> values(TestTensor& t) {
+  t.download();
+  std::vector<double> v;
+  for (int64_t i = 0; i < t.numel(); ++i) v.push_back(t.get(i));
+  return v;
+}
+
+// A 2-D view of rows [r0, r0 + nr) and columns [c0, c0 + nc) of a row-major [rows, cols] tensor.
+TensorView block(TestTensor& t, int64_t r0, int64_t nr, int64_t c0, int64_t nc) {
+  const int64_t cols = t.shape()[1];
+  return t.view_at(r0 * cols + c0, {nr, nc}, {cols, 1});
+}
+TensorView range1(TestTensor& t, int64_t i0, int64_t n) {
+  return t.view_at(i0, {n}, {1});
+}
+// A sub-range of dimension 0 of any view.
+TensorView slice0(const TensorView& v, int64_t i0, int64_t n) {
+  TensorView s = v;
+  s.data = static_cast<uint8_t*>(v.data) + i0 * v.strides[0] * dtype_size_bytes(v.dtype);
+  s.shape[0] = n;
+  return s;
+}
+
+ops::Layout layout_of(std::vector<ops::MeshAxis> mesh,
+                      std::map<std::string, ops::PartitionSpec> specs,
+                      std::vector<int64_t> coords = {}) {
+  ops::Layout l;
+  l.mesh = std::move(mesh);
+  l.specs = std::move(specs);
+  l.coords = std::move(coords);
+  return l;
+}
+
+void check_dora_layouts(Device dev) {
+  const int64_t out = 60, in = 129, r = 6;  // in = 3 * 43, out = 4 * 15 = 2 * 30
+  std::mt19937_64 rng(8100);
+  for (DType wt : {DType::f32, DType::bf16}) {
+    CAPTURE(dtype_name(wt), dev.str());
+    TestTensor W(wt, {out, in}, dev), A(DType::f32, {r, in}, dev), B(DType::f32, {out, r}, dev);
+    TestTensor m(DType::f32, {out}, dev), norm(DType::f32, {out}, dev),
+        scale(DType::f32, {out}, dev);
+    W.randomize(rng);
+    A.randomize(rng, -0.5, 0.5);
+    B.randomize(rng, -0.5, 0.5);
+    m.randomize(rng, 0.5, 1.5);
+    const double s = 1.5, eps = 1e-6;
+    ops::dora_norm(W.view(), A.view(), B.view(), m.view(), s, norm.view(), scale.view(), eps);
+    test::sync(dev);
+    const std::vector<double> ref_n = values(norm), ref_s = values(scale);
+    const double tol = test::tolerance(wt);
+
+    // W split on in over "tp" (3 shards): partial sums, all-reduced, then the finish.
+    {
+      const ops::Layout tp = layout_of({{"tp", 3}}, {{"W", {"", "tp"}}, {"A", {"", "tp"}}});
+      std::vector<double> total(size_t(out), 0.0);
+      for (int64_t c = 0; c < 3; ++c) {
+        TestTensor part(DType::f32, {out}, dev);
+        part.poison();
+        ops::dora_norm_partial(block(W, 0, out, c * 43, 43), block(A, 0, r, c * 43, 43), B.view(),
+                               s, part.view(), nullptr, {}, tp);
+        test::sync(dev);
+        const std::vector<double> p = values(part);
+        for (int64_t i = 0; i < out; ++i) total[size_t(i)] += p[size_t(i)];
+      }
+      TestTensor sumsq(DType::f32, {out}, dev), n2(DType::f32, {out}, dev),
+          s2(DType::f32, {out}, dev);
+      for (int64_t i = 0; i < out; ++i) sumsq.set(i, total[size_t(i)]);
+      sumsq.upload();
+      ops::dora_norm_finish(sumsq.view(), m.view(), eps, n2.view(), s2.view());
+      test::sync(dev);
+      CHECK(test::max_relative_error(values(n2), ref_n) <= tol);
+      CHECK(test::max_relative_error(values(s2), ref_s) <= tol);
+    }
+    // W split on out over "tp" (4 shards): local; the shards write their rows of the whole outputs.
+    {
+      const ops::Layout tp = layout_of(
+          {{"tp", 4}},
+          {{"W", {"tp"}}, {"B", {"tp"}}, {"m", {"tp"}}, {"norm", {"tp"}}, {"scale", {"tp"}}});
+      TestTensor n2(DType::f32, {out}, dev), s2(DType::f32, {out}, dev);
+      n2.poison();
+      s2.poison();
+      for (int64_t c = 0; c < 4; ++c)
+        ops::dora_norm(block(W, c * 15, 15, 0, in), A.view(), block(B, c * 15, 15, 0, r),
+                       range1(m, c * 15, 15), s, range1(n2, c * 15, 15), range1(s2, c * 15, 15),
+                       eps, nullptr, {}, tp);
+      test::sync(dev);
+      CHECK(test::max_relative_error(values(n2), ref_n) <= tol);
+      CHECK(test::max_relative_error(values(s2), ref_s) <= tol);
+    }
+    // A 2-D mesh: out over "x" (2), in over "y" (3): partials per (x, y), summed over y, finished
+    // per x.
+    {
+      TestTensor n2(DType::f32, {out}, dev), s2(DType::f32, {out}, dev);
+      for (int64_t x = 0; x < 2; ++x) {
+        std::vector<double> total(30, 0.0);
+        for (int64_t y = 0; y < 3; ++y) {
+          const ops::Layout l = layout_of(
+              {{"x", 2}, {"y", 3}},
+              {{"W", {"x", "y"}}, {"A", {"", "y"}}, {"B", {"x"}}, {"sumsq", {"x"}}}, {x, y});
+          TestTensor part(DType::f32, {30}, dev);
+          ops::dora_norm_partial(block(W, x * 30, 30, y * 43, 43), block(A, 0, r, y * 43, 43),
+                                 block(B, x * 30, 30, 0, r), s, part.view(), nullptr, {}, l);
+          test::sync(dev);
+          const std::vector<double> p = values(part);
+          for (int64_t i = 0; i < 30; ++i) total[size_t(i)] += p[size_t(i)];
+        }
+        TestTensor sumsq(DType::f32, {30}, dev);
+        for (int64_t i = 0; i < 30; ++i) sumsq.set(i, total[size_t(i)]);
+        sumsq.upload();
+        const ops::Layout lx = layout_of(
+            {{"x", 2}}, {{"sumsq", {"x"}}, {"m", {"x"}}, {"norm", {"x"}}, {"scale", {"x"}}});
+        ops::dora_norm_finish(sumsq.view(), range1(m, x * 30, 30), eps, range1(n2, x * 30, 30),
+                              range1(s2, x * 30, 30), nullptr, lx);
+      }
+      test::sync(dev);
+      CHECK(test::max_relative_error(values(n2), ref_n) <= tol);
+      CHECK(test::max_relative_error(values(s2), ref_s) <= tol);
+    }
+  }
+}
+
+void check_moe_layouts(Device dev) {
+  const int64_t E = 4, N = 40, K = 50, r = 3;
+  std::mt19937_64 rng(8200);
+  TestTensor W(DType::bf16, {E, N, K}, dev), lA(DType::f32, {r * E, K}, dev),
+      lB(DType::f32, {N, r * E}, dev);
+  W.randomize(rng);
+  lA.randomize(rng, -0.5, 0.5);
+  lB.randomize(rng, -0.5, 0.5);
+  const ops::MoeLoraViews v = ops::peft_moe_lora_views(W.view(), lA.view(), lB.view());
+  const double s = 0.5;
+  // Forward, experts split over "ep" (2 shards of 2 experts): PEFT's flat adapters sliced by
+  // expert.
+  {
+    TestTensor ref(DType::bf16, {E, N, K}, dev), got(DType::bf16, {E, N, K}, dev);
+    ops::moe_lora_materialize(W.view(), v.A, v.B, s, ref.view());
+    got.poison();
+    const ops::Layout ep =
+        layout_of({{"ep", 2}}, {{"W", {"ep"}}, {"A", {"ep"}}, {"B", {"ep"}}, {"W_eff", {"ep"}}});
+    for (int64_t c = 0; c < 2; ++c)
+      ops::moe_lora_materialize(slice0(W.view(), c * 2, 2), slice0(v.A, c * 2, 2),
+                                slice0(v.B, c * 2, 2), s, slice0(got.view(), c * 2, 2), nullptr, {},
+                                ep);
+    test::sync(dev);
+    CHECK(test::max_relative_error(values(got), values(ref), 1.0) <= test::tolerance(DType::bf16));
+  }
+  // Backward, experts split: each shard writes its experts' rows of the PEFT-layout gradients.
+  TestTensor dW(DType::bf16, {E, N, K}, dev);
+  dW.randomize(rng);
+  TestTensor rA(DType::f32, {r * E, K}, dev), rB(DType::f32, {N, r * E}, dev);
+  const ops::MoeLoraViews rg = ops::peft_moe_lora_views(W.view(), rA.view(), rB.view());
+  ops::moe_lora_materialize_backward(dW.view(), v.A, v.B, s, rg.A, rg.B);
+  test::sync(dev);
+  const std::vector<double> ref_a = values(rA), ref_b = values(rB);
+  {
+    TestTensor gA(DType::f32, {r * E, K}, dev), gB(DType::f32, {N, r * E}, dev);
+    gA.poison();
+    gB.poison();
+    const ops::MoeLoraViews g = ops::peft_moe_lora_views(W.view(), gA.view(), gB.view());
+    const ops::Layout ep = layout_of(
+        {{"ep", 2}},
+        {{"dW_eff", {"ep"}}, {"A", {"ep"}}, {"B", {"ep"}}, {"dA", {"ep"}}, {"dB", {"ep"}}});
+    for (int64_t c = 0; c < 2; ++c)
+      ops::moe_lora_materialize_backward(slice0(dW.view(), c * 2, 2), slice0(v.A, c * 2, 2),
+                                         slice0(v.B, c * 2, 2), s, slice0(g.A, c * 2, 2),
+                                         slice0(g.B, c * 2, 2), nullptr, {}, ep);
+    test::sync(dev);
+    CHECK(test::max_relative_error(values(gA), ref_a, 1e-3) <= 1e-5);
+    CHECK(test::max_relative_error(values(gB), ref_b, 1e-3) <= 1e-5);
+  }
+  // Backward, N split over "tp" (2 shards of 20 rows): dB rows are local, dA is a partial sum.
+  {
+    TestTensor gB(DType::f32, {N, r * E}, dev);
+    const ops::MoeLoraViews g = ops::peft_moe_lora_views(W.view(), rA.view(), gB.view());
+    const ops::Layout tp =
+        layout_of({{"tp", 2}}, {{"dW_eff", {"", "tp"}}, {"B", {"", "tp"}}, {"dB", {"", "tp"}}});
+    std::vector<double> dA_sum(size_t(r * E * K), 0.0);
+    for (int64_t c = 0; c < 2; ++c) {
+      TestTensor part(DType::f32, {E, r, K}, dev);
+      part.poison();
+      const auto rows = [&](const TensorView& t) {
+        TensorView s1 = t;
+        s1.data = static_cast<uint8_t*>(t.data) + c * 20 * t.strides[1] * dtype_size_bytes(t.dtype);
+        s1.shape[1] = 20;
+        return s1;
+      };
+      ops::moe_lora_materialize_backward(rows(dW.view()), v.A, rows(v.B), s, part.view(), rows(g.B),
+                                         nullptr, {}, tp);
+      test::sync(dev);
+      const std::vector<double> p = values(part);
+      for (size_t i = 0; i < p.size(); ++i) dA_sum[i] += p[i];
+    }
+    CHECK(test::max_relative_error(dA_sum, ref_a, 1e-3) <= 1e-5);
+    CHECK(test::max_relative_error(values(gB), ref_b, 1e-3) <= 1e-5);
+  }
+}
+
+void check_embedding_layouts(Device dev) {
+  const int64_t V = 120, D = 48, r = 4, T = 57, n = 3, Vl = V / n;
+  std::mt19937_64 rng(8300);
+  TestTensor X(DType::i64, {T}, dev), Wt(DType::f32, {V, D}, dev), A(DType::f32, {r, V}, dev),
+      B(DType::f32, {D, r}, dev), G(DType::f32, {T, D}, dev);
+  std::uniform_int_distribution<int64_t> id(0, V - 1);
+  for (int64_t t = 0; t < T; ++t)
+    X.set(t, double(t % 6 == 0 ? 7 : id(rng)));  // 7 repeats; 7 is padding below
+  X.upload();
+  Wt.randomize(rng);
+  A.randomize(rng);
+  B.randomize(rng);
+  G.randomize(rng);
+  const double s = 2.0;
+  TestTensor out(DType::f32, {T, D}, dev), dA(DType::f32, {r, V}, dev), dB(DType::f32, {D, r}, dev);
+  ops::EmbeddingOptions o;
+  o.padding_idx = 7;
+  o.scale_grad_by_freq = true;
+  ops::lora_embedding(X.view(), Wt.view(), A.view(), B.view(), s, out.view());
+  ops::lora_embedding_backward(X.view(), A.view(), B.view(), G.view(), s, dA.view(), dB.view(), o);
+  test::sync(dev);
+  const std::vector<double> ref_out = values(out), ref_a = values(dA), ref_b = values(dB);
+
+  // Vocab split over "vp" (3 shards of 40 ids): forward outputs and grad_B are partial sums.
+  std::vector<double> out_sum(size_t(T * D), 0.0), b_sum(size_t(D * r), 0.0);
+  TestTensor gA(DType::f32, {r, V}, dev);
+  gA.poison();
+  for (int64_t c = 0; c < n; ++c) {
+    const ops::Layout fwd = layout_of({{"vp", n}}, {{"weight", {"vp"}}, {"A", {"", "vp"}}}, {c});
+    const ops::Layout bwd =
+        layout_of({{"vp", n}}, {{"A", {"", "vp"}}, {"grad_A", {"", "vp"}}}, {c});
+    TestTensor po(DType::f32, {T, D}, dev), pb(DType::f32, {D, r}, dev);
+    po.poison();
+    pb.poison();
+    ops::lora_embedding(X.view(), block(Wt, c * Vl, Vl, 0, D), block(A, 0, r, c * Vl, Vl), B.view(),
+                        s, po.view(), {}, nullptr, {}, fwd);
+    ops::lora_embedding_backward(X.view(), block(A, 0, r, c * Vl, Vl), B.view(), G.view(), s,
+                                 block(gA, 0, r, c * Vl, Vl), pb.view(), o, nullptr, {}, bwd);
+    test::sync(dev);
+    const std::vector<double> a = values(po), b = values(pb);
+    for (size_t i = 0; i < a.size(); ++i) out_sum[i] += a[i];
+    for (size_t i = 0; i < b.size(); ++i) b_sum[i] += b[i];
+  }
+  CHECK(test::max_relative_error(out_sum, ref_out, 1.0) <= 1e-5);
+  CHECK(scaled_error(values(gA), ref_a) <= 1e-5);
+  CHECK(scaled_error(b_sum, ref_b) <= 1e-5);
+
+  // Tokens split over "dp" (3 shards of 19): outputs local; grad_A and grad_B partial. (Counts for
+  // scale_grad_by_freq are per call, as PyTorch's are per batch: test it without.)
+  {
+    ops::EmbeddingOptions plain;
+    plain.padding_idx = 7;
+    TestTensor dA2(DType::f32, {r, V}, dev), dB2(DType::f32, {D, r}, dev),
+        o2(DType::f32, {T, D}, dev);
+    ops::lora_embedding_backward(X.view(), A.view(), B.view(), G.view(), s, dA2.view(), dB2.view(),
+                                 plain);
+    test::sync(dev);
+    const std::vector<double> ra = values(dA2), rb = values(dB2);
+    std::vector<double> a_sum(size_t(r * V), 0.0), bb_sum(size_t(D * r), 0.0);
+    o2.poison();
+    const ops::Layout dp_fwd = layout_of({{"dp", 3}}, {{"x", {"dp"}}, {"out", {"dp"}}});
+    const ops::Layout dp_bwd = layout_of({{"dp", 3}}, {{"x", {"dp"}}, {"grad_out", {"dp"}}});
+    for (int64_t c = 0; c < 3; ++c) {
+      TestTensor pa(DType::f32, {r, V}, dev), pb(DType::f32, {D, r}, dev);
+      const TensorView xc = range1(X, c * 19, 19);
+      ops::lora_embedding(xc, Wt.view(), A.view(), B.view(), s, block(o2, c * 19, 19, 0, D), {},
+                          nullptr, {}, dp_fwd);
+      ops::lora_embedding_backward(xc, A.view(), B.view(), block(G, c * 19, 19, 0, D), s, pa.view(),
+                                   pb.view(), plain, nullptr, {}, dp_bwd);
+      test::sync(dev);
+      const std::vector<double> a = values(pa), b = values(pb);
+      for (size_t i = 0; i < a.size(); ++i) a_sum[i] += a[i];
+      for (size_t i = 0; i < b.size(); ++i) bb_sum[i] += b[i];
+    }
+    CHECK(test::max_relative_error(values(o2), ref_out, 1.0) <= 1e-5);
+    CHECK(scaled_error(a_sum, ra) <= 1e-5);
+    CHECK(scaled_error(bb_sum, rb) <= 1e-5);
+  }
+  // dim split over "tp" (2 shards of 24): forward local; grad_B rows local, grad_A partial.
+  {
+    TestTensor o2(DType::f32, {T, D}, dev), gB(DType::f32, {D, r}, dev);
+    std::vector<double> a_sum(size_t(r * V), 0.0);
+    const ops::Layout tp_fwd =
+        layout_of({{"tp", 2}}, {{"weight", {"", "tp"}}, {"B", {"tp"}}, {"out", {"", "tp"}}});
+    const ops::Layout tp_bwd =
+        layout_of({{"tp", 2}}, {{"B", {"tp"}}, {"grad_out", {"", "tp"}}, {"grad_B", {"tp"}}});
+    for (int64_t c = 0; c < 2; ++c) {
+      TestTensor pa(DType::f32, {r, V}, dev);
+      ops::lora_embedding(X.view(), block(Wt, 0, V, c * 24, 24), A.view(),
+                          block(B, c * 24, 24, 0, r), s, block(o2, 0, T, c * 24, 24), {}, nullptr,
+                          {}, tp_fwd);
+      ops::lora_embedding_backward(X.view(), A.view(), block(B, c * 24, 24, 0, r),
+                                   block(G, 0, T, c * 24, 24), s, pa.view(),
+                                   block(gB, c * 24, 24, 0, r), o, nullptr, {}, tp_bwd);
+      test::sync(dev);
+      const std::vector<double> a = values(pa);
+      for (size_t i = 0; i < a.size(); ++i) a_sum[i] += a[i];
+    }
+    CHECK(test::max_relative_error(values(o2), ref_out, 1.0) <= 1e-5);
+    CHECK(scaled_error(a_sum, ref_a) <= 1e-5);
+    CHECK(scaled_error(values(gB), ref_b) <= 1e-5);
+  }
+}
+
+// The message of the InvalidArgument `f` throws ("" when it throws nothing).
+template <class F>
+std::string rejection(F f) {
+  try {
+    f();
+  } catch (const InvalidArgument& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("Layout::canonical is the same for layouts that mean the same thing", "[ops][sharding]") {
+  ops::Layout a =
+      layout_of({{"tp", 4}, {"dp", 2}}, {{"W", {"", "tp", ""}}, {"A", {"", "tp"}}, {"m", {}}});
+  ops::Layout b = layout_of({{"dp", 8}, {"tp", 4}}, {{"A", {"", "tp"}}, {"W", {"", "tp"}}});
+  CHECK(a.canonical() == "mesh(tp=4) A[,tp] W[,tp]");
+  CHECK(a.canonical() == b.canonical());
+  CHECK(ops::Layout{}.canonical().empty());
+  CHECK(layout_of({{"tp", 4}}, {{"W", {"", ""}}}).canonical().empty());  // nothing split: unsharded
+  CHECK(layout_of({{"tp", 2}}, {{"W", {"", "tp"}}}).canonical() != a.canonical());
+  CHECK(ops::PartitionSpec{"", "tp", ""}.str() == "P(None, 'tp')");
+  CHECK(ops::PartitionSpec{}.str() == "P()");
+}
+
+TEST_CASE("every DoRA norm layout matches the unsharded op on the CPU", "[cpu][ops][sharding]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  check_dora_layouts(Device::cpu());
+}
+
+TEST_CASE("every DoRA norm layout matches the unsharded op on the GPU", "[gpu][ops][sharding]") {
+  KERF_REQUIRE_GPU();
+  check_dora_layouts(Device::cuda(0));
+}
+
+TEST_CASE("every MoE layout matches the unsharded op on the CPU", "[cpu][ops][sharding]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  check_moe_layouts(Device::cpu());
+}
+
+TEST_CASE("every MoE layout matches the unsharded op on the GPU", "[gpu][ops][sharding]") {
+  KERF_REQUIRE_GPU();
+  check_moe_layouts(Device::cuda(0));
+}
+
+TEST_CASE("every embedding layout matches the unsharded op on the CPU", "[cpu][ops][sharding]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  check_embedding_layouts(Device::cpu());
+}
+
+TEST_CASE("every embedding layout matches the unsharded op on the GPU", "[gpu][ops][sharding]") {
+  KERF_REQUIRE_GPU();
+  check_embedding_layouts(Device::cuda(0));
+}
+
+TEST_CASE("layouts that cannot work together are rejected before any launch, naming both specs",
+          "[ops][sharding]") {
+  // Host tensors: nothing runs, so no back end is needed; outputs stay poisoned.
+  const Device cpu = Device::cpu();
+  TestTensor W(DType::f32, {8, 12}, cpu), A(DType::f32, {2, 12}, cpu), B(DType::f32, {8, 2}, cpu);
+  TestTensor m(DType::f32, {8}, cpu), norm(DType::f32, {8}, cpu), scale(DType::f32, {8}, cpu);
+  norm.poison();
+  const auto dora = [&](const ops::Layout& l) {
+    return rejection([&] {
+      ops::dora_norm(W.view(), A.view(), B.view(), m.view(), 1.0, norm.view(), scale.view(), 0.0,
+                     nullptr, {}, l);
+    });
+  };
+  const auto partial = [&](const ops::Layout& l) {
+    return rejection([&] {
+      ops::dora_norm_partial(W.view(), A.view(), B.view(), 1.0, norm.view(), nullptr, {}, l);
+    });
+  };
+  // A split on in differently from W.
+  std::string msg = partial(layout_of({{"tp", 2}}, {{"W", {"", "tp"}}}));
+  CHECK_THAT(msg, Catch::Contains("A P()") && Catch::Contains("W P(None, 'tp')") &&
+                      Catch::Contains("split dimension 'in' differently"));
+  msg = partial(layout_of({{"tp", 2}, {"x", 2}}, {{"W", {"", "tp"}}, {"A", {"", "x"}}}));
+  CHECK_THAT(msg, Catch::Contains("A P(None, 'x')") && Catch::Contains("W P(None, 'tp')"));
+  // The magnitude split differently from W's out.
+  msg = dora(
+      layout_of({{"tp", 2}}, {{"W", {"tp"}}, {"B", {"tp"}}, {"norm", {"tp"}}, {"scale", {"tp"}}}));
+  CHECK_THAT(msg,
+             Catch::Contains("m P()") && Catch::Contains("W P('tp')") && Catch::Contains("'out'"));
+  // The rank split.
+  msg = partial(layout_of({{"tp", 2}}, {{"A", {"tp"}}, {"B", {"", "tp"}}}));
+  CHECK_THAT(msg,
+             Catch::Contains("splits dimension 'r' over 'tp'") && Catch::Contains("A P('tp')"));
+  // dora_norm with W split on in points at the partial path.
+  msg = dora(layout_of({{"tp", 2}}, {{"W", {"", "tp"}}, {"A", {"", "tp"}}}));
+  CHECK_THAT(msg, Catch::Contains("dora_norm_partial") && Catch::Contains("dora_norm_finish"));
+  // Malformed layouts.
+  CHECK_THAT(partial(layout_of({{"tp", 2}}, {{"V", {"tp"}}})),
+             Catch::Contains("there is no operand 'V' (the operands are W, A, B, sumsq)"));
+  CHECK_THAT(partial(layout_of({{"tp", 2}}, {{"W", {"", "pp"}}, {"A", {"", "pp"}}})),
+             Catch::Contains("names mesh axis 'pp', which the mesh lacks"));
+  CHECK_THAT(partial(layout_of({{"tp", 2}}, {{"W", {"tp", "tp"}}})),
+             Catch::Contains("splits two dimensions over mesh axis 'tp'"));
+  CHECK_THAT(partial(layout_of({{"tp", 0}}, {})),
+             Catch::Contains("mesh axis 'tp' must have size >= 1, got 0"));
+  CHECK_THAT(partial(layout_of({{"tp", 2}, {"tp", 2}}, {})),
+             Catch::Contains("mesh axis 'tp' is named twice"));
+  CHECK_THAT(partial(layout_of({{"tp", 2}}, {{"sumsq", {"", "tp"}}})),
+             Catch::Contains("sumsq has rank 1 but its spec P(None, 'tp') names 2 dimensions"));
+  norm.download();
+  for (int64_t i = 0; i < 8; ++i) CHECK(std::isnan(norm.get(i)));  // nothing ran
+
+  // MoE: B split on experts, A not.
+  TestTensor Wm(DType::f32, {2, 4, 4}, cpu), Am(DType::f32, {2, 2, 4}, cpu),
+      Bm(DType::f32, {2, 4, 2}, cpu);
+  msg = rejection([&] {
+    ops::moe_lora_materialize(
+        Wm.view(), Am.view(), Bm.view(), 1.0, Wm.view(), nullptr, {},
+        layout_of({{"ep", 2}}, {{"W", {"ep"}}, {"B", {"ep"}}, {"W_eff", {"ep"}}}));
+  });
+  CHECK_THAT(msg,
+             Catch::Contains("A P()") && Catch::Contains("W P('ep')") && Catch::Contains("'E'"));
+  msg = rejection([&] {
+    ops::moe_lora_materialize_backward(Wm.view(), Am.view(), Bm.view(), 1.0, Am.view(), Bm.view(),
+                                       nullptr, {}, layout_of({{"ep", 2}}, {{"dA", {"ep"}}}));
+  });
+  CHECK_THAT(msg, Catch::Contains("dA P('ep')") && Catch::Contains("dW_eff P()"));
+
+  // Embedding: vocab split needs this device's coordinates; A split differently from the weight.
+  TestTensor X(DType::i64, {3}, cpu), Wt(DType::f32, {10, 4}, cpu), Ae(DType::f32, {2, 10}, cpu),
+      Be(DType::f32, {4, 2}, cpu), out(DType::f32, {3, 4}, cpu);
+  msg = rejection([&] {
+    ops::lora_embedding(X.view(), Wt.view(), Ae.view(), Be.view(), 1.0, out.view(), {}, nullptr, {},
+                        layout_of({{"vp", 2}}, {{"weight", {"vp"}}, {"A", {"", "vp"}}}));
+  });
+  CHECK_THAT(msg, Catch::Contains("this device's coordinates are needed"));
+  msg = rejection([&] {
+    ops::lora_embedding(X.view(), Wt.view(), Ae.view(), Be.view(), 1.0, out.view(), {}, nullptr, {},
+                        layout_of({{"vp", 2}}, {{"weight", {"vp"}}}, {0}));
+  });
+  CHECK_THAT(msg, Catch::Contains("A P()") && Catch::Contains("weight P('vp')") &&
+                      Catch::Contains("'vocab'"));
+  msg = rejection([&] {
+    ops::lora_embedding(X.view(), Wt.view(), Ae.view(), Be.view(), 1.0, out.view(), {}, nullptr, {},
+                        layout_of({{"vp", 2}}, {{"weight", {"vp"}}, {"A", {"", "vp"}}}, {2}));
+  });
+  CHECK_THAT(msg, Catch::Contains("coordinate 2 on mesh axis 'vp' is outside [0, 2)"));
+  // Tokens and vocab over one axis: a shard's tokens would miss the other shards' ids.
+  msg = rejection([&] {
+    ops::lora_embedding(
+        X.view(), Wt.view(), Ae.view(), Be.view(), 1.0, out.view(), {}, nullptr, {},
+        layout_of({{"tp", 2}},
+                  {{"x", {"tp"}}, {"out", {"tp"}}, {"weight", {"tp"}}, {"A", {"", "tp"}}}, {0}));
+  });
+  CHECK_THAT(
+      msg, Catch::Contains("split dimensions") && Catch::Contains("over the same mesh axis 'tp'"));
+}

@@ -1,0 +1,228 @@
+// Every rejected argument of the LoRA ops, with its message: shapes, dtypes
+// (TypeError), devices, alignment, overlapping outputs, ids and options. The
+// checks run before anything launches, so host views (and views that claim a
+// GPU) need no back end; nothing here reads or writes the fake memory.
+#include <cstdint>
+#include <string>
+
+#include "catch.h"
+#include "cpu_test_util.h"
+#include "device_tensor.h"
+#include "gpu_test_util.h"
+#include "kerf/error.h"
+#include "kerf/ops/ops.h"
+
+using namespace kerf;
+
+namespace {
+
+// Backing memory for views that are validated and never run.
+alignas(64) float g_mem[1 << 16];
+
+TensorView t(std::vector<int64_t> shape, DType d = DType::f32, int64_t offset_elems = 0) {
+  return TensorView::contiguous(
+      reinterpret_cast<uint8_t*>(g_mem) + offset_elems * dtype_size_bytes(d), d, shape);
+}
+TensorView at(size_t byte_offset, std::vector<int64_t> shape, std::vector<int64_t> strides,
+              DType d = DType::f32) {
+  return TensorView::strided(reinterpret_cast<uint8_t*>(g_mem) + byte_offset, d, shape, strides);
+}
+TensorView on_gpu(TensorView v) {
+  v.device = Device::cuda(0);
+  return v;
+}
+
+// The message of the exception of type Ex that f throws ("<no error>" or "<other: ...>" otherwise).
+template <class Ex, class F>
+std::string thrown(F f) {
+  try {
+    f();
+  } catch (const Ex& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("<other: ") + e.what() + ">";
+  }
+  return "<no error>";
+}
+
+#define CHECK_REJECTS(kind, call, text) \
+  CHECK_THAT(thrown<kind>([&] { call; }), Catch::Contains(text))
+
+}  // namespace
+
+TEST_CASE("lora_merge rejects bad shapes, dtypes, devices, alignment and overlapping memory",
+          "[ops][validation]") {
+  // Disjoint regions of g_mem: W at 0, A at 16 KiB, B at 32 KiB (f32 elements).
+  const TensorView W = t({8, 12}), A = t({2, 12}, DType::f32, 4096),
+                   B = t({8, 2}, DType::f32, 8192);
+  CHECK_REJECTS(InvalidArgument, ops::lora_merge(t({8}), A, B, 1.0),
+                "lora_merge: W must have shape [*, *], got [8]");
+  CHECK_REJECTS(InvalidArgument, ops::lora_merge(W, t({2, 11}, DType::f32, 4096), B, 1.0),
+                "lora_merge: A must have shape [*, 12], got [2, 11]");
+  CHECK_REJECTS(InvalidArgument, ops::lora_unmerge(W, A, t({8, 3}, DType::f32, 8192), 1.0),
+                "lora_unmerge: B must have shape [8, 2], got [8, 3]");
+  CHECK_REJECTS(TypeError, ops::lora_merge(t({8, 12}, DType::i32), A, B, 1.0),
+                "lora_merge: W must be one of {bf16, f16, f32}, got i32");
+  CHECK_REJECTS(TypeError, ops::lora_merge(W, t({2, 12}, DType::f64, 4096), B, 1.0),
+                "lora_merge: A must be one of {bf16, f16, f32}, got f64");
+  CHECK_REJECTS(InvalidArgument, ops::lora_merge(W, on_gpu(A), B, 1.0),
+                "lora_merge: A is on cuda:0 but W is on cpu");
+  CHECK_REJECTS(InvalidArgument, ops::lora_merge(at(2, {8, 12}, {12, 1}), A, B, 1.0),
+                "lora_merge: W must start at a multiple of its element size (4 bytes for f32)");
+  CHECK_REJECTS(InvalidArgument, ops::lora_merge(W, t({2, 12}, DType::f32, 40), B, 1.0),
+                "lora_merge: output W overlaps A in memory");
+  CHECK_REJECTS(InvalidArgument, ops::lora_merge(at(0, {8, 12}, {0, 1}), A, B, 1.0),
+                "lora_merge: output W (f32[8,12] strides [0,1] on cpu) has strides under which two "
+                "indices reach "
+                "one element");
+  CHECK_REJECTS(
+      InvalidArgument,
+      ops::lora_merge(W, t({300, 12}, DType::f32, 4096), t({8, 300}, DType::f32, 12000), 1.0),
+      "lora_merge: rank 300 is above the supported 256");
+}
+
+TEST_CASE("lora_merge_flax rejects kernels that do not match lora_a and lora_b",
+          "[ops][validation]") {
+  const TensorView K = t({4, 2, 3}), la = t({4, 2}, DType::f32, 4096),
+                   lb = t({2, 2, 3}, DType::f32, 8192);
+  CHECK_REJECTS(InvalidArgument, ops::lora_merge_flax(t({4, 6}), la, lb, 1.0),
+                "lora_merge_flax: kernel must have shape [in..., out...] = [4] + [2, 3] (lora_a's "
+                "in dims, lora_b's "
+                "out dims), got [4, 6]");
+  CHECK_REJECTS(InvalidArgument, ops::lora_merge_flax(K, la, t({3, 2, 3}, DType::f32, 8192), 1.0),
+                "lora_merge_flax: lora_b must have shape [2, 2, 3], got [3, 2, 3]");
+  CHECK_REJECTS(InvalidArgument, ops::lora_merge_flax(K, t({4}, DType::f32, 4096), lb, 1.0),
+                "lora_merge_flax: lora_a must have shape [in..., r] (rank >= 2), got [4]");
+  CHECK_REJECTS(InvalidArgument, ops::lora_unmerge_flax(K, la, t({2, 2, 3}, DType::f32, 10), 1.0),
+                "lora_unmerge_flax: output kernel overlaps lora_b in memory");
+}
+
+TEST_CASE("the DoRA norm ops reject bad shapes, dtypes, eps and overlapping outputs",
+          "[ops][validation]") {
+  const TensorView W = t({8, 12}), A = t({2, 12}, DType::f32, 4096),
+                   B = t({8, 2}, DType::f32, 8192);
+  const TensorView sumsq = t({8}, DType::f32, 12000), m = t({8}, DType::f32, 12100);
+  const TensorView norm = t({8}, DType::f32, 12200), scale = t({8}, DType::f32, 12300);
+  CHECK_REJECTS(InvalidArgument, ops::dora_norm_partial(W, A, B, 1.0, t({9}, DType::f32, 12000)),
+                "dora_norm_partial: sumsq must have shape [8], got [9]");
+  CHECK_REJECTS(TypeError, ops::dora_norm_partial(W, A, B, 1.0, t({8}, DType::bf16, 24000)),
+                "dora_norm_partial: sumsq must be one of {f32}, got bf16");
+  CHECK_REJECTS(InvalidArgument, ops::dora_norm_partial(W, A, B, 1.0, t({8}, DType::f32, 4)),
+                "dora_norm_partial: output sumsq overlaps W in memory");
+  CHECK_REJECTS(InvalidArgument, ops::dora_norm_finish(sumsq, m, -1.0, norm, scale),
+                "dora_norm_finish: eps must be >= 0, got -1");
+  CHECK_REJECTS(InvalidArgument,
+                ops::dora_norm_finish(sumsq, m, 0.0, norm, t({8}, DType::f32, 12204)),
+                "dora_norm_finish: output scale overlaps norm in memory");
+  CHECK_REJECTS(InvalidArgument,
+                ops::dora_norm_finish(sumsq, m, 0.0, t({8}, DType::f32, 12002), scale),
+                "dora_norm_finish: output norm overlaps sumsq in memory");
+  CHECK_REJECTS(TypeError, ops::dora_norm_finish(sumsq, t({8}, DType::i64, 6100), 0.0, norm, scale),
+                "dora_norm_finish: m must be one of {bf16, f16, f32}, got i64");
+  CHECK_REJECTS(InvalidArgument, ops::dora_norm_backward(norm, scale, t({7}, DType::f32, 12400)),
+                "dora_norm_backward: grad_m must have shape [8], got [7]");
+  CHECK_REJECTS(InvalidArgument, ops::dora_norm_backward(norm, scale, t({8}, DType::f32, 12301)),
+                "dora_norm_backward: output grad_m overlaps grad_scale in memory");
+  CHECK_REJECTS(InvalidArgument,
+                ops::dora_norm_backward(norm, scale, on_gpu(t({8}, DType::f32, 12400))),
+                "dora_norm_backward: grad_m is on cuda:0 but norm is on cpu");
+}
+
+TEST_CASE("the MoE ops reject bad shapes, dtypes and overlapping outputs", "[ops][validation]") {
+  const TensorView dW = t({2, 8, 12}), A = t({2, 3, 12}, DType::f32, 4096),
+                   B = t({2, 8, 3}, DType::f32, 8192);
+  const TensorView dA = t({2, 3, 12}, DType::f32, 12000), dB = t({2, 8, 3}, DType::f32, 13000);
+  const auto bwd = [&](const TensorView& w, const TensorView& a, const TensorView& b,
+                       const TensorView& ga, const TensorView& gb) {
+    ops::moe_lora_materialize_backward(w, a, b, 1.0, ga, gb);
+  };
+  CHECK_REJECTS(InvalidArgument, bwd(t({2, 8}), A, B, dA, dB),
+                "moe_lora_materialize_backward: dW_eff must have shape [*, *, *], got [2, 8]");
+  CHECK_REJECTS(InvalidArgument, bwd(dW, t({2, 3, 11}, DType::f32, 4096), B, dA, dB),
+                "moe_lora_materialize_backward: A must have shape [2, *, 12], got [2, 3, 11]");
+  CHECK_REJECTS(InvalidArgument, bwd(dW, A, B, t({2, 3, 13}, DType::f32, 12000), dB),
+                "moe_lora_materialize_backward: dA must have shape [2, 3, 12], got [2, 3, 13]");
+  CHECK_REJECTS(TypeError, bwd(dW, A, B, dA, t({2, 8, 3}, DType::i32, 13000)),
+                "moe_lora_materialize_backward: dB must be one of {bf16, f16, f32}, got i32");
+  CHECK_REJECTS(InvalidArgument, bwd(dW, A, B, t({2, 3, 12}, DType::f32, 100), dB),
+                "moe_lora_materialize_backward: output dA overlaps dW_eff in memory");
+  CHECK_REJECTS(InvalidArgument, bwd(dW, A, B, dA, t({2, 8, 3}, DType::f32, 12010)),
+                "moe_lora_materialize_backward: output dB overlaps dA in memory");
+  CHECK_REJECTS(InvalidArgument, bwd(dW, A, B, at(48000, {2, 3, 12}, {36, 0, 1}), dB),
+                "moe_lora_materialize_backward: output dA (f32[2,3,12] strides [36,0,1] on cpu) "
+                "has strides under "
+                "which two indices reach one element");
+  CHECK_REJECTS(
+      InvalidArgument,
+      bwd(t({65536, 1, 1}), t({65536, 0, 1}), t({65536, 1, 0}), t({65536, 0, 1}), t({65536, 1, 0})),
+      "moe_lora_materialize_backward: at most 65535 experts per call, got 65536");
+  // The forward: W_eff may be W itself, but no other overlap.
+  const TensorView W = t({2, 8, 12});
+  CHECK_REJECTS(InvalidArgument,
+                ops::moe_lora_materialize(W, A, B, 1.0, t({2, 8, 12}, DType::f32, 1)),
+                "moe_lora_materialize: output W_eff overlaps W in memory");
+  CHECK_REJECTS(InvalidArgument,
+                ops::moe_lora_materialize(W, A, B, 1.0, t({2, 8, 12}, DType::f32, 4100)),
+                "moe_lora_materialize: output W_eff overlaps A in memory");
+}
+
+TEST_CASE("lora_embedding rejects bad ids, shapes, options and overlapping outputs",
+          "[ops][validation]") {
+  const TensorView x = t({2, 3}, DType::i64), W = t({10, 4}, DType::f32, 4096),
+                   A = t({2, 10}, DType::f32, 8192);
+  const TensorView B = t({4, 2}, DType::f32, 9000), out = t({2, 3, 4}, DType::f32, 10000);
+  CHECK_REJECTS(TypeError, ops::lora_embedding(t({2, 3}), W, A, B, 1.0, out),
+                "lora_embedding: x must be one of {i32, i64}, got f32");
+  CHECK_REJECTS(InvalidArgument, ops::lora_embedding(t({}, DType::i64), W, A, B, 1.0, out),
+                "lora_embedding: x must have at least one dimension, got a scalar");
+  CHECK_REJECTS(InvalidArgument, ops::lora_embedding(x, W, A, B, 1.0, t({6, 4}, DType::f32, 10000)),
+                "lora_embedding: out must have shape [2, 3, 4], got [6, 4]");
+  CHECK_REJECTS(InvalidArgument,
+                ops::lora_embedding(x, W, t({2, 11}, DType::f32, 8192), B, 1.0, out),
+                "lora_embedding: A must have shape [*, 10], got [2, 11]");
+  CHECK_REJECTS(InvalidArgument,
+                ops::lora_embedding(x, W, A, B, 1.0, t({2, 3, 4}, DType::f32, 4100)),
+                "lora_embedding: output out overlaps weight in memory");
+  // Token dims that do not flatten alike in x and out.
+  CHECK_REJECTS(InvalidArgument,
+                ops::lora_embedding(at(0, {2, 3}, {1, 2}, DType::i64), W, A, B, 1.0, out),
+                "lora_embedding: the token dims of x");
+  const TensorView gout = t({2, 3, 4}, DType::f32, 10000), gA = t({2, 10}, DType::f32, 11000);
+  const TensorView gB = t({4, 2}, DType::f32, 12000);
+  ops::EmbeddingOptions o;
+  o.padding_idx = 10;
+  CHECK_REJECTS(InvalidArgument, ops::lora_embedding_backward(x, A, B, gout, 1.0, gA, gB, o),
+                "lora_embedding_backward: padding_idx 10 is outside the vocabulary [-10, 10)");
+  o.padding_idx = -11;
+  CHECK_REJECTS(InvalidArgument, ops::lora_embedding_backward(x, A, B, gout, 1.0, gA, gB, o),
+                "padding_idx -11 is outside the vocabulary");
+  CHECK_REJECTS(InvalidArgument,
+                ops::lora_embedding_backward(x, A, B, gout, 1.0, t({2, 9}, DType::f32, 11000), gB),
+                "lora_embedding_backward: grad_A must have shape [2, 10], got [2, 9]");
+  CHECK_REJECTS(InvalidArgument,
+                ops::lora_embedding_backward(x, A, B, gout, 1.0, gA, t({4, 2}, DType::f32, 11004)),
+                "lora_embedding_backward: output grad_B overlaps grad_A in memory");
+  CHECK_REJECTS(InvalidArgument,
+                ops::lora_embedding_backward(x, A, B, gout, 1.0, t({2, 10}, DType::f32, 8195), gB),
+                "lora_embedding_backward: output grad_A overlaps A in memory");
+}
+
+TEST_CASE("misaligned and strided views take the general path and give the same answer on the CPU",
+          "[cpu][ops][validation]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  // The same merge through a 16-byte aligned contiguous W and through one starting one element in
+  // with padded rows: the specializations differ, the numbers must not.
+  const Device cpu = Device::cpu();
+  test::TestTensor W1(DType::bf16, {32, 64}, cpu), W2(DType::bf16, {1 + 32 * 72}, cpu);
+  test::TestTensor A(DType::f32, {4, 64}, cpu), B(DType::f32, {32, 4}, cpu);
+  std::mt19937_64 rng(9100);
+  W1.randomize(rng);
+  A.randomize(rng);
+  B.randomize(rng);
+  for (int64_t i = 0; i < 32; ++i)
+    for (int64_t j = 0; j < 64; ++j) W2.set(1 + i * 72 + j, W1.get(i * 64 + j));
+  ops::lora_merge(W1.view(), A.view(), B.view(), 0.5);
+  ops::lora_merge(W2.view_at(1, {32, 64}, {72, 1}), A.view(), B.view(), 0.5);
+  for (int64_t i = 0; i < 32; ++i)
+    for (int64_t j = 0; j < 64; ++j) CHECK(W2.get(1 + i * 72 + j) == W1.get(i * 64 + j));
+}
