@@ -13,7 +13,7 @@
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-stages="test,sanitize,bench"
+stages="test,sanitize,bench,python"
 quick=""
 test_filter="[gpu]"
 while (($#)); do
@@ -47,12 +47,19 @@ device=$(sed -n 2p "$out/device.txt" | cut -d, -f1)
 
 echo "== build"
 t0=$SECONDS
-if ! cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKERF_BUILD_PYTHON=OFF \
+python_args=(-DKERF_BUILD_PYTHON=OFF)
+if [[ ,$stages, == *,python,* ]]; then
+  # The machine's own python3 (with torch, triton, pybind11 from pip).
+  python_args=(-DKERF_BUILD_PYTHON=ON -DPYBIND11_FINDPYTHON=ON -DPython_EXECUTABLE="$(command -v python3)")
+fi
+if ! cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${python_args[@]}" \
       -DCMAKE_PREFIX_PATH="$prefix/usr" > "$out/configure.log" 2>&1; then
   tail -30 "$out/configure.log"; echo "configure failed"; exit 1
 fi
 grep -E "kerf:" "$out/configure.log"
-if ! cmake --build "$build" -j "$(nproc)" --target kerf_tests kerf_bench > "$out/build.log" 2>&1; then
+targets=(--target kerf_tests kerf_bench kerf_bench_launch)
+[[ ,$stages, == *,python,* ]] && targets+=(_kerf)
+if ! cmake --build "$build" -j "$(nproc)" "${targets[@]}" > "$out/build.log" 2>&1; then
   grep -E "error|Error" "$out/build.log" | head -40; echo "build failed"; exit 1
 fi
 note "build: ok ($((SECONDS - t0)) s)"
@@ -84,7 +91,29 @@ if [[ ,$stages, == *,sanitize,* ]]; then
   ((rc)) && status=1
 fi
 
+if [[ ,$stages, == *,python,* ]]; then
+  echo "== Python (pytest on the GPU, overhead benchmark, PEFT example)"
+  t0=$SECONDS
+  export PYTHONPATH="$build/python${PYTHONPATH:+:$PYTHONPATH}" KERF_BUILD_DIR="$build"
+  PYTHONUNBUFFERED=1 python3 -m pytest tests/python -q -rs > "$out/pytest.log" 2>&1
+  rc=$?
+  tail -15 "$out/pytest.log"
+  note "pytest: $(tail -1 "$out/pytest.log") (exit $rc, $((SECONDS - t0)) s)"
+  ((rc)) && status=1
+  PYTHONUNBUFFERED=1 python3 tests/bench/python_overhead.py > "$out/python-overhead.log" 2>&1
+  tail -12 "$out/python-overhead.log"
+  note "python host overhead: $(grep -iE 'kerf' "$out/python-overhead.log" | head -3 | tr '\n' ';')"
+  PYTHONUNBUFFERED=1 python3 examples/python/peft_dora_kerf.py > "$out/peft.log" 2>&1
+  rc=$?
+  tail -8 "$out/peft.log"
+  note "PEFT example: exit $rc, $(tail -1 "$out/peft.log")"
+  ((rc)) && status=1
+fi
+
 if [[ ,$stages, == *,bench,* ]]; then
+  "$build/tests/bench/kerf_bench_launch" > "$out/launch-overhead.log" 2>&1
+  tail -8 "$out/launch-overhead.log"
+  note "C++ launch overhead: $(grep -iE 'difference|gpu' "$out/launch-overhead.log" | head -2 | tr '\n' ';')"
   echo "== benchmarks"
   t0=$SECONDS
   "$build/tests/bench/kerf_bench" $quick --json "$out/kerf-bench.json" 2>&1 | tee "$out/kerf-bench.log"

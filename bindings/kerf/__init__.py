@@ -1,0 +1,85 @@
+"""kerf: JIT-compiled LoRA/DoRA/MoE kernels, callable on any DLPack tensor.
+
+    import kerf
+    norm, scale = kerf.ops.dora_norm(W, A, B, m, s)    # torch, NumPy, CuPy, JAX ...
+
+Tensors cross into kerf without copies: PyTorch tensors directly, every other
+array through the DLPack protocol (``__dlpack__``/``__dlpack_device__``) or as
+a raw DLPack capsule. CUDA tensors run on the GPU, on PyTorch's current stream
+(or ``stream=``); CPU tensors run on kerf's CPU back end (LLVM). Outputs kerf
+allocates are torch tensors for torch inputs, NumPy arrays for NumPy inputs and
+:class:`kerf.Buffer` (a DLPack producer) otherwise.
+
+Errors derive from :class:`kerf.Error` and from ValueError (bad shapes,
+values, devices), TypeError (dtypes, non-tensors) or RuntimeError (compile,
+CUDA, missing back end). ``kerf.autograd`` holds torch.autograd.Function
+wrappers; it imports torch when first used.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from . import ops
+from ._kerf import (
+    Buffer,
+    CacheError,
+    CompileError,
+    Config,
+    CudaError,
+    DefinitionError,
+    DTypeError,
+    Error,
+    InternalError,
+    InvalidArgumentError,
+    NotAvailableError,
+    __version__,
+    clear_kernel_cache,
+    cpu_available,
+    cuda_available,
+    cuda_unavailable_reason,
+    device_count,
+    llvm_version,
+)
+
+__all__ = [
+    "Buffer",
+    "CacheError",
+    "CompileError",
+    "Config",
+    "CudaError",
+    "DTypeError",
+    "DefinitionError",
+    "Error",
+    "InternalError",
+    "InvalidArgumentError",
+    "NotAvailableError",
+    "__version__",
+    "autograd",
+    "clear_kernel_cache",
+    "cpu_available",
+    "cuda_available",
+    "cuda_unavailable_reason",
+    "device_count",
+    "empty",
+    "llvm_version",
+    "ops",
+]
+
+
+def empty(shape: Sequence[int], dtype: str = "float32", device: str = "cpu") -> Buffer:
+    """Uninitialised kerf-owned memory (a :class:`kerf.Buffer`), e.g. for ``out=``.
+
+    ``dtype``: "float32"/"f32", "float16"/"f16", "bfloat16"/"bf16", "float64",
+    "int32", "int64", "bool". ``device``: "cpu", "cuda" or "cuda:N".
+    """
+    return Buffer(list(shape), dtype, device)
+
+
+def __getattr__(name: str):
+    # `kerf.autograd` imports torch, so it is loaded on first use only.
+    if name == "autograd":
+        import importlib
+
+        return importlib.import_module(".autograd", __name__)
+    raise AttributeError(f"module 'kerf' has no attribute {name!r}")

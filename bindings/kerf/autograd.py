@@ -1,0 +1,354 @@
+"""torch.autograd.Function wrappers of kerf's ops (needs PyTorch).
+
+- :func:`dora_scale` / :class:`DoraScale`: ``scale = m / ||W + s * B @ A||_row``
+  with the norm detached as in PEFT (DoRA paper section 4.3): the gradient
+  reaches ``m`` only (``grad_m = grad_scale / norm``); W, A and B get none
+  through the norm.
+- :class:`DoraNormCache`: reuses norms between optimizer steps and drops them
+  on every step (an ``Optimizer.register_step_post_hook``), so it never serves
+  a stale norm, fused AdamW included.
+- :func:`moe_lora_materialize` / :class:`MoeLoraMaterialize`:
+  ``W_eff[e] = W[e] + s * B[e] @ A[e]``, gradients for A and B (and for W
+  when it requires one); :func:`moe_lora_materialize_peft` takes PEFT's flat
+  ``lora_A [r*E, K]`` / ``lora_B [N, r*E]``.
+- :func:`lora_embedding` / :class:`LoraEmbedding`: ``W[x] + s * A^T[x] @ B^T``,
+  optionally DoRA-scaled (PEFT's embedding DoRA: the norm over the vocabulary).
+
+Backward passes are kerf's backward ops (moe_lora_materialize_backward,
+lora_embedding_backward); only the DoRA magnitude gradient (one division) and
+a trainable base weight's gradient are PyTorch code.
+
+kerf's kernels compute in float32 at most: float64 tensors (``gradcheck``)
+are given to kerf as float32 and the results cast back, so forward and
+backward are float32-accurate (gradcheck then needs a larger eps and float32
+tolerances), except the DoRA magnitude's path, which is exact in float64 for
+the norm kerf computed.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, Optional, Tuple
+
+try:
+    import torch
+except ImportError as e:  # pragma: no cover - exercised on machines without torch
+    raise ImportError("kerf.autograd needs PyTorch (kerf.ops works without it)") from e
+
+from . import ops as _ops
+
+__all__ = [
+    "DoraNormCache",
+    "DoraScale",
+    "LoraEmbedding",
+    "MoeLoraMaterialize",
+    "dora_scale",
+    "dora_weight_norm",
+    "lora_embedding",
+    "moe_lora_materialize",
+    "moe_lora_materialize_peft",
+]
+
+Tensor = torch.Tensor
+
+
+def _for_kerf(t: Tensor) -> Tensor:
+    """The tensor kerf reads: float64 becomes float32 (kerf has no float64 kernels)."""
+    return t.detach().float() if t.dtype == torch.float64 else t.detach()
+
+
+def _dense_grad(g: Tensor) -> Tensor:
+    """Gradients of sums arrive expanded (stride 0): give kerf real memory."""
+    return g.contiguous() if 0 in g.stride() else g
+
+
+# ---------------------------------------------------------------- DoRA
+def dora_weight_norm(W: Tensor, A: Tensor, B: Tensor, s: float, eps: float = 0.0) -> Tensor:
+    """``||W + s * B @ A||`` per output row (float32, no gradient): PEFT's ``get_weight_norm``
+    computed from the factors, without materializing ``B @ A``."""
+    W_, A_, B_ = _for_kerf(W), _for_kerf(A), _for_kerf(B)
+    # The op also produces m / norm; a ones magnitude keeps that output harmless.
+    m = torch.ones(W_.shape[0], dtype=torch.float32, device=W_.device)
+    norm, _ = _ops.dora_norm(W_, A_, B_, m, float(s), eps=float(eps))
+    return norm
+
+
+def _scale_from_norm(m: Tensor, norm: Tensor) -> Tensor:
+    # m / norm with the norm a constant: autograd gives grad_m = grad_scale / norm.
+    if m.dtype in (torch.float32, torch.float64):
+        return m / norm.to(m.dtype)
+    return (m.float() / norm).to(m.dtype)
+
+
+class DoraScale(torch.autograd.Function):
+    """``scale = m / ||W + s * B @ A||_row``, the norm detached (PEFT semantics).
+
+    ``DoraScale.apply(W, A, B, m, s, eps)``; prefer :func:`dora_scale`.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, W: Tensor, A: Tensor, B: Tensor, m: Tensor, s: float, eps: float = 0.0) -> Tensor:
+        norm, scale = _ops.dora_norm(_for_kerf(W), _for_kerf(A), _for_kerf(B), _for_kerf(m), float(s),
+                                     eps=float(eps))
+        ctx.save_for_backward(norm)
+        ctx.m_dtype = m.dtype
+        if m.dtype == torch.float32:
+            return scale
+        if m.dtype == torch.float64:
+            return m.detach() / norm.double()  # exact in float64 for the given norm (gradcheck)
+        return scale.to(m.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_scale: Tensor):
+        (norm,) = ctx.saved_tensors
+        grad_m = None
+        if ctx.needs_input_grad[3]:
+            if grad_scale.dtype == torch.float64:  # gradcheck: exact in float64
+                grad_m = grad_scale / norm.double()
+            else:  # kerf's ops::dora_norm_backward: grad_m = grad_scale / norm
+                grad_m = torch.empty(norm.shape, dtype=ctx.m_dtype, device=norm.device)
+                _ops.dora_norm_backward(norm, _dense_grad(grad_scale), grad_m=grad_m)
+        # No gradient reaches W, A or B through the detached norm (DoRA section 4.3).
+        return None, None, None, grad_m, None, None
+
+
+def dora_scale(
+    W: Tensor,
+    A: Tensor,
+    B: Tensor,
+    m: Tensor,
+    s: float,
+    eps: float = 0.0,
+    *,
+    cache: Optional["DoraNormCache"] = None,
+) -> Tensor:
+    """DoRA's ``mag_norm_scale = m / ||W + s * B @ A||_row`` (shape [out], m's dtype).
+
+    Differentiable in ``m`` only, like PEFT (the norm is detached). With
+    ``cache`` the norm is reused until the next optimizer step.
+    """
+    if cache is not None:
+        return cache.scale(W, A, B, m, s, eps)
+    return DoraScale.apply(W, A, B, m, float(s), float(eps))
+
+
+def _fingerprint(t: Tensor) -> Tuple[Any, ...]:
+    return (t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+
+
+class DoraNormCache:
+    """Reuses DoRA weight norms between optimizer steps; never serves a stale one.
+
+    The norm ``||W + s * B @ A||`` changes only when W, A or B change, which in
+    training happens in ``optimizer.step()``. The cache is emptied after every
+    step by an ``Optimizer.register_step_post_hook`` it installs on the
+    optimizers you give it, or, when you give none, by a global hook on every
+    optimizer (``torch.optim.optimizer.register_optimizer_step_post_hook``).
+    Neither ``data_ptr()`` nor ``tensor._version`` alone is trusted:
+    ``AdamW(fused=True).step()`` and ``p.data.add_()`` leave both unchanged.
+    They are still checked, so an entry also dies when a tensor is replaced or
+    bumped by an ordinary in-place op.
+
+    Writing weights outside an optimizer step (``p.data.copy_(...)``,
+    ``load_state_dict``) needs an explicit :meth:`invalidate`.
+
+    Useful with gradient accumulation or activation checkpointing, where the
+    same layer runs several forwards per step::
+
+        cache = kerf.autograd.DoraNormCache(optimizer)
+        scale = kerf.autograd.dora_scale(W, A, B, m, s, cache=cache)
+    """
+
+    def __init__(self, *optimizers: "torch.optim.Optimizer") -> None:
+        self._norms: Dict[Tuple[Any, ...], Tuple[Tuple[Any, ...], Tuple[Any, ...], Tensor]] = {}
+        self._handles: list = []
+        self.hits = 0
+        self.misses = 0
+        me = weakref.ref(self)
+
+        def on_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+            cache = me()
+            if cache is not None:
+                cache.invalidate()
+
+        self._on_step = on_step
+        if optimizers:
+            for opt in optimizers:
+                self.attach(opt)
+        else:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            self._handles.append(register_optimizer_step_post_hook(on_step))
+
+    def attach(self, optimizer: "torch.optim.Optimizer") -> "DoraNormCache":
+        """Empty the cache after every ``optimizer.step()`` (also of further optimizers)."""
+        self._handles.append(optimizer.register_step_post_hook(self._on_step))
+        return self
+
+    def invalidate(self) -> None:
+        """Forget every cached norm (call it after writing weights outside an optimizer step)."""
+        self._norms.clear()
+
+    def close(self) -> None:
+        """Remove the hooks and empty the cache."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.invalidate()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __len__(self) -> int:
+        return len(self._norms)
+
+    def norm(self, W: Tensor, A: Tensor, B: Tensor, s: float, eps: float = 0.0) -> Tensor:
+        """The (detached, float32) norm, cached until the next optimizer step."""
+        key = (id(W), id(A), id(B), float(s), float(eps))
+        prints = (_fingerprint(W), _fingerprint(A), _fingerprint(B))
+        entry = self._norms.get(key)
+        if entry is not None:
+            refs, old_prints, norm = entry
+            if all(r() is t for r, t in zip(refs, (W, A, B))) and old_prints == prints:
+                self.hits += 1
+                return norm
+        self.misses += 1
+        norm = dora_weight_norm(W, A, B, s, eps)
+        self._norms[key] = ((weakref.ref(W), weakref.ref(A), weakref.ref(B)), prints, norm)
+        return norm
+
+    def scale(self, W: Tensor, A: Tensor, B: Tensor, m: Tensor, s: float, eps: float = 0.0) -> Tensor:
+        """``m / norm`` with the cached norm; differentiable in ``m``."""
+        return _scale_from_norm(m, self.norm(W, A, B, s, eps))
+
+
+# ---------------------------------------------------------------- MoE LoRA materialization
+def _moe_backward(dW: Tensor, A: Tensor, B: Tensor, s: float, need_a: bool, need_b: bool):
+    """dA[e] = s * B[e]^T @ dW[e], dB[e] = s * dW[e] @ A[e]^T (kerf, fp32 accumulation)."""
+    if not (need_a or need_b):
+        return None, None
+    dA, dB = _ops.moe_lora_materialize_backward(_for_kerf(_dense_grad(dW)), _for_kerf(A), _for_kerf(B), s)
+    return (dA.to(A.dtype) if need_a else None), (dB.to(B.dtype) if need_b else None)
+
+
+class MoeLoraMaterialize(torch.autograd.Function):
+    """``W_eff[e] = W[e] + s * B[e] @ A[e]`` with A [E, r, K], B [E, N, r] (any strides).
+
+    Backward: ``dA[e] = s * B[e]^T dW_eff[e]``, ``dB[e] = s * dW_eff[e] A[e]^T``;
+    W gets ``dW_eff`` when it requires a gradient (a frozen base never does).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, W: Tensor, A: Tensor, B: Tensor, s: float) -> Tensor:
+        ctx.s = float(s)
+        ctx.save_for_backward(A, B)
+        if W.dtype == torch.float64:
+            return _ops.moe_lora_materialize(_for_kerf(W), _for_kerf(A), _for_kerf(B), ctx.s).double()
+        return _ops.moe_lora_materialize(W.detach(), _for_kerf(A), _for_kerf(B), ctx.s)
+
+    @staticmethod
+    def backward(ctx: Any, dW: Tensor):
+        A, B = ctx.saved_tensors
+        dA, dB = _moe_backward(dW, A, B, ctx.s, ctx.needs_input_grad[1], ctx.needs_input_grad[2])
+        return (dW if ctx.needs_input_grad[0] else None), dA, dB, None
+
+
+def moe_lora_materialize(W: Tensor, A: Tensor, B: Tensor, s: float) -> Tensor:
+    """Differentiable ``W_eff[e] = W[e] + s * B[e] @ A[e]`` (A [E, r, K], B [E, N, r])."""
+    return MoeLoraMaterialize.apply(W, A, B, float(s))
+
+
+def moe_lora_materialize_peft(W: Tensor, lora_A: Tensor, lora_B: Tensor, s: float) -> Tensor:
+    """:func:`moe_lora_materialize` on PEFT's ParamWrapper layout.
+
+    W [E, N, K]; ``lora_A [r*E, K]`` (rows expert-major: row e*r + j);
+    ``lora_B [N, r*E]`` (columns rank-major, expert fastest: column j*E + e).
+    Both are viewed, not copied; their gradients come back in the same layout.
+    """
+    E, N, K = W.shape
+    if lora_A.shape[0] % E != 0:
+        raise ValueError(f"lora_A has {lora_A.shape[0]} rows, not a multiple of the {E} experts")
+    r = lora_A.shape[0] // E
+    A3 = lora_A.view(E, r, K)
+    B3 = lora_B.view(N, r, E).permute(2, 0, 1)
+    return moe_lora_materialize(W, A3, B3, s)
+
+
+# ---------------------------------------------------------------- LoRA embedding
+class LoraEmbedding(torch.autograd.Function):
+    """``pre = W[x] + s * A^T[x] @ B^T``; ``out = pre``, or ``(m / n) * pre`` with a DoRA
+    magnitude m [H] and ``n = ||W^T + s * B @ A||`` over the vocabulary (detached).
+
+    x int [...]; W [V, H]; A [r, V]; B [H, r] (PEFT's lora_embedding_A/B). Backward:
+    ``dA[:, v] = s * sum_{x[t]=v} g'[t] @ B`` (none at padding_idx),
+    ``dB = s * g'^T @ A^T[x]``, ``dm = sum_t g * pre / n``, with ``g' = g * m / n``
+    (``g`` without DoRA); W gets ``index_add(x, g')`` only when it requires a gradient.
+    The output is float32 unless W, A and B share a half dtype. The lookup, the A/B
+    gradients (ops::lora_embedding, ops::lora_embedding_backward) and the norm
+    (dora_norm on the strided view W^T) are kerf's.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, W: Tensor, A: Tensor, B: Tensor, s: float, padding_idx: Optional[int],
+                m: Optional[Tensor]) -> Tensor:
+        same_half = W.dtype == A.dtype == B.dtype and W.dtype in (torch.float16, torch.bfloat16)
+        dt = W.dtype if same_half else torch.promote_types(torch.promote_types(W.dtype, A.dtype), torch.float32)
+        ctx.s, ctx.padding_idx, ctx.vocab = float(s), padding_idx, W.shape[0]
+        ctx.dtypes = (W.dtype, A.dtype, B.dtype, None if m is None else m.dtype)
+        out = torch.empty(*x.shape, W.shape[1], dtype=torch.float32 if dt == torch.float64 else dt,
+                          device=W.device)
+        pre = _ops.lora_embedding(x.detach(), _for_kerf(W), _for_kerf(A), _for_kerf(B), float(s), out=out).to(dt)
+        if m is None:
+            ctx.save_for_backward(x, A, B)
+            return pre
+        # n[h] = ||W[:, h] + s * (B @ A)[h, :]|| over the vocabulary: kerf's dora_norm on the view W^T.
+        n = dora_weight_norm(W.t(), A, B, s).to(dt)
+        ms = m.detach().to(dt) / n
+        ctx.save_for_backward(x, A, B, pre, n, ms)
+        return pre * ms
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor):
+        x, A, B, *dora = ctx.saved_tensors
+        s, (w_dtype, a_dtype, b_dtype, m_dtype) = ctx.s, ctx.dtypes
+        dt = torch.promote_types(grad.dtype, torch.float32)
+        H = grad.shape[-1]
+        g = grad.reshape(-1, H).to(dt)
+        dm = dW = dA = dB = None
+        if dora:
+            pre, n, ms = dora
+            if ctx.needs_input_grad[6]:
+                dm = ((g * pre.reshape(-1, H).to(dt)).sum(0) / n.to(dt)).to(m_dtype)  # out = m * pre / n
+            g = g * ms.to(dt)
+        if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+            gA, gB = _ops.lora_embedding_backward(x.detach(), _for_kerf(A), _for_kerf(B),
+                                                  _for_kerf(g).reshape(*x.shape, H), s, padding_idx=ctx.padding_idx)
+            dA = gA.to(a_dtype) if ctx.needs_input_grad[2] else None
+            dB = gB.to(b_dtype) if ctx.needs_input_grad[3] else None
+        if ctx.needs_input_grad[1]:  # a trainable base weight (PEFT freezes it)
+            xf = x.reshape(-1)
+            if ctx.padding_idx is not None:
+                g = g.masked_fill((xf == ctx.padding_idx % ctx.vocab)[:, None], 0)
+            dW = torch.zeros(ctx.vocab, H, dtype=dt, device=g.device).index_add_(0, xf, g).to(w_dtype)
+        return None, dW, dA, dB, None, None, dm
+
+
+def lora_embedding(
+    x: Tensor,
+    W: Tensor,
+    A: Tensor,
+    B: Tensor,
+    s: float,
+    *,
+    padding_idx: Optional[int] = None,
+    magnitude: Optional[Tensor] = None,
+) -> Tensor:
+    """LoRA embedding lookup ``W[x] + s * A^T[x] @ B^T`` (float32 at least), DoRA-scaled by
+    ``magnitude / ||W^T + s * B @ A||`` when a magnitude [H] is given (PEFT's DoraEmbedding).
+
+    x int [...]; W [V, H]; A = lora_embedding_A [r, V]; B = lora_embedding_B [H, r].
+    """
+    return LoraEmbedding.apply(x, W, A, B, float(s), padding_idx, magnitude)

@@ -1,0 +1,224 @@
+"""kerf's operations on tensors of any DLPack framework.
+
+Every op takes tensors as PyTorch tensors, NumPy/CuPy/JAX arrays, kerf.Buffer
+objects or raw DLPack capsules, all on one device, and never copies them:
+kerf reads and writes the caller's memory in place (strides are honoured).
+
+Outputs: pass ``out=``-style arguments to have kerf write into tensors you
+own; the ones you leave out are allocated on the inputs' device by the
+inputs' library (torch.empty for torch, numpy.empty for NumPy) or as a
+:class:`kerf.Buffer` (CuPy, JAX, capsules; ``cupy.from_dlpack(buf)`` etc.
+view it without a copy).
+
+Streams: on CUDA an op is queued on ``stream`` (an int CUstream, a
+torch.cuda.Stream, a CuPy stream or any object with ``__cuda_stream__``);
+by default on PyTorch's current stream of the device for torch tensors, on
+CuPy's current stream for CuPy arrays, else on the legacy default stream. The
+call returns once the work is queued. On the CPU the op runs (on all cores)
+before the call returns.
+
+Sharding: ops that take ``layout=`` receive each operand's local shard and a
+dict like ``{"mesh": {"tp": 4}, "specs": {"W": (None, "tp"), "A": (None, "tp")}}``
+(a jax.sharding.PartitionSpec-like entry per dimension; ``"coords"``: this
+device's coordinate per mesh axis where an op needs it). See docs/ops.md.
+
+These functions are not differentiable: ``kerf.autograd`` wraps them in
+torch.autograd.Function objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+from . import _kerf
+from ._kerf import Config
+
+#: Anything kerf takes as a tensor: torch.Tensor, numpy.ndarray, a CuPy or JAX
+#: array, kerf.Buffer, any object with __dlpack__, or a DLPack capsule.
+TensorLike = Any
+#: None, an int CUstream, torch.cuda.Stream, cupy.cuda.Stream, or an object with __cuda_stream__.
+StreamLike = Any
+#: None or {"mesh": {axis: size}, "specs": {operand: (axis or None, ...)}, "coords": [...]}.
+LayoutLike = Optional[Dict[str, Any]]
+
+__all__ = [
+    "Config",
+    "dora_norm",
+    "dora_norm_backward",
+    "dora_norm_finish",
+    "dora_norm_partial",
+    "lora_embedding",
+    "lora_embedding_backward",
+    "lora_merge",
+    "lora_merge_flax",
+    "lora_unmerge",
+    "lora_unmerge_flax",
+    "moe_lora_materialize",
+    "moe_lora_materialize_backward",
+]
+
+
+def dora_norm(
+    W: TensorLike,
+    A: TensorLike,
+    B: TensorLike,
+    m: TensorLike,
+    s: float,
+    *,
+    eps: float = 0.0,
+    norm: Optional[TensorLike] = None,
+    scale: Optional[TensorLike] = None,
+    stream: StreamLike = None,
+    config: Optional[Config] = None,
+    layout: LayoutLike = None,
+) -> Tuple[TensorLike, TensorLike]:
+    """DoRA weight norm and magnitude scale, without materializing ``B @ A``.
+
+    ``norm[i] = sqrt(sum_j (W[i, j] + s * (B @ A)[i, j])**2 + eps)`` and
+    ``scale[i] = m[i] / norm[i]`` (PEFT's ``get_weight_norm`` and
+    ``mag_norm_scale``; eps=0 reproduces PEFT).
+
+    Args:
+        W: base weight [out, in], bfloat16/float16/float32.
+        A: lora_A weight [r, in] (r <= 256), any of those dtypes.
+        B: lora_B weight [out, r], any of those dtypes.
+        m: DoRA magnitude [out], any of those dtypes.
+        s: LoRA scaling (lora_alpha / r).
+        eps: added under the square root (>= 0).
+        norm, scale: float32 [out] outputs to write into; allocated when None.
+        stream: CUDA stream to run on (see the module docstring).
+        config: block sizes (kerf.Config); None lets kerf choose.
+        layout: sharding layout (module docstring): W split on "out" is local;
+            split on "in" use dora_norm_partial / dora_norm_finish.
+
+    Returns:
+        ``(norm, scale)``: the given outputs, or new ones.
+    """
+    return _kerf.dora_norm(W, A, B, m, s, norm, scale, eps, stream, config, layout)
+
+
+def moe_lora_materialize(
+    W: TensorLike,
+    A: TensorLike,
+    B: TensorLike,
+    s: float,
+    *,
+    out: Optional[TensorLike] = None,
+    stream: StreamLike = None,
+    config: Optional[Config] = None,
+    layout: LayoutLike = None,
+) -> TensorLike:
+    """``W_eff[e] = W[e] + s * B[e] @ A[e]`` for every expert of a MoE layer.
+
+    Args:
+        W: expert weights [E, N, K], bfloat16/float16/float32.
+        A: [E, r, K], any float dtype kerf takes, any strides.
+        B: [E, N, r], any strides: PEFT's flat ``lora_B [N, r*E]`` is
+            ``lora_B.view(N, r, E).permute(2, 0, 1)`` (no copy).
+        s: LoRA scaling.
+        out: W_eff [E, N, K] in W's dtype to write into; allocated when None.
+            ``out=W`` updates the weights in place.
+        stream: CUDA stream to run on.
+        config: block sizes (kerf.Config); None lets kerf choose.
+        layout: sharding layout (operands W, A, B, W_eff; dims "E", "N", "K",
+            "r"): experts, N or K split alike are local.
+
+    Returns:
+        W_eff: ``out``, or a new tensor.
+    """
+    return _kerf.moe_lora_materialize(W, A, B, s, out, stream, config, layout)
+
+
+def dora_norm_partial(W: TensorLike, A: TensorLike, B: TensorLike, s: float, *, sumsq: Optional[TensorLike] = None,
+                      stream: StreamLike = None, config: Optional[Config] = None,
+                      layout: LayoutLike = None) -> TensorLike:
+    """Partial sums of squares of the DoRA norm over this shard's columns:
+    ``sumsq[i] = sum_j (W[i, j] + s * (B @ A)[i, j])**2`` (float32 [out]).
+
+    With W and A split on "in", sum ``sumsq`` over that mesh axis (all-reduce),
+    then :func:`dora_norm_finish`. Unsharded it is the whole row's sum.
+    """
+    return _kerf.dora_norm_partial(W, A, B, s, sumsq, stream, config, layout)
+
+
+def dora_norm_finish(sumsq: TensorLike, m: TensorLike, *, eps: float = 0.0, norm: Optional[TensorLike] = None,
+                     scale: Optional[TensorLike] = None, stream: StreamLike = None,
+                     layout: LayoutLike = None) -> Tuple[TensorLike, TensorLike]:
+    """``norm = sqrt(sumsq + eps)``, ``scale = m / norm`` (float32 [out] each)."""
+    return _kerf.dora_norm_finish(sumsq, m, eps, norm, scale, stream, layout)
+
+
+def dora_norm_backward(norm: TensorLike, grad_scale: TensorLike, *, grad_m: Optional[TensorLike] = None,
+                       stream: StreamLike = None, layout: LayoutLike = None) -> TensorLike:
+    """Backward of ``scale = m / norm`` with the norm a constant (DoRA detaches it):
+    ``grad_m = grad_scale / norm`` (grad_m allocated in grad_scale's dtype)."""
+    return _kerf.dora_norm_backward(norm, grad_scale, grad_m, stream, layout)
+
+
+def lora_merge(W: TensorLike, A: TensorLike, B: TensorLike, s: float, *, stream: StreamLike = None,
+               config: Optional[Config] = None) -> TensorLike:
+    """In place ``W <- W + s * B @ A`` (one pass, the sum formed in float32 and rounded
+    once); returns W. W [out, in], A [r, in], B [out, r], any strides (PEFT's
+    fan_in_fan_out weight is the view ``W.T``); A and B must not overlap W."""
+    return _kerf.lora_merge(W, A, B, s, stream, config)
+
+
+def lora_unmerge(W: TensorLike, A: TensorLike, B: TensorLike, s: float, *, stream: StreamLike = None,
+                 config: Optional[Config] = None) -> TensorLike:
+    """In place ``W <- W - s * B @ A``; returns W. Merge then unmerge gives W back
+    within rounding of its dtype."""
+    return _kerf.lora_unmerge(W, A, B, s, stream, config)
+
+
+def lora_merge_flax(kernel: TensorLike, lora_a: TensorLike, lora_b: TensorLike, s: float, *,
+                    stream: StreamLike = None, config: Optional[Config] = None) -> TensorLike:
+    """MaxText/Flax layout, in place: ``kernel <- kernel + s * einsum("i...r,ro...->i...o...", lora_a, lora_b)``.
+
+    kernel [in..., out...], lora_a [in..., r], lora_b [r, out...]; returns kernel."""
+    return _kerf.lora_merge_flax(kernel, lora_a, lora_b, s, stream, config)
+
+
+def lora_unmerge_flax(kernel: TensorLike, lora_a: TensorLike, lora_b: TensorLike, s: float, *,
+                      stream: StreamLike = None, config: Optional[Config] = None) -> TensorLike:
+    """The inverse of :func:`lora_merge_flax` (subtracts); returns kernel."""
+    return _kerf.lora_unmerge_flax(kernel, lora_a, lora_b, s, stream, config)
+
+
+def moe_lora_materialize_backward(dW_eff: TensorLike, A: TensorLike, B: TensorLike, s: float, *,
+                                  dA: Optional[TensorLike] = None, dB: Optional[TensorLike] = None,
+                                  stream: StreamLike = None, config: Optional[Config] = None,
+                                  layout: LayoutLike = None) -> Tuple[TensorLike, TensorLike]:
+    """Backward of :func:`moe_lora_materialize` (no gradient for W):
+    ``dA[e] = s * B[e]^T @ dW_eff[e]`` [E, r, K], ``dB[e] = s * dW_eff[e] @ A[e]^T`` [E, N, r].
+
+    dA and dB (allocated in A's and B's dtypes when None) are overwritten and may
+    be strided views (PEFT's flat layouts); they must not overlap the inputs."""
+    return _kerf.moe_lora_materialize_backward(dW_eff, A, B, s, dA, dB, stream, config, layout)
+
+
+def lora_embedding(x: TensorLike, weight: TensorLike, A: TensorLike, B: TensorLike, s: float, *,
+                   out: Optional[TensorLike] = None, padding_idx: Optional[int] = None,
+                   scale_grad_by_freq: bool = False, stream: StreamLike = None,
+                   config: Optional[Config] = None, layout: LayoutLike = None) -> TensorLike:
+    """``out[t] = weight[x[t]] + s * A[:, x[t]] @ B^T`` (PEFT's layout).
+
+    x int32/int64 ids (any shape); weight [vocab, dim]; A = lora_embedding_A
+    [r, vocab]; B = lora_embedding_B [dim, r]; out [*x.shape, dim] (allocated in
+    the inputs' dtype when they agree, else float32). An id outside [0, vocab)
+    raises ValueError. padding_idx / scale_grad_by_freq only matter to the backward.
+    """
+    return _kerf.lora_embedding(x, weight, A, B, s, out, padding_idx, scale_grad_by_freq, stream, config,
+                                   layout)
+
+
+def lora_embedding_backward(x: TensorLike, A: TensorLike, B: TensorLike, grad_out: TensorLike, s: float, *,
+                            grad_A: Optional[TensorLike] = None, grad_B: Optional[TensorLike] = None,
+                            padding_idx: Optional[int] = None, scale_grad_by_freq: bool = False,
+                            stream: StreamLike = None, config: Optional[Config] = None,
+                            layout: LayoutLike = None) -> Tuple[TensorLike, TensorLike]:
+    """Gradients of A and B for :func:`lora_embedding` given grad_out [*x.shape, dim]
+    (the base weight gets none): ``grad_A[:, v] = s * sum_{x[t]=v} grad_out[t] @ B``
+    (none at padding_idx; divided by v's count with scale_grad_by_freq),
+    ``grad_B = s * sum_t grad_out[t]^T A[:, x[t]]^T``; allocated in A's and B's dtypes."""
+    return _kerf.lora_embedding_backward(x, A, B, grad_out, s, grad_A, grad_B, padding_idx,
+                                            scale_grad_by_freq, stream, config, layout)

@@ -1,0 +1,330 @@
+// kerf.ops in C++. Each op converts its tensors in the order it reads them
+// (tensor_bridge.h), allocates the outputs it was not given in the caller's
+// library, and runs the C++ op without the GIL. Binding a new op is one m.def
+// here, one function in kerf/ops.py and its line in kerf/_kerf.pyi.
+#include <pybind11/stl.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kerf/error.h"
+#include "kerf/ops/ops.h"
+#include "module.h"
+#include "tensor_bridge.h"
+
+namespace kerf::python {
+
+namespace {
+
+ops::Config config_of(const ops::Config* c) {
+  return c ? *c : ops::Config{};
+}
+
+std::string config_repr(const ops::Config& c) {
+  return "kerf.Config(block_m=" + std::to_string(c.block_m) +
+         ", block_k=" + std::to_string(c.block_k) + ", split_k=" + std::to_string(c.split_k) +
+         ", num_warps=" + std::to_string(c.num_warps) +
+         ", num_stages=" + std::to_string(c.num_stages) + ")";
+}
+
+void bind_config(py::module_& m) {
+  py::class_<ops::Config>(m, "Config", R"doc(
+Block sizes and launch shape of an op; 0 lets kerf choose (the autotuner's
+choice on a GPU, the op's defaults on the CPU). A Config given to an op wins
+over the autotuner.
+)doc")
+      .def(py::init([](int64_t block_m, int64_t block_k, int64_t split_k, int64_t num_warps,
+                       int64_t num_stages) {
+             ops::Config c;
+             c.block_m = block_m;
+             c.block_k = block_k;
+             c.split_k = split_k;
+             c.num_warps = num_warps;
+             c.num_stages = num_stages;
+             return c;
+           }),
+           py::kw_only(), py::arg("block_m") = 0, py::arg("block_k") = 0, py::arg("split_k") = 0,
+           py::arg("num_warps") = 0, py::arg("num_stages") = 0)
+      .def_readwrite("block_m", &ops::Config::block_m, "Rows per program (BLOCK_N for MoE).")
+      .def_readwrite("block_k", &ops::Config::block_k, "Columns per step.")
+      .def_readwrite("split_k", &ops::Config::split_k,
+                     "Programs sharing one row block (DoRA norm).")
+      .def_readwrite("num_warps", &ops::Config::num_warps)
+      .def_readwrite("num_stages", &ops::Config::num_stages)
+      .def("__repr__", &config_repr);
+}
+
+// What a tensor looks like to kerf, for tests and debugging.
+py::dict view_info(py::handle obj, py::handle stream) {
+  const TensorView v = view_of(obj, stream);
+  py::dict d;
+  d["data_ptr"] = py::int_(reinterpret_cast<uintptr_t>(v.data));
+  d["dtype"] = std::string(dtype_name(v.dtype));
+  d["shape"] = std::vector<int64_t>(v.shape.begin(), v.shape.begin() + v.rank);
+  d["strides"] = std::vector<int64_t>(v.strides.begin(), v.strides.begin() + v.rank);
+  d["device"] = v.device.str();
+  return d;
+}
+
+// A sharding layout from Python: None, or a dict
+//   {"mesh": {"tp": 4} or [("tp", 4), ...], "specs": {"W": (None, "tp"), ...}, "coords": [c, ...]}
+// (specs as jax.sharding.PartitionSpec entries: an axis name or None per dimension).
+ops::Layout layout_of(py::handle obj) {
+  ops::Layout layout;
+  if (!obj || obj.is_none()) return layout;
+  if (!py::isinstance<py::dict>(obj))
+    throw TypeError("layout must be None or a dict with 'mesh', 'specs' and optionally 'coords'");
+  const py::dict d = py::reinterpret_borrow<py::dict>(obj);
+  for (const auto& [key, value] : d) {
+    const std::string k = py::str(key);
+    if (k == "mesh") {
+      const py::object items = py::isinstance<py::dict>(value)
+                                   ? py::reinterpret_borrow<py::dict>(value).attr("items")()
+                                   : py::reinterpret_borrow<py::object>(value);
+      for (const py::handle axis : items) {
+        const auto pair = axis.cast<std::pair<std::string, int64_t>>();
+        layout.mesh.push_back({pair.first, pair.second});
+      }
+    } else if (k == "specs") {
+      for (const auto& [name, spec] : py::reinterpret_borrow<py::dict>(value)) {
+        std::vector<std::string> dims;
+        for (const py::handle a : spec) dims.push_back(a.is_none() ? "" : a.cast<std::string>());
+        layout.specs[py::str(name)] = ops::PartitionSpec(std::move(dims));
+      }
+    } else if (k == "coords") {
+      layout.coords = value.cast<std::vector<int64_t>>();
+    } else {
+      throw InvalidArgument("layout: unknown key '" + k + "' (expected mesh, specs, coords)");
+    }
+  }
+  return layout;
+}
+
+ops::EmbeddingOptions embedding_options(py::handle padding_idx, bool scale_grad_by_freq) {
+  ops::EmbeddingOptions o;
+  if (padding_idx && !padding_idx.is_none()) o.padding_idx = padding_idx.cast<int64_t>();
+  o.scale_grad_by_freq = scale_grad_by_freq;
+  return o;
+}
+
+// The sum's dtype of an op mixing float dtypes: theirs when they agree, else f32.
+DType common_float(std::initializer_list<DType> ts) {
+  for (DType t : ts)
+    if (t != *ts.begin()) return DType::f32;
+  return *ts.begin();
+}
+
+std::vector<int64_t> dims(const TensorView& t) {
+  return std::vector<int64_t>(t.shape.begin(), t.shape.begin() + t.rank);
+}
+
+// Binds an in-place LoRA merge-style op: op(W, A, B, s) updates W and returns it.
+template <class Op>
+void bind_in_place(py::module_& m, const char* name, Op* op, const char* w_name, const char* a_name,
+                   const char* b_name) {
+  m.def(
+      name,
+      [name, op, w_name, a_name, b_name](py::handle W, py::handle A, py::handle B, double s,
+                                         py::handle stream, const ops::Config* config) {
+        Call call(name, stream);
+        const TensorView w = call.output(W, w_name), a = call.input(A, a_name),
+                         b = call.input(B, b_name);
+        const ops::Config cfg = config_of(config);
+        call.run([&] { op(w, a, b, s, call.stream(), cfg); });
+        return py::reinterpret_borrow<py::object>(W);
+      },
+      py::arg(w_name), py::arg(a_name), py::arg(b_name), py::arg("s"), py::arg("stream").none(true),
+      py::arg("config").none(true));
+}
+
+}  // namespace
+
+void bind_ops(py::module_& m) {
+  bind_config(m);
+
+  m.def(
+      "dora_norm",
+      [](py::handle W, py::handle A, py::handle B, py::handle m, double s, py::handle norm,
+         py::handle scale, double eps, py::handle stream, const ops::Config* config,
+         py::handle layout) {
+        Call call("dora_norm", stream);
+        const TensorView w = call.input(W, "W"), a = call.input(A, "A"), b = call.input(B, "B"),
+                         mag = call.input(m, "m");
+        const auto n = call.output_or_new(norm, "norm", {w.shape[0]}, DType::f32);
+        const auto sc = call.output_or_new(scale, "scale", {w.shape[0]}, DType::f32);
+        const ops::Config cfg = config_of(config);
+        if (layout.is_none()) {
+          call.run([&] {
+            ops::dora_norm(w, a, b, mag, s, n.second, sc.second, eps, call.stream(), cfg);
+          });
+        } else {
+          const ops::Layout lay = layout_of(layout);
+          call.run([&] {
+            ops::dora_norm(w, a, b, mag, s, n.second, sc.second, eps, call.stream(), cfg, lay);
+          });
+        }
+        return py::make_tuple(n.first, sc.first);
+      },
+      py::arg("W"), py::arg("A"), py::arg("B"), py::arg("m"), py::arg("s"),
+      py::arg("norm").none(true), py::arg("scale").none(true), py::arg("eps"),
+      py::arg("stream").none(true), py::arg("config").none(true),
+      py::arg("layout").none(true) = py::none(), "ops::dora_norm; see kerf.ops.dora_norm.");
+
+  m.def(
+      "moe_lora_materialize",
+      [](py::handle W, py::handle A, py::handle B, double s, py::handle out, py::handle stream,
+         const ops::Config* config, py::handle layout) {
+        Call call("moe_lora_materialize", stream);
+        const TensorView w = call.input(W, "W"), a = call.input(A, "A"), b = call.input(B, "B");
+        const auto o =
+            call.output_or_new(out, "W_eff", {w.shape[0], w.shape[1], w.shape[2]}, w.dtype);
+        const ops::Config cfg = config_of(config);
+        if (layout.is_none()) {
+          call.run([&] { ops::moe_lora_materialize(w, a, b, s, o.second, call.stream(), cfg); });
+        } else {
+          const ops::Layout lay = layout_of(layout);
+          call.run(
+              [&] { ops::moe_lora_materialize(w, a, b, s, o.second, call.stream(), cfg, lay); });
+        }
+        return o.first;
+      },
+      py::arg("W"), py::arg("A"), py::arg("B"), py::arg("s"), py::arg("out").none(true),
+      py::arg("stream").none(true), py::arg("config").none(true),
+      py::arg("layout").none(true) = py::none(),
+      "ops::moe_lora_materialize; see kerf.ops.moe_lora_materialize.");
+
+  m.def(
+      "dora_norm_partial",
+      [](py::handle W, py::handle A, py::handle B, double s, py::handle sumsq, py::handle stream,
+         const ops::Config* config, py::handle layout) {
+        Call call("dora_norm_partial", stream);
+        const TensorView w = call.input(W, "W"), a = call.input(A, "A"), b = call.input(B, "B");
+        const auto o = call.output_or_new(sumsq, "sumsq", {w.shape[0]}, DType::f32);
+        const ops::Config cfg = config_of(config);
+        const ops::Layout lay = layout_of(layout);
+        call.run([&] { ops::dora_norm_partial(w, a, b, s, o.second, call.stream(), cfg, lay); });
+        return o.first;
+      },
+      py::arg("W"), py::arg("A"), py::arg("B"), py::arg("s"), py::arg("sumsq").none(true),
+      py::arg("stream").none(true), py::arg("config").none(true), py::arg("layout").none(true));
+
+  m.def(
+      "dora_norm_finish",
+      [](py::handle sumsq, py::handle m, double eps, py::handle norm, py::handle scale,
+         py::handle stream, py::handle layout) {
+        Call call("dora_norm_finish", stream);
+        const TensorView ss = call.input(sumsq, "sumsq"), mag = call.input(m, "m");
+        const auto n = call.output_or_new(norm, "norm", {ss.shape[0]}, DType::f32);
+        const auto sc = call.output_or_new(scale, "scale", {ss.shape[0]}, DType::f32);
+        const ops::Layout lay = layout_of(layout);
+        call.run(
+            [&] { ops::dora_norm_finish(ss, mag, eps, n.second, sc.second, call.stream(), lay); });
+        return py::make_tuple(n.first, sc.first);
+      },
+      py::arg("sumsq"), py::arg("m"), py::arg("eps"), py::arg("norm").none(true),
+      py::arg("scale").none(true), py::arg("stream").none(true), py::arg("layout").none(true));
+
+  m.def(
+      "dora_norm_backward",
+      [](py::handle norm, py::handle grad_scale, py::handle grad_m, py::handle stream,
+         py::handle layout) {
+        Call call("dora_norm_backward", stream);
+        const TensorView n = call.input(norm, "norm"), g = call.input(grad_scale, "grad_scale");
+        const auto o = call.output_or_new(grad_m, "grad_m", {n.shape[0]}, g.dtype);
+        const ops::Layout lay = layout_of(layout);
+        call.run([&] { ops::dora_norm_backward(n, g, o.second, call.stream(), lay); });
+        return o.first;
+      },
+      py::arg("norm"), py::arg("grad_scale"), py::arg("grad_m").none(true),
+      py::arg("stream").none(true), py::arg("layout").none(true));
+
+  bind_in_place(m, "lora_merge", &ops::lora_merge, "W", "A", "B");
+  bind_in_place(m, "lora_unmerge", &ops::lora_unmerge, "W", "A", "B");
+  bind_in_place(m, "lora_merge_flax", &ops::lora_merge_flax, "kernel", "lora_a", "lora_b");
+  bind_in_place(m, "lora_unmerge_flax", &ops::lora_unmerge_flax, "kernel", "lora_a", "lora_b");
+
+  m.def(
+      "moe_lora_materialize_backward",
+      [](py::handle dW, py::handle A, py::handle B, double s, py::handle dA, py::handle dB,
+         py::handle stream, const ops::Config* config, py::handle layout) {
+        Call call("moe_lora_materialize_backward", stream);
+        const TensorView g = call.input(dW, "dW_eff"), a = call.input(A, "A"),
+                         b = call.input(B, "B");
+        const auto da = call.output_or_new(dA, "dA", dims(a), a.dtype);
+        const auto db = call.output_or_new(dB, "dB", dims(b), b.dtype);
+        const ops::Config cfg = config_of(config);
+        const ops::Layout lay = layout_of(layout);
+        call.run([&] {
+          ops::moe_lora_materialize_backward(g, a, b, s, da.second, db.second, call.stream(), cfg,
+                                             lay);
+        });
+        return py::make_tuple(da.first, db.first);
+      },
+      py::arg("dW_eff"), py::arg("A"), py::arg("B"), py::arg("s"), py::arg("dA").none(true),
+      py::arg("dB").none(true), py::arg("stream").none(true), py::arg("config").none(true),
+      py::arg("layout").none(true));
+
+  m.def(
+      "lora_embedding",
+      [](py::handle x, py::handle weight, py::handle A, py::handle B, double s, py::handle out,
+         py::handle padding_idx, bool scale_grad_by_freq, py::handle stream,
+         const ops::Config* config, py::handle layout) {
+        Call call("lora_embedding", stream);
+        const TensorView ids = call.input(x, "x"), w = call.input(weight, "weight"),
+                         a = call.input(A, "A"), b = call.input(B, "B");
+        std::vector<int64_t> shape = dims(ids);
+        shape.push_back(w.shape[1]);
+        const auto o =
+            call.output_or_new(out, "out", shape, common_float({w.dtype, a.dtype, b.dtype}));
+        const ops::EmbeddingOptions opt = embedding_options(padding_idx, scale_grad_by_freq);
+        const ops::Config cfg = config_of(config);
+        const ops::Layout lay = layout_of(layout);
+        call.run(
+            [&] { ops::lora_embedding(ids, w, a, b, s, o.second, opt, call.stream(), cfg, lay); });
+        return o.first;
+      },
+      py::arg("x"), py::arg("weight"), py::arg("A"), py::arg("B"), py::arg("s"),
+      py::arg("out").none(true), py::arg("padding_idx").none(true), py::arg("scale_grad_by_freq"),
+      py::arg("stream").none(true), py::arg("config").none(true), py::arg("layout").none(true));
+
+  m.def(
+      "lora_embedding_backward",
+      [](py::handle x, py::handle A, py::handle B, py::handle grad_out, double s, py::handle grad_A,
+         py::handle grad_B, py::handle padding_idx, bool scale_grad_by_freq, py::handle stream,
+         const ops::Config* config, py::handle layout) {
+        Call call("lora_embedding_backward", stream);
+        const TensorView ids = call.input(x, "x"), a = call.input(A, "A"), b = call.input(B, "B"),
+                         g = call.input(grad_out, "grad_out");
+        const auto ga = call.output_or_new(grad_A, "grad_A", dims(a), a.dtype);
+        const auto gb = call.output_or_new(grad_B, "grad_B", dims(b), b.dtype);
+        const ops::EmbeddingOptions opt = embedding_options(padding_idx, scale_grad_by_freq);
+        const ops::Config cfg = config_of(config);
+        const ops::Layout lay = layout_of(layout);
+        call.run([&] {
+          ops::lora_embedding_backward(ids, a, b, g, s, ga.second, gb.second, opt, call.stream(),
+                                       cfg, lay);
+        });
+        return py::make_tuple(ga.first, gb.first);
+      },
+      py::arg("x"), py::arg("A"), py::arg("B"), py::arg("grad_out"), py::arg("s"),
+      py::arg("grad_A").none(true), py::arg("grad_B").none(true), py::arg("padding_idx").none(true),
+      py::arg("scale_grad_by_freq"), py::arg("stream").none(true), py::arg("config").none(true),
+      py::arg("layout").none(true));
+
+  // ---------------------------------------------------------------- introspection
+  m.def("_view_info", &view_info, py::arg("tensor"), py::arg("stream").none(true) = py::none(),
+        "How kerf sees a tensor (data_ptr, dtype, shape, strides in elements, device), without "
+        "copying it.");
+  m.def(
+      "_convert",
+      [](const py::tuple& tensors, py::handle stream) {
+        Call call("kerf", stream);
+        for (const py::handle t : tensors) call.input(t, "tensor");
+      },
+      py::arg("tensors"), py::arg("stream").none(true) = py::none(),
+      "Converts tensors as an op would and does nothing else (to measure the binding's host "
+      "overhead).");
+}
+
+}  // namespace kerf::python

@@ -1,0 +1,92 @@
+// Python tensors as kerf TensorViews, without copies.
+//
+// Any object with __dlpack__/__dlpack_device__ (PyTorch, JAX, CuPy, NumPy,
+// kerf.Buffer) and raw DLPack capsules are accepted. Plain torch.Tensor and
+// torch.nn.Parameter objects take a fast path that reads data_ptr(), dtype,
+// shape, stride() and the device directly (cheaper than a DLPack export per
+// call); every other object goes through DLPack, whose export is kept alive
+// until the call returns.
+//
+// Streams: a call on CUDA tensors runs on the explicit `stream=` when given,
+// else on PyTorch's current stream of the device when the tensors are torch
+// tensors, else on CuPy's current stream for CuPy arrays, else on the legacy
+// default stream. That stream is what __dlpack__(stream=...) receives.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "kerf/runtime/tensor.h"
+
+namespace kerf::python {
+
+namespace py = pybind11;
+
+// Which library made a tensor: outputs kerf allocates follow their inputs' library.
+enum class Framework : uint8_t { torch, numpy, kerf, other };
+
+// The arguments of one op call, converted one by one in the order the op reads them.
+class Call {
+ public:
+  // `op` names the operation in error messages; `stream` is the caller's stream= argument.
+  Call(const char* op, py::handle stream);
+
+  // A tensor the op reads.
+  TensorView input(py::handle obj, const char* name);
+  // A tensor the op writes: it must be writable and the producer's own memory.
+  TensorView output(py::handle obj, const char* name);
+  // `obj` when it is not None (then as output()), else a new contiguous tensor of
+  // `shape` and `dtype`, made by the library of the call's first tensor on its device.
+  std::pair<py::object, TensorView> output_or_new(py::handle obj, const char* name,
+                                                  const std::vector<int64_t>& shape, DType dtype);
+
+  // The CUstream the op runs on (nullptr: the legacy default stream, and always on the CPU).
+  void* stream() const { return stream_; }
+
+  // Runs `work` (the C++ op) without the GIL, then lets a pending Ctrl-C raise
+  // KeyboardInterrupt at once.
+  template <class Work>
+  void run(Work&& work) {
+    {
+      py::gil_scoped_release nogil;
+      work();
+    }
+    check_signals();
+  }
+
+ private:
+  TensorView convert(py::handle obj, const char* name, bool written);
+  TensorView from_dlpack(py::handle obj, const char* name, bool written, Framework framework);
+  void resolve_stream(py::handle obj, Framework framework, int device);
+  static void check_signals();
+
+  const char* op_;
+  py::handle stream_arg_;
+  void* stream_ = nullptr;
+  bool stream_resolved_ = false;
+  // The first tensor: outputs kerf allocates are made like it.
+  py::handle first_;
+  Framework first_framework_ = Framework::other;
+  Device first_device_;
+  bool have_first_ = false;
+  std::vector<py::object> exports_;  // DLPack capsules, alive until the call returns
+};
+
+// The parts of a tensor as kerf sees them (tests, debugging): conversion alone.
+TensorView view_of(py::handle obj, py::handle stream = py::none());
+
+// A CUstream from a Python value: an int handle, a torch.cuda.Stream
+// (.cuda_stream), an object with __cuda_stream__ (the CUDA stream protocol),
+// or a CuPy stream (.ptr).
+void* parse_stream(py::handle stream);
+
+// NumPy's name of a kerf dtype; nullptr when NumPy has none (bf16).
+const char* numpy_dtype_name(DType dtype);
+
+// Makes the interned names the conversions use (at import, with the GIL held).
+void init_bridge();
+
+}  // namespace kerf::python

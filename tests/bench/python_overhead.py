@@ -1,0 +1,126 @@
+#!/usr/bin/env python3
+"""Host time per call of a kerf op from Python, next to a Triton kernel launch
+and PyTorch ops, on small CUDA tensors (launch-bound) in the same process.
+
+    KERF_BUILD_DIR=build python3 tests/bench/python_overhead.py [--calls 2000] [--json out.json]
+
+Each figure is the median over several rounds of (wall time of N back-to-back
+calls, before the final synchronize) / N: what the Python thread spends per
+call. The GPU work of each call is a few microseconds, so the launch queue
+never fills and the GPU does not throttle the loop. The goal of the kerf
+binding is < 5 us per call on an H100 machine.
+
+Prints "SKIPPED: <why>" and exits 0 without torch or CUDA.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=2000, help="calls per round")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--cols", type=int, default=256)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+
+    if os.environ.get("KERF_BUILD_DIR"):
+        sys.path.insert(0, os.path.join(os.path.abspath(os.environ["KERF_BUILD_DIR"]), "python"))
+    try:
+        import torch
+    except ImportError:
+        print("SKIPPED: PyTorch is not installed")
+        return 0
+    if not torch.cuda.is_available():
+        print("SKIPPED: no CUDA device for PyTorch")
+        return 0
+    import kerf
+
+    if not kerf.cuda_available():
+        print(f"SKIPPED: kerf sees no CUDA device ({kerf.cuda_unavailable_reason()})")
+        return 0
+
+    dev = torch.device("cuda")
+    R, C, r = args.rows, args.cols, args.rank
+    W = torch.randn(R, C, device=dev, dtype=torch.bfloat16)
+    A = torch.randn(r, C, device=dev) / 16
+    B = torch.randn(R, r, device=dev)
+    m = torch.rand(R, device=dev) + 0.5
+    norm, scale = torch.empty(R, device=dev), torch.empty(R, device=dev)
+    x, y, z = torch.randn(R, device=dev), torch.randn(R, device=dev), torch.empty(R, device=dev)
+
+    cases = {}
+    ops = kerf.ops
+    core = kerf._kerf
+    cases["kerf dora_norm, outputs given"] = lambda: ops.dora_norm(W, A, B, m, 0.5, norm=norm, scale=scale)
+    cases["kerf dora_norm, outputs allocated (2x torch.empty)"] = lambda: ops.dora_norm(W, A, B, m, 0.5)
+    cases["kerf._kerf.dora_norm (no Python wrapper)"] = lambda: core.dora_norm(W, A, B, m, 0.5, norm, scale, 0.0,
+                                                                              None, None)
+    six = (W, A, B, m, norm, scale)
+    cases["kerf tensor conversion only (6 tensors, no launch)"] = lambda: core._convert(six)
+    cases["kerf call with no tensors (pybind11 floor)"] = lambda: core._convert(())
+    cases["torch.add(x, y, out=z)"] = lambda: torch.add(x, y, out=z)
+    cases["torch.linalg.vector_norm(W, dim=1)"] = lambda: torch.linalg.vector_norm(W, dim=1)
+
+    try:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def row_norm(W_ptr, out_ptr, n_cols, stride, BLOCK: tl.constexpr):
+            row = tl.program_id(0)
+            cols = tl.arange(0, BLOCK)
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK):
+                w = tl.load(W_ptr + row * stride + start + cols, mask=start + cols < n_cols, other=0.0)
+                w = w.to(tl.float32)
+                acc += w * w
+            tl.store(out_ptr + row, tl.sqrt(tl.sum(acc, axis=0)))
+
+        cases[f"triton {triton.__version__} launch (row norm)"] = lambda: row_norm[(R,)](W, norm, C, W.stride(0),
+                                                                                         BLOCK=128)
+    except ImportError:
+        print("note: triton is not installed; its row is left out")
+
+    # Warm up: compiles, autotuning, caching allocators.
+    for fn in cases.values():
+        for _ in range(20):
+            fn()
+    torch.cuda.synchronize()
+
+    results = {}
+    for name, fn in cases.items():
+        per_call = []
+        for _ in range(args.rounds):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(args.calls):
+                fn()
+            t1 = time.perf_counter()
+            per_call.append((t1 - t0) / args.calls * 1e6)
+        torch.cuda.synchronize()
+        results[name] = {"median_us": statistics.median(per_call), "min_us": min(per_call)}
+
+    gpu = torch.cuda.get_device_name()
+    print(f"host time per call, {gpu}, W bf16[{R},{C}], r={r}, {args.calls} calls x {args.rounds} rounds")
+    width = max(len(k) for k in results)
+    for name, v in results.items():
+        print(f"  {name:<{width}}  {v['median_us']:7.2f} us  (min {v['min_us']:.2f})")
+    goal = results["kerf dora_norm, outputs given"]["median_us"]
+    print(f"kerf goal < 5 us per call: {'met' if goal < 5.0 else 'NOT met'} ({goal:.2f} us)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": gpu, "shape": [R, C, r], "results": results,
+                       "torch": torch.__version__, "python": sys.version.split()[0]}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""C++ errors arrive as ValueError / TypeError / RuntimeError with kerf's message."""
+
+import numpy as np
+import pytest
+
+import kerf
+from dlpack_ctypes import kDLCUDA, capsule
+
+
+def dora_inputs(out=8, inn=16, r=2, dtype=np.float32):
+    return (np.ones((out, inn), dtype), np.ones((r, inn), np.float32), np.ones((out, r), np.float32),
+            np.ones(out, np.float32))
+
+
+def test_a_shape_mismatch_is_a_value_error_naming_the_op_and_argument(kerf_cpu):
+    W, A, B, m = dora_inputs()
+    with pytest.raises(ValueError, match=r"dora_norm: A must have shape \[\*, 16\], got \[2, 15\]") as e:
+        kerf_cpu.ops.dora_norm(W, A[:, :15], B, m, 1.0)
+    assert isinstance(e.value, kerf.InvalidArgumentError) and isinstance(e.value, kerf.Error)
+    with pytest.raises(ValueError, match="W_eff must have shape"):
+        kerf_cpu.ops.moe_lora_materialize(np.ones((2, 4, 4), np.float32), np.ones((2, 1, 4), np.float32),
+                                          np.ones((2, 4, 1), np.float32), 1.0, out=np.ones((2, 4, 5), np.float32))
+
+
+def test_a_wrong_dtype_is_a_type_error(kerf_cpu):
+    W, A, B, m = dora_inputs(dtype=np.float64)
+    with pytest.raises(TypeError, match=r"dora_norm: W must be one of \{bf16, f16, f32\}, got f64") as e:
+        kerf_cpu.ops.dora_norm(W, A, B, m, 1.0)
+    assert isinstance(e.value, kerf.DTypeError)
+    W, A, B, m = dora_inputs()
+    with pytest.raises(TypeError, match="norm must be one of"):
+        kerf_cpu.ops.dora_norm(W, A, B, m, 1.0, norm=np.empty(8, np.float64))
+    with pytest.raises(TypeError, match="W_eff must be one of"):
+        kerf_cpu.ops.moe_lora_materialize(np.ones((1, 2, 2), np.float32), np.ones((1, 1, 2), np.float32),
+                                          np.ones((1, 2, 1), np.float32), 1.0, out=np.empty((1, 2, 2), np.float16))
+
+
+def test_dtypes_kerf_has_no_kernels_for_are_type_errors():
+    with pytest.raises(TypeError, match="uint8"):
+        kerf.ops.dora_norm(np.ones((2, 2), np.uint8), *dora_inputs(2, 2, 1)[1:], 1.0)
+    with pytest.raises(TypeError, match="complex"):
+        kerf.ops.dora_norm(np.ones((2, 2), np.complex64), *dora_inputs(2, 2, 1)[1:], 1.0)
+
+
+@pytest.mark.parametrize("bad", [None, [[1.0]], "W", 3.0])
+def test_something_that_is_not_a_tensor_is_a_type_error_naming_the_argument(bad):
+    _, A, B, m = dora_inputs()
+    with pytest.raises(TypeError, match="dora_norm: W"):
+        kerf.ops.dora_norm(bad, A, B, m, 1.0)
+
+
+def test_a_rank_kerf_does_not_support_is_a_value_error(kerf_cpu):
+    W, A, B, m = dora_inputs(8, 16, 257)
+    with pytest.raises(ValueError, match="rank 257 is above the supported 256"):
+        kerf_cpu.ops.dora_norm(W, A, B, m, 1.0)
+    W, A, B, m = dora_inputs()
+    with pytest.raises(ValueError, match="eps must be >= 0"):
+        kerf_cpu.ops.dora_norm(W, A, B, m, 1.0, eps=-1.0)
+
+
+def test_tensors_on_different_devices_are_refused_before_any_launch():
+    W, A, B, m = dora_inputs()
+    # A CUDA capsule over host memory: kerf must refuse the mix before touching it.
+    fake_cuda_A = capsule(A, device=(kDLCUDA, 0))
+    with pytest.raises(ValueError, match="A is on cuda:0 but W is on cpu"):
+        kerf.ops.dora_norm(W, fake_cuda_A, B, m, 1.0, norm=np.empty(8, np.float32), scale=np.empty(8, np.float32))
+
+
+def test_cuda_tensors_without_a_driver_are_a_runtime_error_saying_so():
+    if kerf.cuda_available():
+        pytest.skip("a CUDA driver is present")
+    caps = [capsule(x, device=(kDLCUDA, 0)) for x in dora_inputs()]
+    with pytest.raises(RuntimeError, match="no CUDA driver") as e:
+        kerf.ops.dora_norm(*caps, 1.0)
+    assert isinstance(e.value, kerf.NotAvailableError)
+
+
+def test_bad_streams_are_refused():
+    W, A, B, m = dora_inputs()
+    caps = [capsule(x, device=(kDLCUDA, 0)) for x in (W, A, B, m)]
+    with pytest.raises(TypeError, match="stream must be"):
+        kerf.ops.dora_norm(*caps, 1.0, stream="fast")
+    with pytest.raises(ValueError, match="CUstream handle"):
+        kerf.ops.dora_norm(*caps, 1.0, stream=-5)
+
+
+def test_errors_leave_the_inputs_untouched_and_kerf_usable(kerf_cpu):
+    W, A, B, m = dora_inputs()
+    keep = [x.copy() for x in (W, A, B, m)]
+    with pytest.raises(ValueError):
+        kerf_cpu.ops.dora_norm(W, A, B[:4], m, 1.0)
+    for x, k in zip((W, A, B, m), keep):
+        np.testing.assert_array_equal(x, k)
+    norm, _ = kerf_cpu.ops.dora_norm(W, A, B, m, 1.0)
+    np.testing.assert_allclose(norm, np.full(8, np.sqrt(16 * 9.0)), rtol=1e-6)

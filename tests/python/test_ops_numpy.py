@@ -1,0 +1,258 @@
+"""Every bound op on the CPU back end against a float64 NumPy reference."""
+
+import numpy as np
+import pytest
+
+from dlpack_ctypes import capsule, from_bf16_bits, kDLBfloat, to_bf16_bits
+
+rng = np.random.default_rng(1234)
+
+
+def dora_reference(W, A, B, m, s, eps=0.0):
+    W, A, B, m = (np.asarray(x, dtype=np.float64) for x in (W, A, B, m))
+    norm = np.sqrt(((W + s * B @ A) ** 2).sum(axis=1) + eps)
+    return norm, m / norm
+
+
+def moe_reference(W, A, B, s):
+    W, A, B = (np.asarray(x, dtype=np.float64) for x in (W, A, B))
+    return W + s * np.einsum("enr,erk->enk", B, A)
+
+
+def make_dora(out, inn, r, dtype=np.float32, adapter_dtype=np.float32):
+    W = rng.standard_normal((out, inn)).astype(dtype)
+    A = (rng.standard_normal((r, inn)) / np.sqrt(inn)).astype(adapter_dtype)
+    B = rng.standard_normal((out, r)).astype(adapter_dtype)
+    m = rng.uniform(0.5, 2.0, out).astype(np.float32)
+    return W, A, B, m
+
+
+@pytest.mark.parametrize("out,inn,r", [(64, 128, 8), (37, 91, 3), (1, 1, 1), (130, 300, 16), (48, 64, 256)])
+def test_dora_norm_matches_float64_in_float32(kerf_cpu, out, inn, r):
+    W, A, B, m = make_dora(out, inn, r)
+    norm, scale = kerf_cpu.ops.dora_norm(W, A, B, m, 0.75)
+    assert isinstance(norm, np.ndarray) and norm.dtype == np.float32 and norm.shape == (out,)
+    ref_norm, ref_scale = dora_reference(W, A, B, m, 0.75)
+    np.testing.assert_allclose(norm, ref_norm, rtol=2e-5)
+    np.testing.assert_allclose(scale, ref_scale, rtol=2e-5)
+
+
+def test_dora_norm_with_float16_weight_and_float32_adapters(kerf_cpu):
+    W, A, B, m = make_dora(96, 160, 8, dtype=np.float16)
+    norm, scale = kerf_cpu.ops.dora_norm(W, A, B, m.astype(np.float16), 0.5)
+    ref_norm, ref_scale = dora_reference(W, A, B, m.astype(np.float16), 0.5)
+    # The low-rank product runs in W's dtype (tensor cores on a GPU): half precision.
+    np.testing.assert_allclose(norm, ref_norm, rtol=2e-3)
+    np.testing.assert_allclose(scale, ref_scale, rtol=2e-3)
+
+
+def test_dora_norm_on_bfloat16_weights_from_a_dlpack_capsule(kerf_cpu):
+    # NumPy has no bfloat16: the bits travel in a hand-made capsule typed kDLBfloat.
+    W32, A, B, m = make_dora(64, 96, 8)
+    W_bits = to_bf16_bits(W32)
+    W_cap = capsule(W_bits, code=kDLBfloat, bits=16)
+    norm, scale = kerf_cpu.ops.dora_norm(W_cap, A, B, m, 0.5, norm=np.empty(64, np.float32),
+                                         scale=np.empty(64, np.float32))
+    ref_norm, ref_scale = dora_reference(from_bf16_bits(W_bits), A, B, m, 0.5)
+    np.testing.assert_allclose(norm, ref_norm, rtol=1e-2)
+    np.testing.assert_allclose(scale, ref_scale, rtol=1e-2)
+
+
+def test_dora_norm_eps_and_zero_rows(kerf_cpu):
+    W, A, B, m = make_dora(8, 32, 4)
+    W[3] = 0.0
+    B[3] = 0.0
+    norm, scale = kerf_cpu.ops.dora_norm(W, A, B, m, 1.0)
+    assert norm[3] == 0.0 and np.isinf(scale[3])  # PEFT's behaviour with eps = 0
+    norm, scale = kerf_cpu.ops.dora_norm(W, A, B, m, 1.0, eps=1e-6)
+    ref_norm, ref_scale = dora_reference(W, A, B, m, 1.0, eps=1e-6)
+    np.testing.assert_allclose(norm, ref_norm, rtol=1e-5)
+    np.testing.assert_allclose(scale, ref_scale, rtol=1e-5)
+
+
+def test_dora_norm_of_zero_rows_returns_empty_outputs(kerf_cpu):
+    W, A, B, m = make_dora(0, 16, 2)
+    norm, scale = kerf_cpu.ops.dora_norm(W, A, B, m, 1.0)
+    assert norm.shape == (0,) and scale.shape == (0,)
+
+
+def test_dora_norm_reads_strided_inputs(kerf_cpu):
+    out, inn, r = 40, 72, 6
+    W_t = rng.standard_normal((inn, out)).astype(np.float32)  # W = W_t.T: column-major
+    A_wide = rng.standard_normal((r, 2 * inn)).astype(np.float32) / 10
+    B_f = np.asfortranarray(rng.standard_normal((out, r)).astype(np.float32))
+    m_wide = rng.uniform(0.5, 2.0, 2 * out).astype(np.float32)
+    W, A, m = W_t.T, A_wide[:, ::2], m_wide[1::2]
+    assert not W.flags.c_contiguous and not A.flags.c_contiguous and not B_f.flags.c_contiguous
+    norm, scale = kerf_cpu.ops.dora_norm(W, A, B_f, m, 0.25)
+    ref_norm, ref_scale = dora_reference(W, A, B_f, m, 0.25)
+    np.testing.assert_allclose(norm, ref_norm, rtol=2e-5)
+    np.testing.assert_allclose(scale, ref_scale, rtol=2e-5)
+
+
+def test_dora_norm_writes_strided_outputs(kerf_cpu):
+    W, A, B, m = make_dora(32, 64, 4)
+    both = np.zeros((2, 64), np.float32)
+    norm, scale = both[0, ::2], both[1, 1::2]
+    kerf_cpu.ops.dora_norm(W, A, B, m, 0.5, norm=norm, scale=scale)
+    ref_norm, ref_scale = dora_reference(W, A, B, m, 0.5)
+    np.testing.assert_allclose(both[0, ::2], ref_norm, rtol=2e-5)
+    np.testing.assert_allclose(both[1, 1::2], ref_scale, rtol=2e-5)
+    assert not both[0, 1::2].any() and not both[1, ::2].any()  # nothing written between
+
+
+def test_dora_norm_takes_an_explicit_config(kerf_cpu):
+    W, A, B, m = make_dora(50, 70, 5)
+    norm, _ = kerf_cpu.ops.dora_norm(W, A, B, m, 0.5, config=kerf_cpu.Config(block_m=16, block_k=32))
+    np.testing.assert_allclose(norm, dora_reference(W, A, B, m, 0.5)[0], rtol=2e-5)
+
+
+@pytest.mark.parametrize("E,N,K,r", [(4, 48, 80, 8), (3, 17, 33, 2), (1, 64, 64, 16)])
+def test_moe_lora_materialize_matches_float64(kerf_cpu, E, N, K, r):
+    W = rng.standard_normal((E, N, K)).astype(np.float32)
+    A = rng.standard_normal((E, r, K)).astype(np.float32)
+    B = rng.standard_normal((E, N, r)).astype(np.float32)
+    W_eff = kerf_cpu.ops.moe_lora_materialize(W, A, B, 0.5)
+    assert isinstance(W_eff, np.ndarray) and W_eff.dtype == np.float32 and W_eff.shape == (E, N, K)
+    np.testing.assert_allclose(W_eff, moe_reference(W, A, B, 0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_moe_lora_materialize_float16(kerf_cpu):
+    E, N, K, r = 2, 32, 48, 4
+    W = rng.standard_normal((E, N, K)).astype(np.float16)
+    A = rng.standard_normal((E, r, K)).astype(np.float32)
+    B = rng.standard_normal((E, N, r)).astype(np.float32)
+    W_eff = kerf_cpu.ops.moe_lora_materialize(W, A, B, 0.5)
+    assert W_eff.dtype == np.float16
+    np.testing.assert_allclose(W_eff, moe_reference(W, A, B, 0.5), rtol=1e-2, atol=1e-2)
+
+
+def test_moe_lora_materialize_on_peft_flat_layout_views(kerf_cpu):
+    # PEFT ParamWrapper: lora_A [r*E, K] (row e*r + j), lora_B [N, r*E] (column j*E + e).
+    E, N, K, r = 4, 24, 40, 3
+    W = rng.standard_normal((E, N, K)).astype(np.float32)
+    lora_A = rng.standard_normal((r * E, K)).astype(np.float32)
+    lora_B = rng.standard_normal((N, r * E)).astype(np.float32)
+    A3 = lora_A.reshape(E, r, K)
+    B3 = lora_B.reshape(N, r, E).transpose(2, 0, 1)  # a strided view, no copy
+    assert np.shares_memory(B3, lora_B)
+    W_eff = kerf_cpu.ops.moe_lora_materialize(W, A3, B3, 2.0)
+    ref = np.stack([W[e] + 2.0 * lora_B[:, e::E].astype(np.float64) @ lora_A[e * r:(e + 1) * r] for e in range(E)])
+    np.testing.assert_allclose(W_eff, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_moe_lora_materialize_into_out_and_in_place(kerf_cpu):
+    E, N, K, r = 2, 16, 24, 4
+    W = rng.standard_normal((E, N, K)).astype(np.float32)
+    A = rng.standard_normal((E, r, K)).astype(np.float32)
+    B = rng.standard_normal((E, N, r)).astype(np.float32)
+    ref = moe_reference(W, A, B, 0.5)
+    out = np.empty_like(W)
+    assert kerf_cpu.ops.moe_lora_materialize(W, A, B, 0.5, out=out) is out
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    assert kerf_cpu.ops.moe_lora_materialize(W, A, B, 0.5, out=W) is W  # merge into the weights
+    np.testing.assert_allclose(W, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(np.float32, 1e-5), (np.float16, 2e-3)])
+def test_lora_merge_and_unmerge_in_place(kerf_cpu, dtype, tol):
+    out, inn, r = 40, 56, 4
+    W = rng.standard_normal((out, inn)).astype(dtype)
+    A = rng.standard_normal((r, inn)).astype(np.float32) / 4
+    B = rng.standard_normal((out, r)).astype(np.float32) / 4
+    W0 = W.copy()
+    assert kerf_cpu.ops.lora_merge(W, A, B, 0.5) is W
+    np.testing.assert_allclose(W, W0.astype(np.float64) + 0.5 * B.astype(np.float64) @ A, rtol=tol, atol=tol)
+    assert kerf_cpu.ops.lora_unmerge(W, A, B, 0.5) is W
+    np.testing.assert_allclose(W, W0, rtol=4 * tol, atol=4 * tol)
+
+
+def test_lora_merge_into_a_transposed_view(kerf_cpu):
+    # PEFT's fan_in_fan_out weight is stored [in, out]: merge into its transpose.
+    out, inn, r = 24, 32, 2
+    W_io = rng.standard_normal((inn, out)).astype(np.float32)
+    A = rng.standard_normal((r, inn)).astype(np.float32)
+    B = rng.standard_normal((out, r)).astype(np.float32)
+    ref = W_io.T.astype(np.float64) + 2.0 * B.astype(np.float64) @ A
+    kerf_cpu.ops.lora_merge(W_io.T, A, B, 2.0)
+    np.testing.assert_allclose(W_io.T, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_merge_flax_layout(kerf_cpu):
+    emb, heads, hd, r = 32, 4, 8, 3
+    kernel = rng.standard_normal((emb, heads, hd)).astype(np.float32)
+    a = rng.standard_normal((emb, r)).astype(np.float32)
+    b = rng.standard_normal((r, heads, hd)).astype(np.float32)
+    k0 = kernel.copy()
+    kerf_cpu.ops.lora_merge_flax(kernel, a, b, 0.5)
+    np.testing.assert_allclose(kernel, k0 + 0.5 * np.einsum("ir,rho->iho", a.astype(np.float64), b),
+                               rtol=1e-5, atol=1e-5)
+    kerf_cpu.ops.lora_unmerge_flax(kernel, a, b, 0.5)
+    np.testing.assert_allclose(kernel, k0, rtol=1e-5, atol=1e-5)
+
+
+def test_dora_norm_partial_then_finish_equals_dora_norm_over_column_shards(kerf_cpu):
+    W, A, B, m = make_dora(48, 96, 4)
+    halves = [kerf_cpu.ops.dora_norm_partial(W[:, c:c + 48], A[:, c:c + 48], B, 0.5) for c in (0, 48)]
+    sumsq = (halves[0] + halves[1]).astype(np.float32)  # the all-reduce over the "in" shards
+    norm, scale = kerf_cpu.ops.dora_norm_finish(sumsq, m, eps=1e-6)
+    ref_norm, ref_scale = dora_reference(W, A, B, m, 0.5, eps=1e-6)
+    np.testing.assert_allclose(norm, ref_norm, rtol=2e-5)
+    np.testing.assert_allclose(scale, ref_scale, rtol=2e-5)
+    layout = {"mesh": {"tp": 2}, "specs": {"W": (None, "tp"), "A": (None, "tp")}}
+    part = kerf_cpu.ops.dora_norm_partial(W[:, :48], A[:, :48], B, 0.5, layout=layout)
+    np.testing.assert_allclose(part, halves[0], rtol=1e-6)
+
+
+def test_dora_norm_with_a_layout_refuses_an_in_split_naming_the_remedy(kerf_cpu):
+    W, A, B, m = make_dora(16, 32, 2)
+    layout = {"mesh": {"tp": 2}, "specs": {"W": (None, "tp"), "A": (None, "tp")}}
+    with pytest.raises(ValueError, match="dora_norm_partial"):
+        kerf_cpu.ops.dora_norm(W, A, B, m, 0.5, layout=layout)
+    with pytest.raises(ValueError, match="unknown key"):
+        kerf_cpu.ops.dora_norm(W, A, B, m, 0.5, layout={"axes": {}})
+
+
+def test_dora_norm_backward_divides_by_the_norm(kerf_cpu):
+    norm = rng.uniform(1, 3, 33).astype(np.float32)
+    g = rng.standard_normal(33).astype(np.float32)
+    grad_m = kerf_cpu.ops.dora_norm_backward(norm, g)
+    np.testing.assert_allclose(grad_m, g / norm, rtol=1e-6)
+
+
+def test_moe_lora_materialize_backward_matches_float64(kerf_cpu):
+    E, N, K, r = 3, 20, 28, 4
+    dW = rng.standard_normal((E, N, K)).astype(np.float32)
+    A = rng.standard_normal((E, r, K)).astype(np.float32)
+    B = rng.standard_normal((E, N, r)).astype(np.float32)
+    dA, dB = kerf_cpu.ops.moe_lora_materialize_backward(dW, A, B, 0.5)
+    assert dA.shape == (E, r, K) and dB.shape == (E, N, r)
+    d64 = dW.astype(np.float64)
+    np.testing.assert_allclose(dA, 0.5 * np.einsum("enr,enk->erk", B.astype(np.float64), d64), rtol=1e-5,
+                               atol=1e-5)
+    np.testing.assert_allclose(dB, 0.5 * np.einsum("enk,erk->enr", d64, A.astype(np.float64)), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_lora_embedding_forward_and_backward_match_float64(kerf_cpu):
+    V, H, r, s = 30, 12, 4, 0.5
+    x = np.array([[1, 0, 7, 29], [7, 7, 2, 0]], np.int64)
+    W = rng.standard_normal((V, H)).astype(np.float32)
+    A = rng.standard_normal((r, V)).astype(np.float32)
+    B = rng.standard_normal((H, r)).astype(np.float32)
+    out = kerf_cpu.ops.lora_embedding(x, W, A, B, s)
+    assert out.shape == (2, 4, H)
+    ref = W[x].astype(np.float64) + s * A.T[x].astype(np.float64) @ B.T
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    g = rng.standard_normal((2, 4, H)).astype(np.float32)
+    gA, gB = kerf_cpu.ops.lora_embedding_backward(x, A, B, g, s, padding_idx=0)
+    g64, xf = g.reshape(-1, H).astype(np.float64), x.reshape(-1)
+    d_aA = s * g64 @ B
+    d_aA[xf == 0] = 0
+    ref_gA = np.zeros((V, r))
+    np.add.at(ref_gA, xf, d_aA)
+    np.testing.assert_allclose(gA, ref_gA.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gB, s * g64.T @ A.T[xf].astype(np.float64), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError):
+        kerf_cpu.ops.lora_embedding(np.array([V]), W, A, B, s)
+

@@ -1,0 +1,120 @@
+"""The package itself: what `import kerf` gives, errors, kerf.Buffer, typing files."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import kerf
+
+
+def test_import_gives_version_ops_and_backend_queries():
+    assert kerf.__version__.count(".") == 2
+    assert callable(kerf.ops.dora_norm) and callable(kerf.ops.moe_lora_materialize)
+    assert isinstance(kerf.cpu_available(), bool)
+    assert isinstance(kerf.cuda_available(), bool)
+    assert kerf.device_count() >= 0
+    if not kerf.cuda_available():
+        assert kerf.cuda_unavailable_reason()
+
+
+def test_import_kerf_does_not_import_torch():
+    code = "import sys, kerf, kerf.ops; print('torch' in sys.modules)"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(kerf.__file__)),
+                                                        os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_kerf_autograd_without_torch_says_what_is_missing():
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="kerf.autograd needs PyTorch"):
+            kerf.autograd  # noqa: B018
+    else:
+        pytest.skip("torch is installed here")
+
+
+def test_errors_derive_from_kerf_error_and_the_builtin_their_kind_maps_to():
+    assert issubclass(kerf.InvalidArgumentError, ValueError)
+    assert issubclass(kerf.DefinitionError, ValueError)
+    assert issubclass(kerf.DTypeError, TypeError)
+    for cls in (kerf.CompileError, kerf.CudaError, kerf.NotAvailableError, kerf.CacheError, kerf.InternalError):
+        assert issubclass(cls, RuntimeError)
+    for cls in (kerf.InvalidArgumentError, kerf.DTypeError, kerf.CompileError, kerf.NotAvailableError):
+        assert issubclass(cls, kerf.Error)
+    assert kerf.InvalidArgumentError.__module__ == "kerf"
+
+
+def test_the_package_ships_type_stubs_and_the_typed_marker():
+    pkg = os.path.dirname(kerf.__file__)
+    assert os.path.isfile(os.path.join(pkg, "py.typed"))
+    assert os.path.isfile(os.path.join(pkg, "_kerf.pyi"))
+
+
+def test_ops_have_docstrings_and_keyword_only_options():
+    import inspect
+
+    sig = inspect.signature(kerf.ops.dora_norm)
+    assert list(sig.parameters)[:5] == ["W", "A", "B", "m", "s"]
+    for name in ("eps", "norm", "scale", "stream", "config"):
+        assert sig.parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
+    assert "without materializing" in kerf.ops.dora_norm.__doc__
+    assert "W_eff" in kerf.ops.moe_lora_materialize.__doc__
+
+
+def test_config_takes_keywords_and_prints_them():
+    c = kerf.Config(block_m=32, num_warps=8)
+    assert (c.block_m, c.block_k, c.num_warps) == (32, 0, 8)
+    assert repr(c).startswith("kerf.Config(block_m=32")
+
+
+def test_a_buffer_is_a_dlpack_producer_numpy_views_without_copying():
+    buf = kerf.empty((3, 5), "float32")
+    assert buf.shape == (3, 5) and buf.strides == (5, 1) and buf.dtype == "f32" and buf.device == "cpu"
+    assert buf.nbytes == 60 and repr(buf) == "kerf.Buffer(f32[3, 5] on cpu)"
+    assert buf.__dlpack_device__() == (1, 0)
+    a = np.from_dlpack(buf)
+    assert a.shape == (3, 5) and a.ctypes.data == buf.data_ptr()
+    w = buf.numpy()  # a writable view (NumPy 1.x imports DLPack read-only)
+    assert w.ctypes.data == buf.data_ptr() and w.flags.writeable
+    w[...] = 7.0
+    assert a[2, 4] == 7.0  # same memory
+
+
+def test_a_buffer_outlives_its_python_object_while_a_view_holds_it():
+    buf = kerf.empty((1000,), "float64")
+    buf.numpy()[:] = np.arange(1000)
+    a = np.from_dlpack(buf)
+    del buf
+    import gc
+
+    gc.collect()
+    assert a[999] == 999.0
+
+
+def test_a_buffer_exports_versioned_capsules_when_asked():
+    buf = kerf.empty((4,), "f32")
+    assert type(buf.__dlpack__()).__name__ == "PyCapsule"
+    cap = buf.__dlpack__(max_version=(1, 0))
+    assert "dltensor_versioned" in repr(cap)
+    assert "dltensor_versioned" not in repr(buf.__dlpack__(max_version=(0, 8)))
+    with pytest.raises(BufferError):
+        buf.__dlpack__(copy=True)
+    with pytest.raises(BufferError):
+        buf.__dlpack__(dl_device=(2, 0))
+
+
+def test_buffer_arguments_are_checked():
+    with pytest.raises(TypeError, match="unknown dtype"):
+        kerf.empty((2,), "complex64")
+    with pytest.raises(ValueError, match="device must be"):
+        kerf.empty((2,), "f32", "tpu")
+    with pytest.raises(ValueError, match=">= 0"):
+        kerf.empty((-1,), "f32")
+    assert kerf.empty((0, 4), "bf16").shape == (0, 4)
+    with pytest.raises(BufferError, match="NumPy has no bf16"):
+        kerf.empty((2,), "bf16").numpy()

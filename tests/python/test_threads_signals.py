@@ -1,0 +1,75 @@
+"""kerf's C++ work (compiles, CPU kernels, synchronizing calls) runs without the
+GIL, and a Ctrl-C that arrives meanwhile raises KeyboardInterrupt as soon as
+the call returns (kerf has no hook to stop a compile or a tuning half-way)."""
+
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+
+def big_dora(rows=2048, cols=8192, r=16):
+    rng = np.random.default_rng(3)
+    return (rng.standard_normal((rows, cols), dtype=np.float32), rng.standard_normal((r, cols), dtype=np.float32),
+            rng.standard_normal((rows, r), dtype=np.float32), np.ones(rows, np.float32))
+
+
+def test_other_python_threads_run_while_kerf_works(kerf_cpu):
+    args = big_dora(rows=4096)
+    kerf_cpu.ops.dora_norm(*args, 0.5)  # compiled and warm
+    calls = 5
+    done = threading.Event()
+    ticks = 0
+
+    def worker():
+        for _ in range(calls):
+            kerf_cpu.ops.dora_norm(*args, 0.5)
+        done.set()
+
+    th = threading.Thread(target=worker)
+    t0 = time.perf_counter()
+    th.start()
+    while not done.is_set():
+        ticks += 1
+        time.sleep(0.001)
+    th.join()
+    elapsed = time.perf_counter() - t0
+    # Holding the GIL through each C++ call would let this loop run only between calls (~calls ticks).
+    assert ticks >= 4 * calls, f"the main thread ran {ticks} times in {elapsed * 1e3:.0f} ms of {calls} calls"
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_ctrl_c_during_a_call_raises_as_soon_as_the_call_returns(kerf_cpu):
+    args = big_dora(rows=4096)
+    kerf_cpu.ops.dora_norm(*args, 0.5)
+    t0 = time.perf_counter()
+    kerf_cpu.ops.dora_norm(*args, 0.5)
+    one_call = time.perf_counter() - t0
+    if one_call < 0.02:
+        pytest.skip(f"a call takes {one_call * 1e3:.1f} ms here: too short to interrupt reliably")
+
+    def handler(signum, frame):
+        raise Interrupted(frame.f_code.co_name if frame else None)
+
+    old = signal.signal(signal.SIGINT, handler)
+    try:
+        for _ in range(3):  # the timer thread may fire before the call starts: try again
+            timer = threading.Timer(one_call / 4, signal.raise_signal, args=(signal.SIGINT,))
+            t0 = time.perf_counter()
+            timer.start()
+            with pytest.raises(Interrupted) as e:
+                kerf_cpu.ops.dora_norm(*args, 0.5)
+                time.sleep(5)  # not reached when the interrupt comes out of the call
+            elapsed = time.perf_counter() - t0
+            timer.join()
+            if str(e.value) == "dora_norm":  # raised in kerf.ops.dora_norm, right after the C++ call
+                assert elapsed < 3 * one_call + 0.5
+                return
+        pytest.fail(f"the interrupt never arrived during a call (last raised in {e.value})")
+    finally:
+        signal.signal(signal.SIGINT, old)

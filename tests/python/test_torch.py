@@ -1,0 +1,381 @@
+"""PyTorch: zero-copy tensors, outputs as torch tensors, autograd wrappers
+(gradcheck in float64 on the CPU back end; against PyTorch's own autograd on
+CUDA), the DoRA norm cache.
+
+Skipped where torch is not installed (the CI machine has none); the GPU
+machine runs them: KERF_BUILD_DIR=<build> python3 -m pytest tests/python."""
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed: the torch tests run on the GPU machine")
+
+import torch.nn.functional as F  # noqa: E402
+
+import kerf  # noqa: E402
+import kerf.autograd as ka  # noqa: E402
+
+view_info = kerf._kerf._view_info
+
+
+def devices():
+    out = []
+    if kerf.cpu_available():
+        out.append("cpu")
+    if torch.cuda.is_available() and kerf.cuda_available():
+        out.append("cuda")
+    return out or [pytest.param("none", marks=pytest.mark.skip(reason="neither kerf's CPU back end nor CUDA"))]
+
+
+DEVICES = devices()
+CPU_ONLY = pytest.mark.skipif(not kerf.cpu_available(), reason="kerf was built without its CPU back end")
+CUDA_ONLY = pytest.mark.skipif(not (torch.cuda.is_available() and kerf.cuda_available()),
+                               reason="needs a CUDA device (torch and kerf)")
+
+
+def dora_ref(W, A, B, m, s, eps=0.0):
+    V = W.double() + s * (B.double() @ A.double())
+    norm = torch.sqrt((V * V).sum(dim=1) + eps)
+    return norm, m.double() / norm
+
+
+# ---------------------------------------------------------------- tensors in and out
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_tensors_are_read_in_place_with_their_strides(device):
+    t = torch.zeros(6, 10, device=device)
+    v = t[1:, 2::3]
+    info = view_info(v)
+    assert info["data_ptr"] == v.data_ptr() and info["shape"] == [5, 3] and info["strides"] == [10, 3]
+    assert info["device"] == ("cpu" if device == "cpu" else f"cuda:{t.device.index}")
+    p = torch.nn.Parameter(torch.ones(3, 4, device=device))
+    assert view_info(p)["data_ptr"] == p.data_ptr()  # parameters requiring grad too
+    assert view_info(t.t())["strides"] == [1, 10]
+    assert view_info(torch.zeros(2, dtype=torch.bfloat16, device=device))["dtype"] == "bf16"
+
+
+def test_torch_subclasses_go_through_dlpack():
+    class Tagged(torch.Tensor):
+        pass
+
+    t = torch.arange(6.0).reshape(2, 3).as_subclass(Tagged)
+    info = view_info(t)
+    assert info["data_ptr"] == t.data_ptr() and info["shape"] == [2, 3]
+
+
+def test_unsupported_torch_dtypes_and_devices_are_refused():
+    with pytest.raises(TypeError, match="torch.uint8"):
+        view_info(torch.zeros(3, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="device 'meta'"):
+        view_info(torch.zeros(3, device="meta"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ops_allocate_torch_outputs_on_the_inputs_device(device):
+    W = torch.randn(48, 64, device=device)
+    A = torch.randn(4, 64, device=device) / 8
+    B = torch.randn(48, 4, device=device)
+    m = torch.rand(48, device=device) + 0.5
+    norm, scale = kerf.ops.dora_norm(W, A, B, m, 0.5)
+    assert isinstance(norm, torch.Tensor) and norm.device == W.device and norm.dtype == torch.float32
+    ref_norm, ref_scale = dora_ref(W, A, B, m, 0.5)
+    torch.testing.assert_close(norm.double(), ref_norm, rtol=2e-5, atol=0)
+    torch.testing.assert_close(scale.double(), ref_scale, rtol=2e-5, atol=0)
+    out_n, out_s = torch.empty_like(m), torch.empty_like(m)
+    n2, s2 = kerf.ops.dora_norm(W, A, B, m, 0.5, norm=out_n, scale=out_s)
+    assert n2 is out_n and s2 is out_s
+    torch.testing.assert_close(out_n, norm)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_moe_on_peft_layout_views_matches_torch(device):
+    E, N, K, r = 4, 32, 48, 4
+    W = torch.randn(E, N, K, device=device)
+    lora_A = torch.randn(r * E, K, device=device)
+    lora_B = torch.randn(N, r * E, device=device)
+    A3 = lora_A.view(E, r, K)
+    B3 = lora_B.view(N, r, E).permute(2, 0, 1)
+    W_eff = kerf.ops.moe_lora_materialize(W, A3, B3, 0.5)
+    ref = torch.baddbmm(W.double(), B3.double(), A3.double(), alpha=0.5)
+    torch.testing.assert_close(W_eff.double(), ref, rtol=1e-5, atol=1e-4)
+
+
+# ---------------------------------------------------------------- autograd, float64 gradcheck
+@pytest.mark.parametrize("device", DEVICES)
+def test_dora_scale_gradcheck_float64(device):
+    torch.manual_seed(0)
+    W = torch.randn(12, 20, dtype=torch.float64, device=device)
+    A = torch.randn(3, 20, dtype=torch.float64, device=device) / 4
+    B = torch.randn(12, 3, dtype=torch.float64, device=device)
+    m = (torch.rand(12, dtype=torch.float64, device=device) + 0.5).requires_grad_()
+    assert torch.autograd.gradcheck(lambda m_: ka.dora_scale(W, A, B, m_, 0.5), (m,))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dora_scale_is_the_detached_peft_scale(device):
+    torch.manual_seed(1)
+    W = torch.randn(16, 24, device=device)
+    A = (torch.randn(4, 24, device=device) / 4).requires_grad_()
+    B = torch.randn(16, 4, device=device).requires_grad_()
+    m = (torch.rand(16, device=device) + 0.5).requires_grad_()
+    scale = ka.dora_scale(W, A, B, m, 2.0)
+    # PEFT: weight_norm = ||W + s * B @ A||.detach(); mag_norm_scale = m / weight_norm
+    m_ref = m.detach().clone().requires_grad_()
+    ref = m_ref / torch.linalg.norm(W + 2.0 * (B @ A), dim=1).detach()
+    torch.testing.assert_close(scale, ref, rtol=2e-5, atol=0)
+    g = torch.randn_like(scale)
+    scale.backward(g)
+    ref.backward(g)
+    torch.testing.assert_close(m.grad, m_ref.grad, rtol=2e-5, atol=0)
+    assert A.grad is None and B.grad is None  # nothing flows through the detached norm
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_moe_materialize_gradcheck_float64(device):
+    torch.manual_seed(2)
+    E, N, K, r = 2, 6, 8, 2
+    W = torch.randn(E, N, K, dtype=torch.float64, device=device)
+    A = (torch.randn(E, r, K, dtype=torch.float64, device=device) / 2).requires_grad_()
+    B = (torch.randn(E, N, r, dtype=torch.float64, device=device) / 2).requires_grad_()
+    # kerf computes in float32: finite differences need a larger step and float32 tolerances.
+    assert torch.autograd.gradcheck(lambda a, b: ka.moe_lora_materialize(W, a, b, 0.5), (A, B),
+                                    eps=1e-3, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_moe_materialize_peft_layout_matches_torch_autograd(device):
+    torch.manual_seed(3)
+    E, N, K, r = 4, 16, 24, 2
+    W = torch.randn(E, N, K, device=device)
+    lora_A = torch.randn(r * E, K, device=device).requires_grad_()
+    lora_B = torch.randn(N, r * E, device=device).requires_grad_()
+    out = ka.moe_lora_materialize_peft(W, lora_A, lora_B, 0.5)
+    A_ref = lora_A.detach().clone().requires_grad_()
+    B_ref = lora_B.detach().clone().requires_grad_()
+    ref = torch.baddbmm(W, B_ref.view(N, r, E).permute(2, 0, 1), A_ref.view(E, r, K), alpha=0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref.backward(g)
+    torch.testing.assert_close(lora_A.grad, A_ref.grad, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(lora_B.grad, B_ref.grad, rtol=1e-5, atol=1e-4)
+
+
+def test_moe_materialize_passes_the_gradient_to_a_trainable_base():
+    if not kerf.cpu_available():
+        pytest.skip("kerf was built without its CPU back end")
+    W = torch.randn(1, 4, 4, requires_grad=True)
+    A = torch.randn(1, 1, 4, requires_grad=True)
+    B = torch.randn(1, 4, 1)
+    ka.moe_lora_materialize(W, A, B, 1.0).sum().backward()
+    torch.testing.assert_close(W.grad, torch.ones_like(W))
+    assert B.grad is None
+
+
+# ---------------------------------------------------------------- LoRA embedding
+@pytest.mark.parametrize("device", DEVICES)
+def test_lora_embedding_gradcheck_float64(device):
+    torch.manual_seed(7)
+    V, H, r = 20, 6, 3
+    x = torch.tensor([[1, 0, 5, 19], [5, 5, 2, 0]], device=device)
+    W = torch.randn(V, H, dtype=torch.float64, device=device)
+    A = torch.randn(r, V, dtype=torch.float64, device=device).requires_grad_()
+    B = torch.randn(H, r, dtype=torch.float64, device=device).requires_grad_()
+    # kerf computes in float32: finite differences need a larger step and float32 tolerances.
+    assert torch.autograd.gradcheck(lambda a, b: ka.lora_embedding(x, W, a, b, 0.5, padding_idx=0), (A, B),
+                                    eps=1e-3, atol=2e-3, rtol=2e-3)
+    m = (torch.rand(H, dtype=torch.float64, device=device) + 0.5).requires_grad_()
+    # With DoRA the norm is detached: the magnitude is what gets a gradient through it.
+    assert torch.autograd.gradcheck(lambda m_: ka.lora_embedding(x, W, A.detach(), B.detach(), 0.5, magnitude=m_),
+                                    (m,))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lora_embedding_with_dora_matches_peft_semantics_under_torch_autograd(device):
+    torch.manual_seed(8)
+    V, H, r, s = 50, 16, 4, 2.0
+    x = torch.randint(0, V, (3, 7), device=device)
+    x[0, 0] = 1
+    W = torch.randn(V, H, device=device)
+    A = torch.randn(r, V, device=device).requires_grad_()
+    B = torch.randn(H, r, device=device).requires_grad_()
+    m = (torch.rand(H, device=device) + 0.5).requires_grad_()
+    out = ka.lora_embedding(x, W, A, B, s, padding_idx=1, magnitude=m)
+    Ar, Br, mr = (t.detach().clone().requires_grad_() for t in (A, B, m))
+    n = torch.linalg.norm(W.t() + s * (Br @ Ar), dim=1).detach()
+    pre = F.embedding(x, W, padding_idx=1) + s * (F.embedding(x, Ar.t(), padding_idx=1) @ Br.t())
+    ref = (mr / n) * pre
+    torch.testing.assert_close(out, ref, rtol=2e-5, atol=1e-5)
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref.backward(g)
+    for got, want in ((A.grad, Ar.grad), (B.grad, Br.grad), (m.grad, mr.grad)):
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- DoRA norm cache
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fused", [False, True])
+def test_norm_cache_agrees_with_a_fresh_norm_at_every_step(device, fused):
+    """AdamW(fused=True) changes weights without bumping _version or data_ptr; the
+    step hook must still drop the cached norm."""
+    if fused and device == "cpu" and tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 4):
+        pytest.skip("fused AdamW on the CPU needs torch >= 2.4")
+    torch.manual_seed(4)
+    out_f, in_f, r, s = 64, 96, 8, 2.0
+    W = torch.randn(out_f, in_f, device=device)
+    A = torch.nn.Parameter(torch.randn(r, in_f, device=device) / 8)
+    B = torch.nn.Parameter(torch.randn(out_f, r, device=device) / 8)  # non-zero: the norm moves from step 1
+    m = torch.nn.Parameter(torch.rand(out_f, device=device) + 0.5)
+    opt = torch.optim.AdamW([A, B, m], lr=5e-2, fused=fused)
+    cache = ka.DoraNormCache(opt)
+    x = torch.randn(32, in_f, device=device)
+    previous = None
+    for step in range(5):
+        for micro in range(2):  # two forwards per step: the second one hits the cache
+            cached = cache.norm(W, A, B, s)
+            fresh = ka.dora_weight_norm(W, A, B, s)
+            torch.testing.assert_close(cached, fresh, rtol=1e-5, atol=0)
+            torch.testing.assert_close(cached.double(), dora_ref(W, A.detach(), B.detach(), m, s)[0],
+                                       rtol=2e-5, atol=0)
+        if previous is not None:  # the weights moved, so a stale norm would have been caught
+            assert (cached - previous).abs().max() > 1e-3
+        previous = cached.clone()
+        scale = ka.dora_scale(W, A, B, m, s, cache=cache)
+        y = (x @ (W + s * B @ A).t()) * scale
+        opt.zero_grad()
+        y.square().mean().backward()
+        opt.step()
+    assert cache.hits == 5 * 2 and cache.misses == 5  # per step: norm() misses, norm() and dora_scale hit
+    cache.close()
+
+
+def test_norm_cache_without_optimizers_hooks_every_optimizer_and_invalidate_works():
+    if not kerf.cpu_available():
+        pytest.skip("kerf was built without its CPU back end")
+    W = torch.randn(8, 16)
+    A = torch.nn.Parameter(torch.randn(2, 16))
+    B = torch.nn.Parameter(torch.randn(8, 2))
+    cache = ka.DoraNormCache()
+    n0 = cache.norm(W, A, B, 1.0)
+    assert len(cache) == 1 and cache.norm(W, A, B, 1.0) is n0
+    opt = torch.optim.SGD([A, B], lr=0.1)
+    (A.sum() + B.sum()).backward()
+    opt.step()
+    assert len(cache) == 0  # the global step hook fired
+    n1 = cache.norm(W, A, B, 1.0)
+    with torch.no_grad():
+        A.data.add_(1.0)  # no version bump: only an explicit invalidate() can know
+    cache.invalidate()
+    assert not torch.equal(cache.norm(W, A, B, 1.0), n1)
+    cache.close()
+    opt.step()
+    assert len(cache) == 0
+
+
+# ---------------------------------------------------------------- CUDA specifics
+@CUDA_ONLY
+def test_cuda_ops_run_on_the_current_torch_stream():
+    W = torch.randn(256, 512, device="cuda")
+    A = torch.randn(16, 512, device="cuda") / 16
+    B = torch.randn(256, 16, device="cuda")
+    m = torch.rand(256, device="cuda") + 0.5
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        norm, _ = kerf.ops.dora_norm(W, A, B, m, 0.5)
+        again = norm * 1.0  # torch work queued after kerf's on the same stream
+    side.synchronize()
+    ref = dora_ref(W, A, B, m, 0.5)[0]
+    torch.testing.assert_close(again.double(), ref, rtol=2e-5, atol=0)
+    # An explicit stream= wins over the current one.
+    norm2 = torch.empty_like(m)
+    kerf.ops.dora_norm(W, A, B, m, 0.5, norm=norm2, stream=side)
+    side.synchronize()
+    torch.testing.assert_close(norm2, norm)
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_dora_scale_matches_torch_autograd(dtype):
+    torch.manual_seed(5)
+    W = torch.randn(512, 1024, device="cuda", dtype=dtype)
+    A = (torch.randn(16, 1024, device="cuda") / 32).requires_grad_()
+    B = torch.randn(512, 16, device="cuda").requires_grad_()
+    m = (torch.rand(512, device="cuda") + 0.5).requires_grad_()
+    scale = ka.dora_scale(W, A, B, m, 0.5)
+    m_ref = m.detach().clone().requires_grad_()
+    ref = m_ref / torch.linalg.norm(W.float() + 0.5 * (B @ A), dim=1).detach()
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(scale, ref, rtol=tol, atol=0)
+    g = torch.randn_like(scale)
+    scale.backward(g)
+    ref.backward(g)
+    torch.testing.assert_close(m.grad, m_ref.grad, rtol=tol, atol=0)
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_moe_materialize_matches_torch_autograd(dtype):
+    torch.manual_seed(6)
+    E, N, K, r = 8, 256, 512, 16
+    W = torch.randn(E, N, K, device="cuda", dtype=dtype)
+    lora_A = (torch.randn(r * E, K, device="cuda", dtype=dtype) / 8).requires_grad_()
+    lora_B = (torch.randn(N, r * E, device="cuda", dtype=dtype) / 8).requires_grad_()
+    out = ka.moe_lora_materialize_peft(W, lora_A, lora_B, 0.5)
+    A_ref = lora_A.detach().clone().requires_grad_()
+    B_ref = lora_B.detach().clone().requires_grad_()
+    ref = torch.baddbmm(W.float(), B_ref.float().view(N, r, E).permute(2, 0, 1), A_ref.float().view(E, r, K),
+                        alpha=0.5)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(out.float(), ref, **tol)
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref.backward(g.float())
+    torch.testing.assert_close(lora_A.grad.float(), A_ref.grad.float(), **tol)
+    torch.testing.assert_close(lora_B.grad.float(), B_ref.grad.float(), **tol)
+
+
+@CUDA_ONLY
+def test_cuda_moe_materialize_in_place_into_the_weights():
+    E, N, K, r = 4, 128, 256, 8
+    W = torch.randn(E, N, K, device="cuda")
+    A = torch.randn(E, r, K, device="cuda")
+    B = torch.randn(E, N, r, device="cuda")
+    ref = torch.baddbmm(W, B, A, alpha=0.5)
+    assert kerf.ops.moe_lora_materialize(W, A, B, 0.5, out=W) is W
+    torch.testing.assert_close(W, ref, rtol=1e-4, atol=1e-4)
+
+
+@CUDA_ONLY
+def test_cupy_arrays_cross_without_copies_and_get_kerf_buffers_back():
+    cupy = pytest.importorskip("cupy")
+    W = cupy.random.standard_normal((64, 128), dtype=cupy.float32)
+    A = cupy.random.standard_normal((4, 128), dtype=cupy.float32) / 8
+    B = cupy.random.standard_normal((64, 4), dtype=cupy.float32)
+    m = cupy.ones(64, dtype=cupy.float32)
+    assert view_info(W)["data_ptr"] == W.data.ptr
+    norm, _ = kerf.ops.dora_norm(W, A, B, m, 0.5)
+    assert isinstance(norm, kerf.Buffer) and norm.device.startswith("cuda")
+    n = cupy.from_dlpack(norm)
+    ref = cupy.linalg.norm(W.astype(cupy.float64) + 0.5 * B.astype(cupy.float64) @ A.astype(cupy.float64), axis=1)
+    cupy.testing.assert_allclose(n, ref, rtol=2e-5)
+
+
+@CUDA_ONLY
+def test_jax_arrays_cross_through_dlpack():
+    import os
+
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave the GPU's memory to torch
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if not gpus:
+        pytest.skip("jax has no GPU here")
+    key = jax.random.PRNGKey(0)
+    W = jax.device_put(jax.random.normal(key, (64, 128), jnp.float32), gpus[0])
+    A = jax.device_put(jax.random.normal(key, (4, 128), jnp.float32) / 8, gpus[0])
+    B = jax.device_put(jax.random.normal(key, (64, 4), jnp.float32), gpus[0])
+    m = jax.device_put(jnp.ones(64, jnp.float32), gpus[0])
+    norm, _ = kerf.ops.dora_norm(W, A, B, m, 0.5)
+    n = torch.from_dlpack(norm).cpu().double()
+    Wt, At, Bt = (torch.from_dlpack(x).cpu().double() for x in (W, A, B))
+    torch.testing.assert_close(n, torch.linalg.norm(Wt + 0.5 * Bt @ At, dim=1), rtol=2e-5, atol=0)
