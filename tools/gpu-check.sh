@@ -7,6 +7,7 @@
 #   tools/gpu-check.sh                     # everything
 #   tools/gpu-check.sh --stages test,bench # a subset: build is implied
 #   tools/gpu-check.sh --quick             # fewer benchmark configurations
+#   tools/gpu-check.sh --stages build      # only build (C++ and, with pybind11, the Python module)
 #
 # Debian packages the machine lacks (xxHash headers, Catch2 v2) may be put as
 # .deb files in .deps/ (see README); they are unpacked into a private prefix.
@@ -48,7 +49,7 @@ device=$(sed -n 2p "$out/device.txt" | cut -d, -f1)
 echo "== build"
 t0=$SECONDS
 python_args=(-DKERF_BUILD_PYTHON=OFF)
-if [[ ,$stages, == *,python,* ]]; then
+if python3 -m pybind11 --cmakedir >/dev/null 2>&1 || [[ ,$stages, == *,python,* ]]; then
   # The machine's own python3 (with torch, triton, pybind11 from pip).
   python_args=(-DKERF_BUILD_PYTHON=ON -DPYBIND11_FINDPYTHON=ON -DPython_EXECUTABLE="$(command -v python3)")
 fi
@@ -58,7 +59,7 @@ if ! cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${python_args[@
 fi
 grep -E "kerf:" "$out/configure.log"
 targets=(--target kerf_tests kerf_bench kerf_bench_launch)
-[[ ,$stages, == *,python,* ]] && targets+=(_kerf)
+[[ ${python_args[0]} == -DKERF_BUILD_PYTHON=ON ]] && targets+=(_kerf)
 if ! cmake --build "$build" -j "$(nproc)" "${targets[@]}" > "$out/build.log" 2>&1; then
   grep -E "error|Error" "$out/build.log" | head -40; echo "build failed"; exit 1
 fi

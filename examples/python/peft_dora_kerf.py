@@ -43,11 +43,13 @@ def use_kerf_for_dora():
     """Makes PEFT's DoRA linear layers take their norm from kerf; returns a function that undoes it."""
     peft_forward = DoraLinearLayer.forward
 
-    def forward(self, x, *, lora_A, lora_B, scaling, base_layer, base_result=None, **kwargs):
+    def forward(self, x, *, lora_A, lora_B, scaling, base_layer, base_result=None, adapter_name=None, **kwargs):
         W = base_layer.weight
         if getattr(self, "_kwargs", None) or self.fan_in_fan_out or W.ndim != 2 or kwargs or \
                 type(W) not in (torch.Tensor, torch.nn.Parameter):  # lazy init, Conv1D, quantized: PEFT's way
             extra = {} if base_result is None else {"base_result": base_result}
+            if adapter_name is not None:  # newer PEFT versions pass it
+                extra["adapter_name"] = adapter_name
             return peft_forward(self, x, lora_A=lora_A, lora_B=lora_B, scaling=scaling, base_layer=base_layer,
                                 **extra, **kwargs)
         global kerf_calls
