@@ -31,20 +31,28 @@ class Registry {
  public:
   std::shared_ptr<const Tiers> tiers() {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!tiers_) tiers_ = from_env();
+    if (!tiers_) install(from_env());
     return tiers_;
+  }
+
+  AutotuneMode autotune_mode() {
+    const int mode = autotune_mode_.load(std::memory_order_acquire);
+    return mode >= 0 ? AutotuneMode(mode) : tiers()->settings.autotune;
   }
 
   void reload() {
     std::shared_ptr<const Tiers> fresh = from_env();
     std::lock_guard<std::mutex> lock(mu_);
     if (tiers_) counters.bad_base += tiers_->disk->bad_entries();
-    tiers_ = std::move(fresh);
+    install(std::move(fresh));
+    generation_.fetch_add(1, std::memory_order_acq_rel);
   }
+
+  uint64_t generation() const { return generation_.load(std::memory_order_acquire); }
 
   void mount(std::shared_ptr<const Bundle> b) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!tiers_) tiers_ = from_env();
+    if (!tiers_) install(from_env());
     auto next = std::make_shared<Tiers>(*tiers_);
     next->bundles.push_back(std::move(b));
     tiers_ = std::move(next);
@@ -81,8 +89,16 @@ class Registry {
     return t;
   }
 
+  // With mu_ held.
+  void install(std::shared_ptr<const Tiers> t) {
+    autotune_mode_.store(int(t->settings.autotune), std::memory_order_release);
+    tiers_ = std::move(t);
+  }
+
   std::mutex mu_;
   std::shared_ptr<const Tiers> tiers_;
+  std::atomic<int> autotune_mode_{-1};  // -1 until the settings are read
+  std::atomic<uint64_t> generation_{0};
 };
 
 Registry& registry() {
@@ -137,8 +153,16 @@ Settings current_settings() {
   return registry().tiers()->settings;
 }
 
+AutotuneMode autotune_mode() {
+  return registry().autotune_mode();
+}
+
 void reload_settings() {
   registry().reload();
+}
+
+uint64_t settings_generation() {
+  return registry().generation();
 }
 
 Stats stats() {

@@ -66,6 +66,7 @@ struct Memo {
   std::mutex mu;
   std::map<std::pair<uint64_t, uint64_t>, Choice> choices;
   std::mutex tuning;  // one tuning at a time: candidates compete for the same device
+  std::atomic<uint64_t> forgotten{0};  // forget_choices() calls, for generation()
 };
 
 Memo& memo() {
@@ -119,7 +120,7 @@ const char* from_name(Choice::From f) {
 }
 
 bool enabled_for(const Device& device) {
-  switch (cache::current_settings().autotune) {
+  switch (cache::autotune_mode()) {
     case cache::AutotuneMode::off:
       return false;
     case cache::AutotuneMode::gpu_only:
@@ -194,6 +195,12 @@ void forget_choices() {
   Memo& m = memo();
   std::lock_guard<std::mutex> lock(m.mu);
   m.choices.clear();
+  m.forgotten.fetch_add(1, std::memory_order_acq_rel);
+}
+
+uint64_t generation() {
+  // Two counters that only grow: their sum changes whenever either does.
+  return memo().forgotten.load(std::memory_order_acquire) + cache::settings_generation();
 }
 
 Choice choose(const Problem& p, const std::vector<Config>& candidates, const Config& fallback,

@@ -295,11 +295,12 @@ std::shared_ptr<Compiled> resolve(const dsl::Kernel& kernel, const std::vector<A
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return nullptr;  // nothing to run
 
   const Probe probe(kernel, dev, args, meta, layout);
-  const auto t0 = Clock::now();
+  Clock::time_point t0;  // read only when building: the hot path does not look at clocks
   bool built = false;
   std::shared_ptr<Compiled> c = KernelCache::instance().get(
       probe,
       [&]() -> std::shared_ptr<Compiled> {
+        t0 = Clock::now();
         const ir::Function fn = kernel.trace(arg_specs(args), meta);
         if (dev.is_cuda()) {
           cuda::require_device(dev.index);

@@ -15,33 +15,33 @@ std::string shape_str(const TensorView& t) {
   return s + "]";
 }
 
-void expect_shape(const char* op, const char* name, const TensorView& t,
-                  const std::vector<int64_t>& want) {
-  bool ok = t.rank == int(want.size());
-  for (size_t d = 0; ok && d < want.size(); ++d) ok = want[d] < 0 || t.shape[d] == want[d];
+void expect_shape(const char* op, const char* name, const TensorView& t, const int64_t* want,
+                  size_t rank) {
+  bool ok = t.rank == int(rank);
+  for (size_t d = 0; ok && d < rank; ++d) ok = want[d] < 0 || t.shape[d] == want[d];
   if (ok) return;
   std::string w = "[";
-  for (size_t d = 0; d < want.size(); ++d)
+  for (size_t d = 0; d < rank; ++d)
     w += (d ? ", " : "") + (want[d] < 0 ? std::string("*") : std::to_string(want[d]));
   throw InvalidArgument(std::string(op) + ": " + name + " must have shape " + w + "], got " +
                         shape_str(t));
 }
 
-void expect_dtype(const char* op, const char* name, const TensorView& t,
-                  const std::vector<DType>& allowed) {
-  for (DType d : allowed)
-    if (t.dtype == d) return;
+void expect_dtype(const char* op, const char* name, const TensorView& t, const DType* allowed,
+                  size_t count) {
+  for (size_t i = 0; i < count; ++i)
+    if (t.dtype == allowed[i]) return;
   std::string a;
-  for (size_t i = 0; i < allowed.size(); ++i) a += (i ? ", " : "") + std::string(dtype_name(allowed[i]));
+  for (size_t i = 0; i < count; ++i) a += (i ? ", " : "") + std::string(dtype_name(allowed[i]));
   throw TypeError(std::string(op) + ": " + name + " must be one of {" + a + "}, got " +
                   dtype_name(t.dtype));
 }
 
-void expect_device(const char* op, const std::vector<std::pair<const char*, const TensorView*>>& ts) {
-  for (const auto& [name, t] : ts)
-    if (t->device != ts[0].second->device)
-      throw InvalidArgument(std::string(op) + ": " + name + " is on " + t->device.str() + " but " +
-                            ts[0].first + " is on " + ts[0].second->device.str());
+void expect_device(const char* op, const NamedTensor* ts, size_t count) {
+  for (size_t i = 1; i < count; ++i)
+    if (ts[i].second->device != ts[0].second->device)
+      throw InvalidArgument(std::string(op) + ": " + ts[i].first + " is on " + ts[i].second->device.str() +
+                            " but " + ts[0].first + " is on " + ts[0].second->device.str());
 }
 
 void* workspace(const Device& dev, void* stream, size_t bytes) {
@@ -62,6 +62,18 @@ void* workspace(const Device& dev, void* stream, size_t bytes) {
     buf.fill_bytes(0);
   }
   return buf.data();
+}
+
+CallKey& CallKey::add(const TensorView& t) {
+  add(int64_t(t.dtype) << 8 | int64_t(t.rank));
+  for (int d = 0; d < t.rank; ++d) add(t.shape[size_t(d)]);
+  return *this;
+}
+
+size_t CallKeyHash::operator()(const CallKey& k) const {
+  uint64_t h = k.n;
+  for (size_t i = 0; i < k.n; ++i) h = (h ^ uint64_t(k.words[i])) * 0x100000001b3ull + (h >> 29);
+  return size_t(h);
 }
 
 int parallelism(const Device& dev) {

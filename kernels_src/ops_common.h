@@ -2,10 +2,16 @@
 // the argument, and the choices that depend on the device.
 #pragma once
 
+#include <array>
+#include <initializer_list>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "kerf/error.h"
+#include "kerf/jit/autotune.h"
 #include "kerf/runtime/tensor.h"
 
 namespace kerf::ops::detail {
@@ -20,14 +26,40 @@ inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 std::string shape_str(const TensorView& t);
 
+// The checks run on every call: they take initializer lists (no allocation) and
+// build their messages only when something is wrong.
+//
 // Throws InvalidArgument unless `t` has `rank` and, where want[d] >= 0, that size.
-void expect_shape(const char* op, const char* name, const TensorView& t,
-                  const std::vector<int64_t>& want);
+void expect_shape(const char* op, const char* name, const TensorView& t, const int64_t* want,
+                  size_t rank);
+inline void expect_shape(const char* op, const char* name, const TensorView& t,
+                         std::initializer_list<int64_t> want) {
+  expect_shape(op, name, t, want.begin(), want.size());
+}
+inline void expect_shape(const char* op, const char* name, const TensorView& t,
+                         const std::vector<int64_t>& want) {
+  expect_shape(op, name, t, want.data(), want.size());
+}
 // Throws TypeError unless t.dtype is one of `allowed`.
-void expect_dtype(const char* op, const char* name, const TensorView& t,
-                  const std::vector<DType>& allowed);
-// Throws InvalidArgument unless every tensor is on `dev`.
-void expect_device(const char* op, const std::vector<std::pair<const char*, const TensorView*>>& ts);
+void expect_dtype(const char* op, const char* name, const TensorView& t, const DType* allowed,
+                  size_t count);
+inline void expect_dtype(const char* op, const char* name, const TensorView& t,
+                         std::initializer_list<DType> allowed) {
+  expect_dtype(op, name, t, allowed.begin(), allowed.size());
+}
+inline void expect_dtype(const char* op, const char* name, const TensorView& t,
+                         const std::vector<DType>& allowed) {
+  expect_dtype(op, name, t, allowed.data(), allowed.size());
+}
+// Throws InvalidArgument unless every tensor is on the first one's device.
+using NamedTensor = std::pair<const char*, const TensorView*>;
+void expect_device(const char* op, const NamedTensor* ts, size_t count);
+inline void expect_device(const char* op, std::initializer_list<NamedTensor> ts) {
+  expect_device(op, ts.begin(), ts.size());
+}
+inline void expect_device(const char* op, const std::vector<NamedTensor>& ts) {
+  expect_device(op, ts.data(), ts.size());
+}
 
 // Multiprocessors of the tensors' device (the number of CPU threads on the CPU).
 int parallelism(const Device& dev);
@@ -36,5 +68,63 @@ int parallelism(const Device& dev);
 // zero, on `dev`, private to `stream` (to the calling thread on the CPU).
 // Kernels using it must leave it zero when they finish.
 void* workspace(const Device& dev, void* stream, size_t bytes);
+
+// ---------------------------------------------------------------- plans of repeated calls
+// What identifies a call for its plan: sizes, dtypes, device, the caller's Config,
+// whatever the plan depends on, as integers (unused trailing words stay 0).
+struct CallKey {
+  static constexpr size_t kWords = 24;
+  std::array<int64_t, kWords> words{};
+  size_t n = 0;
+  CallKey& add(int64_t v) {
+    if (n == kWords) throw InternalError("CallKey: more than 24 words");
+    words[n++] = v;
+    return *this;
+  }
+  CallKey& add(const TensorView& t);  // dtype, rank, sizes
+  CallKey& add(const Device& d) { return add(int64_t(d.kind) << 32 | int64_t(d.index)); }
+  CallKey& add(DType t) { return add(int64_t(t)); }
+  bool operator==(const CallKey& o) const { return n == o.n && words == o.words; }
+};
+struct CallKeyHash {
+  size_t operator()(const CallKey& k) const;
+};
+
+// An op's plans (autotuned config, meta-parameters, grid) by call, so that a
+// repeated call skips the autotuner's lookup and the plan's construction: its
+// host path is the checks, one lookup and the launch. Plans made before the
+// autotuner's generation changed (forget_choices, a settings reload) are made
+// again; the memo is cleared when it grows past `kMaxPlans` (a caller with ever
+// new shapes). Thread-safe.
+template <class Plan>
+class PlanMemo {
+ public:
+  template <class Make>
+  std::shared_ptr<const Plan> get(const CallKey& key, Make&& make) {
+    const uint64_t gen = autotune::generation();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (gen == generation_) {
+        auto it = plans_.find(key);
+        if (it != plans_.end()) return it->second;
+      }
+    }
+    auto plan = std::make_shared<const Plan>(make());  // may tune: outside the lock
+    std::lock_guard<std::mutex> lock(mu_);
+    if (gen != generation_) {
+      plans_.clear();
+      generation_ = gen;
+    }
+    if (plans_.size() >= kMaxPlans) plans_.clear();
+    plans_[key] = plan;
+    return plan;
+  }
+
+ private:
+  static constexpr size_t kMaxPlans = 4096;
+  std::mutex mu_;
+  uint64_t generation_ = ~uint64_t(0);
+  std::unordered_map<CallKey, std::shared_ptr<const Plan>, CallKeyHash> plans_;
+};
 
 }  // namespace kerf::ops::detail

@@ -77,9 +77,13 @@ Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorV
 
 }  // namespace
 
-void dora_norm(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& m,
-               double s, const TensorView& norm, const TensorView& scale, double eps, void* stream,
-               const Config& config) {
+namespace {
+
+// The checks, plan and launch of dora_norm on local tensors; `layout` is the
+// canonical layout text the kernel is launched with ("" unsharded).
+void run_dora_norm(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& m, double s,
+                   const TensorView& norm, const TensorView& scale, double eps, void* stream, const Config& config,
+                   const std::string& layout) {
   const char* op = "dora_norm";
   expect_shape(op, "W", W, {-1, -1});
   const int64_t out = W.shape[0], in = W.shape[1];
@@ -89,11 +93,8 @@ void dora_norm(const TensorView& W, const TensorView& A, const TensorView& B, co
   expect_shape(op, "m", m, {out});
   expect_shape(op, "norm", norm, {out});
   expect_shape(op, "scale", scale, {out});
-  const std::vector<DType> floats = {DType::bf16, DType::f16, DType::f32};
-  expect_dtype(op, "W", W, floats);
-  expect_dtype(op, "A", A, floats);
-  expect_dtype(op, "B", B, floats);
-  expect_dtype(op, "m", m, floats);
+  for (const auto& [name, t] : {std::pair{"W", &W}, {"A", &A}, {"B", &B}, {"m", &m}})
+    expect_dtype(op, name, *t, {DType::bf16, DType::f16, DType::f32});
   expect_dtype(op, "norm", norm, {DType::f32});
   expect_dtype(op, "scale", scale, {DType::f32});
   expect_device(op, {{"W", &W}, {"A", &A}, {"B", &B}, {"m", &m}, {"norm", &norm}, {"scale", &scale}});
@@ -101,14 +102,30 @@ void dora_norm(const TensorView& W, const TensorView& A, const TensorView& B, co
   if (eps < 0) throw InvalidArgument("dora_norm: eps must be >= 0, got " + std::to_string(eps));
   if (out == 0) return;
 
-  const bool gpu = W.device.is_cuda();
-  // A caller's Config wins; otherwise the autotuner's choice (its defaults when tuning is off).
-  const Config cfg = config.block_m || config.block_k || config.split_k || config.num_warps || config.num_stages
-                         ? config
-                         : tuned_dora_config(W, A, B, m, norm, scale, stream);
-  const DoraPlan p = plan_dora(out, in, r, W.dtype, gpu, parallelism(W.device), cfg);
-  void* ws = p.split > 1 ? workspace(W.device, stream, workspace_bytes(p)) : nullptr;
-  launch(*p.kernel, dora_args(p, W, A, B, m, s, eps, norm, scale, ws), p.grid, p.meta, stream);
+  static PlanMemo<DoraPlan> plans;
+  CallKey key;
+  key.add(W).add(A).add(B.dtype).add(m.dtype).add(W.device);
+  key.add(config.block_m).add(config.block_k).add(config.split_k).add(config.num_warps).add(config.num_stages);
+  const std::shared_ptr<const DoraPlan> p = plans.get(key, [&] {
+    // A caller's Config wins; otherwise the autotuner's choice (its defaults when tuning is off).
+    const Config cfg = config.block_m || config.block_k || config.split_k || config.num_warps || config.num_stages
+                           ? config
+                           : tuned_dora_config(W, A, B, m, norm, scale, stream);
+    return plan_dora(out, in, r, W.dtype, W.device.is_cuda(), parallelism(W.device), cfg);
+  });
+  void* ws = p->split > 1 ? workspace(W.device, stream, workspace_bytes(*p)) : nullptr;
+  LaunchOptions options;
+  options.stream = stream;
+  options.layout = layout;
+  launch(*p->kernel, dora_args(*p, W, A, B, m, s, eps, norm, scale, ws), p->grid, p->meta, options);
+}
+
+}  // namespace
+
+void dora_norm(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& m,
+               double s, const TensorView& norm, const TensorView& scale, double eps, void* stream,
+               const Config& config) {
+  run_dora_norm(W, A, B, m, s, norm, scale, eps, stream, config, "");
 }
 
 // ---------------------------------------------------------------- autotuning (jit/autotune.h)
@@ -235,40 +252,7 @@ void dora_norm(const TensorView& W, const TensorView& A, const TensorView& B, co
         "': a row's norm needs every column; call dora_norm_partial on each shard, sum sumsq "
         "over '" +
         splits.of("in") + "' (all-reduce), then dora_norm_finish");
-  const std::string text = layout.canonical();
-  if (text.empty()) return dora_norm(W, A, B, m, s, norm, scale, eps, stream, config);
-  // Local shards: the same checks as the unsharded op.
-  expect_shape(op, "W", W, {-1, -1});
-  const int64_t out = W.shape[0], in = W.shape[1];
-  expect_shape(op, "A", A, {-1, in});
-  const int64_t r = A.shape[0];
-  expect_shape(op, "B", B, {out, r});
-  expect_shape(op, "m", m, {out});
-  expect_shape(op, "norm", norm, {out});
-  expect_shape(op, "scale", scale, {out});
-  expect_dtype(op, "W", W, detail::float_dtypes());
-  expect_dtype(op, "A", A, detail::float_dtypes());
-  expect_dtype(op, "B", B, detail::float_dtypes());
-  expect_dtype(op, "m", m, detail::float_dtypes());
-  expect_dtype(op, "norm", norm, {DType::f32});
-  expect_dtype(op, "scale", scale, {DType::f32});
-  expect_device(op,
-                {{"W", &W}, {"A", &A}, {"B", &B}, {"m", &m}, {"norm", &norm}, {"scale", &scale}});
-  if (r > 256)
-    throw InvalidArgument("dora_norm: rank " + std::to_string(r) + " is above the supported 256");
-  if (eps < 0) throw InvalidArgument("dora_norm: eps must be >= 0, got " + std::to_string(eps));
-  if (out == 0) return;
-  const bool gpu = W.device.is_cuda();
-  const Config cfg =
-      config.block_m || config.block_k || config.split_k || config.num_warps || config.num_stages
-          ? config
-          : tuned_dora_config(W, A, B, m, norm, scale, stream);
-  const DoraPlan p = plan_dora(out, in, r, W.dtype, gpu, parallelism(W.device), cfg);
-  void* ws = p.split > 1 ? workspace(W.device, stream, workspace_bytes(p)) : nullptr;
-  LaunchOptions options;
-  options.stream = stream;
-  options.layout = text;
-  launch(*p.kernel, dora_args(p, W, A, B, m, s, eps, norm, scale, ws), p.grid, p.meta, options);
+  run_dora_norm(W, A, B, m, s, norm, scale, eps, stream, config, layout.canonical());
 }
 
 }  // namespace kerf::ops

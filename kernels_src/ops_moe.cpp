@@ -46,8 +46,13 @@ void check_moe_materialize_memory(const TensorView& W, const TensorView& A, cons
                                   const TensorView& W_eff);
 }  // namespace detail
 
-void moe_lora_materialize(const TensorView& W, const TensorView& A, const TensorView& B, double s,
-                          const TensorView& W_eff, void* stream, const Config& config) {
+namespace {
+
+// The checks, plan and launch on local tensors; `layout` is the canonical layout
+// text the kernel is launched with ("" unsharded).
+void run_moe_lora_materialize(const TensorView& W, const TensorView& A, const TensorView& B, double s,
+                              const TensorView& W_eff, void* stream, const Config& config,
+                              const std::string& layout) {
   const char* op = "moe_lora_materialize";
   expect_shape(op, "W", W, {-1, -1, -1});
   const int64_t E = W.shape[0], N = W.shape[1], K = W.shape[2];
@@ -55,10 +60,8 @@ void moe_lora_materialize(const TensorView& W, const TensorView& A, const Tensor
   const int64_t r = A.shape[1];
   expect_shape(op, "B", B, {E, N, r});
   expect_shape(op, "W_eff", W_eff, {E, N, K});
-  const std::vector<DType> floats = {DType::bf16, DType::f16, DType::f32};
-  expect_dtype(op, "W", W, floats);
-  expect_dtype(op, "A", A, floats);
-  expect_dtype(op, "B", B, floats);
+  for (const auto& [name, t] : {std::pair{"W", &W}, {"A", &A}, {"B", &B}})
+    expect_dtype(op, name, *t, {DType::bf16, DType::f16, DType::f32});
   expect_dtype(op, "W_eff", W_eff, {W.dtype});
   expect_device(op, {{"W", &W}, {"A", &A}, {"B", &B}, {"W_eff", &W_eff}});
   check_moe_materialize_memory(W, A, B, W_eff);  // alignment, aliasing (end of file)
@@ -66,12 +69,28 @@ void moe_lora_materialize(const TensorView& W, const TensorView& A, const Tensor
   if (E > 65535) throw InvalidArgument(std::string(op) + ": at most 65535 experts per call, got " + std::to_string(E));
   if (E == 0 || N == 0 || K == 0) return;
 
-  // A caller's Config wins; otherwise the autotuner's choice (its defaults when tuning is off).
-  const Config cfg = config.block_m || config.block_k || config.split_k || config.num_warps || config.num_stages
-                         ? config
-                         : tuned_moe_config(W, A, B, W_eff, stream);
-  const MoePlan p = plan_moe(W, r, W.device.is_cuda(), cfg);
-  launch(kernels::moe_lora_materialize(), {W, A, B, Scalar(s), W_eff}, p.grid, p.meta, stream);
+  static PlanMemo<MoePlan> plans;
+  CallKey key;
+  key.add(W).add(A).add(B.dtype).add(W.device);
+  key.add(config.block_m).add(config.block_k).add(config.split_k).add(config.num_warps).add(config.num_stages);
+  const std::shared_ptr<const MoePlan> p = plans.get(key, [&] {
+    // A caller's Config wins; otherwise the autotuner's choice (its defaults when tuning is off).
+    const Config cfg = config.block_m || config.block_k || config.split_k || config.num_warps || config.num_stages
+                           ? config
+                           : tuned_moe_config(W, A, B, W_eff, stream);
+    return plan_moe(W, r, W.device.is_cuda(), cfg);
+  });
+  LaunchOptions options;
+  options.stream = stream;
+  options.layout = layout;
+  launch(kernels::moe_lora_materialize(), {W, A, B, Scalar(s), W_eff}, p->grid, p->meta, options);
+}
+
+}  // namespace
+
+void moe_lora_materialize(const TensorView& W, const TensorView& A, const TensorView& B, double s,
+                          const TensorView& W_eff, void* stream, const Config& config) {
+  run_moe_lora_materialize(W, A, B, s, W_eff, stream, config, "");
 }
 
 // ---------------------------------------------------------------- autotuning (jit/autotune.h)
@@ -241,37 +260,7 @@ void moe_lora_materialize(const TensorView& W, const TensorView& A, const Tensor
                                                             {"W_eff", {"E", "N", "K"}}});
   detail::expect_unsplit(op, layout, splits, "r",
                          "each expert's product B[e] @ A[e] needs every rank");
-  const std::string text = layout.canonical();
-  if (text.empty()) return moe_lora_materialize(W, A, B, s, W_eff, stream, config);
-  // Local shards: the same checks as the unsharded op.
-  expect_shape(op, "W", W, {-1, -1, -1});
-  const int64_t E = W.shape[0], N = W.shape[1], K = W.shape[2];
-  expect_shape(op, "A", A, {E, -1, K});
-  const int64_t r = A.shape[1];
-  expect_shape(op, "B", B, {E, N, r});
-  expect_shape(op, "W_eff", W_eff, {E, N, K});
-  expect_dtype(op, "W", W, detail::float_dtypes());
-  expect_dtype(op, "A", A, detail::float_dtypes());
-  expect_dtype(op, "B", B, detail::float_dtypes());
-  expect_dtype(op, "W_eff", W_eff, {W.dtype});
-  expect_device(op, {{"W", &W}, {"A", &A}, {"B", &B}, {"W_eff", &W_eff}});
-  detail::check_moe_materialize_memory(W, A, B, W_eff);
-  if (r > 256)
-    throw InvalidArgument(std::string(op) + ": rank " + std::to_string(r) +
-                          " is above the supported 256");
-  if (E > 65535)
-    throw InvalidArgument(std::string(op) + ": at most 65535 experts per call, got " +
-                          std::to_string(E));
-  if (E == 0 || N == 0 || K == 0) return;
-  const Config cfg =
-      config.block_m || config.block_k || config.split_k || config.num_warps || config.num_stages
-          ? config
-          : tuned_moe_config(W, A, B, W_eff, stream);
-  const MoePlan p = plan_moe(W, r, W.device.is_cuda(), cfg);
-  LaunchOptions options;
-  options.stream = stream;
-  options.layout = text;
-  launch(kernels::moe_lora_materialize(), {W, A, B, Scalar(s), W_eff}, p.grid, p.meta, options);
+  run_moe_lora_materialize(W, A, B, s, W_eff, stream, config, layout.canonical());
 }
 
 }  // namespace kerf::ops

@@ -310,6 +310,30 @@ TEST_CASE("dora_norm tunes on the CPU back end with the wall clock and stays rig
   CHECK(choices == 1);
 }
 
+TEST_CASE("a repeated op call reuses its plan until the autotune settings or choices change",
+          "[autotune][cpu]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  test::TempDir dir;
+  {
+    test::ScopedEnv off({{"KERF_CACHE_DIR", dir.path()}, {"KERF_AUTOTUNE", "0"}, {"KERF_LOG", "info"}});
+    test::LogCapture logs;
+    check_dora_cpu(96, 80, 8, {});
+    check_dora_cpu(96, 80, 8, {});
+    CHECK(logs.count("autotune") == 0);
+  }
+  // The same call after KERF_AUTOTUNE changed (a settings reload): tuned, not the remembered defaults.
+  test::ScopedEnv on({{"KERF_CACHE_DIR", dir.path()}, {"KERF_AUTOTUNE", "1"}, {"KERF_LOG", "info"}});
+  test::LogCapture logs;
+  check_dora_cpu(96, 80, 8, {});
+  CHECK(logs.count("chose") == 1);
+  check_dora_cpu(96, 80, 8, {});  // remembered: no lookup, no log line
+  CHECK(logs.count("autotune") == 1);
+  autotune::forget_choices();  // the next call asks the autotuner again, which finds the stored choice
+  check_dora_cpu(96, 80, 8, {});
+  CHECK(logs.count("(stored choice)") == 1);
+  CHECK(logs.count("chose") == 1);
+}
+
 TEST_CASE("an explicit ops::Config overrides the tuner", "[autotune][cpu]") {
   KERF_REQUIRE_CPU_BACKEND();
   test::TempDir dir;

@@ -35,9 +35,13 @@ void unmount_bundles();
 std::vector<std::string> mounted_bundles();
 
 Settings current_settings();
+// The autotune mode of current_settings(), without copying them (read on every op call).
+AutotuneMode autotune_mode();
 // Reads the environment again and starts over: new disk tier, bundles of
 // KERF_CACHE_BUNDLES only, counters kept. For tests and tools.
 void reload_settings();
+// Changes with every reload_settings(): what was derived from the settings is stale.
+uint64_t settings_generation();
 
 // What the tiers did in this process, for tests, tools and logs.
 struct Stats {

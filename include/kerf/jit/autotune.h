@@ -88,6 +88,10 @@ Choice choose(const Problem& problem, const std::vector<Config>& candidates, con
 cache::CacheKey choice_key(const Problem& problem);
 // Forgets the choices made in this process (tests; a new tuning reads the cache again).
 void forget_choices();
+// Changes whenever a choice made earlier may no longer be the answer: forget_choices()
+// and cache::reload_settings() (KERF_AUTOTUNE may have changed). Ops that remember
+// what they derived from a choice start over when it changes.
+uint64_t generation();
 
 // Every combination of the given values, e.g. {{"BLOCK_M", {32, 64}}, {"num_warps", {4, 8}}}
 // gives 4 candidates; and a candidate's value of `name` (0 when it has none).
