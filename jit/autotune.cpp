@@ -264,7 +264,7 @@ Choice choose(const Problem& p, const std::vector<Config>& candidates, const Con
   std::unique_ptr<Timer> own_timer;
   Timer* timer = o.timer;
   if (!timer) {
-    own_timer = p.device.is_cuda() ? cuda_event_timer(o.stream) : wall_clock_timer();
+    own_timer = p.device.is_cuda() ? cuda_event_timer(o.stream, p.device.index) : wall_clock_timer();
     timer = own_timer.get();
   }
   double best = -1.0;

@@ -36,8 +36,6 @@ void expect_no_self_overlap(const char* op, const char* name, const TensorView& 
   }
 }
 
-namespace {
-
 // [first byte, one past the last byte] a view may touch.
 std::pair<intptr_t, intptr_t> byte_span(const TensorView& t) {
   int64_t lo = 0, hi = 0;
@@ -49,8 +47,6 @@ std::pair<intptr_t, intptr_t> byte_span(const TensorView& t) {
   const auto base = reinterpret_cast<intptr_t>(t.data);
   return {base + intptr_t(lo * es), base + intptr_t((hi + 1) * es)};
 }
-
-}  // namespace
 
 bool may_overlap(const TensorView& a, const TensorView& b) {
   if (a.numel() == 0 || b.numel() == 0 || a.device != b.device) return false;

@@ -24,6 +24,9 @@ void expect_element_aligned(const char* op, const char* name, const TensorView& 
 // element (a zero or overlapping stride): writes would race.
 void expect_no_self_overlap(const char* op, const char* name, const TensorView& t);
 
+// [first byte, one past the last byte] a (non-empty) view may touch.
+std::pair<intptr_t, intptr_t> byte_span(const TensorView& t);
+
 // Whether the bytes two views may touch overlap (false when either is empty).
 bool may_overlap(const TensorView& a, const TensorView& b);
 

@@ -12,6 +12,7 @@
 
 #include "kerf/error.h"
 #include "kerf/jit/autotune.h"
+#include "kerf/ops/ops.h"
 #include "kerf/runtime/tensor.h"
 
 namespace kerf::ops::detail {
@@ -59,6 +60,11 @@ inline void expect_device(const char* op, std::initializer_list<NamedTensor> ts)
 }
 inline void expect_device(const char* op, const std::vector<NamedTensor>& ts) {
   expect_device(op, ts.data(), ts.size());
+}
+
+// Whether the caller set any field of an ops::Config (it then wins over the autotuner).
+inline bool has_config(const Config& c) {
+  return c.block_m || c.block_k || c.split_k || c.num_warps || c.num_stages;
 }
 
 // Multiprocessors of the tensors' device (the number of CPU threads on the CPU).

@@ -6,6 +6,7 @@
 #include "kerf/kernels/kernels.h"
 #include "kerf/ops/ops.h"
 #include "ops_common.h"
+#include "ops_tune.h"
 
 namespace kerf::ops {
 
@@ -108,7 +109,7 @@ void run_dora_norm(const TensorView& W, const TensorView& A, const TensorView& B
   key.add(config.block_m).add(config.block_k).add(config.split_k).add(config.num_warps).add(config.num_stages);
   const std::shared_ptr<const DoraPlan> p = plans.get(key, [&] {
     // A caller's Config wins; otherwise the autotuner's choice (its defaults when tuning is off).
-    const Config cfg = config.block_m || config.block_k || config.split_k || config.num_warps || config.num_stages
+    const Config cfg = has_config(config)
                            ? config
                            : tuned_dora_config(W, A, B, m, norm, scale, stream);
     return plan_dora(out, in, r, W.dtype, W.device.is_cuda(), parallelism(W.device), cfg);
@@ -137,11 +138,6 @@ std::vector<autotune::Config> dora_gpu_candidates() {
       {{"BLOCK_M", {32, 64, 128, 256}}, {"BLOCK_K", {64, 128}}, {"num_warps", {4, 8}}, {"num_stages", {2, 3}}});
 }
 
-// CPU: a few tile sizes (each candidate is an LLVM compile).
-std::vector<autotune::Config> dora_cpu_candidates() {
-  return autotune::product({{"BLOCK_M", {16, 32}}, {"BLOCK_K", {32, 64}}, {"num_warps", {4}}, {"num_stages", {1}}});
-}
-
 Config config_of(const autotune::Config& c) {
   Config cfg;
   cfg.block_m = autotune::value_or_zero(c, "BLOCK_M");
@@ -153,45 +149,34 @@ Config config_of(const autotune::Config& c) {
 
 Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& m,
                          const TensorView& norm, const TensorView& scale, void* stream) {
-  if (!autotune::enabled_for(W.device)) return {};
   const bool gpu = W.device.is_cuda();
   const int64_t out = W.shape[0], in = W.shape[1], r = A.shape[0];
   const int64_t programs = parallelism(W.device);
-  autotune::Problem problem{"dora_norm",
-                            {next_pow2(out), next_pow2(in), std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)))},
-                            {W.dtype, A.dtype, B.dtype, m.dtype},
-                            "",
-                            W.device};
+  TuneRequest q;
+  q.problem = {"dora_norm",
+               {next_pow2(out), next_pow2(in), std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)))},
+               {W.dtype, A.dtype, B.dtype, m.dtype},
+               "",
+               W.device};
+  q.block_m_name = "BLOCK_M";
+  q.block_k_name = "BLOCK_K";
+  q.gpu_candidates = dora_gpu_candidates();
+  q.extent_m = out;
+  q.extent_k = in;
+  q.kernels = [&](const Config& c) {
+    const DoraPlan p = plan_dora(out, in, r, W.dtype, gpu, programs, c);
+    return std::vector<autotune::KernelCall>{
+        {p.kernel, dora_args(p, W, A, B, m, 1.0, 0.0, norm, scale, kUnusedWorkspace), p.meta}};
+  };
   // The candidates run on the caller's tensors: norm and scale are outputs only, and
   // the split workspace is zero again after every launch, so nothing needs restoring.
-  const auto launch_of = [&](const autotune::Config& c, bool run) {
-    const DoraPlan p = plan_dora(out, in, r, W.dtype, gpu, programs, config_of(c));
-    void* ws = p.split == 1 ? nullptr : run ? workspace(W.device, stream, workspace_bytes(p)) : kUnusedWorkspace;
-    const std::vector<Arg> args = dora_args(p, W, A, B, m, 1.0, 0.0, norm, scale, ws);
-    if (run)
-      launch(*p.kernel, args, p.grid, p.meta, stream);
-    else
-      prepare(*p.kernel, args, p.meta);
+  q.run = [&](const Config& c) {
+    const DoraPlan p = plan_dora(out, in, r, W.dtype, gpu, programs, c);
+    void* ws = p.split == 1 ? nullptr : workspace(W.device, stream, workspace_bytes(p));
+    launch(*p.kernel, dora_args(p, W, A, B, m, 1.0, 0.0, norm, scale, ws), p.grid, p.meta, stream);
   };
-  autotune::Hooks hooks;
-  hooks.keep = [&](const autotune::Config& c) {
-    // Tiles far beyond the problem only waste work; keep the smallest of each list.
-    const Config cfg = config_of(c);
-    if (cfg.block_m > std::max<int64_t>(gpu ? 32 : 16, next_pow2(out))) return false;
-    if (cfg.block_k > std::max<int64_t>(gpu ? 64 : 32, next_pow2(in))) return false;
-    if (!gpu) return true;
-    const DoraPlan p = plan_dora(out, in, r, W.dtype, gpu, programs, cfg);
-    const std::vector<Arg> args = dora_args(p, W, A, B, m, 1.0, 0.0, norm, scale, kUnusedWorkspace);
-    return autotune::shared_memory_bytes(*p.kernel, args, p.meta, device_arch(W.device.index)) <=
-           autotune::max_shared_memory(W.device.index);
-  };
-  hooks.compile = [&](const autotune::Config& c) { launch_of(c, false); };
-  hooks.run = [&](const autotune::Config& c) { launch_of(c, true); };
-  autotune::Options options;
-  options.stream = stream;
-  const autotune::Choice choice = autotune::choose(problem, gpu ? dora_gpu_candidates() : dora_cpu_candidates(),
-                                                   {}, hooks, options);
-  return config_of(choice.config);
+  q.stream = stream;
+  return tuned_config(q);
 }
 
 // For kerf-cache warm.

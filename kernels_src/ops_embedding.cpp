@@ -21,6 +21,7 @@
 #include "ops_checks.h"
 #include "ops_common.h"
 #include "ops_layout.h"
+#include "ops_tune.h"
 
 namespace kerf::ops {
 
@@ -168,6 +169,215 @@ int64_t split_for(int64_t blocks, int64_t programs, int64_t steps) {
                              std::max<int64_t>(1, steps));
 }
 
+// One forward call on flattened ids x1 [T] and out2 [T, D].
+struct EmbeddingForward {
+  TensorView x1, weight, A, B;
+  double s;
+  TensorView out2;
+  VocabRange vr;
+  LaunchOptions lo;
+};
+
+struct EmbeddingLaunch {
+  dsl::MetaMap meta;
+  Grid grid;
+};
+
+EmbeddingLaunch plan_embedding(const EmbeddingForward& c, const Config& config) {
+  const int64_t T = c.x1.shape[0], D = c.weight.shape[1], r = c.A.shape[0];
+  const bool gpu = c.x1.device.is_cuda();
+  bool scale_after = false;
+  const DType dot = embedding_dot(c.weight.dtype, c.A.dtype, c.B.dtype, &scale_after);
+  const int64_t bt = config.block_m ? config.block_m : (gpu ? 32 : 16);
+  const int64_t bd = config.block_k ? config.block_k : (gpu ? 128 : 64);
+  const int64_t split =
+      config.split_k ? config.split_k : split_for(cdiv(T, bt), parallelism(c.x1.device), cdiv(D, bd));
+  EmbeddingLaunch l;
+  l.meta = {{"BLOCK_T", bt},
+            {"BLOCK_D", bd},
+            {"R_PAD", std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)))},
+            {"DOT", int64_t(dot)},
+            {"SCALE_AFTER", scale_after ? 1 : 0},
+            {"num_warps", config.num_warps ? config.num_warps : 4},
+            {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
+  l.grid = Grid{uint32_t(cdiv(T, bt)), uint32_t(split), 1};
+  return l;
+}
+
+std::vector<Arg> embedding_args(const EmbeddingForward& c, const TensorView& record) {
+  return {c.x1, c.weight, c.A, c.B, Scalar(c.s), c.out2, record, Scalar(c.vr.start), Scalar(c.vr.total)};
+}
+
+// `record`: where the kernel notes ids out of range (error_record, or a tuning's own).
+void run_embedding(const EmbeddingForward& c, const Config& config, const TensorView& record) {
+  const EmbeddingLaunch l = plan_embedding(c, config);
+  launch(kernels::lora_embedding(), embedding_args(c, record), l.grid, l.meta, c.lo);
+}
+
+// Stands for the error record where kernels are only compiled (never dereferenced).
+TensorView stand_in_record(const Device& dev) {
+  return TensorView::contiguous(reinterpret_cast<void*>(uintptr_t(1) << 16), DType::i64, {kRecordSlots}, dev);
+}
+
+// The record a tuning's runs write to: bad ids they meet are the call's own, which
+// the call itself reports once; the candidates' many runs must not count them again.
+class TuningRecord {
+ public:
+  explicit TuningRecord(const Device& dev) {
+    if (!dev.is_cuda()) {
+      view_ = error_record(dev, nullptr);  // CPU ids were checked before the launch
+      return;
+    }
+    buf_ = cuda::DeviceBuffer(kRecordSlots * 8, dev.index);
+    buf_.fill_bytes(0);
+    view_ = TensorView::contiguous(buf_.data(), DType::i64, {kRecordSlots}, dev);
+  }
+  const TensorView& view() const { return view_; }
+
+ private:
+  cuda::DeviceBuffer buf_;
+  TensorView view_;
+};
+
+Config tuned_embedding_config(const EmbeddingForward& c) {
+  const int64_t T = c.x1.shape[0], V = c.weight.shape[0], D = c.weight.shape[1], r = c.A.shape[0];
+  TuneRequest q;
+  q.problem = {"lora_embedding",
+               {next_pow2(T), next_pow2(V), next_pow2(D), std::max<int64_t>(16, next_pow2(r))},
+               {c.weight.dtype, c.A.dtype, c.B.dtype, c.out2.dtype, c.x1.dtype},
+               "",
+               c.x1.device};
+  q.block_m_name = "BLOCK_T";
+  q.block_k_name = "BLOCK_D";
+  q.gpu_candidates = autotune::product(
+      {{"BLOCK_T", {16, 32, 64, 128}}, {"BLOCK_D", {64, 128, 256}}, {"num_warps", {4, 8}}, {"num_stages", {3}}});
+  q.extent_m = T;
+  q.extent_k = D;
+  q.kernels = [&](const Config& config) {
+    return std::vector<autotune::KernelCall>{
+        {&kernels::lora_embedding(), embedding_args(c, stand_in_record(c.x1.device)), plan_embedding(c, config).meta}};
+  };
+  const TuningRecord record(c.x1.device);
+  q.run = [&](const Config& config) { run_embedding(c, config, record.view()); };
+  q.stream = c.lo.stream;
+  return tuned_config(q);
+}
+
+// One backward call on flattened ids x1 [T] and g2 [T, D]; dA3 [1, r, V], dB3 [1, D, r].
+struct EmbeddingBackward {
+  TensorView x1, A, B, g2;
+  double s;
+  TensorView dA3, dB3;
+  bool by_freq;
+  VocabRange vr;
+  int64_t padding;
+  LaunchOptions lo;
+};
+
+struct EmbeddingBackwardPlan {
+  dsl::MetaMap meta;
+  Grid grid;
+  int64_t block_t;
+};
+
+EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const Config& config) {
+  const int64_t T = c.x1.shape[0], D = c.B.shape[0], r = c.A.shape[0];
+  const bool gpu = c.x1.device.is_cuda();
+  bool unused = false;
+  const DType dot = embedding_dot(c.g2.dtype, c.g2.dtype, c.g2.dtype, &unused);
+  // Tall token blocks: dB's atomics per element of grad_out are R_PAD / BLOCK_T.
+  const int64_t bt = config.block_m ? config.block_m : (gpu ? 128 : 16);
+  const int64_t bd = config.block_k ? config.block_k : 64;
+  const int64_t split =
+      config.split_k ? config.split_k : split_for(cdiv(T, bt), parallelism(c.x1.device), cdiv(D, bd));
+  EmbeddingBackwardPlan p;
+  p.meta = {{"BLOCK_T", bt},
+            {"BLOCK_D", bd},
+            {"R_PAD", std::max<int64_t>(16, next_pow2(r))},
+            {"DOT", int64_t(dot)},
+            {"BY_FREQ", c.by_freq ? 1 : 0},
+            {"num_warps", config.num_warps ? config.num_warps : (gpu && bt >= 128 ? 8 : 4)},
+            {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
+  p.grid = Grid{uint32_t(cdiv(T, bt)), uint32_t(split), 1};
+  p.block_t = bt;
+  return p;
+}
+
+std::vector<Arg> embedding_backward_args(const EmbeddingBackward& c, const TensorView& da_acc,
+                                         const TensorView& db_acc, const TensorView& counts,
+                                         const TensorView& record) {
+  const int64_t D = c.B.shape[0], r = c.A.shape[0], V = c.A.shape[1];
+  const TensorView dA2 = restride(da_acc, {r, V}, {da_acc.strides[1], da_acc.strides[2]});
+  const TensorView dB2 = restride(db_acc, {D, r}, {db_acc.strides[1], db_acc.strides[2]});
+  return {c.x1, c.A, c.B, c.g2, Scalar(c.s), dA2, dB2, counts, record,
+          Scalar(c.vr.start), Scalar(c.vr.total), Scalar(c.padding)};
+}
+
+// The launches of one backward call: fp32 accumulators (the outputs themselves
+// when f32, zeroed; else workspace regions flushed into them), with
+// scale_grad_by_freq the id counts (counted first, cleared after), the kernel.
+void run_embedding_backward(const EmbeddingBackward& c, const Config& config, const TensorView& record) {
+  const int64_t D = c.B.shape[0], r = c.A.shape[0], V = c.A.shape[1];
+  const Device& dev = c.x1.device;
+  const bool da_direct = c.dA3.dtype == DType::f32, db_direct = c.dB3.dtype == DType::f32;
+  size_t ws_bytes = 0;
+  if (!da_direct) ws_bytes += carved_bytes(1, r, V);
+  if (!db_direct) ws_bytes += carved_bytes(1, D, r);
+  if (c.by_freq) ws_bytes += carved_bytes(1, 1, V);
+  char* cursor = ws_bytes ? static_cast<char*>(workspace(dev, c.lo.stream, ws_bytes)) : nullptr;
+  const TensorView da_acc = da_direct ? c.dA3 : carve_f32(&cursor, 1, r, V, dev);
+  const TensorView db_acc = db_direct ? c.dB3 : carve_f32(&cursor, 1, D, r, dev);
+  TensorView counts = TensorView::contiguous(nullptr, DType::i32, {0}, dev);
+  if (c.by_freq) counts = TensorView::contiguous(carve_f32(&cursor, 1, 1, V, dev).data, DType::i32, {V}, dev);
+  if (da_direct) fill_3d(c.dA3, 0.0, c.lo);
+  if (db_direct) fill_3d(c.dB3, 0.0, c.lo);
+
+  const EmbeddingBackwardPlan p = plan_embedding_backward(c, config);
+  const Grid tokens{p.grid.x, 1, 1};
+  if (c.by_freq)
+    launch(kernels::embedding_count_ids(), {c.x1, counts, Scalar(c.vr.start)}, tokens, {{"BLOCK_T", p.block_t}},
+           c.lo);
+  launch(kernels::lora_embedding_backward(),
+         embedding_backward_args(c, da_acc, db_acc, counts, record), p.grid, p.meta, c.lo);
+  if (c.by_freq)
+    launch(kernels::embedding_count_ids(), {c.x1, counts, Scalar(c.vr.start)}, tokens,
+           {{"BLOCK_T", p.block_t}, {"CLEAR", 1}}, c.lo);
+  if (!da_direct) flush_accumulator(da_acc, c.dA3, c.lo);
+  if (!db_direct) flush_accumulator(db_acc, c.dB3, c.lo);
+}
+
+Config tuned_embedding_backward_config(const EmbeddingBackward& c) {
+  const int64_t T = c.x1.shape[0], V = c.A.shape[1], D = c.B.shape[0], r = c.A.shape[0];
+  const Device& dev = c.x1.device;
+  TuneRequest q;
+  q.problem = {c.by_freq ? "lora_embedding_backward_by_freq" : "lora_embedding_backward",
+               {next_pow2(T), next_pow2(V), next_pow2(D), std::max<int64_t>(16, next_pow2(r))},
+               {c.A.dtype, c.B.dtype, c.g2.dtype, c.dA3.dtype, c.dB3.dtype, c.x1.dtype},
+               "",
+               dev};
+  q.block_m_name = "BLOCK_T";
+  q.block_k_name = "BLOCK_D";
+  q.gpu_candidates = autotune::product(
+      {{"BLOCK_T", {32, 64, 128, 256}}, {"BLOCK_D", {32, 64, 128}}, {"num_warps", {4, 8}}, {"num_stages", {3}}});
+  q.extent_m = T;
+  q.extent_k = D;
+  q.kernels = [&](const Config& config) {
+    void* const stand_in = reinterpret_cast<void*>(uintptr_t(1) << 16);
+    const TensorView da_acc = TensorView::contiguous(stand_in, DType::f32, {1, r, V}, dev);
+    const TensorView db_acc = TensorView::contiguous(stand_in, DType::f32, {1, D, r}, dev);
+    const TensorView counts = c.by_freq ? TensorView::contiguous(stand_in, DType::i32, {V}, dev)
+                                        : TensorView::contiguous(nullptr, DType::i32, {0}, dev);
+    return std::vector<autotune::KernelCall>{
+        {&kernels::lora_embedding_backward(),
+         embedding_backward_args(c, da_acc, db_acc, counts, stand_in_record(dev)),
+         plan_embedding_backward(c, config).meta}};
+  };
+  const TuningRecord record(dev);
+  q.run = [&](const Config& config) { run_embedding_backward(c, config, record.view()); };
+  q.stream = c.lo.stream;
+  return tuned_config(q);
+}
+
 }  // namespace
 
 void lora_embedding(const TensorView& x, const TensorView& weight, const TensorView& A,
@@ -210,29 +420,17 @@ void lora_embedding(const TensorView& x, const TensorView& weight, const TensorV
   const int64_t T = x1.shape[0];
   if (!x.device.is_cuda()) check_host_ids(op, x1, vr.total);
 
-  const bool gpu = x.device.is_cuda();
-  bool scale_after = false;
-  const DType dot = embedding_dot(weight.dtype, A.dtype, B.dtype, &scale_after);
-  const int64_t bt = config.block_m ? config.block_m : (gpu ? 32 : 16);
-  const int64_t bd = config.block_k ? config.block_k : (gpu ? 128 : 64);
-  const int64_t split =
-      config.split_k ? config.split_k : split_for(cdiv(T, bt), parallelism(x.device), cdiv(D, bd));
-  const dsl::MetaMap meta = {{"BLOCK_T", bt},
-                             {"BLOCK_D", bd},
-                             {"R_PAD", std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)))},
-                             {"DOT", int64_t(dot)},
-                             {"SCALE_AFTER", scale_after ? 1 : 0},
-                             {"num_warps", config.num_warps ? config.num_warps : 4},
-                             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
   const std::string text = layout.canonical();
   LaunchOptions lo;
   lo.stream = stream;
   lo.layout = text;
-  launch(kernels::lora_embedding(),
-         {x1, weight, A, B, Scalar(s), out2, error_record(x.device, stream), Scalar(vr.start),
-          Scalar(vr.total)},
-         Grid{uint32_t(cdiv(T, bt)), uint32_t(split), 1}, meta, lo);
-  if (gpu && options.id_check == IdCheck::sync) throw_recorded_bad_ids(op, x.device, stream);
+  const EmbeddingForward call{x1, weight, A, B, s, out2, vr, lo};
+  static PlanMemo<Config> tuned;
+  CallKey key;
+  key.add(T).add(weight).add(A).add(B.dtype).add(out.dtype).add(x1.dtype).add(x.device);
+  run_embedding(call, has_config(config) ? config : *tuned.get(key, [&] { return tuned_embedding_config(call); }),
+                error_record(x.device, stream));
+  if (x.device.is_cuda() && options.id_check == IdCheck::sync) throw_recorded_bad_ids(op, x.device, stream);
 }
 
 void lora_embedding_backward(const TensorView& x, const TensorView& A, const TensorView& B,
@@ -293,56 +491,15 @@ void lora_embedding_backward(const TensorView& x, const TensorView& A, const Ten
   const int64_t T = x1.shape[0];
   if (!x.device.is_cuda()) check_host_ids(op, x1, vr.total);
 
-  // fp32 accumulators: the outputs themselves when f32 (zeroed), else workspace
-  // regions flushed into them; with scale_grad_by_freq, id counts too.
-  const bool da_direct = grad_A.dtype == DType::f32, db_direct = grad_B.dtype == DType::f32;
-  size_t ws_bytes = 0;
-  if (!da_direct) ws_bytes += carved_bytes(1, r, V);
-  if (!db_direct) ws_bytes += carved_bytes(1, D, r);
-  if (options.scale_grad_by_freq) ws_bytes += carved_bytes(1, 1, V);
-  char* cursor = ws_bytes ? static_cast<char*>(workspace(x.device, stream, ws_bytes)) : nullptr;
-  const TensorView da_acc = da_direct ? dA3 : carve_f32(&cursor, 1, r, V, x.device);
-  const TensorView db_acc = db_direct ? dB3 : carve_f32(&cursor, 1, D, r, x.device);
-  TensorView counts = TensorView::contiguous(nullptr, DType::i32, {0}, x.device);
-  if (options.scale_grad_by_freq) {
-    counts = carve_f32(&cursor, 1, 1, V, x.device);
-    counts = TensorView::contiguous(counts.data, DType::i32, {V}, x.device);
-  }
-  if (da_direct) fill_3d(dA3, 0.0, lo);
-  if (db_direct) fill_3d(dB3, 0.0, lo);
-
-  const bool gpu = x.device.is_cuda();
-  bool unused = false;
-  const DType dot = embedding_dot(grad_out.dtype, grad_out.dtype, grad_out.dtype, &unused);
-  // Tall token blocks: dB's atomics per element of grad_out are R_PAD / BLOCK_T.
-  const int64_t bt = config.block_m ? config.block_m : (gpu ? 128 : 16);
-  const int64_t bd = config.block_k ? config.block_k : 64;
-  const int64_t split =
-      config.split_k ? config.split_k : split_for(cdiv(T, bt), parallelism(x.device), cdiv(D, bd));
-  const Grid tokens{uint32_t(cdiv(T, bt)), 1, 1};
-  if (options.scale_grad_by_freq)
-    launch(kernels::embedding_count_ids(), {x1, counts, Scalar(vr.start)}, tokens,
-           {{"BLOCK_T", bt}}, lo);
-  const dsl::MetaMap meta = {
-      {"BLOCK_T", bt},
-      {"BLOCK_D", bd},
-      {"R_PAD", std::max<int64_t>(16, next_pow2(r))},
-      {"DOT", int64_t(dot)},
-      {"BY_FREQ", options.scale_grad_by_freq ? 1 : 0},
-      {"num_warps", config.num_warps ? config.num_warps : (gpu && bt >= 128 ? 8 : 4)},
-      {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
-  const TensorView dA2 = restride(da_acc, {r, V}, {da_acc.strides[1], da_acc.strides[2]});
-  const TensorView dB2 = restride(db_acc, {D, r}, {db_acc.strides[1], db_acc.strides[2]});
-  launch(kernels::lora_embedding_backward(),
-         {x1, A, B, g2, Scalar(s), dA2, dB2, counts, error_record(x.device, stream),
-          Scalar(vr.start), Scalar(vr.total), Scalar(padding)},
-         Grid{uint32_t(cdiv(T, bt)), uint32_t(split), 1}, meta, lo);
-  if (options.scale_grad_by_freq)
-    launch(kernels::embedding_count_ids(), {x1, counts, Scalar(vr.start)}, tokens,
-           {{"BLOCK_T", bt}, {"CLEAR", 1}}, lo);
-  if (!da_direct) flush_accumulator(da_acc, dA3, lo);
-  if (!db_direct) flush_accumulator(db_acc, dB3, lo);
-  if (gpu && options.id_check == IdCheck::sync) throw_recorded_bad_ids(op, x.device, stream);
+  const EmbeddingBackward call{x1, A, B, g2, s, dA3, dB3, options.scale_grad_by_freq, vr, padding, lo};
+  static PlanMemo<Config> tuned;
+  CallKey key;
+  key.add(T).add(A).add(B).add(g2.dtype).add(grad_A.dtype).add(grad_B.dtype).add(x1.dtype);
+  key.add(options.scale_grad_by_freq ? 1 : 0).add(x.device);
+  run_embedding_backward(
+      call, has_config(config) ? config : *tuned.get(key, [&] { return tuned_embedding_backward_config(call); }),
+      error_record(x.device, stream));
+  if (x.device.is_cuda() && options.id_check == IdCheck::sync) throw_recorded_bad_ids(op, x.device, stream);
 }
 
 void check_embedding_ids(const Device& device, void* stream) {

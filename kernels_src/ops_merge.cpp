@@ -2,12 +2,14 @@
 // the mapping of both layouts onto one kernel (W[g] += s * B[g] @ A[g]), launches.
 #include <algorithm>
 #include <functional>
+#include <memory>
 
 #include "kerf/jit/launch.h"
 #include "kerf/kernels/kernels.h"
 #include "kerf/ops/ops.h"
 #include "ops_checks.h"
 #include "ops_common.h"
+#include "ops_tune.h"
 
 namespace kerf::ops {
 
@@ -55,11 +57,52 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
   return p;
 }
 
-// One launch over W3 [G, out, in] += s * B3 [G, out, r] @ A3 [G, r, in].
-void launch_merge(const TensorView& W3, const TensorView& A3, const TensorView& B3, double s,
-                  void* stream, const Config& config) {
+void run_merge(const TensorView& W3, const TensorView& A3, const TensorView& B3, double s, void* stream,
+               const Config& config) {
   const MergePlan p = plan_merge(W3, A3, B3, W3.device.is_cuda(), parallelism(W3.device), config);
   launch(kernels::lora_merge(), {W3, A3, B3, Scalar(s)}, p.grid, p.meta, stream);
+}
+
+Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const TensorView& B3, double s,
+                          void* stream) {
+  const int64_t G = W3.shape[0], out = W3.shape[1], in = W3.shape[2], r = A3.shape[1];
+  TuneRequest q;
+  q.problem = {"lora_merge",
+               {next_pow2(G), next_pow2(out), next_pow2(in), std::max<int64_t>(16, next_pow2(r))},
+               {W3.dtype, A3.dtype, B3.dtype},
+               "",
+               W3.device};
+  q.block_m_name = "BLOCK_M";
+  q.block_k_name = "BLOCK_K";
+  q.gpu_candidates = autotune::product(
+      {{"BLOCK_M", {32, 64, 128}}, {"BLOCK_K", {64, 128}}, {"num_warps", {4, 8}}, {"num_stages", {2, 3}}});
+  q.extent_m = out;
+  q.extent_k = in;
+  q.kernels = [&](const Config& c) {
+    const MergePlan p = plan_merge(W3, A3, B3, true, parallelism(W3.device), c);
+    return std::vector<autotune::KernelCall>{{&kernels::lora_merge(), {W3, A3, B3, Scalar(s)}, p.meta}};
+  };
+  q.run = [&](const Config& c) { run_merge(W3, A3, B3, s, stream, c); };
+  // Each timed run adds s*B@A to W once more: W's bytes are saved and put back.
+  std::unique_ptr<SavedBytes> saved;
+  q.restore = [&] {
+    if (!saved) saved = std::make_unique<SavedBytes>(W3, W3, stream);
+    saved->restore();
+  };
+  q.stream = stream;
+  return tuned_config(q);
+}
+
+// One launch over W3 [G, out, in] += s * B3 [G, out, r] @ A3 [G, r, in], with the
+// caller's Config or else the autotuner's (remembered per call signature).
+void launch_merge(const TensorView& W3, const TensorView& A3, const TensorView& B3, double s,
+                  void* stream, const Config& config) {
+  if (has_config(config))
+    return run_merge(W3, A3, B3, s, stream, config);
+  static PlanMemo<Config> tuned;
+  CallKey key;
+  key.add(W3).add(A3).add(B3.dtype).add(W3.device);
+  run_merge(W3, A3, B3, s, stream, *tuned.get(key, [&] { return tuned_merge_config(W3, A3, B3, s, stream); }));
 }
 
 void check_common(const char* op, const TensorView& W, const TensorView& A, const TensorView& B,

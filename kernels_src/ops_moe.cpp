@@ -8,6 +8,7 @@
 #include "kerf/ops/ops.h"
 #include "kerf/runtime/cuda.h"
 #include "ops_common.h"
+#include "ops_tune.h"
 
 namespace kerf::ops {
 
@@ -75,7 +76,7 @@ void run_moe_lora_materialize(const TensorView& W, const TensorView& A, const Te
   key.add(config.block_m).add(config.block_k).add(config.split_k).add(config.num_warps).add(config.num_stages);
   const std::shared_ptr<const MoePlan> p = plans.get(key, [&] {
     // A caller's Config wins; otherwise the autotuner's choice (its defaults when tuning is off).
-    const Config cfg = config.block_m || config.block_k || config.split_k || config.num_warps || config.num_stages
+    const Config cfg = has_config(config)
                            ? config
                            : tuned_moe_config(W, A, B, W_eff, stream);
     return plan_moe(W, r, W.device.is_cuda(), cfg);
@@ -102,10 +103,6 @@ std::vector<autotune::Config> moe_gpu_candidates() {
       {{"BLOCK_N", {32, 64, 128}}, {"BLOCK_K", {64, 128}}, {"num_warps", {4, 8}}, {"num_stages", {2, 3}}});
 }
 
-std::vector<autotune::Config> moe_cpu_candidates() {
-  return autotune::product({{"BLOCK_N", {16, 32}}, {"BLOCK_K", {32, 64}}, {"num_warps", {4}}, {"num_stages", {1}}});
-}
-
 Config config_of(const autotune::Config& c) {
   Config cfg;
   cfg.block_m = autotune::value_or_zero(c, "BLOCK_N");  // Config::block_m carries BLOCK_N for MoE
@@ -115,84 +112,38 @@ Config config_of(const autotune::Config& c) {
   return cfg;
 }
 
-// The bytes from a view's first element to its last (non-negative strides).
-size_t span_bytes(const TensorView& t) {
-  int64_t last = 0;
-  for (int d = 0; d < t.rank; ++d) last += (t.shape[size_t(d)] - 1) * t.strides[size_t(d)];
-  return size_t(last + 1) * size_t(dtype_size_bytes(t.dtype));
-}
-
-// When W_eff overlaps W (materializing in place), every timed run would add s*B@A
-// once more: keep W's bytes and put them back before each run.
-class InPlaceGuard {
- public:
-  InPlaceGuard(const TensorView& W, const TensorView& W_eff, void* stream) : W_(W), stream_(stream) {
-    const char* w = static_cast<const char*>(W.data);
-    const char* o = static_cast<const char*>(W_eff.data);
-    bytes_ = span_bytes(W);
-    if (o + span_bytes(W_eff) <= w || w + bytes_ <= o) bytes_ = 0;  // disjoint
-    if (!bytes_) return;
-    if (W.device.is_cuda()) {
-      device_copy_ = cuda::DeviceBuffer(bytes_, W.device.index);
-      cuda::memcpy_device_to_device(device_copy_.data(), W.data, bytes_, stream);
-    } else {
-      host_copy_.assign(w, w + bytes_);
-    }
-  }
-  bool active() const { return bytes_ != 0; }
-  void restore() const {
-    if (W_.device.is_cuda())
-      cuda::memcpy_device_to_device(W_.data, device_copy_.data(), bytes_, stream_);
-    else
-      std::memcpy(W_.data, host_copy_.data(), bytes_);
-  }
-
- private:
-  TensorView W_;
-  void* stream_;
-  size_t bytes_ = 0;
-  cuda::DeviceBuffer device_copy_;
-  std::vector<char> host_copy_;
-};
-
 Config tuned_moe_config(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& W_eff,
                         void* stream) {
-  if (!autotune::enabled_for(W.device)) return {};
   const bool gpu = W.device.is_cuda();
   const int64_t E = W.shape[0], N = W.shape[1], K = W.shape[2], r = A.shape[1];
-  autotune::Problem problem{
-      "moe_lora_materialize",
-      {next_pow2(E), next_pow2(N), next_pow2(K), std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)))},
-      {W.dtype, A.dtype, B.dtype},
-      "",
-      W.device};
+  TuneRequest q;
+  q.problem = {"moe_lora_materialize",
+               {next_pow2(E), next_pow2(N), next_pow2(K), std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)))},
+               {W.dtype, A.dtype, B.dtype},
+               "",
+               W.device};
+  q.block_m_name = "BLOCK_N";
+  q.block_k_name = "BLOCK_K";
+  q.gpu_candidates = moe_gpu_candidates();
+  q.extent_m = N;
+  q.extent_k = K;
   const std::vector<Arg> args = {W, A, B, Scalar(1.0), W_eff};
-  const auto plan = [&](const autotune::Config& c) { return plan_moe(W, r, gpu, config_of(c)); };
-  autotune::Hooks hooks;
-  hooks.keep = [&](const autotune::Config& c) {
-    const Config cfg = config_of(c);
-    if (cfg.block_m > std::max<int64_t>(gpu ? 32 : 16, next_pow2(N))) return false;
-    if (cfg.block_k > std::max<int64_t>(gpu ? 64 : 32, next_pow2(K))) return false;
-    if (!gpu) return true;
-    return autotune::shared_memory_bytes(kernels::moe_lora_materialize(), args, plan(c).meta,
-                                         device_arch(W.device.index)) <= autotune::max_shared_memory(W.device.index);
+  q.kernels = [&](const Config& c) {
+    return std::vector<autotune::KernelCall>{{&kernels::moe_lora_materialize(), args, plan_moe(W, r, gpu, c).meta}};
   };
-  hooks.compile = [&](const autotune::Config& c) { prepare(kernels::moe_lora_materialize(), args, plan(c).meta); };
-  hooks.run = [&](const autotune::Config& c) {
-    const MoePlan p = plan(c);
+  q.run = [&](const Config& c) {
+    const MoePlan p = plan_moe(W, r, gpu, c);
     launch(kernels::moe_lora_materialize(), args, p.grid, p.meta, stream);
   };
-  // The guard copies W only when a tuning actually runs candidates.
-  std::unique_ptr<InPlaceGuard> guard;
-  hooks.restore = [&] {
-    if (!guard) guard = std::make_unique<InPlaceGuard>(W, W_eff, stream);
-    if (guard->active()) guard->restore();
+  // When W_eff is W (materializing in place) every timed run would add s*B@A once
+  // more: W's bytes are saved, only when a tuning actually runs, and put back.
+  std::unique_ptr<SavedBytes> saved;
+  q.restore = [&] {
+    if (!saved) saved = std::make_unique<SavedBytes>(W, W_eff, stream);
+    saved->restore();
   };
-  autotune::Options options;
-  options.stream = stream;
-  const autotune::Choice choice =
-      autotune::choose(problem, gpu ? moe_gpu_candidates() : moe_cpu_candidates(), {}, hooks, options);
-  return config_of(choice.config);
+  q.stream = stream;
+  return tuned_config(q);
 }
 
 // For kerf-cache warm.

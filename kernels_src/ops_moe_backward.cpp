@@ -10,6 +10,7 @@
 #include "ops_checks.h"
 #include "ops_common.h"
 #include "ops_layout.h"
+#include "ops_tune.h"
 
 namespace kerf::ops {
 
@@ -58,6 +59,67 @@ const std::vector<OperandDims>& backward_operands() {
   return o;
 }
 
+// The launches of one call with `config`: zero or carve the fp32 accumulators,
+// the kernel, and the flushes into bf16/f16 gradients.
+void run_moe_backward(const TensorView& dW, const TensorView& A, const TensorView& B, double s,
+                      const TensorView& dA, const TensorView& dB, const LaunchOptions& options,
+                      const Config& config) {
+  const int64_t E = dW.shape[0], N = dW.shape[1], K = dW.shape[2], r = A.shape[1];
+  const bool gpu = dW.device.is_cuda();
+  const MoeBackwardPlan p = plan_moe_backward(dW, r, gpu, parallelism(dW.device), config);
+  // dA is added to atomically in fp32: into dA itself when it is f32 (zeroed
+  // first), else into a zero workspace that is then flushed into dA. dB the
+  // same when several K slices each add a part; else stored directly.
+  const bool da_direct = dA.dtype == DType::f32;
+  const bool db_atomic = p.split > 1;
+  const bool db_direct = !db_atomic || dB.dtype == DType::f32;
+  size_t ws_bytes = 0;
+  if (!da_direct) ws_bytes += carved_bytes(E, r, K);
+  if (!db_direct) ws_bytes += carved_bytes(E, N, r);
+  char* cursor = ws_bytes ? static_cast<char*>(workspace(dW.device, options.stream, ws_bytes)) : nullptr;
+  const TensorView da_acc = da_direct ? dA : carve_f32(&cursor, E, r, K, dW.device);
+  const TensorView db_acc = db_direct ? dB : carve_f32(&cursor, E, N, r, dW.device);
+  if (da_direct) fill_3d(dA, 0.0, options);
+  if (db_atomic && db_direct) fill_3d(dB, 0.0, options);
+  launch(kernels::moe_lora_backward(), {dW, A, B, Scalar(s), da_acc, db_acc}, p.grid, p.meta, options);
+  if (!da_direct) flush_accumulator(da_acc, dA, options);
+  if (!db_direct) flush_accumulator(db_acc, dB, options);
+}
+
+Config tuned_moe_backward_config(const TensorView& dW, const TensorView& A, const TensorView& B, double s,
+                                 const TensorView& dA, const TensorView& dB, void* stream) {
+  const int64_t E = dW.shape[0], N = dW.shape[1], K = dW.shape[2], r = A.shape[1];
+  TuneRequest q;
+  q.problem = {"moe_lora_materialize_backward",
+               {next_pow2(E), next_pow2(N), next_pow2(K), std::max<int64_t>(16, next_pow2(r))},
+               {dW.dtype, A.dtype, B.dtype, dA.dtype, dB.dtype},
+               "",
+               dW.device};
+  q.block_m_name = "BLOCK_N";
+  q.block_k_name = "BLOCK_K";
+  q.gpu_candidates = autotune::product(
+      {{"BLOCK_N", {64, 128, 256}}, {"BLOCK_K", {32, 64}}, {"num_warps", {4, 8}}, {"num_stages", {2, 3}}});
+  q.extent_m = N;
+  q.extent_k = K;
+  q.kernels = [&](const Config& c) {
+    const MoeBackwardPlan p = plan_moe_backward(dW, r, true, parallelism(dW.device), c);
+    // The accumulators the call would use: the gradients themselves, or f32 workspace views.
+    void* const stand_in = reinterpret_cast<void*>(uintptr_t(1) << 16);
+    const TensorView da_acc =
+        dA.dtype == DType::f32 ? dA : TensorView::contiguous(stand_in, DType::f32, {E, r, K}, dW.device);
+    const TensorView db_acc = p.split == 1 || dB.dtype == DType::f32
+                                  ? dB
+                                  : TensorView::contiguous(stand_in, DType::f32, {E, N, r}, dW.device);
+    return std::vector<autotune::KernelCall>{
+        {&kernels::moe_lora_backward(), {dW, A, B, Scalar(s), da_acc, db_acc}, p.meta}};
+  };
+  LaunchOptions options;
+  options.stream = stream;
+  q.run = [&](const Config& c) { run_moe_backward(dW, A, B, s, dA, dB, options, c); };
+  q.stream = stream;
+  return tuned_config(q);
+}
+
 }  // namespace
 
 void moe_lora_materialize_backward(const TensorView& dW, const TensorView& A, const TensorView& B,
@@ -104,26 +166,12 @@ void moe_lora_materialize_backward(const TensorView& dW, const TensorView& A, co
     fill_3d(dB, 0.0, options);
     return;
   }
-  const bool gpu = dW.device.is_cuda();
-  MoeBackwardPlan p = plan_moe_backward(dW, r, gpu, parallelism(dW.device), config);
-  // dA is added to atomically in fp32: into dA itself when it is f32 (zeroed
-  // first), else into a zero workspace that is then flushed into dA. dB the
-  // same when several K slices each add a part; else stored directly.
-  const bool da_direct = dA.dtype == DType::f32;
-  const bool db_atomic = p.split > 1;
-  const bool db_direct = !db_atomic || dB.dtype == DType::f32;
-  size_t ws_bytes = 0;
-  if (!da_direct) ws_bytes += carved_bytes(E, r, K);
-  if (!db_direct) ws_bytes += carved_bytes(E, N, r);
-  char* cursor = ws_bytes ? static_cast<char*>(workspace(dW.device, stream, ws_bytes)) : nullptr;
-  const TensorView da_acc = da_direct ? dA : carve_f32(&cursor, E, r, K, dW.device);
-  const TensorView db_acc = db_direct ? dB : carve_f32(&cursor, E, N, r, dW.device);
-  if (da_direct) fill_3d(dA, 0.0, options);
-  if (db_atomic && db_direct) fill_3d(dB, 0.0, options);
-  launch(kernels::moe_lora_backward(), {dW, A, B, Scalar(s), da_acc, db_acc}, p.grid, p.meta,
-         options);
-  if (!da_direct) flush_accumulator(da_acc, dA, options);
-  if (!db_direct) flush_accumulator(db_acc, dB, options);
+  static PlanMemo<Config> tuned;
+  CallKey key;
+  key.add(dW).add(A.dtype).add(B.dtype).add(dA.dtype).add(dB.dtype).add(r).add(dW.device);
+  const Config cfg =
+      has_config(config) ? config : *tuned.get(key, [&] { return tuned_moe_backward_config(dW, A, B, s, dA, dB, stream); });
+  run_moe_backward(dW, A, B, s, dA, dB, options, cfg);
 }
 
 MoeLoraViews peft_moe_lora_views(const TensorView& W, const TensorView& lora_A,

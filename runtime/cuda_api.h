@@ -115,6 +115,8 @@ struct DriverApi {
   CUresult (*MemcpyDtoDAsync)(CUdeviceptr dst, CUdeviceptr src, size_t bytes,
                               CUstream stream) = nullptr;
   CUresult (*MemsetD8)(CUdeviceptr dst, unsigned char value, size_t count) = nullptr;
+  CUresult (*MemsetD8Async)(CUdeviceptr dst, unsigned char value, size_t count,
+                            CUstream stream) = nullptr;
   CUresult (*PointerGetAttribute)(void* value, int attribute, CUdeviceptr ptr) = nullptr;
   CUresult (*StreamCreate)(CUstream* stream, unsigned flags) = nullptr;
   CUresult (*StreamDestroy)(CUstream stream) = nullptr;
@@ -158,6 +160,7 @@ struct DriverApi {
   X(MemcpyDtoH, 3020)             \
   X(MemcpyDtoDAsync, 3020)        \
   X(MemsetD8, 3020)               \
+  X(MemsetD8Async, 3020)          \
   X(PointerGetAttribute, 4000)    \
   X(StreamCreate, 2000)           \
   X(StreamDestroy, 4000)          \

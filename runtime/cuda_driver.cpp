@@ -579,6 +579,14 @@ void DeviceBuffer::fill_bytes(uint8_t value) {
   check(api().StreamSynchronize(nullptr), what);  // see copy_from_host
 }
 
+void DeviceBuffer::fill_bytes_async(uint8_t value, StreamHandle stream) {
+  if (bytes_ == 0) return;
+  ensure_context(stream);
+  check(api().MemsetD8Async(device_ptr(ptr_), value, bytes_, static_cast<CUstream>(stream)), [&] {
+    return "queueing a fill of " + std::to_string(bytes_) + " bytes on CUDA device " + std::to_string(device_);
+  });
+}
+
 // ---------------------------------------------------------------- copies and synchronization
 
 void memcpy_device_to_device(void* dst, const void* src, size_t bytes, StreamHandle stream) {

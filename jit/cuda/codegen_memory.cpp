@@ -197,7 +197,9 @@ void Codegen::emit_store(const Operation& op, int level) {
                        : get(value, l);
   Tile mask;
   if (op.attrs.has_mask) mask = get(op.operands[size_t(p.rank) + 1], l);
-  const int w = atomic ? 1 : vector_width(op, l);
+  // Plain f32 atomics (no old values, no ordering) go out as vector reductions, at most 4 wide.
+  const bool vector_red = atomic && old < 0 && !op.attrs.acq_rel && p.dtype == DType::f32;
+  const int w = !atomic ? vector_width(op, l) : vector_red ? std::min(4, vector_width(op, l)) : 1;
   const int n = L.num_regs();
   const std::string own = owner_predicate(l);
   const std::string old_name = old >= 0 ? "atom" + S(old) + "_" + S(l) : "";
@@ -219,6 +221,10 @@ void Codegen::emit_store(const Operation& op, int level) {
                     "[r] = " + store_stmt(p.dtype, true, ptr + " + off", elem(val, "r")) + ";");
   } else if (w == 1) {
     line(level, "  " + guard + store_stmt(p.dtype, atomic, ptr + " + off", elem(val, "r")) + ";");
+  } else if (atomic) {
+    line(level, "  " + guard + "{ kerf_dev::Pack<float, " + S(w) + "> pk; for (int j = 0; j < " + S(w) +
+                    "; ++j) pk.v[j] = " + elem(val, "r + j") + "; kerf_dev::red_add<" + S(w) + ">(" + ptr +
+                    " + off, pk); }");
   } else {
     line(level, "  " + guard + "{ kerf_dev::Pack<" + st + ", " + S(w) +
                     "> pk; for (int j = 0; j < " + S(w) + "; ++j) pk.v[j] = " + elem(val, "r + j") +

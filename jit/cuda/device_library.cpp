@@ -92,6 +92,22 @@ __device__ __forceinline__ int atomic_add(int* p, int v) { return atomicAdd(p, v
 __device__ __forceinline__ long long atomic_add(long long* p, long long v) {
   return (long long)atomicAdd(reinterpret_cast<unsigned long long*>(p), (unsigned long long)v);
 }
+// Fire-and-forget adds of W consecutive floats (16-byte or 8-byte aligned): one
+// vector reduction on sm_90 and later, W scalar ones before.
+template <int W> __device__ __forceinline__ void red_add(float* p, const Pack<float, W>& v) {
+#if __CUDA_ARCH__ >= 900
+  if (W == 4)
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v.v[0]), "f"(v.v[1]),
+                 "f"(v.v[W > 2 ? 2 : 0]), "f"(v.v[W > 3 ? 3 : 0]) : "memory");
+  else if (W == 2)
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(v.v[0]), "f"(v.v[1]) : "memory");
+  else
+#endif
+  {
+#pragma unroll
+    for (int j = 0; j < W; ++j) atomicAdd(p + j, v.v[j]);
+  }
+}
 template <bool IsBf16>
 __device__ __forceinline__ unsigned short atomic_add_16(unsigned short* p, unsigned short v) {
   unsigned int* word = reinterpret_cast<unsigned int*>((size_t)p & ~(size_t)3);

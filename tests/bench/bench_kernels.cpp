@@ -380,7 +380,7 @@ Result best_of(const std::vector<ops::Config>& configs, F run_one) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string json_path, only;
+  std::string json_path, only, op_filter;
   bool quick = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json_path = argv[++i];
@@ -388,7 +388,12 @@ int main(int argc, char** argv) {
     // --only OUT,IN,R,BM,BK,SPLIT,WARPS,STAGES: one DoRA case and config, timed
     // repeatedly (for profilers).
     if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
+    // --op NAME: only the cases whose op name contains NAME (e.g. "moe_backward").
+    if (!std::strcmp(argv[i], "--op") && i + 1 < argc) op_filter = argv[++i];
   }
+  const auto wanted = [&](const std::string& op) {
+    return op_filter.empty() || op.find(op_filter) != std::string::npos;
+  };
   if (!only.empty()) {
     long long v[8] = {0};
     if (std::sscanf(only.c_str(), "%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5],
@@ -427,6 +432,7 @@ int main(int argc, char** argv) {
         {4096, 4096}, {8192, 8192}, {14336, 4096}, {4096, 14336}};
     for (int64_t r : {16, 32, 64}) {
       for (auto [o, i] : dora_shapes) {
+        if (!wanted("dora_norm")) break;
         DoraSets sets = make_dora(o, i, r, DType::bf16);
         Result res = best_of(dora_cfgs, [&](const ops::Config& c) { return bench_dora(sets, c, stream.handle()); });
         res.copy_gbps = copy_gbps(res.bytes, stream.handle());
@@ -450,6 +456,7 @@ int main(int argc, char** argv) {
       int64_t E, N, K, r;
     };
     for (const MoeCase& c : {MoeCase{128, 1536, 2048, 16}, MoeCase{128, 2048, 768, 16}, MoeCase{64, 2816, 2048, 64}}) {
+      if (!wanted("moe_materialize")) break;
       MoeSets sets = make_moe(c.E, c.N, c.K, c.r, DType::bf16);
       Result res = best_of(moe_cfgs, [&](const ops::Config& cfg) { return bench_moe(sets, cfg, stream.handle()); });
       res.copy_gbps = copy_gbps(res.bytes, stream.handle());
@@ -470,7 +477,11 @@ int main(int argc, char** argv) {
       results.push_back(res);
     };
     const auto run_case = [&](OpCase c, const std::vector<ops::Config>& cfgs) {
-      report(best_of(cfgs, [&](const ops::Config& cfg) { return bench_op(c, cfg, stream.handle()); }));
+      if (!wanted(c.op)) return;
+      const auto run = [&](const ops::Config& cfg) { return bench_op(c, cfg, stream.handle()); };
+      const Result best = best_of(cfgs, run);
+      report(best);
+      tuned_vs_default(best, run);
     };
     std::vector<ops::Config> merge_cfgs = {ops::Config{}};
     if (!quick)
@@ -478,19 +489,25 @@ int main(int argc, char** argv) {
         for (int64_t bk : {64, 128})
           for (int64_t warps : {4, 8}) merge_cfgs.push_back(ops::Config{bm, bk, 0, warps, 3});
     for (auto [o, i] : std::vector<std::pair<int64_t, int64_t>>{{4096, 4096}, {8192, 8192}, {14336, 4096}})
-      run_case(make_merge(o, i, 16), merge_cfgs);
+      if (wanted("lora_merge")) run_case(make_merge(o, i, 16), merge_cfgs);
     std::vector<ops::Config> moe_bwd_cfgs = {ops::Config{}};
     if (!quick)
       for (int64_t bn : {64, 128, 256})
         for (int64_t bk : {32, 64})
           for (int64_t warps : {4, 8}) moe_bwd_cfgs.push_back(ops::Config{bn, bk, 0, warps, 3});
     for (const MoeCase& c : {MoeCase{128, 1536, 2048, 16}, MoeCase{128, 2048, 768, 16}, MoeCase{64, 2816, 2048, 64}})
-      for (DType grads : {DType::f32, DType::bf16}) run_case(make_moe_backward(c.E, c.N, c.K, c.r, grads), moe_bwd_cfgs);
-    std::vector<ops::Config> emb_cfgs = {ops::Config{}};
-    if (!quick)
+      for (DType grads : {DType::f32, DType::bf16})
+        if (wanted("moe_backward")) run_case(make_moe_backward(c.E, c.N, c.K, c.r, grads), moe_bwd_cfgs);
+    std::vector<ops::Config> emb_cfgs = {ops::Config{}}, emb_bwd_cfgs = {ops::Config{}};
+    if (!quick) {
       for (int64_t bt : {16, 32, 64, 128})
         for (int64_t bd : {64, 128, 256}) emb_cfgs.push_back(ops::Config{bt, bd, 0, 4, 3});
-    for (bool backward : {false, true}) run_case(make_embedding(8192, 128256, 4096, 16, backward), emb_cfgs);
+      for (int64_t bt : {64, 128, 256})
+        for (int64_t bd : {32, 64, 128})
+          for (int64_t warps : {4, 8}) emb_bwd_cfgs.push_back(ops::Config{bt, bd, 0, warps, 3});
+    }
+    if (wanted("embedding r=")) run_case(make_embedding(8192, 128256, 4096, 16, false), emb_cfgs);
+    if (wanted("embedding_backward")) run_case(make_embedding(8192, 128256, 4096, 16, true), emb_bwd_cfgs);
 
     if (!json_path.empty()) {
       std::ofstream js(json_path);

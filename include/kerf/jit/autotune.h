@@ -43,7 +43,8 @@ class Timer {
   virtual double median_ms(const std::function<void()>& run, const std::function<void()>& restore,
                            int warmup, int repeats) = 0;
 };
-std::unique_ptr<Timer> cuda_event_timer(void* stream);  // events recorded on `stream`
+// Events recorded on `stream` (of `device`); each timed run starts with L2 flushed.
+std::unique_ptr<Timer> cuda_event_timer(void* stream, int device = 0);
 std::unique_ptr<Timer> wall_clock_timer();  // for the CPU back end (synchronous launches)
 
 struct Hooks {

@@ -101,6 +101,7 @@ class DeviceBuffer {
   void copy_from_host(const void* src, size_t bytes, size_t offset = 0);
   void copy_to_host(void* dst, size_t bytes, size_t offset = 0) const;
   void fill_bytes(uint8_t value);  // cuMemsetD8
+  void fill_bytes_async(uint8_t value, StreamHandle stream);  // cuMemsetD8Async, queued on stream
 
  private:
   void* ptr_ = nullptr;

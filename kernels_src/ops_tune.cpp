@@ -1,0 +1,95 @@
+#include "ops_tune.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "kerf/jit/launch.h"
+#include "ops_checks.h"
+#include "ops_common.h"
+
+namespace kerf::ops::detail {
+
+SavedBytes::SavedBytes(const TensorView& input, const TensorView& written, void* stream)
+    : device_(input.device), stream_(stream) {
+  if (!may_overlap(input, written)) return;
+  const auto [lo, hi] = byte_span(input);
+  first_ = reinterpret_cast<void*>(lo);
+  bytes_ = size_t(hi - lo);
+  if (device_.is_cuda()) {
+    device_copy_ = cuda::DeviceBuffer(bytes_, device_.index);
+    cuda::memcpy_device_to_device(device_copy_.data(), first_, bytes_, stream_);
+  } else {
+    const char* p = static_cast<const char*>(first_);
+    host_copy_.assign(p, p + bytes_);
+  }
+}
+
+SavedBytes::~SavedBytes() {
+  if (!bytes_ || !device_.is_cuda()) return;
+  try {
+    cuda::stream_synchronize(stream_);
+  } catch (...) {
+    // A failing stream fails the op's own launches too; nothing more to do here.
+  }
+}
+
+void SavedBytes::restore() const {
+  if (!bytes_) return;
+  if (device_.is_cuda())
+    cuda::memcpy_device_to_device(first_, device_copy_.data(), bytes_, stream_);
+  else
+    std::memcpy(first_, host_copy_.data(), bytes_);
+}
+
+Config config_of(const TuneRequest& q, const autotune::Config& c) {
+  Config cfg;
+  cfg.block_m = autotune::value_or_zero(c, q.block_m_name);
+  cfg.block_k = autotune::value_or_zero(c, q.block_k_name);
+  cfg.num_warps = autotune::value_or_zero(c, "num_warps");
+  cfg.num_stages = autotune::value_or_zero(c, "num_stages");
+  return cfg;
+}
+
+Config tuned_config(const TuneRequest& q) {
+  const Device& dev = q.problem.device;
+  if (!autotune::enabled_for(dev)) return {};
+  const bool gpu = dev.is_cuda();
+  // Each CPU candidate is an LLVM compile: a few tile sizes only.
+  const std::vector<autotune::Config> candidates =
+      gpu ? q.gpu_candidates
+          : autotune::product({{q.block_m_name, {16, 32}},
+                               {q.block_k_name, {32, 64}},
+                               {"num_warps", {4}},
+                               {"num_stages", {1}}});
+  // Tiles beyond the problem's extent only waste work, but the smallest tile of
+  // each list stays even when the problem is smaller still.
+  int64_t smallest_m = INT64_MAX, smallest_k = INT64_MAX;
+  for (const autotune::Config& c : candidates) {
+    const Config cfg = config_of(q, c);
+    smallest_m = std::min(smallest_m, cfg.block_m);
+    smallest_k = std::min(smallest_k, cfg.block_k);
+  }
+  autotune::Hooks hooks;
+  hooks.keep = [&](const autotune::Config& c) {
+    const Config cfg = config_of(q, c);
+    if (q.extent_m && cfg.block_m > std::max(smallest_m, next_pow2(q.extent_m))) return false;
+    if (q.extent_k && cfg.block_k > std::max(smallest_k, next_pow2(q.extent_k))) return false;
+    if (!gpu) return true;
+    const std::string arch = device_arch(dev.index);
+    const int limit = autotune::max_shared_memory(dev.index);
+    for (const autotune::KernelCall& k : q.kernels(cfg))
+      if (autotune::shared_memory_bytes(*k.kernel, k.args, k.meta, arch) > limit) return false;
+    return true;
+  };
+  hooks.compile = [&](const autotune::Config& c) {
+    for (const autotune::KernelCall& k : q.kernels(config_of(q, c))) prepare(*k.kernel, k.args, k.meta);
+  };
+  hooks.run = [&](const autotune::Config& c) { q.run(config_of(q, c)); };
+  hooks.restore = q.restore;
+  autotune::Options options;
+  options.stream = q.stream;
+  return config_of(q, autotune::choose(q.problem, candidates, {}, hooks, options).config);
+}
+
+}  // namespace kerf::ops::detail

@@ -1,0 +1,64 @@
+// How an op asks the autotuner for its configuration: the problem, the
+// candidates, the kernels a configuration compiles to and how to run the op
+// with one. The shared part (pruning by tile size and shared memory, parallel
+// compiles, timing) lives here once.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "kerf/jit/autotune.h"
+#include "kerf/ops/ops.h"
+#include "kerf/runtime/cuda.h"
+
+namespace kerf::ops::detail {
+
+struct TuneRequest {
+  autotune::Problem problem;
+  // The meta-parameter names that ops::Config::block_m and block_k stand for in
+  // this op's kernels ("BLOCK_M", "BLOCK_N", "BLOCK_T"; "BLOCK_K", "BLOCK_D").
+  std::string block_m_name, block_k_name;
+  // The GPU's candidates (the CPU back end tries a few tile sizes of its own).
+  std::vector<autotune::Config> gpu_candidates;
+  // The problem's extent along each: tiles far beyond it only waste work.
+  int64_t extent_m = 0, extent_k = 0;
+  // The kernels `config` compiles to (arguments may hold stand-in workspace pointers).
+  std::function<std::vector<autotune::KernelCall>(const Config& config)> kernels;
+  // Runs the op once with `config`, queued on `stream`.
+  std::function<void(const Config& config)> run;
+  // Puts back what the op writes in place, before each timed run; empty when nothing needs it.
+  std::function<void()> restore;
+  void* stream = nullptr;
+};
+
+// The bytes of a view an op writes in place, saved when made and put back by
+// restore() (queued on `stream` on a GPU): timed runs of an in-place op each
+// start from the caller's data. Saves nothing when `written` does not overlap
+// `input` (then restore() does nothing).
+class SavedBytes {
+ public:
+  SavedBytes(const TensorView& input, const TensorView& written, void* stream);
+  ~SavedBytes();  // waits for queued copies before the device copy is freed
+  SavedBytes(const SavedBytes&) = delete;
+  SavedBytes& operator=(const SavedBytes&) = delete;
+  bool active() const { return bytes_ != 0; }
+  void restore() const;
+
+ private:
+  void* first_ = nullptr;
+  Device device_;
+  void* stream_ = nullptr;
+  size_t bytes_ = 0;
+  cuda::DeviceBuffer device_copy_;
+  std::vector<char> host_copy_;
+};
+
+// The ops::Config of a candidate of `request`.
+Config config_of(const TuneRequest& request, const autotune::Config& candidate);
+
+// The autotuner's choice for `request` (its defaults, all zero, when tuning is off
+// for the device). On the CPU back end only two tile sizes of each are tried.
+Config tuned_config(const TuneRequest& request);
+
+}  // namespace kerf::ops::detail

@@ -1,0 +1,106 @@
+// Every autotuned op gives, when it tunes, the answer of its default config:
+// the candidates' timed runs leave no trace (in-place ops are restored between
+// and after them), and the chosen config computes the same function.
+#include <random>
+#include <string>
+#include <vector>
+
+#include "catch.h"
+#include "cpu_test_util.h"
+#include "device_tensor.h"
+#include "gpu_test_util.h"
+#include "kerf/ops/ops.h"
+#include "test_cache_util.h"
+
+using namespace kerf;
+using kerf::test::TestTensor;
+
+namespace {
+
+// The ops' outputs, in order, for one set of inputs (drawn from `seed`).
+std::vector<double> run_ops(const Device& dev, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<double> results;
+  const auto keep = [&](TestTensor& t) {
+    test::sync(dev);
+    t.download();
+    for (int64_t i = 0; i < t.numel(); ++i) results.push_back(t.get(i));
+  };
+  {  // lora_merge, in place
+    TestTensor W(DType::f32, {37, 70}, dev), A(DType::f32, {5, 70}, dev), B(DType::f32, {37, 5}, dev);
+    W.randomize(rng);
+    A.randomize(rng, -0.5, 0.5);
+    B.randomize(rng, -0.5, 0.5);
+    ops::lora_merge(W.view(), A.view(), B.view(), 0.75);
+    keep(W);
+  }
+  {  // moe_lora_materialize in place (W_eff is W), then its backward
+    TestTensor W(DType::f32, {3, 20, 36}, dev), A(DType::f32, {3, 4, 36}, dev), B(DType::f32, {3, 20, 4}, dev);
+    TestTensor dA(DType::f32, {3, 4, 36}, dev), dB(DType::f32, {3, 20, 4}, dev);
+    W.randomize(rng);
+    A.randomize(rng, -0.5, 0.5);
+    B.randomize(rng, -0.5, 0.5);
+    dA.poison();
+    dB.poison();
+    ops::moe_lora_materialize(W.view(), A.view(), B.view(), 0.5, W.view());
+    keep(W);
+    ops::moe_lora_materialize_backward(W.view(), A.view(), B.view(), 0.5, dA.view(), dB.view());
+    keep(dA);
+    keep(dB);
+  }
+  {  // lora_embedding forward and backward
+    const int64_t T = 9, V = 30, D = 24, r = 3;
+    TestTensor x(DType::i64, {T}, dev), table(DType::f32, {V, D}, dev), A(DType::f32, {r, V}, dev),
+        B(DType::f32, {D, r}, dev), out(DType::f32, {T, D}, dev), g(DType::f32, {T, D}, dev),
+        dA(DType::f32, {r, V}, dev), dB(DType::f32, {D, r}, dev);
+    std::uniform_int_distribution<int64_t> id(0, V - 1);
+    for (int64_t t = 0; t < T; ++t) x.set(t, double(id(rng)));
+    x.upload();
+    table.randomize(rng);
+    A.randomize(rng, -0.5, 0.5);
+    B.randomize(rng, -0.5, 0.5);
+    g.randomize(rng);
+    out.poison();
+    dA.poison();
+    dB.poison();
+    ops::lora_embedding(x.view(), table.view(), A.view(), B.view(), 2.0, out.view());
+    keep(out);
+    ops::lora_embedding_backward(x.view(), A.view(), B.view(), g.view(), 2.0, dA.view(), dB.view());
+    keep(dA);
+    keep(dB);
+  }
+  return results;
+}
+
+void check_tuned_equals_default(const Device& dev) {
+  test::TempDir dir;
+  std::vector<double> defaults, tuned;
+  {
+    test::ScopedEnv env({{"KERF_CACHE_DIR", dir.path()}, {"KERF_AUTOTUNE", "0"}});
+    defaults = run_ops(dev, 11);
+  }
+  test::ScopedEnv env({{"KERF_CACHE_DIR", dir.path()}, {"KERF_AUTOTUNE", "1"}, {"KERF_LOG", "info"}});
+  test::LogCapture logs;
+  tuned = run_ops(dev, 11);
+  // Five ops tuned: merge, MoE forward and backward, embedding forward and backward.
+  CHECK(logs.count("chose") == 5);
+  for (const char* op : {"lora_merge", "moe_lora_materialize ", "moe_lora_materialize_backward",
+                         "lora_embedding ", "lora_embedding_backward"})
+    CHECK(logs.count(std::string("autotune ") + op) == 1);
+  REQUIRE(tuned.size() == defaults.size());
+  CHECK(test::max_relative_error(tuned, defaults) < 1e-5);
+}
+
+}  // namespace
+
+TEST_CASE("tuned ops give the answer of their default config, in-place ones included, on the CPU",
+          "[autotune][cpu]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  check_tuned_equals_default(Device::cpu());
+}
+
+TEST_CASE("tuned ops give the answer of their default config, in-place ones included, on the GPU",
+          "[autotune][gpu]") {
+  KERF_REQUIRE_GPU();
+  check_tuned_equals_default(Device::cuda(0));
+}
