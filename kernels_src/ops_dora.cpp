@@ -138,15 +138,6 @@ std::vector<autotune::Config> dora_gpu_candidates() {
       {{"BLOCK_M", {32, 64, 128, 256}}, {"BLOCK_K", {64, 128}}, {"num_warps", {4, 8}}, {"num_stages", {2, 3}}});
 }
 
-Config config_of(const autotune::Config& c) {
-  Config cfg;
-  cfg.block_m = autotune::value_or_zero(c, "BLOCK_M");
-  cfg.block_k = autotune::value_or_zero(c, "BLOCK_K");
-  cfg.num_warps = autotune::value_or_zero(c, "num_warps");
-  cfg.num_stages = autotune::value_or_zero(c, "num_stages");
-  return cfg;
-}
-
 Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& m,
                          const TensorView& norm, const TensorView& scale, void* stream) {
   const bool gpu = W.device.is_cuda();
@@ -194,7 +185,7 @@ const bool dora_registered = [] {
   };
   op.kernels = [](const std::vector<TensorView>& v, const autotune::Config& c, int sm_count) {
     const DoraPlan p = plan_dora(v[0].shape[0], v[0].shape[1], v[1].shape[0], v[0].dtype, true, sm_count,
-                                 config_of(c));
+                                 config_from(c, "BLOCK_M", "BLOCK_K"));
     return std::vector<autotune::KernelCall>{
         {p.kernel, dora_args(p, v[0], v[1], v[2], v[3], 1.0, 0.0, v[4], v[5], kUnusedWorkspace), p.meta}};
   };

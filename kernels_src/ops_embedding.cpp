@@ -183,7 +183,8 @@ struct EmbeddingLaunch {
   Grid grid;
 };
 
-EmbeddingLaunch plan_embedding(const EmbeddingForward& c, const Config& config) {
+// `programs`: multiprocessors (CPU threads) the launch should fill.
+EmbeddingLaunch plan_embedding(const EmbeddingForward& c, const Config& config, int64_t programs) {
   const int64_t T = c.x1.shape[0], D = c.weight.shape[1], r = c.A.shape[0];
   const bool gpu = c.x1.device.is_cuda();
   bool scale_after = false;
@@ -191,7 +192,7 @@ EmbeddingLaunch plan_embedding(const EmbeddingForward& c, const Config& config) 
   const int64_t bt = config.block_m ? config.block_m : (gpu ? 32 : 16);
   const int64_t bd = config.block_k ? config.block_k : (gpu ? 128 : 64);
   const int64_t split =
-      config.split_k ? config.split_k : split_for(cdiv(T, bt), parallelism(c.x1.device), cdiv(D, bd));
+      config.split_k ? config.split_k : split_for(cdiv(T, bt), programs, cdiv(D, bd));
   EmbeddingLaunch l;
   l.meta = {{"BLOCK_T", bt},
             {"BLOCK_D", bd},
@@ -210,7 +211,7 @@ std::vector<Arg> embedding_args(const EmbeddingForward& c, const TensorView& rec
 
 // `record`: where the kernel notes ids out of range (error_record, or a tuning's own).
 void run_embedding(const EmbeddingForward& c, const Config& config, const TensorView& record) {
-  const EmbeddingLaunch l = plan_embedding(c, config);
+  const EmbeddingLaunch l = plan_embedding(c, config, parallelism(c.x1.device));
   launch(kernels::lora_embedding(), embedding_args(c, record), l.grid, l.meta, c.lo);
 }
 
@@ -239,6 +240,16 @@ class TuningRecord {
   TensorView view_;
 };
 
+std::vector<autotune::Config> embedding_gpu_candidates() {
+  return autotune::product(
+      {{"BLOCK_T", {16, 32, 64, 128}}, {"BLOCK_D", {64, 128, 256}}, {"num_warps", {4, 8}}, {"num_stages", {3}}});
+}
+
+std::vector<autotune::Config> embedding_backward_gpu_candidates() {
+  return autotune::product(
+      {{"BLOCK_T", {32, 64, 128, 256}}, {"BLOCK_D", {32, 64, 128}}, {"num_warps", {4, 8}}, {"num_stages", {3}}});
+}
+
 Config tuned_embedding_config(const EmbeddingForward& c) {
   const int64_t T = c.x1.shape[0], V = c.weight.shape[0], D = c.weight.shape[1], r = c.A.shape[0];
   TuneRequest q;
@@ -249,13 +260,13 @@ Config tuned_embedding_config(const EmbeddingForward& c) {
                c.x1.device};
   q.block_m_name = "BLOCK_T";
   q.block_k_name = "BLOCK_D";
-  q.gpu_candidates = autotune::product(
-      {{"BLOCK_T", {16, 32, 64, 128}}, {"BLOCK_D", {64, 128, 256}}, {"num_warps", {4, 8}}, {"num_stages", {3}}});
+  q.gpu_candidates = embedding_gpu_candidates();
   q.extent_m = T;
   q.extent_k = D;
   q.kernels = [&](const Config& config) {
     return std::vector<autotune::KernelCall>{
-        {&kernels::lora_embedding(), embedding_args(c, stand_in_record(c.x1.device)), plan_embedding(c, config).meta}};
+        {&kernels::lora_embedding(), embedding_args(c, stand_in_record(c.x1.device)),
+         plan_embedding(c, config, parallelism(c.x1.device)).meta}};
   };
   const TuningRecord record(c.x1.device);
   q.run = [&](const Config& config) { run_embedding(c, config, record.view()); };
@@ -280,7 +291,7 @@ struct EmbeddingBackwardPlan {
   int64_t block_t;
 };
 
-EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const Config& config) {
+EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const Config& config, int64_t programs) {
   const int64_t T = c.x1.shape[0], D = c.B.shape[0], r = c.A.shape[0];
   const bool gpu = c.x1.device.is_cuda();
   bool unused = false;
@@ -289,7 +300,7 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
   const int64_t bt = config.block_m ? config.block_m : (gpu ? 128 : 16);
   const int64_t bd = config.block_k ? config.block_k : 64;
   const int64_t split =
-      config.split_k ? config.split_k : split_for(cdiv(T, bt), parallelism(c.x1.device), cdiv(D, bd));
+      config.split_k ? config.split_k : split_for(cdiv(T, bt), programs, cdiv(D, bd));
   EmbeddingBackwardPlan p;
   p.meta = {{"BLOCK_T", bt},
             {"BLOCK_D", bd},
@@ -332,7 +343,7 @@ void run_embedding_backward(const EmbeddingBackward& c, const Config& config, co
   if (da_direct) fill_3d(c.dA3, 0.0, c.lo);
   if (db_direct) fill_3d(c.dB3, 0.0, c.lo);
 
-  const EmbeddingBackwardPlan p = plan_embedding_backward(c, config);
+  const EmbeddingBackwardPlan p = plan_embedding_backward(c, config, parallelism(dev));
   const Grid tokens{p.grid.x, 1, 1};
   if (c.by_freq)
     launch(kernels::embedding_count_ids(), {c.x1, counts, Scalar(c.vr.start)}, tokens, {{"BLOCK_T", p.block_t}},
@@ -346,6 +357,21 @@ void run_embedding_backward(const EmbeddingBackward& c, const Config& config, co
   if (!db_direct) flush_accumulator(db_acc, c.dB3, c.lo);
 }
 
+// The main kernel of a backward call with `config`, its accumulators and counts
+// standing in (aligned like workspace, never dereferenced).
+autotune::KernelCall embedding_backward_kernel(const EmbeddingBackward& c, const Config& config, int64_t programs) {
+  const int64_t V = c.A.shape[1], D = c.B.shape[0], r = c.A.shape[0];
+  const Device& dev = c.x1.device;
+  void* const stand_in = reinterpret_cast<void*>(uintptr_t(1) << 16);
+  const TensorView da_acc = TensorView::contiguous(stand_in, DType::f32, {1, r, V}, dev);
+  const TensorView db_acc = TensorView::contiguous(stand_in, DType::f32, {1, D, r}, dev);
+  const TensorView counts = c.by_freq ? TensorView::contiguous(stand_in, DType::i32, {V}, dev)
+                                      : TensorView::contiguous(nullptr, DType::i32, {0}, dev);
+  return {&kernels::lora_embedding_backward(),
+          embedding_backward_args(c, da_acc, db_acc, counts, stand_in_record(dev)),
+          plan_embedding_backward(c, config, programs).meta};
+}
+
 Config tuned_embedding_backward_config(const EmbeddingBackward& c) {
   const int64_t T = c.x1.shape[0], V = c.A.shape[1], D = c.B.shape[0], r = c.A.shape[0];
   const Device& dev = c.x1.device;
@@ -357,26 +383,60 @@ Config tuned_embedding_backward_config(const EmbeddingBackward& c) {
                dev};
   q.block_m_name = "BLOCK_T";
   q.block_k_name = "BLOCK_D";
-  q.gpu_candidates = autotune::product(
-      {{"BLOCK_T", {32, 64, 128, 256}}, {"BLOCK_D", {32, 64, 128}}, {"num_warps", {4, 8}}, {"num_stages", {3}}});
+  q.gpu_candidates = embedding_backward_gpu_candidates();
   q.extent_m = T;
   q.extent_k = D;
   q.kernels = [&](const Config& config) {
-    void* const stand_in = reinterpret_cast<void*>(uintptr_t(1) << 16);
-    const TensorView da_acc = TensorView::contiguous(stand_in, DType::f32, {1, r, V}, dev);
-    const TensorView db_acc = TensorView::contiguous(stand_in, DType::f32, {1, D, r}, dev);
-    const TensorView counts = c.by_freq ? TensorView::contiguous(stand_in, DType::i32, {V}, dev)
-                                        : TensorView::contiguous(nullptr, DType::i32, {0}, dev);
-    return std::vector<autotune::KernelCall>{
-        {&kernels::lora_embedding_backward(),
-         embedding_backward_args(c, da_acc, db_acc, counts, stand_in_record(dev)),
-         plan_embedding_backward(c, config).meta}};
+    return std::vector<autotune::KernelCall>{embedding_backward_kernel(c, config, parallelism(dev))};
   };
   const TuningRecord record(dev);
   q.run = [&](const Config& config) { run_embedding_backward(c, config, record.view()); };
   q.stream = c.lo.stream;
   return tuned_config(q);
 }
+
+// For kerf-cache warm: ids i64 [T] (all 0: valid), tables and adapters in the dtype given.
+std::vector<autotune::Operand> embedding_operands(const std::vector<int64_t>& s, DType t, bool backward) {
+  const int64_t T = s[0], V = s[1], D = s[2], r = s[3];
+  if (backward)
+    return {{{T}, DType::i64}, {{r, V}, t}, {{D, r}, t}, {{T, D}, t}, {{r, V}, t}, {{D, r}, t}};
+  return {{{T}, DType::i64}, {{V, D}, t}, {{r, V}, t}, {{D, r}, t}, {{T, D}, t}};
+}
+
+const bool embedding_registered = [] {
+  for (const bool backward : {false, true}) {
+    autotune::TunableOp op;
+    op.name = backward ? "lora_embedding_backward" : "lora_embedding";
+    op.shape_names = {"T", "vocab", "dim", "r"};
+    op.layouts = {""};
+    op.operands = [backward](const std::vector<int64_t>& s, DType t) { return embedding_operands(s, t, backward); };
+    if (backward) {
+      op.call = [](const std::vector<TensorView>& v, void* stream) {
+        lora_embedding_backward(v[0], v[1], v[2], v[3], 1.0, v[4], v[5], {}, stream);
+      };
+      op.kernels = [](const std::vector<TensorView>& v, const autotune::Config& c, int sm_count) {
+        const EmbeddingBackward call{v[0], v[1], v[2], v[3], 1.0, as_3d(v[4]), as_3d(v[5]),
+                                     false, VocabRange{0, v[1].shape[1]}, -1, LaunchOptions{}};
+        return std::vector<autotune::KernelCall>{
+            embedding_backward_kernel(call, config_from(c, "BLOCK_T", "BLOCK_D"), sm_count)};
+      };
+      op.gpu_candidates = embedding_backward_gpu_candidates;
+    } else {
+      op.call = [](const std::vector<TensorView>& v, void* stream) {
+        lora_embedding(v[0], v[1], v[2], v[3], 1.0, v[4], {}, stream);
+      };
+      op.kernels = [](const std::vector<TensorView>& v, const autotune::Config& c, int sm_count) {
+        const EmbeddingForward call{v[0], v[1], v[2], v[3], 1.0, v[4], VocabRange{0, v[1].shape[0]}, LaunchOptions{}};
+        return std::vector<autotune::KernelCall>{{&kernels::lora_embedding(),
+                                                  embedding_args(call, stand_in_record(v[0].device)),
+                                                  plan_embedding(call, config_from(c, "BLOCK_T", "BLOCK_D"), sm_count).meta}};
+      };
+      op.gpu_candidates = embedding_gpu_candidates;
+    }
+    autotune::register_op(std::move(op));
+  }
+  return true;
+}();
 
 }  // namespace
 

@@ -63,6 +63,15 @@ void run_merge(const TensorView& W3, const TensorView& A3, const TensorView& B3,
   launch(kernels::lora_merge(), {W3, A3, B3, Scalar(s)}, p.grid, p.meta, stream);
 }
 
+std::vector<autotune::Config> merge_gpu_candidates() {
+  return autotune::product(
+      {{"BLOCK_M", {32, 64, 128}}, {"BLOCK_K", {64, 128}}, {"num_warps", {4, 8}}, {"num_stages", {2, 3}}});
+}
+
+TensorView as_batch_of_one(const TensorView& t) {
+  return restride(t, {1, t.shape[0], t.shape[1]}, {0, t.strides[0], t.strides[1]});
+}
+
 Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const TensorView& B3, double s,
                           void* stream) {
   const int64_t G = W3.shape[0], out = W3.shape[1], in = W3.shape[2], r = A3.shape[1];
@@ -74,8 +83,7 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
                W3.device};
   q.block_m_name = "BLOCK_M";
   q.block_k_name = "BLOCK_K";
-  q.gpu_candidates = autotune::product(
-      {{"BLOCK_M", {32, 64, 128}}, {"BLOCK_K", {64, 128}}, {"num_warps", {4, 8}}, {"num_stages", {2, 3}}});
+  q.gpu_candidates = merge_gpu_candidates();
   q.extent_m = out;
   q.extent_k = in;
   q.kernels = [&](const Config& c) {
@@ -132,9 +140,7 @@ void merge_torch(const char* op, const TensorView& W, const TensorView& A, const
     throw InvalidArgument(std::string(op) + ": rank " + std::to_string(r) +
                           " is above the supported 256");
   if (out == 0 || in == 0 || r == 0) return;
-  launch_merge(restride(W, {1, out, in}, {0, W.strides[0], W.strides[1]}),
-               restride(A, {1, r, in}, {0, A.strides[0], A.strides[1]}),
-               restride(B, {1, out, r}, {0, B.strides[0], B.strides[1]}), s, stream, config);
+  launch_merge(as_batch_of_one(W), as_batch_of_one(A), as_batch_of_one(B), s, stream, config);
 }
 
 std::string dims_text(const TensorView& t, int from, int to) {
@@ -227,6 +233,26 @@ void merge_flax(const char* op, const TensorView& kernel, const TensorView& lora
   };
   each(0, 0, 0, 0);
 }
+
+// For kerf-cache warm.
+const bool merge_registered = [] {
+  autotune::TunableOp op;
+  op.name = "lora_merge";
+  op.shape_names = {"out", "in", "r"};
+  op.layouts = {""};
+  op.operands = [](const std::vector<int64_t>& s, DType t) {
+    return std::vector<autotune::Operand>{{{s[0], s[1]}, t}, {{s[2], s[1]}, t}, {{s[0], s[2]}, t}};
+  };
+  op.call = [](const std::vector<TensorView>& v, void* stream) { lora_merge(v[0], v[1], v[2], 1.0, stream); };
+  op.kernels = [](const std::vector<TensorView>& v, const autotune::Config& c, int sm_count) {
+    const TensorView W3 = as_batch_of_one(v[0]), A3 = as_batch_of_one(v[1]), B3 = as_batch_of_one(v[2]);
+    const MergePlan p = plan_merge(W3, A3, B3, true, sm_count, config_from(c, "BLOCK_M", "BLOCK_K"));
+    return std::vector<autotune::KernelCall>{{&kernels::lora_merge(), {W3, A3, B3, Scalar(1.0)}, p.meta}};
+  };
+  op.gpu_candidates = merge_gpu_candidates;
+  autotune::register_op(std::move(op));
+  return true;
+}();
 
 }  // namespace
 

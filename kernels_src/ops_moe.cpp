@@ -103,15 +103,6 @@ std::vector<autotune::Config> moe_gpu_candidates() {
       {{"BLOCK_N", {32, 64, 128}}, {"BLOCK_K", {64, 128}}, {"num_warps", {4, 8}}, {"num_stages", {2, 3}}});
 }
 
-Config config_of(const autotune::Config& c) {
-  Config cfg;
-  cfg.block_m = autotune::value_or_zero(c, "BLOCK_N");  // Config::block_m carries BLOCK_N for MoE
-  cfg.block_k = autotune::value_or_zero(c, "BLOCK_K");
-  cfg.num_warps = autotune::value_or_zero(c, "num_warps");
-  cfg.num_stages = autotune::value_or_zero(c, "num_stages");
-  return cfg;
-}
-
 Config tuned_moe_config(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& W_eff,
                         void* stream) {
   const bool gpu = W.device.is_cuda();
@@ -160,7 +151,7 @@ const bool moe_registered = [] {
     moe_lora_materialize(v[0], v[1], v[2], 1.0, v[3], stream);
   };
   op.kernels = [](const std::vector<TensorView>& v, const autotune::Config& c, int) {
-    const MoePlan p = plan_moe(v[0], v[1].shape[1], true, config_of(c));
+    const MoePlan p = plan_moe(v[0], v[1].shape[1], true, config_from(c, "BLOCK_N", "BLOCK_K"));
     return std::vector<autotune::KernelCall>{
         {&kernels::moe_lora_materialize(), {v[0], v[1], v[2], Scalar(1.0), v[3]}, p.meta}};
   };

@@ -86,6 +86,27 @@ void run_moe_backward(const TensorView& dW, const TensorView& A, const TensorVie
   if (!db_direct) flush_accumulator(db_acc, dB, options);
 }
 
+std::vector<autotune::Config> moe_backward_gpu_candidates() {
+  return autotune::product(
+      {{"BLOCK_N", {64, 128, 256}}, {"BLOCK_K", {32, 64}}, {"num_warps", {4, 8}}, {"num_stages", {2, 3}}});
+}
+
+// The kernel a call with `config` launches; dA/dB stand for the f32 accumulators when
+// they are not f32 themselves (`stand_in`: aligned like workspace, never dereferenced).
+autotune::KernelCall moe_backward_kernel(const TensorView& dW, const TensorView& A, const TensorView& B, double s,
+                                         const TensorView& dA, const TensorView& dB, int64_t programs,
+                                         const Config& config) {
+  const int64_t E = dW.shape[0], N = dW.shape[1], K = dW.shape[2], r = A.shape[1];
+  const MoeBackwardPlan p = plan_moe_backward(dW, r, true, programs, config);
+  void* const stand_in = reinterpret_cast<void*>(uintptr_t(1) << 16);
+  const TensorView da_acc =
+      dA.dtype == DType::f32 ? dA : TensorView::contiguous(stand_in, DType::f32, {E, r, K}, dW.device);
+  const TensorView db_acc = p.split == 1 || dB.dtype == DType::f32
+                                ? dB
+                                : TensorView::contiguous(stand_in, DType::f32, {E, N, r}, dW.device);
+  return {&kernels::moe_lora_backward(), {dW, A, B, Scalar(s), da_acc, db_acc}, p.meta};
+}
+
 Config tuned_moe_backward_config(const TensorView& dW, const TensorView& A, const TensorView& B, double s,
                                  const TensorView& dA, const TensorView& dB, void* stream) {
   const int64_t E = dW.shape[0], N = dW.shape[1], K = dW.shape[2], r = A.shape[1];
@@ -97,21 +118,11 @@ Config tuned_moe_backward_config(const TensorView& dW, const TensorView& A, cons
                dW.device};
   q.block_m_name = "BLOCK_N";
   q.block_k_name = "BLOCK_K";
-  q.gpu_candidates = autotune::product(
-      {{"BLOCK_N", {64, 128, 256}}, {"BLOCK_K", {32, 64}}, {"num_warps", {4, 8}}, {"num_stages", {2, 3}}});
+  q.gpu_candidates = moe_backward_gpu_candidates();
   q.extent_m = N;
   q.extent_k = K;
   q.kernels = [&](const Config& c) {
-    const MoeBackwardPlan p = plan_moe_backward(dW, r, true, parallelism(dW.device), c);
-    // The accumulators the call would use: the gradients themselves, or f32 workspace views.
-    void* const stand_in = reinterpret_cast<void*>(uintptr_t(1) << 16);
-    const TensorView da_acc =
-        dA.dtype == DType::f32 ? dA : TensorView::contiguous(stand_in, DType::f32, {E, r, K}, dW.device);
-    const TensorView db_acc = p.split == 1 || dB.dtype == DType::f32
-                                  ? dB
-                                  : TensorView::contiguous(stand_in, DType::f32, {E, N, r}, dW.device);
-    return std::vector<autotune::KernelCall>{
-        {&kernels::moe_lora_backward(), {dW, A, B, Scalar(s), da_acc, db_acc}, p.meta}};
+    return std::vector<autotune::KernelCall>{moe_backward_kernel(dW, A, B, s, dA, dB, parallelism(dW.device), c)};
   };
   LaunchOptions options;
   options.stream = stream;
@@ -119,6 +130,29 @@ Config tuned_moe_backward_config(const TensorView& dW, const TensorView& A, cons
   q.stream = stream;
   return tuned_config(q);
 }
+
+// For kerf-cache warm (gradients in the dtype of dW_eff).
+const bool moe_backward_registered = [] {
+  autotune::TunableOp op;
+  op.name = "moe_lora_materialize_backward";
+  op.shape_names = {"E", "N", "K", "r"};
+  op.layouts = {""};
+  op.operands = [](const std::vector<int64_t>& s, DType t) {
+    return std::vector<autotune::Operand>{{{s[0], s[1], s[2]}, t}, {{s[0], s[3], s[2]}, t},
+                                          {{s[0], s[1], s[3]}, t}, {{s[0], s[3], s[2]}, t},
+                                          {{s[0], s[1], s[3]}, t}};
+  };
+  op.call = [](const std::vector<TensorView>& v, void* stream) {
+    moe_lora_materialize_backward(v[0], v[1], v[2], 1.0, v[3], v[4], stream);
+  };
+  op.kernels = [](const std::vector<TensorView>& v, const autotune::Config& c, int sm_count) {
+    return std::vector<autotune::KernelCall>{
+        moe_backward_kernel(v[0], v[1], v[2], 1.0, v[3], v[4], sm_count, config_from(c, "BLOCK_N", "BLOCK_K"))};
+  };
+  op.gpu_candidates = moe_backward_gpu_candidates;
+  autotune::register_op(std::move(op));
+  return true;
+}();
 
 }  // namespace
 

@@ -42,13 +42,17 @@ void SavedBytes::restore() const {
     std::memcpy(first_, host_copy_.data(), bytes_);
 }
 
-Config config_of(const TuneRequest& q, const autotune::Config& c) {
+Config config_from(const autotune::Config& c, const std::string& block_m_name, const std::string& block_k_name) {
   Config cfg;
-  cfg.block_m = autotune::value_or_zero(c, q.block_m_name);
-  cfg.block_k = autotune::value_or_zero(c, q.block_k_name);
+  cfg.block_m = autotune::value_or_zero(c, block_m_name);
+  cfg.block_k = autotune::value_or_zero(c, block_k_name);
   cfg.num_warps = autotune::value_or_zero(c, "num_warps");
   cfg.num_stages = autotune::value_or_zero(c, "num_stages");
   return cfg;
+}
+
+Config config_of(const TuneRequest& q, const autotune::Config& c) {
+  return config_from(c, q.block_m_name, q.block_k_name);
 }
 
 Config tuned_config(const TuneRequest& q) {

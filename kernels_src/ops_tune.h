@@ -54,6 +54,10 @@ class SavedBytes {
   std::vector<char> host_copy_;
 };
 
+// The ops::Config a candidate stands for, its tile meta-parameters named as given
+// (ops::Config::block_m carries BLOCK_N for the MoE ops, BLOCK_T for the embedding).
+Config config_from(const autotune::Config& candidate, const std::string& block_m_name,
+                   const std::string& block_k_name);
 // The ops::Config of a candidate of `request`.
 Config config_of(const TuneRequest& request, const autotune::Config& candidate);
 

@@ -100,3 +100,34 @@ TEST_CASE("kerf-cache warms, lists, packs, verifies and prunes", "[cache][tool]"
   std::tie(rc, out) = tool(cache_dir, {"warm", "--op", "no_such_op", "--shape", "1x2x3"});
   CHECK(rc == 2);
 }
+
+TEST_CASE("kerf-cache warms every tunable op, on the CPU back end and for a GPU architecture",
+          "[cache][tool]") {
+  if (!*kTool) {
+    std::printf("KERF-SKIPPED: kerf-cache was not built with the tests\n");
+    return;
+  }
+  const bool gpu_code = nvrtc::available(), cpu = jit::cpu::available();
+  if (!gpu_code && !cpu) {
+    std::printf("KERF-SKIPPED: nothing here can compile (no NVRTC, no LLVM)\n");
+    return;
+  }
+  test::TempDir dir;
+  const std::vector<std::pair<std::string, std::string>> ops = {
+      {"lora_merge", "70x90x5"},
+      {"moe_lora_materialize", "3x40x72x4"},
+      {"moe_lora_materialize_backward", "3x40x72x4"},
+      {"lora_embedding", "17x300x48x4"},
+      {"lora_embedding_backward", "17x300x48x4"}};
+  for (const auto& [op, shape] : ops) {
+    std::vector<std::string> warm = {"warm", "--op", op, "--shape", shape, "--dtype", "f32"};
+    if (gpu_code) warm.insert(warm.end(), {"--arch", "sm_90a"});
+    if (cpu) warm.insert(warm.end(), {"--arch", "cpu"});
+    const auto [rc, out] = tool(dir / "cache", warm);
+    INFO(op << ": " << out);
+    CHECK(rc == 0);
+    CHECK(out.find(" 0 failed") != std::string::npos);
+  }
+  const auto [rc, out] = tool(dir / "cache", {"list"});
+  for (const auto& [op, shape] : ops) CHECK(out.find(op) != std::string::npos);
+}

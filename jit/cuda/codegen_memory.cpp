@@ -185,20 +185,21 @@ void Codegen::emit_store(const Operation& op, int level) {
     scalar_level_[old] = level_of_[size_t(old)];
     return;
   }
-  const int l = store_layout(value);
+  // Plain f32 atomics (no old values, no ordering) go out as vector reductions, at most 4 wide.
+  const bool vector_red = atomic && old < 0 && !op.attrs.acq_rel && p.dtype == DType::f32;
+  // A value whose math lives in another layout (a dot's accumulator) is
+  // finished there, and only the stored elements move through shared memory;
+  // reductions of an accumulator go out from it directly (its pairs of adjacent
+  // columns, 2 wide) when its layout allows, with no shared-memory round trip.
+  const int pv = pref_[size_t(value)];
+  const bool from_acc = pv >= 0 && acc_layouts_.count(pv);
+  const int l = vector_red && from_acc && vector_width(op, pv) >= 2 ? pv : store_layout(value);
   const Layout& L = layouts_[size_t(l)];
   std::vector<Tile> idx;
   for (int d = 0; d < p.rank; ++d) idx.push_back(get(op.operands[size_t(d)], l));
-  // A value whose math lives in another layout (a dot's accumulator) is
-  // finished there, and only the stored elements move through shared memory.
-  const int pv = pref_[size_t(value)];
-  const Tile val = (pv >= 0 && pv != l && acc_layouts_.count(pv))
-                       ? convert_tile(value, get(value, pv), pv, l)
-                       : get(value, l);
+  const Tile val = from_acc && pv != l ? convert_tile(value, get(value, pv), pv, l) : get(value, l);
   Tile mask;
   if (op.attrs.has_mask) mask = get(op.operands[size_t(p.rank) + 1], l);
-  // Plain f32 atomics (no old values, no ordering) go out as vector reductions, at most 4 wide.
-  const bool vector_red = atomic && old < 0 && !op.attrs.acq_rel && p.dtype == DType::f32;
   const int w = !atomic ? vector_width(op, l) : vector_red ? std::min(4, vector_width(op, l)) : 1;
   const int n = L.num_regs();
   const std::string own = owner_predicate(l);
