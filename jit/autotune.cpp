@@ -267,7 +267,10 @@ Choice choose(const Problem& p, const std::vector<Config>& candidates, const Con
     own_timer = p.device.is_cuda() ? cuda_event_timer(o.stream, p.device.index) : wall_clock_timer();
     timer = own_timer.get();
   }
-  double best = -1.0;
+  // First round: every candidate once. Then the few fastest run again, in turns,
+  // so that one noisy median (a clock change, another process) cannot crown a
+  // candidate that is not the fastest.
+  std::vector<std::pair<double, size_t>> timed;
   for (size_t i = 0; i < kept.size(); ++i) {
     if (!ok[i]) continue;
     try {
@@ -275,14 +278,34 @@ Choice choose(const Problem& p, const std::vector<Config>& candidates, const Con
           timer->median_ms([&] { hooks.run(kept[i]); }, hooks.restore, o.warmup, o.repeats);
       log::write(log::Level::debug,
                  "autotune " + what + ": " + config_text(kept[i]) + " " + ms_text(ms));
-      if (best < 0 || ms < best) {
-        best = ms;
-        c.config = kept[i];
-      }
+      timed.emplace_back(ms, i);
     } catch (const std::exception& e) {
       ++c.failed;
       log::write(log::Level::debug,
                  "autotune: candidate " + config_text(kept[i]) + " failed to run: " + e.what());
+    }
+  }
+  std::sort(timed.begin(), timed.end());
+  double best = timed.empty() ? -1.0 : timed.front().first;
+  if (!timed.empty()) c.config = kept[timed.front().second];
+  const size_t finalists = std::min<size_t>(timed.size(), size_t(std::max(0, o.finalists)));
+  if (finalists > 1 && o.final_rounds > 0) {
+    std::vector<std::vector<double>> rounds(finalists);
+    for (int round = 0; round < o.final_rounds; ++round)
+      for (size_t f = 0; f < finalists; ++f) {
+        const Config& cand = kept[timed[f].second];
+        rounds[f].push_back(timer->median_ms([&] { hooks.run(cand); }, hooks.restore, 1, o.repeats));
+      }
+    for (size_t f = 0; f < finalists; ++f) {
+      std::vector<double>& v = rounds[f];
+      std::sort(v.begin(), v.end());
+      const double ms = v[v.size() / 2];
+      log::write(log::Level::debug, "autotune " + what + ": finalist " +
+                                        config_text(kept[timed[f].second]) + " " + ms_text(ms));
+      if (f == 0 || ms < best) {
+        best = ms;
+        c.config = kept[timed[f].second];
+      }
     }
   }
   if (hooks.restore) hooks.restore();  // the op's own launch must see the inputs it was given

@@ -60,7 +60,7 @@ Config tuned_config(const TuneRequest& q) {
   if (!autotune::enabled_for(dev)) return {};
   const bool gpu = dev.is_cuda();
   // Each CPU candidate is an LLVM compile: a few tile sizes only.
-  const std::vector<autotune::Config> candidates =
+  std::vector<autotune::Config> candidates =
       gpu ? q.gpu_candidates
           : autotune::product({{q.block_m_name, {16, 32}},
                                {q.block_k_name, {32, 64}},
@@ -74,6 +74,9 @@ Config tuned_config(const TuneRequest& q) {
     smallest_m = std::min(smallest_m, cfg.block_m);
     smallest_k = std::min(smallest_k, cfg.block_k);
   }
+  // The op's own defaults compete too, so a tuned config is never slower than
+  // the untuned one by the tuner's clock (all-zero fields: the op decides).
+  candidates.push_back({{"defaults", 1}});
   autotune::Hooks hooks;
   hooks.keep = [&](const autotune::Config& c) {
     const Config cfg = config_of(q, c);

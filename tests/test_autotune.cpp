@@ -84,6 +84,52 @@ autotune::Options options_with(autotune::Timer* timer) {
 
 }  // namespace
 
+// Times each candidate by a table, except that the first measurement of one
+// candidate comes out too fast (a noisy run).
+class NoisyTimer final : public autotune::Timer {
+ public:
+  double median_ms(const std::function<void()>& run, const std::function<void()>& restore,
+                   int warmup, int repeats) override {
+    for (int i = 0; i < warmup + repeats; ++i) {
+      if (restore) restore();
+      run();
+    }
+    const int n = calls[current]++;
+    if (current == 256 && n == 0) return 0.5;  // really 0.9
+    return std::map<int64_t, double>{{16, 3.0}, {32, 1.5}, {64, 0.7}, {128, 2.0}, {256, 0.9}}.at(current);
+  }
+  int64_t current = 0;
+  std::map<int64_t, int> calls;
+};
+
+TEST_CASE("the tuner times its fastest candidates again before it chooses", "[autotune]") {
+  test::TempDir dir;
+  test::ScopedEnv env({{"KERF_CACHE_DIR", dir.path()}, {"KERF_AUTOTUNE", "1"}});
+  NoisyTimer timer;
+  autotune::Hooks h;
+  h.compile = [](const autotune::Config&) {};
+  h.run = [&](const autotune::Config& c) { timer.current = c.at("BLOCK"); };
+  autotune::Options o = options_with(&timer);
+  const autotune::Choice c = autotune::choose(fake_problem("noisy_op"), kCandidates, cand(32, 4), h, o);
+  CHECK(c.config == cand(64, 4));
+  CHECK(c.best_ms == 0.7);
+  // The finalists (256, 64 and 32 by the first round) ran three more times each; the others did not.
+  CHECK(timer.calls[256] == 4);
+  CHECK(timer.calls[64] == 4);
+  CHECK(timer.calls[32] == 4);
+  CHECK(timer.calls[128] == 1);
+  CHECK(timer.calls[16] == 1);
+
+  // Without the final rounds, the noisy first measurement wins.
+  NoisyTimer fresh;
+  h.run = [&](const autotune::Config& c) { fresh.current = c.at("BLOCK"); };
+  o = options_with(&fresh);
+  o.finalists = 0;
+  o.persist = false;
+  const autotune::Choice once = autotune::choose(fake_problem("noisy_op_2"), kCandidates, cand(32, 4), h, o);
+  CHECK(once.config == cand(256, 8));
+}
+
 TEST_CASE("the tuner picks the fastest candidate by its timer and stores the choice",
           "[autotune]") {
   test::TempDir dir;
@@ -99,9 +145,11 @@ TEST_CASE("the tuner picks the fastest candidate by its timer and stores the cho
   CHECK(c.candidates == 5);
   CHECK(op.compiles == 5);
   CHECK(op.compiled.size() == 5);
-  CHECK(op.runs == 5 * 4);
+  // First round: 5 candidates x (1 warm-up + 3 timed); then the 3 fastest again,
+  // 3 rounds each of (1 warm-up + 3 timed).
+  CHECK(op.runs == 5 * 4 + 3 * 3 * 4);
   // A restore before every run, and one at the end for the op's own launch.
-  CHECK(op.restores == 5 * 4 + 1);
+  CHECK(op.restores == 5 * 4 + 3 * 3 * 4 + 1);
   // The log line says what, from how many, in how long.
   CHECK(logs.count("autotune fake_op [1024x64] bf16") == 1);
   CHECK(logs.count("chose BLOCK=64,num_warps=4") == 1);

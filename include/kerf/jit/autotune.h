@@ -58,6 +58,10 @@ struct Hooks {
 struct Options {
   int warmup = 2;
   int repeats = 10;
+  // The `finalists` fastest of the first round are timed again, `final_rounds`
+  // times each in turns; the lowest median of those rounds wins.
+  int finalists = 3;
+  int final_rounds = 3;
   int compile_threads = 0;  // 0: one per hardware thread (at most one per candidate)
   Timer* timer =
       nullptr;  // nullptr: cuda_event_timer(stream) on a GPU, wall_clock_timer() on the CPU
