@@ -57,6 +57,25 @@ inline const Kernel& matmul_kernel() {
   return k;
 }
 
+// C = At^T @ Bt^T with At [K, M] and Bt [N, K]: both dot operands are transposes
+// of loaded tiles (read transposed from shared memory on the GPU).
+inline const Kernel& matmul_t_kernel() {
+  static const Kernel k("matmul_t", [](Builder& b) {
+    auto At = b.tensor("At", 2), Bt = b.tensor("Bt", 2), C = b.tensor("C", 2);
+    const int64_t BM = b.meta("BM"), BN = b.meta("BN"), BK = b.meta("BK");
+    auto rm = program_id(0) * BM + arange(BM);
+    auto rn = program_id(1) * BN + arange(BN);
+    auto acc = for_range(0, At.dim(0), BK, zeros({BM, BN}), [&](const Value& k0, const Value& acc) {
+      auto rk = k0 + arange(BK);
+      auto at = load(At, {rk.col(), rm.row()}, (rk.col() < At.dim(0)) & (rm.row() < At.dim(1)));  // [BK, BM]
+      auto bt = load(Bt, {rn.col(), rk.row()}, (rn.col() < Bt.dim(0)) & (rk.row() < Bt.dim(1)));  // [BN, BK]
+      return dot(trans(at), trans(bt), acc);
+    });
+    store(C, {rm.col(), rn.row()}, acc.to(C.dtype()), (rm.col() < C.dim(0)) & (rn.row() < C.dim(1)));
+  });
+  return k;
+}
+
 // out[j] += sum over this program's rows of x[i, j]: many programs add into one output.
 inline const Kernel& column_sum_atomic_kernel() {
   static const Kernel k("column_sum_atomic", [](Builder& b) {

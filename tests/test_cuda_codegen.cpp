@@ -44,6 +44,8 @@ std::vector<Case> all_cases() {
       cases.push_back({&test::softmax_kernel(), {t(d, 2, fast), t(d, 2, fast)}, {{"BM", 4}, {"BN", 256}}, "softmax"});
       cases.push_back({&test::matmul_kernel(), {t(d, 2, fast), t(d, 2, fast), t(d, 2, fast)},
                        {{"BM", 64}, {"BN", 64}, {"BK", 32}, {"num_stages", fast ? 3 : 1}}, "matmul"});
+      cases.push_back({&test::matmul_t_kernel(), {t(d, 2, fast), t(d, 2, fast), t(d, 2, fast)},
+                       {{"BM", 64}, {"BN", 64}, {"BK", 32}, {"num_stages", fast ? 3 : 1}}, "matmul_t"});
       cases.push_back({&test::column_sum_atomic_kernel(), {t(d, 2, fast), t(d, 1, fast)}, {{"BM", 16}, {"BN", 64}},
                        "column_sum_atomic"});
       cases.push_back({&test::elementwise_kernel(),

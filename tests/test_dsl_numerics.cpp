@@ -88,6 +88,29 @@ void matmul(Device dev, DType d, int64_t M, int64_t N, int64_t K, const dsl::Met
   CHECK(test::max_relative_error(got, ref, std::sqrt(double(K)) / 4) <= test::tolerance(d));
 }
 
+// The same product with both operands given transposed (At [K, M], Bt [N, K]).
+void matmul_t(Device dev, DType d, int64_t M, int64_t N, int64_t K, const dsl::MetaMap& meta, uint64_t seed) {
+  CAPTURE(dev.str(), dtype_name(d), M, N, K, seed);
+  std::mt19937_64 rng(seed);
+  TestTensor At(d, {K, M}, dev), Bt(d, {N, K}, dev), C(d, {M, N}, dev);
+  At.randomize(rng);
+  Bt.randomize(rng);
+  C.poison();
+  launch(test::matmul_t_kernel(), {At.view(), Bt.view(), C.view()},
+         Grid{cdiv(M, meta.at("BM")), cdiv(N, meta.at("BN"))}, meta);
+  sync(dev);
+  C.download();
+  std::vector<double> got, ref;
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      double s = 0;
+      for (int64_t k = 0; k < K; ++k) s += At.get(k * M + i) * Bt.get(j * K + k);
+      ref.push_back(s);
+      got.push_back(C.get(i * N + j));
+    }
+  CHECK(test::max_relative_error(got, ref, std::sqrt(double(K)) / 4) <= test::tolerance(d));
+}
+
 void column_sums(Device dev, int64_t rows, int64_t cols, uint64_t seed) {
   CAPTURE(dev.str(), rows, cols, seed);
   std::mt19937_64 rng(seed);
@@ -237,6 +260,12 @@ void run_all(Device dev) {
   matmul(dev, DType::bf16, 128, 128, 256, {{"BM", 64}, {"BN", 64}, {"BK", 32}, {"num_stages", 3}, {"num_warps", 8}},
          seed++);
   matmul(dev, DType::f16, 50, 40, 96, {{"BM", 32}, {"BN", 64}, {"BK", 32}}, seed++);
+  for (DType d : {DType::f32, DType::bf16, DType::f16})
+    for (int64_t stages : {1, 3}) {
+      matmul_t(dev, d, 77, 45, 130, {{"BM", 32}, {"BN", 32}, {"BK", 32}, {"num_stages", stages}}, seed++);
+      matmul_t(dev, d, 128, 96, 160, {{"BM", 64}, {"BN", 32}, {"BK", 32}, {"num_stages", stages}, {"num_warps", 8}},
+               seed++);
+    }
   column_sums(dev, 300, 100, seed++);
   column_sums(dev, 1000, 64, seed++);
   for (DType d : {DType::f32, DType::bf16}) elementwise(dev, d, 1000, seed++);

@@ -177,4 +177,17 @@ TEST_CASE("the MoE backward reads dW once per tile and feeds both dots from it",
   const std::string src = jit::cuda::generate(fn, "sm_90a").source;
   CHECK(src.find("kerf_dev::mma_bf16_16816(") != std::string::npos);
   CHECK(src.find("prefetch @dW") != std::string::npos);
+  // trans(B rows) and trans(A tile) are read transposed from the shared memory
+  // their loads already fill: the K loop stages nothing and waits at one barrier.
+  const size_t loop = src.find("for (int v");  // the K loop (register loops use r and q)
+  const size_t loop_end = src.find("cp_async_wait<0>");
+  INFO(src);
+  REQUIRE(loop != std::string::npos);
+  REQUIRE(loop_end != std::string::npos);
+  const std::string body = src.substr(loop, loop_end - loop);
+  CHECK(body.find("in shared memory for a dot") == std::string::npos);
+  size_t barriers = 0;
+  for (size_t p = body.find("__syncthreads"); p != std::string::npos; p = body.find("__syncthreads", p + 1)) ++barriers;
+  CHECK(barriers == 1);
+  CHECK(src.find("kerf_dev::ldmatrix_x4(bf,") != std::string::npos);
 }

@@ -518,6 +518,17 @@ void Codegen::emit_for(const Operation& op, int lv) {
   if (!pipelined.empty()) {
     line(lv, "kerf_dev::cp_async_wait<0>();  // nothing in flight once the loop is done");
     line(lv, "__syncthreads();");
+    // A loop at the kernel's top level never runs again: its rings are free
+    // for the transient buffers of layout conversions emitted after it.
+    if (lv == 0) {
+      int lo_off = INT32_MAX, hi_off = 0;
+      for (const Operation* ld : pipelined) {
+        const AsyncLoad& a = async_.at(ld->results[0]);
+        lo_off = std::min(lo_off, a.ring_offset);
+        hi_off = std::max(hi_off, a.ring_offset + int(a.stage_bytes * S_));
+      }
+      free_smem_.push_back({lo_off, hi_off - lo_off});
+    }
   }
 }
 

@@ -9,6 +9,14 @@ Staged Codegen::stage(ValueId v) {
   if (it != staged_.end()) return it->second;
   if (auto a = async_.find(v); a != async_.end())
     return Staged{async_slot_offset(a->second), a->second.pitch[0]};
+  // trans(x): x's tile in shared memory, read transposed (no second copy).
+  if (const Operation* op = def_op_[size_t(v)];
+      op && op->kind == OpKind::Transpose && type(op->operands[0]).dtype == type(v).dtype) {
+    Staged s = stage(op->operands[0]);
+    s.transposed = !s.transposed;
+    staged_[v] = s;
+    return s;
+  }
   const int lv = level_of_[size_t(v)];
   const auto [dt, pitch, off] = alloc_smem_tile(v);
   int l = pref_[size_t(v)];
@@ -80,9 +88,14 @@ Tile Codegen::emit_dot(const Operation& op, int h) {
       line(la, "for (int ki = 0; ki < " + S(K / 16) + "; ++ki)");
       line(la, "  #pragma unroll");
       line(la, "  for (int mi = 0; mi < " + S(MT) + "; ++mi)");
-      line(la, "    kerf_dev::ldmatrix_x4(" + af + "[ki][mi], " + base + " + (" + wmx +
-                   " * 16 + mi * " + S(16 * wm) + " + (lane & 15)) * " + S(sa.pitch) +
-                   " + ki * 16 + (lane >> 4) * 8);");
+      if (!sa.transposed)
+        line(la, "    kerf_dev::ldmatrix_x4(" + af + "[ki][mi], " + base + " + (" + wmx +
+                     " * 16 + mi * " + S(16 * wm) + " + (lane & 15)) * " + S(sa.pitch) +
+                     " + ki * 16 + (lane >> 4) * 8);");
+      else  // shared memory holds A^T [K, M]: rows k, 8 m's per row, transposed by ldmatrix
+        line(la, "    kerf_dev::ldmatrix_x4_trans(" + af + "[ki][mi], " + base +
+                     " + (ki * 16 + (lane & 7) + ((lane >> 4) & 1) * 8) * " + S(sa.pitch) + " + " +
+                     wmx + " * 16 + mi * " + S(16 * wm) + " + ((lane >> 3) & 1) * 8);");
       if (la < lv) afrags_[frag_key] = af;
     }
     line(lv, "#pragma unroll");
@@ -92,12 +105,20 @@ Tile Codegen::emit_dot(const Operation& op, int h) {
     const int64_t per = NT >= 2 ? 2 : 1;
     line(lv, "  for (int ni = 0; ni < " + S(NT) + "; ni += " + S(per) + ") {");
     line(lv, "    unsigned bf[" + S(2 * per) + "];");
-    if (per == 2)
+    if (sb.transposed) {
+      // Shared memory holds B^T [N, K]: each n's k's are contiguous, the layout
+      // mma wants for B, so ldmatrix needs no transpose.
+      const std::string n_of = per == 2 ? "(ni + (lane >> 4))" : "ni";
+      line(lv, std::string("    kerf_dev::") + (per == 2 ? "ldmatrix_x4" : "ldmatrix_x2") +
+                   "(bf, sb + (wn * 8 + " + n_of + " * " + S(8 * wn) + " + (lane & 7)) * " +
+                   S(sb.pitch) + " + ki * 16 + ((lane >> 3) & 1) * 8);");
+    } else if (per == 2) {
       line(lv, "    kerf_dev::ldmatrix_x4_trans(bf, sb + (ki * 16 + (lane & 15)) * " + S(sb.pitch) +
                    " + wn * 8 + (ni + (lane >> 4)) * " + S(8 * wn) + ");");
-    else
+    } else {
       line(lv, "    kerf_dev::ldmatrix_x2_trans(bf, sb + (ki * 16 + (lane & 15)) * " + S(sb.pitch) +
                    " + wn * 8 + ni * " + S(8 * wn) + ");");
+    }
     line(lv, "    #pragma unroll");
     line(lv, "    for (int h = 0; h < " + S(per) + "; ++h)");
     line(lv, "      #pragma unroll");
@@ -119,12 +140,16 @@ Tile Codegen::emit_dot(const Operation& op, int h) {
     line(lv, "  #pragma unroll");
     line(lv,
          "  for (int i = 0; i < " + S(nr) + "; ++i) ar[i] = " +
-             to_compute_float(ta.dtype, "sa[" + coord(lr, 0, "i") + " * " + S(sa.pitch) + " + k]") +
+             to_compute_float(ta.dtype, sa.transposed
+                                            ? "sa[k * " + S(sa.pitch) + " + " + coord(lr, 0, "i") + "]"
+                                            : "sa[" + coord(lr, 0, "i") + " * " + S(sa.pitch) + " + k]") +
              ";");
     line(lv, "  #pragma unroll");
     line(lv,
          "  for (int i = 0; i < " + S(nc) + "; ++i) bc[i] = " +
-             to_compute_float(tb.dtype, "sb[k * " + S(sb.pitch) + " + " + coord(lc, 1, "i") + "]") +
+             to_compute_float(tb.dtype, sb.transposed
+                                            ? "sb[" + coord(lc, 1, "i") + " * " + S(sb.pitch) + " + k]"
+                                            : "sb[k * " + S(sb.pitch) + " + " + coord(lc, 1, "i") + "]") +
              ";");
     line(lv, "  #pragma unroll");
     line(lv, "  for (int r = 0; r < " + S(n) + "; ++r) " + name + "[r] = fmaf(ar[" +

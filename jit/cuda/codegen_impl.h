@@ -121,6 +121,9 @@ struct Tile {
 struct Staged {        // a rank-2 tile written row-major into shared memory
   std::string offset;  // byte offset into kerf_smem (a C++ expression)
   int64_t pitch = 0;   // elements per row
+  // The shared memory holds the tile's transpose (a trans() of a staged or
+  // pipelined tile reads the same bytes the other way round).
+  bool transposed = false;
 };
 
 // Code and emitted tiles of one loop level.
@@ -455,6 +458,10 @@ class Codegen {
   std::map<ValueId, int> scalar_level_;
   std::map<ValueId, int> home_;
   std::map<ValueId, Staged> staged_;
+  // Shared memory no longer in use (rings of finished top-level loops): offset, bytes.
+  // Only transient buffers (written, read back at once, between two barriers) go there.
+  std::vector<std::pair<int, int64_t>> free_smem_;
+  int transient_smem(int64_t bytes);
   std::map<ValueId, std::string> reduced_;
   std::map<std::pair<ValueId, int64_t>, std::string> afrags_;  // (A, warp split) -> fragments
   std::set<std::string> pointers_;

@@ -222,6 +222,12 @@ std::string Codegen::smem_offset(int l, const std::vector<int64_t>& pitch, const
   return e.empty() ? "0" : e;
 }
 
+int Codegen::transient_smem(int64_t bytes) {
+  for (const auto& [off, size] : free_smem_)
+    if (size >= bytes) return off;
+  return alloc_smem(bytes);
+}
+
 Codegen::SmemTile Codegen::alloc_smem_tile(ValueId v) {
   const DType dt = type(v).dtype;
   const int eb = dtype_size_bytes(dt);
@@ -266,7 +272,9 @@ Tile Codegen::convert_tile(ValueId v, const Tile& src, int from, int to) {
     return compose(src, d, to);
   }
   const int lv = level_of_[size_t(v)];
-  const auto [dt, pitch, off] = alloc_smem_tile(v);
+  const DType dt = type(v).dtype;
+  const std::vector<int64_t> pitch = smem_pitches(type(v).shape, dtype_size_bytes(dt));
+  const int off = transient_smem(smem_bytes_for(type(v).shape, dtype_size_bytes(dt)));
   const std::string st = storage_type(dt);
   const std::string buf = fresh("cvt");
   line(lv,
