@@ -15,6 +15,7 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -381,6 +382,7 @@ Result best_of(const std::vector<ops::Config>& configs, F run_one) {
 
 int main(int argc, char** argv) {
   std::string json_path, only, op_filter;
+  std::optional<ops::Config> forced;
   bool quick = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json_path = argv[++i];
@@ -390,9 +392,23 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
     // --op NAME: only the cases whose op name contains NAME (e.g. "moe_backward").
     if (!std::strcmp(argv[i], "--op") && i + 1 < argc) op_filter = argv[++i];
+    // --config BM,BK,SPLIT,WARPS,STAGES: every case runs that one config only, with
+    // no tuned-vs-default comparison (for profilers; 0 fields: the op's default).
+    if (!std::strcmp(argv[i], "--config") && i + 1 < argc) {
+      long long c[5] = {0};
+      if (std::sscanf(argv[++i], "%lld,%lld,%lld,%lld,%lld", &c[0], &c[1], &c[2], &c[3], &c[4]) != 5) {
+        std::fprintf(stderr, "--config wants BM,BK,SPLIT,WARPS,STAGES\n");
+        return 2;
+      }
+      forced = ops::Config{c[0], c[1], c[2], c[3], c[4]};
+    }
   }
   const auto wanted = [&](const std::string& op) {
     return op_filter.empty() || op.find(op_filter) != std::string::npos;
+  };
+  // Whether some case of this family may be wanted ("moe_backward" for "moe_backward r=64").
+  const auto family = [&](const std::string& prefix) {
+    return wanted(prefix) || op_filter.find(prefix) != std::string::npos;
   };
   if (!only.empty()) {
     long long v[8] = {0};
@@ -432,14 +448,15 @@ int main(int argc, char** argv) {
         {4096, 4096}, {8192, 8192}, {14336, 4096}, {4096, 14336}};
     for (int64_t r : {16, 32, 64}) {
       for (auto [o, i] : dora_shapes) {
-        if (!wanted("dora_norm")) break;
+        if (!wanted("dora_norm r=" + std::to_string(r))) break;
         DoraSets sets = make_dora(o, i, r, DType::bf16);
-        Result res = best_of(dora_cfgs, [&](const ops::Config& c) { return bench_dora(sets, c, stream.handle()); });
+        Result res = best_of(forced ? std::vector<ops::Config>{*forced} : dora_cfgs,
+                             [&](const ops::Config& c) { return bench_dora(sets, c, stream.handle()); });
         res.copy_gbps = copy_gbps(res.bytes, stream.handle());
         std::printf("%-22s %-12s %9.1f us %8.0f GB/s  copy %6.0f GB/s  %5.1f%%  [%s]\n", res.op.c_str(),
                     res.shape.c_str(), res.median_us, res.gbps, res.copy_gbps, 100 * res.gbps / res.copy_gbps,
                     res.config.c_str());
-        tuned_vs_default(res, [&](const ops::Config& c) { return bench_dora(sets, c, stream.handle()); });
+        if (!forced) tuned_vs_default(res, [&](const ops::Config& c) { return bench_dora(sets, c, stream.handle()); });
         std::fflush(stdout);
         results.push_back(res);
       }
@@ -456,14 +473,15 @@ int main(int argc, char** argv) {
       int64_t E, N, K, r;
     };
     for (const MoeCase& c : {MoeCase{128, 1536, 2048, 16}, MoeCase{128, 2048, 768, 16}, MoeCase{64, 2816, 2048, 64}}) {
-      if (!wanted("moe_materialize")) break;
+      if (!wanted("moe_materialize r=" + std::to_string(c.r))) continue;
       MoeSets sets = make_moe(c.E, c.N, c.K, c.r, DType::bf16);
-      Result res = best_of(moe_cfgs, [&](const ops::Config& cfg) { return bench_moe(sets, cfg, stream.handle()); });
+      Result res = best_of(forced ? std::vector<ops::Config>{*forced} : moe_cfgs,
+                           [&](const ops::Config& cfg) { return bench_moe(sets, cfg, stream.handle()); });
       res.copy_gbps = copy_gbps(res.bytes, stream.handle());
       std::printf("%-22s %-12s %9.1f us %8.0f GB/s  copy %6.0f GB/s  %5.1f%%  [%s]\n", res.op.c_str(),
                   res.shape.c_str(), res.median_us, res.gbps, res.copy_gbps, 100 * res.gbps / res.copy_gbps,
                   res.config.c_str());
-      tuned_vs_default(res, [&](const ops::Config& cfg) { return bench_moe(sets, cfg, stream.handle()); });
+      if (!forced) tuned_vs_default(res, [&](const ops::Config& cfg) { return bench_moe(sets, cfg, stream.handle()); });
       std::fflush(stdout);
       results.push_back(res);
     }
@@ -479,9 +497,9 @@ int main(int argc, char** argv) {
     const auto run_case = [&](OpCase c, const std::vector<ops::Config>& cfgs) {
       if (!wanted(c.op)) return;
       const auto run = [&](const ops::Config& cfg) { return bench_op(c, cfg, stream.handle()); };
-      const Result best = best_of(cfgs, run);
+      const Result best = best_of(forced ? std::vector<ops::Config>{*forced} : cfgs, run);
       report(best);
-      tuned_vs_default(best, run);
+      if (!forced) tuned_vs_default(best, run);
     };
     std::vector<ops::Config> merge_cfgs = {ops::Config{}};
     if (!quick)
@@ -489,7 +507,7 @@ int main(int argc, char** argv) {
         for (int64_t bk : {64, 128})
           for (int64_t warps : {4, 8}) merge_cfgs.push_back(ops::Config{bm, bk, 0, warps, 3});
     for (auto [o, i] : std::vector<std::pair<int64_t, int64_t>>{{4096, 4096}, {8192, 8192}, {14336, 4096}})
-      if (wanted("lora_merge")) run_case(make_merge(o, i, 16), merge_cfgs);
+      if (family("lora_merge")) run_case(make_merge(o, i, 16), merge_cfgs);
     std::vector<ops::Config> moe_bwd_cfgs = {ops::Config{}};
     if (!quick)
       for (int64_t bn : {64, 128, 256})
@@ -497,7 +515,7 @@ int main(int argc, char** argv) {
           for (int64_t warps : {4, 8}) moe_bwd_cfgs.push_back(ops::Config{bn, bk, 0, warps, 3});
     for (const MoeCase& c : {MoeCase{128, 1536, 2048, 16}, MoeCase{128, 2048, 768, 16}, MoeCase{64, 2816, 2048, 64}})
       for (DType grads : {DType::f32, DType::bf16})
-        if (wanted("moe_backward")) run_case(make_moe_backward(c.E, c.N, c.K, c.r, grads), moe_bwd_cfgs);
+        if (family("moe_backward")) run_case(make_moe_backward(c.E, c.N, c.K, c.r, grads), moe_bwd_cfgs);
     std::vector<ops::Config> emb_cfgs = {ops::Config{}}, emb_bwd_cfgs = {ops::Config{}};
     if (!quick) {
       for (int64_t bt : {16, 32, 64, 128})
@@ -506,8 +524,8 @@ int main(int argc, char** argv) {
         for (int64_t bd : {32, 64, 128})
           for (int64_t warps : {4, 8}) emb_bwd_cfgs.push_back(ops::Config{bt, bd, 0, warps, 3});
     }
-    if (wanted("embedding r=")) run_case(make_embedding(8192, 128256, 4096, 16, false), emb_cfgs);
-    if (wanted("embedding_backward")) run_case(make_embedding(8192, 128256, 4096, 16, true), emb_bwd_cfgs);
+    if (family("embedding r=")) run_case(make_embedding(8192, 128256, 4096, 16, false), emb_cfgs);
+    if (family("embedding_backward")) run_case(make_embedding(8192, 128256, 4096, 16, true), emb_bwd_cfgs);
 
     if (!json_path.empty()) {
       std::ofstream js(json_path);
