@@ -34,9 +34,14 @@ namespace {
 constexpr const char* kUsage = R"(usage: kerf-cache [--dir DIR] COMMAND ...
 
   warm     compile (and, on a GPU of that architecture, tune) ops for shapes:
-             --op NAME       dora_norm, moe_lora_materialize (repeatable; default: all)
-             --shape S       sizes joined by 'x' in the op's order (repeatable):
-                             dora_norm out x in x r; moe_lora_materialize E x N x K x r
+             --op NAME       repeatable; default: all of
+                               dora_norm, lora_merge                  shape out x in x r
+                               moe_lora_materialize,
+                               moe_lora_materialize_backward          shape E x N x K x r
+                               lora_embedding,
+                               lora_embedding_backward                shape T x vocab x dim x r
+             --shape S       sizes joined by 'x' in the op's order (repeatable; each
+                             op takes the shapes of its own length)
              --dtype T       bf16, f16, f32 (repeatable; default bf16)
              --layout L      sharding layout text (repeatable; default unsharded)
              --arch A        sm_90a, sm_80, ..., cpu, or native (repeatable or a,b;
