@@ -278,7 +278,15 @@ std::shared_ptr<Compiled> build_cuda(const ir::Function& fn, int device, std::st
   c->function = c->module.function(bin.entry);
   c->threads = bin.threads;
   c->smem_bytes = bin.smem_bytes;
-  if (bin.smem_bytes > 48 * 1024) cuda::set_max_dynamic_smem(c->function, bin.smem_bytes);
+  if (bin.smem_bytes > 48 * 1024) {
+    const int limit = cuda::device_info(device).max_smem_per_block_optin;
+    if (limit > 0 && bin.smem_bytes > limit)
+      throw InvalidArgument("kernel '" + fn.name + "' needs " + std::to_string(bin.smem_bytes) +
+                            " bytes of shared memory per block; " + arch + " device " +
+                            std::to_string(device) + " allows " + std::to_string(limit) +
+                            " (choose smaller blocks or fewer num_stages)");
+    cuda::set_max_dynamic_smem(c->function, bin.smem_bytes);
+  }
   c->backend = arch;
   c->source = bin.source;
   return c;

@@ -9,6 +9,7 @@
 #include "cpu_test_util.h"
 #include "device_tensor.h"
 #include "gpu_test_util.h"
+#include "kerf/error.h"
 #include "kerf/ops/ops.h"
 
 using namespace kerf;
@@ -257,4 +258,35 @@ TEST_CASE("lora_merge with rank 0 or an empty W leaves memory untouched on the G
           "[gpu][ops][merge]") {
   KERF_REQUIRE_GPU();
   check_merge_edges(Device::cuda(0));
+}
+
+TEST_CASE("a config whose shared memory exceeds the device's is refused with a clear message on the GPU",
+          "[gpu][ops][merge]") {
+  KERF_REQUIRE_GPU();
+  const Device dev = Device::cuda(0);
+  std::mt19937_64 rng(11);
+  TestTensor W(DType::bf16, {512, 1024}, dev), A(DType::bf16, {16, 1024}, dev), B(DType::bf16, {512, 16}, dev);
+  W.randomize(rng);
+  A.randomize(rng);
+  B.randomize(rng);
+  std::vector<double> before;
+  for (int64_t i = 0; i < 512 * 1024; ++i) before.push_back(W.get(i));
+  // 256 x 1024 bf16 tiles in 4 stages: 2 MiB of shared memory, more than any GPU has.
+  const ops::Config huge{256, 1024, 0, 8, 4};
+  try {
+    ops::lora_merge(W.view(), A.view(), B.view(), 0.5, nullptr, huge);
+    FAIL("the merge ran with a config that cannot fit");
+  } catch (const InvalidArgument& e) {
+    const std::string msg = e.what();
+    INFO(msg);
+    CHECK(msg.find("bytes of shared memory per block") != std::string::npos);
+    CHECK(msg.find("allows") != std::string::npos);
+    CHECK(msg.find("num_stages") != std::string::npos);
+  }
+  // Nothing was written, and the op still runs with its own choice.
+  cuda::device_synchronize(0);
+  W.download();
+  for (int64_t i = 0; i < 512 * 1024; i += 997) CHECK(W.get(i) == before[size_t(i)]);
+  ops::lora_merge(W.view(), A.view(), B.view(), 0.5);
+  cuda::device_synchronize(0);
 }
