@@ -65,49 +65,32 @@ void softmax(Device dev, DType d, int64_t rows, int64_t cols, uint64_t seed) {
   CHECK(test::max_relative_error(got, ref, 1e-3) <= test::tolerance(d));
 }
 
-void matmul(Device dev, DType d, int64_t M, int64_t N, int64_t K, const dsl::MetaMap& meta, uint64_t seed) {
-  CAPTURE(dev.str(), dtype_name(d), M, N, K, seed);
+// C = A @ B; with `transposed`, A and B are given as At [K, M] and Bt [N, K]
+// (matmul_t: both dot operands are trans() of loaded tiles).
+void matmul(Device dev, DType d, int64_t M, int64_t N, int64_t K, const dsl::MetaMap& meta, uint64_t seed,
+            bool transposed = false) {
+  CAPTURE(dev.str(), dtype_name(d), M, N, K, seed, transposed);
   std::mt19937_64 rng(seed);
-  TestTensor A(d, {M, K}, dev), B(d, {K, N}, dev), C(d, {M, N}, dev);
+  TestTensor A(d, transposed ? std::vector<int64_t>{K, M} : std::vector<int64_t>{M, K}, dev),
+      B(d, transposed ? std::vector<int64_t>{N, K} : std::vector<int64_t>{K, N}, dev), C(d, {M, N}, dev);
   A.randomize(rng);
   B.randomize(rng);
   C.poison();
-  launch(test::matmul_kernel(), {A.view(), B.view(), C.view()},
+  launch(transposed ? test::matmul_t_kernel() : test::matmul_kernel(), {A.view(), B.view(), C.view()},
          Grid{cdiv(M, meta.at("BM")), cdiv(N, meta.at("BN"))}, meta);
   sync(dev);
   C.download();
+  const auto a = [&](int64_t i, int64_t k) { return transposed ? A.get(k * M + i) : A.get(i * K + k); };
+  const auto b = [&](int64_t k, int64_t j) { return transposed ? B.get(j * K + k) : B.get(k * N + j); };
   std::vector<double> got, ref;
   for (int64_t i = 0; i < M; ++i)
     for (int64_t j = 0; j < N; ++j) {
       double s = 0;
-      for (int64_t k = 0; k < K; ++k) s += A.get(i * K + k) * B.get(k * N + j);
+      for (int64_t k = 0; k < K; ++k) s += a(i, k) * b(k, j);
       ref.push_back(s);
       got.push_back(C.get(i * N + j));
     }
   // Entries near zero are compared against the scale of a row of products.
-  CHECK(test::max_relative_error(got, ref, std::sqrt(double(K)) / 4) <= test::tolerance(d));
-}
-
-// The same product with both operands given transposed (At [K, M], Bt [N, K]).
-void matmul_t(Device dev, DType d, int64_t M, int64_t N, int64_t K, const dsl::MetaMap& meta, uint64_t seed) {
-  CAPTURE(dev.str(), dtype_name(d), M, N, K, seed);
-  std::mt19937_64 rng(seed);
-  TestTensor At(d, {K, M}, dev), Bt(d, {N, K}, dev), C(d, {M, N}, dev);
-  At.randomize(rng);
-  Bt.randomize(rng);
-  C.poison();
-  launch(test::matmul_t_kernel(), {At.view(), Bt.view(), C.view()},
-         Grid{cdiv(M, meta.at("BM")), cdiv(N, meta.at("BN"))}, meta);
-  sync(dev);
-  C.download();
-  std::vector<double> got, ref;
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t j = 0; j < N; ++j) {
-      double s = 0;
-      for (int64_t k = 0; k < K; ++k) s += At.get(k * M + i) * Bt.get(j * K + k);
-      ref.push_back(s);
-      got.push_back(C.get(i * N + j));
-    }
   CHECK(test::max_relative_error(got, ref, std::sqrt(double(K)) / 4) <= test::tolerance(d));
 }
 
@@ -262,9 +245,9 @@ void run_all(Device dev) {
   matmul(dev, DType::f16, 50, 40, 96, {{"BM", 32}, {"BN", 64}, {"BK", 32}}, seed++);
   for (DType d : {DType::f32, DType::bf16, DType::f16})
     for (int64_t stages : {1, 3}) {
-      matmul_t(dev, d, 77, 45, 130, {{"BM", 32}, {"BN", 32}, {"BK", 32}, {"num_stages", stages}}, seed++);
-      matmul_t(dev, d, 128, 96, 160, {{"BM", 64}, {"BN", 32}, {"BK", 32}, {"num_stages", stages}, {"num_warps", 8}},
-               seed++);
+      matmul(dev, d, 77, 45, 130, {{"BM", 32}, {"BN", 32}, {"BK", 32}, {"num_stages", stages}}, seed++, true);
+      matmul(dev, d, 128, 96, 160, {{"BM", 64}, {"BN", 32}, {"BK", 32}, {"num_stages", stages}, {"num_warps", 8}},
+             seed++, true);
     }
   column_sums(dev, 300, 100, seed++);
   column_sums(dev, 1000, 64, seed++);
