@@ -313,6 +313,11 @@ void bind_ops(py::module_& m) {
       py::arg("layout").none(true));
 
   // ---------------------------------------------------------------- introspection
+  m.def("_torch_bridge_status", &torch_bridge_status,
+        "How torch tensors are read: 'active (...)' when in C++ through kerf._torch_bridge, "
+        "else why they are read through Python attributes.");
+  m.def("_set_torch_bridge", &set_torch_bridge, py::arg("enabled"),
+        "Turns the use of kerf._torch_bridge on or off; returns the previous setting (tests).");
   m.def("_view_info", &view_info, py::arg("tensor"), py::arg("stream").none(true) = py::none(),
         "How kerf sees a tensor (data_ptr, dtype, shape, strides in elements, device), without "
         "copying it.");

@@ -1,12 +1,14 @@
 #include "tensor_bridge.h"
 
 #include <array>
+#include <cstdlib>
 #include <memory>
 #include <string>
 
 #include "buffer.h"
 #include "dlpack_abi.h"
 #include "kerf/error.h"
+#include "torch_bridge_abi.h"
 
 namespace kerf::python {
 
@@ -49,6 +51,7 @@ struct Names {
   PyObject* shape;
   PyObject* is_cuda;
   PyObject* is_cpu;
+  PyObject* is_neg;
   PyObject* device;
   PyObject* dlpack;
   PyObject* dlpack_device;
@@ -86,6 +89,7 @@ const Names& names() {
     x.shape = intern("shape");
     x.is_cuda = intern("is_cuda");
     x.is_cpu = intern("is_cpu");
+    x.is_neg = intern("is_neg");
     x.device = intern("device");
     x.dlpack = intern("__dlpack__");
     x.dlpack_device = intern("__dlpack_device__");
@@ -127,7 +131,49 @@ struct TorchApi {
   PyObject* empty = nullptr;           // torch.empty
   PyObject* raw_stream = nullptr;  // torch._C._cuda_getCurrentRawStream(device) -> int, if present
   PyObject* current_stream = nullptr;  // torch.cuda.current_stream (the documented fallback)
+  // kerf._torch_bridge when it imported (see torch_bridge_abi.h), and why not when it did not.
+  const KerfTorchBridge* bridge = nullptr;
+  std::string bridge_status;
 };
+
+// Whether calls use kerf._torch_bridge when it is there (tests compare both paths).
+bool bridge_enabled = true;
+
+// kerf._torch_bridge's function table, or nullptr with the reason in `status`.
+const KerfTorchBridge* load_torch_bridge(std::string& status) {
+  if (const char* env = std::getenv("KERF_TORCH_BRIDGE"); env && std::string(env) == "0") {
+    status = "disabled by KERF_TORCH_BRIDGE=0";
+    return nullptr;
+  }
+  PyObject* m = PyImport_ImportModule("kerf._torch_bridge");
+  if (!m) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    status = value ? str_of(value) : "kerf._torch_bridge did not import";
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    return nullptr;
+  }
+  PyObject* capsule = PyObject_GetAttrString(m, "_C_API");
+  Py_DECREF(m);  // the module stays in sys.modules
+  const auto* api = capsule ? static_cast<const KerfTorchBridge*>(
+                                  PyCapsule_GetPointer(capsule, KERF_TORCH_BRIDGE_CAPSULE))
+                            : nullptr;
+  Py_XDECREF(capsule);
+  if (!api) {
+    PyErr_Clear();
+    status = "kerf._torch_bridge has no _C_API capsule";
+    return nullptr;
+  }
+  if (api->abi != KERF_TORCH_BRIDGE_ABI || api->size < sizeof(KerfTorchBridge)) {
+    status = "kerf._torch_bridge speaks interface " + std::to_string(api->abi) + ", this kerf " +
+             std::to_string(KERF_TORCH_BRIDGE_ABI) + "; rebuild kerf";
+    return nullptr;
+  }
+  status = std::string("active (built against torch ") + api->torch_version + ")";
+  return api;
+}
 
 const TorchApi* torch_api() {
   static TorchApi api;
@@ -163,9 +209,14 @@ const TorchApi* torch_api() {
     a.current_stream = attr_or_null(cuda, "current_stream");
     Py_DECREF(cuda);
   }
+  a.bridge = load_torch_bridge(a.bridge_status);
   a.ready = true;
   api = a;
   return &api;
+}
+
+const KerfTorchBridge* torch_bridge(const TorchApi* api) {
+  return api && bridge_enabled ? api->bridge : nullptr;
 }
 
 // Exactly torch.Tensor or torch.nn.Parameter: types whose attributes kerf may read
@@ -197,9 +248,34 @@ int64_t as_int64(PyObject* o) {
   return int64_t(v);
 }
 
-// A torch tensor read through its attributes: data_ptr() (storage offset included),
-// dtype, device, shape, stride().
-TensorView torch_view(const TorchApi& api, py::handle obj, const char* op, const char* name) {
+[[noreturn]] void throw_neg_bit(const char* op, const char* name) {
+  throw InvalidArgument(where(op, name) +
+                        " is a lazily negated view (its negative bit is set, e.g. x.conj().imag); "
+                        "pass x.resolve_neg()");
+}
+
+// A torch tensor read through kerf._torch_bridge (C++) when it is there and can,
+// else through its attributes: data_ptr() (storage offset included), dtype,
+// device, shape, stride().
+TensorView torch_view(const TorchApi& api, py::handle obj, bool written, const char* op,
+                      const char* name) {
+  if (const KerfTorchBridge* bridge = torch_bridge(&api)) {
+    KerfTorchTensor t;
+    const int32_t r = bridge->view(obj.ptr(), written ? 1 : 0, &t);
+    if (r == kKerfTorchNegBit) throw_neg_bit(op, name);
+    if (r == kKerfTorchOk) {
+      TensorView v;
+      v.data = t.data;
+      v.dtype = DType(t.dtype);
+      v.device = t.device_index < 0 ? Device::cpu() : Device::cuda(t.device_index);
+      v.rank = t.rank;
+      for (int d = 0; d < t.rank; ++d) {
+        v.shape[size_t(d)] = t.shape[d];
+        v.strides[size_t(d)] = t.strides[d];
+      }
+      return v;
+    }
+  }
   const Names& n = names();
   PyObject* o = obj.ptr();
   TensorView v;
@@ -216,6 +292,7 @@ TensorView torch_view(const TorchApi& api, py::handle obj, const char* op, const
                           str_of(steal(PyObject_GetAttr(o, n.device))) +
                           "'; kerf runs on CPU and CUDA tensors");
   }
+  if (steal(PyObject_CallMethodNoArgs(o, n.is_neg)).ptr() == Py_True) throw_neg_bit(op, name);
   {
     const py::object ptr = steal(PyObject_CallMethodNoArgs(o, n.data_ptr));
     v.data = PyLong_AsVoidPtr(ptr.ptr());
@@ -520,6 +597,9 @@ void Call::resolve_stream(py::handle obj, Framework framework, int device) {
   }
   if (framework == Framework::torch) {
     const TorchApi* api = torch_api();
+    if (const KerfTorchBridge* bridge = torch_bridge(api);
+        bridge && bridge->current_stream(device, &stream_) == 1)
+      return;
     if (api && api->raw_stream) {
       const py::object s = steal(PyObject_CallFunction(api->raw_stream, "i", device));
       stream_ = PyLong_AsVoidPtr(s.ptr());
@@ -551,7 +631,7 @@ TensorView Call::convert(py::handle obj, const char* name, bool written) {
   Framework framework;
   if (is_plain_torch(torch, obj)) {
     framework = Framework::torch;
-    v = torch_view(*torch, obj, op_, name);
+    v = torch_view(*torch, obj, written, op_, name);
     if (v.device.is_cuda()) resolve_stream(obj, framework, v.device.index);
   } else if (py::isinstance<Buffer>(obj)) {
     framework = Framework::kerf;
@@ -620,6 +700,15 @@ std::pair<py::object, TensorView> Call::output_or_new(py::handle obj, const char
   if (obj && !obj.is_none()) return {py::reinterpret_borrow<py::object>(obj), output(obj, name)};
   if (!have_first_)
     throw InternalError(where(op_, name) + ": an output was allocated before any input");
+  if (first_framework_ == Framework::torch) {
+    if (const KerfTorchBridge* bridge = torch_bridge(torch_api())) {
+      void* data = nullptr;
+      const int32_t device = first_device_.is_cuda() ? first_device_.index : -1;
+      if (PyObject* t = bridge->empty(shape.data(), int32_t(shape.size()), int32_t(dtype), device,
+                                      &data))
+        return {steal(t), TensorView::contiguous(data, dtype, shape, first_device_)};
+    }
+  }
   const Names& n = names();
   py::tuple dims(shape.size());
   for (size_t i = 0; i < shape.size(); ++i) dims[i] = py::int_(shape[i]);
@@ -662,6 +751,18 @@ TensorView view_of(py::handle obj, py::handle stream) {
 
 void init_bridge() {
   names();
+}
+
+std::string torch_bridge_status() {
+  const TorchApi* api = torch_api();
+  if (!api) return "torch is not imported";
+  return api->bridge_status;
+}
+
+bool set_torch_bridge(bool enabled) {
+  const bool was = bridge_enabled;
+  bridge_enabled = enabled;
+  return was;
 }
 
 }  // namespace kerf::python

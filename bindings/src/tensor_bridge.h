@@ -2,10 +2,11 @@
 //
 // Any object with __dlpack__/__dlpack_device__ (PyTorch, JAX, CuPy, NumPy,
 // kerf.Buffer) and raw DLPack capsules are accepted. Plain torch.Tensor and
-// torch.nn.Parameter objects take a fast path that reads data_ptr(), dtype,
-// shape, stride() and the device directly (cheaper than a DLPack export per
-// call); every other object goes through DLPack, whose export is kept alive
-// until the call returns.
+// torch.nn.Parameter objects take a fast path: read in C++ from the at::Tensor
+// by kerf._torch_bridge where kerf was built against this torch
+// (torch_bridge_abi.h), else through data_ptr(), dtype, shape, stride() and the
+// device (still cheaper than a DLPack export per call); every other object goes
+// through DLPack, whose export is kept alive until the call returns.
 //
 // Streams: a call on CUDA tensors runs on the explicit `stream=` when given,
 // else on PyTorch's current stream of the device when the tensors are torch
@@ -16,6 +17,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -88,5 +90,11 @@ const char* numpy_dtype_name(DType dtype);
 
 // Makes the interned names the conversions use (at import, with the GIL held).
 void init_bridge();
+
+// Whether torch tensors are read in C++ through kerf._torch_bridge ("active ..."),
+// else why not (not built, another torch version, KERF_TORCH_BRIDGE=0, torch not imported).
+std::string torch_bridge_status();
+// Turns the use of kerf._torch_bridge on or off (tests compare both paths); returns the old value.
+bool set_torch_bridge(bool enabled);
 
 }  // namespace kerf::python

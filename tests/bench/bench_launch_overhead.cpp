@@ -11,8 +11,12 @@
 // Exit status 1 when a difference is 1 us or more.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <cstdio>
 #include <functional>
+#include <random>
 #include <vector>
 
 #include "kerf/cache/cuda_binary.h"
@@ -20,6 +24,8 @@
 #include "kerf/jit/abi.h"
 #include "kerf/jit/cpu_backend.h"
 #include "kerf/jit/launch.h"
+#include "kerf/kernels/kernels.h"
+#include "kerf/ops/ops.h"
 #include "kerf/runtime/cuda.h"
 
 using namespace kerf;
@@ -126,7 +132,86 @@ bool bench_gpu() {
       per_batch,
       [&] { cuda::launch(function, grid, bin.threads, bin.smem_bytes, stream.handle(), params); },
       sync);
-  return report("gpu", kerf_ns, bare_ns);
+  const bool ok = report("gpu", kerf_ns, bare_ns);
+  const double legacy_ns = ns_per_call(
+      per_batch, [&] { cuda::launch(function, grid, bin.threads, bin.smem_bytes, nullptr, params); },
+      [] { cuda::device_synchronize(0); });
+  std::printf("gpu   bare launch on the legacy default stream %8.1f ns\n", legacy_ns);
+
+  // A whole op, as kerf.ops.dora_norm calls it from Python (python_overhead.py's
+  // shape): checks, plan lookup, workspace, launch. Random inputs.
+  const int64_t R = 256, C = 256, r = 16;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<uint16_t> w_host(size_t(R * C));
+  for (auto& x : w_host) {
+    const float f = nd(rng);
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    x = uint16_t(u >> 16);  // bf16
+  }
+  std::vector<float> a_host(size_t(r * C)), b_host(size_t(R * r)), m_host(static_cast<size_t>(R));
+  for (auto& x : a_host) x = nd(rng) / 16;
+  for (auto& x : b_host) x = nd(rng);
+  for (auto& x : m_host) x = 0.5f + std::abs(nd(rng));
+  cuda::DeviceBuffer dW(w_host.size() * 2), dA(a_host.size() * 4), dB(b_host.size() * 4),
+      dm(m_host.size() * 4), dnorm(size_t(R) * 4), dscale(size_t(R) * 4);
+  dW.copy_from_host(w_host.data(), dW.bytes());
+  dA.copy_from_host(a_host.data(), dA.bytes());
+  dB.copy_from_host(b_host.data(), dB.bytes());
+  dm.copy_from_host(m_host.data(), dm.bytes());
+  const TensorView W = TensorView::contiguous(dW.data(), DType::bf16, {R, C}, dev);
+  const TensorView A = TensorView::contiguous(dA.data(), DType::f32, {r, C}, dev);
+  const TensorView B = TensorView::contiguous(dB.data(), DType::f32, {R, r}, dev);
+  const TensorView m = TensorView::contiguous(dm.data(), DType::f32, {R}, dev);
+  const TensorView norm = TensorView::contiguous(dnorm.data(), DType::f32, {R}, dev);
+  const TensorView scale = TensorView::contiguous(dscale.data(), DType::f32, {R}, dev);
+  const auto op = [&] { ops::dora_norm(W, A, B, m, 0.5, norm, scale, 0.0, stream.handle()); };
+  op();
+  stream.synchronize();
+  const double op_ns = ns_per_call(per_batch, op, sync);
+  std::printf("gpu   ops::dora_norm bf16[%lld,%lld] r=%lld: %8.1f ns per call (host)\n",
+              static_cast<long long>(R), static_cast<long long>(C), static_cast<long long>(r), op_ns);
+  if (std::getenv("KERF_BENCH_BREAKDOWN")) {
+    ops::Config cfg;
+    cfg.block_m = 64;
+    cfg.block_k = 128;
+    cfg.split_k = 2;
+    cfg.num_warps = 4;
+    cfg.num_stages = 3;
+    const auto op2 = [&] { ops::dora_norm(W, A, B, m, 0.5, norm, scale, 0.0, stream.handle(), cfg); };
+    op2();
+    std::printf("gpu   ops::dora_norm, config given: %8.1f ns\n", ns_per_call(per_batch, op2, sync));
+    cuda::DeviceBuffer ws(4096);
+    ws.fill_bytes(0);
+    float* f = static_cast<float*>(ws.data());
+    const std::vector<Arg> dargs = {
+        W, A, B, m, Scalar(0.5), Scalar(0.0), norm, scale,
+        TensorView::contiguous(f, DType::f32, {R}, dev),
+        TensorView::contiguous(f + 256, DType::i32, {4}, dev)};
+    const dsl::MetaMap dmeta = {{"BLOCK_M", 64}, {"BLOCK_K", 128}, {"R_PAD", 16},
+                                {"DOT", int64_t(DType::bf16)}, {"num_warps", 4}, {"num_stages", 3}};
+    const Grid dgrid{4, 2, 1};
+    const auto l = [&] { launch(kernels::dora_norm_split(), dargs, dgrid, dmeta, options); };
+    l();
+    std::printf("gpu   kerf::launch(dora_norm_split): %8.1f ns\n", ns_per_call(per_batch, l, sync));
+    const ir::Function dfn = kernels::dora_norm_split().trace(arg_specs(dargs), dmeta);
+    const cache::CudaBinary dbin = cache::cuda_binary(dfn, device_arch(0), "");
+    cuda::Module dmodule(dbin.image.data(), 0);
+    void* dfunction = dmodule.function(dbin.entry);
+    if (dbin.smem_bytes > 48 * 1024) cuda::set_max_dynamic_smem(dfunction, dbin.smem_bytes);
+    std::vector<jit::Slot> dslots(jit::slot_count(dfn.params));
+    jit::pack_args(dfn.params, dargs, dslots.data());
+    void* dparams[] = {dslots.data()};
+    const auto bare2 = [&] {
+      cuda::launch(dfunction, dgrid, dbin.threads, dbin.smem_bytes, stream.handle(), dparams);
+    };
+    std::printf("gpu   bare launch of dora_norm_split (%zu param bytes, %d smem): %8.1f ns\n",
+                dslots.size() * 8, dbin.smem_bytes, ns_per_call(per_batch, bare2, sync));
+    std::printf("gpu   kerf::prepare(dora_norm_split): %8.1f ns\n",
+                ns_per_call(per_batch, [&] { prepare(kernels::dora_norm_split(), dargs, dmeta, options); }, {}));
+  }
+  return ok;
 }
 
 }  // namespace

@@ -52,6 +52,78 @@ def test_torch_tensors_are_read_in_place_with_their_strides(device):
     assert view_info(torch.zeros(2, dtype=torch.bfloat16, device=device))["dtype"] == "bf16"
 
 
+# ---------------------------------------------------------------- kerf._torch_bridge
+def bridge_built():
+    import glob
+    import os
+
+    return bool(glob.glob(os.path.join(os.path.dirname(kerf.__file__), "_torch_bridge*.so")))
+
+
+def test_torch_bridge_is_active_where_it_was_built():
+    torch.zeros(1)  # torch imported: kerf looks for its bridge on the first torch tensor
+    view_info(torch.zeros(1))
+    status = kerf._kerf._torch_bridge_status()
+    if not bridge_built():
+        pytest.skip(f"kerf._torch_bridge was not built for this torch ({status})")
+    assert status.startswith("active"), status
+    assert torch.__version__ in status
+
+
+@pytest.fixture(params=["bridge", "attributes"])
+def torch_path(request):
+    """Runs a test once with torch tensors read by kerf._torch_bridge (when built) and
+    once through their Python attributes."""
+    was = kerf._kerf._set_torch_bridge(request.param == "bridge")
+    yield request.param
+    kerf._kerf._set_torch_bridge(was)
+
+
+def tensor_zoo(device):
+    base = torch.randn(6, 10, device=device)
+    out = [base, base.t(), base[1:, 2::3], base[2:4], base[:, 5], base.expand(3, 6, 10),
+           torch.tensor(2.5, device=device), torch.empty(0, 3, device=device),
+           torch.nn.Parameter(torch.ones(3, 4, device=device)),
+           torch.randn(1, 2, 1, 2, 1, 2, 1, 2, device=device).permute(7, 6, 5, 4, 3, 2, 1, 0)]
+    for dt in (torch.bool, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float64):
+        out.append(torch.ones(5, 7, device=device, dtype=dt)[:, 1::2])
+    return out
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA_ONLY)])
+def test_bridge_and_attribute_paths_read_tensors_alike(device):
+    if not kerf._kerf._torch_bridge_status().startswith("active"):
+        pytest.skip(f"no kerf._torch_bridge: {kerf._kerf._torch_bridge_status()}")
+    was = kerf._kerf._set_torch_bridge(True)
+    try:
+        for t in tensor_zoo(device):
+            kerf._kerf._set_torch_bridge(True)
+            fast = view_info(t)
+            kerf._kerf._set_torch_bridge(False)
+            slow = view_info(t)
+            assert fast == slow, (t.shape, t.stride(), t.dtype)
+            assert fast["data_ptr"] == t.data_ptr() and fast["shape"] == list(t.shape)
+            assert fast["strides"] == list(t.stride())
+    finally:
+        kerf._kerf._set_torch_bridge(was)
+
+
+def test_both_torch_paths_refuse_the_same_tensors(torch_path):
+    with pytest.raises(TypeError, match="torch.uint8"):
+        view_info(torch.zeros(3, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="complex64"):
+        view_info(torch.zeros(3, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="device 'meta'"):
+        view_info(torch.zeros(3, device="meta"))
+    with pytest.raises(ValueError, match="rank 9"):
+        view_info(torch.zeros([1] * 9))
+    negated = torch.randn(4, dtype=torch.complex64).conj().imag  # memory holds -imag
+    assert negated.is_neg()
+    with pytest.raises(ValueError, match="negative bit"):
+        view_info(negated)
+    view_info(negated.resolve_neg())
+
+
 def test_torch_subclasses_go_through_dlpack():
     class Tagged(torch.Tensor):
         pass
@@ -61,15 +133,8 @@ def test_torch_subclasses_go_through_dlpack():
     assert info["data_ptr"] == t.data_ptr() and info["shape"] == [2, 3]
 
 
-def test_unsupported_torch_dtypes_and_devices_are_refused():
-    with pytest.raises(TypeError, match="torch.uint8"):
-        view_info(torch.zeros(3, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="device 'meta'"):
-        view_info(torch.zeros(3, device="meta"))
-
-
 @pytest.mark.parametrize("device", DEVICES)
-def test_ops_allocate_torch_outputs_on_the_inputs_device(device):
+def test_ops_allocate_torch_outputs_on_the_inputs_device(device, torch_path):
     W = torch.randn(48, 64, device=device)
     A = torch.randn(4, 64, device=device) / 8
     B = torch.randn(48, 4, device=device)
@@ -276,7 +341,7 @@ def test_norm_cache_without_optimizers_hooks_every_optimizer_and_invalidate_work
 
 # ---------------------------------------------------------------- CUDA specifics
 @CUDA_ONLY
-def test_cuda_ops_run_on_the_current_torch_stream():
+def test_cuda_ops_run_on_the_current_torch_stream(torch_path):
     W = torch.randn(256, 512, device="cuda")
     A = torch.randn(16, 512, device="cuda") / 16
     B = torch.randn(256, 16, device="cuda")

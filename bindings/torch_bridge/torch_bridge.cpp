@@ -1,0 +1,171 @@
+// kerf._torch_bridge: torch.Tensor objects read in C++ (see ../src/torch_bridge_abi.h).
+//
+// Built only against the PyTorch the package's interpreter has, with that
+// PyTorch's own headers; it refuses to import into a process running another
+// torch version (kerf then reads tensors through Python attributes).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/ScalarType.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cstring>
+#include <string>
+
+#include "../src/torch_bridge_abi.h"
+
+#ifndef KERF_TORCH_VERSION
+#error "KERF_TORCH_VERSION (the torch.__version__ built against) must be defined"
+#endif
+
+namespace {
+
+int32_t kerf_code(c10::ScalarType t) {
+  switch (t) {
+    case c10::ScalarType::Bool:
+      return 0;
+    case c10::ScalarType::Int:
+      return 1;
+    case c10::ScalarType::Long:
+      return 2;
+    case c10::ScalarType::Half:
+      return 3;
+    case c10::ScalarType::BFloat16:
+      return 4;
+    case c10::ScalarType::Float:
+      return 5;
+    case c10::ScalarType::Double:
+      return 6;
+    default:
+      return -1;
+  }
+}
+
+bool scalar_type_of(int32_t code, c10::ScalarType* out) {
+  static constexpr c10::ScalarType types[] = {
+      c10::ScalarType::Bool,     c10::ScalarType::Int,   c10::ScalarType::Long,
+      c10::ScalarType::Half,     c10::ScalarType::BFloat16, c10::ScalarType::Float,
+      c10::ScalarType::Double};
+  if (code < 0 || code >= int32_t(sizeof(types) / sizeof(types[0]))) return false;
+  *out = types[code];
+  return true;
+}
+
+int32_t view(PyObject* obj, int32_t written, KerfTorchTensor* out) {
+  try {
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    if (!t.defined() || t.layout() != c10::kStrided) return kKerfTorchUnhandled;
+    const c10::Device dev = t.device();
+    if (dev.is_cuda())
+      out->device_index = dev.index();
+    else if (dev.is_cpu())
+      out->device_index = -1;
+    else
+      return kKerfTorchUnhandled;
+    out->dtype = kerf_code(t.scalar_type());
+    if (out->dtype < 0) return kKerfTorchUnhandled;
+    if (t.is_neg()) return kKerfTorchNegBit;
+    const int64_t rank = t.dim();
+    if (rank > KERF_TORCH_BRIDGE_MAX_RANK) return kKerfTorchUnhandled;
+    const c10::IntArrayRef sizes = t.sizes(), strides = t.strides();
+    out->rank = int32_t(rank);
+    for (int64_t d = 0; d < rank; ++d) {
+      out->shape[d] = sizes[size_t(d)];
+      out->strides[d] = strides[size_t(d)];
+    }
+    out->data = written ? t.mutable_data_ptr() : const_cast<void*>(t.const_data_ptr());
+    return kKerfTorchOk;
+  } catch (...) {
+    return kKerfTorchUnhandled;
+  }
+}
+
+int32_t current_stream(int32_t device, void** stream) {
+  try {
+    *stream = static_cast<void*>(c10::cuda::getCurrentCUDAStream(c10::DeviceIndex(device)).stream());
+    return 1;
+  } catch (...) {
+    return 0;
+  }
+}
+
+PyObject* empty(const int64_t* shape, int32_t rank, int32_t dtype, int32_t device_index,
+                void** data) {
+  c10::ScalarType st;
+  if (rank < 0 || rank > KERF_TORCH_BRIDGE_MAX_RANK || !scalar_type_of(dtype, &st)) return nullptr;
+  try {
+    const c10::Device dev = device_index < 0
+                                ? c10::Device(c10::kCPU)
+                                : c10::Device(c10::kCUDA, c10::DeviceIndex(device_index));
+    at::Tensor t = at::empty(c10::IntArrayRef(shape, size_t(rank)),
+                             at::TensorOptions().dtype(st).device(dev));
+    *data = t.mutable_data_ptr();
+    PyObject* wrapped = THPVariable_Wrap(std::move(t));
+    if (!wrapped) PyErr_Clear();
+    return wrapped;
+  } catch (...) {
+    return nullptr;
+  }
+}
+
+const KerfTorchBridge api = {KERF_TORCH_BRIDGE_ABI, sizeof(KerfTorchBridge), KERF_TORCH_VERSION,
+                             &view, &current_stream, &empty};
+
+// The torch.__version__ of this process, or "" when torch is not imported.
+std::string running_torch_version() {
+  PyObject* torch = PyImport_ImportModule("torch");
+  if (!torch) return "";
+  PyObject* v = PyObject_GetAttrString(torch, "__version__");
+  Py_DECREF(torch);
+  if (!v) return "";
+  PyObject* s = PyObject_Str(v);
+  Py_DECREF(v);
+  if (!s) return "";
+  const char* c = PyUnicode_AsUTF8(s);
+  std::string out = c ? c : "";
+  Py_DECREF(s);
+  return out;
+}
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT,
+                          "_torch_bridge",
+                          "kerf's reader of torch.Tensor objects (PyTorch " KERF_TORCH_VERSION
+                          "); used by kerf._kerf, not by users.",
+                          -1,
+                          nullptr,
+                          nullptr,
+                          nullptr,
+                          nullptr,
+                          nullptr};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__torch_bridge() {
+  const std::string running = running_torch_version();
+  if (running.empty()) {
+    if (!PyErr_Occurred())
+      PyErr_SetString(PyExc_ImportError, "kerf._torch_bridge: torch.__version__ is unreadable");
+    return nullptr;
+  }
+  if (running != KERF_TORCH_VERSION) {
+    PyErr_Format(PyExc_ImportError,
+                 "kerf._torch_bridge was built against torch %s but this process runs torch %s; "
+                 "rebuild kerf to use it",
+                 KERF_TORCH_VERSION, running.c_str());
+    return nullptr;
+  }
+  PyObject* m = PyModule_Create(&module_def);
+  if (!m) return nullptr;
+  PyObject* capsule =
+      PyCapsule_New(const_cast<KerfTorchBridge*>(&api), KERF_TORCH_BRIDGE_CAPSULE, nullptr);
+  if (!capsule || PyModule_AddObject(m, "_C_API", capsule) < 0) {
+    Py_XDECREF(capsule);
+    Py_DECREF(m);
+    return nullptr;
+  }
+  if (PyModule_AddStringConstant(m, "torch_version", KERF_TORCH_VERSION) < 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}
