@@ -138,6 +138,30 @@ std::vector<autotune::Config> dora_gpu_candidates() {
       {{"BLOCK_M", {32, 64, 128, 256}}, {"BLOCK_K", {64, 128}}, {"num_warps", {4, 8}}, {"num_stages", {2, 3}}});
 }
 
+// dora_gpu_candidates, each also with split-K set to one and to two full waves of
+// programs on `programs` multiprocessors (the default split aims at about three).
+// Fewer, longer programs pay the B tile and the finish once per more columns: at
+// r=64 on 4096x4096, one wave (split 4 at BLOCK_M=128) ran 21.6 us against 25.6
+// us for the default split of 13 on an H100.
+std::vector<autotune::Config> dora_gpu_candidates(int64_t out, int64_t in, int64_t programs) {
+  std::vector<autotune::Config> all;
+  for (const autotune::Config& c : dora_gpu_candidates()) {
+    all.push_back(c);
+    const int64_t blocks = cdiv(out, autotune::value_or_zero(c, "BLOCK_M"));
+    const int64_t steps = cdiv(in, autotune::value_or_zero(c, "BLOCK_K"));
+    std::vector<int64_t> splits = {std::clamp<int64_t>(cdiv(3 * programs, blocks), 1, steps)};
+    for (const int64_t waves : {1, 2}) {
+      const int64_t split = std::clamp<int64_t>(waves * programs / blocks, 1, steps);
+      if (std::find(splits.begin(), splits.end(), split) != splits.end()) continue;
+      splits.push_back(split);
+      autotune::Config with = c;
+      with["split_k"] = split;
+      all.push_back(std::move(with));
+    }
+  }
+  return all;
+}
+
 Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& m,
                          const TensorView& norm, const TensorView& scale, void* stream) {
   const bool gpu = W.device.is_cuda();
@@ -151,7 +175,7 @@ Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorV
                W.device};
   q.block_m_name = "BLOCK_M";
   q.block_k_name = "BLOCK_K";
-  q.gpu_candidates = dora_gpu_candidates();
+  q.gpu_candidates = dora_gpu_candidates(out, in, programs);
   q.extent_m = out;
   q.extent_k = in;
   q.kernels = [&](const Config& c) {
@@ -189,7 +213,7 @@ const bool dora_registered = [] {
     return std::vector<autotune::KernelCall>{
         {p.kernel, dora_args(p, v[0], v[1], v[2], v[3], 1.0, 0.0, v[4], v[5], kUnusedWorkspace), p.meta}};
   };
-  op.gpu_candidates = dora_gpu_candidates;
+  op.gpu_candidates = [] { return dora_gpu_candidates(); };
   autotune::register_op(std::move(op));
   return true;
 }();

@@ -48,6 +48,7 @@ Config config_from(const autotune::Config& c, const std::string& block_m_name, c
   cfg.block_k = autotune::value_or_zero(c, block_k_name);
   cfg.num_warps = autotune::value_or_zero(c, "num_warps");
   cfg.num_stages = autotune::value_or_zero(c, "num_stages");
+  cfg.split_k = autotune::value_or_zero(c, "split_k");  // ops that split K (DoRA) tune it
   return cfg;
 }
 

@@ -336,8 +336,8 @@ OpCase make_embedding(int64_t T, int64_t V, int64_t D, int64_t r, bool backward)
   return c;
 }
 
-// The best of a few configurations (kerf's autotuner lands separately; this
-// sweep is labelled as such in the output).
+// The best of a few configurations (the autotuned call is timed after it, in
+// tuned_vs_default, and becomes the figure when faster).
 std::vector<Result> g_sweep;  // every configuration tried, for the JSON report
 
 // The op with its own defaults (autotuner off) and autotuned (on), each timed.
@@ -347,17 +347,24 @@ struct TunedVsDefault {
 };
 std::vector<TunedVsDefault> g_tuning;
 
+// Also makes the autotuned call the case's figure when it beats every swept
+// config (it is what a caller without a Config gets); its label is "autotuned".
 template <class F>
-void tuned_vs_default(const Result& best, F run_with_config) {
+void tuned_vs_default(Result& best, F run_with_config) {
   TunedVsDefault t{best.op, best.shape, 0, 0};
   setenv("KERF_AUTOTUNE", "0", 1);
   cache::reload_settings();
   t.default_us = run_with_config(ops::Config{}).median_us;
   setenv("KERF_AUTOTUNE", "1", 1);
   cache::reload_settings();
-  t.tuned_us = run_with_config(ops::Config{}).median_us;  // the warm-up call tunes
+  Result tuned = run_with_config(ops::Config{});  // the warm-up call tunes
+  t.tuned_us = tuned.median_us;
   unsetenv("KERF_AUTOTUNE");
   cache::reload_settings();
+  if (best.median_us == 0 || tuned.median_us < best.median_us) {
+    tuned.config = "autotuned";
+    best = tuned;
+  }
   std::printf("  %-22s %-12s default %8.1f us, autotuned %8.1f us (%+.1f%%)\n", t.op.c_str(), t.shape.c_str(),
               t.default_us, t.tuned_us, 100.0 * (t.tuned_us / t.default_us - 1.0));
   g_tuning.push_back(t);
@@ -452,11 +459,11 @@ int main(int argc, char** argv) {
         DoraSets sets = make_dora(o, i, r, DType::bf16);
         Result res = best_of(forced ? std::vector<ops::Config>{*forced} : dora_cfgs,
                              [&](const ops::Config& c) { return bench_dora(sets, c, stream.handle()); });
+        if (!forced) tuned_vs_default(res, [&](const ops::Config& c) { return bench_dora(sets, c, stream.handle()); });
         res.copy_gbps = copy_gbps(res.bytes, stream.handle());
         std::printf("%-22s %-12s %9.1f us %8.0f GB/s  copy %6.0f GB/s  %5.1f%%  [%s]\n", res.op.c_str(),
                     res.shape.c_str(), res.median_us, res.gbps, res.copy_gbps, 100 * res.gbps / res.copy_gbps,
                     res.config.c_str());
-        if (!forced) tuned_vs_default(res, [&](const ops::Config& c) { return bench_dora(sets, c, stream.handle()); });
         std::fflush(stdout);
         results.push_back(res);
       }
@@ -477,11 +484,11 @@ int main(int argc, char** argv) {
       MoeSets sets = make_moe(c.E, c.N, c.K, c.r, DType::bf16);
       Result res = best_of(forced ? std::vector<ops::Config>{*forced} : moe_cfgs,
                            [&](const ops::Config& cfg) { return bench_moe(sets, cfg, stream.handle()); });
+      if (!forced) tuned_vs_default(res, [&](const ops::Config& cfg) { return bench_moe(sets, cfg, stream.handle()); });
       res.copy_gbps = copy_gbps(res.bytes, stream.handle());
       std::printf("%-22s %-12s %9.1f us %8.0f GB/s  copy %6.0f GB/s  %5.1f%%  [%s]\n", res.op.c_str(),
                   res.shape.c_str(), res.median_us, res.gbps, res.copy_gbps, 100 * res.gbps / res.copy_gbps,
                   res.config.c_str());
-      if (!forced) tuned_vs_default(res, [&](const ops::Config& cfg) { return bench_moe(sets, cfg, stream.handle()); });
       std::fflush(stdout);
       results.push_back(res);
     }
@@ -497,9 +504,9 @@ int main(int argc, char** argv) {
     const auto run_case = [&](OpCase c, const std::vector<ops::Config>& cfgs) {
       if (!wanted(c.op)) return;
       const auto run = [&](const ops::Config& cfg) { return bench_op(c, cfg, stream.handle()); };
-      const Result best = best_of(forced ? std::vector<ops::Config>{*forced} : cfgs, run);
-      report(best);
+      Result best = best_of(forced ? std::vector<ops::Config>{*forced} : cfgs, run);
       if (!forced) tuned_vs_default(best, run);
+      report(best);
     };
     std::vector<ops::Config> merge_cfgs = {ops::Config{}};
     if (!quick)
