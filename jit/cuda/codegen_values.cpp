@@ -183,11 +183,13 @@ bool Codegen::register_subset(int from, int to, std::vector<int>* kept) const {
   const Layout& F = layouts_[size_t(from)];
   const Layout& T = layouts_[size_t(to)];
   if (F.lane != T.lane || F.warp != T.warp) return false;
+  // Only when T's registers are the first ones of F's, in order: `kept` maps storage
+  // bit j to requested bit kept[j], which a reordering of bits would invert.
+  if (T.reg.size() > F.reg.size()) return false;
   kept->clear();
-  for (const Basis& b : T.reg) {
-    auto it = std::find(F.reg.begin(), F.reg.end(), b);
-    if (it == F.reg.end()) return false;
-    kept->push_back(int(it - F.reg.begin()));
+  for (size_t j = 0; j < T.reg.size(); ++j) {
+    if (!(T.reg[j] == F.reg[j])) return false;
+    kept->push_back(int(j));
   }
   return true;
 }
