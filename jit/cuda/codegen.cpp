@@ -314,6 +314,7 @@ int Codegen::open_frame(int level) {
     return prev;
   }
   active_.push_back(idx);
+  if (level == 0) frames_.back().fenced = true;  // the kernel's frame runs once
   return -1;
 }
 
@@ -453,6 +454,7 @@ void Codegen::emit_for(const Operation& op, int lv) {
     line(inner,
          "kerf_dev::cp_async_wait<" + S(S_ - 2) + ">();  // this iteration's copies have landed");
     line(inner, "__syncthreads();");
+    frame(inner).fenced = true;
     const std::string ivn = fresh("pf_iv");
     line(inner, "const int " + ivn + " = " + iv + " + " + S(S_ - 1) + " * " + step + ";");
     for (const Operation* ld : pipelined)

@@ -130,6 +130,9 @@ struct Staged {        // a rank-2 tile written row-major into shared memory
 struct Frame {
   std::string code;
   std::map<std::pair<ValueId, int>, Tile> memo;
+  // Every thread has passed a barrier since the previous run of this frame's
+  // code (the kernel's own frame, or a pipelined loop body after its wait).
+  bool fenced = false;
 };
 
 // A load inside a pipelined loop: copied global -> shared memory with
@@ -461,7 +464,7 @@ class Codegen {
   // Shared memory no longer in use (rings of finished top-level loops): offset, bytes.
   // Only transient buffers (written, read back at once, between two barriers) go there.
   std::vector<std::pair<int, int64_t>> free_smem_;
-  int transient_smem(int64_t bytes);
+  int transient_smem(int64_t bytes, bool* reused = nullptr);
   std::map<ValueId, std::string> reduced_;
   std::map<std::pair<ValueId, int64_t>, std::string> afrags_;  // (A, warp split) -> fragments
   std::set<std::string> pointers_;

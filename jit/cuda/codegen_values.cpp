@@ -224,9 +224,11 @@ std::string Codegen::smem_offset(int l, const std::vector<int64_t>& pitch, const
   return e.empty() ? "0" : e;
 }
 
-int Codegen::transient_smem(int64_t bytes) {
+int Codegen::transient_smem(int64_t bytes, bool* reused) {
+  if (reused) *reused = true;
   for (const auto& [off, size] : free_smem_)
     if (size >= bytes) return off;
+  if (reused) *reused = false;
   return alloc_smem(bytes);
 }
 
@@ -276,13 +278,16 @@ Tile Codegen::convert_tile(ValueId v, const Tile& src, int from, int to) {
   const int lv = level_of_[size_t(v)];
   const DType dt = type(v).dtype;
   const std::vector<int64_t> pitch = smem_pitches(type(v).shape, dtype_size_bytes(dt));
-  const int off = transient_smem(smem_bytes_for(type(v).shape, dtype_size_bytes(dt)));
+  bool reused = false;
+  const int off = transient_smem(smem_bytes_for(type(v).shape, dtype_size_bytes(dt)), &reused);
   const std::string st = storage_type(dt);
   const std::string buf = fresh("cvt");
   line(lv,
        "// %" + S(v) + ": " + layouts_[size_t(from)].key() + " -> " + layouts_[size_t(to)].key());
   line(lv, st + "* " + buf + " = reinterpret_cast<" + st + "*>(kerf_smem + " + S(off) + ");");
-  line(lv, "__syncthreads();");
+  // The region's only reader is this conversion; when a barrier already separates
+  // its previous run from this one (a pipelined loop's, or none ran), writing needs no other.
+  if (reused || !frame(lv).fenced) line(lv, "__syncthreads();");
   write_smem(lv, src, from, dt, buf, pitch);
   line(lv, "__syncthreads();");
   return read_smem(lv, v, "reinterpret_cast<const " + st + "*>(kerf_smem + " + S(off) + ")", to, dt,
