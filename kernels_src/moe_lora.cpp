@@ -1,10 +1,13 @@
 // MoE LoRA weight materialization (contract in include/kerf/kernels/kernels.h).
 //
-// One program owns BLOCK_N rows of one expert's weight. It keeps that
-// expert's s*B rows [BLOCK_N, R_PAD] in registers and walks the K columns in
+// One program owns BLOCK_N rows of one expert's weight (grid axis 2 is the
+// expert) and a slice of its K columns (the programs of grid axis 1 share
+// them, so the last wave of programs can be made fuller). It keeps that
+// expert's s*B rows [BLOCK_N, R_PAD] in registers and walks its columns in
 // BLOCK_K steps: read W, let a tensor-core dot add (s*B_e) @ A_e to it in
 // fp32, round once, write W_eff. W is read once and W_eff written once.
 #include "kerf/kernels/kernels.h"
+#include "split_range.h"
 
 namespace kerf::kernels {
 
@@ -17,14 +20,15 @@ const dsl::Kernel& moe_lora_materialize() {
     const Tensor out = k.tensor("W_eff", 3);
     const int64_t BN = k.meta("BLOCK_N"), BK = k.meta("BLOCK_K"), R = k.meta("R_PAD");
     const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
-    const Value e = program_id(1);
+    const Value e = program_id(2);
     const Value n_rows = W.dim(1), n_cols = W.dim(2), rank = A.dim(1);
 
     const Value rows = program_id(0) * BN + arange(BN);
     const Value rk = arange(R);
     const Value row_ok = rows.col() < n_rows;
     const Value bs = (load(B, {e, rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(DType::f32) * s).to(dot_t);
-    for_range(0, n_cols, BK, [&](const Value& k0) {
+    const auto [lo, hi] = split_range(n_cols, BK);
+    for_range(lo, hi, BK, [&](const Value& k0) {
       const Value cols = k0 + arange(BK);
       const Value col_ok = cols.row() < n_cols;
       const Value a = load(A, {e, rk.col(), cols.row()}, (rk.col() < rank) & col_ok).to(dot_t);

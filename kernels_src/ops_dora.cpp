@@ -144,22 +144,9 @@ std::vector<autotune::Config> dora_gpu_candidates() {
 // r=64 on 4096x4096, one wave (split 4 at BLOCK_M=128) ran 21.6 us against 25.6
 // us for the default split of 13 on an H100.
 std::vector<autotune::Config> dora_gpu_candidates(int64_t out, int64_t in, int64_t programs) {
-  std::vector<autotune::Config> all;
-  for (const autotune::Config& c : dora_gpu_candidates()) {
-    all.push_back(c);
-    const int64_t blocks = cdiv(out, autotune::value_or_zero(c, "BLOCK_M"));
-    const int64_t steps = cdiv(in, autotune::value_or_zero(c, "BLOCK_K"));
-    std::vector<int64_t> splits = {std::clamp<int64_t>(cdiv(3 * programs, blocks), 1, steps)};
-    for (const int64_t waves : {1, 2}) {
-      const int64_t split = std::clamp<int64_t>(waves * programs / blocks, 1, steps);
-      if (std::find(splits.begin(), splits.end(), split) != splits.end()) continue;
-      splits.push_back(split);
-      autotune::Config with = c;
-      with["split_k"] = split;
-      all.push_back(std::move(with));
-    }
-  }
-  return all;
+  return with_wave_splits(
+      dora_gpu_candidates(), [&](const autotune::Config& c) { return cdiv(out, autotune::value_or_zero(c, "BLOCK_M")); },
+      [&](const autotune::Config& c) { return cdiv(in, autotune::value_or_zero(c, "BLOCK_K")); }, programs, {1, 2});
 }
 
 Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& m,

@@ -83,7 +83,13 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
                W3.device};
   q.block_m_name = "BLOCK_M";
   q.block_k_name = "BLOCK_K";
-  q.gpu_candidates = merge_gpu_candidates();
+  // Also with the columns split for one, two and four waves: 4096x4096 at BLOCK_M=64
+  // makes 448 programs by default, 1.7 waves of two per SM.
+  q.gpu_candidates = with_wave_splits(
+      merge_gpu_candidates(),
+      [&](const autotune::Config& c) { return cdiv(out, autotune::value_or_zero(c, "BLOCK_M")) * G; },
+      [&](const autotune::Config& c) { return cdiv(in, autotune::value_or_zero(c, "BLOCK_K")); },
+      parallelism(W3.device), {1, 2, 4});
   q.extent_m = out;
   q.extent_k = in;
   q.kernels = [&](const Config& c) {

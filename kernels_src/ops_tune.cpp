@@ -52,6 +52,28 @@ Config config_from(const autotune::Config& c, const std::string& block_m_name, c
   return cfg;
 }
 
+std::vector<autotune::Config> with_wave_splits(const std::vector<autotune::Config>& base,
+                                               const std::function<int64_t(const autotune::Config&)>& row_blocks,
+                                               const std::function<int64_t(const autotune::Config&)>& steps,
+                                               int64_t programs, const std::vector<int64_t>& waves) {
+  std::vector<autotune::Config> all;
+  for (const autotune::Config& c : base) {
+    all.push_back(c);
+    const int64_t blocks = std::max<int64_t>(1, row_blocks(c));
+    const int64_t n = std::max<int64_t>(1, steps(c));
+    std::vector<int64_t> splits = {std::clamp<int64_t>(cdiv(3 * programs, blocks), 1, n)};
+    for (const int64_t w : waves) {
+      const int64_t split = std::clamp<int64_t>(w * programs / blocks, 1, n);
+      if (std::find(splits.begin(), splits.end(), split) != splits.end()) continue;
+      splits.push_back(split);
+      autotune::Config with = c;
+      with["split_k"] = split;
+      all.push_back(std::move(with));
+    }
+  }
+  return all;
+}
+
 Config config_of(const TuneRequest& q, const autotune::Config& c) {
   return config_from(c, q.block_m_name, q.block_k_name);
 }

@@ -61,6 +61,17 @@ Config config_from(const autotune::Config& candidate, const std::string& block_m
 // The ops::Config of a candidate of `request`.
 Config config_of(const TuneRequest& request, const autotune::Config& candidate);
 
+// `base`, each also with split_k set so that its programs fill each of `waves`
+// full waves of `programs` multiprocessors (one program per SM), for ops whose
+// programs share a row block's columns (grid axis 1). `row_blocks(c)` is the
+// number of row blocks (times any batch) of candidate c, `steps(c)` its column
+// steps; a split equal to the op's default (about three waves) is not repeated.
+// Splits change only the grid, so they compile nothing new.
+std::vector<autotune::Config> with_wave_splits(const std::vector<autotune::Config>& base,
+                                               const std::function<int64_t(const autotune::Config&)>& row_blocks,
+                                               const std::function<int64_t(const autotune::Config&)>& steps,
+                                               int64_t programs, const std::vector<int64_t>& waves);
+
 // The autotuner's choice for `request` (its defaults, all zero, when tuning is off
 // for the device). On the CPU back end only two tile sizes of each are tried.
 Config tuned_config(const TuneRequest& request);

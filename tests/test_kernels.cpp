@@ -85,10 +85,11 @@ struct MoeCase {
   int64_t E, N, K, r;
   DType w;
   bool peft_layout;  // A as lora_A [r*E, K], B as lora_B [N, r*E] (expert fastest)
+  ops::Config config{};  // split_k: programs sharing each row block's columns
 };
 
 void check_moe(const MoeCase& c, Device dev, uint64_t seed) {
-  CAPTURE(c.E, c.N, c.K, c.r, dtype_name(c.w), c.peft_layout, seed, dev.str());
+  CAPTURE(c.E, c.N, c.K, c.r, dtype_name(c.w), c.peft_layout, c.config.block_k, c.config.split_k, seed, dev.str());
   std::mt19937_64 rng(seed);
   TestTensor W(c.w, {c.E, c.N, c.K}, dev), out(c.w, {c.E, c.N, c.K}, dev);
   TestTensor A(c.w, {c.E * c.r, c.K}, dev), B(c.w, {c.N, c.r * c.E}, dev);
@@ -112,10 +113,10 @@ void check_moe(const MoeCase& c, Device dev, uint64_t seed) {
     }
     A2.upload();
     B2.upload();
-    ops::moe_lora_materialize(W.view(), A2.view(), B2.view(), 0.5, out.view());
+    ops::moe_lora_materialize(W.view(), A2.view(), B2.view(), 0.5, out.view(), nullptr, c.config);
     if (dev.is_cuda()) cuda::device_synchronize(dev.index);
   } else {
-    ops::moe_lora_materialize(W.view(), av, bv, 0.5, out.view());
+    ops::moe_lora_materialize(W.view(), av, bv, 0.5, out.view(), nullptr, c.config);
     if (dev.is_cuda()) cuda::device_synchronize(dev.index);
   }
   out.download();
@@ -138,6 +139,9 @@ void run_moe_cases(Device dev) {
       {3, 100, 130, 5, DType::f32, false}, {3, 100, 130, 5, DType::bf16, true},
       {2, 64, 256, 16, DType::bf16, false}, {2, 64, 256, 16, DType::f32, true},
       {4, 32, 16, 4, DType::f16, true},
+      // K shared by programs: 2 and 3 slices of 64 columns (the last of 3 gets none at K=256).
+      {3, 100, 130, 5, DType::bf16, true, ops::Config{0, 64, 2, 0, 0}},
+      {2, 64, 256, 16, DType::f16, false, ops::Config{0, 64, 3, 0, 0}},
   };
   uint64_t seed = 99;
   for (const MoeCase& c : cases) check_moe(c, dev, seed++);

@@ -49,7 +49,7 @@ over the autotuner.
       .def_readwrite("block_m", &ops::Config::block_m, "Rows per program (BLOCK_N for MoE).")
       .def_readwrite("block_k", &ops::Config::block_k, "Columns per step.")
       .def_readwrite("split_k", &ops::Config::split_k,
-                     "Programs sharing one row block (DoRA norm).")
+                     "Programs sharing one row block's columns (DoRA norm, merge, MoE, embedding).")
       .def_readwrite("num_warps", &ops::Config::num_warps)
       .def_readwrite("num_stages", &ops::Config::num_stages)
       .def("__repr__", &config_repr);

@@ -14,7 +14,7 @@ namespace kerf::ops {
 // Block sizes and launch shape; 0 lets kerf choose. block_m is the rows per
 // program (BLOCK_N for MoE, tokens for the embedding), block_k the columns
 // (embedding dims) per step, split_k the programs sharing one row block's
-// columns (DoRA norm, merge, MoE backward, embedding).
+// columns (DoRA norm, merge, MoE materialize and its backward, embedding).
 struct Config {
   int64_t block_m = 0;
   int64_t block_k = 0;
