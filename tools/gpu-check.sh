@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # kerf's GPU check, for a machine with an NVIDIA GPU: builds kerf, runs the
-# [gpu] tests, runs them again under compute-sanitizer (memcheck), runs the
+# [gpu] tests, runs them again under compute-sanitizer (memcheck, and racecheck
+# for the kernels' shared-memory barriers), runs the
 # benchmarks (kerf, then PyTorch eager and Triton where installed), and prints
 # a short summary table last. Logs and JSON go to $OUT (default build-gpu/out).
 #
@@ -89,6 +90,15 @@ if [[ ,$stages, == *,sanitize,* ]]; then
   rc=$?
   grep -E "ERROR SUMMARY|Invalid|out of bounds" "$out/sanitizer.log" | head -20
   note "memcheck: $(grep -E 'Passed all|test cases' "$out/sanitizer.log" | tail -1); $(grep -E 'ERROR SUMMARY' "$out/sanitizer.log" | tail -1) (exit $rc, $((SECONDS - t0)) s)"
+  ((rc)) && status=1
+  echo "== compute-sanitizer racecheck (shared-memory hazards) on the kernel numerics tests"
+  t0=$SECONDS
+  timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 --print-limit 20 \
+    "$build/tests/kerf_tests" "[gpu][kernels],[gpu][numerics],[gpu][merge],[gpu][embedding]" -r compact \
+    > "$out/racecheck.log" 2>&1
+  rc=$?
+  grep -E "RACECHECK SUMMARY|Race reported|Error:" "$out/racecheck.log" | head -20
+  note "racecheck: $(grep -E 'Passed all|test cases' "$out/racecheck.log" | tail -1); $(grep -E 'RACECHECK SUMMARY' "$out/racecheck.log" | tail -1) (exit $rc, $((SECONDS - t0)) s)"
   ((rc)) && status=1
 fi
 
