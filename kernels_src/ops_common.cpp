@@ -1,5 +1,6 @@
 #include "ops_common.h"
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <vector>
@@ -74,6 +75,11 @@ size_t CallKeyHash::operator()(const CallKey& k) const {
   uint64_t h = k.n;
   for (size_t i = 0; i < k.n; ++i) h = (h ^ uint64_t(k.words[i])) * 0x100000001b3ull + (h >> 29);
   return size_t(h);
+}
+
+int64_t split_for(int64_t blocks, int64_t programs, int64_t steps) {
+  return std::clamp<int64_t>(cdiv(3 * programs, std::max<int64_t>(blocks, 1)), 1,
+                             std::max<int64_t>(1, steps));
 }
 
 int parallelism(const Device& dev) {

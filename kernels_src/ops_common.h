@@ -69,6 +69,10 @@ inline bool has_config(const Config& c) {
 
 // Multiprocessors of the tensors' device (the number of CPU threads on the CPU).
 int parallelism(const Device& dev);
+// The default number of programs sharing a row block's columns: enough for
+// about three programs per multiprocessor (`programs`) over `blocks` row
+// blocks, in whole steps (1 to `steps`).
+int64_t split_for(int64_t blocks, int64_t programs, int64_t steps);
 
 // Scratch memory for kernels that accumulate across programs: at least `bytes`,
 // zero, on `dev`, private to `stream` (to the calling thread on the CPU).

@@ -35,11 +35,7 @@ DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, DType w_dtype, bool gpu, 
   DoraPlan p;
   p.blocks_m = cdiv(out, bm);
   p.split = config.split_k;
-  if (p.split == 0) {
-    // Enough programs for several per multiprocessor, in whole BLOCK_K steps.
-    const int64_t target = 3 * programs;
-    p.split = std::clamp<int64_t>(cdiv(target, p.blocks_m), 1, std::max<int64_t>(1, cdiv(in, bk)));
-  }
+  if (p.split == 0) p.split = split_for(p.blocks_m, programs, cdiv(in, bk));
   p.meta = {{"BLOCK_M", bm}, {"BLOCK_K", bk}, {"R_PAD", r_pad}, {"DOT", int64_t(dot)}, {"num_warps", warps}};
   // cp.async pipelining on the GPU; the CPU back end has no use for stages.
   p.meta["num_stages"] = config.num_stages ? config.num_stages : (gpu ? 3 : 1);
@@ -144,9 +140,7 @@ std::vector<autotune::Config> dora_gpu_candidates() {
 // r=64 on 4096x4096, one wave (split 4 at BLOCK_M=128) ran 21.6 us against 25.6
 // us for the default split of 13 on an H100.
 std::vector<autotune::Config> dora_gpu_candidates(int64_t out, int64_t in, int64_t programs) {
-  return with_wave_splits(
-      dora_gpu_candidates(), [&](const autotune::Config& c) { return cdiv(out, autotune::value_or_zero(c, "BLOCK_M")); },
-      [&](const autotune::Config& c) { return cdiv(in, autotune::value_or_zero(c, "BLOCK_K")); }, programs, {1, 2});
+  return with_wave_splits(dora_gpu_candidates(), "BLOCK_M", out, "BLOCK_K", in, 1, programs, {1, 2});
 }
 
 Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& m,

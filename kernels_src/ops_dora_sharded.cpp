@@ -82,10 +82,8 @@ void dora_norm_partial(const TensorView& W, const TensorView& A, const TensorVie
   const int64_t bm = config.block_m ? config.block_m : (gpu ? 64 : 16);
   const int64_t bk = config.block_k ? config.block_k : (gpu ? 128 : 64);
   const int64_t blocks = cdiv(out, bm);
-  const int64_t split = config.split_k
-                            ? config.split_k
-                            : std::clamp<int64_t>(cdiv(3 * parallelism(W.device), blocks), 1,
-                                                  std::max<int64_t>(1, cdiv(in, bk)));
+  const int64_t split =
+      config.split_k ? config.split_k : split_for(blocks, parallelism(W.device), cdiv(in, bk));
   const dsl::MetaMap meta = {{"BLOCK_M", bm},
                              {"BLOCK_K", bk},
                              {"R_PAD", r_pad},

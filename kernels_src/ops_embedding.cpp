@@ -164,11 +164,6 @@ DType embedding_dot(DType t, DType a, DType b, bool* scale_after) {
   return is_half(t) ? t : DType::f32;
 }
 
-int64_t split_for(int64_t blocks, int64_t programs, int64_t steps) {
-  return std::clamp<int64_t>(cdiv(3 * programs, std::max<int64_t>(blocks, 1)), 1,
-                             std::max<int64_t>(1, steps));
-}
-
 // One forward call on flattened ids x1 [T] and out2 [T, D].
 struct EmbeddingForward {
   TensorView x1, weight, A, B;

@@ -43,7 +43,7 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
   int64_t split = config.split_k;
   if (split == 0) {
     const int64_t blocks = cdiv(out, bm) * G;
-    split = std::clamp<int64_t>(cdiv(3 * programs, blocks), 1, std::max<int64_t>(1, cdiv(in, bk)));
+    split = split_for(blocks, programs, cdiv(in, bk));
   }
   MergePlan p;
   p.meta = {{"BLOCK_M", bm},
@@ -85,11 +85,8 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
   q.block_k_name = "BLOCK_K";
   // Also with the columns split for one, two and four waves: 4096x4096 at BLOCK_M=64
   // makes 448 programs by default, 1.7 waves of two per SM.
-  q.gpu_candidates = with_wave_splits(
-      merge_gpu_candidates(),
-      [&](const autotune::Config& c) { return cdiv(out, autotune::value_or_zero(c, "BLOCK_M")) * G; },
-      [&](const autotune::Config& c) { return cdiv(in, autotune::value_or_zero(c, "BLOCK_K")); },
-      parallelism(W3.device), {1, 2, 4});
+  q.gpu_candidates =
+      with_wave_splits(merge_gpu_candidates(), "BLOCK_M", out, "BLOCK_K", in, G, parallelism(W3.device), {1, 2, 4});
   q.extent_m = out;
   q.extent_k = in;
   q.kernels = [&](const Config& c) {

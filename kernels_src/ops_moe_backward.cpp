@@ -35,10 +35,7 @@ MoeBackwardPlan plan_moe_backward(const TensorView& dW, int64_t r, bool gpu, int
   const int64_t bk = config.block_k ? config.block_k : 64;
   MoeBackwardPlan p;
   p.split = config.split_k;
-  if (p.split == 0) {
-    const int64_t blocks = cdiv(N, bn) * E;
-    p.split = std::clamp<int64_t>(cdiv(3 * programs, blocks), 1, std::max<int64_t>(1, cdiv(K, bk)));
-  }
+  if (p.split == 0) p.split = split_for(cdiv(N, bn) * E, programs, cdiv(K, bk));
   p.meta = {{"BLOCK_N", bn},
             {"BLOCK_K", bk},
             {"R_PAD", r_pad},

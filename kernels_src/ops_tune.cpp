@@ -48,20 +48,20 @@ Config config_from(const autotune::Config& c, const std::string& block_m_name, c
   cfg.block_k = autotune::value_or_zero(c, block_k_name);
   cfg.num_warps = autotune::value_or_zero(c, "num_warps");
   cfg.num_stages = autotune::value_or_zero(c, "num_stages");
-  cfg.split_k = autotune::value_or_zero(c, "split_k");  // ops that split K (DoRA) tune it
+  cfg.split_k = autotune::value_or_zero(c, "split_k");  // ops whose programs share columns tune it
   return cfg;
 }
 
 std::vector<autotune::Config> with_wave_splits(const std::vector<autotune::Config>& base,
-                                               const std::function<int64_t(const autotune::Config&)>& row_blocks,
-                                               const std::function<int64_t(const autotune::Config&)>& steps,
+                                               const std::string& block_m_name, int64_t rows,
+                                               const std::string& block_k_name, int64_t cols, int64_t batch,
                                                int64_t programs, const std::vector<int64_t>& waves) {
   std::vector<autotune::Config> all;
   for (const autotune::Config& c : base) {
     all.push_back(c);
-    const int64_t blocks = std::max<int64_t>(1, row_blocks(c));
-    const int64_t n = std::max<int64_t>(1, steps(c));
-    std::vector<int64_t> splits = {std::clamp<int64_t>(cdiv(3 * programs, blocks), 1, n)};
+    const int64_t blocks = std::max<int64_t>(1, batch * cdiv(rows, autotune::value_or_zero(c, block_m_name)));
+    const int64_t n = std::max<int64_t>(1, cdiv(cols, autotune::value_or_zero(c, block_k_name)));
+    std::vector<int64_t> splits = {split_for(blocks, programs, n)};
     for (const int64_t w : waves) {
       const int64_t split = std::clamp<int64_t>(w * programs / blocks, 1, n);
       if (std::find(splits.begin(), splits.end(), split) != splits.end()) continue;

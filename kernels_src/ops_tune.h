@@ -63,13 +63,13 @@ Config config_of(const TuneRequest& request, const autotune::Config& candidate);
 
 // `base`, each also with split_k set so that its programs fill each of `waves`
 // full waves of `programs` multiprocessors (one program per SM), for ops whose
-// programs share a row block's columns (grid axis 1). `row_blocks(c)` is the
-// number of row blocks (times any batch) of candidate c, `steps(c)` its column
-// steps; a split equal to the op's default (about three waves) is not repeated.
-// Splits change only the grid, so they compile nothing new.
+// programs share a row block's columns (grid axis 1). A candidate's row blocks
+// are `batch` x cdiv(rows, its `block_m_name`), its column steps cdiv(cols, its
+// `block_k_name`); a split equal to the op's default (split_for) is not
+// repeated. Splits change only the grid, so they compile nothing new.
 std::vector<autotune::Config> with_wave_splits(const std::vector<autotune::Config>& base,
-                                               const std::function<int64_t(const autotune::Config&)>& row_blocks,
-                                               const std::function<int64_t(const autotune::Config&)>& steps,
+                                               const std::string& block_m_name, int64_t rows,
+                                               const std::string& block_k_name, int64_t cols, int64_t batch,
                                                int64_t programs, const std::vector<int64_t>& waves);
 
 // The autotuner's choice for `request` (its defaults, all zero, when tuning is off
