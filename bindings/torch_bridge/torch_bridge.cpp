@@ -20,34 +20,22 @@
 
 namespace {
 
+// c10's scalar type of each kerf DType code (torch_bridge_abi.h): the index is the code.
+constexpr c10::ScalarType kTypes[] = {c10::ScalarType::Bool,  c10::ScalarType::Int,
+                                      c10::ScalarType::Long,  c10::ScalarType::Half,
+                                      c10::ScalarType::BFloat16, c10::ScalarType::Float,
+                                      c10::ScalarType::Double};
+constexpr int32_t kNumTypes = int32_t(sizeof(kTypes) / sizeof(kTypes[0]));
+
 int32_t kerf_code(c10::ScalarType t) {
-  switch (t) {
-    case c10::ScalarType::Bool:
-      return 0;
-    case c10::ScalarType::Int:
-      return 1;
-    case c10::ScalarType::Long:
-      return 2;
-    case c10::ScalarType::Half:
-      return 3;
-    case c10::ScalarType::BFloat16:
-      return 4;
-    case c10::ScalarType::Float:
-      return 5;
-    case c10::ScalarType::Double:
-      return 6;
-    default:
-      return -1;
-  }
+  for (int32_t code = 0; code < kNumTypes; ++code)
+    if (kTypes[code] == t) return code;
+  return -1;
 }
 
 bool scalar_type_of(int32_t code, c10::ScalarType* out) {
-  static constexpr c10::ScalarType types[] = {
-      c10::ScalarType::Bool,     c10::ScalarType::Int,   c10::ScalarType::Long,
-      c10::ScalarType::Half,     c10::ScalarType::BFloat16, c10::ScalarType::Float,
-      c10::ScalarType::Double};
-  if (code < 0 || code >= int32_t(sizeof(types) / sizeof(types[0]))) return false;
-  *out = types[code];
+  if (code < 0 || code >= kNumTypes) return false;
+  *out = kTypes[code];
   return true;
 }
 
