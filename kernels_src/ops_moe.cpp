@@ -100,16 +100,17 @@ void moe_lora_materialize(const TensorView& W, const TensorView& A, const Tensor
 // ---------------------------------------------------------------- autotuning (jit/autotune.h)
 namespace {
 
-// GPU: BLOCK_N x BLOCK_K x warps x stages, each whole and with K split in two
-// (the split changes only the grid, so it compiles nothing new). Splitting
-// evens out the last wave: E=64 N=2816 at BLOCK_N=128 makes 1408 programs,
-// 10.7 waves of one program per SM, and the last wave leaves a third of the SMs idle.
+// GPU: BLOCK_N x BLOCK_K x warps x stages, each whole and with K split in two,
+// three and four (the split changes only the grid, so it compiles nothing new).
+// Splitting evens out the last wave: E=64 N=2816 at BLOCK_N=128 makes 1408
+// programs, 10.7 waves of one program per SM, and the last wave leaves a third
+// of the SMs idle; split in three they make 32 full waves.
 std::vector<autotune::Config> moe_gpu_candidates() {
   return autotune::product({{"BLOCK_N", {32, 64, 128}},
                             {"BLOCK_K", {64, 128}},
                             {"num_warps", {4, 8}},
                             {"num_stages", {2, 3}},
-                            {"split_k", {1, 2}}});
+                            {"split_k", {1, 2, 3, 4}}});
 }
 
 Config tuned_moe_config(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& W_eff,

@@ -63,7 +63,7 @@ std::vector<autotune::Config> with_wave_splits(const std::vector<autotune::Confi
     const int64_t n = std::max<int64_t>(1, cdiv(cols, autotune::value_or_zero(c, block_k_name)));
     std::vector<int64_t> splits = {split_for(blocks, programs, n)};
     for (const int64_t w : waves) {
-      const int64_t split = std::clamp<int64_t>(w * programs / blocks, 1, n);
+      const int64_t split = w == 0 ? n : std::clamp<int64_t>(w * programs / blocks, 1, n);
       if (std::find(splits.begin(), splits.end(), split) != splits.end()) continue;
       splits.push_back(split);
       autotune::Config with = c;
