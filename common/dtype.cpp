@@ -30,6 +30,7 @@ const char* dtype_name(DType t) {
     case DType::bf16: return "bf16";
     case DType::f32: return "f32";
     case DType::f64: return "f64";
+    case DType::u8: return "u8";
   }
   return "?";
 }
@@ -42,12 +43,14 @@ std::optional<DType> parse_dtype(std::string_view n) {
   if (n == "bf16" || n == "bfloat16") return DType::bf16;
   if (n == "f32" || n == "float32" || n == "float") return DType::f32;
   if (n == "f64" || n == "float64" || n == "double") return DType::f64;
+  if (n == "u8" || n == "uint8") return DType::u8;
   return std::nullopt;
 }
 
 int dtype_size_bytes(DType t) {
   switch (t) {
-    case DType::i1: return 1;
+    case DType::i1:
+    case DType::u8: return 1;
     case DType::f16:
     case DType::bf16: return 2;
     case DType::i32:

@@ -108,7 +108,8 @@ Value Builder::scalar(const std::string& name, DType dtype) {
   if (s.args[size_t(index)].kind != ir::ParamKind::Scalar)
     s.fail("scalar", "argument " + std::to_string(index) + " '" + name +
                          "' is a scalar, but the call passes a tensor");
-  if (dtype == DType::i1) s.fail("scalar", "'" + name + "': i1 scalars are not supported");
+  if (dtype == DType::i1 || dtype == DType::u8)
+    s.fail("scalar", "'" + name + "': " + dtype_name(dtype) + " scalars are not supported");
   for (const auto& p : s.fn.params)
     if (p.name == name) s.fail("scalar", "argument name '" + name + "' is used twice");
   ir::Param p;

@@ -31,8 +31,10 @@ Value unary_op(OpKind k, const Value& v, const char* name) {
   return make(s, std::move(op), v.type());
 }
 
-// The dtype two operands meet at.
+// The dtype two operands meet at (u8 meets anything as i32, even another u8).
 DType promote(DType a, DType b) {
+  if (a == DType::u8) a = DType::i32;
+  if (b == DType::u8) b = DType::i32;
   if (a == b) return a;
   if (is_float(a) && is_float(b)) {
     if (a == DType::f64 || b == DType::f64) return DType::f64;
@@ -169,7 +171,7 @@ Value binary_same_builder(Builder::Impl& s, BinOp bop, Value a, Value b) {
 // The dtype a literal takes next to a tile of dtype `other` (literals are "weak").
 DType literal_dtype(DType other, double value, bool is_integral) {
   if (!is_integral || value != std::floor(value)) return is_float(other) ? other : DType::f32;
-  if (other == DType::i1) return DType::i32;
+  if (other == DType::i1 || other == DType::u8) return DType::i32;
   return other;
 }
 
@@ -184,7 +186,8 @@ int normalize_axis(Builder::Impl& s, const char* op, int axis, int rank) {
 Value reduce(OpKind k, const char* name, const Value& v, int axis) {
   Builder::Impl& s = impl_of(v, name);
   if (v.is_scalar()) s.fail(name, "cannot reduce a scalar");
-  if (v.dtype() == DType::i1) s.fail(name, "cannot reduce an i1 tile; cast it to i32 first");
+  if (v.dtype() == DType::i1 || v.dtype() == DType::u8)
+    s.fail(name, std::string("cannot reduce an ") + dtype_name(v.dtype()) + " tile; cast it to i32 first");
   const int a = normalize_axis(s, name, axis, int(v.shape().size()));
   Shape out = v.shape();
   out.erase(out.begin() + a);
@@ -249,8 +252,8 @@ Value store_like(OpKind k, const char* opname, const Tensor& t, const std::vecto
     s.fail(opname, "tensor '" + tname + "' holds " + dtype_name(t.dtype()) + " but the value is " +
                        ir::to_string(value.type()) + "; cast it first with .to(DType::" +
                        dtype_name(t.dtype()) + ")");
-  if (k == OpKind::AtomicAdd && t.dtype() == DType::i1)
-    s.fail(opname, "atomic_add does not apply to i1 tensors");
+  if (k == OpKind::AtomicAdd && (t.dtype() == DType::i1 || t.dtype() == DType::u8))
+    s.fail(opname, std::string("atomic_add does not apply to ") + dtype_name(t.dtype()) + " tensors");
   Access a = make_access(s, opname, t, idx, mask, &value);
   Value v = to_shape(s, value, a.shape, opname);
   ir::Operation op(k);
@@ -421,7 +424,9 @@ Value binary(BinOp bop, double a, bool a_is_int, const Value& b) {
 }
 
 Value operator-(const Value& v) {
-  if (v.dtype() == DType::i1) impl_of(v, "neg").fail("neg", "cannot negate an i1 tile");
+  if (v.dtype() == DType::i1 || v.dtype() == DType::u8)
+    impl_of(v, "neg").fail("neg", std::string("cannot negate an ") + dtype_name(v.dtype()) +
+                                      " tile; cast it to i32 first");
   return unary_op(OpKind::Neg, v, "neg");
 }
 
@@ -433,7 +438,9 @@ Value operator!(const Value& v) {
 
 Value operator~(const Value& v) {
   Builder::Impl& s = impl_of(v, "not");
-  if (!is_int(v.dtype())) s.fail("not", "bitwise not applies to integer tiles");
+  if (!is_int(v.dtype()))
+    s.fail("not", "bitwise not applies to integer tiles" +
+                      std::string(v.dtype() == DType::u8 ? "; cast the u8 tile to i32 first" : ""));
   return unary_op(OpKind::Not, v, "not");
 }
 
@@ -452,7 +459,8 @@ Value rsqrt(const Value& v) { return float_unary(OpKind::Rsqrt, v, "rsqrt"); }
 Value exp(const Value& v) { return float_unary(OpKind::Exp, v, "exp"); }
 Value log(const Value& v) { return float_unary(OpKind::Log, v, "log"); }
 Value abs(const Value& v) {
-  if (v.dtype() == DType::i1) impl_of(v, "abs").fail("abs", "does not apply to i1 tiles");
+  if (v.dtype() == DType::i1 || v.dtype() == DType::u8)
+    impl_of(v, "abs").fail("abs", std::string("does not apply to ") + dtype_name(v.dtype()) + " tiles");
   return unary_op(OpKind::Abs, v, "abs");
 }
 Value maximum(const Value& a, const Value& b) { return binary(BinOp::max, a, b); }

@@ -50,7 +50,8 @@ Slot scalar_slot(DType t, const Scalar& s) {
       break;
     }
     case DType::i64:
-    case DType::i1: {
+    case DType::i1:
+    case DType::u8: {
       const int64_t v = s.is_int ? s.i : int64_t(s.f);
       std::memcpy(&slot, &v, sizeof v);
       break;

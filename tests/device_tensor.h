@@ -47,6 +47,7 @@ inline double load_as_double(DType t, const uint8_t* p) {
       return double(i);
     }
     case DType::i1: return *p ? 1.0 : 0.0;
+    case DType::u8: return *p;
   }
   return 0.0;
 }
@@ -80,6 +81,7 @@ inline void store_from_double(DType t, uint8_t* p, double v) {
       break;
     }
     case DType::i1: *p = v != 0.0; break;
+    case DType::u8: *p = uint8_t(v); break;
   }
 }
 

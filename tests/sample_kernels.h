@@ -164,4 +164,24 @@ inline const Kernel& ticket_kernel() {
   return k;
 }
 
+// Bytes as storage: each u8 of `packed` [rows, cols] holds two 4-bit codes
+// (high nibble first) looked up in `table` [16] into out [rows, 2*cols] (the
+// second one plus the byte's value); bytes_out = (7 * byte + 3) mod 256.
+inline const Kernel& nibbles_kernel() {
+  static const Kernel k("nibbles", [](Builder& b) {
+    auto packed = b.tensor("packed", 2), table = b.tensor("table", 1);
+    auto out = b.tensor("out", 2), bytes_out = b.tensor("bytes_out", 2);
+    const int64_t BM = b.meta("BM"), BC = b.meta("BC");
+    auto r = program_id(0) * BM + arange(BM);
+    auto c = program_id(1) * BC + arange(BC);
+    auto ok = (r.col() < packed.dim(0)) & (c.row() < packed.dim(1));
+    auto q = load(packed, {r.col(), c.row()}, ok);  // u8 [BM, BC]
+    auto hi = q >> 4, lo = q & 15;                  // i32: u8 meets integers as i32
+    store(out, {r.col(), 2 * c.row()}, load(table, {hi}, ok), ok);
+    store(out, {r.col(), 2 * c.row() + 1}, load(table, {lo}, ok) + q.to(DType::f32), ok);
+    store(bytes_out, {r.col(), c.row()}, (q * 7 + 3).to(DType::u8), ok);
+  });
+  return k;
+}
+
 }  // namespace kerf::test

@@ -85,6 +85,11 @@ std::vector<Case> all_cases() {
   for (int64_t shift : {0, 1})
     cases.push_back({&test::inplace_kernel(), {t(DType::bf16, 2)},
                      {{"BM", 16}, {"BN", 64}, {"SHIFT", shift}, {"num_stages", 3}}, "inplace"});
+  for (bool fast : {true, false})
+    cases.push_back({&test::nibbles_kernel(),
+                     {t(DType::u8, 2, fast), t(DType::f32, 1, fast), t(DType::f32, 2, fast), t(DType::u8, 2, fast)},
+                     {{"BM", 8}, {"BC", 64}},
+                     "nibbles"});
   cases.push_back({&test::ticket_kernel(), {t(DType::i32, 1), t(DType::i32, 1), t(DType::f32, 1), t(DType::f32, 1)},
                    {{"BLOCK", 64}}, "ticket"});
   return cases;

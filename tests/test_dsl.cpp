@@ -273,3 +273,46 @@ TEST_CASE("the IR text does not depend on the order the kernel's operands were t
   CHECK(load->operands.back() == st->operands.back());
   CHECK(ir::print(a).find("const 3") == std::string::npos);  // the dead value is gone
 }
+
+TEST_CASE("u8 is a storage type: integers meet it as i32, arithmetic on it alone is refused", "[dsl][errors]") {
+  const std::vector<ArgSpec> bytes = {ArgSpec::tensor(DType::u8, 1), ArgSpec::tensor(DType::i32, 1),
+                                      ArgSpec::tensor(DType::u8, 1)};
+  Kernel ok("u8_ok", [](Builder& b) {
+    auto x = b.tensor("x", 1), out = b.tensor("out", 1), back = b.tensor("back", 1);
+    auto i = arange(16);
+    auto q = load(x, {i});
+    CHECK(q.dtype() == DType::u8);
+    CHECK((q >> 4).dtype() == DType::i32);
+    CHECK((q & q).dtype() == DType::i32);
+    CHECK((q < 3).dtype() == DType::i1);
+    CHECK((q * 2.5).dtype() == DType::f32);
+    store(out, {i}, q + 1);
+    store(back, {i}, (q + 1).to(DType::u8));
+  });
+  const std::string text = ir::print(ok.trace(bytes, {}));
+  INFO(text);
+  CHECK(text.find("cast") != std::string::npos);
+  CHECK(text.find("u8[16]") != std::string::npos);
+
+  auto refused = [&](const char* name, void (*body)(const Value&), std::initializer_list<std::string> needles) {
+    Kernel k(name, [body](Builder& b) {
+      auto x = b.tensor("x", 1);
+      b.tensor("out", 1);
+      b.tensor("back", 1);
+      body(load(x, {arange(16)}));
+    });
+    expect_definition_error([&] { k.trace(bytes, {}); }, needles);
+  };
+  refused("u8_neg", [](const Value& q) { (void)-q; }, {"u8_neg", "negate", "u8"});
+  refused("u8_sum", [](const Value& q) { (void)sum(q, 0); }, {"u8_sum", "reduce", "u8", "cast it to i32"});
+  refused("u8_not", [](const Value& q) { (void)~q; }, {"u8_not", "cast the u8 tile to i32"});
+  Kernel atomic("u8_atomic", [](Builder& b) {
+    auto x = b.tensor("x", 1);
+    b.tensor("out", 1);
+    b.tensor("back", 1);
+    atomic_add(x, {arange(16)}, zeros({16}, DType::u8));
+  });
+  expect_definition_error([&] { atomic.trace(bytes, {}); }, {"u8_atomic", "atomic_add does not apply to u8"});
+  Kernel scalar("u8_scalar", [](Builder& b) { b.scalar("q", DType::u8); });
+  expect_definition_error([&] { scalar.trace({ArgSpec::scalar()}, {}); }, {"u8_scalar", "u8 scalars"});
+}

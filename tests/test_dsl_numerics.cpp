@@ -229,6 +229,34 @@ void corners(Device dev, DType d, int64_t E, int64_t J, int64_t K, uint64_t seed
   CHECK(test::max_relative_error(got, ref, 2.0) <= test::tolerance(d));
 }
 
+// u8 as a storage type: bytes unpacked into 4-bit codes, a table lookup, and
+// bytes written back (truncated to 8 bits). Exact: every value is small.
+void nibbles(Device dev, int64_t rows, int64_t cols, uint64_t seed) {
+  CAPTURE(dev.str(), rows, cols, seed);
+  std::mt19937_64 rng(seed);
+  TestTensor packed(DType::u8, {rows, cols}, dev), table(DType::f32, {16}, dev);
+  TestTensor out(DType::f32, {rows, 2 * cols}, dev), bytes_out(DType::u8, {rows, cols}, dev);
+  for (int64_t i = 0; i < rows * cols; ++i) packed.set(i, double(rng() & 255));
+  packed.upload();
+  table.randomize(rng, -1, 1);
+  out.poison();
+  bytes_out.poison();
+  launch(test::nibbles_kernel(), {packed.view(), table.view(), out.view(), bytes_out.view()},
+         Grid{cdiv(rows, 8), cdiv(cols, 64)}, {{"BM", 8}, {"BC", 64}});
+  sync(dev);
+  out.download();
+  bytes_out.download();
+  int64_t wrong = 0;
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) {
+      const int64_t q = int64_t(packed.get(i * cols + j));
+      wrong += out.get(i * 2 * cols + 2 * j) != table.get(q >> 4);
+      wrong += out.get(i * 2 * cols + 2 * j + 1) != double(float(table.get(q & 15) + float(q)));
+      wrong += bytes_out.get(i * cols + j) != double((7 * q + 3) & 255);
+    }
+  CHECK(wrong == 0);
+}
+
 void run_all(Device dev) {
   uint64_t seed = 2024;
   for (DType d : {DType::f32, DType::bf16, DType::f16})
@@ -261,6 +289,8 @@ void run_all(Device dev) {
     inplace(dev, DType::bf16, 64, 4096, shift, seed++);
   }
   tickets(dev, 64 * 300, seed++);
+  nibbles(dev, 13, 100, seed++);
+  nibbles(dev, 16, 128, seed++);
 }
 
 }  // namespace

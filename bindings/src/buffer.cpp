@@ -61,6 +61,8 @@ dlpack::DLDataType dlpack_dtype(DType t) {
       return {dlpack::kDLFloat, 32, 1};
     case DType::f64:
       return {dlpack::kDLFloat, 64, 1};
+    case DType::u8:
+      return {dlpack::kDLUInt, 8, 1};
   }
   throw InternalError("kerf.Buffer: unknown dtype");
 }
@@ -152,6 +154,8 @@ const char* buffer_format(DType t) {
       return "f";
     case DType::f64:
       return "d";
+    case DType::u8:
+      return "B";
     case DType::bf16:
       return nullptr;
   }

@@ -127,7 +127,7 @@ struct TorchApi {
   bool ready = false;
   PyObject* tensor_type = nullptr;     // torch.Tensor
   PyObject* parameter_type = nullptr;  // torch.nn.Parameter
-  std::array<PyObject*, 7> dtypes{};   // torch.bool ... torch.float64, indexed by kerf::DType
+  std::array<PyObject*, 8> dtypes{};   // torch.bool ... torch.float64, torch.uint8, indexed by kerf::DType
   PyObject* empty = nullptr;           // torch.empty
   PyObject* raw_stream = nullptr;  // torch._C._cuda_getCurrentRawStream(device) -> int, if present
   PyObject* current_stream = nullptr;  // torch.cuda.current_stream (the documented fallback)
@@ -186,11 +186,11 @@ const TorchApi* torch_api() {
   PyObject* nn = attr_or_null(torch, "nn");
   a.parameter_type = nn ? attr_or_null(nn, "Parameter") : nullptr;
   Py_XDECREF(nn);
-  static constexpr std::array<const char*, 7> dtype_names = {
-      "bool", "int32", "int64", "float16", "bfloat16", "float32", "float64"};
+  static constexpr std::array<const char*, 8> dtype_names = {
+      "bool", "int32", "int64", "float16", "bfloat16", "float32", "float64", "uint8"};
   static_assert(int(DType::i1) == 0 && int(DType::i32) == 1 && int(DType::i64) == 2 &&
                 int(DType::f16) == 3 && int(DType::bf16) == 4 && int(DType::f32) == 5 &&
-                int(DType::f64) == 6);
+                int(DType::f64) == 6 && int(DType::u8) == 7);
   bool ok = a.tensor_type && a.parameter_type;
   for (size_t i = 0; ok && i < dtype_names.size(); ++i)
     ok = (a.dtypes[i] = attr_or_null(torch, dtype_names[i]));
@@ -239,7 +239,7 @@ DType torch_dtype(const TorchApi& api, PyObject* dtype, const char* op, const ch
     if (dtype == api.dtypes[i]) return DType(i);
   throw TypeError(
       where(op, name) + " has dtype " + str_of(dtype) +
-      ", which kerf does not take (bool, int32, int64, float16, bfloat16, float32, float64)");
+      ", which kerf does not take (bool, int32, int64, float16, bfloat16, float32, float64, uint8)");
 }
 
 int64_t as_int64(PyObject* o) {
@@ -371,6 +371,9 @@ DType dlpack_dtype(const dlpack::DLDataType& t, const char* op, const char* name
         if (t.bits == 32) return DType::i32;
         if (t.bits == 64) return DType::i64;
         break;
+      case dlpack::kDLUInt:
+        if (t.bits == 8) return DType::u8;
+        break;
       case dlpack::kDLBool:
         if (t.bits == 8) return DType::i1;
         break;
@@ -384,7 +387,7 @@ DType dlpack_dtype(const dlpack::DLDataType& t, const char* op, const char* name
   throw TypeError(
       where(op, name) + " has DLPack dtype " + code + std::to_string(t.bits) +
       (t.lanes != 1 ? "x" + std::to_string(t.lanes) : std::string()) +
-      ", which kerf does not take (bool, int32, int64, float16, bfloat16, float32, float64)");
+      ", which kerf does not take (bool, int32, int64, float16, bfloat16, float32, float64, uint8)");
 }
 
 Device dlpack_device(const dlpack::DLDevice& d, const char* op, const char* name) {
@@ -575,6 +578,8 @@ const char* numpy_dtype_name(DType dtype) {
       return "float32";
     case DType::f64:
       return "float64";
+    case DType::u8:
+      return "uint8";
     case DType::bf16:
       return nullptr;
   }

@@ -24,7 +24,7 @@
 extern "C" {
 
 // A strided torch tensor as the bridge sees it. dtype is kerf's DType code
-// (bool 0, int32 1, int64 2, float16 3, bfloat16 4, float32 5, float64 6).
+// (bool 0, int32 1, int64 2, float16 3, bfloat16 4, float32 5, float64 6, uint8 7).
 struct KerfTorchTensor {
   void* data;            // storage offset included
   int32_t dtype;

@@ -24,7 +24,7 @@ namespace {
 constexpr c10::ScalarType kTypes[] = {c10::ScalarType::Bool,  c10::ScalarType::Int,
                                       c10::ScalarType::Long,  c10::ScalarType::Half,
                                       c10::ScalarType::BFloat16, c10::ScalarType::Float,
-                                      c10::ScalarType::Double};
+                                      c10::ScalarType::Double, c10::ScalarType::Byte};
 constexpr int32_t kNumTypes = int32_t(sizeof(kTypes) / sizeof(kTypes[0]));
 
 int32_t kerf_code(c10::ScalarType t) {

@@ -8,9 +8,12 @@
 
 namespace kerf {
 
-enum class DType : uint8_t { i1, i32, i64, f16, bf16, f32, f64 };
+// u8 is a storage type (packed 4-bit weights, byte tables): tensors of it are
+// loaded and stored, and its tiles convert to other dtypes (zero-extending);
+// arithmetic on u8 tiles happens in i32, as C promotes unsigned char to int.
+enum class DType : uint8_t { i1, i32, i64, f16, bf16, f32, f64, u8 };
 
-// Canonical short name: "i1", "i32", "i64", "f16", "bf16", "f32", "f64".
+// Canonical short name: "i1", "i32", "i64", "f16", "bf16", "f32", "f64", "u8".
 const char* dtype_name(DType t);
 // Accepts the canonical names and the common aliases ("float32", "bfloat16", "bool", ...).
 std::optional<DType> parse_dtype(std::string_view name);

@@ -25,6 +25,7 @@ llvm::Type* ElementOps::register_type(DType t) const {
     case DType::i1:
       return b_.getInt1Ty();
     case DType::i32:
+    case DType::u8:  // held zero-extended
       return b_.getInt32Ty();
     case DType::i64:
       return b_.getInt64Ty();
@@ -41,6 +42,7 @@ llvm::Type* ElementOps::register_type(DType t) const {
 llvm::Type* ElementOps::memory_type(DType t) const {
   switch (t) {
     case DType::i1:
+    case DType::u8:
       return b_.getInt8Ty();
     case DType::f16:
     case DType::bf16:
@@ -52,12 +54,14 @@ llvm::Type* ElementOps::memory_type(DType t) const {
 
 llvm::Value* ElementOps::to_register(DType t, llvm::Value* stored) {
   if (t == DType::i1) return b_.CreateICmpNE(stored, b_.getInt8(0));
+  if (t == DType::u8) return b_.CreateZExt(stored, b_.getInt32Ty());
   if (is_half(t)) return b_.CreateCall(half_.to_f32(t), {stored});
   return stored;
 }
 
 llvm::Value* ElementOps::to_memory(DType t, llvm::Value* reg) {
   if (t == DType::i1) return b_.CreateZExt(reg, b_.getInt8Ty());
+  if (t == DType::u8) return b_.CreateTrunc(reg, b_.getInt8Ty());
   if (is_half(t)) return b_.CreateCall(half_.from_f32(t), {reg});
   return reg;
 }
@@ -68,6 +72,8 @@ llvm::Value* ElementOps::constant(DType t, double fvalue, int64_t ivalue) {
       return b_.getInt1(ivalue != 0);
     case DType::i32:
       return b_.getInt32(uint32_t(int32_t(ivalue)));
+    case DType::u8:
+      return b_.getInt32(uint32_t(ivalue & 255));
     case DType::i64:
       return b_.getInt64(uint64_t(ivalue));
     case DType::f16:
@@ -303,6 +309,18 @@ llvm::Value* ElementOps::cast(DType from, DType to, llvm::Value* x) {
   }
   if (from == DType::i1) {
     return is_float(to) ? b_.CreateUIToFP(x, dst) : b_.CreateZExt(x, dst);
+  }
+  // u8 is held zero-extended in an i32: widening is a sign extension of a
+  // non-negative value; narrowing to it keeps the low byte (floats saturate).
+  if (to == DType::u8) {
+    llvm::Value* byte =
+        is_float(from) ? b_.CreateIntrinsic(llvm::Intrinsic::fptoui_sat, {b_.getInt8Ty(), x->getType()}, {x})
+                       : b_.CreateTrunc(x, b_.getInt8Ty());
+    return b_.CreateZExt(byte, dst);
+  }
+  if (from == DType::u8) {
+    if (is_int(to)) return b_.CreateSExtOrTrunc(x, dst);
+    return cast(DType::i32, to, x);
   }
   if (is_int(from) && is_int(to)) return b_.CreateSExtOrTrunc(x, dst);
   if (is_float(from) && is_int(to))

@@ -153,6 +153,8 @@ class KernelEmitter {
         return b_.CreateICmpNE(raw, b_.getInt64(0));
       case DType::i32:
         return b_.CreateTrunc(raw, b_.getInt32Ty());
+      case DType::u8:
+        return b_.CreateAnd(b_.CreateTrunc(raw, b_.getInt32Ty()), b_.getInt32(255));
       case DType::i64:
         return raw;
       case DType::f16:
@@ -496,6 +498,7 @@ class KernelEmitter {
         return ops_.to_register(t, old_bits);
       }
       case DType::i1:
+      case DType::u8:
         break;  // refused by emit_store_like
     }
     return nullptr;
@@ -508,10 +511,10 @@ class KernelEmitter {
     const ValueId value = op.operands[rank];
     const ValueId mask = op.attrs.has_mask ? op.operands[rank + 1] : -1;
     const DType t = p.dtype;
-    if (op.kind == OpKind::AtomicAdd && t == DType::i1)
-      throw CompileError(
-          "kernel '" + f_.name + "': atomic_add on the i1 tensor @" + p.name + " is not supported",
-          "", "");
+    if (op.kind == OpKind::AtomicAdd && (t == DType::i1 || t == DType::u8))
+      throw CompileError("kernel '" + f_.name + "': atomic_add on the " + dtype_name(t) + " tensor @" + p.name +
+                             " is not supported",
+                         "", "");
     // The old values of an atomic, when the kernel uses them (0 where masked off).
     const ValueId old = op.results.empty() || plan_.uses[size_t(op.results[0])] == 0 ? -1 : op.results[0];
     const Shape& shape = type(value).shape;

@@ -54,6 +54,8 @@ inline std::string storage_type(DType t) {
       return "float";
     case DType::f64:
       return "double";
+    case DType::u8:
+      return "unsigned char";
   }
   return "?";
 }
@@ -98,6 +100,7 @@ inline std::string float_literal(double v, DType t) {
 inline std::string int_literal(int64_t v, DType t) {
   if (t == DType::i64) return "(" + S(v) + "LL)";
   if (t == DType::i1) return v ? "true" : "false";
+  if (t == DType::u8) return "((unsigned char)" + S(v & 255) + ")";
   if (v == INT32_MIN) return "(-2147483647 - 1)";
   return S(v);
 }

@@ -174,6 +174,7 @@ class Verifier {
         expect(n == 1, op, "takes one operand");
         const Type& in = t(op.operands[0]);
         expect(a.axis >= 0 && a.axis < in.rank(), op, "axis out of range");
+        expect(in.dtype != DType::u8, op, "u8 is a storage type: reduce it after a cast");
         Shape s = in.shape;
         s.erase(s.begin() + a.axis);
         expect(result() == Type{in.dtype, s}, op, "result type is wrong");
@@ -263,6 +264,9 @@ class Verifier {
       }
       case OpKind::Yield: break;
       default:
+        if (is_elementwise_unary(op.kind) || is_elementwise_binary(op.kind))
+          expect(n >= 1 && t(op.operands[0]).dtype != DType::u8, op,
+                 "u8 is a storage type: arithmetic on it happens after a cast");
         if (is_elementwise_unary(op.kind)) {
           expect(n == 1 && result() == t(op.operands[0]), op, "keeps its operand's type");
           if (op.kind == OpKind::Not)
