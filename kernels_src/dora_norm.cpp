@@ -7,7 +7,10 @@
 // the row sum is taken once, after the loop. (s*B is rounded once to the
 // product's dtype: for bf16 that is a relative error of 2^-9 in the LoRA term,
 // as for B itself.)
+#include <tuple>
+
 #include "kerf/kernels/kernels.h"
+#include "split_range.h"
 
 namespace kerf::kernels {
 namespace {
@@ -47,6 +50,47 @@ Value row_sum_of_squares(Builder& k, const Tensor& W, const Tensor& A, const Ten
   return sum(acc, 1);
 }
 
+// The same sum for W given as 4-bit codes (bitsandbytes' NF4/FP4 layout):
+// element f = i*in + j of the row-major weight is code[q] * absmax[f >> shift],
+// q the high nibble of byte f/2 for even f and the low nibble for odd f. Per
+// step a [BLOCK_M, BLOCK_K/2] tile of bytes gives the even columns (high
+// nibbles) and the odd ones (low nibbles); each half meets A's columns of its
+// parity in its own dot. Both halves of a byte share its absmax block (in and
+// the block size are even).
+Value row_sum_of_squares_4bit(Builder& k, const Tensor& packed, const Tensor& absmax, const Tensor& code,
+                              const Value& shift, const Tensor& A, const Tensor& B, const Value& s,
+                              const Value& rows, bool split) {
+  const int64_t BM = k.meta("BLOCK_M"), BK = k.meta("BLOCK_K"), R = k.meta("R_PAD");
+  const int64_t BH = BK / 2;  // bytes per row and step
+  const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::bf16)));
+  const Value n_out = packed.dim(0), n_half = packed.dim(1), rank = A.dim(0);
+  const Value n_in = n_half.to(DType::i64) * 2;
+
+  const Value rk = arange(R);
+  const Value row_ok = rows.col() < n_out;
+  const Value rank_ok = rk.col() < rank;  // [R, 1]
+  const Value bs =
+      (load(B, {rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(DType::f32) * s).to(dot_t);
+  const Value row_base = rows.col().to(DType::i64) * n_in;  // [BM, 1]
+
+  Value lo = literal(int64_t(0)), hi = n_half;
+  if (split) std::tie(lo, hi) = split_range(n_half, BH);
+  const Value acc = for_range(lo, hi, BH, zeros({BM, BH}), [&](const Value& h0, const Value& acc) {
+    const Value h = h0 + arange(BH);  // byte columns
+    const Value h_ok = h.row() < n_half;
+    const Value ok = row_ok & h_ok;
+    const Value byte = load(packed, {rows.col(), h.row()}, ok);  // u8 [BM, BH]
+    const Value block_scale = load(absmax, {(row_base + 2 * h.row()) >> shift}, ok);
+    const Value w_even = load(code, {byte >> 4}, ok) * block_scale;
+    const Value w_odd = load(code, {byte & 15}, ok) * block_scale;
+    const Value a_even = load(A, {rk.col(), 2 * h.row()}, rank_ok & h_ok).to(dot_t);  // [R, BH]
+    const Value a_odd = load(A, {rk.col(), 2 * h.row() + 1}, rank_ok & h_ok).to(dot_t);
+    const Value v_even = dot(bs, a_even, w_even), v_odd = dot(bs, a_odd, w_odd);
+    return acc + v_even * v_even + v_odd * v_odd;
+  });
+  return sum(acc, 1);
+}
+
 // norm = sqrt(sum of squares + eps) and scale = m / norm, for the rows `mask` selects.
 void store_norm_and_scale(const Tensor& norm, const Tensor& scale, const Tensor& m,
                           const Value& rows, const Value& sum_of_squares, const Value& eps,
@@ -54,6 +98,24 @@ void store_norm_and_scale(const Tensor& norm, const Tensor& scale, const Tensor&
   const Value n = sqrt(sum_of_squares + eps);
   store(norm, {rows}, n, mask);
   store(scale, {rows}, load(m, {rows}, mask).to(DType::f32) / n, mask);
+}
+
+// The split kernels' ending: this split's partial sums go into sumsq, and the
+// split that arrives last for its row block sees every partial sum, finishes
+// norm and scale, and leaves the workspace zero as it found it.
+void add_and_finish_last(Builder& k, const Tensor& norm, const Tensor& scale, const Tensor& m,
+                         const Tensor& sumsq, const Tensor& tickets, const Value& block, const Value& rows,
+                         const Value& partial, const Value& eps, const Value& ok) {
+  const int64_t BM = k.meta("BLOCK_M");
+  atomic_add(sumsq, {rows}, partial, ok);
+  const Value ticket =
+      atomic_add(tickets, {block}, literal(int64_t(1)), Value(), MemoryOrder::acq_rel);
+  const Value last = ticket == num_programs(1) - 1;
+  const Value mine = ok & last;
+  const Value total = atomic_add(sumsq, {rows}, zeros({BM}), mine);  // a coherent read
+  store_norm_and_scale(norm, scale, m, rows, total, eps, mine);
+  store(sumsq, {rows}, zeros({BM}), mine);
+  store(tickets, {block}, literal(int64_t(0)), last);
 }
 
 }  // namespace
@@ -81,19 +143,47 @@ const dsl::Kernel& dora_norm_split() {
                  tickets = k.tensor("tickets", 1, DType::i32);
     const Value block = program_id(0);
     const Value rows = block * k.meta("BLOCK_M") + arange(k.meta("BLOCK_M"));
-    const Value ok = rows < W.dim(0);
-    atomic_add(sumsq, {rows}, row_sum_of_squares(k, W, A, B, s, rows, true), ok);
-    // The split that arrives last for this row block sees every partial sum.
-    const Value ticket =
-        atomic_add(tickets, {block}, literal(int64_t(1)), Value(), MemoryOrder::acq_rel);
-    const Value last = ticket == num_programs(1) - 1;
-    const Value mine = ok & last;
-    const Value total =
-        atomic_add(sumsq, {rows}, zeros({k.meta("BLOCK_M")}), mine);  // a coherent read
-    store_norm_and_scale(norm, scale, m, rows, total, eps, mine);
-    // Leave the workspace as it was found: zero.
-    store(sumsq, {rows}, zeros({k.meta("BLOCK_M")}), mine);
-    store(tickets, {block}, literal(int64_t(0)), last);
+    add_and_finish_last(k, norm, scale, m, sumsq, tickets, block, rows,
+                        row_sum_of_squares(k, W, A, B, s, rows, true), eps, rows < W.dim(0));
+  });
+  return k;
+}
+
+// The 4-bit kernels' arguments up to the outputs, declared in this order.
+struct Args4bit {
+  Tensor packed, absmax, code, A, B, m;
+  Value s, eps, shift;
+  Tensor norm, scale;
+};
+
+Args4bit args_4bit(Builder& k) {
+  return Args4bit{k.tensor("packed", 2, DType::u8), k.tensor("absmax", 1, DType::f32),
+                  k.tensor("code", 1, DType::f32),  k.tensor("A", 2),
+                  k.tensor("B", 2),                 k.tensor("m", 1),
+                  k.scalar("s"),                    k.scalar("eps"),
+                  k.scalar("block_shift", DType::i32), k.tensor("norm", 1, DType::f32),
+                  k.tensor("scale", 1, DType::f32)};
+}
+
+const dsl::Kernel& dora_norm_4bit() {
+  static const Kernel k("dora_norm_4bit", [](Builder& k) {
+    const Args4bit a = args_4bit(k);
+    const Value rows = program_id(0) * k.meta("BLOCK_M") + arange(k.meta("BLOCK_M"));
+    const Value sumsq = row_sum_of_squares_4bit(k, a.packed, a.absmax, a.code, a.shift, a.A, a.B, a.s, rows, false);
+    store_norm_and_scale(a.norm, a.scale, a.m, rows, sumsq, a.eps, rows < a.packed.dim(0));
+  });
+  return k;
+}
+
+const dsl::Kernel& dora_norm_4bit_split() {
+  static const Kernel k("dora_norm_4bit_split", [](Builder& k) {
+    const Args4bit a = args_4bit(k);
+    const Tensor sumsq = k.tensor("sumsq", 1, DType::f32), tickets = k.tensor("tickets", 1, DType::i32);
+    const Value block = program_id(0);
+    const Value rows = block * k.meta("BLOCK_M") + arange(k.meta("BLOCK_M"));
+    add_and_finish_last(k, a.norm, a.scale, a.m, sumsq, tickets, block, rows,
+                        row_sum_of_squares_4bit(k, a.packed, a.absmax, a.code, a.shift, a.A, a.B, a.s, rows, true),
+                        a.eps, rows < a.packed.dim(0));
   });
   return k;
 }

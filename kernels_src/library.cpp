@@ -57,6 +57,28 @@ const std::vector<LibraryEntry>& library() {
                                                     tensor(DType::f32, 1), tensor(DType::f32, 1)};
                  },
                  [](DType) { return dsl::MetaMap{{"BLOCK", 1024}}; }});
+    // 4-bit W: `t` is the adapters' and m's dtype.
+    const auto args_4bit = [=](DType t, bool split) {
+      std::vector<dsl::ArgSpec> a = {tensor(DType::u8, 2), tensor(DType::f32, 1), tensor(DType::f32, 1),
+                                     tensor(t, 2),         tensor(t, 2),          tensor(t, 1),
+                                     scalar,               scalar,                scalar,
+                                     tensor(DType::f32, 1), tensor(DType::f32, 1)};
+      if (split) {
+        a.push_back(tensor(DType::f32, 1));
+        a.push_back(tensor(DType::i32, 1));
+      }
+      return a;
+    };
+    const auto meta_4bit = [](DType t) {
+      return dsl::MetaMap{{"BLOCK_M", 64},
+                          {"BLOCK_K", 128},
+                          {"R_PAD", 16},
+                          {"DOT", int64_t(t == DType::f16 ? DType::f16 : DType::bf16)},
+                          {"num_warps", 8},
+                          {"num_stages", 3}};
+    };
+    e.push_back({"dora_norm_4bit", dora_norm_4bit, [=](DType t) { return args_4bit(t, false); }, meta_4bit});
+    e.push_back({"dora_norm_4bit_split", dora_norm_4bit_split, [=](DType t) { return args_4bit(t, true); }, meta_4bit});
     e.push_back({"moe_lora_materialize", moe_lora_materialize,
                  [=](DType t) {
                    return std::vector<dsl::ArgSpec>{tensor(t, 3), tensor(t, 3), tensor(t, 3), scalar, tensor(t, 3)};

@@ -5,6 +5,7 @@
 #include "kerf/jit/launch.h"
 #include "kerf/kernels/kernels.h"
 #include "kerf/ops/ops.h"
+#include "ops_checks.h"
 #include "ops_common.h"
 #include "ops_tune.h"
 
@@ -25,8 +26,9 @@ struct DoraPlan {
 };
 
 // `programs`: multiprocessors (CPU threads) the launch should fill.
+// `four_bit`: W is given as 4-bit codes and `w_dtype` is the product's dtype.
 DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, DType w_dtype, bool gpu, int64_t programs,
-                   const Config& config) {
+                   const Config& config, bool four_bit = false) {
   const DType dot = is_half(w_dtype) ? w_dtype : DType::f32;
   const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
   const int64_t bm = config.block_m ? config.block_m : (gpu ? 64 : 16);
@@ -40,13 +42,13 @@ DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, DType w_dtype, bool gpu, 
   // cp.async pipelining on the GPU; the CPU back end has no use for stages.
   p.meta["num_stages"] = config.num_stages ? config.num_stages : (gpu ? 3 : 1);
   if (p.split == 1) {
-    p.kernel = &kernels::dora_norm_fused();
+    p.kernel = four_bit ? &kernels::dora_norm_4bit() : &kernels::dora_norm_fused();
     p.grid = Grid{uint32_t(p.blocks_m), 1, 1};
     return p;
   }
   // One launch: the splits add partial sums into a zeroed workspace and the
   // last split of each row block finishes it (and zeroes it again).
-  p.kernel = &kernels::dora_norm_split();
+  p.kernel = four_bit ? &kernels::dora_norm_4bit_split() : &kernels::dora_norm_split();
   p.grid = Grid{uint32_t(p.blocks_m), uint32_t(p.split), 1};
   p.ws_floats = (out + 3) / 4 * 4;
   return p;
@@ -203,11 +205,193 @@ const bool dora_registered = [] {
 
 }  // namespace kerf::ops
 
+// ---------------------------------------------------------------- 4-bit weights
+namespace kerf::ops {
+
+const std::array<float, 16>& nf4_code() {
+  // QLoRA's NormalFloat-4: quantiles of a standard normal scaled to [-1, 1], with an exact zero.
+  static const std::array<float, 16> code = {
+      -1.0f,          -0.6961928010f, -0.5250730515f, -0.3949174881f, -0.2844413817f, -0.1847734302f,
+      -0.0910500363f, 0.0f,           0.0795802996f,  0.1609302014f,  0.2461123019f,  0.3379152417f,
+      0.4407098293f,  0.5626170039f,  0.7229568362f,  1.0f};
+  return code;
+}
+
+namespace {
+
+// The product's dtype for 4-bit W: f16 for f16 adapters, else bf16 (tensor cores either way).
+DType dot_4bit(const TensorView& A, const TensorView& B) {
+  return A.dtype == DType::f16 && B.dtype == DType::f16 ? DType::f16 : DType::bf16;
+}
+
+int log2_exact(int64_t x) {
+  int n = 0;
+  while ((int64_t(1) << n) < x) ++n;
+  return n;
+}
+
+// The kernel arguments of a 4-bit plan; `packed2` is packed seen as [out, in/2].
+std::vector<Arg> dora_4bit_args(const DoraPlan& p, const TensorView& packed2, const Weight4bit& W,
+                                const TensorView& A, const TensorView& B, const TensorView& m, double s, double eps,
+                                const TensorView& norm, const TensorView& scale, void* ws) {
+  std::vector<Arg> args = {packed2, W.absmax, W.code, A, B, m, Scalar(s), Scalar(eps),
+                           Scalar(log2_exact(W.blocksize)), norm, scale};
+  if (p.split == 1) return args;
+  float* f = static_cast<float*>(ws);
+  const int64_t out = packed2.shape[0];
+  args.push_back(TensorView::contiguous(f, DType::f32, {out}, packed2.device));
+  args.push_back(TensorView::contiguous(f + p.ws_floats, DType::i32, {p.blocks_m}, packed2.device));
+  return args;
+}
+
+Config tuned_dora_4bit_config(const TensorView& packed2, const Weight4bit& W, const TensorView& A,
+                              const TensorView& B, const TensorView& m, const TensorView& norm,
+                              const TensorView& scale, void* stream) {
+  const bool gpu = packed2.device.is_cuda();
+  const int64_t out = packed2.shape[0], in = 2 * packed2.shape[1], r = A.shape[0];
+  const int64_t programs = parallelism(packed2.device);
+  const DType dot = dot_4bit(A, B);
+  TuneRequest q;
+  q.problem = {"dora_norm_4bit",
+               {next_pow2(out), next_pow2(in), std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)))},
+               {A.dtype, B.dtype, m.dtype},
+               "",
+               packed2.device};
+  q.block_m_name = "BLOCK_M";
+  q.block_k_name = "BLOCK_K";
+  q.gpu_candidates = dora_gpu_candidates(out, in, programs);
+  q.extent_m = out;
+  q.extent_k = in;
+  q.kernels = [&](const Config& c) {
+    const DoraPlan p = plan_dora(out, in, r, dot, gpu, programs, c, true);
+    return std::vector<autotune::KernelCall>{
+        {p.kernel, dora_4bit_args(p, packed2, W, A, B, m, 1.0, 0.0, norm, scale, kUnusedWorkspace), p.meta}};
+  };
+  q.run = [&](const Config& c) {
+    const DoraPlan p = plan_dora(out, in, r, dot, gpu, programs, c, true);
+    void* ws = p.split == 1 ? nullptr : workspace(packed2.device, stream, workspace_bytes(p));
+    launch(*p.kernel, dora_4bit_args(p, packed2, W, A, B, m, 1.0, 0.0, norm, scale, ws), p.grid, p.meta, stream);
+  };
+  q.stream = stream;
+  return tuned_config(q);
+}
+
+// packed as [out, in/2] when W's arrays fit A, B and blocksize; the messages say which does not.
+TensorView checked_packed(const char* op, const Weight4bit& W, int64_t out, int64_t in) {
+  const int64_t bs = W.blocksize;
+  if (bs < 2 || bs > (int64_t(1) << 30) || (bs & (bs - 1)) != 0)
+    throw InvalidArgument(std::string(op) + ": blocksize must be a power of two >= 2, got " + std::to_string(bs));
+  if (in % 2 != 0)
+    throw InvalidArgument(std::string(op) + ": in (A's columns) must be even, two 4-bit codes per byte of a row; got " +
+                          std::to_string(in));
+  expect_dtype(op, "packed", W.packed, {DType::u8});
+  expect_dtype(op, "absmax", W.absmax, {DType::f32});
+  expect_dtype(op, "code", W.code, {DType::f32});
+  for (const auto& [name, t] : {std::pair{"packed", &W.packed}, {"absmax", &W.absmax}, {"code", &W.code}})
+    if (!t->is_contiguous())
+      throw InvalidArgument(std::string(op) + ": " + name + " must be contiguous, got shape " + shape_str(*t));
+  const int64_t n = out * in;
+  if (W.packed.numel() != n / 2)
+    throw InvalidArgument(std::string(op) + ": packed must hold out*in/2 = " + std::to_string(n / 2) +
+                          " bytes for W [" + std::to_string(out) + ", " + std::to_string(in) + "], got " +
+                          std::to_string(W.packed.numel()) + " (shape " + shape_str(W.packed) + ")");
+  if (W.absmax.numel() != cdiv(n, bs))
+    throw InvalidArgument(std::string(op) + ": absmax must hold cdiv(out*in, blocksize) = " +
+                          std::to_string(cdiv(n, bs)) + " scales for blocks of " + std::to_string(bs) + ", got " +
+                          std::to_string(W.absmax.numel()) + " (is blocksize right?)");
+  if (W.code.numel() != 16)
+    throw InvalidArgument(std::string(op) + ": code must hold the 16 values of the 4-bit codes, got " +
+                          std::to_string(W.code.numel()));
+  return detail::restride(W.packed, {out, in / 2}, {in / 2, 1});
+}
+
+}  // namespace
+
+void dora_norm_4bit(const Weight4bit& W, const TensorView& A, const TensorView& B, const TensorView& m, double s,
+                    const TensorView& norm, const TensorView& scale, double eps, void* stream, const Config& config) {
+  const char* op = "dora_norm_4bit";
+  expect_shape(op, "A", A, {-1, -1});
+  const int64_t r = A.shape[0], in = A.shape[1];
+  expect_shape(op, "B", B, {-1, r});
+  const int64_t out = B.shape[0];
+  expect_shape(op, "m", m, {out});
+  expect_shape(op, "norm", norm, {out});
+  expect_shape(op, "scale", scale, {out});
+  for (const auto& [name, t] : {std::pair{"A", &A}, {"B", &B}, {"m", &m}})
+    expect_dtype(op, name, *t, float_dtypes());
+  expect_dtype(op, "norm", norm, {DType::f32});
+  expect_dtype(op, "scale", scale, {DType::f32});
+  const TensorView packed2 = checked_packed(op, W, out, in);
+  expect_device(op, {{"packed", &W.packed}, {"absmax", &W.absmax}, {"code", &W.code}, {"A", &A}, {"B", &B},
+                     {"m", &m}, {"norm", &norm}, {"scale", &scale}});
+  if (r > 256) throw InvalidArgument(std::string(op) + ": rank " + std::to_string(r) + " is above the supported 256");
+  if (eps < 0) throw InvalidArgument(std::string(op) + ": eps must be >= 0, got " + std::to_string(eps));
+  if (config.block_k == 1) throw InvalidArgument(std::string(op) + ": block_k must be at least 2 (a byte per step)");
+  const std::vector<std::pair<const char*, const TensorView*>> inputs = {
+      {"packed", &W.packed}, {"absmax", &W.absmax}, {"code", &W.code}, {"A", &A}, {"B", &B}, {"m", &m}};
+  for (const auto& [name, t] : inputs) {
+    expect_element_aligned(op, name, *t);
+    expect_int32_dims(op, name, *t);
+  }
+  for (const auto& [name, t] : {std::pair{"norm", &norm}, {"scale", &scale}}) {
+    expect_no_self_overlap(op, name, *t);
+    for (const auto& [in_name, in_t] : inputs) expect_disjoint(op, name, *t, in_name, *in_t);
+  }
+  expect_disjoint(op, "scale", scale, "norm", norm);
+  if (out == 0) return;
+
+  static PlanMemo<DoraPlan> plans;
+  CallKey key;
+  key.add(packed2).add(W.absmax).add(W.code).add(A).add(B.dtype).add(m.dtype).add(W.blocksize);
+  key.add(config.block_m).add(config.block_k).add(config.split_k).add(config.num_warps).add(config.num_stages);
+  const std::shared_ptr<const DoraPlan> p = plans.get(key, [&] {
+    const Config cfg = has_config(config) ? config
+                                          : tuned_dora_4bit_config(packed2, W, A, B, m, norm, scale, stream);
+    return plan_dora(out, in, r, dot_4bit(A, B), packed2.device.is_cuda(), parallelism(packed2.device), cfg, true);
+  });
+  void* ws = p->split > 1 ? workspace(packed2.device, stream, workspace_bytes(*p)) : nullptr;
+  launch(*p->kernel, dora_4bit_args(*p, packed2, W, A, B, m, s, eps, norm, scale, ws), p->grid, p->meta, stream);
+}
+
+namespace {
+
+// For kerf-cache warm: NF4 blocks of 64, adapters and m in the given dtype.
+const bool dora_4bit_registered = [] {
+  autotune::TunableOp op;
+  op.name = "dora_norm_4bit";
+  op.shape_names = {"out", "in", "r"};
+  op.layouts = {""};
+  op.operands = [](const std::vector<int64_t>& s, DType t) {
+    return std::vector<autotune::Operand>{{{s[0] * s[1] / 2}, DType::u8}, {{cdiv(s[0] * s[1], 64)}, DType::f32},
+                                          {{16}, DType::f32},            {{s[2], s[1]}, t},
+                                          {{s[0], s[2]}, t},             {{s[0]}, t},
+                                          {{s[0]}, DType::f32},          {{s[0]}, DType::f32}};
+  };
+  op.call = [](const std::vector<TensorView>& v, void* stream) {
+    dora_norm_4bit(Weight4bit{v[0], v[1], v[2], 64}, v[3], v[4], v[5], 1.0, v[6], v[7], 0.0, stream);
+  };
+  op.kernels = [](const std::vector<TensorView>& v, const autotune::Config& c, int sm_count) {
+    const int64_t out = v[4].shape[0], in = v[3].shape[1], r = v[3].shape[0];
+    const Weight4bit W{v[0], v[1], v[2], 64};
+    const TensorView packed2 = detail::restride(v[0], {out, in / 2}, {in / 2, 1});
+    const DoraPlan p = plan_dora(out, in, r, dot_4bit(v[3], v[4]), true, sm_count, config_from(c, "BLOCK_M", "BLOCK_K"),
+                                 true);
+    return std::vector<autotune::KernelCall>{
+        {p.kernel, dora_4bit_args(p, packed2, W, v[3], v[4], v[5], 1.0, 0.0, v[6], v[7], kUnusedWorkspace), p.meta}};
+  };
+  op.gpu_candidates = [] { return dora_gpu_candidates(); };
+  autotune::register_op(std::move(op));
+  return true;
+}();
+
+}  // namespace
+
+}  // namespace kerf::ops
+
 // ---------------------------------------------------------------- sharded layouts (ops/layout.h)
 // Kept apart from the unsharded path above: the layout is checked first, then
 // the local shards run the same plan, launched with the layout's canonical
 // text (part of the kernel's cache key).
-#include "ops_checks.h"
 #include "ops_layout.h"
 
 namespace kerf::ops {

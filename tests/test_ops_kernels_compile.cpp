@@ -110,6 +110,27 @@ std::vector<Case> op_kernel_cases() {
                  {{"BLOCK", 1024}},
                  "dora_norm_backward",
                  v.arch});
+    // 4-bit W: the adapters in `ad`, the product in bf16 (f16 with f16 adapters).
+    for (const bool split : {false, true}) {
+      std::vector<ArgSpec> args = {T(DType::u8, 2, fast), T(DType::f32, 1, fast), T(DType::f32, 1, fast),
+                                   T(ad, 2, fast),        T(ad, 2, fast),         T(w, 1, fast),
+                                   S,                     S,                      S,
+                                   T(DType::f32, 1),      T(DType::f32, 1)};
+      if (split) {
+        args.push_back(T(DType::f32, 1));
+        args.push_back(T(DType::i32, 1));
+      }
+      c.push_back({split ? &kernels::dora_norm_4bit_split() : &kernels::dora_norm_4bit(),
+                   args,
+                   {{"BLOCK_M", 64},
+                    {"BLOCK_K", 128},
+                    {"R_PAD", 32},
+                    {"DOT", int64_t(ad == DType::f16 ? DType::f16 : DType::bf16)},
+                    {"num_warps", 8},
+                    {"num_stages", stages}},
+                   split ? "dora_norm_4bit_split" : "dora_norm_4bit",
+                   v.arch});
+    }
     c.push_back({&kernels::fill_3d(),
                  {T(w, 3, fast), S},
                  {{"BLOCK_M", 16}, {"BLOCK_K", 128}},
@@ -190,4 +211,18 @@ TEST_CASE("the MoE backward reads dW once per tile and feeds both dots from it",
   for (size_t p = body.find("__syncthreads"); p != std::string::npos; p = body.find("__syncthreads", p + 1)) ++barriers;
   CHECK(barriers == 1);
   CHECK(src.find("kerf_dev::ldmatrix_x4(bf,") != std::string::npos);
+}
+
+TEST_CASE("the 4-bit DoRA norm prefetches its packed bytes and forms the LoRA term on tensor cores",
+          "[cuda][codegen][ops]") {
+  const std::vector<ArgSpec> args = {T(DType::u8, 2),  T(DType::f32, 1), T(DType::f32, 1), T(DType::f32, 2),
+                                     T(DType::f32, 2), T(DType::f32, 1), S,               S,
+                                     S,                T(DType::f32, 1), T(DType::f32, 1)};
+  const MetaMap meta = {{"BLOCK_M", 64}, {"BLOCK_K", 128}, {"R_PAD", 16}, {"DOT", int64_t(DType::bf16)},
+                        {"num_warps", 8}, {"num_stages", 3}};
+  const std::string src = source_of(kernels::dora_norm_4bit(), args, meta);
+  INFO(src);
+  CHECK(src.find("prefetch @packed") != std::string::npos);
+  CHECK(src.find("kerf_dev::cp_async<16>") != std::string::npos);  // 16 bytes: 32 codes per copy
+  CHECK(src.find("kerf_dev::mma_bf16_16816(") != std::string::npos);
 }

@@ -31,6 +31,19 @@ const dsl::Kernel& dora_norm_split();
 const dsl::Kernel& dora_norm_partial();
 const dsl::Kernel& dora_norm_finish();
 
+// The DoRA norm of a weight stored as 4-bit codes in blocks (bitsandbytes'
+// NF4/FP4 layout), dequantized in registers, never in memory:
+//   W[i,j] = code[q(f)] * absmax[f >> block_shift],  f = i*in + j,
+//   q(f) = high nibble of byte f/2 for even f, low nibble for odd f.
+// packed u8 [out, in/2] (in even), absmax f32 [>= cdiv(out*in, blocksize)],
+// code f32 [16], block_shift = log2(blocksize) (an i32 scalar; blocksize even).
+// The product runs in DOT (bf16 or f16: tensor cores), accumulating in fp32;
+// meta as dora_norm_fused, BLOCK_K counting weight columns (two per byte).
+// dora_norm_4bit:       args packed, absmax, code, A, B, m, s, eps, block_shift, norm, scale
+// dora_norm_4bit_split: the same, then sumsq and tickets as dora_norm_split
+const dsl::Kernel& dora_norm_4bit();
+const dsl::Kernel& dora_norm_4bit_split();
+
 // MoE LoRA weight materialization, one pass over W:
 //   W_eff[e] = W[e] + s * B[e] @ A[e]
 // W, W_eff [E, N, K]; A [E, r, K]; B [E, N, r]; any strides (PEFT's flat

@@ -3,6 +3,7 @@
 // calls are asynchronous on `stream`; CPU calls return when done.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <optional>
 
@@ -34,6 +35,29 @@ struct Config {
 void dora_norm(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& m,
                double s, const TensorView& norm, const TensorView& scale, double eps = 0.0,
                void* stream = nullptr, const Config& config = {});
+
+// A weight stored as 4-bit codes in blocks, as bitsandbytes keeps a
+// Linear4bit weight (NF4 or FP4): element f = i*in + j of the row-major
+// [out, in] weight is code[q] * absmax[f / blocksize], q the high nibble of
+// byte f/2 of `packed` for even f and its low nibble for odd f.
+struct Weight4bit {
+  TensorView packed;       // u8, contiguous, out*in/2 bytes (bitsandbytes: weight.data, [out*in/2, 1])
+  TensorView absmax;       // f32, contiguous, cdiv(out*in, blocksize) scales (quant_state.absmax,
+                           // dequantized first when the state is nested)
+  TensorView code;         // f32 [16]: each code's value (quant_state.code, or nf4_code() on the device)
+  int64_t blocksize = 64;  // a power of two >= 2 (quant_state.blocksize)
+};
+// The values of QLoRA's 4-bit NormalFloat codes, for Weight4bit::code.
+const std::array<float, 16>& nf4_code();
+
+// dora_norm of a 4-bit weight, dequantized in registers and never written
+// out: W is [B.shape[0], A.shape[1]] (in even). The LoRA term is formed on
+// tensor cores in f16 when A and B are both f16, else in bf16 (s*B and A
+// rounded once: 2^-9 of the LoRA term, well below the 4-bit weight's own
+// error), accumulating in fp32; other arguments as dora_norm.
+void dora_norm_4bit(const Weight4bit& W, const TensorView& A, const TensorView& B, const TensorView& m, double s,
+                    const TensorView& norm, const TensorView& scale, double eps = 0.0, void* stream = nullptr,
+                    const Config& config = {});
 
 // W_eff[e] = W[e] + s * B[e] @ A[e] for the experts of a MoE layer.
 // W, W_eff [E, N, K]; A [E, r, K]; B [E, N, r]; any strides.

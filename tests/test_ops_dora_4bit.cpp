@@ -1,0 +1,195 @@
+// ops::dora_norm_4bit: the DoRA norm of a weight kept as 4-bit codes in blocks
+// (bitsandbytes' NF4 layout), against float64 references on random codes and
+// scales, odd shapes, partial last blocks, every adapter dtype and split; and
+// the arguments it refuses, with their messages.
+#include <cmath>
+#include <random>
+#include <string>
+
+#include "catch.h"
+#include "cpu_test_util.h"
+#include "device_tensor.h"
+#include "gpu_test_util.h"
+#include "kerf/error.h"
+#include "kerf/ops/ops.h"
+
+using namespace kerf;
+using kerf::test::TestTensor;
+
+namespace {
+
+double round_to(DType t, double v) {
+  if (t == DType::bf16) return bf16_to_float(float_to_bf16(float(v)));
+  if (t == DType::f16) return f16_to_float(float_to_f16(float(v)));
+  return v;
+}
+
+struct Case4 {
+  int64_t out, in, r, blocksize;
+  DType ab, m;
+  ops::Config config;
+};
+
+// A random 4-bit weight: every byte random (both nibbles), absmax in [0.5, 2).
+struct Quantized {
+  TestTensor packed, absmax, code;
+  Quantized(int64_t out, int64_t in, int64_t blocksize, Device dev, std::mt19937_64& rng)
+      : packed(DType::u8, {out * in / 2, 1}, dev),
+        absmax(DType::f32, {(out * in + blocksize - 1) / blocksize}, dev),
+        code(DType::f32, {16}, dev) {
+    for (int64_t i = 0; i < packed.numel(); ++i) packed.set(i, double(rng() & 255));
+    packed.upload();
+    absmax.randomize(rng, 0.5, 2.0);
+    for (int q = 0; q < 16; ++q) code.set(q, ops::nf4_code()[size_t(q)]);
+    code.upload();
+  }
+  // Element f of the row-major weight, dequantized exactly.
+  double w(int64_t f, int64_t blocksize) const {
+    const int byte = int(packed.get(f / 2));
+    const int q = f % 2 == 0 ? byte >> 4 : byte & 15;
+    return code.get(q) * absmax.get(f / blocksize);
+  }
+  ops::Weight4bit view(int64_t blocksize) {
+    return ops::Weight4bit{packed.view(), absmax.view(), code.view(), blocksize};
+  }
+};
+
+void check_4bit(const Case4& c, Device dev, uint64_t seed) {
+  CAPTURE(c.out, c.in, c.r, c.blocksize, dtype_name(c.ab), dtype_name(c.m), c.config.split_k, c.config.block_m,
+          c.config.block_k, seed, dev.str());
+  std::mt19937_64 rng(seed);
+  Quantized W(c.out, c.in, c.blocksize, dev, rng);
+  TestTensor A(c.ab, {c.r, c.in}, dev), B(c.ab, {c.out, c.r}, dev), m(c.m, {c.out}, dev);
+  TestTensor norm(DType::f32, {c.out}, dev), scale(DType::f32, {c.out}, dev);
+  A.randomize(rng, -0.5, 0.5);
+  B.randomize(rng, -0.5, 0.5);
+  m.randomize(rng, 0.5, 1.5);
+  norm.poison();
+  scale.poison();
+  const double s = 1.75, eps = 1e-6;
+  ops::dora_norm_4bit(W.view(c.blocksize), A.view(), B.view(), m.view(), s, norm.view(), scale.view(), eps, nullptr,
+                      c.config);
+  test::sync(dev);
+  norm.download();
+  scale.download();
+  // Two references: the exact math, and the one the kernel promises (s*B and A
+  // rounded once to the product's dtype, everything else exact).
+  const DType dot = c.ab == DType::f16 ? DType::f16 : DType::bf16;
+  std::vector<double> got_n, got_s, exact_n, exact_s, promised_n;
+  for (int64_t i = 0; i < c.out; ++i) {
+    double ss = 0, ss_rounded = 0;
+    for (int64_t j = 0; j < c.in; ++j) {
+      double ba = 0, ba_rounded = 0;
+      for (int64_t k = 0; k < c.r; ++k) {
+        ba += B.get(i * c.r + k) * A.get(k * c.in + j);
+        ba_rounded += round_to(dot, float(B.get(i * c.r + k)) * float(s)) * round_to(dot, A.get(k * c.in + j));
+      }
+      const double w = W.w(i * c.in + j, c.blocksize);
+      ss += (w + s * ba) * (w + s * ba);
+      ss_rounded += (w + ba_rounded) * (w + ba_rounded);
+    }
+    got_n.push_back(norm.get(i));
+    got_s.push_back(scale.get(i));
+    exact_n.push_back(std::sqrt(ss + eps));
+    exact_s.push_back(m.get(i) / exact_n.back());
+    promised_n.push_back(std::sqrt(ss_rounded + eps));
+  }
+  CHECK(test::max_relative_error(got_n, promised_n) <= 1e-5);
+  CHECK(test::max_relative_error(got_n, exact_n) <= 1e-2);
+  CHECK(test::max_relative_error(got_s, exact_s) <= 1e-2);
+}
+
+void run_4bit_cases(Device dev) {
+  auto cfg = [](int64_t bm, int64_t bk, int64_t split) {
+    ops::Config c;
+    c.block_m = bm;
+    c.block_k = bk;
+    c.split_k = split;
+    return c;
+  };
+  const std::vector<Case4> cases = {
+      {77, 130, 5, 64, DType::f32, DType::f32, {}},             // partial blocks, rows and steps
+      {64, 256, 16, 64, DType::bf16, DType::bf16, {}},          // whole tiles
+      {33, 322, 16, 128, DType::f16, DType::f32, {}},           // f16 product
+      {50, 1000, 33, 64, DType::f32, DType::bf16, cfg(16, 64, 3)},  // rank above 32, three splits
+      {9, 94, 1, 32, DType::bf16, DType::f32, cfg(0, 2, 0)},    // one byte per step
+      {100, 62, 8, 4096, DType::f32, DType::f32, cfg(32, 32, 1)},  // one scale for everything
+  };
+  uint64_t seed = 9100;
+  for (const Case4& c : cases) check_4bit(c, dev, seed++);
+}
+
+template <class F>
+void expect_invalid(F&& fn, const std::string& needle) {
+  try {
+    fn();
+    FAIL("no error for: " << needle);
+  } catch (const Error& e) {
+    INFO(e.what());
+    CHECK(std::string(e.what()).find(needle) != std::string::npos);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("dora_norm_4bit matches float64 references on the CPU", "[cpu][ops][dora][4bit]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  run_4bit_cases(Device::cpu());
+}
+
+TEST_CASE("dora_norm_4bit matches float64 references on the GPU", "[gpu][ops][dora][4bit]") {
+  KERF_REQUIRE_GPU();
+  run_4bit_cases(Device::cuda(0));
+}
+
+TEST_CASE("dora_norm_4bit refuses arrays that do not fit W, with messages saying which", "[ops][dora][4bit][errors]") {
+  const Device dev = Device::cpu();
+  std::mt19937_64 rng(9200);
+  const int64_t out = 8, in = 64, r = 4;
+  Quantized W(out, in, 64, dev, rng);
+  TestTensor A(DType::f32, {r, in}, dev), B(DType::f32, {out, r}, dev), m(DType::f32, {out}, dev);
+  TestTensor norm(DType::f32, {out}, dev), scale(DType::f32, {out}, dev);
+  TestTensor odd_A(DType::f32, {r, in - 1}, dev), short_packed(DType::u8, {out * in / 2 - 1}, dev);
+  TestTensor absmax_128(DType::f32, {out * in / 128}, dev), code15(DType::f32, {15}, dev);
+  TestTensor code_bf16(DType::bf16, {16}, dev), packed_f32(DType::f32, {out * in / 8}, dev);
+  auto call = [&](ops::Weight4bit w, const TensorView& a) {
+    ops::dora_norm_4bit(w, a, B.view(), m.view(), 1.0, norm.view(), scale.view());
+  };
+  const ops::Weight4bit good = W.view(64);
+  auto with = [&](auto edit) {
+    ops::Weight4bit w = good;
+    edit(w);
+    return w;
+  };
+  expect_invalid([&] { call(good, odd_A.view()); }, "in (A's columns) must be even");
+  expect_invalid([&] { call(with([&](auto& w) { w.packed = short_packed.view(); }), A.view()); },
+                 "packed must hold out*in/2 = 256 bytes");
+  expect_invalid([&] { call(with([&](auto& w) { w.absmax = absmax_128.view(); }), A.view()); },
+                 "absmax must hold cdiv(out*in, blocksize) = 8 scales for blocks of 64, got 4 (is blocksize right?)");
+  expect_invalid([&] { call(with([&](auto& w) { w.blocksize = 48; }), A.view()); },
+                 "blocksize must be a power of two >= 2, got 48");
+  expect_invalid([&] { call(with([&](auto& w) { w.code = code15.view(); }), A.view()); },
+                 "code must hold the 16 values");
+  expect_invalid([&] { call(with([&](auto& w) { w.code = code_bf16.view(); }), A.view()); }, "code");
+  expect_invalid([&] { call(with([&](auto& w) { w.packed = packed_f32.view(); }), A.view()); }, "packed");
+  expect_invalid(
+      [&] {
+        call(with([&](auto& w) { w.packed = W.packed.view({out * in / 4, 1}, {2, 1}); }), A.view());
+      },
+      "packed must be contiguous");
+  expect_invalid(
+      [&] {
+        ops::dora_norm_4bit(good, A.view(), B.view(), m.view(), 1.0, norm.view(), norm.view());
+      },
+      "overlaps");
+  ops::Config one;
+  one.block_k = 1;
+  expect_invalid(
+      [&] { ops::dora_norm_4bit(good, A.view(), B.view(), m.view(), 1.0, norm.view(), scale.view(), 0.0, nullptr, one); },
+      "block_k must be at least 2");
+  // Nothing to do for out = 0.
+  TestTensor B0(DType::f32, {0, r}, dev), m0(DType::f32, {0}, dev), n0(DType::f32, {0}, dev), s0(DType::f32, {0}, dev);
+  TestTensor p0(DType::u8, {0}, dev), a0(DType::f32, {0}, dev);
+  CHECK_NOTHROW(ops::dora_norm_4bit(ops::Weight4bit{p0.view(), a0.view(), W.code.view(), 64}, A.view(), B0.view(),
+                                    m0.view(), 1.0, n0.view(), s0.view()));
+}
