@@ -1,5 +1,7 @@
 // ops::dora_norm: argument checks, variant and configuration, launches.
 #include <algorithm>
+#include <map>
+#include <mutex>
 
 #include "kerf/jit/autotune.h"
 #include "kerf/jit/launch.h"
@@ -215,6 +217,23 @@ const std::array<float, 16>& nf4_code() {
       -0.0910500363f, 0.0f,           0.0795802996f,  0.1609302014f,  0.2461123019f,  0.3379152417f,
       0.4407098293f,  0.5626170039f,  0.7229568362f,  1.0f};
   return code;
+}
+
+TensorView nf4_code_tensor(const Device& device) {
+  const std::array<float, 16>& code = nf4_code();
+  if (!device.is_cuda())
+    return TensorView::contiguous(const_cast<float*>(code.data()), DType::f32, {16}, device);
+  // One copy per device, never freed: views of it may live as long as the process.
+  static std::mutex mu;
+  static auto* copies = new std::map<int, cuda::DeviceBuffer>();
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = copies->find(device.index);
+  if (it == copies->end()) {
+    cuda::DeviceBuffer buf(sizeof(float) * code.size(), device.index);
+    buf.copy_from_host(code.data(), sizeof(float) * code.size());
+    it = copies->emplace(device.index, std::move(buf)).first;
+  }
+  return TensorView::contiguous(it->second.data(), DType::f32, {16}, device);
 }
 
 namespace {

@@ -1,5 +1,5 @@
 # Type stubs of kerf's compiled module (bindings/src/*.cpp).
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 __version__: str
 
@@ -64,6 +64,11 @@ _Layout = Optional[Dict[str, Any]]
 def dora_norm(
     W: Any, A: Any, B: Any, m: Any, s: float, norm: Any, scale: Any, eps: float, stream: Any,
     config: Optional[Config], layout: _Layout = None,
+) -> Tuple[Any, Any]: ...
+def nf4_code() -> List[float]: ...
+def dora_norm_4bit(
+    packed: Any, absmax: Any, code: Any, blocksize: int, A: Any, B: Any, m: Any, s: float, norm: Any, scale: Any,
+    eps: float, stream: Any, config: Optional[Config],
 ) -> Tuple[Any, Any]: ...
 def moe_lora_materialize(
     W: Any, A: Any, B: Any, s: float, out: Any, stream: Any, config: Optional[Config], layout: _Layout = None

@@ -28,7 +28,7 @@ torch.autograd.Function objects.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from . import _kerf
 from ._kerf import Config
@@ -43,7 +43,9 @@ LayoutLike = Optional[Dict[str, Any]]
 
 __all__ = [
     "Config",
+    "bnb_weight4bit",
     "dora_norm",
+    "dora_norm_4bit",
     "dora_norm_backward",
     "dora_norm_finish",
     "dora_norm_partial",
@@ -55,6 +57,7 @@ __all__ = [
     "lora_unmerge_flax",
     "moe_lora_materialize",
     "moe_lora_materialize_backward",
+    "nf4_code",
 ]
 
 
@@ -95,6 +98,81 @@ def dora_norm(
         ``(norm, scale)``: the given outputs, or new ones.
     """
     return _kerf.dora_norm(W, A, B, m, s, norm, scale, eps, stream, config, layout)
+
+
+def dora_norm_4bit(
+    packed: TensorLike,
+    absmax: TensorLike,
+    A: TensorLike,
+    B: TensorLike,
+    m: TensorLike,
+    s: float,
+    *,
+    blocksize: int = 64,
+    code: Optional[TensorLike] = None,
+    eps: float = 0.0,
+    norm: Optional[TensorLike] = None,
+    scale: Optional[TensorLike] = None,
+    stream: StreamLike = None,
+    config: Optional[Config] = None,
+) -> Tuple[TensorLike, TensorLike]:
+    """:func:`dora_norm` of a weight kept as 4-bit codes in blocks (QLoRA +
+    DoRA), dequantized in registers: no 16-bit copy of W is ever made.
+
+    The layout is bitsandbytes' (``Linear4bit``, NF4 or FP4): element
+    ``f = i * in + j`` of the row-major weight ``[out, in]`` is
+    ``code[q] * absmax[f // blocksize]``, with ``q`` the high nibble of
+    ``packed[f // 2]`` for even ``f`` and its low nibble for odd ``f``.
+    :func:`bnb_weight4bit` reads these from a bitsandbytes weight.
+
+    Args:
+        packed: uint8, contiguous, ``out * in / 2`` bytes (any shape; bitsandbytes
+            keeps ``[out * in / 2, 1]``). ``out`` is B's rows, ``in`` A's columns
+            (even).
+        absmax: float32, contiguous, one scale per block of ``blocksize`` elements.
+        A, B, m, s, eps, norm, scale, stream, config: as :func:`dora_norm`.
+        blocksize: elements per scale, a power of two (bitsandbytes' default 64).
+        code: float32 [16], each code's value; None uses NF4's (kerf keeps a copy
+            per device).
+
+    The LoRA term is formed on tensor cores in float16 when A and B are
+    float16, else in bfloat16 (s*B and A rounded once), accumulating in float32.
+
+    Returns:
+        ``(norm, scale)``: the given outputs, or new ones (float32 [out]).
+    """
+    return _kerf.dora_norm_4bit(packed, absmax, code, blocksize, A, B, m, s, norm, scale, eps, stream, config)
+
+
+def nf4_code() -> List[float]:
+    """The 16 values of QLoRA's 4-bit NormalFloat codes (the ``code`` that
+    :func:`dora_norm_4bit` uses when given none)."""
+    return _kerf.nf4_code()
+
+
+def bnb_weight4bit(weight: Any) -> Dict[str, Any]:
+    """The 4-bit arrays of a bitsandbytes ``Params4bit`` weight (a QLoRA base
+    layer's ``weight``), as keyword arguments of :func:`dora_norm_4bit`:
+    ``packed``, ``absmax``, ``code`` and ``blocksize``.
+
+    A nested quant state (``compress_statistics=True``, QLoRA's double
+    quantization) keeps absmax itself quantized; it is dequantized here with
+    bitsandbytes (a small tensor: one value per block).
+    """
+    state = getattr(weight, "quant_state", None)
+    if state is None:
+        raise TypeError("bnb_weight4bit: the weight has no quant_state (not a bitsandbytes 4-bit weight)")
+    absmax = state.absmax
+    if getattr(state, "nested", False):
+        try:
+            import bitsandbytes.functional as bnbf
+        except ImportError as e:
+            raise ImportError("bnb_weight4bit: a nested quant state needs bitsandbytes to dequantize absmax") from e
+        absmax = bnbf.dequantize_blockwise(state.absmax, state.state2) + state.offset
+    if hasattr(absmax, "float"):
+        absmax = absmax.float()
+    return {"packed": getattr(weight, "data", weight), "absmax": absmax, "code": state.code,
+            "blocksize": int(state.blocksize)}
 
 
 def moe_lora_materialize(

@@ -172,6 +172,33 @@ void bind_ops(py::module_& m) {
       py::arg("layout").none(true) = py::none(), "ops::dora_norm; see kerf.ops.dora_norm.");
 
   m.def(
+      "nf4_code", [] { return std::vector<float>(ops::nf4_code().begin(), ops::nf4_code().end()); },
+      "The 16 values of QLoRA's NF4 codes (ops::nf4_code).");
+  m.def(
+      "dora_norm_4bit",
+      [](py::handle packed, py::handle absmax, py::handle code, int64_t blocksize, py::handle A, py::handle B,
+         py::handle m, double s, py::handle norm, py::handle scale, double eps, py::handle stream,
+         const ops::Config* config) {
+        Call call("dora_norm_4bit", stream);
+        ops::Weight4bit w;
+        w.packed = call.input(packed, "packed");
+        w.absmax = call.input(absmax, "absmax");
+        w.code = code.is_none() ? ops::nf4_code_tensor(w.packed.device) : call.input(code, "code");
+        w.blocksize = blocksize;
+        const TensorView a = call.input(A, "A"), b = call.input(B, "B"), mag = call.input(m, "m");
+        const int64_t out = b.rank >= 1 ? b.shape[0] : 0;
+        const auto n = call.output_or_new(norm, "norm", {out}, DType::f32);
+        const auto sc = call.output_or_new(scale, "scale", {out}, DType::f32);
+        const ops::Config cfg = config_of(config);
+        call.run([&] { ops::dora_norm_4bit(w, a, b, mag, s, n.second, sc.second, eps, call.stream(), cfg); });
+        return py::make_tuple(n.first, sc.first);
+      },
+      py::arg("packed"), py::arg("absmax"), py::arg("code").none(true), py::arg("blocksize"), py::arg("A"),
+      py::arg("B"), py::arg("m"), py::arg("s"), py::arg("norm").none(true), py::arg("scale").none(true),
+      py::arg("eps"), py::arg("stream").none(true), py::arg("config").none(true),
+      "ops::dora_norm_4bit; see kerf.ops.dora_norm_4bit.");
+
+  m.def(
       "moe_lora_materialize",
       [](py::handle W, py::handle A, py::handle B, double s, py::handle out, py::handle stream,
          const ops::Config* config, py::handle layout) {

@@ -447,3 +447,25 @@ def test_jax_arrays_cross_through_dlpack():
     n = torch.from_dlpack(norm).cpu().double()
     Wt, At, Bt = (torch.from_dlpack(x).cpu().double() for x in (W, A, B))
     torch.testing.assert_close(n, torch.linalg.norm(Wt + 0.5 * Bt @ At, dim=1), rtol=2e-5, atol=0)
+
+
+# ---------------------------------------------------------------- 4-bit weights
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("adapters", [torch.float32, torch.bfloat16])
+def test_dora_norm_4bit_on_torch_uint8_matches_a_dequantized_reference(device, adapters, torch_path):
+    out, inn, r, bs = 96, 320, 16, 64
+    g = torch.Generator().manual_seed(11)
+    packed = torch.randint(0, 256, (out * inn // 2, 1), dtype=torch.uint8, generator=g).to(device)
+    absmax = (torch.rand(out * inn // bs, generator=g) + 0.5).to(device)
+    A = (torch.randn(r, inn, generator=g) / inn ** 0.5).to(device, adapters)
+    B = torch.randn(out, r, generator=g).to(device, adapters)
+    m = (torch.rand(out, generator=g) + 0.5).to(device)
+    norm, scale = kerf.ops.dora_norm_4bit(packed, absmax, A, B, m, 0.5)
+    assert isinstance(norm, torch.Tensor) and norm.device == packed.device and norm.dtype == torch.float32
+    code = torch.tensor(kerf.ops.nf4_code(), dtype=torch.float64, device=device)
+    b = packed.reshape(-1).long()
+    q = torch.stack([b >> 4, b & 15], dim=1).reshape(-1)
+    W = (code[q] * absmax.double().repeat_interleave(bs)).reshape(out, inn)
+    ref_norm, ref_scale = dora_ref(W, A, B, m, 0.5)
+    torch.testing.assert_close(norm.double(), ref_norm, rtol=1e-2, atol=0)
+    torch.testing.assert_close(scale.double(), ref_scale, rtol=1e-2, atol=0)

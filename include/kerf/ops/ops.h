@@ -49,6 +49,9 @@ struct Weight4bit {
 };
 // The values of QLoRA's 4-bit NormalFloat codes, for Weight4bit::code.
 const std::array<float, 16>& nf4_code();
+// nf4_code() as an f32 [16] tensor on `device`, owned by kerf: made on first
+// use per device and kept for the life of the process (read-only).
+TensorView nf4_code_tensor(const Device& device);
 
 // dora_norm of a 4-bit weight, dequantized in registers and never written
 // out: W is [B.shape[0], A.shape[1]] (in even). The LoRA term is formed on
