@@ -261,6 +261,42 @@ OpCase make_merge(int64_t out, int64_t in, int64_t r) {
   return c;
 }
 
+// The DoRA norm of an NF4 weight [out, in] (blocks of 64), bf16 adapters and m.
+OpCase make_dora_4bit(int64_t out, int64_t in, int64_t r) {
+  const Device dev = Device::cuda(0);
+  OpCase c;
+  c.op = "dora_norm_4bit r=" + std::to_string(r);
+  c.shape = shape_str({out, in});
+  const int64_t blocks = (out * in + 63) / 64;
+  c.bytes = double(out * in / 2 + blocks * 4 + (r * in + out * r + out) * 2 + out * 8);
+  for (int i = 0; i < set_count(c.bytes); ++i) {
+    std::vector<cuda::DeviceBuffer> b;
+    std::mt19937_64 rng(301 + i);
+    std::vector<uint8_t> bytes(size_t(out * in / 2));
+    for (uint8_t& x : bytes) x = uint8_t(rng());
+    b.emplace_back(bytes.size());
+    b.back().copy_from_host(bytes.data(), bytes.size());
+    b.push_back(random_buffer(DType::f32, size_t(blocks), 303 + i));
+    b.push_back(random_buffer(DType::bf16, size_t(r * in), 307 + i, 0.1f));
+    b.push_back(random_buffer(DType::bf16, size_t(out * r), 311 + i, 0.1f));
+    b.push_back(random_buffer(DType::bf16, size_t(out), 313 + i));
+    b.emplace_back(size_t(out) * 4);
+    b.emplace_back(size_t(out) * 4);
+    c.sets.push_back(std::move(b));
+  }
+  c.run = [=](std::vector<cuda::DeviceBuffer>& b, const ops::Config& cfg, cuda::StreamHandle stream) {
+    const ops::Weight4bit w{TensorView::contiguous(b[0].data(), DType::u8, {out * in / 2}, dev),
+                            TensorView::contiguous(b[1].data(), DType::f32, {blocks}, dev), ops::nf4_code_tensor(dev),
+                            64};
+    ops::dora_norm_4bit(w, TensorView::contiguous(b[2].data(), DType::bf16, {r, in}, dev),
+                        TensorView::contiguous(b[3].data(), DType::bf16, {out, r}, dev),
+                        TensorView::contiguous(b[4].data(), DType::bf16, {out}, dev), 2.0,
+                        TensorView::contiguous(b[5].data(), DType::f32, {out}, dev),
+                        TensorView::contiguous(b[6].data(), DType::f32, {out}, dev), 0.0, stream, cfg);
+  };
+  return c;
+}
+
 // dA = s B^T dW, dB = s dW A^T per expert; bf16 dW and adapters, gradients in `grads`.
 OpCase make_moe_backward(int64_t E, int64_t N, int64_t K, int64_t r, DType grads) {
   const Device dev = Device::cuda(0);
@@ -515,6 +551,13 @@ int main(int argc, char** argv) {
           for (int64_t warps : {4, 8}) merge_cfgs.push_back(ops::Config{bm, bk, 0, warps, 3});
     for (auto [o, i] : std::vector<std::pair<int64_t, int64_t>>{{4096, 4096}, {8192, 8192}, {14336, 4096}})
       if (family("lora_merge")) run_case(make_merge(o, i, 16), merge_cfgs);
+    std::vector<ops::Config> dora4_cfgs = {ops::Config{}};
+    if (!quick)
+      for (int64_t bm : {32, 64, 128})
+        for (int64_t bk : {128, 256})
+          for (int64_t warps : {4, 8}) dora4_cfgs.push_back(ops::Config{bm, bk, 0, warps, 3});
+    for (auto [o, i] : std::vector<std::pair<int64_t, int64_t>>{{4096, 4096}, {8192, 8192}, {14336, 4096}})
+      if (family("dora_norm_4bit")) run_case(make_dora_4bit(o, i, 16), dora4_cfgs);
     std::vector<ops::Config> moe_bwd_cfgs = {ops::Config{}};
     if (!quick)
       for (int64_t bn : {64, 128, 256})

@@ -135,6 +135,39 @@ def bench_dora(out, inn, r, results):
                                 config=str(best[1])))
 
 
+NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+       -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+       0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+       0.7229568362236023, 1.0]
+
+
+def bench_dora_4bit(out, inn, r, results):
+    """What PEFT does for QLoRA + DoRA: dequantize the NF4 weight to bf16 (here
+    with a table lookup, as bitsandbytes' kernel does), then the eager norm."""
+    dt = torch.bfloat16
+    blocks = -(-out * inn // 64)
+    nbytes = out * inn // 2 + blocks * 4 + (r * inn + out * r + out) * 2 + out * 8
+    nsets = max(2, math.ceil(300e6 / nbytes))
+    code = torch.tensor(NF4, device="cuda")
+    sets = [dict(packed=torch.randint(0, 256, (out * inn // 2,), dtype=torch.uint8, device="cuda"),
+                 absmax=torch.rand(blocks, device="cuda") + 0.5,
+                 A=0.1 * torch.randn(r, inn, device="cuda", dtype=dt),
+                 B=0.1 * torch.randn(out, r, device="cuda", dtype=dt),
+                 m=torch.rand(out, device="cuda", dtype=dt) + 0.5) for _ in range(nsets)]
+    s = 2.0
+
+    def eager(x):
+        p = x["packed"]
+        q = torch.stack((p >> 4, p & 15), dim=1).reshape(-1).long()
+        W = (code[q].view(blocks, -1) * x["absmax"][:, None]).to(dt).view(out, inn)
+        n = torch.linalg.norm(W + s * (x["B"] @ x["A"]), dim=1)
+        return x["m"].float() / n.float()
+
+    us = median_us(eager, sets)
+    results.append(dict(impl="torch eager", op=f"dora_norm_4bit r={r}", shape=f"{out}x{inn}", median_us=us,
+                        bytes=nbytes, gbps=nbytes / (us * 1e3), copy_gbps=copy_gbps(nbytes)))
+
+
 def bench_moe(E, N, K, r, results):
     dt = torch.bfloat16
     nbytes = (2 * E * N * K + E * r * K + E * N * r) * 2
@@ -246,6 +279,9 @@ def main():
         print(results[-1], flush=True)
     for out, inn in [(4096, 4096), (8192, 8192), (14336, 4096)]:
         bench_merge(out, inn, 16, results)
+        print(results[-1], flush=True)
+    for out, inn in [(4096, 4096), (8192, 8192), (14336, 4096)]:
+        bench_dora_4bit(out, inn, 16, results)
         print(results[-1], flush=True)
     for E, N, K, r in [(128, 1536, 2048, 16), (128, 2048, 768, 16), (64, 2816, 2048, 64)]:
         bench_moe_backward(E, N, K, r, results)
