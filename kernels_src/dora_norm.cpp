@@ -56,12 +56,15 @@ Value row_sum_of_squares(Builder& k, const Tensor& W, const Tensor& A, const Ten
 // step a [BLOCK_M, BLOCK_K/2] tile of bytes gives the even columns (high
 // nibbles) and the odd ones (low nibbles); each half meets A's columns of its
 // parity in its own dot. Both halves of a byte share its absmax block (in and
-// the block size are even).
+// the block size are even). With SCALE_PER_STEP (in and the block size are
+// multiples of BLOCK_K) a step's columns lie in one block per row: its scales
+// are one [BLOCK_M, 1] load instead of one per element.
 Value row_sum_of_squares_4bit(Builder& k, const Tensor& packed, const Tensor& absmax, const Tensor& code,
                               const Value& shift, const Tensor& A, const Tensor& B, const Value& s,
                               const Value& rows, bool split) {
   const int64_t BM = k.meta("BLOCK_M"), BK = k.meta("BLOCK_K"), R = k.meta("R_PAD");
   const int64_t BH = BK / 2;  // bytes per row and step
+  const bool per_step = k.meta("SCALE_PER_STEP", 0) != 0;
   const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::bf16)));
   const Value n_out = packed.dim(0), n_half = packed.dim(1), rank = A.dim(0);
   const Value n_in = n_half.to(DType::i64) * 2;
@@ -80,7 +83,8 @@ Value row_sum_of_squares_4bit(Builder& k, const Tensor& packed, const Tensor& ab
     const Value h_ok = h.row() < n_half;
     const Value ok = row_ok & h_ok;
     const Value byte = load(packed, {rows.col(), h.row()}, ok);  // u8 [BM, BH]
-    const Value block_scale = load(absmax, {(row_base + 2 * h.row()) >> shift}, ok);
+    const Value block_scale = per_step ? load(absmax, {(row_base + 2 * h0) >> shift}, row_ok)  // [BM, 1]
+                                       : load(absmax, {(row_base + 2 * h.row()) >> shift}, ok);
     const Value w_even = load(code, {byte >> 4}, ok) * block_scale;
     const Value w_odd = load(code, {byte & 15}, ok) * block_scale;
     const Value a_even = load(A, {rk.col(), 2 * h.row()}, rank_ok & h_ok).to(dot_t);  // [R, BH]

@@ -28,9 +28,11 @@ struct DoraPlan {
 };
 
 // `programs`: multiprocessors (CPU threads) the launch should fill.
-// `four_bit`: W is given as 4-bit codes and `w_dtype` is the product's dtype.
+// `blocksize` > 0: W is given as 4-bit codes in blocks of that many elements,
+// and `w_dtype` is the product's dtype.
 DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, DType w_dtype, bool gpu, int64_t programs,
-                   const Config& config, bool four_bit = false) {
+                   const Config& config, int64_t blocksize = 0) {
+  const bool four_bit = blocksize > 0;
   const DType dot = is_half(w_dtype) ? w_dtype : DType::f32;
   const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
   const int64_t bm = config.block_m ? config.block_m : (gpu ? 64 : 16);
@@ -43,6 +45,8 @@ DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, DType w_dtype, bool gpu, 
   p.meta = {{"BLOCK_M", bm}, {"BLOCK_K", bk}, {"R_PAD", r_pad}, {"DOT", int64_t(dot)}, {"num_warps", warps}};
   // cp.async pipelining on the GPU; the CPU back end has no use for stages.
   p.meta["num_stages"] = config.num_stages ? config.num_stages : (gpu ? 3 : 1);
+  // A step within one scale block per row: one scale per row and step.
+  if (four_bit && in % bk == 0 && blocksize % bk == 0) p.meta["SCALE_PER_STEP"] = 1;
   if (p.split == 1) {
     p.kernel = four_bit ? &kernels::dora_norm_4bit() : &kernels::dora_norm_fused();
     p.grid = Grid{uint32_t(p.blocks_m), 1, 1};
@@ -282,12 +286,12 @@ Config tuned_dora_4bit_config(const TensorView& packed2, const Weight4bit& W, co
   q.extent_m = out;
   q.extent_k = in;
   q.kernels = [&](const Config& c) {
-    const DoraPlan p = plan_dora(out, in, r, dot, gpu, programs, c, true);
+    const DoraPlan p = plan_dora(out, in, r, dot, gpu, programs, c, W.blocksize);
     return std::vector<autotune::KernelCall>{
         {p.kernel, dora_4bit_args(p, packed2, W, A, B, m, 1.0, 0.0, norm, scale, kUnusedWorkspace), p.meta}};
   };
   q.run = [&](const Config& c) {
-    const DoraPlan p = plan_dora(out, in, r, dot, gpu, programs, c, true);
+    const DoraPlan p = plan_dora(out, in, r, dot, gpu, programs, c, W.blocksize);
     void* ws = p.split == 1 ? nullptr : workspace(packed2.device, stream, workspace_bytes(p));
     launch(*p.kernel, dora_4bit_args(p, packed2, W, A, B, m, 1.0, 0.0, norm, scale, ws), p.grid, p.meta, stream);
   };
@@ -366,7 +370,7 @@ void dora_norm_4bit(const Weight4bit& W, const TensorView& A, const TensorView& 
   const std::shared_ptr<const DoraPlan> p = plans.get(key, [&] {
     const Config cfg = has_config(config) ? config
                                           : tuned_dora_4bit_config(packed2, W, A, B, m, norm, scale, stream);
-    return plan_dora(out, in, r, dot_4bit(A, B), packed2.device.is_cuda(), parallelism(packed2.device), cfg, true);
+    return plan_dora(out, in, r, dot_4bit(A, B), packed2.device.is_cuda(), parallelism(packed2.device), cfg, W.blocksize);
   });
   void* ws = p->split > 1 ? workspace(packed2.device, stream, workspace_bytes(*p)) : nullptr;
   launch(*p->kernel, dora_4bit_args(*p, packed2, W, A, B, m, s, eps, norm, scale, ws), p->grid, p->meta, stream);
@@ -394,7 +398,7 @@ const bool dora_4bit_registered = [] {
     const Weight4bit W{v[0], v[1], v[2], 64};
     const TensorView packed2 = detail::restride(v[0], {out, in / 2}, {in / 2, 1});
     const DoraPlan p = plan_dora(out, in, r, dot_4bit(v[3], v[4]), true, sm_count, config_from(c, "BLOCK_M", "BLOCK_K"),
-                                 true);
+                                 64);
     return std::vector<autotune::KernelCall>{
         {p.kernel, dora_4bit_args(p, packed2, W, v[3], v[4], v[5], 1.0, 0.0, v[6], v[7], kUnusedWorkspace), p.meta}};
   };

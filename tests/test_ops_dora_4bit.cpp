@@ -1,6 +1,8 @@
 // ops::dora_norm_4bit: the DoRA norm of a weight kept as 4-bit codes in blocks
 // (bitsandbytes' NF4 layout), against float64 references on random codes and
-// scales, odd shapes, partial last blocks, every adapter dtype and split; and
+// scales, odd shapes, partial last blocks, every adapter dtype and split, a
+// scale per element and a scale per row and step (in and the block size
+// multiples of BLOCK_K); and
 // the arguments it refuses, with their messages.
 #include <cmath>
 #include <random>
@@ -114,6 +116,7 @@ void run_4bit_cases(Device dev) {
       {50, 1000, 33, 64, DType::f32, DType::bf16, cfg(16, 64, 3)},  // rank above 32, three splits
       {9, 94, 1, 32, DType::bf16, DType::f32, cfg(0, 2, 0)},    // one byte per step
       {100, 62, 8, 4096, DType::f32, DType::f32, cfg(32, 32, 1)},  // one scale for everything
+      {96, 512, 16, 128, DType::bf16, DType::f32, cfg(32, 64, 2)},  // one scale per row and step, split
   };
   uint64_t seed = 9100;
   for (const Case4& c : cases) check_4bit(c, dev, seed++);

@@ -94,7 +94,7 @@ if [[ ,$stages, == *,sanitize,* ]]; then
   echo "== compute-sanitizer racecheck (shared-memory hazards) on the kernel numerics tests"
   t0=$SECONDS
   timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 --print-limit 20 \
-    "$build/tests/kerf_tests" "[gpu][kernels],[gpu][numerics],[gpu][merge],[gpu][embedding]" -r compact \
+    "$build/tests/kerf_tests" "[gpu][kernels],[gpu][numerics],[gpu][merge],[gpu][embedding],[gpu][4bit]" -r compact \
     > "$out/racecheck.log" 2>&1
   rc=$?
   grep -E "RACECHECK SUMMARY|Race reported|Error:" "$out/racecheck.log" | head -20
