@@ -36,7 +36,12 @@ DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, DType w_dtype, bool gpu, 
   const DType dot = is_half(w_dtype) ? w_dtype : DType::f32;
   const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
   const int64_t bm = config.block_m ? config.block_m : (gpu ? 64 : 16);
-  const int64_t bk = config.block_k ? config.block_k : (gpu ? 128 : 64);
+  int64_t bk_default = gpu ? 128 : 64;
+  if (four_bit) {  // by default a step stays inside a scale block when it can
+    const int64_t b = std::clamp<int64_t>(blocksize, 32, bk_default);
+    if (in % b == 0 && blocksize % b == 0) bk_default = b;
+  }
+  const int64_t bk = config.block_k ? config.block_k : bk_default;
   const int64_t warps = config.num_warps ? config.num_warps : 4;
   DoraPlan p;
   p.blocks_m = cdiv(out, bm);
