@@ -91,6 +91,9 @@ const dsl::Kernel& lora_embedding_backward() {
     const Value padding = k.scalar("padding", DType::i64);
     const int64_t BT = k.meta("BLOCK_T"), BD = k.meta("BLOCK_D"), R = k.meta("R_PAD");
     const bool by_freq = k.meta("BY_FREQ", 0) != 0;
+    // ROTATE: each token block starts its steps over D at a different step, so the token
+    // blocks sharing a slice of D do not all add into the same rows of dB at once.
+    const bool rotate = k.meta("ROTATE", 0) != 0;
     const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
     const Value n_dim = g.dim(1), rank = A.dim(0);
 
@@ -103,7 +106,8 @@ const dsl::Kernel& lora_embedding_backward() {
 
     const auto [lo, hi] = split_range(n_dim, BD);
     // gB[t, :] = g[t, :] @ B over this program's slice of D; dB's rows of the slice on the way.
-    const Value gB = for_range(lo, hi, BD, zeros({BT, R}), [&](const Value& d0, const Value& acc) {
+    const Value gB = for_range(lo, hi, BD, zeros({BT, R}), [&](const Value& iv, const Value& acc) {
+      const Value d0 = rotate ? rotated_step(iv, lo, hi, BD, program_id(0)) : iv;
       const Value d = d0 + arange(BD);
       const Value d_ok = d.col() < n_dim;  // [BD, 1]
       const Value gt = load(g, {t.tok.col(), d.row()}, t.tok_ok.col() & (d.row() < n_dim))

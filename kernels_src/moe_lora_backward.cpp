@@ -10,6 +10,9 @@
 // and feeds it to two dots: (B rows)^T @ tile is this row block's share of dA's columns, added with
 // fp32 atomics; tile @ (A columns)^T accumulates dB's rows in registers across the loop, stored
 // once at the end (added atomically with DB_ATOMIC, when several column slices each hold a part).
+// With ROTATE each row block starts its column steps at a different step (its index), so that
+// the row blocks of an expert, which add into the same dA columns, are not all at the same
+// columns at once.
 #include "kerf/kernels/kernels.h"
 #include "split_range.h"
 
@@ -25,6 +28,7 @@ const dsl::Kernel& moe_lora_backward() {
     const Tensor dB = k.tensor("dB", 3);
     const int64_t BN = k.meta("BLOCK_N"), BK = k.meta("BLOCK_K"), R = k.meta("R_PAD");
     const bool db_atomic = k.meta("DB_ATOMIC", 0) != 0;
+  const bool rotate = k.meta("ROTATE", 0) != 0;
     const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
     const Value e = program_id(2);
     const Value n_rows = dW.dim(1), n_cols = dW.dim(2), rank = A.dim(1);
@@ -38,7 +42,8 @@ const dsl::Kernel& moe_lora_backward() {
     const Value bt = trans(b);                                                     // [R, BN]
 
     const auto [lo, hi] = split_range(n_cols, BK);
-    const Value acc = for_range(lo, hi, BK, zeros({BN, R}), [&](const Value& k0, const Value& acc) {
+    const Value acc = for_range(lo, hi, BK, zeros({BN, R}), [&](const Value& iv, const Value& acc) {
+      const Value k0 = rotate ? rotated_step(iv, lo, hi, BK, program_id(0)) : iv;
       const Value cols = k0 + arange(BK);
       const Value col_ok = cols.row() < n_cols;
       const Value g = load(dW, {e, rows.col(), cols.row()}, row_ok & col_ok).to(dot_t);  // [BN, BK]

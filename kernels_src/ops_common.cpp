@@ -71,6 +71,33 @@ CallKey& CallKey::add(const TensorView& t) {
   return *this;
 }
 
+CallKey& CallKey::add(const Config& c) {
+  add(c.block_m).add(c.block_k).add(c.split_k).add(c.num_warps).add(c.num_stages);
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the meta names and values
+  for (const auto& [name, value] : c.meta) {
+    for (const char ch : name) h = (h ^ uint8_t(ch)) * 1099511628211ull;
+    for (int b = 0; b < 8; ++b) h = (h ^ uint8_t(uint64_t(value) >> (8 * b))) * 1099511628211ull;
+  }
+  return add(int64_t(h));
+}
+
+void expect_meta(const char* op, const Config& config, std::initializer_list<MetaRange> allowed) {
+  for (const auto& [name, value] : config.meta) {
+    const MetaRange* range = nullptr;
+    for (const MetaRange& a : allowed)
+      if (name == a.name) range = &a;
+    if (!range) {
+      std::string takes;
+      for (const MetaRange& a : allowed) takes += (takes.empty() ? "" : ", ") + std::string(a.name);
+      throw InvalidArgument(std::string(op) + ": Config.meta names '" + name + "', which this op does not take (" +
+                            (takes.empty() ? std::string("it takes none") : "it takes " + takes) + ")");
+    }
+    if (value < range->lo || value > range->hi)
+      throw InvalidArgument(std::string(op) + ": Config.meta " + name + " must be in [" + std::to_string(range->lo) +
+                            ", " + std::to_string(range->hi) + "], got " + std::to_string(value));
+  }
+}
+
 size_t CallKeyHash::operator()(const CallKey& k) const {
   uint64_t h = k.n;
   for (size_t i = 0; i < k.n; ++i) h = (h ^ uint64_t(k.words[i])) * 0x100000001b3ull + (h >> 29);

@@ -64,7 +64,19 @@ inline void expect_device(const char* op, const std::vector<NamedTensor>& ts) {
 
 // Whether the caller set any field of an ops::Config (it then wins over the autotuner).
 inline bool has_config(const Config& c) {
-  return c.block_m || c.block_k || c.split_k || c.num_warps || c.num_stages;
+  return c.block_m || c.block_k || c.split_k || c.num_warps || c.num_stages || !c.meta.empty();
+}
+// Throws InvalidArgument when config.meta names a meta-parameter `op` does not
+// take (`allowed`), or gives one of them a value outside [lo, hi].
+struct MetaRange {
+  const char* name;
+  int64_t lo, hi;
+};
+void expect_meta(const char* op, const Config& config, std::initializer_list<MetaRange> allowed);
+// config.meta's value of `name`, else `fallback`.
+inline int64_t meta_or(const Config& c, const char* name, int64_t fallback) {
+  auto it = c.meta.find(name);
+  return it == c.meta.end() ? fallback : it->second;
 }
 
 // Multiprocessors of the tensors' device (the number of CPU threads on the CPU).
@@ -94,6 +106,7 @@ struct CallKey {
   CallKey& add(const TensorView& t);  // dtype, rank, sizes
   CallKey& add(const Device& d) { return add(int64_t(d.kind) << 32 | int64_t(d.index)); }
   CallKey& add(DType t) { return add(int64_t(t)); }
+  CallKey& add(const Config& c);  // every field, meta as one hash
   bool operator==(const CallKey& o) const { return n == o.n && words == o.words; }
 };
 struct CallKeyHash {

@@ -95,6 +95,7 @@ void run_dora_norm(const TensorView& W, const TensorView& A, const TensorView& B
                    const TensorView& norm, const TensorView& scale, double eps, void* stream, const Config& config,
                    const std::string& layout) {
   const char* op = "dora_norm";
+  expect_meta(op, config, {});
   expect_shape(op, "W", W, {-1, -1});
   const int64_t out = W.shape[0], in = W.shape[1];
   expect_shape(op, "A", A, {-1, in});
@@ -115,7 +116,7 @@ void run_dora_norm(const TensorView& W, const TensorView& A, const TensorView& B
   static PlanMemo<DoraPlan> plans;
   CallKey key;
   key.add(W).add(A).add(B.dtype).add(m.dtype).add(W.device);
-  key.add(config.block_m).add(config.block_k).add(config.split_k).add(config.num_warps).add(config.num_stages);
+  key.add(config);
   const std::shared_ptr<const DoraPlan> p = plans.get(key, [&] {
     // A caller's Config wins; otherwise the autotuner's choice (its defaults when tuning is off).
     const Config cfg = has_config(config)
@@ -338,6 +339,7 @@ TensorView checked_packed(const char* op, const Weight4bit& W, int64_t out, int6
 void dora_norm_4bit(const Weight4bit& W, const TensorView& A, const TensorView& B, const TensorView& m, double s,
                     const TensorView& norm, const TensorView& scale, double eps, void* stream, const Config& config) {
   const char* op = "dora_norm_4bit";
+  expect_meta(op, config, {});
   expect_shape(op, "A", A, {-1, -1});
   const int64_t r = A.shape[0], in = A.shape[1];
   expect_shape(op, "B", B, {-1, r});
@@ -371,7 +373,7 @@ void dora_norm_4bit(const Weight4bit& W, const TensorView& A, const TensorView& 
   static PlanMemo<DoraPlan> plans;
   CallKey key;
   key.add(packed2).add(W.absmax).add(W.code).add(A).add(B.dtype).add(m.dtype).add(W.blocksize);
-  key.add(config.block_m).add(config.block_k).add(config.split_k).add(config.num_warps).add(config.num_stages);
+  key.add(config);
   const std::shared_ptr<const DoraPlan> p = plans.get(key, [&] {
     const Config cfg = has_config(config) ? config
                                           : tuned_dora_4bit_config(packed2, W, A, B, m, norm, scale, stream);

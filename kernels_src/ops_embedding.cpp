@@ -241,8 +241,11 @@ std::vector<autotune::Config> embedding_gpu_candidates() {
 }
 
 std::vector<autotune::Config> embedding_backward_gpu_candidates() {
-  return autotune::product(
-      {{"BLOCK_T", {32, 64, 128, 256}}, {"BLOCK_D", {32, 64, 128}}, {"num_warps", {4, 8}}, {"num_stages", {3}}});
+  return autotune::product({{"BLOCK_T", {32, 64, 128, 256}},
+                            {"BLOCK_D", {32, 64, 128}},
+                            {"num_warps", {4, 8}},
+                            {"num_stages", {3}},
+                            {"ROTATE", {0, 1}}});
 }
 
 Config tuned_embedding_config(const EmbeddingForward& c) {
@@ -302,6 +305,7 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
             {"R_PAD", std::max<int64_t>(16, next_pow2(r))},
             {"DOT", int64_t(dot)},
             {"BY_FREQ", c.by_freq ? 1 : 0},
+            {"ROTATE", meta_or(config, "ROTATE", 0)},
             {"num_warps", config.num_warps ? config.num_warps : (gpu && bt >= 128 ? 8 : 4)},
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
   p.grid = Grid{uint32_t(cdiv(T, bt)), uint32_t(split), 1};
@@ -440,6 +444,7 @@ void lora_embedding(const TensorView& x, const TensorView& weight, const TensorV
                     const EmbeddingOptions& options, void* stream, const Config& config,
                     const Layout& layout) {
   const char* op = "lora_embedding";
+  expect_meta(op, config, {});
   expect_ids(op, x);
   const LayoutSplits splits = check_layout(op, layout,
                                            {{"x", x_dims(x, false)},
@@ -493,6 +498,7 @@ void lora_embedding_backward(const TensorView& x, const TensorView& A, const Ten
                              const TensorView& grad_B, const EmbeddingOptions& options,
                              void* stream, const Config& config, const Layout& layout) {
   const char* op = "lora_embedding_backward";
+  expect_meta(op, config, {{"ROTATE", 0, 1}});
   expect_ids(op, x);
   const LayoutSplits splits = check_layout(op, layout,
                                            {{"x", x_dims(x, false)},

@@ -58,6 +58,7 @@ void run_moe_lora_materialize(const TensorView& W, const TensorView& A, const Te
                               const TensorView& W_eff, void* stream, const Config& config,
                               const std::string& layout) {
   const char* op = "moe_lora_materialize";
+  expect_meta(op, config, {});
   expect_shape(op, "W", W, {-1, -1, -1});
   const int64_t E = W.shape[0], N = W.shape[1], K = W.shape[2];
   expect_shape(op, "A", A, {E, -1, K});
@@ -76,7 +77,7 @@ void run_moe_lora_materialize(const TensorView& W, const TensorView& A, const Te
   static PlanMemo<MoePlan> plans;
   CallKey key;
   key.add(W).add(A).add(B.dtype).add(W.device);
-  key.add(config.block_m).add(config.block_k).add(config.split_k).add(config.num_warps).add(config.num_stages);
+  key.add(config);
   const std::shared_ptr<const MoePlan> p = plans.get(key, [&] {
     // A caller's Config wins; otherwise the autotuner's choice (its defaults when tuning is off).
     const Config cfg = has_config(config)

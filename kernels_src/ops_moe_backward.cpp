@@ -41,6 +41,7 @@ MoeBackwardPlan plan_moe_backward(const TensorView& dW, int64_t r, bool gpu, int
             {"R_PAD", r_pad},
             {"DOT", int64_t(dot)},
             {"DB_ATOMIC", p.split > 1 ? 1 : 0},
+            {"ROTATE", meta_or(config, "ROTATE", 0)},
             {"num_warps", config.num_warps ? config.num_warps : (gpu && bn >= 128 ? 8 : 4)},
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
   p.grid = Grid{uint32_t(cdiv(N, bn)), uint32_t(p.split), uint32_t(E)};
@@ -84,8 +85,11 @@ void run_moe_backward(const TensorView& dW, const TensorView& A, const TensorVie
 }
 
 std::vector<autotune::Config> moe_backward_gpu_candidates() {
-  return autotune::product(
-      {{"BLOCK_N", {64, 128, 256}}, {"BLOCK_K", {32, 64}}, {"num_warps", {4, 8}}, {"num_stages", {2, 3}}});
+  return autotune::product({{"BLOCK_N", {64, 128, 256}},
+                            {"BLOCK_K", {32, 64}},
+                            {"num_warps", {4, 8}},
+                            {"num_stages", {2, 3}},
+                            {"ROTATE", {0, 1}}});
 }
 
 // The kernel a call with `config` launches; dA/dB stand for the f32 accumulators when
@@ -157,6 +161,7 @@ void moe_lora_materialize_backward(const TensorView& dW, const TensorView& A, co
                                    double s, const TensorView& dA, const TensorView& dB,
                                    void* stream, const Config& config, const Layout& layout) {
   const char* op = "moe_lora_materialize_backward";
+  expect_meta(op, config, {{"ROTATE", 0, 1}});
   const LayoutSplits splits = check_layout(op, layout, backward_operands());
   expect_unsplit(op, layout, splits, "r", "each expert's product B[e] @ A[e] needs every rank");
   expect_shape(op, "dW_eff", dW, {-1, -1, -1});

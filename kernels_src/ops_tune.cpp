@@ -49,6 +49,10 @@ Config config_from(const autotune::Config& c, const std::string& block_m_name, c
   cfg.num_warps = autotune::value_or_zero(c, "num_warps");
   cfg.num_stages = autotune::value_or_zero(c, "num_stages");
   cfg.split_k = autotune::value_or_zero(c, "split_k");  // ops whose programs share columns tune it
+  for (const auto& [name, value] : c)
+    if (name != block_m_name && name != block_k_name && name != "num_warps" && name != "num_stages" &&
+        name != "split_k" && name != "defaults")
+      cfg.meta[name] = value;
   return cfg;
 }
 

@@ -17,4 +17,16 @@ inline std::pair<dsl::Value, dsl::Value> split_range(const dsl::Value& n, int64_
   return {lo, minimum(n, lo + per_split)};
 }
 
+// Where the iteration at `k0` of for_range(lo, hi, step) goes when a program
+// walks its steps starting `rot` steps in, wrapping around: every step is still
+// taken once, in another order (programs whose rot differ add to different
+// places at a time). Depends only on k0 and loop-invariant values, so loads it
+// indexes still run ahead.
+inline dsl::Value rotated_step(const dsl::Value& k0, const dsl::Value& lo, const dsl::Value& hi, int64_t step,
+                               const dsl::Value& rot) {
+  using namespace kerf::dsl;
+  const Value steps = cdiv(hi - lo, literal(step));  // > 0 inside the loop
+  return lo + ((k0 - lo) / step + rot) % steps * step;
+}
+
 }  // namespace kerf::kernels

@@ -74,6 +74,7 @@ std::vector<Case> op_kernel_cases() {
                   {"R_PAD", 16},
                   {"DOT", int64_t(dot)},
                   {"DB_ATOMIC", flag},
+                  {"ROTATE", 1 - flag},
                   {"num_warps", 8},
                   {"num_stages", stages}},
                  "moe_lora_backward",
@@ -97,6 +98,7 @@ std::vector<Case> op_kernel_cases() {
           {"R_PAD", 16},
           {"DOT", int64_t(dot)},
           {"BY_FREQ", flag},
+          {"ROTATE", 1 - flag},
           {"num_stages", stages}},
          "lora_embedding_backward",
          v.arch});
@@ -225,4 +227,22 @@ TEST_CASE("the 4-bit DoRA norm prefetches its packed bytes and forms the LoRA te
   CHECK(src.find("prefetch @packed") != std::string::npos);
   CHECK(src.find("kerf_dev::cp_async<16>") != std::string::npos);  // 16 bytes: 32 codes per copy
   CHECK(src.find("kerf_dev::mma_bf16_16816(") != std::string::npos);
+}
+
+TEST_CASE("rotated column steps still run their loads ahead", "[cuda][codegen][ops]") {
+  const std::vector<ArgSpec> moe = {T(DType::bf16, 3), T(DType::bf16, 3), T(DType::bf16, 3), S,
+                                    T(DType::f32, 3),  T(DType::bf16, 3)};
+  const std::string src = source_of(kernels::moe_lora_backward(), moe,
+                                    {{"BLOCK_N", 128}, {"BLOCK_K", 64}, {"R_PAD", 64}, {"DOT", int64_t(DType::bf16)},
+                                     {"ROTATE", 1}, {"num_warps", 8}, {"num_stages", 3}});
+  INFO(src);
+  CHECK(src.find("prefetch @dW") != std::string::npos);
+  CHECK(src.find("prefetch @A") != std::string::npos);
+  CHECK(src.find("kerf_dev::cp_async<16>") != std::string::npos);  // still whole 16-byte rows
+  const std::vector<ArgSpec> emb = {T(DType::i64, 1), T(DType::bf16, 2), T(DType::bf16, 2), T(DType::bf16, 2), S,
+                                    T(DType::f32, 2), T(DType::f32, 2), T(DType::i32, 1), T(DType::i64, 1), S, S, S};
+  const std::string esrc = source_of(kernels::lora_embedding_backward(), emb,
+                                     {{"BLOCK_T", 128}, {"BLOCK_D", 64}, {"R_PAD", 16}, {"DOT", int64_t(DType::bf16)},
+                                      {"ROTATE", 1}, {"num_stages", 3}});
+  CHECK(esrc.find("prefetch @g") != std::string::npos);
 }

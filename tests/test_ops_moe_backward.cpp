@@ -43,11 +43,12 @@ struct BackwardCase {
   DType w, ab, grads;
   MoeLayout layout;
   int64_t split = 0;  // 0: kerf chooses; 1: dB stored directly; > 1: dB accumulated too
+  bool rotate = false;  // Config.meta ROTATE: row blocks start their column steps apart
 };
 
 void check_backward(const BackwardCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.E, c.d1, c.d2, c.r, dtype_name(c.w), dtype_name(c.ab), dtype_name(c.grads),
-          layout_name(c.layout), c.split, seed, dev.str());
+          layout_name(c.layout), c.split, seed, dev.str(), c.rotate);
   std::mt19937_64 rng(seed);
   const int64_t E = c.E, d1 = c.d1, d2 = c.d2, r = c.r;
   TestTensor dW(c.w, {E, d1, d2}, dev);
@@ -78,6 +79,11 @@ void check_backward(const BackwardCase& c, Device dev, uint64_t seed) {
   const double s = 0.75;
   ops::Config cfg;
   cfg.split_k = c.split;
+  if (c.rotate) {
+    cfg.block_m = 16;  // several row blocks per expert, so that they do start apart
+    cfg.block_k = 32;
+    cfg.meta["ROTATE"] = 1;
+  }
   ops::moe_lora_materialize_backward(dW.view(), a, b, s, da, db, nullptr, cfg);
   test::sync(dev);
   dA.download();
@@ -146,6 +152,9 @@ void run_backward_cases(Device dev) {
       {4, 48, 40, 8, DType::f32, DType::bf16, DType::f32, MoeLayout::peft_transposed},
       {3, 70, 33, 4, DType::bf16, DType::f32, DType::bf16, MoeLayout::peft_transposed, 2},
       {5, 17, 29, 1, DType::f32, DType::f32, DType::f32, MoeLayout::peft, 4},
+      {3, 100, 130, 5, DType::bf16, DType::f32, DType::f32, MoeLayout::peft, 1, true},
+      {2, 64, 300, 16, DType::bf16, DType::bf16, DType::bf16, MoeLayout::plain, 3, true},
+      {3, 70, 33, 4, DType::f32, DType::f32, DType::f32, MoeLayout::peft_transposed, 0, true},
   };
   uint64_t seed = 5100;
   for (const BackwardCase& c : cases) check_backward(c, dev, seed++);

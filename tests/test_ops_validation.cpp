@@ -226,3 +226,25 @@ TEST_CASE("misaligned and strided views take the general path and give the same 
   for (int64_t i = 0; i < 32; ++i)
     for (int64_t j = 0; j < 64; ++j) CHECK(W2.get(1 + i * 72 + j) == W1.get(i * 64 + j));
 }
+
+TEST_CASE("an op refuses Config.meta names it does not take and values out of range", "[ops][validation]") {
+  const TensorView W = t({8, 12}), A = t({2, 12}, DType::f32, 4096), B = t({8, 2}, DType::f32, 8192);
+  const TensorView m = t({8}, DType::f32, 12100), norm = t({8}, DType::f32, 12200), scale = t({8}, DType::f32, 12300);
+  ops::Config rotate;
+  rotate.meta["ROTATE"] = 1;
+  CHECK_REJECTS(InvalidArgument, ops::dora_norm(W, A, B, m, 1.0, norm, scale, 0.0, nullptr, rotate),
+                "dora_norm: Config.meta names 'ROTATE', which this op does not take (it takes none)");
+  CHECK_REJECTS(InvalidArgument, ops::lora_merge(W, A, B, 1.0, nullptr, rotate),
+                "lora_merge: Config.meta names 'ROTATE'");
+  const TensorView dW = t({2, 8, 12}), mA = t({2, 2, 12}, DType::f32, 4096), mB = t({2, 8, 2}, DType::f32, 8192);
+  const TensorView dA = t({2, 2, 12}, DType::f32, 16384), dB = t({2, 8, 2}, DType::f32, 20480);
+  ops::Config typo;
+  typo.meta["ROTATED"] = 1;
+  CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize_backward(dW, mA, mB, 1.0, dA, dB, nullptr, typo),
+                "moe_lora_materialize_backward: Config.meta names 'ROTATED', which this op does not take (it "
+                "takes ROTATE)");
+  ops::Config two;
+  two.meta["ROTATE"] = 2;
+  CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize_backward(dW, mA, mB, 1.0, dA, dB, nullptr, two),
+                "moe_lora_materialize_backward: Config.meta ROTATE must be in [0, 1], got 2");
+}

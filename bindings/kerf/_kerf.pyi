@@ -48,6 +48,7 @@ class Config:
     split_k: int
     num_warps: int
     num_stages: int
+    meta: Dict[str, int]
     def __init__(
         self,
         *,
@@ -56,6 +57,7 @@ class Config:
         split_k: int = 0,
         num_warps: int = 0,
         num_stages: int = 0,
+        meta: Dict[str, int] = ...,
     ) -> None: ...
 
 # The ops, positional (kerf/ops.py has the documented, keyword-friendly versions).

@@ -4,6 +4,7 @@
 // here, one function in kerf/ops.py and its line in kerf/_kerf.pyi.
 #include <pybind11/stl.h>
 
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -22,10 +23,13 @@ ops::Config config_of(const ops::Config* c) {
 }
 
 std::string config_repr(const ops::Config& c) {
+  std::string meta;
+  for (const auto& [name, value] : c.meta)
+    meta += (meta.empty() ? "" : ", ") + ("'" + name + "': ") + std::to_string(value);
   return "kerf.Config(block_m=" + std::to_string(c.block_m) +
          ", block_k=" + std::to_string(c.block_k) + ", split_k=" + std::to_string(c.split_k) +
          ", num_warps=" + std::to_string(c.num_warps) +
-         ", num_stages=" + std::to_string(c.num_stages) + ")";
+         ", num_stages=" + std::to_string(c.num_stages) + (meta.empty() ? "" : ", meta={" + meta + "}") + ")";
 }
 
 void bind_config(py::module_& m) {
@@ -35,23 +39,28 @@ choice on a GPU, the op's defaults on the CPU). A Config given to an op wins
 over the autotuner.
 )doc")
       .def(py::init([](int64_t block_m, int64_t block_k, int64_t split_k, int64_t num_warps,
-                       int64_t num_stages) {
+                       int64_t num_stages, std::map<std::string, int64_t> meta) {
              ops::Config c;
              c.block_m = block_m;
              c.block_k = block_k;
              c.split_k = split_k;
              c.num_warps = num_warps;
              c.num_stages = num_stages;
+             c.meta = std::move(meta);
              return c;
            }),
            py::kw_only(), py::arg("block_m") = 0, py::arg("block_k") = 0, py::arg("split_k") = 0,
-           py::arg("num_warps") = 0, py::arg("num_stages") = 0)
+           py::arg("num_warps") = 0, py::arg("num_stages") = 0,
+           py::arg("meta") = std::map<std::string, int64_t>{})
       .def_readwrite("block_m", &ops::Config::block_m, "Rows per program (BLOCK_N for MoE).")
       .def_readwrite("block_k", &ops::Config::block_k, "Columns per step.")
       .def_readwrite("split_k", &ops::Config::split_k,
                      "Programs sharing one row block's columns (DoRA norm, merge, MoE, embedding).")
       .def_readwrite("num_warps", &ops::Config::num_warps)
       .def_readwrite("num_stages", &ops::Config::num_stages)
+      .def_readwrite("meta", &ops::Config::meta,
+                     "Further meta-parameters by name, e.g. {'ROTATE': 1} (MoE and embedding backward); "
+                     "an op refuses names it does not take.")
       .def("__repr__", &config_repr);
 }
 

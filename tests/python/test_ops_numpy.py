@@ -225,13 +225,17 @@ def test_moe_lora_materialize_backward_matches_float64(kerf_cpu):
     dW = rng.standard_normal((E, N, K)).astype(np.float32)
     A = rng.standard_normal((E, r, K)).astype(np.float32)
     B = rng.standard_normal((E, N, r)).astype(np.float32)
-    dA, dB = kerf_cpu.ops.moe_lora_materialize_backward(dW, A, B, 0.5)
-    assert dA.shape == (E, r, K) and dB.shape == (E, N, r)
     d64 = dW.astype(np.float64)
-    np.testing.assert_allclose(dA, 0.5 * np.einsum("enr,enk->erk", B.astype(np.float64), d64), rtol=1e-5,
-                               atol=1e-5)
-    np.testing.assert_allclose(dB, 0.5 * np.einsum("enk,erk->enr", d64, A.astype(np.float64)), rtol=1e-5,
-                               atol=1e-5)
+    # kerf's choice, and row blocks walking their columns from different steps (Config.meta ROTATE).
+    for config in (None, kerf_cpu.Config(block_m=8, block_k=16, meta={"ROTATE": 1})):
+        dA, dB = kerf_cpu.ops.moe_lora_materialize_backward(dW, A, B, 0.5, config=config)
+        assert dA.shape == (E, r, K) and dB.shape == (E, N, r)
+        np.testing.assert_allclose(dA, 0.5 * np.einsum("enr,enk->erk", B.astype(np.float64), d64), rtol=1e-5,
+                                   atol=1e-5)
+        np.testing.assert_allclose(dB, 0.5 * np.einsum("enk,erk->enr", d64, A.astype(np.float64)), rtol=1e-5,
+                                   atol=1e-5)
+    with pytest.raises(ValueError, match="does not take"):
+        kerf_cpu.ops.moe_lora_materialize(dW, A, B, 0.5, config=kerf_cpu.Config(meta={"ROTATE": 1}))
 
 
 def test_lora_embedding_forward_and_backward_match_float64(kerf_cpu):

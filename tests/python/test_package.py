@@ -69,7 +69,9 @@ def test_ops_have_docstrings_and_keyword_only_options():
 def test_config_takes_keywords_and_prints_them():
     c = kerf.Config(block_m=32, num_warps=8)
     assert (c.block_m, c.block_k, c.num_warps) == (32, 0, 8)
-    assert repr(c).startswith("kerf.Config(block_m=32")
+    assert repr(c).startswith("kerf.Config(block_m=32") and "meta" not in repr(c)
+    c = kerf.Config(meta={"ROTATE": 1})
+    assert c.meta == {"ROTATE": 1} and repr(c).endswith("meta={'ROTATE': 1})")
 
 
 def test_a_buffer_is_a_dlpack_producer_numpy_views_without_copying():

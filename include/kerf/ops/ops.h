@@ -5,7 +5,9 @@
 
 #include <array>
 #include <cstdint>
+#include <map>
 #include <optional>
+#include <string>
 
 #include "kerf/ops/layout.h"
 #include "kerf/runtime/tensor.h"
@@ -16,12 +18,18 @@ namespace kerf::ops {
 // program (BLOCK_N for MoE, tokens for the embedding), block_k the columns
 // (embedding dims) per step, split_k the programs sharing one row block's
 // columns (DoRA norm, merge, MoE materialize and its backward, embedding).
+// `meta`: further meta-parameters of an op's kernels, by name; an op refuses a
+// name it does not take. ROTATE (0 or 1; MoE backward, embedding backward):
+// each row block walks its column steps starting at a different step, so that
+// the programs adding into the same gradient rows do not all add to the same
+// addresses at the same time.
 struct Config {
   int64_t block_m = 0;
   int64_t block_k = 0;
   int64_t split_k = 0;
   int64_t num_warps = 0;
   int64_t num_stages = 0;
+  std::map<std::string, int64_t> meta;
 };
 
 // DoRA weight norm and magnitude scale, without materializing B@A:
