@@ -92,7 +92,37 @@ bool bench_cpu() {
       ns_per_call(20000, [&] { jit::cpu::run_grid(*k, Grid{1}, slots.data()); }, {});
   const double prepare_ns = ns_per_call(20000, [&] { prepare(axpb(), args, meta); }, {});
   std::printf("cpu   kerf::prepare (the lookup alone) %.1f ns\n", prepare_ns);
-  return report("cpu", kerf_ns, bare_ns);
+  const bool ok = report("cpu", kerf_ns, bare_ns);
+
+  // A whole op next to the one launch it makes: what the op adds (checks, plan
+  // lookup, arguments) is the same host code on the GPU.
+  const int64_t R = 16, C = 64, r = 4;  // one program: run on the calling thread
+  std::vector<float> w(size_t(R * C), 0.5f), a(size_t(r * C), 0.25f), b(size_t(R * r), 0.25f), mag(size_t(R), 1.0f);
+  std::vector<float> nrm(static_cast<size_t>(R)), scl(static_cast<size_t>(R));
+  const TensorView W = TensorView::contiguous(w.data(), DType::f32, {R, C});
+  const TensorView A = TensorView::contiguous(a.data(), DType::f32, {r, C});
+  const TensorView B = TensorView::contiguous(b.data(), DType::f32, {R, r});
+  const TensorView m = TensorView::contiguous(mag.data(), DType::f32, {R});
+  const TensorView norm = TensorView::contiguous(nrm.data(), DType::f32, {R});
+  const TensorView scale = TensorView::contiguous(scl.data(), DType::f32, {R});
+  ops::Config cfg;
+  cfg.block_m = 16;
+  cfg.block_k = 64;
+  cfg.split_k = 1;
+  cfg.num_warps = 4;
+  cfg.num_stages = 1;
+  const auto op = [&] { ops::dora_norm(W, A, B, m, 0.5, norm, scale, 0.0, nullptr, cfg); };
+  const std::vector<Arg> dargs = {W, A, B, m, Scalar(0.5), Scalar(0.0), norm, scale};
+  const dsl::MetaMap dmeta = {{"BLOCK_M", 16}, {"BLOCK_K", 64}, {"R_PAD", 16},
+                              {"DOT", int64_t(DType::f32)}, {"num_warps", 4}, {"num_stages", 1}};
+  const auto l = [&] { launch(kernels::dora_norm_fused(), dargs, Grid{1}, dmeta); };
+  op();
+  l();
+  const double op_ns = ns_per_call(20000, op, {}), launch_ns = ns_per_call(20000, l, {});
+  std::printf("cpu   ops::dora_norm f32[%lld,%lld] r=%lld %8.1f ns; its launch alone %8.1f ns; the op adds %7.1f ns\n",
+              static_cast<long long>(R), static_cast<long long>(C), static_cast<long long>(r), op_ns, launch_ns,
+              op_ns - launch_ns);
+  return ok;
 }
 
 bool bench_gpu() {
