@@ -111,6 +111,15 @@ const std::vector<LibraryEntry>& library() {
                    return dsl::MetaMap{{"BLOCK_N", 128},     {"BLOCK_K", 64},  {"R_PAD", 16},
                                        {"DOT", dot_code(t)}, {"num_warps", 8}, {"num_stages", 3}};
                  }});
+    e.push_back({"moe_lora_backward_by_columns", moe_lora_backward_by_columns,
+                 [=](DType t) {
+                   return std::vector<dsl::ArgSpec>{tensor(t, 3), tensor(t, 3), tensor(t, 3),
+                                                    scalar,       tensor(t, 3), tensor(DType::f32, 3)};
+                 },
+                 [](DType t) {
+                   return dsl::MetaMap{{"BLOCK_N", 32},       {"BLOCK_K", 256},  {"R_PAD", 64},
+                                       {"DOT", dot_code(t)}, {"num_warps", 8}, {"num_stages", 3}};
+                 }});
     e.push_back({"lora_embedding", lora_embedding,
                  [=](DType t) {
                    return std::vector<dsl::ArgSpec>{

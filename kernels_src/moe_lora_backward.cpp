@@ -60,4 +60,53 @@ const dsl::Kernel& moe_lora_backward() {
   return k;
 }
 
+// The same gradients with the roles of rows and columns swapped: one program
+// owns BLOCK_K columns of one expert (up to 512, with A's columns [R_PAD,
+// BLOCK_K] read once) and walks a slice of its rows (shared by the programs of
+// grid axis 1) BLOCK_N at a time. Per step it reads the dW tile once:
+// (B rows)^T @ tile accumulates dA's columns in registers over the loop, stored
+// once at the end (added atomically with DA_ATOMIC, when several row slices
+// each hold a part); tile @ (A columns)^T is this column block's share of the
+// step's dB rows, added with fp32 atomics. dB's atomics per dW element are
+// R_PAD / BLOCK_K: with wide column blocks, fewer than the row-owning kernel's
+// R_PAD / BLOCK_N for dA, whose accumulator [BLOCK_N, R_PAD] holds B's rows too.
+const dsl::Kernel& moe_lora_backward_by_columns() {
+  static const Kernel k("moe_lora_backward_by_columns", [](Builder& k) {
+    const Tensor dW = k.tensor("dW", 3), A = k.tensor("A", 3), B = k.tensor("B", 3);
+    const Value s = k.scalar("s");
+    const Tensor dA = k.tensor("dA", 3);
+    const Tensor dB = k.tensor("dB", 3, DType::f32);
+    const int64_t BN = k.meta("BLOCK_N"), BK = k.meta("BLOCK_K"), R = k.meta("R_PAD");
+    const bool da_atomic = k.meta("DA_ATOMIC", 0) != 0;
+    const bool rotate = k.meta("ROTATE", 0) != 0;
+    const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
+    const Value e = program_id(2);
+    const Value n_rows = dW.dim(1), n_cols = dW.dim(2), rank = A.dim(1);
+
+    const Value cols = program_id(0) * BK + arange(BK);
+    const Value rk = arange(R);
+    const Value col_ok = cols.row() < n_cols;  // [1, BK]
+    const Value rank_ok = rk.row() < rank;     // [1, R]
+    const Value at =
+        trans(load(A, {e, rk.col(), cols.row()}, (rk.col() < rank) & col_ok).to(dot_t));  // [BK, R]
+
+    const auto [lo, hi] = split_range(n_rows, BN);
+    const Value acc = for_range(lo, hi, BN, zeros({R, BK}), [&](const Value& iv, const Value& acc) {
+      const Value n0 = rotate ? rotated_step(iv, lo, hi, BN, program_id(0)) : iv;
+      const Value rows = n0 + arange(BN);
+      const Value row_ok = rows.col() < n_rows;                                           // [BN, 1]
+      const Value g = load(dW, {e, rows.col(), cols.row()}, row_ok & col_ok).to(dot_t);  // [BN, BK]
+      const Value b = load(B, {e, rows.col(), rk.row()}, row_ok & rank_ok).to(dot_t);     // [BN, R]
+      atomic_add(dB, {e, rows.col(), rk.row()}, dot(g, at) * s, row_ok & rank_ok);
+      return dot(trans(b), g, acc);  // [R, BK]
+    });
+    const Value da_ok = (rk.col() < rank) & col_ok;
+    if (da_atomic)
+      atomic_add(dA, {e, rk.col(), cols.row()}, acc * s, da_ok);
+    else
+      store(dA, {e, rk.col(), cols.row()}, (acc * s).to(dA.dtype()), da_ok);
+  });
+  return k;
+}
+
 }  // namespace kerf::kernels

@@ -18,10 +18,16 @@ using namespace detail;
 
 namespace {
 
+// One launch of the backward: the row-owning kernel (dB rows in registers, dA
+// added atomically) or, with Config.meta BY_COLUMNS, the column-owning one (dA
+// columns in registers, dB added atomically).
 struct MoeBackwardPlan {
+  const dsl::Kernel* kernel = nullptr;
   dsl::MetaMap meta;
   Grid grid;
   int64_t split = 1;
+  bool by_columns = false;
+  bool da_atomic = true, db_atomic = false;  // which gradient the kernel adds atomically
 };
 
 MoeBackwardPlan plan_moe_backward(const TensorView& dW, int64_t r, bool gpu, int64_t programs,
@@ -29,19 +35,43 @@ MoeBackwardPlan plan_moe_backward(const TensorView& dW, int64_t r, bool gpu, int
   const int64_t E = dW.shape[0], N = dW.shape[1], K = dW.shape[2];
   const DType dot = is_half(dW.dtype) ? dW.dtype : DType::f32;
   const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
+  const int64_t rotate = meta_or(config, "ROTATE", 0);
+  if (meta_or(config, "BY_COLUMNS", 0)) {
+    // Wide column blocks: dB's atomics per dW element are R_PAD / BLOCK_K.
+    const int64_t bn = config.block_m ? config.block_m : (gpu ? 32 : 16);
+    const int64_t bk = config.block_k ? config.block_k : (gpu ? 256 : 32);
+    MoeBackwardPlan p;
+    p.by_columns = true;
+    p.kernel = &kernels::moe_lora_backward_by_columns();
+    p.split = config.split_k ? config.split_k : split_for(cdiv(K, bk) * E, programs, cdiv(N, bn));
+    p.da_atomic = p.split > 1;
+    p.db_atomic = true;
+    p.meta = {{"BLOCK_N", bn},
+              {"BLOCK_K", bk},
+              {"R_PAD", r_pad},
+              {"DOT", int64_t(dot)},
+              {"DA_ATOMIC", p.da_atomic ? 1 : 0},
+              {"ROTATE", rotate},
+              {"num_warps", config.num_warps ? config.num_warps : (gpu && bk >= 512 ? 16 : gpu ? 8 : 4)},
+              {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
+    p.grid = Grid{uint32_t(cdiv(K, bk)), uint32_t(p.split), uint32_t(E)};
+    return p;
+  }
   // Tall row blocks: dA's atomics per dW element are R_PAD / BLOCK_N.
   const int64_t bn =
       config.block_m ? config.block_m : (gpu ? std::clamp<int64_t>(8192 / r_pad, 32, 128) : 16);
   const int64_t bk = config.block_k ? config.block_k : 64;
   MoeBackwardPlan p;
+  p.kernel = &kernels::moe_lora_backward();
   p.split = config.split_k;
   if (p.split == 0) p.split = split_for(cdiv(N, bn) * E, programs, cdiv(K, bk));
+  p.db_atomic = p.split > 1;
   p.meta = {{"BLOCK_N", bn},
             {"BLOCK_K", bk},
             {"R_PAD", r_pad},
             {"DOT", int64_t(dot)},
             {"DB_ATOMIC", p.split > 1 ? 1 : 0},
-            {"ROTATE", meta_or(config, "ROTATE", 0)},
+            {"ROTATE", rotate},
             {"num_warps", config.num_warps ? config.num_warps : (gpu && bn >= 128 ? 8 : 4)},
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
   p.grid = Grid{uint32_t(cdiv(N, bn)), uint32_t(p.split), uint32_t(E)};
@@ -65,31 +95,42 @@ void run_moe_backward(const TensorView& dW, const TensorView& A, const TensorVie
   const int64_t E = dW.shape[0], N = dW.shape[1], K = dW.shape[2], r = A.shape[1];
   const bool gpu = dW.device.is_cuda();
   const MoeBackwardPlan p = plan_moe_backward(dW, r, gpu, parallelism(dW.device), config);
-  // dA is added to atomically in fp32: into dA itself when it is f32 (zeroed
-  // first), else into a zero workspace that is then flushed into dA. dB the
-  // same when several K slices each add a part; else stored directly.
-  const bool da_direct = dA.dtype == DType::f32;
-  const bool db_atomic = p.split > 1;
-  const bool db_direct = !db_atomic || dB.dtype == DType::f32;
+  // A gradient the kernel adds to atomically is accumulated in fp32: in the
+  // gradient itself when it is f32 (zeroed first), else in a zero workspace
+  // that is then flushed into it. One the kernel stores is written directly.
+  const bool da_direct = !p.da_atomic || dA.dtype == DType::f32;
+  const bool db_direct = !p.db_atomic || dB.dtype == DType::f32;
   size_t ws_bytes = 0;
   if (!da_direct) ws_bytes += carved_bytes(E, r, K);
   if (!db_direct) ws_bytes += carved_bytes(E, N, r);
   char* cursor = ws_bytes ? static_cast<char*>(workspace(dW.device, options.stream, ws_bytes)) : nullptr;
   const TensorView da_acc = da_direct ? dA : carve_f32(&cursor, E, r, K, dW.device);
   const TensorView db_acc = db_direct ? dB : carve_f32(&cursor, E, N, r, dW.device);
-  if (da_direct) fill_3d(dA, 0.0, options);
-  if (db_atomic && db_direct) fill_3d(dB, 0.0, options);
-  launch(kernels::moe_lora_backward(), {dW, A, B, Scalar(s), da_acc, db_acc}, p.grid, p.meta, options);
+  if (p.da_atomic && da_direct) fill_3d(dA, 0.0, options);
+  if (p.db_atomic && db_direct) fill_3d(dB, 0.0, options);
+  launch(*p.kernel, {dW, A, B, Scalar(s), da_acc, db_acc}, p.grid, p.meta, options);
   if (!da_direct) flush_accumulator(da_acc, dA, options);
   if (!db_direct) flush_accumulator(db_acc, dB, options);
 }
 
+// GPU: the row-owning kernel's tiles, and the column-owning kernel's (its
+// column blocks 256 wide with 8 warps or 512 with 16: the dA accumulator is
+// 64 registers per thread at r = 64), each with and without rotated steps.
 std::vector<autotune::Config> moe_backward_gpu_candidates() {
-  return autotune::product({{"BLOCK_N", {64, 128, 256}},
-                            {"BLOCK_K", {32, 64}},
-                            {"num_warps", {4, 8}},
-                            {"num_stages", {2, 3}},
-                            {"ROTATE", {0, 1}}});
+  std::vector<autotune::Config> c = autotune::product({{"BLOCK_N", {64, 128, 256}},
+                                                       {"BLOCK_K", {32, 64}},
+                                                       {"num_warps", {4, 8}},
+                                                       {"num_stages", {2, 3}},
+                                                       {"ROTATE", {0, 1}}});
+  for (const auto& [bk, warps] : {std::pair<int64_t, int64_t>{256, 8}, {512, 16}})
+    for (autotune::Config& by_columns : autotune::product({{"BLOCK_N", {16, 32, 64}},
+                                                           {"BLOCK_K", {bk}},
+                                                           {"num_warps", {warps}},
+                                                           {"num_stages", {2, 3}},
+                                                           {"ROTATE", {0, 1}},
+                                                           {"BY_COLUMNS", {1}}}))
+      c.push_back(std::move(by_columns));
+  return c;
 }
 
 // The kernel a call with `config` launches; dA/dB stand for the f32 accumulators when
@@ -100,12 +141,13 @@ autotune::KernelCall moe_backward_kernel(const TensorView& dW, const TensorView&
   const int64_t E = dW.shape[0], N = dW.shape[1], K = dW.shape[2], r = A.shape[1];
   const MoeBackwardPlan p = plan_moe_backward(dW, r, true, programs, config);
   void* const stand_in = reinterpret_cast<void*>(uintptr_t(1) << 16);
-  const TensorView da_acc =
-      dA.dtype == DType::f32 ? dA : TensorView::contiguous(stand_in, DType::f32, {E, r, K}, dW.device);
-  const TensorView db_acc = p.split == 1 || dB.dtype == DType::f32
+  const TensorView da_acc = !p.da_atomic || dA.dtype == DType::f32
+                                ? dA
+                                : TensorView::contiguous(stand_in, DType::f32, {E, r, K}, dW.device);
+  const TensorView db_acc = !p.db_atomic || dB.dtype == DType::f32
                                 ? dB
                                 : TensorView::contiguous(stand_in, DType::f32, {E, N, r}, dW.device);
-  return {&kernels::moe_lora_backward(), {dW, A, B, Scalar(s), da_acc, db_acc}, p.meta};
+  return {p.kernel, {dW, A, B, Scalar(s), da_acc, db_acc}, p.meta};
 }
 
 Config tuned_moe_backward_config(const TensorView& dW, const TensorView& A, const TensorView& B, double s,
@@ -161,7 +203,7 @@ void moe_lora_materialize_backward(const TensorView& dW, const TensorView& A, co
                                    double s, const TensorView& dA, const TensorView& dB,
                                    void* stream, const Config& config, const Layout& layout) {
   const char* op = "moe_lora_materialize_backward";
-  expect_meta(op, config, {{"ROTATE", 0, 1}});
+  expect_meta(op, config, {{"ROTATE", 0, 1}, {"BY_COLUMNS", 0, 1}});
   const LayoutSplits splits = check_layout(op, layout, backward_operands());
   expect_unsplit(op, layout, splits, "r", "each expert's product B[e] @ A[e] needs every rank");
   expect_shape(op, "dW_eff", dW, {-1, -1, -1});

@@ -8,6 +8,7 @@
 // the same run. Results go to stdout as a table and, with --json FILE, as JSON
 // for tools/bench_table.py.
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -224,8 +225,10 @@ cuda::DeviceBuffer random_buffer(DType t, size_t n, uint64_t seed, float amp = 1
 int set_count(double bytes) { return int(std::max<double>(2, std::ceil(300e6 / bytes))); }
 
 std::string config_str(const ops::Config& c) {
-  return "b" + std::to_string(c.block_m) + " bk" + std::to_string(c.block_k) + " split" + std::to_string(c.split_k) +
-         " w" + std::to_string(c.num_warps) + " s" + std::to_string(c.num_stages);
+  std::string s = "b" + std::to_string(c.block_m) + " bk" + std::to_string(c.block_k) + " split" +
+                  std::to_string(c.split_k) + " w" + std::to_string(c.num_warps) + " s" + std::to_string(c.num_stages);
+  for (const auto& [name, value] : c.meta) s += " " + name + "=" + std::to_string(value);
+  return s;
 }
 
 Result bench_op(OpCase& c, const ops::Config& cfg, cuda::StreamHandle stream, int iters = 50) {
@@ -563,6 +566,14 @@ int main(int argc, char** argv) {
       for (int64_t bn : {64, 128, 256})
         for (int64_t bk : {32, 64})
           for (int64_t warps : {4, 8}) moe_bwd_cfgs.push_back(ops::Config{bn, bk, 0, warps, 3});
+    if (!quick)  // the column-owning kernel, and both kernels with rotated steps
+      for (int64_t rotate : {0, 1}) {
+        for (const auto& [bn, bk, warps, stages] : {std::array<int64_t, 4>{32, 256, 8, 3}, {16, 512, 16, 3},
+                                                     {32, 512, 16, 2}, {64, 256, 8, 2}})
+          moe_bwd_cfgs.push_back(ops::Config{bn, bk, 0, warps, stages, {{"BY_COLUMNS", 1}, {"ROTATE", rotate}}});
+        if (rotate)
+          for (int64_t bn : {128, 256}) moe_bwd_cfgs.push_back(ops::Config{bn, 64, 0, 8, 3, {{"ROTATE", 1}}});
+      }
     for (const MoeCase& c : {MoeCase{128, 1536, 2048, 16}, MoeCase{128, 2048, 768, 16}, MoeCase{64, 2816, 2048, 64}})
       for (DType grads : {DType::f32, DType::bf16})
         if (family("moe_backward")) run_case(make_moe_backward(c.E, c.N, c.K, c.r, grads), moe_bwd_cfgs);
@@ -572,7 +583,10 @@ int main(int argc, char** argv) {
         for (int64_t bd : {64, 128, 256}) emb_cfgs.push_back(ops::Config{bt, bd, 0, 4, 3});
       for (int64_t bt : {64, 128, 256})
         for (int64_t bd : {32, 64, 128})
-          for (int64_t warps : {4, 8}) emb_bwd_cfgs.push_back(ops::Config{bt, bd, 0, warps, 3});
+          for (int64_t warps : {4, 8}) {
+            emb_bwd_cfgs.push_back(ops::Config{bt, bd, 0, warps, 3});
+            emb_bwd_cfgs.push_back(ops::Config{bt, bd, 0, warps, 3, {{"ROTATE", 1}}});
+          }
     }
     if (family("embedding r=")) run_case(make_embedding(8192, 128256, 4096, 16, false), emb_cfgs);
     if (family("embedding_backward")) run_case(make_embedding(8192, 128256, 4096, 16, true), emb_bwd_cfgs);

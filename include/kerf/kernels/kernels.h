@@ -68,6 +68,16 @@ const dsl::Kernel& dora_norm_backward();
 // with several splits; dB is then f32 and zero on entry).
 // Args: dW, A, B, s, dA, dB.
 const dsl::Kernel& moe_lora_backward();
+// The same with rows and columns swapped: each program owns BLOCK_K columns of
+// one expert and walks rows BLOCK_N at a time, accumulating dA's columns in
+// registers and adding dB with fp32 atomics (dB f32, zero on entry).
+//   dA[e]  = s * B[e]^T @ dW[e]      (stored; added atomically when DA_ATOMIC:
+//                                     dA is then f32 and zero on entry)
+//   dB[e] += s * dW[e] @ A[e]^T
+// Grid (cdiv(K, BLOCK_K), splits, E): the programs of grid axis 1 share N in
+// whole BLOCK_N steps. Meta: BLOCK_N, BLOCK_K, R_PAD, DOT, DA_ATOMIC, ROTATE.
+// Args: dW, A, B, s, dA, dB.
+const dsl::Kernel& moe_lora_backward_by_columns();
 
 // LoRA merge in place, one pass over W (unmerge: the op passes -s):
 //   W[g] <- W[g] + s * B[g] @ A[g]
