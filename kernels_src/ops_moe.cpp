@@ -105,13 +105,14 @@ namespace {
 // three and four (the split changes only the grid, so it compiles nothing new).
 // Splitting evens out the last wave: E=64 N=2816 at BLOCK_N=128 makes 1408
 // programs, 10.7 waves of one program per SM, and the last wave leaves a third
-// of the SMs idle; split in three they make 32 full waves.
+// of the SMs idle; split in three they make 32 full waves. A split beyond the
+// column steps is clamped to them: 65535 stands for one tile per program.
 std::vector<autotune::Config> moe_gpu_candidates() {
   return autotune::product({{"BLOCK_N", {32, 64, 128}},
                             {"BLOCK_K", {64, 128}},
                             {"num_warps", {4, 8}},
                             {"num_stages", {2, 3}},
-                            {"split_k", {1, 2, 3, 4}}});
+                            {"split_k", {1, 2, 3, 4, 65535}}});
 }
 
 Config tuned_moe_config(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& W_eff,

@@ -242,7 +242,7 @@ TEST_CASE("an op refuses Config.meta names it does not take and values out of ra
   typo.meta["ROTATED"] = 1;
   CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize_backward(dW, mA, mB, 1.0, dA, dB, nullptr, typo),
                 "moe_lora_materialize_backward: Config.meta names 'ROTATED', which this op does not take (it "
-                "takes ROTATE)");
+                "takes ROTATE, BY_COLUMNS)");
   ops::Config two;
   two.meta["ROTATE"] = 2;
   CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize_backward(dW, mA, mB, 1.0, dA, dB, nullptr, two),
