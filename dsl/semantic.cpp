@@ -244,7 +244,7 @@ Access make_access(Builder::Impl& s, const char* opname, const Tensor& t,
 }
 
 Value store_like(OpKind k, const char* opname, const Tensor& t, const std::vector<Value>& idx,
-                 const Value& value, const Value& mask, bool acq_rel) {
+                 const Value& value, const Value& mask, bool acq_rel, Evict evict = Evict::normal) {
   Builder::Impl& s = t.builder().impl();
   s.check_usable(value, opname);
   const std::string& tname = s.fn.params[size_t(t.param())].name;
@@ -259,6 +259,7 @@ Value store_like(OpKind k, const char* opname, const Tensor& t, const std::vecto
   ir::Operation op(k);
   op.attrs.param = t.param();
   op.attrs.acq_rel = acq_rel;
+  op.attrs.evict = uint8_t(evict);
   for (const Value& i : a.idx) op.operands.push_back(i.id());
   op.operands.push_back(v.id());
   if (a.mask.valid()) {
@@ -569,10 +570,15 @@ Value dot(const Value& a, const Value& b, const Value& acc) {
 Value dot(const Value& a, const Value& b) { return dot(a, b, Value()); }
 
 Value load(const Tensor& t, const std::vector<Value>& idx, const Value& mask, const Value& other) {
+  return load(t, idx, mask, other, Evict::normal);
+}
+
+Value load(const Tensor& t, const std::vector<Value>& idx, const Value& mask, const Value& other, Evict evict) {
   Builder::Impl& s = t.builder().impl();
   Access a = make_access(s, "load", t, idx, mask, nullptr);
   ir::Operation op(OpKind::Load);
   op.attrs.param = t.param();
+  op.attrs.evict = uint8_t(evict);
   for (const Value& i : a.idx) op.operands.push_back(i.id());
   if (a.mask.valid()) {
     op.operands.push_back(a.mask.id());
@@ -596,6 +602,14 @@ Value load(const Tensor& t, const std::vector<Value>& idx, const Value& mask, do
 
 void store(const Tensor& t, const std::vector<Value>& idx, const Value& value, const Value& mask) {
   store_like(OpKind::Store, "store", t, idx, value, mask, false);
+}
+
+Value load(const Tensor& t, const std::vector<Value>& idx, const Value& mask, Evict evict) {
+  return load(t, idx, mask, Value(), evict);
+}
+
+void store(const Tensor& t, const std::vector<Value>& idx, const Value& value, const Value& mask, Evict evict) {
+  store_like(OpKind::Store, "store", t, idx, value, mask, false, evict);
 }
 
 Value atomic_add(const Tensor& t, const std::vector<Value>& idx, const Value& value, const Value& mask,

@@ -288,23 +288,61 @@ Choice choose(const Problem& p, const std::vector<Config>& candidates, const Con
   std::sort(timed.begin(), timed.end());
   double best = timed.empty() ? -1.0 : timed.front().first;
   if (!timed.empty()) c.config = kept[timed.front().second];
-  const size_t finalists = std::min<size_t>(timed.size(), size_t(std::max(0, o.finalists)));
-  if (finalists > 1 && o.final_rounds > 0) {
-    std::vector<std::vector<double>> rounds(finalists);
+  const size_t finalists = std::min<size_t>(timed.size(), size_t(std::max(1, o.finalists)));
+  // The final rounds' candidates: the finalists, then their variants.
+  std::vector<size_t> pool;
+  for (size_t f = 0; f < finalists; ++f) pool.push_back(timed[f].second);
+  if (!o.finalist_variants.empty() && finalists > 0) {
+    std::vector<Config> variants;
+    for (size_t f = 0; f < finalists; ++f)
+      for (const Config& v : o.finalist_variants) {
+        Config m = kept[timed[f].second];
+        for (const auto& [name, value] : v) m[name] = value;
+        if (std::find(kept.begin(), kept.end(), m) != kept.end() ||
+            std::find(variants.begin(), variants.end(), m) != variants.end())
+          continue;
+        if (hooks.keep && !hooks.keep(m)) {
+          ++c.pruned;
+          continue;
+        }
+        variants.push_back(std::move(m));
+      }
+    c.candidates += int(variants.size());
+    const std::vector<bool> vok = compile_all(variants, hooks, threads, &c.failed);
+    for (size_t i = 0; i < variants.size(); ++i) {
+      if (!vok[i]) continue;
+      kept.push_back(variants[i]);
+      try {
+        const double ms = timer->median_ms([&] { hooks.run(kept.back()); }, hooks.restore, o.warmup, o.repeats);
+        log::write(log::Level::debug, "autotune " + what + ": variant " + config_text(kept.back()) + " " + ms_text(ms));
+        pool.push_back(kept.size() - 1);
+        if (ms < best) {
+          best = ms;
+          c.config = kept.back();
+        }
+      } catch (const std::exception& e) {
+        ++c.failed;
+        log::write(log::Level::debug,
+                   "autotune: variant " + config_text(kept.back()) + " failed to run: " + e.what());
+      }
+    }
+  }
+  if (pool.size() > 1 && o.final_rounds > 0) {
+    std::vector<std::vector<double>> rounds(pool.size());
     for (int round = 0; round < o.final_rounds; ++round)
-      for (size_t f = 0; f < finalists; ++f) {
-        const Config& cand = kept[timed[f].second];
+      for (size_t f = 0; f < pool.size(); ++f) {
+        const Config& cand = kept[pool[f]];
         rounds[f].push_back(timer->median_ms([&] { hooks.run(cand); }, hooks.restore, 1, o.repeats));
       }
-    for (size_t f = 0; f < finalists; ++f) {
+    for (size_t f = 0; f < pool.size(); ++f) {
       std::vector<double>& v = rounds[f];
       std::sort(v.begin(), v.end());
       const double ms = v[v.size() / 2];
-      log::write(log::Level::debug, "autotune " + what + ": finalist " +
-                                        config_text(kept[timed[f].second]) + " " + ms_text(ms));
+      log::write(log::Level::debug, "autotune " + what + ": finalist " + config_text(kept[pool[f]]) + " " +
+                                        ms_text(ms));
       if (f == 0 || ms < best) {
         best = ms;
-        c.config = kept[timed[f].second];
+        c.config = kept[pool[f]];
       }
     }
   }

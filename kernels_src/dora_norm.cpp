@@ -24,6 +24,7 @@ Value row_sum_of_squares(Builder& k, const Tensor& W, const Tensor& A, const Ten
                          const Value& s, const Value& rows, bool split) {
   const int64_t BM = k.meta("BLOCK_M"), BK = k.meta("BLOCK_K"), R = k.meta("R_PAD");
   const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
+  const int64_t evict = k.meta("EVICT", 0);
   const Value n_out = W.dim(0), n_in = W.dim(1), rank = A.dim(0);
 
   const Value rk = arange(R);
@@ -42,8 +43,8 @@ Value row_sum_of_squares(Builder& k, const Tensor& W, const Tensor& A, const Ten
   const Value acc = for_range(lo, hi, BK, zeros({BM, BK}), [&](const Value& k0, const Value& acc) {
     const Value cols = k0 + arange(BK);
     const Value col_ok = cols.row() < n_in;
-    const Value a = load(A, {rk.col(), cols.row()}, (rk.col() < rank) & col_ok).to(dot_t);
-    const Value w = load(W, {rows.col(), cols.row()}, row_ok & col_ok).to(DType::f32);
+    const Value a = load(A, {rk.col(), cols.row()}, (rk.col() < rank) & col_ok, reused_hint(evict)).to(dot_t);
+    const Value w = load(W, {rows.col(), cols.row()}, row_ok & col_ok, streamed_hint(evict)).to(DType::f32);
     const Value v = dot(bs, a, w);  // W + s * B @ A
     return acc + v * v;
   });
@@ -65,6 +66,7 @@ Value row_sum_of_squares_4bit(Builder& k, const Tensor& packed, const Tensor& ab
   const int64_t BM = k.meta("BLOCK_M"), BK = k.meta("BLOCK_K"), R = k.meta("R_PAD");
   const int64_t BH = BK / 2;  // bytes per row and step
   const bool per_step = k.meta("SCALE_PER_STEP", 0) != 0;
+  const int64_t evict = k.meta("EVICT", 0);
   const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::bf16)));
   const Value n_out = packed.dim(0), n_half = packed.dim(1), rank = A.dim(0);
   const Value n_in = n_half.to(DType::i64) * 2;
@@ -82,13 +84,13 @@ Value row_sum_of_squares_4bit(Builder& k, const Tensor& packed, const Tensor& ab
     const Value h = h0 + arange(BH);  // byte columns
     const Value h_ok = h.row() < n_half;
     const Value ok = row_ok & h_ok;
-    const Value byte = load(packed, {rows.col(), h.row()}, ok);  // u8 [BM, BH]
+    const Value byte = load(packed, {rows.col(), h.row()}, ok, streamed_hint(evict));  // u8 [BM, BH]
     const Value block_scale = per_step ? load(absmax, {(row_base + 2 * h0) >> shift}, row_ok)  // [BM, 1]
                                        : load(absmax, {(row_base + 2 * h.row()) >> shift}, ok);
     const Value w_even = load(code, {byte >> 4}, ok) * block_scale;
     const Value w_odd = load(code, {byte & 15}, ok) * block_scale;
-    const Value a_even = load(A, {rk.col(), 2 * h.row()}, rank_ok & h_ok).to(dot_t);  // [R, BH]
-    const Value a_odd = load(A, {rk.col(), 2 * h.row() + 1}, rank_ok & h_ok).to(dot_t);
+    const Value a_even = load(A, {rk.col(), 2 * h.row()}, rank_ok & h_ok, reused_hint(evict)).to(dot_t);  // [R, BH]
+    const Value a_odd = load(A, {rk.col(), 2 * h.row() + 1}, rank_ok & h_ok, reused_hint(evict)).to(dot_t);
     const Value v_even = dot(bs, a_even, w_even), v_odd = dot(bs, a_odd, w_odd);
     return acc + v_even * v_even + v_odd * v_odd;
   });

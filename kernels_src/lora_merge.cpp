@@ -22,6 +22,7 @@ const dsl::Kernel& lora_merge() {
     const int64_t BM = k.meta("BLOCK_M"), BK = k.meta("BLOCK_K"), R = k.meta("R_PAD");
     const bool scale_after = k.meta("SCALE_AFTER", 0) != 0;
     const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
+    const int64_t evict = k.meta("EVICT", 0);
     const Value g = program_id(2);
     const Value n_out = W.dim(1), n_in = W.dim(2), rank = A.dim(1);
 
@@ -38,11 +39,12 @@ const dsl::Kernel& lora_merge() {
     for_range(lo, hi, BK, [&](const Value& k0) {
       const Value cols = k0 + arange(BK);
       const Value col_ok = cols.row() < n_in;
-      const Value a = load(A, {g, rk.col(), cols.row()}, (rk.col() < rank) & col_ok).to(dot_t);
+      const Value a =
+          load(A, {g, rk.col(), cols.row()}, (rk.col() < rank) & col_ok, reused_hint(evict)).to(dot_t);
       const Value ok = row_ok & col_ok;
-      const Value w = load(W, {g, rows.col(), cols.row()}, ok).to(DType::f32);
+      const Value w = load(W, {g, rows.col(), cols.row()}, ok, streamed_hint(evict)).to(DType::f32);
       const Value v = scale_after ? w + s * dot(b, a) : dot(b, a, w);
-      store(W, {g, rows.col(), cols.row()}, v.to(W.dtype()), ok);
+      store(W, {g, rows.col(), cols.row()}, v.to(W.dtype()), ok, streamed_hint(evict));
     });
   });
   return k;

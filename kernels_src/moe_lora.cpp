@@ -20,6 +20,7 @@ const dsl::Kernel& moe_lora_materialize() {
     const Tensor out = k.tensor("W_eff", 3);
     const int64_t BN = k.meta("BLOCK_N"), BK = k.meta("BLOCK_K"), R = k.meta("R_PAD");
     const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
+    const int64_t evict = k.meta("EVICT", 0);
     const Value e = program_id(2);
     const Value n_rows = W.dim(1), n_cols = W.dim(2), rank = A.dim(1);
 
@@ -31,10 +32,11 @@ const dsl::Kernel& moe_lora_materialize() {
     for_range(lo, hi, BK, [&](const Value& k0) {
       const Value cols = k0 + arange(BK);
       const Value col_ok = cols.row() < n_cols;
-      const Value a = load(A, {e, rk.col(), cols.row()}, (rk.col() < rank) & col_ok).to(dot_t);
+      const Value a =
+          load(A, {e, rk.col(), cols.row()}, (rk.col() < rank) & col_ok, reused_hint(evict)).to(dot_t);
       const Value ok = row_ok & col_ok;
-      const Value w = load(W, {e, rows.col(), cols.row()}, ok).to(DType::f32);
-      store(out, {e, rows.col(), cols.row()}, dot(bs, a, w).to(out.dtype()), ok);  // W + s*B@A
+      const Value w = load(W, {e, rows.col(), cols.row()}, ok, streamed_hint(evict)).to(DType::f32);
+      store(out, {e, rows.col(), cols.row()}, dot(bs, a, w).to(out.dtype()), ok, streamed_hint(evict));  // W + s*B@A
     });
   });
   return k;

@@ -50,6 +50,7 @@ DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, DType w_dtype, bool gpu, 
   p.meta = {{"BLOCK_M", bm}, {"BLOCK_K", bk}, {"R_PAD", r_pad}, {"DOT", int64_t(dot)}, {"num_warps", warps}};
   // cp.async pipelining on the GPU; the CPU back end has no use for stages.
   p.meta["num_stages"] = config.num_stages ? config.num_stages : (gpu ? 3 : 1);
+  if (const int64_t evict = meta_or(config, "EVICT", 0)) p.meta["EVICT"] = evict;
   // A step within one scale block per row: one scale per row and step.
   if (four_bit && in % bk == 0 && blocksize % bk == 0) p.meta["SCALE_PER_STEP"] = 1;
   if (p.split == 1) {
@@ -95,7 +96,7 @@ void run_dora_norm(const TensorView& W, const TensorView& A, const TensorView& B
                    const TensorView& norm, const TensorView& scale, double eps, void* stream, const Config& config,
                    const std::string& layout) {
   const char* op = "dora_norm";
-  expect_meta(op, config, {});
+  expect_meta(op, config, {{"EVICT", 0, 2}});
   expect_shape(op, "W", W, {-1, -1});
   const int64_t out = W.shape[0], in = W.shape[1];
   expect_shape(op, "A", A, {-1, in});
@@ -171,6 +172,7 @@ Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorV
   q.block_m_name = "BLOCK_M";
   q.block_k_name = "BLOCK_K";
   q.gpu_candidates = dora_gpu_candidates(out, in, programs);
+  q.finalist_variants = evict_variants();
   q.extent_m = out;
   q.extent_k = in;
   q.kernels = [&](const Config& c) {
@@ -289,6 +291,7 @@ Config tuned_dora_4bit_config(const TensorView& packed2, const Weight4bit& W, co
   q.block_m_name = "BLOCK_M";
   q.block_k_name = "BLOCK_K";
   q.gpu_candidates = dora_gpu_candidates(out, in, programs);
+  q.finalist_variants = evict_variants();
   q.extent_m = out;
   q.extent_k = in;
   q.kernels = [&](const Config& c) {
@@ -339,7 +342,7 @@ TensorView checked_packed(const char* op, const Weight4bit& W, int64_t out, int6
 void dora_norm_4bit(const Weight4bit& W, const TensorView& A, const TensorView& B, const TensorView& m, double s,
                     const TensorView& norm, const TensorView& scale, double eps, void* stream, const Config& config) {
   const char* op = "dora_norm_4bit";
-  expect_meta(op, config, {});
+  expect_meta(op, config, {{"EVICT", 0, 2}});
   expect_shape(op, "A", A, {-1, -1});
   const int64_t r = A.shape[0], in = A.shape[1];
   expect_shape(op, "B", B, {-1, r});

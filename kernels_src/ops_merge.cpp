@@ -53,6 +53,7 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
             {"SCALE_AFTER", scale_after ? 1 : 0},
             {"num_warps", config.num_warps ? config.num_warps : 4},
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
+  if (const int64_t evict = meta_or(config, "EVICT", 0)) p.meta["EVICT"] = evict;
   p.grid = Grid{uint32_t(cdiv(out, bm)), uint32_t(split), uint32_t(G)};
   return p;
 }
@@ -88,6 +89,7 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
   // program, leaving the overlap of tiles to the hardware's scheduler.
   q.gpu_candidates =
       with_wave_splits(merge_gpu_candidates(), "BLOCK_M", out, "BLOCK_K", in, G, parallelism(W3.device), {1, 2, 4, 0});
+  q.finalist_variants = evict_variants();
   q.extent_m = out;
   q.extent_k = in;
   q.kernels = [&](const Config& c) {
@@ -109,7 +111,7 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
 // caller's Config or else the autotuner's (remembered per call signature).
 void launch_merge(const TensorView& W3, const TensorView& A3, const TensorView& B3, double s,
                   void* stream, const Config& config) {
-  expect_meta("lora_merge", config, {});
+  expect_meta("lora_merge", config, {{"EVICT", 0, 2}});
   if (has_config(config))
     return run_merge(W3, A3, B3, s, stream, config);
   static PlanMemo<Config> tuned;

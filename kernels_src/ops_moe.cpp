@@ -33,6 +33,7 @@ MoePlan plan_moe(const TensorView& W, int64_t r, bool gpu, const Config& config)
             {"num_warps", config.num_warps ? config.num_warps : 4}};
   // cp.async pipelining on the GPU; the CPU back end has no use for stages.
   p.meta["num_stages"] = config.num_stages ? config.num_stages : (gpu ? 3 : 1);
+  if (const int64_t evict = meta_or(config, "EVICT", 0)) p.meta["EVICT"] = evict;
   // Column slices per row block (grid axis 1): 1 unless the config asks for more.
   const int64_t split =
       std::clamp<int64_t>(config.split_k, 1, std::clamp<int64_t>(cdiv(W.shape[2], bk), 1, 65535));
@@ -58,7 +59,7 @@ void run_moe_lora_materialize(const TensorView& W, const TensorView& A, const Te
                               const TensorView& W_eff, void* stream, const Config& config,
                               const std::string& layout) {
   const char* op = "moe_lora_materialize";
-  expect_meta(op, config, {});
+  expect_meta(op, config, {{"EVICT", 0, 2}});
   expect_shape(op, "W", W, {-1, -1, -1});
   const int64_t E = W.shape[0], N = W.shape[1], K = W.shape[2];
   expect_shape(op, "A", A, {E, -1, K});
@@ -128,6 +129,7 @@ Config tuned_moe_config(const TensorView& W, const TensorView& A, const TensorVi
   q.block_m_name = "BLOCK_N";
   q.block_k_name = "BLOCK_K";
   q.gpu_candidates = moe_gpu_candidates();
+  q.finalist_variants = evict_variants();
   q.extent_m = N;
   q.extent_k = K;
   const std::vector<Arg> args = {W, A, B, Scalar(1.0), W_eff};

@@ -82,6 +82,11 @@ Config config_of(const TuneRequest& q, const autotune::Config& c) {
   return config_from(c, q.block_m_name, q.block_k_name);
 }
 
+const std::vector<autotune::Config>& evict_variants() {
+  static const std::vector<autotune::Config> v = {{{"EVICT", 1}}, {{"EVICT", 2}}};
+  return v;
+}
+
 Config tuned_config(const TuneRequest& q) {
   const Device& dev = q.problem.device;
   if (!autotune::enabled_for(dev)) return {};
@@ -123,6 +128,7 @@ Config tuned_config(const TuneRequest& q) {
   hooks.restore = q.restore;
   autotune::Options options;
   options.stream = q.stream;
+  if (gpu) options.finalist_variants = q.finalist_variants;
   return config_of(q, autotune::choose(q.problem, candidates, {}, hooks, options).config);
 }
 

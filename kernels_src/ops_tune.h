@@ -29,6 +29,8 @@ struct TuneRequest {
   std::function<void(const Config& config)> run;
   // Puts back what the op writes in place, before each timed run; empty when nothing needs it.
   std::function<void()> restore;
+  // Meta overrides tried on the first round's finalists (autotune::Options::finalist_variants).
+  std::vector<autotune::Config> finalist_variants;
   void* stream = nullptr;
 };
 
@@ -73,6 +75,9 @@ std::vector<autotune::Config> with_wave_splits(const std::vector<autotune::Confi
                                                const std::string& block_m_name, int64_t rows,
                                                const std::string& block_k_name, int64_t cols, int64_t batch,
                                                int64_t programs, const std::vector<int64_t>& waves);
+
+// The L2 hint variants the streaming ops try on their finalists (EVICT 1 and 2).
+const std::vector<autotune::Config>& evict_variants();
 
 // The autotuner's choice for `request` (its defaults, all zero, when tuning is off
 // for the device). On the CPU back end only two tile sizes of each are tried.

@@ -1,6 +1,7 @@
-// The slice of a loop that one program of grid axis 1 owns, for kernels whose
-// programs share a long dimension (split-K style). The number of slices is the
-// grid's, not a meta-parameter, so changing it compiles nothing new.
+// Helpers the library kernels share: the slice of a loop that one program of
+// grid axis 1 owns, for kernels whose programs share a long dimension (split-K
+// style; the number of slices is the grid's, not a meta-parameter, so changing
+// it compiles nothing new); rotated steps; the L2 hints of EVICT.
 #pragma once
 
 #include <utility>
@@ -8,6 +9,12 @@
 #include "kerf/dsl/dsl.h"
 
 namespace kerf::kernels {
+
+// The L2 hints of the EVICT meta-parameter: 0 none; 1 the streamed tensor (read
+// or written once) evicted first; 2 that, and the adapters (re-read by other
+// programs) evicted last.
+inline dsl::Evict streamed_hint(int64_t evict) { return evict >= 1 ? dsl::Evict::first : dsl::Evict::normal; }
+inline dsl::Evict reused_hint(int64_t evict) { return evict >= 2 ? dsl::Evict::last : dsl::Evict::normal; }
 
 // [lo, hi) of [0, n): program_id(1)'s share of num_programs(1) slices, in whole `step`s.
 inline std::pair<dsl::Value, dsl::Value> split_range(const dsl::Value& n, int64_t step) {

@@ -130,6 +130,56 @@ TEST_CASE("the tuner times its fastest candidates again before it chooses", "[au
   CHECK(once.config == cand(256, 8));
 }
 
+// Times by BLOCK, and a variant (V=1) by its own table.
+class VariantTimer final : public autotune::Timer {
+ public:
+  double median_ms(const std::function<void()>& run, const std::function<void()>& restore, int warmup,
+                   int repeats) override {
+    for (int i = 0; i < warmup + repeats; ++i) {
+      if (restore) restore();
+      run();
+    }
+    const std::map<int64_t, double> base = {{16, 3.0}, {32, 1.5}, {64, 0.7}, {128, 2.0}, {256, 0.9}};
+    const std::map<int64_t, double> with_v = {{32, 1.6}, {64, 0.5}, {256, 1.2}};
+    return (variant ? with_v : base).at(current);
+  }
+  int64_t current = 0;
+  bool variant = false;
+};
+
+TEST_CASE("the tuner tries its finalist variants on the finalists only, and keeps one that wins", "[autotune]") {
+  VariantTimer timer;
+  std::mutex mu;
+  std::vector<autotune::Config> compiled;
+  autotune::Hooks h;
+  h.compile = [&](const autotune::Config& c) {
+    std::lock_guard<std::mutex> lock(mu);
+    compiled.push_back(c);
+  };
+  h.run = [&](const autotune::Config& c) {
+    timer.current = c.at("BLOCK");
+    timer.variant = autotune::value_or_zero(c, "V") == 1;
+  };
+  autotune::Options o = options_with(&timer);
+  o.persist = false;
+  o.finalist_variants = {{{"V", 1}}, {{"num_warps", 4}}};  // the second changes nothing for 4-warp finalists
+  {
+    test::ScopedEnv env({{"KERF_AUTOTUNE", "1"}});
+    const autotune::Choice c = autotune::choose(fake_problem("variant_op"), kCandidates, cand(32, 4), h, o);
+    autotune::Config want = cand(64, 4);
+    want["V"] = 1;
+    CHECK(c.config == want);
+    CHECK(c.best_ms == 0.5);
+  }
+  // Compiled: the 5 candidates, V=1 on the finalists 64, 256 and 32, and 256 with 4 warps.
+  CHECK(compiled.size() == 9);
+  int variants = 0;
+  for (const autotune::Config& c : compiled) variants += autotune::value_or_zero(c, "V") == 1;
+  CHECK(variants == 3);
+  for (const autotune::Config& c : compiled)
+    if (autotune::value_or_zero(c, "V") == 1) CHECK((c.at("BLOCK") == 64 || c.at("BLOCK") == 256 || c.at("BLOCK") == 32));
+}
+
 TEST_CASE("the tuner picks the fastest candidate by its timer and stores the choice",
           "[autotune]") {
   test::TempDir dir;

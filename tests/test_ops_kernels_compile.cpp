@@ -63,6 +63,7 @@ std::vector<Case> op_kernel_cases() {
                   {"R_PAD", 16},
                   {"DOT", int64_t(is_half(ad) ? ad : dot)},
                   {"SCALE_AFTER", is_half(ad) ? 1 : 0},
+                  {"EVICT", fast ? 2 : 1},
                   {"num_stages", stages}},
                  "lora_merge",
                  v.arch});
@@ -258,4 +259,35 @@ TEST_CASE("rotated column steps still run their loads ahead", "[cuda][codegen][o
                                      {{"BLOCK_T", 128}, {"BLOCK_D", 64}, {"R_PAD", 16}, {"DOT", int64_t(DType::bf16)},
                                       {"ROTATE", 1}, {"num_stages", 3}});
   CHECK(esrc.find("prefetch @g") != std::string::npos);
+}
+
+TEST_CASE("L2 hints reach the loads, stores and cp.async copies they are given, and nothing else",
+          "[cuda][codegen][ops]") {
+  const std::vector<ArgSpec> args = {T(DType::bf16, 3), T(DType::bf16, 3), T(DType::bf16, 3), S};
+  auto meta = [](int64_t evict) {
+    return MetaMap{{"BLOCK_M", 64},    {"BLOCK_K", 128},  {"R_PAD", 16},     {"DOT", int64_t(DType::bf16)},
+                   {"SCALE_AFTER", 1}, {"EVICT", evict}, {"num_stages", 3}};
+  };
+  const ir::Function fn = kernels::lora_merge().trace(args, meta(2));
+  const std::string ir_text = ir::print(fn);
+  INFO(ir_text);
+  CHECK(ir_text.find("load @W[") != std::string::npos);
+  CHECK(ir_text.find("evict_first") != std::string::npos);
+  CHECK(ir_text.find("evict_last") != std::string::npos);
+  const std::string hinted = jit::cuda::generate(fn, "sm_90a").source;
+  CHECK(hinted.find("kerf_dev::l2_policy_evict_first()") != std::string::npos);
+  CHECK(hinted.find("kerf_dev::l2_policy_evict_last()") != std::string::npos);
+  CHECK(hinted.find("kerf_dev::cp_async_hint<16>") != std::string::npos);  // W and A run ahead, hinted
+  CHECK(hinted.find("kerf_dev::st_hint<") != std::string::npos);           // W written back, hinted
+  const std::string plain = source_of(kernels::lora_merge(), args, meta(0));
+  CHECK(plain.find("kerf_dev::l2_policy") == std::string::npos);
+  CHECK(plain.find("kerf_dev::cp_async_hint<") == std::string::npos);
+  CHECK(plain.find("kerf_dev::st_hint<") == std::string::npos);
+  CHECK(plain.find("kerf_dev::ld_hint<") == std::string::npos);
+  // The hinted kernel compiles (NVRTC runs ptxas on the cache-hint PTX).
+  KERF_REQUIRE_NVRTC();
+  for (const char* arch : {"sm_80", "sm_90a"}) {
+    const jit::cuda::KernelCode code = jit::cuda::generate(fn, arch);
+    REQUIRE_NOTHROW(nvrtc::compile(code.source, code.entry + ".cu", arch));
+  }
 }

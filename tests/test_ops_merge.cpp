@@ -29,11 +29,12 @@ struct MergeCase {
   bool transposed = false;  // W given as the strided view of a [in, out] buffer (fan_in_fan_out)
   int64_t offset = 0;  // W starts this many elements into its buffer (misaligned for the fast path)
   double s = 1.5;
+  int64_t evict = 0;  // Config.meta EVICT (an L2 hint: the same answer)
 };
 
 void check_merge(const MergeCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.out, c.in, c.r, dtype_name(c.w), dtype_name(c.a), dtype_name(c.b), c.transposed,
-          c.offset, seed, dev.str());
+          c.offset, c.evict, seed, dev.str());
   std::mt19937_64 rng(seed);
   TestTensor Wbuf(c.w, {c.out * c.in + c.offset}, dev), A(c.a, {c.r, c.in}, dev),
       B(c.b, {c.out, c.r}, dev);
@@ -49,7 +50,9 @@ void check_merge(const MergeCase& c, Device dev, uint64_t seed) {
   std::vector<double> w0(size_t(Wbuf.numel()));
   for (int64_t i = 0; i < Wbuf.numel(); ++i) w0[size_t(i)] = Wbuf.get(i);
 
-  ops::lora_merge(W, A.view(), B.view(), c.s);
+  ops::Config cfg;
+  if (c.evict) cfg.meta["EVICT"] = c.evict;
+  ops::lora_merge(W, A.view(), B.view(), c.s, nullptr, cfg);
   test::sync(dev);
   Wbuf.download();
   std::vector<double> got, ref;
@@ -65,7 +68,7 @@ void check_merge(const MergeCase& c, Device dev, uint64_t seed) {
   // Relative to W's scale (~1): entries near zero are compared absolutely.
   CHECK(test::max_relative_error(got, ref, 1.0) <= merge_tolerance(c.w));
 
-  ops::lora_unmerge(W, A.view(), B.view(), c.s);
+  ops::lora_unmerge(W, A.view(), B.view(), c.s, nullptr, cfg);
   test::sync(dev);
   Wbuf.download();
   std::vector<double> back, orig;
@@ -90,6 +93,8 @@ void run_merge_cases(Device dev) {
   cases.push_back({40, 72, 8, DType::bf16, DType::f32, DType::f32, true});  // fan_in_fan_out
   cases.push_back({64, 128, 16, DType::bf16, DType::bf16, DType::bf16, false, 1});  // misaligned W
   cases.push_back({50, 70, 3, DType::f32, DType::f32, DType::f32, false, 3, -0.75});
+  cases.push_back({128, 256, 16, DType::bf16, DType::bf16, DType::bf16, false, 0, 1.5, 1});  // L2 hints
+  cases.push_back({67, 130, 5, DType::f16, DType::f32, DType::f32, false, 0, 1.5, 2});
   uint64_t seed = 4100;
   for (const MergeCase& c : cases) check_merge(c, dev, seed++);
 }

@@ -402,6 +402,9 @@ class Codegen {
   const ir::Param& tensor_of(const Operation& op) const;
 
   std::string pointer_expr(const Operation& op);
+  // The L2 cache policy a hinted tile load or store uses ("" for none, or
+  // before sm_80), made once at the kernel's start.
+  std::string l2_policy(const Operation& op);
 
   std::string stride_expr(const Operation& op, int d);
 

@@ -20,6 +20,18 @@ std::string Codegen::pointer_expr(const Operation& op) {
   return key;
 }
 
+std::string Codegen::l2_policy(const Operation& op) {
+  if (op.attrs.evict == 0 || sm_ < 80) return "";
+  const bool first = op.attrs.evict == 1;
+  const std::string key = first ? "kerf_pol_first" : "kerf_pol_last";
+  if (!pointers_.count(key)) {
+    pointers_.insert(key);
+    pointer_lines_ += "  const unsigned long long " + key + " = kerf_dev::l2_policy_evict_" +
+                      (first ? "first" : "last") + "();\n";
+  }
+  return key;
+}
+
 std::string Codegen::stride_expr(const Operation& op, int d) {
   const ir::Param& p = tensor_of(op);
   if (p.facts.contiguous_last && d == p.rank - 1) return "";
@@ -111,7 +123,11 @@ Tile Codegen::emit_load(const Operation& op, int l) {
   line(lv, "  const int r = q * " + S(w) + ";");
   line(lv, "  const long long off = " + offset_expr(op, idx, "r") + ";");
   std::string load;
-  if (w == 1) {
+  const std::string pol = l2_policy(op);
+  if (!pol.empty()) {
+    load = "{ const kerf_dev::Pack<" + st + ", " + S(w) + "> pk = kerf_dev::ld_hint<" + st + ", " + S(w) + ">(" +
+           ptr + " + off, " + pol + "); for (int j = 0; j < " + S(w) + "; ++j) " + name + "[r + j] = pk.v[j]; }";
+  } else if (w == 1) {
     load = name + "[r] = " + ptr + "[off];";
   } else {
     load = "{ const kerf_dev::Pack<" + st + ", " + S(w) + "> pk = kerf_dev::ld<" + st + ", " +
@@ -220,6 +236,10 @@ void Codegen::emit_store(const Operation& op, int level) {
   if (old >= 0) {
     line(level, "  " + guard + old_name +
                     "[r] = " + store_stmt(p.dtype, true, ptr + " + off", elem(val, "r")) + ";");
+  } else if (!atomic && !l2_policy(op).empty()) {
+    line(level, "  " + guard + "{ kerf_dev::Pack<" + st + ", " + S(w) + "> pk; for (int j = 0; j < " + S(w) +
+                    "; ++j) pk.v[j] = " + elem(val, "r + j") + "; kerf_dev::st_hint<" + st + ", " + S(w) + ">(" +
+                    ptr + " + off, pk, " + l2_policy(op) + "); }");
   } else if (w == 1) {
     line(level, "  " + guard + store_stmt(p.dtype, atomic, ptr + " + off", elem(val, "r")) + ";");
   } else if (atomic) {

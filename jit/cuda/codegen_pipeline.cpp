@@ -157,8 +157,13 @@ void Codegen::emit_prefetch(const Operation& op, int target, int inner, ValueId 
   line(inner, "  const long long off = " + offset_expr(op, idx, "r") + ";");
   const std::string pred = "(" + valid + ")" + (op.attrs.has_mask ? " && " + elem(mask, "r") : "");
   line(inner, "  const bool ok = " + pred + ";");
-  line(inner, "  kerf_dev::cp_async<" + S(w * eb) + ">(ring + " + smem_offset(l, a.pitch, "r") +
-                  ", ok ? " + ptr + " + off : " + ptr + ", ok);");
+  const std::string pol = l2_policy(op);
+  if (pol.empty())
+    line(inner, "  kerf_dev::cp_async<" + S(w * eb) + ">(ring + " + smem_offset(l, a.pitch, "r") +
+                    ", ok ? " + ptr + " + off : " + ptr + ", ok);");
+  else
+    line(inner, "  kerf_dev::cp_async_hint<" + S(w * eb) + ">(ring + " + smem_offset(l, a.pitch, "r") +
+                    ", ok ? " + ptr + " + off : " + ptr + ", ok, " + pol + ");");
   line(inner, "}");
   const std::string code = close_frame(inner, replaced);
   // Scalars the block computed for its iteration go; outer ones it emitted stay.

@@ -84,6 +84,70 @@ template <class T, int W> __device__ __forceinline__ void st(T* p, const Pack<T,
   *reinterpret_cast<V*>(p) = *reinterpret_cast<const V*>(&v);
 }
 
+// Loads and stores with an L2 cache policy (sm_80+). The "memory" clobber keeps
+// them in program order with the kernel's other accesses to the same memory.
+__device__ __forceinline__ unsigned long long l2_policy_evict_first() {
+  unsigned long long p;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+  return p;
+}
+__device__ __forceinline__ unsigned long long l2_policy_evict_last() {
+  unsigned long long p;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
+  return p;
+}
+template <class T, int W>
+__device__ __forceinline__ Pack<T, W> ld_hint(const T* p, unsigned long long pol) {
+  constexpr int B = int(sizeof(T)) * W;
+  Pack<T, W> r;
+  if constexpr (B == 16) {
+    uint4 v;
+    asm volatile("ld.global.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol) : "memory");
+    *reinterpret_cast<uint4*>(&r) = v;
+  } else if constexpr (B == 8) {
+    uint2 v;
+    asm volatile("ld.global.L2::cache_hint.v2.u32 {%0,%1}, [%2], %3;"
+                 : "=r"(v.x), "=r"(v.y) : "l"(p), "l"(pol) : "memory");
+    *reinterpret_cast<uint2*>(&r) = v;
+  } else if constexpr (B == 4) {
+    unsigned v;
+    asm volatile("ld.global.L2::cache_hint.u32 %0, [%1], %2;" : "=r"(v) : "l"(p), "l"(pol) : "memory");
+    *reinterpret_cast<unsigned*>(&r) = v;
+  } else if constexpr (B == 2) {
+    unsigned short v;
+    asm volatile("ld.global.L2::cache_hint.u16 %0, [%1], %2;" : "=h"(v) : "l"(p), "l"(pol) : "memory");
+    *reinterpret_cast<unsigned short*>(&r) = v;
+  } else {
+    unsigned v;
+    asm volatile("ld.global.L2::cache_hint.u8 %0, [%1], %2;" : "=r"(v) : "l"(p), "l"(pol) : "memory");
+    *reinterpret_cast<unsigned char*>(&r) = (unsigned char)v;
+  }
+  return r;
+}
+template <class T, int W>
+__device__ __forceinline__ void st_hint(T* p, const Pack<T, W>& x, unsigned long long pol) {
+  constexpr int B = int(sizeof(T)) * W;
+  if constexpr (B == 16) {
+    const uint4 v = *reinterpret_cast<const uint4*>(&x);
+    asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1,%2,%3,%4}, %5;"
+                 :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "l"(pol) : "memory");
+  } else if constexpr (B == 8) {
+    const uint2 v = *reinterpret_cast<const uint2*>(&x);
+    asm volatile("st.global.L2::cache_hint.v2.u32 [%0], {%1,%2}, %3;" :: "l"(p), "r"(v.x), "r"(v.y), "l"(pol)
+                 : "memory");
+  } else if constexpr (B == 4) {
+    const unsigned v = *reinterpret_cast<const unsigned*>(&x);
+    asm volatile("st.global.L2::cache_hint.u32 [%0], %1, %2;" :: "l"(p), "r"(v), "l"(pol) : "memory");
+  } else if constexpr (B == 2) {
+    const unsigned short v = *reinterpret_cast<const unsigned short*>(&x);
+    asm volatile("st.global.L2::cache_hint.u16 [%0], %1, %2;" :: "l"(p), "h"(v), "l"(pol) : "memory");
+  } else {
+    const unsigned v = *reinterpret_cast<const unsigned char*>(&x);
+    asm volatile("st.global.L2::cache_hint.u8 [%0], %1, %2;" :: "l"(p), "r"(v), "l"(pol) : "memory");
+  }
+}
+
 // Atomics (relaxed, device scope). 16-bit floats use a compare-and-swap loop
 // on the aligned 32-bit word that holds them.
 __device__ __forceinline__ float atomic_add(float* p, float v) { return atomicAdd(p, v); }
@@ -172,6 +236,18 @@ __device__ __forceinline__ void cp_async(void* smem, const void* gmem, bool pred
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(s), "l"(gmem), "r"(src_bytes));
   else
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" :: "r"(s), "l"(gmem), "n"(B), "r"(src_bytes));
+}
+// The same with an L2 cache policy (createpolicy: evict first or last), sm_80+.
+template <int B>
+__device__ __forceinline__ void cp_async_hint(void* smem, const void* gmem, bool pred, unsigned long long pol) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  const int src_bytes = pred ? B : 0;
+  if (B == 16)
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;"
+                 :: "r"(s), "l"(gmem), "r"(src_bytes), "l"(pol));
+  else
+    asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], %2, %3, %4;"
+                 :: "r"(s), "l"(gmem), "n"(B), "r"(src_bytes), "l"(pol));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {

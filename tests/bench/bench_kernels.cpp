@@ -489,6 +489,9 @@ int main(int argc, char** argv) {
     // Without split-K, smaller row blocks fill the device.
     for (int64_t bm : {16, 32, 64})
       for (int64_t warps : {4, 8}) dora_cfgs.push_back(ops::Config{bm, 64, 1, warps, 3});
+    // L2 hints (W evicted first; 2: A kept) on two of the usual winners.
+    for (int64_t evict : {1, 2})
+      for (int64_t bm : {64, 128}) dora_cfgs.push_back(ops::Config{bm, 64, 0, 8, 3, {{"EVICT", evict}}});
     if (quick) dora_cfgs = {ops::Config{64, 64, 0, 8, 3}, ops::Config{128, 64, 0, 8, 3}, ops::Config{64, 128, 0, 4, 3}};
     const std::vector<std::pair<int64_t, int64_t>> dora_shapes = {
         {4096, 4096}, {8192, 8192}, {14336, 4096}, {4096, 14336}};
@@ -514,6 +517,8 @@ int main(int argc, char** argv) {
           for (int64_t stages : {2, 3}) moe_cfgs.push_back(ops::Config{bn, bk, 0, warps, stages});
     // Taller row blocks read each expert's A fewer times (it matters at r=64).
     for (int64_t stages : {2, 3}) moe_cfgs.push_back(ops::Config{256, 64, 0, 8, stages});
+    for (int64_t evict : {1, 2})
+      for (int64_t bn : {64, 128}) moe_cfgs.push_back(ops::Config{bn, 128, 0, 8, 3, {{"EVICT", evict}}});
     if (quick) moe_cfgs = {ops::Config{64, 64, 0, 8, 3}, ops::Config{32, 128, 0, 4, 3}, ops::Config{64, 128, 0, 4, 2}};
     struct MoeCase {
       int64_t E, N, K, r;
@@ -552,6 +557,9 @@ int main(int argc, char** argv) {
       for (int64_t bm : {32, 64, 128})
         for (int64_t bk : {64, 128})
           for (int64_t warps : {4, 8}) merge_cfgs.push_back(ops::Config{bm, bk, 0, warps, 3});
+    if (!quick)
+      for (int64_t evict : {1, 2})
+        for (int64_t bm : {32, 64}) merge_cfgs.push_back(ops::Config{bm, 128, 0, 8, 3, {{"EVICT", evict}}});
     for (auto [o, i] : std::vector<std::pair<int64_t, int64_t>>{{4096, 4096}, {8192, 8192}, {14336, 4096}})
       if (family("lora_merge")) run_case(make_merge(o, i, 16), merge_cfgs);
     std::vector<ops::Config> dora4_cfgs = {ops::Config{}};

@@ -185,6 +185,15 @@ Value load(const Tensor& t, const std::vector<Value>& idx, const Value& mask = {
 Value load(const Tensor& t, const std::vector<Value>& idx, const Value& mask, double other);
 void store(const Tensor& t, const std::vector<Value>& idx, const Value& value,
            const Value& mask = {});
+// The same with a hint for how long the lines they touch should stay in the
+// GPU's L2 cache: evict first (data streamed once, so that it leaves the cache
+// to what is re-read) or last (data other programs re-read). A hint never
+// changes a result; sm_80 and later take it, other targets and the CPU back
+// end ignore it.
+enum class Evict : uint8_t { normal, first, last };
+Value load(const Tensor& t, const std::vector<Value>& idx, const Value& mask, Evict evict);
+Value load(const Tensor& t, const std::vector<Value>& idx, const Value& mask, const Value& other, Evict evict);
+void store(const Tensor& t, const std::vector<Value>& idx, const Value& value, const Value& mask, Evict evict);
 // Memory ordering of an atomic: relaxed, or acquire-release (the atomic comes
 // after every earlier write of the program and before every later read, so a
 // program that sees a counter reach its final value sees the writes that came

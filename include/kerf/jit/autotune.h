@@ -62,6 +62,10 @@ struct Options {
   // times each in turns; the lowest median of those rounds wins.
   int finalists = 3;
   int final_rounds = 3;
+  // Overrides also tried on each finalist of the first round (e.g. {"EVICT": 1}:
+  // a cache hint on the best tiles, without doubling the first round); each
+  // variant is compiled, timed once and joins the final rounds.
+  std::vector<Config> finalist_variants;
   int compile_threads = 0;  // 0: one per hardware thread (at most one per candidate)
   Timer* timer =
       nullptr;  // nullptr: cuda_event_timer(stream) on a GPU, wall_clock_timer() on the CPU

@@ -87,6 +87,7 @@ struct Attrs {
   bool has_mask = false;   // Load/Store/AtomicAdd
   bool has_other = false;  // Load
   bool acq_rel = false;    // AtomicAdd: acquire-release instead of relaxed
+  uint8_t evict = 0;       // Load/Store: L2 eviction hint (0 normal, 1 evict first, 2 evict last)
 };
 
 struct Block;
