@@ -233,7 +233,10 @@ TEST_CASE("an op refuses Config.meta names it does not take and values out of ra
   ops::Config rotate;
   rotate.meta["ROTATE"] = 1;
   CHECK_REJECTS(InvalidArgument, ops::dora_norm(W, A, B, m, 1.0, norm, scale, 0.0, nullptr, rotate),
-                "dora_norm: Config.meta names 'ROTATE', which this op does not take (it takes none)");
+                "dora_norm: Config.meta names 'ROTATE', which this op does not take (it takes EVICT)");
+  CHECK_REJECTS(InvalidArgument,
+                ops::dora_norm_partial(W, A, B, 1.0, t({8}, DType::f32, 12400), nullptr, rotate),
+                "dora_norm_partial: Config.meta names 'ROTATE', which this op does not take (it takes none)");
   CHECK_REJECTS(InvalidArgument, ops::lora_merge(W, A, B, 1.0, nullptr, rotate),
                 "lora_merge: Config.meta names 'ROTATE'");
   const TensorView dW = t({2, 8, 12}), mA = t({2, 2, 12}, DType::f32, 4096), mB = t({2, 8, 2}, DType::f32, 8192);
