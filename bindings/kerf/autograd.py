@@ -63,13 +63,23 @@ def _dense_grad(g: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------- DoRA
+def _dora_norm_and_scale(W: Tensor, A: Tensor, B: Tensor, m: Tensor, s: float, eps: float):
+    """kerf's (norm, m / norm) for a dense W, or for a bitsandbytes 4-bit weight
+    (a Params4bit with its quant_state: QLoRA), dequantized in registers."""
+    if getattr(W, "quant_state", None) is not None:
+        return _ops.dora_norm_4bit(A=_for_kerf(A), B=_for_kerf(B), m=_for_kerf(m), s=float(s), eps=float(eps),
+                                   **_ops.bnb_weight4bit(W))
+    return _ops.dora_norm(_for_kerf(W), _for_kerf(A), _for_kerf(B), _for_kerf(m), float(s), eps=float(eps))
+
+
 def dora_weight_norm(W: Tensor, A: Tensor, B: Tensor, s: float, eps: float = 0.0) -> Tensor:
     """``||W + s * B @ A||`` per output row (float32, no gradient): PEFT's ``get_weight_norm``
-    computed from the factors, without materializing ``B @ A``."""
-    W_, A_, B_ = _for_kerf(W), _for_kerf(A), _for_kerf(B)
+    computed from the factors, without materializing ``B @ A``. W may be a
+    bitsandbytes 4-bit weight (its quant_state is read; nothing is dequantized
+    into memory)."""
     # The op also produces m / norm; a ones magnitude keeps that output harmless.
-    m = torch.ones(W_.shape[0], dtype=torch.float32, device=W_.device)
-    norm, _ = _ops.dora_norm(W_, A_, B_, m, float(s), eps=float(eps))
+    m = torch.ones(B.shape[0], dtype=torch.float32, device=B.device)
+    norm, _ = _dora_norm_and_scale(W, A, B, m, s, eps)
     return norm
 
 
@@ -88,8 +98,7 @@ class DoraScale(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, W: Tensor, A: Tensor, B: Tensor, m: Tensor, s: float, eps: float = 0.0) -> Tensor:
-        norm, scale = _ops.dora_norm(_for_kerf(W), _for_kerf(A), _for_kerf(B), _for_kerf(m), float(s),
-                                     eps=float(eps))
+        norm, scale = _dora_norm_and_scale(W, A, B, m, s, eps)
         ctx.save_for_backward(norm)
         ctx.m_dtype = m.dtype
         if m.dtype == torch.float32:
@@ -125,7 +134,9 @@ def dora_scale(
     """DoRA's ``mag_norm_scale = m / ||W + s * B @ A||_row`` (shape [out], m's dtype).
 
     Differentiable in ``m`` only, like PEFT (the norm is detached). With
-    ``cache`` the norm is reused until the next optimizer step.
+    ``cache`` the norm is reused until the next optimizer step. W may be a
+    bitsandbytes 4-bit weight (QLoRA + DoRA): kerf reads its packed codes and
+    quant_state and never builds the 16-bit weight.
     """
     if cache is not None:
         return cache.scale(W, A, B, m, s, eps)

@@ -469,3 +469,29 @@ def test_dora_norm_4bit_on_torch_uint8_matches_a_dequantized_reference(device, a
     ref_norm, ref_scale = dora_ref(W, A, B, m, 0.5)
     torch.testing.assert_close(norm.double(), ref_norm, rtol=1e-2, atol=0)
     torch.testing.assert_close(scale.double(), ref_scale, rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dora_scale_of_a_4bit_weight_reads_its_quant_state(device):
+    # A stand-in for bitsandbytes' Params4bit: a uint8 parameter carrying a quant_state.
+    import types
+
+    out, inn, r, bs = 64, 256, 8, 64
+    g = torch.Generator().manual_seed(12)
+    packed = torch.randint(0, 256, (out * inn // 2, 1), dtype=torch.uint8, generator=g).to(device)
+    W4 = torch.nn.Parameter(packed, requires_grad=False)
+    code = torch.tensor(kerf.ops.nf4_code(), device=device)
+    W4.quant_state = types.SimpleNamespace(absmax=(torch.rand(out * inn // bs, generator=g) + 0.5).to(device),
+                                           code=code, blocksize=bs, nested=False)
+    A = (torch.randn(r, inn, generator=g) / inn ** 0.5).to(device)
+    B = torch.randn(out, r, generator=g).to(device)
+    m = (torch.rand(out, generator=g) + 0.5).to(device).requires_grad_()
+    scale = ka.dora_scale(W4, A, B, m, 0.5)
+    b = packed.reshape(-1).long()
+    q = torch.stack([b >> 4, b & 15], dim=1).reshape(-1)
+    W = (code.double()[q] * W4.quant_state.absmax.double().repeat_interleave(bs)).reshape(out, inn)
+    ref_norm, ref_scale = dora_ref(W, A, B, m.detach(), 0.5)
+    torch.testing.assert_close(scale.double(), ref_scale, rtol=1e-2, atol=0)
+    scale.sum().backward()
+    torch.testing.assert_close(m.grad.double(), 1 / ref_norm, rtol=1e-2, atol=0)
+    torch.testing.assert_close(ka.dora_weight_norm(W4, A, B, 0.5).double(), ref_norm, rtol=1e-2, atol=0)
