@@ -19,14 +19,16 @@ namespace kerf::ops {
 // (embedding dims) per step, split_k the programs sharing one row block's
 // columns (DoRA norm, merge, MoE materialize and its backward, embedding).
 // `meta`: further meta-parameters of an op's kernels, by name; an op refuses a
-// name it does not take. EVICT (0-2; DoRA norm, merge, MoE materialize): L2
-// hints, 1 the streamed weight evicted first, 2 also the adapters kept. ROTATE (0 or 1; MoE backward, embedding backward):
-// each row block walks its column steps starting at a different step, so that
-// the programs adding into the same gradient rows do not all add to the same
-// addresses at the same time. BY_COLUMNS (0 or 1; MoE backward): each program
-// owns a block of columns and walks the rows (dA in registers, dB added
-// atomically) instead of owning rows (dB in registers, dA added atomically);
-// block_m is then the rows per step, block_k the columns per program.
+// name it does not take.
+//   EVICT (0-2; DoRA norm, merge, MoE materialize): L2 hints, 1 the streamed
+//     weight evicted first, 2 also the adapters kept.
+//   ROTATE (0 or 1; MoE backward, embedding backward): each row block walks its
+//     column steps starting at a different step, so that the programs adding
+//     into the same gradient rows do not all add to the same addresses at once.
+//   BY_COLUMNS (0 or 1; MoE backward): each program owns a block of columns and
+//     walks the rows (dA in registers, dB added atomically) instead of owning
+//     rows (dB in registers, dA added atomically); block_m is then the rows per
+//     step, block_k the columns per program.
 struct Config {
   int64_t block_m = 0;
   int64_t block_k = 0;
