@@ -17,6 +17,7 @@ const char* error_kind_name(ErrorKind kind) {
     case ErrorKind::NotAvailable: return "not available";
     case ErrorKind::Cache: return "cache error";
     case ErrorKind::Internal: return "internal error";
+    case ErrorKind::Interrupted: return "interrupted";
   }
   return "error";
 }

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "kerf/cache/cpu_kernel.h"
+#include "kerf/error.h"
 #include "kerf/cache/log.h"
 #include "kerf/cache/settings.h"
 #include "kerf/cache/store.h"
@@ -20,6 +21,19 @@ namespace kerf::autotune {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// The interrupt check (set_interrupt_check); read by the tuning thread only.
+std::mutex g_interrupt_mu;
+std::function<bool()> g_interrupt;
+
+bool interrupt_requested() {
+  std::function<bool()> check;
+  {
+    std::lock_guard<std::mutex> lock(g_interrupt_mu);
+    check = g_interrupt;
+  }
+  return check && check();
+}
 
 // The problem's target: a choice made on one GPU model (or CPU) is not another's.
 cache::Target target_of(const Device& d) {
@@ -75,13 +89,22 @@ Memo& memo() {
 }
 
 // Compiles every candidate on up to `threads` threads; returns which succeeded.
+// Compiles the candidates on `threads` threads (the calling one among them).
+// The calling thread asks the interrupt check before each compile it starts;
+// once it says stop, no thread starts another and kerf::Interrupted is thrown.
 std::vector<bool> compile_all(const std::vector<Config>& cands, const Hooks& hooks, int threads,
                               int* failed) {
   std::vector<bool> ok(cands.size(), false);
   std::vector<char> done(cands.size(), 0);
   std::atomic<size_t> next{0};
+  std::atomic<bool> stop{false};
+  const std::thread::id caller = std::this_thread::get_id();
   const auto work = [&] {
-    for (size_t i; (i = next++) < cands.size();) {
+    for (size_t i; !stop && (i = next++) < cands.size();) {
+      if (std::this_thread::get_id() == caller && interrupt_requested()) {
+        stop = true;
+        break;
+      }
       try {
         if (hooks.compile) hooks.compile(cands[i]);
         done[i] = 1;
@@ -96,6 +119,7 @@ std::vector<bool> compile_all(const std::vector<Config>& cands, const Hooks& hoo
   for (int t = 1; t < n; ++t) pool.emplace_back(work);
   work();
   for (std::thread& t : pool) t.join();
+  if (stop) throw kerf::Interrupted("autotuning interrupted while compiling candidates");
   for (size_t i = 0; i < cands.size(); ++i) {
     ok[i] = done[i] != 0;
     if (!ok[i]) ++*failed;
@@ -178,6 +202,11 @@ Config parse_config(const std::string& text) {
     at = end + 1;
   }
   return c;
+}
+
+void set_interrupt_check(std::function<bool()> check) {
+  std::lock_guard<std::mutex> lock(g_interrupt_mu);
+  g_interrupt = std::move(check);
 }
 
 cache::CacheKey choice_key(const Problem& p) {
@@ -271,8 +300,12 @@ Choice choose(const Problem& p, const std::vector<Config>& candidates, const Con
   // so that one noisy median (a clock change, another process) cannot crown a
   // candidate that is not the fastest.
   std::vector<std::pair<double, size_t>> timed;
+  const auto check_interrupt = [] {
+    if (interrupt_requested()) throw kerf::Interrupted("autotuning interrupted while timing candidates");
+  };
   for (size_t i = 0; i < kept.size(); ++i) {
     if (!ok[i]) continue;
+    check_interrupt();
     try {
       const double ms =
           timer->median_ms([&] { hooks.run(kept[i]); }, hooks.restore, o.warmup, o.repeats);
@@ -311,6 +344,7 @@ Choice choose(const Problem& p, const std::vector<Config>& candidates, const Con
     const std::vector<bool> vok = compile_all(variants, hooks, threads, &c.failed);
     for (size_t i = 0; i < variants.size(); ++i) {
       if (!vok[i]) continue;
+      check_interrupt();
       kept.push_back(variants[i]);
       try {
         const double ms = timer->median_ms([&] { hooks.run(kept.back()); }, hooks.restore, o.warmup, o.repeats);
@@ -331,6 +365,7 @@ Choice choose(const Problem& p, const std::vector<Config>& candidates, const Con
     std::vector<std::vector<double>> rounds(pool.size());
     for (int round = 0; round < o.final_rounds; ++round)
       for (size_t f = 0; f < pool.size(); ++f) {
+        check_interrupt();
         const Config& cand = kept[pool[f]];
         rounds[f].push_back(timer->median_ms([&] { hooks.run(cand); }, hooks.restore, 1, o.repeats));
       }

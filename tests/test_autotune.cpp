@@ -180,6 +180,29 @@ TEST_CASE("the tuner tries its finalist variants on the finalists only, and keep
     if (autotune::value_or_zero(c, "V") == 1) CHECK((c.at("BLOCK") == 64 || c.at("BLOCK") == 256 || c.at("BLOCK") == 32));
 }
 
+TEST_CASE("an interrupt check stops a tuning pass, and nothing is stored", "[autotune]") {
+  test::TempDir dir;
+  test::ScopedEnv env({{"KERF_CACHE_DIR", dir.path()}, {"KERF_AUTOTUNE", "1"}});
+  // Asked before each of the 5 compiles (1-5), the 5 timed candidates (6-10), and
+  // each finalist's turn in the final rounds (11-19).
+  for (const int stop_at : {1, 7, 13}) {
+    CAPTURE(stop_at);
+    FakeOp op;
+    int asked = 0;
+    autotune::set_interrupt_check([&] { return ++asked >= stop_at; });
+    autotune::Options o = options_with(&op.timer);
+    o.compile_threads = 1;
+    const autotune::Problem problem = fake_problem("interrupted_op_" + std::to_string(stop_at));
+    CHECK_THROWS_AS(autotune::choose(problem, kCandidates, cand(32, 4), op.hooks(), o), kerf::Interrupted);
+    CHECK(asked == stop_at);
+    autotune::set_interrupt_check({});
+    // Tuned afresh: the interrupted pass left no choice in memory or in the cache.
+    const autotune::Choice c = autotune::choose(problem, kCandidates, cand(32, 4), op.hooks(), o);
+    CHECK(c.from == autotune::Choice::From::tuned);
+    CHECK(c.config == cand(64, 4));
+  }
+}
+
 TEST_CASE("the tuner picks the fastest candidate by its timer and stores the choice",
           "[autotune]") {
   test::TempDir dir;

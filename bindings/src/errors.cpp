@@ -14,7 +14,7 @@ namespace {
 
 struct ErrorTypes {
   PyObject* base = nullptr;            // kerf.Error
-  std::array<PyObject*, 8> by_kind{};  // indexed by ErrorKind
+  std::array<PyObject*, 9> by_kind{};  // indexed by ErrorKind
 };
 
 ErrorTypes& error_types() {
@@ -76,6 +76,10 @@ void register_errors(py::module_& m) {
       new_error(m, "CacheError", PyExc_RuntimeError, "A kernel cache or bundle could not be used.");
   t.by_kind[kind(ErrorKind::Internal)] =
       new_error(m, "InternalError", PyExc_RuntimeError, "A bug in kerf itself: please report it.");
+  t.by_kind[kind(ErrorKind::Interrupted)] =
+      new_error(m, "InterruptedError", PyExc_RuntimeError,
+                "Work stopped on request (an autotuning pass); a Ctrl-C raises the signal handler's "
+                "own exception instead, KeyboardInterrupt by default.");
 
   py::register_exception_translator([](std::exception_ptr p) {
     try {
@@ -85,6 +89,9 @@ void register_errors(py::module_& m) {
             {{"log", PyUnicode_DecodeUTF8(e.log().data(), Py_ssize_t(e.log().size()), "replace")},
              {"source",
               PyUnicode_DecodeUTF8(e.source().data(), Py_ssize_t(e.source().size()), "replace")}});
+    } catch (const Interrupted& e) {
+      // Stopped by a signal handler that raised: its exception is already pending.
+      if (!PyErr_Occurred()) raise(error_types().by_kind[size_t(e.kind())], e.what());
     } catch (const CudaError& e) {
       raise(error_types().by_kind[size_t(e.kind())], e.what(),
             {{"code", PyLong_FromLong(e.code())}});

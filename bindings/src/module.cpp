@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "kerf/jit/autotune.h"
 #include "kerf/jit/cpu_backend.h"
 #include "kerf/jit/launch.h"
 #include "kerf/runtime/cuda.h"
@@ -24,6 +25,14 @@ PYBIND11_MODULE(_kerf, m) {
   python::register_errors(m);
   python::bind_buffer(m);
   python::bind_ops(m);
+  // A Ctrl-C stops a long autotuning pass: the tuner asks between candidates,
+  // and Python's signal handlers run then (their exception is what the call
+  // raises, KeyboardInterrupt by default).
+  autotune::set_interrupt_check([] {
+    if (!Py_IsInitialized()) return false;
+    py::gil_scoped_acquire gil;
+    return PyErr_CheckSignals() != 0;
+  });
 
   m.def("cpu_available", &jit::cpu::available,
         "Whether kerf was built with its CPU back end (LLVM).");

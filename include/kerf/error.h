@@ -16,6 +16,8 @@ enum class ErrorKind {
   NotAvailable,     // no driver, no device, backend not built (Python: RuntimeError)
   Cache,            // a cache or bundle could not be used (Python: RuntimeError)
   Internal,         // a bug in kerf itself (Python: RuntimeError)
+  Interrupted,      // stopped on request, e.g. an autotuning pass and Ctrl-C (Python: the
+                    // signal handler's exception, KeyboardInterrupt by default)
 };
 
 const char* error_kind_name(ErrorKind kind);
@@ -79,6 +81,11 @@ class CacheError : public Error {
 class InternalError : public Error {
  public:
   explicit InternalError(const std::string& m) : Error(ErrorKind::Internal, m) {}
+};
+
+class Interrupted : public Error {
+ public:
+  explicit Interrupted(const std::string& m) : Error(ErrorKind::Interrupted, m) {}
 };
 
 }  // namespace kerf

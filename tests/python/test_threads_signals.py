@@ -1,8 +1,13 @@
 """kerf's C++ work (compiles, CPU kernels, synchronizing calls) runs without the
-GIL, and a Ctrl-C that arrives meanwhile raises KeyboardInterrupt as soon as
-the call returns (kerf has no hook to stop a compile or a tuning half-way)."""
+GIL, a Ctrl-C that arrives meanwhile raises KeyboardInterrupt as soon as the
+call returns, and a Ctrl-C during an autotuning pass stops the pass within one
+candidate (a compile or a timed run), storing no choice."""
 
+import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -73,3 +78,43 @@ def test_ctrl_c_during_a_call_raises_as_soon_as_the_call_returns(kerf_cpu):
         pytest.fail(f"the interrupt never arrived during a call (last raised in {e.value})")
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+TUNE_SCRIPT = textwrap.dedent("""
+    import signal, sys, threading, time
+    import numpy as np
+    import kerf
+    rng = np.random.default_rng(0)
+    rows, cols, r = 1024, 4096, 16
+    args = (rng.standard_normal((rows, cols), dtype=np.float32), rng.standard_normal((r, cols), dtype=np.float32),
+            rng.standard_normal((rows, r), dtype=np.float32), np.ones(rows, np.float32))
+    if len(sys.argv) > 1:
+        threading.Timer(float(sys.argv[1]), signal.raise_signal, args=(signal.SIGINT,)).start()
+    t0 = time.perf_counter()
+    try:
+        kerf.ops.dora_norm(*args, 0.5)
+        print("done", time.perf_counter() - t0)
+    except KeyboardInterrupt:
+        print("interrupted", time.perf_counter() - t0)
+""")
+
+
+def tune_in_a_fresh_process(tmp_path, *argv):
+    """Runs one dora_norm call that tunes (KERF_AUTOTUNE=force, an empty cache) in
+    a new process; returns how it ended and after how many seconds."""
+    env = dict(os.environ, KERF_AUTOTUNE="force", KERF_CACHE_DIR=str(tmp_path / f"cache{len(argv)}"),
+               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    out = subprocess.run([sys.executable, "-c", TUNE_SCRIPT, *argv], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    how, seconds = out.stdout.split()
+    return how, float(seconds)
+
+
+def test_ctrl_c_stops_an_autotuning_pass_within_a_candidate(kerf_cpu, tmp_path):
+    how, full = tune_in_a_fresh_process(tmp_path)
+    assert how == "done"
+    how, seconds = tune_in_a_fresh_process(tmp_path, str(full / 5))
+    assert how == "interrupted"
+    # Without the tuner's interrupt check the call would return only after the whole pass.
+    assert seconds < 0.8 * full, f"interrupted after {seconds:.2f} s of a {full:.2f} s tuning pass"

@@ -93,6 +93,13 @@ bool enabled_for(const Device& device);
 Choice choose(const Problem& problem, const std::vector<Config>& candidates, const Config& fallback,
               const Hooks& hooks, const Options& options = {});
 
+// Asked between candidates (before each compile the tuning thread starts, and
+// before each timed candidate) while a tuning pass runs; returning true
+// abandons it: choose() throws kerf::Interrupted and stores nothing. kerf's
+// Python module installs one that runs Python's signal handlers, so a Ctrl-C
+// stops a long tuning pass within one compile. An empty function removes it.
+void set_interrupt_check(std::function<bool()> check);
+
 // The cache key of a problem's choice.
 cache::CacheKey choice_key(const Problem& problem);
 // Forgets the choices made in this process (tests; a new tuning reads the cache again).
