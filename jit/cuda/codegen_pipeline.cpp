@@ -151,6 +151,11 @@ void Codegen::emit_prefetch(const Operation& op, int target, int inner, ValueId 
   const std::string ptr = pointer_expr(op);
   line(inner, st + "* ring = reinterpret_cast<" + st + "*>(kerf_smem + " + S(a.ring_offset) +
                   " + (" + slot + ") * " + S(a.stage_bytes) + ");");
+  // Where threads hold copies of the same elements (a tile smaller than the
+  // block, or a [BM,1] column), the first of them copies: one write per slot
+  // element, none racing another (every thread still commits and waits).
+  const std::string own = owner_predicate(l);
+  if (!own.empty()) line(inner, "if (" + own + ") {");
   line(inner, "#pragma unroll");
   line(inner, "for (int q = 0; q < " + S(n / w) + "; ++q) {");
   line(inner, "  const int r = q * " + S(w) + ";");
@@ -165,6 +170,7 @@ void Codegen::emit_prefetch(const Operation& op, int target, int inner, ValueId 
     line(inner, "  kerf_dev::cp_async_hint<" + S(w * eb) + ">(ring + " + smem_offset(l, a.pitch, "r") +
                     ", ok ? " + ptr + " + off : " + ptr + ", ok, " + pol + ");");
   line(inner, "}");
+  if (!own.empty()) line(inner, "}");
   const std::string code = close_frame(inner, replaced);
   // Scalars the block computed for its iteration go; outer ones it emitted stay.
   for (auto it = scalar_level_.begin(); it != scalar_level_.end();) {

@@ -238,8 +238,18 @@ __device__ __forceinline__ void cp_async(void* smem, const void* gmem, bool pred
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" :: "r"(s), "l"(gmem), "n"(B), "r"(src_bytes));
 }
 // The same with an L2 cache policy (createpolicy: evict first or last), sm_80+.
+// ptxas before 13.4 can drop the createpolicy that a cp.async's cache hint
+// reads (the copy then decodes an unset descriptor register and the kernel
+// dies with an illegal instruction, seen on sm_90a with CUDA 13.0), so with
+// those compilers the copy goes without the hint; loads and stores keep theirs.
+#if defined(__CUDACC_VER_MAJOR__) && (__CUDACC_VER_MAJOR__ > 13 || (__CUDACC_VER_MAJOR__ == 13 && __CUDACC_VER_MINOR__ >= 4))
+#define KERF_CP_ASYNC_HINT 1
+#else
+#define KERF_CP_ASYNC_HINT 0
+#endif
 template <int B>
 __device__ __forceinline__ void cp_async_hint(void* smem, const void* gmem, bool pred, unsigned long long pol) {
+#if KERF_CP_ASYNC_HINT
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
   const int src_bytes = pred ? B : 0;
   if (B == 16)
@@ -248,6 +258,15 @@ __device__ __forceinline__ void cp_async_hint(void* smem, const void* gmem, bool
   else
     asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], %2, %3, %4;"
                  :: "r"(s), "l"(gmem), "n"(B), "r"(src_bytes), "l"(pol));
+#else
+  (void)pol;
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  const int src_bytes = pred ? B : 0;
+  if (B == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(s), "l"(gmem), "r"(src_bytes));
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" :: "r"(s), "l"(gmem), "n"(B), "r"(src_bytes));
+#endif
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
