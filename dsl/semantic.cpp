@@ -534,6 +534,24 @@ Value trans(const Value& v) {
   return make(s, std::move(op), Type{v.dtype(), {v.shape()[1], v.shape()[0]}});
 }
 
+Value gather(const Value& src, const Value& index) {
+  Builder::Impl& s = impl_of(src, "gather");
+  s.check_usable(index, "gather");
+  if (src.shape().size() != 1)
+    s.fail("gather", "looks up in a rank-1 tile, got " + ir::to_string(src.type()));
+  if (src.shape()[0] > 32)
+    s.fail("gather", "looks up in at most 32 elements, got " + ir::to_string(src.type()) +
+                         " (load larger tables with load() and computed indices)");
+  if (index.shape().empty())
+    s.fail("gather", "the index must be a tile, got the scalar " + ir::to_string(index.type()));
+  const DType it = index.dtype();
+  if (it != DType::i32 && it != DType::i64 && it != DType::u8)
+    s.fail("gather", "the index must be an integer tile (i32, i64 or u8), got " + ir::to_string(index.type()));
+  ir::Operation op(OpKind::Gather);
+  op.operands = {src.id(), index.id()};
+  return make(s, std::move(op), Type{src.dtype(), index.shape()});
+}
+
 Value sum(const Value& v, int axis) { return reduce(OpKind::ReduceSum, "sum", v, axis); }
 Value max(const Value& v, int axis) { return reduce(OpKind::ReduceMax, "max", v, axis); }
 Value min(const Value& v, int axis) { return reduce(OpKind::ReduceMin, "min", v, axis); }

@@ -59,7 +59,9 @@ Value row_sum_of_squares(Builder& k, const Tensor& W, const Tensor& A, const Ten
 // parity in its own dot. Both halves of a byte share its absmax block (in and
 // the block size are even). With SCALE_PER_STEP (in and the block size are
 // multiples of BLOCK_K) a step's columns lie in one block per row: its scales
-// are one [BLOCK_M, 1] load instead of one per element.
+// are one [BLOCK_M, 1] load instead of one per element. The 16 codes are read
+// once per program; a nibble's value is a gather() from them (a warp shuffle
+// on the GPU), not a memory read.
 Value row_sum_of_squares_4bit(Builder& k, const Tensor& packed, const Tensor& absmax, const Tensor& code,
                               const Value& shift, const Tensor& A, const Tensor& B, const Value& s,
                               const Value& rows, bool split) {
@@ -77,6 +79,8 @@ Value row_sum_of_squares_4bit(Builder& k, const Tensor& packed, const Tensor& ab
   const Value bs =
       (load(B, {rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(DType::f32) * s).to(dot_t);
   const Value row_base = rows.col().to(DType::i64) * n_in;  // [BM, 1]
+  const Value c16 = arange(16);
+  const Value codes = load(code, {c16}, c16 < code.dim(0));  // [16]
 
   Value lo = literal(int64_t(0)), hi = n_half;
   if (split) std::tie(lo, hi) = split_range(n_half, BH);
@@ -87,8 +91,11 @@ Value row_sum_of_squares_4bit(Builder& k, const Tensor& packed, const Tensor& ab
     const Value byte = load(packed, {rows.col(), h.row()}, ok, streamed_hint(evict));  // u8 [BM, BH]
     const Value block_scale = per_step ? load(absmax, {(row_base + 2 * h0) >> shift}, row_ok)  // [BM, 1]
                                        : load(absmax, {(row_base + 2 * h.row()) >> shift}, ok);
-    const Value w_even = load(code, {byte >> 4}, ok) * block_scale;
-    const Value w_odd = load(code, {byte & 15}, ok) * block_scale;
+    // A masked-off byte reads as 0, a code like any other; its scale is 0
+    // instead (per element: loaded under the same mask; per step: rows under
+    // row_ok, and every step is whole), so its weight is 0.
+    const Value w_even = gather(codes, byte >> 4) * block_scale;
+    const Value w_odd = gather(codes, byte & 15) * block_scale;
     const Value a_even = load(A, {rk.col(), 2 * h.row()}, rank_ok & h_ok, reused_hint(evict)).to(dot_t);  // [R, BH]
     const Value a_odd = load(A, {rk.col(), 2 * h.row() + 1}, rank_ok & h_ok, reused_hint(evict)).to(dot_t);
     const Value v_even = dot(bs, a_even, w_even), v_odd = dot(bs, a_odd, w_odd);

@@ -184,4 +184,28 @@ inline const Kernel& nibbles_kernel() {
   return k;
 }
 
+// Table lookups with gather(): the table (T entries, loaded once) is read
+// through i32 indices (any value: they wrap), u8 bytes and their high nibbles,
+// inside a loop over column tiles. out = tab[i] + tab[b]/2 + tab[b >> 4]/4.
+inline const Kernel& gather_kernel() {
+  static const Kernel k("gather", [](Builder& b) {
+    auto table = b.tensor("table", 1), idx = b.tensor("idx", 2), bytes = b.tensor("bytes", 2);
+    auto out = b.tensor("out", 2);
+    const int64_t T = b.meta("T"), BM = b.meta("BM"), BN = b.meta("BN");
+    auto t = arange(0, T);
+    auto tab = load(table, {t}, t < table.dim(0));
+    auto r = program_id(0) * BM + arange(BM);
+    for_range(0, out.dim(1), BN, [&](const Value& j0) {
+      auto c = j0 + arange(BN);
+      auto ok = (r.col() < out.dim(0)) & (c.row() < out.dim(1));
+      auto i = load(idx, {r.col(), c.row()}, ok);
+      auto q = load(bytes, {r.col(), c.row()}, ok);  // u8
+      auto v = gather(tab, i).to(DType::f32) + gather(tab, q).to(DType::f32) * 0.5 +
+               gather(tab, q >> 4).to(DType::f32) * 0.25;
+      store(out, {r.col(), c.row()}, v.to(out.dtype()), ok);
+    });
+  });
+  return k;
+}
+
 }  // namespace kerf::test

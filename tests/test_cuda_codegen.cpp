@@ -90,6 +90,10 @@ std::vector<Case> all_cases() {
                      {t(DType::u8, 2, fast), t(DType::f32, 1, fast), t(DType::f32, 2, fast), t(DType::u8, 2, fast)},
                      {{"BM", 8}, {"BC", 64}},
                      "nibbles"});
+  for (DType d : {DType::f32, DType::bf16, DType::f16})
+    cases.push_back({&test::gather_kernel(), {t(d, 1), t(DType::i32, 2), t(DType::u8, 2), t(d, 2)},
+                     {{"T", d == DType::f32 ? 32 : 16}, {"BM", 16}, {"BN", 64}, {"num_warps", d == DType::f16 ? 8 : 4}},
+                     "gather"});
   cases.push_back({&test::ticket_kernel(), {t(DType::i32, 1), t(DType::i32, 1), t(DType::f32, 1), t(DType::f32, 1)},
                    {{"BLOCK", 64}}, "ticket"});
   return cases;
@@ -144,4 +148,37 @@ TEST_CASE("fp32 dots use fp32 FMA, not tensor cores", "[cuda][codegen]") {
   const std::string src = jit::cuda::generate(fn, "sm_90a").source;
   CHECK(src.find("kerf_dev::mma_bf16_16816(&") == std::string::npos);
   CHECK(src.find("fmaf(") != std::string::npos);
+}
+
+TEST_CASE("gather looks up with warp shuffles from a table made once, outside the loop", "[cuda][codegen]") {
+  const ir::Function fn = test::gather_kernel().trace(
+      {t(DType::bf16, 1), t(DType::i32, 2), t(DType::u8, 2), t(DType::bf16, 2)}, {{"T", 16}, {"BM", 16}, {"BN", 64}});
+  const std::string src = jit::cuda::generate(fn, "sm_90a").source;
+  INFO(src);
+  const size_t loop = src.find("for (int v");  // the column loop
+  REQUIRE(loop != std::string::npos);
+  const size_t table = src.find("load @table");
+  REQUIRE(table != std::string::npos);
+  CHECK(table < loop);  // the table is read once per program
+  size_t shuffles = 0;
+  for (size_t at = src.find("kerf_dev::shfl_idx(", loop); at != std::string::npos;
+       at = src.find("kerf_dev::shfl_idx(", at + 1))
+    ++shuffles;
+  CHECK(shuffles == 3);  // one per gather, in the loop
+}
+
+TEST_CASE("gather refuses what it cannot look up in, with messages", "[dsl][errors]") {
+  auto traced = [](int64_t T, bool scalar_index, DType index_dtype) {
+    const Kernel k("bad_gather", [&](Builder& b) {
+      auto table = b.tensor("table", 1), out = b.tensor("out", 1);
+      auto tab = load(table, {arange(0, T)});
+      Value i = scalar_index ? literal(int64_t(3)) : arange(0, 8).to(index_dtype);
+      store(out, {arange(0, 8)}, broadcast_to(gather(tab, i), {8}));
+    });
+    return k.trace({t(DType::f32, 1), t(DType::f32, 1)}, {});
+  };
+  CHECK_NOTHROW(traced(16, false, DType::i32));
+  CHECK_THROWS_WITH(traced(64, false, DType::i32), Catch::Contains("at most 32 elements"));
+  CHECK_THROWS_WITH(traced(16, true, DType::i32), Catch::Contains("the index must be a tile"));
+  CHECK_THROWS_WITH(traced(16, false, DType::f32), Catch::Contains("integer tile"));
 }

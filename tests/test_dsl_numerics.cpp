@@ -257,6 +257,36 @@ void nibbles(Device dev, int64_t rows, int64_t cols, uint64_t seed) {
   CHECK(wrong == 0);
 }
 
+// gather(): lookups in a table of T entries through wrapping i32 indices
+// (negative and past the end too), u8 bytes and nibbles. Exact up to the one
+// rounding of the sum to the output dtype.
+void gather(Device dev, DType d, int64_t T, int64_t rows, int64_t cols, int64_t warps, uint64_t seed) {
+  CAPTURE(dev.str(), dtype_name(d), T, rows, cols, warps, seed);
+  std::mt19937_64 rng(seed);
+  TestTensor table(d, {T}, dev), idx(DType::i32, {rows, cols}, dev), bytes(DType::u8, {rows, cols}, dev);
+  TestTensor out(d, {rows, cols}, dev);
+  table.randomize(rng, -1, 1);
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    idx.set(i, double(int64_t(rng() % 200) - 100));
+    bytes.set(i, double(rng() & 255));
+  }
+  idx.upload();
+  bytes.upload();
+  out.poison();
+  launch(test::gather_kernel(), {table.view(), idx.view(), bytes.view(), out.view()}, Grid{cdiv(rows, 16)},
+         {{"T", T}, {"BM", 16}, {"BN", 64}, {"num_warps", warps}});
+  sync(dev);
+  out.download();
+  const auto tab = [&](int64_t i) { return table.get(i & (T - 1)); };
+  std::vector<double> got, ref;
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    const int64_t q = int64_t(bytes.get(i));
+    ref.push_back(tab(int64_t(idx.get(i))) + tab(q) * 0.5 + tab(q >> 4) * 0.25);
+    got.push_back(out.get(i));
+  }
+  CHECK(test::max_relative_error(got, ref, 1.0) <= test::tolerance(d));
+}
+
 void run_all(Device dev) {
   uint64_t seed = 2024;
   for (DType d : {DType::f32, DType::bf16, DType::f16})
@@ -291,6 +321,11 @@ void run_all(Device dev) {
   tickets(dev, 64 * 300, seed++);
   nibbles(dev, 13, 100, seed++);
   nibbles(dev, 16, 128, seed++);
+  gather(dev, DType::f32, 16, 37, 150, 4, seed++);
+  gather(dev, DType::f32, 32, 16, 64, 8, seed++);
+  gather(dev, DType::bf16, 16, 20, 100, 4, seed++);
+  gather(dev, DType::f16, 8, 9, 70, 2, seed++);
+  gather(dev, DType::f32, 1, 5, 10, 4, seed++);
 }
 
 }  // namespace

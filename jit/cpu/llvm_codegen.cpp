@@ -396,6 +396,12 @@ class KernelEmitter {
                                elem(op.operands[2], idx));
       case OpKind::Cast:
         return ops_.cast(type(op.operands[0]).dtype, rt.dtype, elem(op.operands[0], idx));
+      case OpKind::Gather: {
+        // src[index mod n]: n is a power of two, so the low bits of the index.
+        const int64_t n = type(op.operands[0]).shape[0];
+        llvm::Value* i = index_elem(op.operands[1], idx);
+        return elem(op.operands[0], Index{b_.CreateAnd(i, b_.getInt64(uint64_t(n - 1)))});
+      }
       case OpKind::Load:
         return load_element(op, idx);
       default:

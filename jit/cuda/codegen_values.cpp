@@ -124,6 +124,22 @@ Tile Codegen::compute(ValueId v, int l) {
     case OpKind::ReduceMax:
     case OpKind::ReduceMin:
       return from_home(v, l);
+    case OpKind::Gather: {
+      // Lane t of every warp holds src[t mod n] (n <= 32); a lookup is a shuffle
+      // from the lane its index names (shfl takes the index's low five bits).
+      const ValueId src = op->operands[0];
+      const int table_layout = intern(blocked_layout(type(src).shape, num_warps_, 1));
+      const Tile table = get(src, table_layout);
+      const Tile index = get(op->operands[1], l);
+      const std::string name = "v" + S(v) + "_" + S(l);
+      const int n = layouts_[size_t(l)].num_regs();
+      line(lv, storage_type(type(v).dtype) + " " + name + "[" + S(n) + "];  // gather in " +
+                   layouts_[size_t(l)].key());
+      line(lv, "#pragma unroll");
+      line(lv, "for (int r = 0; r < " + S(n) + "; ++r) " + name + "[r] = kerf_dev::shfl_idx(" +
+                   elem(table, "0") + ", (int)(" + elem(index, "r") + "));");
+      return Tile{name, false, {}, true};
+    }
     default:
       break;
   }

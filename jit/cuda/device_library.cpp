@@ -148,6 +148,19 @@ __device__ __forceinline__ void st_hint(T* p, const Pack<T, W>& x, unsigned long
   }
 }
 
+// The value `v` of lane `src` (its low five bits) of this warp; every lane takes part.
+__device__ __forceinline__ float shfl_idx(float v, int src) { return __shfl_sync(0xffffffffu, v, src); }
+__device__ __forceinline__ double shfl_idx(double v, int src) { return __shfl_sync(0xffffffffu, v, src); }
+__device__ __forceinline__ int shfl_idx(int v, int src) { return __shfl_sync(0xffffffffu, v, src); }
+__device__ __forceinline__ long long shfl_idx(long long v, int src) { return __shfl_sync(0xffffffffu, v, src); }
+__device__ __forceinline__ unsigned short shfl_idx(unsigned short v, int src) {
+  return (unsigned short)__shfl_sync(0xffffffffu, (unsigned)v, src);
+}
+__device__ __forceinline__ unsigned char shfl_idx(unsigned char v, int src) {
+  return (unsigned char)__shfl_sync(0xffffffffu, (unsigned)v, src);
+}
+__device__ __forceinline__ bool shfl_idx(bool v, int src) { return __shfl_sync(0xffffffffu, (int)v, src) != 0; }
+
 // Atomics (relaxed, device scope). 16-bit floats use a compare-and-swap loop
 // on the aligned 32-bit word that holds them.
 __device__ __forceinline__ float atomic_add(float* p, float v) { return atomicAdd(p, v); }

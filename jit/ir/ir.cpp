@@ -64,6 +64,7 @@ const char* op_name(OpKind k) {
     case OpKind::Eq: return "eq";
     case OpKind::Ne: return "ne";
     case OpKind::Select: return "select";
+    case OpKind::Gather: return "gather";
     case OpKind::Cast: return "cast";
     case OpKind::ReduceSum: return "reduce_sum";
     case OpKind::ReduceMax: return "reduce_max";

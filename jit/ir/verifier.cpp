@@ -168,6 +168,16 @@ class Verifier {
       case OpKind::Cast:
         expect(n == 1 && result().shape == t(op.operands[0]).shape, op, "cast keeps the shape");
         break;
+      case OpKind::Gather: {
+        expect(n == 2, op, "takes src and idx");
+        const Type& src = t(op.operands[0]);
+        const Type& idx = t(op.operands[1]);
+        expect(src.rank() == 1 && src.shape[0] <= 32, op, "gathers from a rank-1 tile of at most 32 elements");
+        expect(!idx.is_scalar() && (idx.dtype == DType::i32 || idx.dtype == DType::i64 || idx.dtype == DType::u8),
+               op, "the index must be an integer tile");
+        expect(result() == Type{src.dtype, idx.shape}, op, "result must have src's dtype and idx's shape");
+        break;
+      }
       case OpKind::ReduceSum:
       case OpKind::ReduceMax:
       case OpKind::ReduceMin: {

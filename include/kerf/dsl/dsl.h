@@ -167,6 +167,12 @@ Value cdiv(const Value& a, const Value& b);  // ceil(a / b) for non-negative int
 Value expand_dims(const Value& v, int axis);
 Value broadcast_to(const Value& v, const ir::Shape& shape);
 Value trans(const Value& v);
+// Table lookup: element i of the result is src[index[i] mod n], for a rank-1
+// `src` of n <= 32 elements (a small table such as a 4-bit code book) and an
+// integer `index` tile of any shape; the result has index's shape and src's
+// dtype. An index outside [0, n) wraps (it never reads outside src). On the
+// GPU each lookup is one warp shuffle: no memory is read.
+Value gather(const Value& src, const Value& index);
 
 // Reductions over one axis; half types accumulate in f32 and round once.
 Value sum(const Value& v, int axis);

@@ -54,6 +54,8 @@ enum class OpKind : uint8_t {
   Add, Sub, Mul, Div, Rem, Min, Max, And, Or, Xor, Shl, Shr,
   Lt, Le, Gt, Ge, Eq, Ne,
   Select,       // cond ? a : b, elementwise
+  Gather,       // src[idx & (n-1)] for a rank-1 src tile of n <= 32 elements and an
+                // integer idx tile; the result has idx's shape and src's dtype
   Cast,         // convert to the result dtype (round to nearest even; float->int truncates)
   // ---- reductions over attrs.axis (half types accumulate in f32)
   ReduceSum, ReduceMax, ReduceMin,
