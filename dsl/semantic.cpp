@@ -534,6 +534,23 @@ Value trans(const Value& v) {
   return make(s, std::move(op), Type{v.dtype(), {v.shape()[1], v.shape()[0]}});
 }
 
+Value interleave(const Value& a, const Value& b) {
+  Builder::Impl& s = impl_of(a, "interleave");
+  s.check_usable(b, "interleave");
+  Shape shape;
+  if (!broadcast_shapes(a.shape(), b.shape(), shape))
+    s.fail("interleave", "shapes " + shape_str(a.shape()) + " and " + shape_str(b.shape()) + " do not broadcast");
+  if (shape.empty()) s.fail("interleave", "takes tiles, got two scalars");
+  const DType t = promote(a.dtype(), b.dtype());
+  Value x = to_shape(s, cast(a, t), shape, "interleave");
+  Value y = to_shape(s, cast(b, t), shape, "interleave");
+  ir::Operation op(OpKind::Interleave);
+  op.operands = {x.id(), y.id()};
+  Shape out = shape;
+  out.back() *= 2;
+  return make(s, std::move(op), Type{t, out});
+}
+
 Value gather(const Value& src, const Value& index) {
   Builder::Impl& s = impl_of(src, "gather");
   s.check_usable(index, "gather");

@@ -54,14 +54,15 @@ Value row_sum_of_squares(Builder& k, const Tensor& W, const Tensor& A, const Ten
 // The same sum for W given as 4-bit codes (bitsandbytes' NF4/FP4 layout):
 // element f = i*in + j of the row-major weight is code[q] * absmax[f >> shift],
 // q the high nibble of byte f/2 for even f and the low nibble for odd f. Per
-// step a [BLOCK_M, BLOCK_K/2] tile of bytes gives the even columns (high
-// nibbles) and the odd ones (low nibbles); each half meets A's columns of its
-// parity in its own dot. Both halves of a byte share its absmax block (in and
-// the block size are even). With SCALE_PER_STEP (in and the block size are
-// multiples of BLOCK_K) a step's columns lie in one block per row: its scales
-// are one [BLOCK_M, 1] load instead of one per element. The 16 codes are read
-// once per program; a nibble's value is a gather() from them (a warp shuffle
-// on the GPU), not a memory read.
+// step a [BLOCK_M, BLOCK_K/2] tile of bytes is decoded into its high and low
+// nibbles' weights, which interleave() puts back in column order as the
+// [BLOCK_M, BLOCK_K] tile the dot starts from; A's columns are read as they
+// lie. The 16 codes are read once per program and a nibble's value is a
+// gather() from them (a warp shuffle on the GPU), not a memory read. Both
+// halves of a byte share its absmax block (in and the block size are even).
+// With SCALE_PER_STEP (in and the block size are multiples of BLOCK_K) a
+// step's columns lie in one block per row: its scales are one [BLOCK_M, 1]
+// load instead of one per byte.
 Value row_sum_of_squares_4bit(Builder& k, const Tensor& packed, const Tensor& absmax, const Tensor& code,
                               const Value& shift, const Tensor& A, const Tensor& B, const Value& s,
                               const Value& rows, bool split) {
@@ -84,22 +85,20 @@ Value row_sum_of_squares_4bit(Builder& k, const Tensor& packed, const Tensor& ab
 
   Value lo = literal(int64_t(0)), hi = n_half;
   if (split) std::tie(lo, hi) = split_range(n_half, BH);
-  const Value acc = for_range(lo, hi, BH, zeros({BM, BH}), [&](const Value& h0, const Value& acc) {
+  const Value acc = for_range(lo, hi, BH, zeros({BM, BK}), [&](const Value& h0, const Value& acc) {
     const Value h = h0 + arange(BH);  // byte columns
-    const Value h_ok = h.row() < n_half;
-    const Value ok = row_ok & h_ok;
+    const Value ok = row_ok & (h.row() < n_half);
     const Value byte = load(packed, {rows.col(), h.row()}, ok, streamed_hint(evict));  // u8 [BM, BH]
-    const Value block_scale = per_step ? load(absmax, {(row_base + 2 * h0) >> shift}, row_ok)  // [BM, 1]
-                                       : load(absmax, {(row_base + 2 * h.row()) >> shift}, ok);
     // A masked-off byte reads as 0, a code like any other; its scale is 0
-    // instead (per element: loaded under the same mask; per step: rows under
+    // instead (per byte: loaded under the same mask; per step: rows under
     // row_ok, and every step is whole), so its weight is 0.
-    const Value w_even = gather(codes, byte >> 4) * block_scale;
-    const Value w_odd = gather(codes, byte & 15) * block_scale;
-    const Value a_even = load(A, {rk.col(), 2 * h.row()}, rank_ok & h_ok, reused_hint(evict)).to(dot_t);  // [R, BH]
-    const Value a_odd = load(A, {rk.col(), 2 * h.row() + 1}, rank_ok & h_ok, reused_hint(evict)).to(dot_t);
-    const Value v_even = dot(bs, a_even, w_even), v_odd = dot(bs, a_odd, w_odd);
-    return acc + v_even * v_even + v_odd * v_odd;
+    const Value scale = per_step ? load(absmax, {(row_base + 2 * h0) >> shift}, row_ok)  // [BM, 1]
+                                 : load(absmax, {(row_base + 2 * h.row()) >> shift}, ok);
+    const Value w = interleave(gather(codes, byte >> 4) * scale, gather(codes, byte & 15) * scale);
+    const Value cols = 2 * h0 + arange(BK);
+    const Value a = load(A, {rk.col(), cols.row()}, rank_ok & (cols.row() < n_in), reused_hint(evict)).to(dot_t);
+    const Value v = dot(bs, a, w);  // W + s * B @ A, [BM, BK]
+    return acc + v * v;
   });
   return sum(acc, 1);
 }

@@ -184,6 +184,33 @@ inline const Kernel& nibbles_kernel() {
   return k;
 }
 
+// interleave(): out[i, 2j] = 2 x[i, j], out[i, 2j+1] = y[i, j] + 1 (stored as
+// is), acc = p @ q + interleave(x, y) (a dot's accumulator), and the 1-D
+// pair = interleave(x[0, :H], y[0, :H]) for H = 32 (spread over lanes).
+inline const Kernel& interleave_kernel() {
+  static const Kernel k("interleave", [](Builder& b) {
+    auto x = b.tensor("x", 2), y = b.tensor("y", 2), p = b.tensor("p", 2), q = b.tensor("q", 2);
+    auto out = b.tensor("out", 2), acc = b.tensor("acc", 2), pair = b.tensor("pair", 1);
+    const int64_t BM = b.meta("BM"), BN = b.meta("BN"), K = b.meta("K");
+    auto r = program_id(0) * BM + arange(BM);
+    auto c = arange(BN), c2 = arange(2 * BN), kk = arange(K);
+    auto ok = (r.col() < x.dim(0)) & (c.row() < x.dim(1));
+    auto ok2 = (r.col() < x.dim(0)) & (c2.row() < 2 * x.dim(1));
+    auto xv = load(x, {r.col(), c.row()}, ok).to(DType::f32), yv = load(y, {r.col(), c.row()}, ok).to(DType::f32);
+    store(out, {r.col(), c2.row()}, interleave(xv * 2.0, yv + 1.0).to(out.dtype()), ok2);
+    auto pv = load(p, {r.col(), kk.row()}, r.col() < x.dim(0));
+    auto qv = load(q, {kk.col(), c2.row()}, c2.row() < 2 * x.dim(1));
+    store(acc, {r.col(), c2.row()}, dot(pv, qv, interleave(xv, yv)).to(acc.dtype()), ok2);
+    auto h = arange(32);
+    auto first = program_id(0) == 0;
+    auto hx = load(x, {literal(int64_t(0)), h}, (h < x.dim(1)) & first).to(DType::f32);
+    auto hy = load(y, {literal(int64_t(0)), h}, (h < x.dim(1)) & first).to(DType::f32);
+    auto h2 = arange(64);
+    store(pair, {h2}, interleave(hx, hy).to(pair.dtype()), (h2 < 2 * x.dim(1)) & first);
+  });
+  return k;
+}
+
 // Table lookups with gather(): the table (T entries, loaded once) is read
 // through i32 indices (any value: they wrap), u8 bytes and their high nibbles,
 // inside a loop over column tiles. out = tab[i] + tab[b]/2 + tab[b >> 4]/4.

@@ -91,6 +91,13 @@ std::vector<Case> all_cases() {
                      {{"BM", 8}, {"BC", 64}},
                      "nibbles"});
   for (DType d : {DType::f32, DType::bf16, DType::f16})
+    for (bool fast : {true, false})
+      cases.push_back({&test::interleave_kernel(),
+                       {t(d, 2, fast), t(d, 2, fast), t(d, 2, fast), t(d, 2, fast), t(d, 2, fast),
+                        t(DType::f32, 2, fast), t(d, 1, fast)},
+                       {{"BM", 16}, {"BN", 64}, {"K", 16}, {"num_warps", fast ? 4 : 8}},
+                       "interleave"});
+  for (DType d : {DType::f32, DType::bf16, DType::f16})
     cases.push_back({&test::gather_kernel(), {t(d, 1), t(DType::i32, 2), t(DType::u8, 2), t(d, 2)},
                      {{"T", d == DType::f32 ? 32 : 16}, {"BM", 16}, {"BN", 64}, {"num_warps", d == DType::f16 ? 8 : 4}},
                      "gather"});
@@ -181,4 +188,18 @@ TEST_CASE("gather refuses what it cannot look up in, with messages", "[dsl][erro
   CHECK_THROWS_WITH(traced(64, false, DType::i32), Catch::Contains("at most 32 elements"));
   CHECK_THROWS_WITH(traced(16, true, DType::i32), Catch::Contains("the index must be a tile"));
   CHECK_THROWS_WITH(traced(16, false, DType::f32), Catch::Contains("integer tile"));
+}
+
+TEST_CASE("interleave into a dot's accumulator picks registers, over lanes it picks by lane", "[cuda][codegen]") {
+  const ir::Function fn = test::interleave_kernel().trace(
+      {t(DType::bf16, 2), t(DType::bf16, 2), t(DType::bf16, 2), t(DType::bf16, 2), t(DType::bf16, 2),
+       t(DType::f32, 2), t(DType::bf16, 1)},
+      {{"BM", 16}, {"BN", 64}, {"K", 16}});
+  const std::string src = jit::cuda::generate(fn, "sm_90a").source;
+  INFO(src);
+  // The accumulator's neighbouring columns are registers of one thread: a
+  // register bit chooses, and the operands are computed in place.
+  CHECK(src.find("= (((r) >> 0) & 1) ? ") != std::string::npos);
+  // The 1-D pair of 64 spreads over lanes: lane bit 0 chooses.
+  CHECK(src.find("= ((lane >> 0) & 1) ? ") != std::string::npos);
 }

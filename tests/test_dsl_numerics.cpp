@@ -287,6 +287,43 @@ void gather(Device dev, DType d, int64_t T, int64_t rows, int64_t cols, int64_t 
   CHECK(test::max_relative_error(got, ref, 1.0) <= test::tolerance(d));
 }
 
+// interleave(): stored directly, as a dot's accumulator, and over lanes.
+void interleave(Device dev, DType d, int64_t rows, int64_t n, int64_t warps, uint64_t seed) {
+  CAPTURE(dev.str(), dtype_name(d), rows, n, warps, seed);
+  const int64_t BN = 64, K = 16;
+  std::mt19937_64 rng(seed);
+  TestTensor x(d, {rows, n}, dev), y(d, {rows, n}, dev), p(d, {rows, K}, dev), q(d, {K, 2 * n}, dev);
+  TestTensor out(d, {rows, 2 * n}, dev), acc(DType::f32, {rows, 2 * n}, dev), pair(d, {2 * n}, dev);
+  for (TestTensor* t : {&x, &y, &p, &q}) t->randomize(rng);
+  out.poison();
+  acc.poison();
+  pair.poison();
+  launch(test::interleave_kernel(),
+         {x.view(), y.view(), p.view(), q.view(), out.view(), acc.view(), pair.view()}, Grid{cdiv(rows, 16)},
+         {{"BM", 16}, {"BN", BN}, {"K", K}, {"num_warps", warps}});
+  sync(dev);
+  out.download();
+  acc.download();
+  pair.download();
+  std::vector<double> got, ref, got_acc, ref_acc;
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < 2 * n; ++j) {
+      const double xv = x.get(i * n + j / 2), yv = y.get(i * n + j / 2);
+      ref.push_back(j % 2 ? yv + 1 : 2 * xv);
+      got.push_back(out.get(i * 2 * n + j));
+      double s = j % 2 ? yv : xv;
+      for (int64_t k = 0; k < K; ++k) s += p.get(i * K + k) * q.get(k * 2 * n + j);
+      ref_acc.push_back(s);
+      got_acc.push_back(acc.get(i * 2 * n + j));
+    }
+  CHECK(test::max_relative_error(got, ref, 1.0) <= test::tolerance(d));
+  CHECK(test::max_relative_error(got_acc, ref_acc, 2.0) <= test::tolerance(d));
+  int64_t wrong = 0;
+  for (int64_t j = 0; j < std::min<int64_t>(2 * n, 64); ++j)
+    wrong += pair.get(j) != (j % 2 ? y.get(j / 2) : x.get(j / 2));
+  CHECK(wrong == 0);
+}
+
 void run_all(Device dev) {
   uint64_t seed = 2024;
   for (DType d : {DType::f32, DType::bf16, DType::f16})
@@ -326,6 +363,9 @@ void run_all(Device dev) {
   gather(dev, DType::bf16, 16, 20, 100, 4, seed++);
   gather(dev, DType::f16, 8, 9, 70, 2, seed++);
   gather(dev, DType::f32, 1, 5, 10, 4, seed++);
+  interleave(dev, DType::f32, 37, 64, 4, seed++);
+  interleave(dev, DType::bf16, 16, 50, 4, seed++);
+  interleave(dev, DType::f16, 33, 64, 8, seed++);
 }
 
 }  // namespace

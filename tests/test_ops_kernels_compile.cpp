@@ -229,7 +229,7 @@ TEST_CASE("the MoE backward reads dW once per tile and feeds both dots from it",
   CHECK(src.find("kerf_dev::ldmatrix_x4(bf,") != std::string::npos);
 }
 
-TEST_CASE("the 4-bit DoRA norm prefetches its packed bytes and forms the LoRA term on tensor cores",
+TEST_CASE("the 4-bit DoRA norm prefetches its packed bytes and A, and forms the LoRA term on tensor cores",
           "[cuda][codegen][ops]") {
   const std::vector<ArgSpec> args = {T(DType::u8, 2),  T(DType::f32, 1), T(DType::f32, 1), T(DType::f32, 2),
                                      T(DType::f32, 2), T(DType::f32, 1), S,               S,
@@ -239,8 +239,27 @@ TEST_CASE("the 4-bit DoRA norm prefetches its packed bytes and forms the LoRA te
   const std::string src = source_of(kernels::dora_norm_4bit(), args, meta);
   INFO(src);
   CHECK(src.find("prefetch @packed") != std::string::npos);
+  CHECK(src.find("prefetch @A") != std::string::npos);  // A's columns in order: one copy per 4 floats
   CHECK(src.find("kerf_dev::cp_async<16>") != std::string::npos);  // 16 bytes: 32 codes per copy
   CHECK(src.find("kerf_dev::mma_bf16_16816(") != std::string::npos);
+  // The codes come from shuffles, the nibbles' weights meet in the accumulator's registers.
+  CHECK(src.find("load @code in [16]") != std::string::npos);
+  CHECK(src.find("kerf_dev::shfl_idx(") != std::string::npos);
+  CHECK(src.find("= (((r) >> 0) & 1) ? ") != std::string::npos);
+  // One dot per step, fed from the rings: with bf16 adapters the loop body has
+  // one barrier (the pipeline's), none for staging (f32 A is converted through
+  // shared memory for the tensor cores).
+  std::vector<ArgSpec> half_args = args;
+  half_args[3] = T(DType::bf16, 2);
+  half_args[4] = T(DType::bf16, 2);
+  const std::string hsrc = source_of(kernels::dora_norm_4bit(), half_args, meta);
+  const size_t body = hsrc.find("for (int v", hsrc.find("prefetch @packed"));
+  REQUIRE(body != std::string::npos);
+  const size_t end = hsrc.find("cp_async_wait<0>", body);
+  size_t barriers = 0;
+  for (size_t at = hsrc.find("__syncthreads()", body); at < end; at = hsrc.find("__syncthreads()", at + 1))
+    ++barriers;
+  CHECK(barriers == 1);
 }
 
 TEST_CASE("rotated column steps still run their loads ahead", "[cuda][codegen][ops]") {

@@ -396,6 +396,13 @@ class KernelEmitter {
                                elem(op.operands[2], idx));
       case OpKind::Cast:
         return ops_.cast(type(op.operands[0]).dtype, rt.dtype, elem(op.operands[0], idx));
+      case OpKind::Interleave: {
+        // Position j of the last dimension is element j/2 of a (j even) or b (j odd).
+        Index half = idx;
+        half.back() = b_.CreateLShr(idx.back(), b_.getInt64(1));
+        llvm::Value* odd = b_.CreateICmpNE(b_.CreateAnd(idx.back(), b_.getInt64(1)), b_.getInt64(0));
+        return b_.CreateSelect(odd, elem(op.operands[1], half), elem(op.operands[0], half));
+      }
       case OpKind::Gather: {
         // src[index mod n]: n is a power of two, so the low bits of the index.
         const int64_t n = type(op.operands[0]).shape[0];

@@ -124,6 +124,51 @@ Tile Codegen::compute(ValueId v, int l) {
     case OpKind::ReduceMax:
     case OpKind::ReduceMin:
       return from_home(v, l);
+    case OpKind::Interleave: {
+      // The operands in `l` less its parity basis (bit 0 of the last dimension):
+      // a register bit is dropped (both operands sit in this thread's registers),
+      // a lane or warp bit becomes a copy (each thread picks its half).
+      const Layout& L = layouts_[size_t(l)];
+      const int d = L.rank() - 1;
+      Derived half;
+      half.layout.shape = type(op->operands[0]).shape;
+      std::string parity;
+      for (size_t i = 0; i < L.reg.size(); ++i) {
+        Basis b = L.reg[i];
+        if (b.dim == d && b.value == 1) {
+          parity = "(((r) >> " + S(int64_t(i)) + ") & 1)";
+          continue;
+        }
+        if (b.dim == d) b.value /= 2;
+        half.layout.reg.push_back(b);
+        half.kept.push_back(int(i));
+      }
+      auto halve = [&](std::vector<Basis>& out, const std::vector<Basis>& in, const char* who) {
+        for (size_t i = 0; i < in.size(); ++i) {
+          Basis b = in[i];
+          if (b.dim == d && b.value == 1) {
+            parity = "((" + std::string(who) + " >> " + S(int64_t(i)) + ") & 1)";
+            b = Basis{};
+          } else if (b.dim == d) {
+            b.value /= 2;
+          }
+          out.push_back(b);
+        }
+      };
+      halve(half.layout.lane, L.lane, "lane");
+      halve(half.layout.warp, L.warp, "warp");
+      half.layout.check();
+      const int h = intern(half.layout);
+      const Tile a = compose(get(op->operands[0], h), half, l);
+      const Tile b = compose(get(op->operands[1], h), half, l);
+      const std::string name = "v" + S(v) + "_" + S(l);
+      const int n = L.num_regs();
+      line(lv, storage_type(type(v).dtype) + " " + name + "[" + S(n) + "];  // interleave in " + L.key());
+      line(lv, "#pragma unroll");
+      line(lv, "for (int r = 0; r < " + S(n) + "; ++r) " + name + "[r] = " + parity + " ? " + elem(b, "r") +
+                   " : " + elem(a, "r") + ";");
+      return Tile{name, false, {}, true};
+    }
     case OpKind::Gather: {
       // Lane t of every warp holds src[t mod n] (n <= 32); a lookup is a shuffle
       // from the lane its index names (shfl takes the index's low five bits).

@@ -38,6 +38,7 @@ const char* op_name(OpKind k) {
     case OpKind::ExpandDims: return "expand_dims";
     case OpKind::Broadcast: return "broadcast";
     case OpKind::Transpose: return "trans";
+    case OpKind::Interleave: return "interleave";
     case OpKind::Neg: return "neg";
     case OpKind::Not: return "not";
     case OpKind::Abs: return "abs";

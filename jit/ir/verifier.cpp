@@ -157,6 +157,14 @@ class Verifier {
         expect(result() == Type{in.dtype, {in.shape[1], in.shape[0]}}, op, "result shape is wrong");
         break;
       }
+      case OpKind::Interleave: {
+        expect(n == 2 && t(op.operands[0]) == t(op.operands[1]) && !t(op.operands[0]).is_scalar(), op,
+               "takes two tiles of one type");
+        Shape s = t(op.operands[0]).shape;
+        s.back() *= 2;
+        expect(result() == Type{t(op.operands[0]).dtype, s}, op, "result must double the last dimension");
+        break;
+      }
       case OpKind::Select:
         expect(n == 3, op, "takes cond, a, b");
         expect(t(op.operands[0]).dtype == DType::i1 &&

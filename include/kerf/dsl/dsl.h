@@ -167,6 +167,13 @@ Value cdiv(const Value& a, const Value& b);  // ceil(a / b) for non-negative int
 Value expand_dims(const Value& v, int axis);
 Value broadcast_to(const Value& v, const ir::Shape& shape);
 Value trans(const Value& v);
+// a, b [..., n] -> [..., 2n] with a's elements at the even positions of the
+// last dimension and b's at the odd ones (two halves of packed data, such as
+// the high and low nibbles of bytes, back in memory order). The operands
+// broadcast to one shape and promote to one dtype. On the GPU it moves no data
+// when the consumer's layout keeps neighbouring elements in one thread (a dot
+// accumulator does).
+Value interleave(const Value& a, const Value& b);
 // Table lookup: element i of the result is src[index[i] mod n], for a rank-1
 // `src` of n <= 32 elements (a small table such as a 4-bit code book) and an
 // integer `index` tile of any shape; the result has index's shape and src's

@@ -48,6 +48,7 @@ enum class OpKind : uint8_t {
   ExpandDims,   // insert a size-1 dimension at attrs.axis
   Broadcast,    // stretch size-1 dimensions to the result shape
   Transpose,    // swap the two dimensions of a rank-2 tile
+  Interleave,   // a, b [..., n] -> [..., 2n]: even positions from a, odd ones from b
   // ---- elementwise, unary
   Neg, Not, Abs, Sqrt, Rsqrt, Exp, Log,
   // ---- elementwise, binary (operands of one type; comparisons give i1)
