@@ -9,6 +9,11 @@
 #   tools/gpu-check.sh --stages test,bench # a subset: build is implied
 #   tools/gpu-check.sh --quick             # fewer benchmark configurations
 #   tools/gpu-check.sh --stages build      # only build (C++ and, with pybind11, the Python module)
+#   tools/gpu-check.sh --stages bench --bench-op dora_norm,lora_merge
+#                                          # only the benchmark cases whose names contain one of these
+#
+# The benchmark logs and JSON are written to $OUT as they grow, so a run
+# stopped by a time limit still leaves every case it finished.
 #
 # Debian packages the machine lacks (xxHash headers, Catch2 v2) may be put as
 # .deb files in .deps/ (see README); they are unpacked into a private prefix.
@@ -17,11 +22,13 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 stages="test,sanitize,bench,python"
 quick=""
+bench_op=""
 test_filter="[gpu]"
 while (($#)); do
   case "$1" in
     --stages) stages="$2"; shift 2 ;;
     --quick) quick="--quick"; shift ;;
+    --bench-op) bench_op="$2"; shift 2 ;;
     --filter) test_filter="$2"; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
@@ -127,12 +134,17 @@ if [[ ,$stages, == *,bench,* ]]; then
   note "C++ launch overhead: $(grep -iE 'difference|gpu' "$out/launch-overhead.log" | head -2 | tr '\n' ';')"
   echo "== benchmarks"
   t0=$SECONDS
-  "$build/tests/bench/kerf_bench" $quick --json "$out/kerf-bench.json" 2>&1 | tee "$out/kerf-bench.log"
+  op_args=()
+  [[ -n $bench_op ]] && op_args=(--op "$bench_op")
+  "$build/tests/bench/kerf_bench" $quick "${op_args[@]}" --json "$final/kerf-bench.json" 2>&1 |
+    tee "$out/kerf-bench.log" > "$final/kerf-bench.log"
+  cat "$out/kerf-bench.log"
   if python3 -c "import torch" 2>/dev/null; then
-    PYTHONUNBUFFERED=1 python3 tests/bench/reference_bench.py $quick --json "$out/reference-bench.json" \
-      > "$out/reference-bench.log" 2>&1 || tail -5 "$out/reference-bench.log"
+    PYTHONUNBUFFERED=1 python3 tests/bench/reference_bench.py $quick "${op_args[@]}" \
+      --json "$final/reference-bench.json" > "$final/reference-bench.log" 2>&1 || tail -5 "$final/reference-bench.log"
+    cp "$final/reference-bench.log" "$out/"
   fi
-  python3 tools/bench_table.py "$out/kerf-bench.json" "$out/reference-bench.json" > "$out/bench-table.md"
+  python3 tools/bench_table.py "$final/kerf-bench.json" "$final/reference-bench.json" > "$out/bench-table.md"
   note "benchmarks: $((SECONDS - t0)) s"
 fi
 
@@ -142,7 +154,7 @@ fi
   [[ -f "$out/bench-table.md" && ,$stages, == *,bench,* ]] && cat "$out/bench-table.md"
 } > "$out/summary.txt"
 cp "$out/summary.txt" "$final/"
-[[ -f "$out/kerf-bench.json" ]] && cp "$out"/*bench*.json "$final/" 2>/dev/null
+cp "$final"/*bench*.json "$out/" 2>/dev/null  # in the archive too
 tar -czf "$final/logs.tar.gz" -C "$out" . 2>/dev/null
 echo
 cat "$out/summary.txt"

@@ -436,7 +436,7 @@ int main(int argc, char** argv) {
     // --only OUT,IN,R,BM,BK,SPLIT,WARPS,STAGES: one DoRA case and config, timed
     // repeatedly (for profilers).
     if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
-    // --op NAME: only the cases whose op name contains NAME (e.g. "moe_backward").
+    // --op NAME[,NAME...]: only the cases whose op name contains one of them (e.g. "moe_backward").
     if (!std::strcmp(argv[i], "--op") && i + 1 < argc) op_filter = argv[++i];
     // --config BM,BK,SPLIT,WARPS,STAGES: every case runs that one config only, with
     // no tuned-vs-default comparison (for profilers; 0 fields: the op's default).
@@ -449,12 +449,24 @@ int main(int argc, char** argv) {
       forced = ops::Config{c[0], c[1], c[2], c[3], c[4]};
     }
   }
+  std::vector<std::string> filters;  // --op A,B: the cases whose name contains A or B
+  for (size_t at = 0; !op_filter.empty() && at <= op_filter.size();) {
+    const size_t comma = std::min(op_filter.find(',', at), op_filter.size());
+    if (comma > at) filters.push_back(op_filter.substr(at, comma - at));
+    at = comma + 1;
+  }
   const auto wanted = [&](const std::string& op) {
-    return op_filter.empty() || op.find(op_filter) != std::string::npos;
+    if (filters.empty()) return true;
+    for (const std::string& f : filters)
+      if (op.find(f) != std::string::npos) return true;
+    return false;
   };
   // Whether some case of this family may be wanted ("moe_backward" for "moe_backward r=64").
   const auto family = [&](const std::string& prefix) {
-    return wanted(prefix) || op_filter.find(prefix) != std::string::npos;
+    if (wanted(prefix)) return true;
+    for (const std::string& f : filters)
+      if (f.find(prefix) != std::string::npos) return true;
+    return false;
   };
   if (!only.empty()) {
     long long v[8] = {0};
@@ -478,6 +490,32 @@ int main(int argc, char** argv) {
     cuda::set_current_device(0);
     cuda::Stream stream(0);
     std::vector<Result> results;
+    // Rewritten after every case, so that a run stopped part way keeps what it measured.
+    const auto write_json = [&] {
+      if (json_path.empty()) return;
+      std::ofstream js(json_path);
+      js << "{\"device\": \"" << info.name << "\", \"results\": [\n";
+      for (size_t i = 0; i < results.size(); ++i) {
+        const Result& r = results[i];
+        js << "  {\"impl\": \"kerf\", \"op\": \"" << r.op << "\", \"shape\": \"" << r.shape << "\", \"config\": \""
+           << r.config << "\", \"median_us\": " << r.median_us << ", \"bytes\": " << r.bytes
+           << ", \"gbps\": " << r.gbps << ", \"copy_gbps\": " << r.copy_gbps << "}"
+           << (i + 1 < results.size() ? "," : "") << "\n";
+      }
+      js << "], \"tuning\": [\n";
+      for (size_t i = 0; i < g_tuning.size(); ++i) {
+        const TunedVsDefault& t = g_tuning[i];
+        js << "  {\"op\": \"" << t.op << "\", \"shape\": \"" << t.shape << "\", \"default_us\": " << t.default_us
+           << ", \"tuned_us\": " << t.tuned_us << "}" << (i + 1 < g_tuning.size() ? "," : "") << "\n";
+      }
+      js << "], \"sweep\": [\n";
+      for (size_t i = 0; i < g_sweep.size(); ++i) {
+        const Result& r = g_sweep[i];
+        js << "  {\"op\": \"" << r.op << "\", \"shape\": \"" << r.shape << "\", \"config\": \"" << r.config
+           << "\", \"median_us\": " << r.median_us << "}" << (i + 1 < g_sweep.size() ? "," : "") << "\n";
+      }
+      js << "]}\n";
+    };
 
     std::vector<ops::Config> dora_cfgs;
     for (int64_t bm : {64, 128})
@@ -508,6 +546,7 @@ int main(int argc, char** argv) {
                     res.config.c_str());
         std::fflush(stdout);
         results.push_back(res);
+        write_json();
       }
     }
     std::vector<ops::Config> moe_cfgs;
@@ -535,6 +574,7 @@ int main(int argc, char** argv) {
                   res.config.c_str());
       std::fflush(stdout);
       results.push_back(res);
+      write_json();
     }
     // The LoRA ops: each with kerf's own choice (Config{}: the autotuner on a GPU) and a few fixed configs.
     const auto report = [&](Result res) {
@@ -544,6 +584,7 @@ int main(int argc, char** argv) {
                   res.config.c_str());
       std::fflush(stdout);
       results.push_back(res);
+      write_json();
     };
     const auto run_case = [&](OpCase c, const std::vector<ops::Config>& cfgs) {
       if (!wanted(c.op)) return;
@@ -565,7 +606,7 @@ int main(int argc, char** argv) {
     std::vector<ops::Config> dora4_cfgs = {ops::Config{}};
     if (!quick)
       for (int64_t bm : {32, 64, 128})
-        for (int64_t bk : {128, 256})
+        for (int64_t bk : {64, 128})
           for (int64_t warps : {4, 8}) dora4_cfgs.push_back(ops::Config{bm, bk, 0, warps, 3});
     for (auto [o, i] : std::vector<std::pair<int64_t, int64_t>>{{4096, 4096}, {8192, 8192}, {14336, 4096}})
       if (family("dora_norm_4bit")) run_case(make_dora_4bit(o, i, 16), dora4_cfgs);
@@ -599,30 +640,7 @@ int main(int argc, char** argv) {
     if (family("embedding r=")) run_case(make_embedding(8192, 128256, 4096, 16, false), emb_cfgs);
     if (family("embedding_backward")) run_case(make_embedding(8192, 128256, 4096, 16, true), emb_bwd_cfgs);
 
-    if (!json_path.empty()) {
-      std::ofstream js(json_path);
-      js << "{\"device\": \"" << info.name << "\", \"results\": [\n";
-      for (size_t i = 0; i < results.size(); ++i) {
-        const Result& r = results[i];
-        js << "  {\"impl\": \"kerf\", \"op\": \"" << r.op << "\", \"shape\": \"" << r.shape << "\", \"config\": \""
-           << r.config << "\", \"median_us\": " << r.median_us << ", \"bytes\": " << r.bytes
-           << ", \"gbps\": " << r.gbps << ", \"copy_gbps\": " << r.copy_gbps << "}"
-           << (i + 1 < results.size() ? "," : "") << "\n";
-      }
-      js << "], \"tuning\": [\n";
-      for (size_t i = 0; i < g_tuning.size(); ++i) {
-        const TunedVsDefault& t = g_tuning[i];
-        js << "  {\"op\": \"" << t.op << "\", \"shape\": \"" << t.shape << "\", \"default_us\": " << t.default_us
-           << ", \"tuned_us\": " << t.tuned_us << "}" << (i + 1 < g_tuning.size() ? "," : "") << "\n";
-      }
-      js << "], \"sweep\": [\n";
-      for (size_t i = 0; i < g_sweep.size(); ++i) {
-        const Result& r = g_sweep[i];
-        js << "  {\"op\": \"" << r.op << "\", \"shape\": \"" << r.shape << "\", \"config\": \"" << r.config
-           << "\", \"median_us\": " << r.median_us << "}" << (i + 1 < g_sweep.size() ? "," : "") << "\n";
-      }
-      js << "]}\n";
-    }
+    write_json();
   } catch (const kerf::Error& e) {
     std::fprintf(stderr, "kerf_bench: %s\n", e.what());
     return 1;

@@ -267,31 +267,41 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--json", required=True)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--op", default="",
+                   help="only the cases whose op name contains one of these (comma-separated)")
     args = p.parse_args()
+    filters = [f for f in args.op.split(",") if f]
     results = []
+
+    def wanted(op):
+        return not filters or any(f in op for f in filters)
+
+    def run(op, bench, *shape):
+        """Runs one case when wanted, prints its rows and rewrites the JSON (a run
+        stopped part way keeps what it measured)."""
+        if not wanted(op):
+            return
+        before = len(results)
+        bench(*shape, results)
+        for row in results[before:]:
+            print(row, flush=True)
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                           triton=getattr(triton, "__version__", None), results=results), f, indent=1)
+
     shapes = [(4096, 4096), (8192, 8192), (14336, 4096), (4096, 14336)]
     for r in (16, 32, 64):
         for out, inn in shapes:
-            bench_dora(out, inn, r, results)
-            print(results[-1], flush=True)
+            run(f"dora_norm r={r}", bench_dora, out, inn, r)
     for E, N, K, r in [(128, 1536, 2048, 16), (128, 2048, 768, 16), (64, 2816, 2048, 64)]:
-        bench_moe(E, N, K, r, results)
-        print(results[-1], flush=True)
+        run(f"moe_materialize r={r}", bench_moe, E, N, K, r)
     for out, inn in [(4096, 4096), (8192, 8192), (14336, 4096)]:
-        bench_merge(out, inn, 16, results)
-        print(results[-1], flush=True)
+        run("lora_merge r=16", bench_merge, out, inn, 16)
     for out, inn in [(4096, 4096), (8192, 8192), (14336, 4096)]:
-        bench_dora_4bit(out, inn, 16, results)
-        print(results[-1], flush=True)
+        run("dora_norm_4bit r=16", bench_dora_4bit, out, inn, 16)
     for E, N, K, r in [(128, 1536, 2048, 16), (128, 2048, 768, 16), (64, 2816, 2048, 64)]:
-        bench_moe_backward(E, N, K, r, results)
-        print(results[-1], flush=True)
-    bench_embedding(8192, 128256, 4096, 16, results)
-    print(results[-2], flush=True)
-    print(results[-1], flush=True)
-    with open(args.json, "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                       triton=getattr(triton, "__version__", None), results=results), f, indent=1)
+        run(f"moe_backward r={r} bf16 grads", bench_moe_backward, E, N, K, r)
+    run("embedding r=16 embedding_backward r=16", bench_embedding, 8192, 128256, 4096, 16)
 
 
 if __name__ == "__main__":
