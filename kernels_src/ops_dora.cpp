@@ -275,6 +275,21 @@ std::vector<Arg> dora_4bit_args(const DoraPlan& p, const TensorView& packed2, co
   return args;
 }
 
+// Where some candidate step lies inside one scale block per row (in and the
+// block size multiples of BLOCK_K), only such steps: the others read a scale
+// per byte, which never wins.
+std::vector<autotune::Config> dora_4bit_candidates(const std::vector<autotune::Config>& all, int64_t in,
+                                                  int64_t blocksize) {
+  const auto per_step = [&](const autotune::Config& c) {
+    const int64_t bk = c.at("BLOCK_K");
+    return in % bk == 0 && blocksize % bk == 0;
+  };
+  std::vector<autotune::Config> kept;
+  for (const autotune::Config& c : all)
+    if (per_step(c)) kept.push_back(c);
+  return kept.empty() ? all : kept;
+}
+
 Config tuned_dora_4bit_config(const TensorView& packed2, const Weight4bit& W, const TensorView& A,
                               const TensorView& B, const TensorView& m, const TensorView& norm,
                               const TensorView& scale, void* stream) {
@@ -283,14 +298,15 @@ Config tuned_dora_4bit_config(const TensorView& packed2, const Weight4bit& W, co
   const int64_t programs = parallelism(packed2.device);
   const DType dot = dot_4bit(A, B);
   TuneRequest q;
-  q.problem = {"dora_norm_4bit",
-               {next_pow2(out), next_pow2(in), std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)))},
-               {A.dtype, B.dtype, m.dtype},
-               "",
-               packed2.device};
+  // The scale block size decides which steps read one scale per row; it joins
+  // the key when it is not bitsandbytes' default (64, what kerf-cache warm tunes).
+  std::vector<int64_t> shape = {next_pow2(out), next_pow2(in),
+                                std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)))};
+  if (W.blocksize != 64) shape.push_back(W.blocksize);
+  q.problem = {"dora_norm_4bit", shape, {A.dtype, B.dtype, m.dtype}, "", packed2.device};
   q.block_m_name = "BLOCK_M";
   q.block_k_name = "BLOCK_K";
-  q.gpu_candidates = dora_gpu_candidates(out, in, programs);
+  q.gpu_candidates = dora_4bit_candidates(dora_gpu_candidates(out, in, programs), in, W.blocksize);
   q.finalist_variants = evict_variants();
   q.extent_m = out;
   q.extent_k = in;
@@ -412,7 +428,8 @@ const bool dora_4bit_registered = [] {
     return std::vector<autotune::KernelCall>{
         {p.kernel, dora_4bit_args(p, packed2, W, v[3], v[4], v[5], 1.0, 0.0, v[6], v[7], kUnusedWorkspace), p.meta}};
   };
-  op.gpu_candidates = [] { return dora_gpu_candidates(); };
+  // kerf-cache warm --all-candidates compiles what a call would try (in = 4096: a multiple of any step).
+  op.gpu_candidates = [] { return dora_4bit_candidates(dora_gpu_candidates(), 4096, 64); };
   autotune::register_op(std::move(op));
   return true;
 }();

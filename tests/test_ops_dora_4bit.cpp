@@ -2,7 +2,7 @@
 // (bitsandbytes' NF4 layout), against float64 references on random codes and
 // scales, odd shapes, partial last blocks, every adapter dtype and split, a
 // scale per element and a scale per row and step (in and the block size
-// multiples of BLOCK_K); and
+// multiples of BLOCK_K); the tuner's candidates; and
 // the arguments it refuses, with their messages.
 #include <cmath>
 #include <random>
@@ -13,6 +13,7 @@
 #include "device_tensor.h"
 #include "gpu_test_util.h"
 #include "kerf/error.h"
+#include "kerf/jit/autotune.h"
 #include "kerf/ops/ops.h"
 
 using namespace kerf;
@@ -195,4 +196,16 @@ TEST_CASE("dora_norm_4bit refuses arrays that do not fit W, with messages saying
   TestTensor p0(DType::u8, {0}, dev), a0(DType::f32, {0}, dev);
   CHECK_NOTHROW(ops::dora_norm_4bit(ops::Weight4bit{p0.view(), a0.view(), W.code.view(), 64}, A.view(), B0.view(),
                                     m0.view(), 1.0, n0.view(), s0.view()));
+}
+
+TEST_CASE("the 4-bit DoRA tuner tries only steps inside one scale block when there are such", "[ops][dora][4bit][autotune]") {
+  bool found = false;
+  for (const autotune::TunableOp& op : autotune::tunable_ops()) {
+    if (op.name != "dora_norm_4bit") continue;
+    found = true;
+    const std::vector<autotune::Config> cands = op.gpu_candidates();
+    REQUIRE(!cands.empty());
+    for (const autotune::Config& c : cands) CHECK(c.at("BLOCK_K") == 64);  // NF4 blocks of 64
+  }
+  CHECK(found);
 }

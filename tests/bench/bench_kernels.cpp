@@ -516,6 +516,16 @@ int main(int argc, char** argv) {
       }
       js << "]}\n";
     };
+    // One row: the copy bandwidth of the same bytes measured now, the line, the JSON.
+    const auto report = [&](Result res) {
+      res.copy_gbps = copy_gbps(res.bytes, stream.handle());
+      std::printf("%-34s %-18s %9.1f us %8.0f GB/s  copy %6.0f GB/s  %5.1f%%  [%s]\n", res.op.c_str(),
+                  res.shape.c_str(), res.median_us, res.gbps, res.copy_gbps, 100 * res.gbps / res.copy_gbps,
+                  res.config.c_str());
+      std::fflush(stdout);
+      results.push_back(res);
+      write_json();
+    };
 
     std::vector<ops::Config> dora_cfgs;
     for (int64_t bm : {64, 128})
@@ -540,13 +550,7 @@ int main(int argc, char** argv) {
         Result res = best_of(forced ? std::vector<ops::Config>{*forced} : dora_cfgs,
                              [&](const ops::Config& c) { return bench_dora(sets, c, stream.handle()); });
         if (!forced) tuned_vs_default(res, [&](const ops::Config& c) { return bench_dora(sets, c, stream.handle()); });
-        res.copy_gbps = copy_gbps(res.bytes, stream.handle());
-        std::printf("%-22s %-12s %9.1f us %8.0f GB/s  copy %6.0f GB/s  %5.1f%%  [%s]\n", res.op.c_str(),
-                    res.shape.c_str(), res.median_us, res.gbps, res.copy_gbps, 100 * res.gbps / res.copy_gbps,
-                    res.config.c_str());
-        std::fflush(stdout);
-        results.push_back(res);
-        write_json();
+        report(res);
       }
     }
     std::vector<ops::Config> moe_cfgs;
@@ -568,24 +572,9 @@ int main(int argc, char** argv) {
       Result res = best_of(forced ? std::vector<ops::Config>{*forced} : moe_cfgs,
                            [&](const ops::Config& cfg) { return bench_moe(sets, cfg, stream.handle()); });
       if (!forced) tuned_vs_default(res, [&](const ops::Config& cfg) { return bench_moe(sets, cfg, stream.handle()); });
-      res.copy_gbps = copy_gbps(res.bytes, stream.handle());
-      std::printf("%-22s %-12s %9.1f us %8.0f GB/s  copy %6.0f GB/s  %5.1f%%  [%s]\n", res.op.c_str(),
-                  res.shape.c_str(), res.median_us, res.gbps, res.copy_gbps, 100 * res.gbps / res.copy_gbps,
-                  res.config.c_str());
-      std::fflush(stdout);
-      results.push_back(res);
-      write_json();
+      report(res);
     }
     // The LoRA ops: each with kerf's own choice (Config{}: the autotuner on a GPU) and a few fixed configs.
-    const auto report = [&](Result res) {
-      res.copy_gbps = copy_gbps(res.bytes, stream.handle());
-      std::printf("%-34s %-18s %9.1f us %8.0f GB/s  copy %6.0f GB/s  %5.1f%%  [%s]\n", res.op.c_str(),
-                  res.shape.c_str(), res.median_us, res.gbps, res.copy_gbps, 100 * res.gbps / res.copy_gbps,
-                  res.config.c_str());
-      std::fflush(stdout);
-      results.push_back(res);
-      write_json();
-    };
     const auto run_case = [&](OpCase c, const std::vector<ops::Config>& cfgs) {
       if (!wanted(c.op)) return;
       const auto run = [&](const ops::Config& cfg) { return bench_op(c, cfg, stream.handle()); };
