@@ -212,6 +212,11 @@ bool bench_gpu() {
     const auto op2 = [&] { ops::dora_norm(W, A, B, m, 0.5, norm, scale, 0.0, stream.handle(), cfg); };
     op2();
     std::printf("gpu   ops::dora_norm, config given: %8.1f ns\n", ns_per_call(per_batch, op2, sync));
+    ops::Config fused = cfg;
+    fused.split_k = 1;  // one launch of the fused kernel: 8 tensor arguments, a 1-D grid
+    const auto op3 = [&] { ops::dora_norm(W, A, B, m, 0.5, norm, scale, 0.0, stream.handle(), fused); };
+    op3();
+    std::printf("gpu   ops::dora_norm, fused config (split 1): %8.1f ns\n", ns_per_call(per_batch, op3, sync));
     cuda::DeviceBuffer ws(4096);
     ws.fill_bytes(0);
     float* f = static_cast<float*>(ws.data());
