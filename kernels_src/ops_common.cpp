@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <vector>
 
 #include "kerf/jit/cpu_backend.h"
@@ -45,17 +46,20 @@ void expect_device(const char* op, const NamedTensor* ts, size_t count) {
                             " but " + ts[0].first + " is on " + ts[0].second->device.str());
 }
 
-void* workspace(const Device& dev, void* stream, size_t bytes) {
+namespace {
+
+// Buffer `slot` (0: the zeroed workspace, 1: scratch) of `stream` on `dev`.
+void* stream_buffer(int slot, const Device& dev, void* stream, size_t bytes) {
   if (!dev.is_cuda()) {
     // CPU calls are synchronous, so one buffer per thread is never shared.
-    thread_local std::vector<uint64_t> host;
-    if (host.size() * 8 < bytes) host.assign((bytes + 7) / 8, 0);
-    return host.data();
+    thread_local std::vector<uint64_t> host[2];
+    if (host[slot].size() * 8 < bytes) host[slot].assign((bytes + 7) / 8, 0);
+    return host[slot].data();
   }
   static std::mutex mu;
-  static std::map<std::pair<int, void*>, cuda::DeviceBuffer> buffers;
+  static std::map<std::tuple<int, int, void*>, cuda::DeviceBuffer> buffers;
   std::lock_guard<std::mutex> lock(mu);
-  cuda::DeviceBuffer& buf = buffers[{dev.index, stream}];
+  cuda::DeviceBuffer& buf = buffers[{slot, dev.index, stream}];
   if (buf.bytes() < bytes) {
     // Kernels queued on this stream may still use the old buffer.
     if (buf.bytes()) cuda::stream_synchronize(stream);
@@ -63,6 +67,16 @@ void* workspace(const Device& dev, void* stream, size_t bytes) {
     buf.fill_bytes(0);
   }
   return buf.data();
+}
+
+}  // namespace
+
+void* workspace(const Device& dev, void* stream, size_t bytes) {
+  return stream_buffer(0, dev, stream, bytes);
+}
+
+void* scratch(const Device& dev, void* stream, size_t bytes) {
+  return stream_buffer(1, dev, stream, bytes);
 }
 
 CallKey& CallKey::add(const TensorView& t) {

@@ -90,6 +90,9 @@ int64_t split_for(int64_t blocks, int64_t programs, int64_t steps);
 // zero, on `dev`, private to `stream` (to the calling thread on the CPU).
 // Kernels using it must leave it zero when they finish.
 void* workspace(const Device& dev, void* stream, size_t bytes);
+// Scratch memory with no such promise (a copy one launch writes and the next
+// reads): at least `bytes` on `dev`, private to `stream` (or the calling thread).
+void* scratch(const Device& dev, void* stream, size_t bytes);
 
 // ---------------------------------------------------------------- plans of repeated calls
 // What identifies a call for its plan: sizes, dtypes, device, the caller's Config,

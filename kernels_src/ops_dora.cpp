@@ -25,6 +25,9 @@ struct DoraPlan {
   int64_t split = 1;
   int64_t blocks_m = 0;
   int64_t ws_floats = 0;  // workspace: sumsq floats (then blocks_m ticket ints) when split > 1
+  // CAST_A: an f32 A is rounded once to the product's dtype by a cast launch into
+  // the workspace, and the norm kernel reads that copy (f32: no cast).
+  DType cast_a = DType::f32;
 };
 
 // `programs`: multiprocessors (CPU threads) the launch should fill.
@@ -51,6 +54,7 @@ DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, DType w_dtype, bool gpu, 
   // cp.async pipelining on the GPU; the CPU back end has no use for stages.
   p.meta["num_stages"] = config.num_stages ? config.num_stages : (gpu ? 3 : 1);
   if (const int64_t evict = meta_or(config, "EVICT", 0)) p.meta["EVICT"] = evict;
+  if (meta_or(config, "CAST_A", 0) && is_half(dot)) p.cast_a = dot;
   // A step within one scale block per row: one scale per row and step.
   if (four_bit && in % bk == 0 && blocksize % bk == 0) p.meta["SCALE_PER_STEP"] = 1;
   if (p.split == 1) {
@@ -66,21 +70,68 @@ DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, DType w_dtype, bool gpu, 
   return p;
 }
 
-size_t workspace_bytes(const DoraPlan& p) { return size_t(p.ws_floats + p.blocks_m) * 4; }
+// Device memory of a plan: the split's sums and tickets in the zeroed
+// workspace (when it splits), A's rounded copy in scratch memory (when it casts A).
+struct DoraMemory {
+  void* sums = nullptr;
+  void* a = nullptr;
+};
+bool casts_a(const DoraPlan& p, const TensorView& A) { return p.cast_a != DType::f32 && A.dtype == DType::f32; }
+DoraMemory plan_memory(const DoraPlan& p, const TensorView& A, void* stream) {
+  DoraMemory mem;
+  if (p.split > 1) mem.sums = workspace(A.device, stream, size_t(p.ws_floats + p.blocks_m) * 4);
+  if (casts_a(p, A))
+    mem.a = scratch(A.device, stream, size_t(A.shape[0] * A.shape[1]) * size_t(dtype_size_bytes(p.cast_a)));
+  return mem;
+}
 
-// Stands for the workspace where a plan is only compiled or measured, never run:
-// aligned like a real one, so the specialization facts are the same.
-void* const kUnusedWorkspace = reinterpret_cast<void*>(uintptr_t(1) << 16);
+// Stands for the memory of a plan that is only compiled or measured, never run:
+// aligned like real memory, so the specialization facts are the same.
+void* const kUnused = reinterpret_cast<void*>(uintptr_t(1) << 16);
+const DoraMemory kUnusedMemory{kUnused, kUnused};
 
-// The plan's arguments; `ws` is the workspace when the plan splits (workspace_bytes of it).
+// A as the norm kernel reads it: A, or its rounded copy.
+TensorView a_operand(const DoraPlan& p, const TensorView& A, const DoraMemory& mem) {
+  if (!casts_a(p, A)) return A;
+  return TensorView::contiguous(mem.a, p.cast_a, {A.shape[0], A.shape[1]}, A.device);
+}
+
+// The launches before the norm kernel: A's cast when the plan makes one.
+std::vector<autotune::KernelCall> pre_calls(const DoraPlan& p, const TensorView& A, const DoraMemory& mem) {
+  if (!casts_a(p, A)) return {};
+  return {{&kernels::cast_2d(), {A, a_operand(p, A, mem)}, {{"BLOCK_M", 8}, {"BLOCK_K", 256}}}};
+}
+void launch_pre(const DoraPlan& p, const TensorView& A, const DoraMemory& mem, const LaunchOptions& options) {
+  for (const autotune::KernelCall& c : pre_calls(p, A, mem))
+    launch(*c.kernel, c.args, Grid{uint32_t(cdiv(A.shape[1], 256)), uint32_t(cdiv(A.shape[0], 8)), 1}, c.meta,
+           options);
+}
+
+// The compile list of a plan: its pre-launches, then the norm kernel.
+std::vector<autotune::KernelCall> with_pre(const DoraPlan& p, const TensorView& A, autotune::KernelCall main) {
+  std::vector<autotune::KernelCall> calls = pre_calls(p, A, kUnusedMemory);
+  calls.push_back(std::move(main));
+  return calls;
+}
+
+// The tuner's variants of its finalists: L2 hints, and with f32 A and a
+// half-precision product on the GPU, A cast once per call.
+std::vector<autotune::Config> dora_variants(const TensorView& A, DType product) {
+  std::vector<autotune::Config> v = evict_variants();
+  if (A.device.is_cuda() && A.dtype == DType::f32 && is_half(product)) v.push_back({{"CAST_A", 1}});
+  return v;
+}
+
+// The plan's arguments, in its memory (plan_memory).
 std::vector<Arg> dora_args(const DoraPlan& p, const TensorView& W, const TensorView& A, const TensorView& B,
                            const TensorView& m, double s, double eps, const TensorView& norm,
-                           const TensorView& scale, void* ws) {
-  if (p.split == 1) return {W, A, B, m, Scalar(s), Scalar(eps), norm, scale};
-  float* f = static_cast<float*>(ws);
+                           const TensorView& scale, const DoraMemory& mem) {
+  const TensorView a = a_operand(p, A, mem);
+  if (p.split == 1) return {W, a, B, m, Scalar(s), Scalar(eps), norm, scale};
+  float* f = static_cast<float*>(mem.sums);
   const TensorView sumsq = TensorView::contiguous(f, DType::f32, {W.shape[0]}, W.device);
   const TensorView tickets = TensorView::contiguous(f + p.ws_floats, DType::i32, {p.blocks_m}, W.device);
-  return {W, A, B, m, Scalar(s), Scalar(eps), norm, scale, sumsq, tickets};
+  return {W, a, B, m, Scalar(s), Scalar(eps), norm, scale, sumsq, tickets};
 }
 
 Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& m,
@@ -96,7 +147,7 @@ void run_dora_norm(const TensorView& W, const TensorView& A, const TensorView& B
                    const TensorView& norm, const TensorView& scale, double eps, void* stream, const Config& config,
                    const std::string& layout) {
   const char* op = "dora_norm";
-  expect_meta(op, config, {{"EVICT", 0, 2}});
+  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}});
   expect_shape(op, "W", W, {-1, -1});
   const int64_t out = W.shape[0], in = W.shape[1];
   expect_shape(op, "A", A, {-1, in});
@@ -125,10 +176,11 @@ void run_dora_norm(const TensorView& W, const TensorView& A, const TensorView& B
                            : tuned_dora_config(W, A, B, m, norm, scale, stream);
     return plan_dora(out, in, r, W.dtype, W.device.is_cuda(), parallelism(W.device), cfg);
   });
-  void* ws = p->split > 1 ? workspace(W.device, stream, workspace_bytes(*p)) : nullptr;
+  const DoraMemory ws = plan_memory(*p, A, stream);
   LaunchOptions options;
   options.stream = stream;
   options.layout = layout;
+  launch_pre(*p, A, ws, options);
   launch(*p->kernel, dora_args(*p, W, A, B, m, s, eps, norm, scale, ws), p->grid, p->meta, options);
 }
 
@@ -172,20 +224,22 @@ Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorV
   q.block_m_name = "BLOCK_M";
   q.block_k_name = "BLOCK_K";
   q.gpu_candidates = dora_gpu_candidates(out, in, programs);
-  q.finalist_variants = evict_variants();
+  q.finalist_variants = dora_variants(A, is_half(W.dtype) ? W.dtype : DType::f32);
   q.extent_m = out;
   q.extent_k = in;
   q.kernels = [&](const Config& c) {
     const DoraPlan p = plan_dora(out, in, r, W.dtype, gpu, programs, c);
-    return std::vector<autotune::KernelCall>{
-        {p.kernel, dora_args(p, W, A, B, m, 1.0, 0.0, norm, scale, kUnusedWorkspace), p.meta}};
+    return with_pre(p, A, {p.kernel, dora_args(p, W, A, B, m, 1.0, 0.0, norm, scale, kUnusedMemory), p.meta});
   };
   // The candidates run on the caller's tensors: norm and scale are outputs only, and
   // the split workspace is zero again after every launch, so nothing needs restoring.
   q.run = [&](const Config& c) {
     const DoraPlan p = plan_dora(out, in, r, W.dtype, gpu, programs, c);
-    void* ws = p.split == 1 ? nullptr : workspace(W.device, stream, workspace_bytes(p));
-    launch(*p.kernel, dora_args(p, W, A, B, m, 1.0, 0.0, norm, scale, ws), p.grid, p.meta, stream);
+    const DoraMemory ws = plan_memory(p, A, stream);
+    LaunchOptions options;
+    options.stream = stream;
+    launch_pre(p, A, ws, options);
+    launch(*p.kernel, dora_args(p, W, A, B, m, 1.0, 0.0, norm, scale, ws), p.grid, p.meta, options);
   };
   q.stream = stream;
   return tuned_config(q);
@@ -207,8 +261,8 @@ const bool dora_registered = [] {
   op.kernels = [](const std::vector<TensorView>& v, const autotune::Config& c, int sm_count) {
     const DoraPlan p = plan_dora(v[0].shape[0], v[0].shape[1], v[1].shape[0], v[0].dtype, true, sm_count,
                                  config_from(c, "BLOCK_M", "BLOCK_K"));
-    return std::vector<autotune::KernelCall>{
-        {p.kernel, dora_args(p, v[0], v[1], v[2], v[3], 1.0, 0.0, v[4], v[5], kUnusedWorkspace), p.meta}};
+    return with_pre(p, v[1],
+                    {p.kernel, dora_args(p, v[0], v[1], v[2], v[3], 1.0, 0.0, v[4], v[5], kUnusedMemory), p.meta});
   };
   op.gpu_candidates = [] { return dora_gpu_candidates(); };
   autotune::register_op(std::move(op));
@@ -264,11 +318,11 @@ int log2_exact(int64_t x) {
 // The kernel arguments of a 4-bit plan; `packed2` is packed seen as [out, in/2].
 std::vector<Arg> dora_4bit_args(const DoraPlan& p, const TensorView& packed2, const Weight4bit& W,
                                 const TensorView& A, const TensorView& B, const TensorView& m, double s, double eps,
-                                const TensorView& norm, const TensorView& scale, void* ws) {
-  std::vector<Arg> args = {packed2, W.absmax, W.code, A, B, m, Scalar(s), Scalar(eps),
+                                const TensorView& norm, const TensorView& scale, const DoraMemory& mem) {
+  std::vector<Arg> args = {packed2, W.absmax, W.code, a_operand(p, A, mem), B, m, Scalar(s), Scalar(eps),
                            Scalar(log2_exact(W.blocksize)), norm, scale};
   if (p.split == 1) return args;
-  float* f = static_cast<float*>(ws);
+  float* f = static_cast<float*>(mem.sums);
   const int64_t out = packed2.shape[0];
   args.push_back(TensorView::contiguous(f, DType::f32, {out}, packed2.device));
   args.push_back(TensorView::contiguous(f + p.ws_floats, DType::i32, {p.blocks_m}, packed2.device));
@@ -307,18 +361,21 @@ Config tuned_dora_4bit_config(const TensorView& packed2, const Weight4bit& W, co
   q.block_m_name = "BLOCK_M";
   q.block_k_name = "BLOCK_K";
   q.gpu_candidates = dora_4bit_candidates(dora_gpu_candidates(out, in, programs), in, W.blocksize);
-  q.finalist_variants = evict_variants();
+  q.finalist_variants = dora_variants(A, dot);
   q.extent_m = out;
   q.extent_k = in;
   q.kernels = [&](const Config& c) {
     const DoraPlan p = plan_dora(out, in, r, dot, gpu, programs, c, W.blocksize);
-    return std::vector<autotune::KernelCall>{
-        {p.kernel, dora_4bit_args(p, packed2, W, A, B, m, 1.0, 0.0, norm, scale, kUnusedWorkspace), p.meta}};
+    return with_pre(p, A,
+                    {p.kernel, dora_4bit_args(p, packed2, W, A, B, m, 1.0, 0.0, norm, scale, kUnusedMemory), p.meta});
   };
   q.run = [&](const Config& c) {
     const DoraPlan p = plan_dora(out, in, r, dot, gpu, programs, c, W.blocksize);
-    void* ws = p.split == 1 ? nullptr : workspace(packed2.device, stream, workspace_bytes(p));
-    launch(*p.kernel, dora_4bit_args(p, packed2, W, A, B, m, 1.0, 0.0, norm, scale, ws), p.grid, p.meta, stream);
+    const DoraMemory ws = plan_memory(p, A, stream);
+    LaunchOptions options;
+    options.stream = stream;
+    launch_pre(p, A, ws, options);
+    launch(*p.kernel, dora_4bit_args(p, packed2, W, A, B, m, 1.0, 0.0, norm, scale, ws), p.grid, p.meta, options);
   };
   q.stream = stream;
   return tuned_config(q);
@@ -358,7 +415,7 @@ TensorView checked_packed(const char* op, const Weight4bit& W, int64_t out, int6
 void dora_norm_4bit(const Weight4bit& W, const TensorView& A, const TensorView& B, const TensorView& m, double s,
                     const TensorView& norm, const TensorView& scale, double eps, void* stream, const Config& config) {
   const char* op = "dora_norm_4bit";
-  expect_meta(op, config, {{"EVICT", 0, 2}});
+  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}});
   expect_shape(op, "A", A, {-1, -1});
   const int64_t r = A.shape[0], in = A.shape[1];
   expect_shape(op, "B", B, {-1, r});
@@ -398,8 +455,11 @@ void dora_norm_4bit(const Weight4bit& W, const TensorView& A, const TensorView& 
                                           : tuned_dora_4bit_config(packed2, W, A, B, m, norm, scale, stream);
     return plan_dora(out, in, r, dot_4bit(A, B), packed2.device.is_cuda(), parallelism(packed2.device), cfg, W.blocksize);
   });
-  void* ws = p->split > 1 ? workspace(packed2.device, stream, workspace_bytes(*p)) : nullptr;
-  launch(*p->kernel, dora_4bit_args(*p, packed2, W, A, B, m, s, eps, norm, scale, ws), p->grid, p->meta, stream);
+  const DoraMemory ws = plan_memory(*p, A, stream);
+  LaunchOptions options;
+  options.stream = stream;
+  launch_pre(*p, A, ws, options);
+  launch(*p->kernel, dora_4bit_args(*p, packed2, W, A, B, m, s, eps, norm, scale, ws), p->grid, p->meta, options);
 }
 
 namespace {
@@ -425,8 +485,9 @@ const bool dora_4bit_registered = [] {
     const TensorView packed2 = detail::restride(v[0], {out, in / 2}, {in / 2, 1});
     const DoraPlan p = plan_dora(out, in, r, dot_4bit(v[3], v[4]), true, sm_count, config_from(c, "BLOCK_M", "BLOCK_K"),
                                  64);
-    return std::vector<autotune::KernelCall>{
-        {p.kernel, dora_4bit_args(p, packed2, W, v[3], v[4], v[5], 1.0, 0.0, v[6], v[7], kUnusedWorkspace), p.meta}};
+    return with_pre(p, v[3],
+                    {p.kernel, dora_4bit_args(p, packed2, W, v[3], v[4], v[5], 1.0, 0.0, v[6], v[7], kUnusedMemory),
+                     p.meta});
   };
   // kerf-cache warm --all-candidates compiles what a call would try (in = 4096: a multiple of any step).
   op.gpu_candidates = [] { return dora_4bit_candidates(dora_gpu_candidates(), 4096, 64); };

@@ -29,10 +29,11 @@ struct DoraCase {
   DType w, ab;
   int64_t split;  // 0: let kerf choose
   int64_t stages = 0;
+  int64_t cast_a = 0;  // Config.meta CAST_A: an f32 A rounded once by its own launch
 };
 
 void check_dora(const DoraCase& c, Device dev, uint64_t seed) {
-  CAPTURE(c.out, c.in, c.r, dtype_name(c.w), dtype_name(c.ab), c.split, seed, dev.str());
+  CAPTURE(c.out, c.in, c.r, dtype_name(c.w), dtype_name(c.ab), c.split, c.cast_a, seed, dev.str());
   std::mt19937_64 rng(seed);
   TestTensor W(c.w, {c.out, c.in}, dev), A(c.ab, {c.r, c.in}, dev), B(c.ab, {c.out, c.r}, dev);
   TestTensor m(DType::f32, {c.out}, dev), norm(DType::f32, {c.out}, dev), scale(DType::f32, {c.out}, dev);
@@ -46,6 +47,7 @@ void check_dora(const DoraCase& c, Device dev, uint64_t seed) {
   ops::Config cfg;
   cfg.split_k = c.split;
   cfg.num_stages = c.stages;
+  if (c.cast_a) cfg.meta["CAST_A"] = 1;
   ops::dora_norm(W.view(), A.view(), B.view(), m.view(), s, norm.view(), scale.view(), eps, nullptr, cfg);
   if (dev.is_cuda()) cuda::device_synchronize(dev.index);
   norm.download();
@@ -76,6 +78,9 @@ void run_dora_cases(Device dev) {
       {256, 512, 64, DType::bf16, DType::bf16, 3},  {37, 130, 1, DType::f32, DType::f32, 2},
       {128, 1024, 32, DType::f32, DType::f32, 1},   {300, 700, 16, DType::bf16, DType::bf16, 0, 1},
       {300, 700, 16, DType::bf16, DType::bf16, 2, 4}, {96, 2000, 8, DType::f16, DType::f32, 1, 2},
+      // A cast once into the workspace: alone, after a split's sums, with f16 and f32 W (no cast).
+      {1000, 1500, 7, DType::bf16, DType::f32, 1, 0, 1}, {300, 700, 16, DType::bf16, DType::f32, 3, 3, 1},
+      {96, 2000, 8, DType::f16, DType::f32, 0, 2, 1},     {37, 130, 1, DType::f32, DType::f32, 2, 0, 1},
   };
   uint64_t seed = 1234;
   for (const DoraCase& c : cases) check_dora(c, dev, seed++);

@@ -110,6 +110,10 @@ void run_4bit_cases(Device dev) {
     c.split_k = split;
     return c;
   };
+  auto cast_a = [](ops::Config c) {
+    c.meta["CAST_A"] = 1;
+    return c;
+  };
   const std::vector<Case4> cases = {
       {77, 130, 5, 64, DType::f32, DType::f32, {}},             // partial blocks, rows and steps
       {64, 256, 16, 64, DType::bf16, DType::bf16, {}},          // whole tiles
@@ -118,6 +122,8 @@ void run_4bit_cases(Device dev) {
       {9, 94, 1, 32, DType::bf16, DType::f32, cfg(0, 2, 0)},    // one byte per step
       {100, 62, 8, 4096, DType::f32, DType::f32, cfg(32, 32, 1)},  // one scale for everything
       {96, 512, 16, 128, DType::bf16, DType::f32, cfg(32, 64, 2)},  // one scale per row and step, split
+      {77, 130, 5, 64, DType::f32, DType::f32, cast_a(cfg(0, 0, 1))},   // f32 A rounded once, by its own launch
+      {96, 512, 16, 64, DType::f32, DType::bf16, cast_a(cfg(32, 64, 3))},  // the same beside a split's sums
   };
   uint64_t seed = 9100;
   for (const Case4& c : cases) check_4bit(c, dev, seed++);

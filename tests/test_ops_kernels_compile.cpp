@@ -147,6 +147,11 @@ std::vector<Case> op_kernel_cases() {
                    split ? "dora_norm_4bit_split" : "dora_norm_4bit",
                    v.arch});
     }
+    c.push_back({&kernels::cast_2d(),
+                 {T(DType::f32, 2, fast), T(is_half(w) ? w : DType::bf16, 2, fast)},
+                 {{"BLOCK_M", 8}, {"BLOCK_K", 256}},
+                 "cast_2d",
+                 v.arch});
     c.push_back({&kernels::fill_3d(),
                  {T(w, 3, fast), S},
                  {{"BLOCK_M", 16}, {"BLOCK_K", 128}},

@@ -104,30 +104,41 @@ struct DoraSets {
   int64_t out, in, r;
   DType wt;
   double bytes;
+  DType at;  // the adapters' dtype (PEFT keeps fp32 adapters on a bf16 base)
   struct Set {
     cuda::DeviceBuffer W, A, B, m, norm, scale;
   };
   std::vector<Set> sets;
 };
 
-DoraSets make_dora(int64_t out, int64_t in, int64_t r, DType wt) {
-  DoraSets d{out, in, r, wt, double(out * in + r * in + out * r) * dtype_size_bytes(wt) + double(out) * 4 * 3, {}};
+DoraSets make_dora(int64_t out, int64_t in, int64_t r, DType wt, DType at) {
+  DoraSets d{out, in, r, wt,
+             double(out * in) * dtype_size_bytes(wt) + double(r * in + out * r) * dtype_size_bytes(at) +
+                 double(out) * 4 * 3,
+             at, {}};
   const int n = int(std::max<double>(2, std::ceil(300e6 / d.bytes)));
   d.sets.resize(size_t(n));
   for (int i = 0; i < n; ++i) {
     auto& x = d.sets[size_t(i)];
     x.W = cuda::DeviceBuffer(size_t(out * in) * dtype_size_bytes(wt));
-    x.A = cuda::DeviceBuffer(size_t(r * in) * dtype_size_bytes(wt));
-    x.B = cuda::DeviceBuffer(size_t(out * r) * dtype_size_bytes(wt));
+    x.A = cuda::DeviceBuffer(size_t(r * in) * dtype_size_bytes(at));
+    x.B = cuda::DeviceBuffer(size_t(out * r) * dtype_size_bytes(at));
     x.m = cuda::DeviceBuffer(size_t(out) * 4);
     x.norm = cuda::DeviceBuffer(size_t(out) * 4);
     x.scale = cuda::DeviceBuffer(size_t(out) * 4);
     fill_random(x.W, wt, size_t(out * in), 11 + i);
-    fill_random(x.A, wt, size_t(r * in), 23 + i, 0.1f);
-    fill_random(x.B, wt, size_t(out * r), 37 + i, 0.1f);
+    fill_random(x.A, at, size_t(r * in), 23 + i, 0.1f);
+    fill_random(x.B, at, size_t(out * r), 37 + i, 0.1f);
     fill_random(x.m, DType::f32, size_t(out), 41 + i);
   }
   return d;
+}
+
+std::string config_str(const ops::Config& c) {
+  std::string s = "b" + std::to_string(c.block_m) + " bk" + std::to_string(c.block_k) + " split" +
+                  std::to_string(c.split_k) + " w" + std::to_string(c.num_warps) + " s" + std::to_string(c.num_stages);
+  for (const auto& [name, value] : c.meta) s += " " + name + "=" + std::to_string(value);
+  return s;
 }
 
 Result bench_dora(DoraSets& d, const ops::Config& cfg, cuda::StreamHandle stream) {
@@ -137,18 +148,16 @@ Result bench_dora(DoraSets& d, const ops::Config& cfg, cuda::StreamHandle stream
   auto run = [&](int i) {
     auto& x = d.sets[size_t(i) % d.sets.size()];
     ops::dora_norm(TensorView::contiguous(x.W.data(), wt, {out, in}, dev),
-                   TensorView::contiguous(x.A.data(), wt, {r, in}, dev),
-                   TensorView::contiguous(x.B.data(), wt, {out, r}, dev),
+                   TensorView::contiguous(x.A.data(), d.at, {r, in}, dev),
+                   TensorView::contiguous(x.B.data(), d.at, {out, r}, dev),
                    TensorView::contiguous(x.m.data(), DType::f32, {out}, dev), 2.0,
                    TensorView::contiguous(x.norm.data(), DType::f32, {out}, dev),
                    TensorView::contiguous(x.scale.data(), DType::f32, {out}, dev), 0.0, stream, cfg);
   };
   Result res;
-  res.op = "dora_norm r=" + std::to_string(r);
+  res.op = "dora_norm r=" + std::to_string(r) + (d.at != wt ? std::string(" ") + dtype_name(d.at) + " adapters" : "");
   res.shape = shape_str({out, in});
-  res.config = "bm" + std::to_string(cfg.block_m) + " bk" + std::to_string(cfg.block_k) + " split" +
-               std::to_string(cfg.split_k) + " w" + std::to_string(cfg.num_warps) + " s" +
-               std::to_string(cfg.num_stages);
+  res.config = config_str(cfg);
   res.median_us = time_us(run, 100, stream);
   res.bytes = d.bytes;
   res.gbps = d.bytes / (res.median_us * 1e3);
@@ -224,12 +233,6 @@ cuda::DeviceBuffer random_buffer(DType t, size_t n, uint64_t seed, float amp = 1
 // Input sets until they pass ~300 MB together (L2 does not hold them); at least 2.
 int set_count(double bytes) { return int(std::max<double>(2, std::ceil(300e6 / bytes))); }
 
-std::string config_str(const ops::Config& c) {
-  std::string s = "b" + std::to_string(c.block_m) + " bk" + std::to_string(c.block_k) + " split" +
-                  std::to_string(c.split_k) + " w" + std::to_string(c.num_warps) + " s" + std::to_string(c.num_stages);
-  for (const auto& [name, value] : c.meta) s += " " + name + "=" + std::to_string(value);
-  return s;
-}
 
 Result bench_op(OpCase& c, const ops::Config& cfg, cuda::StreamHandle stream, int iters = 50) {
   Result res;
@@ -477,7 +480,7 @@ int main(int argc, char** argv) {
     }
     cuda::set_current_device(0);
     cuda::Stream stream(0);
-    DoraSets sets = make_dora(v[0], v[1], v[2], DType::bf16);
+    DoraSets sets = make_dora(v[0], v[1], v[2], DType::bf16, DType::bf16);
     const Result r = bench_dora(sets, ops::Config{v[3], v[4], v[5], v[6], v[7]}, stream.handle());
     std::printf("%s %s %.1f us %.0f GB/s [%s]\n", r.op.c_str(), r.shape.c_str(), r.median_us, r.gbps, r.config.c_str());
     return 0;
@@ -546,12 +549,25 @@ int main(int argc, char** argv) {
     for (int64_t r : {16, 32, 64}) {
       for (auto [o, i] : dora_shapes) {
         if (!wanted("dora_norm r=" + std::to_string(r))) break;
-        DoraSets sets = make_dora(o, i, r, DType::bf16);
+        DoraSets sets = make_dora(o, i, r, DType::bf16, DType::bf16);
         Result res = best_of(forced ? std::vector<ops::Config>{*forced} : dora_cfgs,
                              [&](const ops::Config& c) { return bench_dora(sets, c, stream.handle()); });
         if (!forced) tuned_vs_default(res, [&](const ops::Config& c) { return bench_dora(sets, c, stream.handle()); });
         report(res);
       }
+    }
+    // PEFT's usual case: fp32 adapters on a bf16 base (the adapters converted per
+    // step, or once per call with CAST_A).
+    std::vector<ops::Config> dora_f32a_cfgs = dora_cfgs;
+    if (!quick)
+      for (int64_t bm : {64, 128}) dora_f32a_cfgs.push_back(ops::Config{bm, 64, 0, 8, 3, {{"CAST_A", 1}}});
+    for (auto [o, i] : std::vector<std::pair<int64_t, int64_t>>{{4096, 4096}, {8192, 8192}}) {
+      if (!wanted("dora_norm r=16 f32 adapters")) break;
+      DoraSets sets = make_dora(o, i, 16, DType::bf16, DType::f32);
+      const auto run = [&](const ops::Config& c) { return bench_dora(sets, c, stream.handle()); };
+      Result res = best_of(forced ? std::vector<ops::Config>{*forced} : dora_f32a_cfgs, run);
+      if (!forced) tuned_vs_default(res, run);
+      report(res);
     }
     std::vector<ops::Config> moe_cfgs;
     for (int64_t bn : {32, 64, 128})

@@ -97,21 +97,24 @@ def best_triton(run_with_config, configs, sets):
     return best
 
 
-def bench_dora(out, inn, r, results):
+def bench_dora(out, inn, r, results, adapters=torch.bfloat16):
+    """DoRA's norm; `adapters` is A's and B's dtype (PEFT keeps them in fp32 on a
+    bf16 base, and then forms W + s*B@A in fp32)."""
     dt = torch.bfloat16
-    nbytes = (out * inn + r * inn + out * r) * 2 + out * 4 * 3
+    at = adapters
+    nbytes = (out * inn) * 2 + (r * inn + out * r) * at.itemsize + out * 4 * 3
     nsets = max(2, math.ceil(300e6 / nbytes))
     sets = []
     for _ in range(nsets):
         sets.append(dict(W=torch.randn(out, inn, device="cuda", dtype=dt),
-                         A=0.1 * torch.randn(r, inn, device="cuda", dtype=dt),
-                         B=0.1 * torch.randn(out, r, device="cuda", dtype=dt),
+                         A=0.1 * torch.randn(r, inn, device="cuda", dtype=at),
+                         B=0.1 * torch.randn(out, r, device="cuda", dtype=at),
                          m=torch.rand(out, device="cuda") + 0.5,
                          norm=torch.empty(out, device="cuda"),
                          scale=torch.empty(out, device="cuda")))
     s = 2.0
     shape = f"{out}x{inn}"
-    op = f"dora_norm r={r}"
+    op = f"dora_norm r={r}" + ("" if at == dt else " f32 adapters")
     cg = copy_gbps(nbytes)
 
     def eager(x):
@@ -121,7 +124,7 @@ def bench_dora(out, inn, r, results):
     us = median_us(eager, sets)
     results.append(dict(impl="torch eager", op=op, shape=shape, median_us=us, bytes=nbytes,
                         gbps=nbytes / (us * 1e3), copy_gbps=cg))
-    if triton is not None:
+    if triton is not None and at == dt:
         def run(x, cfg):
             bm, bk, warps = cfg
             dora_norm_tiled[(triton.cdiv(out, bm),)](
@@ -293,6 +296,9 @@ def main():
     for r in (16, 32, 64):
         for out, inn in shapes:
             run(f"dora_norm r={r}", bench_dora, out, inn, r)
+    for out, inn in [(4096, 4096), (8192, 8192)]:
+        run("dora_norm r=16 f32 adapters", lambda o, i, rr, res: bench_dora(o, i, rr, res, torch.float32),
+            out, inn, 16)
     for E, N, K, r in [(128, 1536, 2048, 16), (128, 2048, 768, 16), (64, 2816, 2048, 64)]:
         run(f"moe_materialize r={r}", bench_moe, E, N, K, r)
     for out, inn in [(4096, 4096), (8192, 8192), (14336, 4096)]:

@@ -132,5 +132,8 @@ namespace kerf::kernels {
 
 // out[i] = value for i < out.dim(0). Grid cdiv(n, BLOCK). Args: out, value.
 const dsl::Kernel& fill();
+// out[i, j] = x[i, j] rounded to out's dtype. Grid (cdiv(d1, BLOCK_K), cdiv(d0, BLOCK_M)).
+// Args: x, out (same shape).
+const dsl::Kernel& cast_2d();
 
 }  // namespace kerf::kernels
