@@ -26,7 +26,7 @@ struct DoraPlan {
   int64_t blocks_m = 0;
   int64_t ws_floats = 0;  // workspace: sumsq floats (then blocks_m ticket ints) when split > 1
   // CAST_A: an f32 A is rounded once to the product's dtype by a cast launch into
-  // the workspace, and the norm kernel reads that copy (f32: no cast).
+  // scratch memory, and the norm kernel reads that copy (f32: no cast).
   DType cast_a = DType::f32;
 };
 
