@@ -46,6 +46,21 @@ def test_dora_norm_with_float16_weight_and_float32_adapters(kerf_cpu):
     np.testing.assert_allclose(scale, ref_scale, rtol=2e-3)
 
 
+def test_dora_norm_rounds_float32_adapters_once_when_asked(kerf_cpu):
+    # CAST_A: one launch rounds A to the product's dtype first; the same rounding.
+    W, A, B, m = make_dora(96, 160, 8, dtype=np.float16)
+    m = m.astype(np.float16)
+    plain, _ = kerf_cpu.ops.dora_norm(W, A, B, m, 0.5, config=kerf_cpu.Config(block_m=16, split_k=2))
+    cast, scale = kerf_cpu.ops.dora_norm(W, A, B, m, 0.5,
+                                         config=kerf_cpu.Config(block_m=16, split_k=2, meta={"CAST_A": 1}))
+    np.testing.assert_allclose(cast, plain, rtol=1e-6)
+    ref_norm, ref_scale = dora_reference(W, A, B, m, 0.5)
+    np.testing.assert_allclose(cast, ref_norm, rtol=2e-3)
+    np.testing.assert_allclose(scale, ref_scale, rtol=2e-3)
+    with pytest.raises(kerf_cpu.InvalidArgumentError, match="CAST_A"):
+        kerf_cpu.ops.dora_norm(W, A, B, m, 0.5, config=kerf_cpu.Config(meta={"CAST_A": 2}))
+
+
 def test_dora_norm_on_bfloat16_weights_from_a_dlpack_capsule(kerf_cpu):
     # NumPy has no bfloat16: the bits travel in a hand-made capsule typed kDLBfloat.
     W32, A, B, m = make_dora(64, 96, 8)
