@@ -79,6 +79,18 @@ void* scratch(const Device& dev, void* stream, size_t bytes) {
   return stream_buffer(1, dev, stream, bytes);
 }
 
+std::unique_lock<std::mutex> scratch_lock(const Device& dev, void* stream) {
+  if (!dev.is_cuda()) return {};  // CPU calls are synchronous and their scratch is per thread
+  static std::mutex mu;
+  static std::map<std::pair<int, void*>, std::mutex> locks;  // a node map: each mutex stays put
+  std::mutex* m;
+  {
+    std::lock_guard<std::mutex> guard(mu);
+    m = &locks[{dev.index, stream}];
+  }
+  return std::unique_lock<std::mutex>(*m);
+}
+
 CallKey& CallKey::add(const TensorView& t) {
   add(int64_t(t.dtype) << 8 | int64_t(t.rank));
   for (int d = 0; d < t.rank; ++d) add(t.shape[size_t(d)]);

@@ -92,7 +92,11 @@ int64_t split_for(int64_t blocks, int64_t programs, int64_t steps);
 void* workspace(const Device& dev, void* stream, size_t bytes);
 // Scratch memory with no such promise (a copy one launch writes and the next
 // reads): at least `bytes` on `dev`, private to `stream` (or the calling thread).
+// On a GPU, hold scratch_lock(dev, stream) from asking for it until the last
+// launch that reads it is queued: another thread's launches on the same
+// stream then cannot come between the write and the read.
 void* scratch(const Device& dev, void* stream, size_t bytes);
+std::unique_lock<std::mutex> scratch_lock(const Device& dev, void* stream);
 
 // ---------------------------------------------------------------- plans of repeated calls
 // What identifies a call for its plan: sizes, dtypes, device, the caller's Config,

@@ -71,24 +71,28 @@ DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, DType w_dtype, bool gpu, 
 }
 
 // Device memory of a plan: the split's sums and tickets in the zeroed
-// workspace (when it splits), A's rounded copy in scratch memory (when it casts A).
+// workspace (when it splits), A's rounded copy in scratch memory (when it casts
+// A; the stream's scratch stays locked until the plan's launches are queued).
 struct DoraMemory {
   void* sums = nullptr;
   void* a = nullptr;
+  std::unique_lock<std::mutex> lock;
 };
 bool casts_a(const DoraPlan& p, const TensorView& A) { return p.cast_a != DType::f32 && A.dtype == DType::f32; }
 DoraMemory plan_memory(const DoraPlan& p, const TensorView& A, void* stream) {
   DoraMemory mem;
   if (p.split > 1) mem.sums = workspace(A.device, stream, size_t(p.ws_floats + p.blocks_m) * 4);
-  if (casts_a(p, A))
+  if (casts_a(p, A)) {
+    mem.lock = scratch_lock(A.device, stream);
     mem.a = scratch(A.device, stream, size_t(A.shape[0] * A.shape[1]) * size_t(dtype_size_bytes(p.cast_a)));
+  }
   return mem;
 }
 
 // Stands for the memory of a plan that is only compiled or measured, never run:
 // aligned like real memory, so the specialization facts are the same.
 void* const kUnused = reinterpret_cast<void*>(uintptr_t(1) << 16);
-const DoraMemory kUnusedMemory{kUnused, kUnused};
+const DoraMemory kUnusedMemory{kUnused, kUnused, {}};
 
 // A as the norm kernel reads it: A, or its rounded copy.
 TensorView a_operand(const DoraPlan& p, const TensorView& A, const DoraMemory& mem) {
