@@ -1,6 +1,7 @@
 // Helpers of the ops that accumulate with atomics (contract in kernels.h):
 // zeroing a strided output before the atomics, and turning an fp32
-// accumulator into an output of another dtype while zeroing it again.
+// accumulator into an output of another dtype while zeroing it again; and a
+// rank-3 cast (fp32 adapters rounded once to a product's dtype).
 #include "kerf/kernels/kernels.h"
 
 namespace kerf::kernels {
@@ -44,6 +45,15 @@ const dsl::Kernel& flush_accumulator() {
     const Value v = load(acc, {t.i, t.rows, t.cols}, t.ok);
     store(out, {t.i, t.rows, t.cols}, v.to(out.dtype()), t.ok);
     store(acc, {t.i, t.rows, t.cols}, zeros({k.meta("BLOCK_M"), k.meta("BLOCK_K")}), t.ok);
+  });
+  return k;
+}
+
+const dsl::Kernel& cast_3d() {
+  static const Kernel k("cast_3d", [](Builder& k) {
+    const Tensor x = k.tensor("x", 3), out = k.tensor("out", 3);
+    const Tile3 t = tile_of(k, out);
+    store(out, {t.i, t.rows, t.cols}, load(x, {t.i, t.rows, t.cols}, t.ok).to(out.dtype()), t.ok);
   });
   return k;
 }

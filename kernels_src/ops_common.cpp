@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "kerf/jit/cpu_backend.h"
+#include "kerf/kernels/kernels.h"
 #include "kerf/runtime/cuda.h"
 
 namespace kerf::ops::detail {
@@ -77,6 +78,17 @@ void* workspace(const Device& dev, void* stream, size_t bytes) {
 
 void* scratch(const Device& dev, void* stream, size_t bytes) {
   return stream_buffer(1, dev, stream, bytes);
+}
+
+autotune::KernelCall cast_call(const TensorView& src, DType to, void* dst) {
+  const TensorView copy = TensorView::contiguous(dst, to, {src.shape[0], src.shape[1], src.shape[2]}, src.device);
+  return {&kernels::cast_3d(), {src, copy}, {{"BLOCK_M", 8}, {"BLOCK_K", 256}}};
+}
+
+void* unused_memory() { return reinterpret_cast<void*>(uintptr_t(1) << 16); }
+
+Grid cast_grid(const TensorView& src) {
+  return Grid{uint32_t(cdiv(src.shape[2], 256)), uint32_t(cdiv(src.shape[1], 8)), uint32_t(src.shape[0])};
 }
 
 std::unique_lock<std::mutex> scratch_lock(const Device& dev, void* stream) {

@@ -98,6 +98,14 @@ void* workspace(const Device& dev, void* stream, size_t bytes);
 void* scratch(const Device& dev, void* stream, size_t bytes);
 std::unique_lock<std::mutex> scratch_lock(const Device& dev, void* stream);
 
+// Config.meta CAST_A: `src` (rank 3, any strides) rounded to `to` and written
+// contiguously at `dst` by one launch of kernels::cast_3d: that call, and its grid.
+autotune::KernelCall cast_call(const TensorView& src, DType to, void* dst);
+Grid cast_grid(const TensorView& src);
+// Stands for device memory a plan is only compiled for, never run with: aligned
+// like real memory (64 KiB), so the specialization facts are the same.
+void* unused_memory();
+
 // ---------------------------------------------------------------- plans of repeated calls
 // What identifies a call for its plan: sizes, dtypes, device, the caller's Config,
 // whatever the plan depends on, as integers (unused trailing words stay 0).

@@ -89,10 +89,8 @@ DoraMemory plan_memory(const DoraPlan& p, const TensorView& A, void* stream) {
   return mem;
 }
 
-// Stands for the memory of a plan that is only compiled or measured, never run:
-// aligned like real memory, so the specialization facts are the same.
-void* const kUnused = reinterpret_cast<void*>(uintptr_t(1) << 16);
-const DoraMemory kUnusedMemory{kUnused, kUnused, {}};
+// The memory of a plan that is only compiled, never run.
+const DoraMemory kUnusedMemory{unused_memory(), unused_memory(), {}};
 
 // A as the norm kernel reads it: A, or its rounded copy.
 TensorView a_operand(const DoraPlan& p, const TensorView& A, const DoraMemory& mem) {
@@ -100,15 +98,19 @@ TensorView a_operand(const DoraPlan& p, const TensorView& A, const DoraMemory& m
   return TensorView::contiguous(mem.a, p.cast_a, {A.shape[0], A.shape[1]}, A.device);
 }
 
+// A as a rank-3 view [1, r, in], as the cast takes it.
+TensorView a_3d(const TensorView& A) {
+  return restride(A, {1, A.shape[0], A.shape[1]}, {A.shape[0] * A.strides[0], A.strides[0], A.strides[1]});
+}
+
 // The launches before the norm kernel: A's cast when the plan makes one.
 std::vector<autotune::KernelCall> pre_calls(const DoraPlan& p, const TensorView& A, const DoraMemory& mem) {
   if (!casts_a(p, A)) return {};
-  return {{&kernels::cast_2d(), {A, a_operand(p, A, mem)}, {{"BLOCK_M", 8}, {"BLOCK_K", 256}}}};
+  return {cast_call(a_3d(A), p.cast_a, mem.a)};
 }
 void launch_pre(const DoraPlan& p, const TensorView& A, const DoraMemory& mem, const LaunchOptions& options) {
   for (const autotune::KernelCall& c : pre_calls(p, A, mem))
-    launch(*c.kernel, c.args, Grid{uint32_t(cdiv(A.shape[1], 256)), uint32_t(cdiv(A.shape[0], 8)), 1}, c.meta,
-           options);
+    launch(*c.kernel, c.args, cast_grid(a_3d(A)), c.meta, options);
 }
 
 // The compile list of a plan: its pre-launches, then the norm kernel.
@@ -116,14 +118,6 @@ std::vector<autotune::KernelCall> with_pre(const DoraPlan& p, const TensorView& 
   std::vector<autotune::KernelCall> calls = pre_calls(p, A, kUnusedMemory);
   calls.push_back(std::move(main));
   return calls;
-}
-
-// The tuner's variants of its finalists: L2 hints, and with f32 A and a
-// half-precision product on the GPU, A cast once per call.
-std::vector<autotune::Config> dora_variants(const TensorView& A, DType product) {
-  std::vector<autotune::Config> v = evict_variants();
-  if (A.device.is_cuda() && A.dtype == DType::f32 && is_half(product)) v.push_back({{"CAST_A", 1}});
-  return v;
 }
 
 // The plan's arguments, in its memory (plan_memory).
@@ -228,7 +222,7 @@ Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorV
   q.block_m_name = "BLOCK_M";
   q.block_k_name = "BLOCK_K";
   q.gpu_candidates = dora_gpu_candidates(out, in, programs);
-  q.finalist_variants = dora_variants(A, is_half(W.dtype) ? W.dtype : DType::f32);
+  q.finalist_variants = evict_and_cast_variants(A, is_half(W.dtype) ? W.dtype : DType::f32);
   q.extent_m = out;
   q.extent_k = in;
   q.kernels = [&](const Config& c) {
@@ -365,7 +359,7 @@ Config tuned_dora_4bit_config(const TensorView& packed2, const Weight4bit& W, co
   q.block_m_name = "BLOCK_M";
   q.block_k_name = "BLOCK_K";
   q.gpu_candidates = dora_4bit_candidates(dora_gpu_candidates(out, in, programs), in, W.blocksize);
-  q.finalist_variants = dora_variants(A, dot);
+  q.finalist_variants = evict_and_cast_variants(A, dot);
   q.extent_m = out;
   q.extent_k = in;
   q.kernels = [&](const Config& c) {

@@ -20,6 +20,9 @@ namespace {
 struct MoePlan {
   dsl::MetaMap meta;
   Grid grid;
+  // CAST_A: an f32 A is rounded once to the product's dtype by a cast launch into
+  // scratch memory, and the kernel reads that copy (f32: no cast).
+  DType cast_a = DType::f32;
 };
 
 MoePlan plan_moe(const TensorView& W, int64_t r, bool gpu, const Config& config) {
@@ -34,11 +37,41 @@ MoePlan plan_moe(const TensorView& W, int64_t r, bool gpu, const Config& config)
   // cp.async pipelining on the GPU; the CPU back end has no use for stages.
   p.meta["num_stages"] = config.num_stages ? config.num_stages : (gpu ? 3 : 1);
   if (const int64_t evict = meta_or(config, "EVICT", 0)) p.meta["EVICT"] = evict;
+  if (meta_or(config, "CAST_A", 0) && is_half(dot)) p.cast_a = dot;
   // Column slices per row block (grid axis 1): 1 unless the config asks for more.
   const int64_t split =
       std::clamp<int64_t>(config.split_k, 1, std::clamp<int64_t>(cdiv(W.shape[2], bk), 1, 65535));
   p.grid = Grid{uint32_t(cdiv(N, bn)), uint32_t(split), uint32_t(E)};
   return p;
+}
+
+// The launches of a plan: A's cast into `scratch` when the plan makes one, then
+// the materialization reading A or that copy.
+std::vector<autotune::KernelCall> moe_calls(const MoePlan& p, const TensorView& W, const TensorView& A,
+                                            const TensorView& B, double s, const TensorView& W_eff, void* scratch) {
+  std::vector<autotune::KernelCall> calls;
+  TensorView a = A;
+  if (p.cast_a != DType::f32 && A.dtype == DType::f32) {
+    calls.push_back(cast_call(A, p.cast_a, scratch));
+    a = std::get<TensorView>(calls.back().args[1]);
+  }
+  calls.push_back({&kernels::moe_lora_materialize(), {W, a, B, Scalar(s), W_eff}, p.meta});
+  return calls;
+}
+
+// Queues a plan's launches on `options.stream`; the stream's scratch memory stays
+// locked until they are queued.
+void launch_moe(const MoePlan& p, const TensorView& W, const TensorView& A, const TensorView& B, double s,
+                const TensorView& W_eff, const LaunchOptions& options) {
+  std::unique_lock<std::mutex> lock;
+  void* mem = nullptr;
+  if (p.cast_a != DType::f32 && A.dtype == DType::f32) {
+    lock = scratch_lock(A.device, options.stream);
+    mem = scratch(A.device, options.stream,
+                  size_t(A.shape[0] * A.shape[1] * A.shape[2]) * size_t(dtype_size_bytes(p.cast_a)));
+  }
+  for (const autotune::KernelCall& c : moe_calls(p, W, A, B, s, W_eff, mem))
+    launch(*c.kernel, c.args, c.kernel == &kernels::cast_3d() ? cast_grid(A) : p.grid, c.meta, options);
 }
 
 Config tuned_moe_config(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& W_eff,
@@ -59,7 +92,7 @@ void run_moe_lora_materialize(const TensorView& W, const TensorView& A, const Te
                               const TensorView& W_eff, void* stream, const Config& config,
                               const std::string& layout) {
   const char* op = "moe_lora_materialize";
-  expect_meta(op, config, {{"EVICT", 0, 2}});
+  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}});
   expect_shape(op, "W", W, {-1, -1, -1});
   const int64_t E = W.shape[0], N = W.shape[1], K = W.shape[2];
   expect_shape(op, "A", A, {E, -1, K});
@@ -89,7 +122,7 @@ void run_moe_lora_materialize(const TensorView& W, const TensorView& A, const Te
   LaunchOptions options;
   options.stream = stream;
   options.layout = layout;
-  launch(kernels::moe_lora_materialize(), {W, A, B, Scalar(s), W_eff}, p->grid, p->meta, options);
+  launch_moe(*p, W, A, B, s, W_eff, options);
 }
 
 }  // namespace
@@ -129,16 +162,14 @@ Config tuned_moe_config(const TensorView& W, const TensorView& A, const TensorVi
   q.block_m_name = "BLOCK_N";
   q.block_k_name = "BLOCK_K";
   q.gpu_candidates = moe_gpu_candidates();
-  q.finalist_variants = evict_variants();
+  q.finalist_variants = evict_and_cast_variants(A, is_half(W.dtype) ? W.dtype : DType::f32);
   q.extent_m = N;
   q.extent_k = K;
-  const std::vector<Arg> args = {W, A, B, Scalar(1.0), W_eff};
-  q.kernels = [&](const Config& c) {
-    return std::vector<autotune::KernelCall>{{&kernels::moe_lora_materialize(), args, plan_moe(W, r, gpu, c).meta}};
-  };
+  q.kernels = [&](const Config& c) { return moe_calls(plan_moe(W, r, gpu, c), W, A, B, 1.0, W_eff, unused_memory()); };
   q.run = [&](const Config& c) {
-    const MoePlan p = plan_moe(W, r, gpu, c);
-    launch(kernels::moe_lora_materialize(), args, p.grid, p.meta, stream);
+    LaunchOptions options;
+    options.stream = stream;
+    launch_moe(plan_moe(W, r, gpu, c), W, A, B, 1.0, W_eff, options);
   };
   // When W_eff is W (materializing in place) every timed run would add s*B@A once
   // more: W's bytes are saved, only when a tuning actually runs, and put back.
@@ -166,8 +197,7 @@ const bool moe_registered = [] {
   };
   op.kernels = [](const std::vector<TensorView>& v, const autotune::Config& c, int) {
     const MoePlan p = plan_moe(v[0], v[1].shape[1], true, config_from(c, "BLOCK_N", "BLOCK_K"));
-    return std::vector<autotune::KernelCall>{
-        {&kernels::moe_lora_materialize(), {v[0], v[1], v[2], Scalar(1.0), v[3]}, p.meta}};
+    return moe_calls(p, v[0], v[1], v[2], 1.0, v[3], unused_memory());
   };
   op.gpu_candidates = moe_gpu_candidates;
   autotune::register_op(std::move(op));

@@ -87,6 +87,12 @@ const std::vector<autotune::Config>& evict_variants() {
   return v;
 }
 
+std::vector<autotune::Config> evict_and_cast_variants(const TensorView& A, DType product) {
+  std::vector<autotune::Config> v = evict_variants();
+  if (A.device.is_cuda() && A.dtype == DType::f32 && is_half(product)) v.push_back({{"CAST_A", 1}});
+  return v;
+}
+
 Config tuned_config(const TuneRequest& q) {
   const Device& dev = q.problem.device;
   if (!autotune::enabled_for(dev)) return {};

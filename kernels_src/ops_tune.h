@@ -78,6 +78,8 @@ std::vector<autotune::Config> with_wave_splits(const std::vector<autotune::Confi
 
 // The L2 hint variants the streaming ops try on their finalists (EVICT 1 and 2).
 const std::vector<autotune::Config>& evict_variants();
+// evict_variants, and CAST_A when A is f32, the product bf16/f16 and `A` on a GPU.
+std::vector<autotune::Config> evict_and_cast_variants(const TensorView& A, DType product);
 
 // The autotuner's choice for `request` (its defaults, all zero, when tuning is off
 // for the device). On the CPU back end only two tile sizes of each are tried.

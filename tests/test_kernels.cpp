@@ -91,13 +91,16 @@ struct MoeCase {
   DType w;
   bool peft_layout;  // A as lora_A [r*E, K], B as lora_B [N, r*E] (expert fastest)
   ops::Config config{};  // split_k: programs sharing each row block's columns
+  DType ab = DType::i1;  // the adapters' dtype (i1: W's)
 };
 
 void check_moe(const MoeCase& c, Device dev, uint64_t seed) {
-  CAPTURE(c.E, c.N, c.K, c.r, dtype_name(c.w), c.peft_layout, c.config.block_k, c.config.split_k, seed, dev.str());
+  const DType ab = c.ab == DType::i1 ? c.w : c.ab;
+  CAPTURE(c.E, c.N, c.K, c.r, dtype_name(c.w), dtype_name(ab), c.peft_layout, c.config.block_k, c.config.split_k,
+          c.config.meta.count("CAST_A"), seed, dev.str());
   std::mt19937_64 rng(seed);
   TestTensor W(c.w, {c.E, c.N, c.K}, dev), out(c.w, {c.E, c.N, c.K}, dev);
-  TestTensor A(c.w, {c.E * c.r, c.K}, dev), B(c.w, {c.N, c.r * c.E}, dev);
+  TestTensor A(ab, {c.E * c.r, c.K}, dev), B(ab, {c.N, c.r * c.E}, dev);
   W.randomize(rng);
   A.randomize(rng, -0.5, 0.5);
   B.randomize(rng, -0.5, 0.5);
@@ -109,7 +112,7 @@ void check_moe(const MoeCase& c, Device dev, uint64_t seed) {
   TensorView bv = B.view({c.E, c.N, c.r}, {1, c.r * c.E, c.E});
   if (!c.peft_layout) {
     // The same numbers laid out as plain batched [E, r, K] and [E, N, r].
-    TestTensor A2(c.w, {c.E, c.r, c.K}, dev), B2(c.w, {c.E, c.N, c.r}, dev);
+    TestTensor A2(ab, {c.E, c.r, c.K}, dev), B2(ab, {c.E, c.N, c.r}, dev);
     for (int64_t e = 0; e < c.E; ++e) {
       for (int64_t k = 0; k < c.r; ++k)
         for (int64_t i = 0; i < c.K; ++i) A2.set((e * c.r + k) * c.K + i, a_at(e, k, i));
@@ -136,7 +139,7 @@ void check_moe(const MoeCase& c, Device dev, uint64_t seed) {
         got.push_back(out.get(idx));
       }
   // Relative to the tile's scale: entries near zero are compared absolutely.
-  CHECK(test::max_relative_error(got, ref, 1.0) <= test::tolerance(c.w));
+  CHECK(test::max_relative_error(got, ref, 1.0) <= test::tolerance(is_half(ab) ? ab : c.w));
 }
 
 void run_moe_cases(Device dev) {
@@ -147,6 +150,12 @@ void run_moe_cases(Device dev) {
       // K shared by programs: 2 and 3 slices of 64 columns (the last of 3 gets none at K=256).
       {3, 100, 130, 5, DType::bf16, true, ops::Config{0, 64, 2, 0, 0}},
       {2, 64, 256, 16, DType::f16, false, ops::Config{0, 64, 3, 0, 0}},
+      // fp32 adapters (PEFT's) on a half-precision W, converted per step or cast once (CAST_A),
+      // through PEFT's strided views and the plain layout; f32 W takes no cast.
+      {3, 100, 130, 5, DType::bf16, true, ops::Config{}, DType::f32},
+      {3, 100, 130, 5, DType::bf16, true, ops::Config{0, 0, 0, 0, 0, {{"CAST_A", 1}}}, DType::f32},
+      {2, 64, 256, 16, DType::f16, false, ops::Config{0, 64, 2, 0, 0, {{"CAST_A", 1}}}, DType::f32},
+      {2, 64, 256, 16, DType::f32, true, ops::Config{0, 0, 0, 0, 0, {{"CAST_A", 1}}}, DType::f32},
   };
   uint64_t seed = 99;
   for (const MoeCase& c : cases) check_moe(c, dev, seed++);

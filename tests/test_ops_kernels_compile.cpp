@@ -147,10 +147,10 @@ std::vector<Case> op_kernel_cases() {
                    split ? "dora_norm_4bit_split" : "dora_norm_4bit",
                    v.arch});
     }
-    c.push_back({&kernels::cast_2d(),
-                 {T(DType::f32, 2, fast), T(is_half(w) ? w : DType::bf16, 2, fast)},
+    c.push_back({&kernels::cast_3d(),
+                 {T(DType::f32, 3, fast), T(is_half(w) ? w : DType::bf16, 3, fast)},
                  {{"BLOCK_M", 8}, {"BLOCK_K", 256}},
-                 "cast_2d",
+                 "cast_3d",
                  v.arch});
     c.push_back({&kernels::fill_3d(),
                  {T(w, 3, fast), S},

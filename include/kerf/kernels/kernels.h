@@ -125,6 +125,9 @@ const dsl::Kernel& fill_3d();
 // an fp32 accumulator moved to its output and left zero. Same grid as fill_3d.
 // Args: acc (f32), out.
 const dsl::Kernel& flush_accumulator();
+// out[g, i, j] = x[g, i, j] rounded to out's dtype (fp32 adapters rounded once
+// to a product's dtype). Same grid as fill_3d. Args: x, out (same shape).
+const dsl::Kernel& cast_3d();
 
 }  // namespace kerf::kernels
 
@@ -132,8 +135,5 @@ namespace kerf::kernels {
 
 // out[i] = value for i < out.dim(0). Grid cdiv(n, BLOCK). Args: out, value.
 const dsl::Kernel& fill();
-// out[i, j] = x[i, j] rounded to out's dtype. Grid (cdiv(d1, BLOCK_K), cdiv(d0, BLOCK_M)).
-// Args: x, out (same shape).
-const dsl::Kernel& cast_2d();
 
 }  // namespace kerf::kernels

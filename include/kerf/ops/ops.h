@@ -22,9 +22,9 @@ namespace kerf::ops {
 // name it does not take.
 //   EVICT (0-2; DoRA norm, merge, MoE materialize): L2 hints, 1 the streamed
 //     weight evicted first, 2 also the adapters kept.
-//   CAST_A (0 or 1; DoRA norm, 4-bit DoRA norm): with f32 A and a bf16/f16
-//     product, one launch first rounds A into scratch memory, and the norm
-//     kernel reads that copy (the same rounding it would do per step).
+//   CAST_A (0 or 1; DoRA norm, 4-bit DoRA norm, MoE materialize): with f32 A
+//     and a bf16/f16 product, one launch first rounds A into scratch memory,
+//     and the op's kernel reads that copy (the same rounding it does per step).
 //   ROTATE (0 or 1; MoE backward, embedding backward): each row block walks its
 //     column steps starting at a different step, so that the programs adding
 //     into the same gradient rows do not all add to the same addresses at once.
