@@ -168,25 +168,28 @@ struct MoeSets {
   int64_t E, N, K, r;
   DType wt;
   double bytes;
+  DType at;  // the adapters' dtype
   struct Set {
     cuda::DeviceBuffer W, A, B, out;
   };
   std::vector<Set> sets;
 };
 
-MoeSets make_moe(int64_t E, int64_t N, int64_t K, int64_t r, DType wt) {
-  MoeSets d{E, N, K, r, wt, double(2 * E * N * K + E * r * K + E * N * r) * dtype_size_bytes(wt), {}};
+MoeSets make_moe(int64_t E, int64_t N, int64_t K, int64_t r, DType wt, DType at) {
+  MoeSets d{E, N, K, r, wt,
+            double(2 * E * N * K) * dtype_size_bytes(wt) + double(E * r * K + E * N * r) * dtype_size_bytes(at), at,
+            {}};
   const int n = int(std::max<double>(2, std::ceil(300e6 / d.bytes)));
   d.sets.resize(size_t(n));
   for (int i = 0; i < n; ++i) {
     auto& x = d.sets[size_t(i)];
     x.W = cuda::DeviceBuffer(size_t(E * N * K) * dtype_size_bytes(wt));
     x.out = cuda::DeviceBuffer(size_t(E * N * K) * dtype_size_bytes(wt));
-    x.A = cuda::DeviceBuffer(size_t(E * r * K) * dtype_size_bytes(wt));
-    x.B = cuda::DeviceBuffer(size_t(E * N * r) * dtype_size_bytes(wt));
+    x.A = cuda::DeviceBuffer(size_t(E * r * K) * dtype_size_bytes(at));
+    x.B = cuda::DeviceBuffer(size_t(E * N * r) * dtype_size_bytes(at));
     fill_random(x.W, wt, size_t(E * N * K), 5 + i);
-    fill_random(x.A, wt, size_t(E * r * K), 7 + i, 0.1f);
-    fill_random(x.B, wt, size_t(E * N * r), 9 + i, 0.1f);
+    fill_random(x.A, at, size_t(E * r * K), 7 + i, 0.1f);
+    fill_random(x.B, at, size_t(E * N * r), 9 + i, 0.1f);
   }
   return d;
 }
@@ -198,15 +201,15 @@ Result bench_moe(MoeSets& d, const ops::Config& cfg, cuda::StreamHandle stream) 
   auto run = [&](int i) {
     auto& x = d.sets[size_t(i) % d.sets.size()];
     ops::moe_lora_materialize(TensorView::contiguous(x.W.data(), wt, {E, N, K}, dev),
-                              TensorView::contiguous(x.A.data(), wt, {E, r, K}, dev),
-                              TensorView::contiguous(x.B.data(), wt, {E, N, r}, dev), 0.5,
+                              TensorView::contiguous(x.A.data(), d.at, {E, r, K}, dev),
+                              TensorView::contiguous(x.B.data(), d.at, {E, N, r}, dev), 0.5,
                               TensorView::contiguous(x.out.data(), wt, {E, N, K}, dev), stream, cfg);
   };
   Result res;
-  res.op = "moe_materialize r=" + std::to_string(r);
+  res.op = "moe_materialize r=" + std::to_string(r) +
+           (d.at != wt ? std::string(" ") + dtype_name(d.at) + " adapters" : "");
   res.shape = shape_str({E, N, K});
-  res.config = "bn" + std::to_string(cfg.block_m) + " bk" + std::to_string(cfg.block_k) + " w" +
-               std::to_string(cfg.num_warps) + " s" + std::to_string(cfg.num_stages);
+  res.config = config_str(cfg);
   res.median_us = time_us(run, 50, stream);
   res.bytes = d.bytes;
   res.gbps = d.bytes / (res.median_us * 1e3);
@@ -584,10 +587,21 @@ int main(int argc, char** argv) {
     };
     for (const MoeCase& c : {MoeCase{128, 1536, 2048, 16}, MoeCase{128, 2048, 768, 16}, MoeCase{64, 2816, 2048, 64}}) {
       if (!wanted("moe_materialize r=" + std::to_string(c.r))) continue;
-      MoeSets sets = make_moe(c.E, c.N, c.K, c.r, DType::bf16);
+      MoeSets sets = make_moe(c.E, c.N, c.K, c.r, DType::bf16, DType::bf16);
       Result res = best_of(forced ? std::vector<ops::Config>{*forced} : moe_cfgs,
                            [&](const ops::Config& cfg) { return bench_moe(sets, cfg, stream.handle()); });
       if (!forced) tuned_vs_default(res, [&](const ops::Config& cfg) { return bench_moe(sets, cfg, stream.handle()); });
+      report(res);
+    }
+    // fp32 adapters on a bf16 base, converted per step or cast once (CAST_A).
+    if (wanted("moe_materialize r=16 f32 adapters")) {
+      MoeSets sets = make_moe(128, 1536, 2048, 16, DType::bf16, DType::f32);
+      std::vector<ops::Config> cfgs = moe_cfgs;
+      if (!quick)
+        for (int64_t bn : {64, 128}) cfgs.push_back(ops::Config{bn, 128, 0, 8, 3, {{"CAST_A", 1}}});
+      const auto run = [&](const ops::Config& cfg) { return bench_moe(sets, cfg, stream.handle()); };
+      Result res = best_of(forced ? std::vector<ops::Config>{*forced} : cfgs, run);
+      if (!forced) tuned_vs_default(res, run);
       report(res);
     }
     // The LoRA ops: each with kerf's own choice (Config{}: the autotuner on a GPU) and a few fixed configs.

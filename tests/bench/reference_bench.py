@@ -171,24 +171,29 @@ def bench_dora_4bit(out, inn, r, results):
                         bytes=nbytes, gbps=nbytes / (us * 1e3), copy_gbps=copy_gbps(nbytes)))
 
 
-def bench_moe(E, N, K, r, results):
+def bench_moe(E, N, K, r, results, adapters=torch.bfloat16):
+    """MoE LoRA materialization; `adapters` is A's and B's dtype (fp32: PEFT's)."""
     dt = torch.bfloat16
-    nbytes = (2 * E * N * K + E * r * K + E * N * r) * 2
+    at = adapters
+    nbytes = 2 * E * N * K * 2 + (E * r * K + E * N * r) * at.itemsize
     nsets = max(2, math.ceil(300e6 / nbytes))
     sets = []
     for _ in range(nsets):
         sets.append(dict(W=torch.randn(E, N, K, device="cuda", dtype=dt),
-                         A=0.1 * torch.randn(E, r, K, device="cuda", dtype=dt),
-                         B=0.1 * torch.randn(E, N, r, device="cuda", dtype=dt),
+                         A=0.1 * torch.randn(E, r, K, device="cuda", dtype=at),
+                         B=0.1 * torch.randn(E, N, r, device="cuda", dtype=at),
                          out=torch.empty(E, N, K, device="cuda", dtype=dt)))
     s = 0.5
     shape = f"{E}x{N}x{K}"
-    op = f"moe_materialize r={r}"
+    op = f"moe_materialize r={r}" + ("" if at == dt else " f32 adapters")
     cg = copy_gbps(nbytes)
-    us = median_us(lambda x: torch.baddbmm(x["W"], x["B"], x["A"], alpha=s, out=x["out"]), sets, 50)
+    if at == dt:
+        us = median_us(lambda x: torch.baddbmm(x["W"], x["B"], x["A"], alpha=s, out=x["out"]), sets, 50)
+    else:  # the product in fp32, added to W and rounded into out
+        us = median_us(lambda x: torch.add(x["W"], torch.bmm(x["B"], x["A"]), alpha=s, out=x["out"]), sets, 50)
     results.append(dict(impl="torch eager", op=op, shape=shape, median_us=us, bytes=nbytes,
                         gbps=nbytes / (us * 1e3), copy_gbps=cg))
-    if triton is not None:
+    if triton is not None and at == dt:
         def run(x, cfg):
             bn, bk, warps = cfg
             moe_materialize_tiled[(triton.cdiv(N, bn), E)](
@@ -301,6 +306,7 @@ def main():
             out, inn, 16)
     for E, N, K, r in [(128, 1536, 2048, 16), (128, 2048, 768, 16), (64, 2816, 2048, 64)]:
         run(f"moe_materialize r={r}", bench_moe, E, N, K, r)
+    run("moe_materialize r=16 f32 adapters", lambda *a: bench_moe(*a[:4], a[4], torch.float32), 128, 1536, 2048, 16)
     for out, inn in [(4096, 4096), (8192, 8192), (14336, 4096)]:
         run("lora_merge r=16", bench_merge, out, inn, 16)
     for out, inn in [(4096, 4096), (8192, 8192), (14336, 4096)]:
