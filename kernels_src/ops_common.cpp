@@ -9,6 +9,7 @@
 #include "kerf/jit/cpu_backend.h"
 #include "kerf/kernels/kernels.h"
 #include "kerf/runtime/cuda.h"
+#include "ops_checks.h"
 
 namespace kerf::ops::detail {
 
@@ -80,16 +81,7 @@ void* scratch(const Device& dev, void* stream, size_t bytes) {
   return stream_buffer(1, dev, stream, bytes);
 }
 
-autotune::KernelCall cast_call(const TensorView& src, DType to, void* dst) {
-  const TensorView copy = TensorView::contiguous(dst, to, {src.shape[0], src.shape[1], src.shape[2]}, src.device);
-  return {&kernels::cast_3d(), {src, copy}, {{"BLOCK_M", 8}, {"BLOCK_K", 256}}};
-}
-
 void* unused_memory() { return reinterpret_cast<void*>(uintptr_t(1) << 16); }
-
-Grid cast_grid(const TensorView& src) {
-  return Grid{uint32_t(cdiv(src.shape[2], 256)), uint32_t(cdiv(src.shape[1], 8)), uint32_t(src.shape[0])};
-}
 
 std::unique_lock<std::mutex> scratch_lock(const Device& dev, void* stream) {
   if (!dev.is_cuda()) return {};  // CPU calls are synchronous and their scratch is per thread
@@ -101,6 +93,48 @@ std::unique_lock<std::mutex> scratch_lock(const Device& dev, void* stream) {
     m = &locks[{dev.index, stream}];
   }
   return std::unique_lock<std::mutex>(*m);
+}
+
+DType cast_a_dtype(const Config& config, DType product) {
+  return meta_or(config, "CAST_A", 0) && is_half(product) ? product : DType::f32;
+}
+
+namespace {
+
+// The cast of A (seen as rank 3) into `dst`, and the copy it writes, in A's shape.
+std::pair<autotune::KernelCall, TensorView> cast_of(const TensorView& A, DType to, void* dst) {
+  const TensorView a3 = A.rank == 3 ? A
+                                    : restride(A, {1, A.shape[0], A.shape[1]},
+                                               {A.shape[0] * A.strides[0], A.strides[0], A.strides[1]});
+  const TensorView copy3 =
+      TensorView::contiguous(dst, to, {a3.shape[0], a3.shape[1], a3.shape[2]}, A.device);
+  const TensorView copy = A.rank == 3 ? copy3 : TensorView::contiguous(dst, to, {A.shape[0], A.shape[1]}, A.device);
+  return {{&kernels::cast_3d(), {a3, copy3}, {{"BLOCK_M", 8}, {"BLOCK_K", 256}}}, copy};
+}
+
+bool casts(const TensorView& A, DType to) { return to != DType::f32 && A.dtype == DType::f32; }
+
+}  // namespace
+
+TensorView compiled_a(const TensorView& A, DType to, std::vector<autotune::KernelCall>& calls) {
+  if (!casts(A, to)) return A;
+  auto [call, copy] = cast_of(A, to, unused_memory());
+  calls.push_back(std::move(call));
+  return copy;
+}
+
+RunA run_a(const TensorView& A, DType to, const LaunchOptions& options) {
+  if (!casts(A, to)) return {A, {}};
+  RunA r;
+  r.lock = scratch_lock(A.device, options.stream);
+  void* dst = scratch(A.device, options.stream, size_t(A.numel()) * size_t(dtype_size_bytes(to)));
+  const auto [call, copy] = cast_of(A, to, dst);
+  const TensorView& a3 = std::get<TensorView>(call.args[0]);
+  launch(*call.kernel, call.args,
+         Grid{uint32_t(cdiv(a3.shape[2], 256)), uint32_t(cdiv(a3.shape[1], 8)), uint32_t(a3.shape[0])}, call.meta,
+         options);
+  r.a = copy;
+  return r;
 }
 
 CallKey& CallKey::add(const TensorView& t) {

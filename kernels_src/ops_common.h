@@ -12,6 +12,7 @@
 
 #include "kerf/error.h"
 #include "kerf/jit/autotune.h"
+#include "kerf/jit/launch.h"
 #include "kerf/ops/ops.h"
 #include "kerf/runtime/tensor.h"
 
@@ -98,13 +99,25 @@ void* workspace(const Device& dev, void* stream, size_t bytes);
 void* scratch(const Device& dev, void* stream, size_t bytes);
 std::unique_lock<std::mutex> scratch_lock(const Device& dev, void* stream);
 
-// Config.meta CAST_A: `src` (rank 3, any strides) rounded to `to` and written
-// contiguously at `dst` by one launch of kernels::cast_3d: that call, and its grid.
-autotune::KernelCall cast_call(const TensorView& src, DType to, void* dst);
-Grid cast_grid(const TensorView& src);
 // Stands for device memory a plan is only compiled for, never run with: aligned
 // like real memory (64 KiB), so the specialization facts are the same.
 void* unused_memory();
+
+// Config.meta CAST_A: the dtype a plan with this config rounds an f32 A to once
+// per call, before its kernel (f32: none), for a product in `product`.
+DType cast_a_dtype(const Config& config, DType product);
+// A (rank 2 or 3, any strides) as a plan's kernel reads it, in its compile list:
+// when `to` asks to cast an f32 A, the cast's call (into unused memory) is
+// appended to `calls` and its contiguous copy returned; otherwise A.
+TensorView compiled_a(const TensorView& A, DType to, std::vector<autotune::KernelCall>& calls);
+// The same in a run: the cast (one kernels::cast_3d launch) is queued on
+// `options.stream` into that stream's scratch memory, which `lock` keeps until
+// the kernel reading the copy is queued.
+struct RunA {
+  TensorView a;
+  std::unique_lock<std::mutex> lock;
+};
+RunA run_a(const TensorView& A, DType to, const LaunchOptions& options);
 
 // ---------------------------------------------------------------- plans of repeated calls
 // What identifies a call for its plan: sizes, dtypes, device, the caller's Config,

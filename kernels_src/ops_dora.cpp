@@ -1,5 +1,6 @@
 // ops::dora_norm: argument checks, variant and configuration, launches.
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <mutex>
 
@@ -25,9 +26,7 @@ struct DoraPlan {
   int64_t split = 1;
   int64_t blocks_m = 0;
   int64_t ws_floats = 0;  // workspace: sumsq floats (then blocks_m ticket ints) when split > 1
-  // CAST_A: an f32 A is rounded once to the product's dtype by a cast launch into
-  // scratch memory, and the norm kernel reads that copy (f32: no cast).
-  DType cast_a = DType::f32;
+  DType cast_a = DType::f32;  // CAST_A: what an f32 A is rounded to first (f32: nothing)
 };
 
 // `programs`: multiprocessors (CPU threads) the launch should fill.
@@ -54,7 +53,7 @@ DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, DType w_dtype, bool gpu, 
   // cp.async pipelining on the GPU; the CPU back end has no use for stages.
   p.meta["num_stages"] = config.num_stages ? config.num_stages : (gpu ? 3 : 1);
   if (const int64_t evict = meta_or(config, "EVICT", 0)) p.meta["EVICT"] = evict;
-  if (meta_or(config, "CAST_A", 0) && is_half(dot)) p.cast_a = dot;
+  p.cast_a = cast_a_dtype(config, dot);
   // A step within one scale block per row: one scale per row and step.
   if (four_bit && in % bk == 0 && blocksize % bk == 0) p.meta["SCALE_PER_STEP"] = 1;
   if (p.split == 1) {
@@ -70,66 +69,28 @@ DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, DType w_dtype, bool gpu, 
   return p;
 }
 
-// Device memory of a plan: the split's sums and tickets in the zeroed
-// workspace (when it splits), A's rounded copy in scratch memory (when it casts
-// A; the stream's scratch stays locked until the plan's launches are queued).
-struct DoraMemory {
-  void* sums = nullptr;
-  void* a = nullptr;
-  std::unique_lock<std::mutex> lock;
-};
-bool casts_a(const DoraPlan& p, const TensorView& A) { return p.cast_a != DType::f32 && A.dtype == DType::f32; }
-DoraMemory plan_memory(const DoraPlan& p, const TensorView& A, void* stream) {
-  DoraMemory mem;
-  if (p.split > 1) mem.sums = workspace(A.device, stream, size_t(p.ws_floats + p.blocks_m) * 4);
-  if (casts_a(p, A)) {
-    mem.lock = scratch_lock(A.device, stream);
-    mem.a = scratch(A.device, stream, size_t(A.shape[0] * A.shape[1]) * size_t(dtype_size_bytes(p.cast_a)));
-  }
-  return mem;
-}
+size_t workspace_bytes(const DoraPlan& p) { return size_t(p.ws_floats + p.blocks_m) * 4; }
 
-// The memory of a plan that is only compiled, never run.
-const DoraMemory kUnusedMemory{unused_memory(), unused_memory(), {}};
-
-// A as the norm kernel reads it: A, or its rounded copy.
-TensorView a_operand(const DoraPlan& p, const TensorView& A, const DoraMemory& mem) {
-  if (!casts_a(p, A)) return A;
-  return TensorView::contiguous(mem.a, p.cast_a, {A.shape[0], A.shape[1]}, A.device);
-}
-
-// A as a rank-3 view [1, r, in], as the cast takes it.
-TensorView a_3d(const TensorView& A) {
-  return restride(A, {1, A.shape[0], A.shape[1]}, {A.shape[0] * A.strides[0], A.strides[0], A.strides[1]});
-}
-
-// The launches before the norm kernel: A's cast when the plan makes one.
-std::vector<autotune::KernelCall> pre_calls(const DoraPlan& p, const TensorView& A, const DoraMemory& mem) {
-  if (!casts_a(p, A)) return {};
-  return {cast_call(a_3d(A), p.cast_a, mem.a)};
-}
-void launch_pre(const DoraPlan& p, const TensorView& A, const DoraMemory& mem, const LaunchOptions& options) {
-  for (const autotune::KernelCall& c : pre_calls(p, A, mem))
-    launch(*c.kernel, c.args, cast_grid(a_3d(A)), c.meta, options);
-}
-
-// The compile list of a plan: its pre-launches, then the norm kernel.
-std::vector<autotune::KernelCall> with_pre(const DoraPlan& p, const TensorView& A, autotune::KernelCall main) {
-  std::vector<autotune::KernelCall> calls = pre_calls(p, A, kUnusedMemory);
-  calls.push_back(std::move(main));
+// A compile list: A's cast when the plan makes one, then the norm kernel's call
+// for the A it reads.
+std::vector<autotune::KernelCall> with_cast_a(const DoraPlan& p, const TensorView& A,
+                                              const std::function<autotune::KernelCall(const TensorView&)>& main) {
+  std::vector<autotune::KernelCall> calls;
+  const TensorView a = compiled_a(A, p.cast_a, calls);
+  calls.push_back(main(a));
   return calls;
 }
 
-// The plan's arguments, in its memory (plan_memory).
+// The plan's arguments; `ws` is the workspace when the plan splits (workspace_bytes
+// of it); `A` the one the kernel reads (compiled_a / run_a).
 std::vector<Arg> dora_args(const DoraPlan& p, const TensorView& W, const TensorView& A, const TensorView& B,
                            const TensorView& m, double s, double eps, const TensorView& norm,
-                           const TensorView& scale, const DoraMemory& mem) {
-  const TensorView a = a_operand(p, A, mem);
-  if (p.split == 1) return {W, a, B, m, Scalar(s), Scalar(eps), norm, scale};
-  float* f = static_cast<float*>(mem.sums);
+                           const TensorView& scale, void* ws) {
+  if (p.split == 1) return {W, A, B, m, Scalar(s), Scalar(eps), norm, scale};
+  float* f = static_cast<float*>(ws);
   const TensorView sumsq = TensorView::contiguous(f, DType::f32, {W.shape[0]}, W.device);
   const TensorView tickets = TensorView::contiguous(f + p.ws_floats, DType::i32, {p.blocks_m}, W.device);
-  return {W, a, B, m, Scalar(s), Scalar(eps), norm, scale, sumsq, tickets};
+  return {W, A, B, m, Scalar(s), Scalar(eps), norm, scale, sumsq, tickets};
 }
 
 Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& m,
@@ -174,12 +135,12 @@ void run_dora_norm(const TensorView& W, const TensorView& A, const TensorView& B
                            : tuned_dora_config(W, A, B, m, norm, scale, stream);
     return plan_dora(out, in, r, W.dtype, W.device.is_cuda(), parallelism(W.device), cfg);
   });
-  const DoraMemory ws = plan_memory(*p, A, stream);
+  void* ws = p->split > 1 ? workspace(W.device, stream, workspace_bytes(*p)) : nullptr;
   LaunchOptions options;
   options.stream = stream;
   options.layout = layout;
-  launch_pre(*p, A, ws, options);
-  launch(*p->kernel, dora_args(*p, W, A, B, m, s, eps, norm, scale, ws), p->grid, p->meta, options);
+  const RunA a = run_a(A, p->cast_a, options);
+  launch(*p->kernel, dora_args(*p, W, a.a, B, m, s, eps, norm, scale, ws), p->grid, p->meta, options);
 }
 
 }  // namespace
@@ -227,17 +188,19 @@ Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorV
   q.extent_k = in;
   q.kernels = [&](const Config& c) {
     const DoraPlan p = plan_dora(out, in, r, W.dtype, gpu, programs, c);
-    return with_pre(p, A, {p.kernel, dora_args(p, W, A, B, m, 1.0, 0.0, norm, scale, kUnusedMemory), p.meta});
+    return with_cast_a(p, A, [&](const TensorView& a) {
+      return autotune::KernelCall{p.kernel, dora_args(p, W, a, B, m, 1.0, 0.0, norm, scale, unused_memory()), p.meta};
+    });
   };
   // The candidates run on the caller's tensors: norm and scale are outputs only, and
   // the split workspace is zero again after every launch, so nothing needs restoring.
   q.run = [&](const Config& c) {
     const DoraPlan p = plan_dora(out, in, r, W.dtype, gpu, programs, c);
-    const DoraMemory ws = plan_memory(p, A, stream);
+    void* ws = p.split == 1 ? nullptr : workspace(W.device, stream, workspace_bytes(p));
     LaunchOptions options;
     options.stream = stream;
-    launch_pre(p, A, ws, options);
-    launch(*p.kernel, dora_args(p, W, A, B, m, 1.0, 0.0, norm, scale, ws), p.grid, p.meta, options);
+    const RunA a = run_a(A, p.cast_a, options);
+    launch(*p.kernel, dora_args(p, W, a.a, B, m, 1.0, 0.0, norm, scale, ws), p.grid, p.meta, options);
   };
   q.stream = stream;
   return tuned_config(q);
@@ -259,8 +222,10 @@ const bool dora_registered = [] {
   op.kernels = [](const std::vector<TensorView>& v, const autotune::Config& c, int sm_count) {
     const DoraPlan p = plan_dora(v[0].shape[0], v[0].shape[1], v[1].shape[0], v[0].dtype, true, sm_count,
                                  config_from(c, "BLOCK_M", "BLOCK_K"));
-    return with_pre(p, v[1],
-                    {p.kernel, dora_args(p, v[0], v[1], v[2], v[3], 1.0, 0.0, v[4], v[5], kUnusedMemory), p.meta});
+    return with_cast_a(p, v[1], [&](const TensorView& a) {
+      return autotune::KernelCall{
+          p.kernel, dora_args(p, v[0], a, v[2], v[3], 1.0, 0.0, v[4], v[5], unused_memory()), p.meta};
+    });
   };
   op.gpu_candidates = [] { return dora_gpu_candidates(); };
   autotune::register_op(std::move(op));
@@ -316,11 +281,11 @@ int log2_exact(int64_t x) {
 // The kernel arguments of a 4-bit plan; `packed2` is packed seen as [out, in/2].
 std::vector<Arg> dora_4bit_args(const DoraPlan& p, const TensorView& packed2, const Weight4bit& W,
                                 const TensorView& A, const TensorView& B, const TensorView& m, double s, double eps,
-                                const TensorView& norm, const TensorView& scale, const DoraMemory& mem) {
-  std::vector<Arg> args = {packed2, W.absmax, W.code, a_operand(p, A, mem), B, m, Scalar(s), Scalar(eps),
+                                const TensorView& norm, const TensorView& scale, void* ws) {
+  std::vector<Arg> args = {packed2, W.absmax, W.code, A, B, m, Scalar(s), Scalar(eps),
                            Scalar(log2_exact(W.blocksize)), norm, scale};
   if (p.split == 1) return args;
-  float* f = static_cast<float*>(mem.sums);
+  float* f = static_cast<float*>(ws);
   const int64_t out = packed2.shape[0];
   args.push_back(TensorView::contiguous(f, DType::f32, {out}, packed2.device));
   args.push_back(TensorView::contiguous(f + p.ws_floats, DType::i32, {p.blocks_m}, packed2.device));
@@ -364,16 +329,18 @@ Config tuned_dora_4bit_config(const TensorView& packed2, const Weight4bit& W, co
   q.extent_k = in;
   q.kernels = [&](const Config& c) {
     const DoraPlan p = plan_dora(out, in, r, dot, gpu, programs, c, W.blocksize);
-    return with_pre(p, A,
-                    {p.kernel, dora_4bit_args(p, packed2, W, A, B, m, 1.0, 0.0, norm, scale, kUnusedMemory), p.meta});
+    return with_cast_a(p, A, [&](const TensorView& a) {
+      return autotune::KernelCall{
+          p.kernel, dora_4bit_args(p, packed2, W, a, B, m, 1.0, 0.0, norm, scale, unused_memory()), p.meta};
+    });
   };
   q.run = [&](const Config& c) {
     const DoraPlan p = plan_dora(out, in, r, dot, gpu, programs, c, W.blocksize);
-    const DoraMemory ws = plan_memory(p, A, stream);
+    void* ws = p.split == 1 ? nullptr : workspace(packed2.device, stream, workspace_bytes(p));
     LaunchOptions options;
     options.stream = stream;
-    launch_pre(p, A, ws, options);
-    launch(*p.kernel, dora_4bit_args(p, packed2, W, A, B, m, 1.0, 0.0, norm, scale, ws), p.grid, p.meta, options);
+    const RunA a = run_a(A, p.cast_a, options);
+    launch(*p.kernel, dora_4bit_args(p, packed2, W, a.a, B, m, 1.0, 0.0, norm, scale, ws), p.grid, p.meta, options);
   };
   q.stream = stream;
   return tuned_config(q);
@@ -453,11 +420,11 @@ void dora_norm_4bit(const Weight4bit& W, const TensorView& A, const TensorView& 
                                           : tuned_dora_4bit_config(packed2, W, A, B, m, norm, scale, stream);
     return plan_dora(out, in, r, dot_4bit(A, B), packed2.device.is_cuda(), parallelism(packed2.device), cfg, W.blocksize);
   });
-  const DoraMemory ws = plan_memory(*p, A, stream);
+  void* ws = p->split > 1 ? workspace(packed2.device, stream, workspace_bytes(*p)) : nullptr;
   LaunchOptions options;
   options.stream = stream;
-  launch_pre(*p, A, ws, options);
-  launch(*p->kernel, dora_4bit_args(*p, packed2, W, A, B, m, s, eps, norm, scale, ws), p->grid, p->meta, options);
+  const RunA a = run_a(A, p->cast_a, options);
+  launch(*p->kernel, dora_4bit_args(*p, packed2, W, a.a, B, m, s, eps, norm, scale, ws), p->grid, p->meta, options);
 }
 
 namespace {
@@ -483,9 +450,10 @@ const bool dora_4bit_registered = [] {
     const TensorView packed2 = detail::restride(v[0], {out, in / 2}, {in / 2, 1});
     const DoraPlan p = plan_dora(out, in, r, dot_4bit(v[3], v[4]), true, sm_count, config_from(c, "BLOCK_M", "BLOCK_K"),
                                  64);
-    return with_pre(p, v[3],
-                    {p.kernel, dora_4bit_args(p, packed2, W, v[3], v[4], v[5], 1.0, 0.0, v[6], v[7], kUnusedMemory),
-                     p.meta});
+    return with_cast_a(p, v[3], [&](const TensorView& a) {
+      return autotune::KernelCall{
+          p.kernel, dora_4bit_args(p, packed2, W, a, v[4], v[5], 1.0, 0.0, v[6], v[7], unused_memory()), p.meta};
+    });
   };
   // kerf-cache warm --all-candidates compiles what a call would try (in = 4096: a multiple of any step).
   op.gpu_candidates = [] { return dora_4bit_candidates(dora_gpu_candidates(), 4096, 64); };

@@ -20,9 +20,7 @@ namespace {
 struct MoePlan {
   dsl::MetaMap meta;
   Grid grid;
-  // CAST_A: an f32 A is rounded once to the product's dtype by a cast launch into
-  // scratch memory, and the kernel reads that copy (f32: no cast).
-  DType cast_a = DType::f32;
+  DType cast_a = DType::f32;  // CAST_A: what an f32 A is rounded to first (f32: nothing)
 };
 
 MoePlan plan_moe(const TensorView& W, int64_t r, bool gpu, const Config& config) {
@@ -37,7 +35,7 @@ MoePlan plan_moe(const TensorView& W, int64_t r, bool gpu, const Config& config)
   // cp.async pipelining on the GPU; the CPU back end has no use for stages.
   p.meta["num_stages"] = config.num_stages ? config.num_stages : (gpu ? 3 : 1);
   if (const int64_t evict = meta_or(config, "EVICT", 0)) p.meta["EVICT"] = evict;
-  if (meta_or(config, "CAST_A", 0) && is_half(dot)) p.cast_a = dot;
+  p.cast_a = cast_a_dtype(config, dot);
   // Column slices per row block (grid axis 1): 1 unless the config asks for more.
   const int64_t split =
       std::clamp<int64_t>(config.split_k, 1, std::clamp<int64_t>(cdiv(W.shape[2], bk), 1, 65535));
@@ -45,33 +43,20 @@ MoePlan plan_moe(const TensorView& W, int64_t r, bool gpu, const Config& config)
   return p;
 }
 
-// The launches of a plan: A's cast into `scratch` when the plan makes one, then
-// the materialization reading A or that copy.
+// A plan's compile list: A's cast when it makes one, then the materialization.
 std::vector<autotune::KernelCall> moe_calls(const MoePlan& p, const TensorView& W, const TensorView& A,
-                                            const TensorView& B, double s, const TensorView& W_eff, void* scratch) {
+                                            const TensorView& B, const TensorView& W_eff) {
   std::vector<autotune::KernelCall> calls;
-  TensorView a = A;
-  if (p.cast_a != DType::f32 && A.dtype == DType::f32) {
-    calls.push_back(cast_call(A, p.cast_a, scratch));
-    a = std::get<TensorView>(calls.back().args[1]);
-  }
-  calls.push_back({&kernels::moe_lora_materialize(), {W, a, B, Scalar(s), W_eff}, p.meta});
+  const TensorView a = compiled_a(A, p.cast_a, calls);
+  calls.push_back({&kernels::moe_lora_materialize(), {W, a, B, Scalar(1.0), W_eff}, p.meta});
   return calls;
 }
 
-// Queues a plan's launches on `options.stream`; the stream's scratch memory stays
-// locked until they are queued.
+// Queues a plan's launches (A's cast when it makes one, then the materialization).
 void launch_moe(const MoePlan& p, const TensorView& W, const TensorView& A, const TensorView& B, double s,
                 const TensorView& W_eff, const LaunchOptions& options) {
-  std::unique_lock<std::mutex> lock;
-  void* mem = nullptr;
-  if (p.cast_a != DType::f32 && A.dtype == DType::f32) {
-    lock = scratch_lock(A.device, options.stream);
-    mem = scratch(A.device, options.stream,
-                  size_t(A.shape[0] * A.shape[1] * A.shape[2]) * size_t(dtype_size_bytes(p.cast_a)));
-  }
-  for (const autotune::KernelCall& c : moe_calls(p, W, A, B, s, W_eff, mem))
-    launch(*c.kernel, c.args, c.kernel == &kernels::cast_3d() ? cast_grid(A) : p.grid, c.meta, options);
+  const RunA a = run_a(A, p.cast_a, options);
+  launch(kernels::moe_lora_materialize(), {W, a.a, B, Scalar(s), W_eff}, p.grid, p.meta, options);
 }
 
 Config tuned_moe_config(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& W_eff,
@@ -165,7 +150,7 @@ Config tuned_moe_config(const TensorView& W, const TensorView& A, const TensorVi
   q.finalist_variants = evict_and_cast_variants(A, is_half(W.dtype) ? W.dtype : DType::f32);
   q.extent_m = N;
   q.extent_k = K;
-  q.kernels = [&](const Config& c) { return moe_calls(plan_moe(W, r, gpu, c), W, A, B, 1.0, W_eff, unused_memory()); };
+  q.kernels = [&](const Config& c) { return moe_calls(plan_moe(W, r, gpu, c), W, A, B, W_eff); };
   q.run = [&](const Config& c) {
     LaunchOptions options;
     options.stream = stream;
@@ -197,7 +182,7 @@ const bool moe_registered = [] {
   };
   op.kernels = [](const std::vector<TensorView>& v, const autotune::Config& c, int) {
     const MoePlan p = plan_moe(v[0], v[1].shape[1], true, config_from(c, "BLOCK_N", "BLOCK_K"));
-    return moe_calls(p, v[0], v[1], v[2], 1.0, v[3], unused_memory());
+    return moe_calls(p, v[0], v[1], v[2], v[3]);
   };
   op.gpu_candidates = moe_gpu_candidates;
   autotune::register_op(std::move(op));
