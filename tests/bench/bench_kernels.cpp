@@ -532,6 +532,13 @@ int main(int argc, char** argv) {
       results.push_back(res);
       write_json();
     };
+    // One case: the best of `cfgs` (or the forced config), the tuned-vs-default line, the row.
+    const auto measure = [&](const std::function<Result(const ops::Config&)>& run,
+                             const std::vector<ops::Config>& cfgs) {
+      Result res = best_of(forced ? std::vector<ops::Config>{*forced} : cfgs, run);
+      if (!forced) tuned_vs_default(res, run);
+      report(res);
+    };
 
     std::vector<ops::Config> dora_cfgs;
     for (int64_t bm : {64, 128})
@@ -553,10 +560,7 @@ int main(int argc, char** argv) {
       for (auto [o, i] : dora_shapes) {
         if (!wanted("dora_norm r=" + std::to_string(r))) break;
         DoraSets sets = make_dora(o, i, r, DType::bf16, DType::bf16);
-        Result res = best_of(forced ? std::vector<ops::Config>{*forced} : dora_cfgs,
-                             [&](const ops::Config& c) { return bench_dora(sets, c, stream.handle()); });
-        if (!forced) tuned_vs_default(res, [&](const ops::Config& c) { return bench_dora(sets, c, stream.handle()); });
-        report(res);
+        measure([&](const ops::Config& c) { return bench_dora(sets, c, stream.handle()); }, dora_cfgs);
       }
     }
     // PEFT's usual case: fp32 adapters on a bf16 base (the adapters converted per
@@ -567,10 +571,7 @@ int main(int argc, char** argv) {
     for (auto [o, i] : std::vector<std::pair<int64_t, int64_t>>{{4096, 4096}, {8192, 8192}}) {
       if (!wanted("dora_norm r=16 f32 adapters")) break;
       DoraSets sets = make_dora(o, i, 16, DType::bf16, DType::f32);
-      const auto run = [&](const ops::Config& c) { return bench_dora(sets, c, stream.handle()); };
-      Result res = best_of(forced ? std::vector<ops::Config>{*forced} : dora_f32a_cfgs, run);
-      if (!forced) tuned_vs_default(res, run);
-      report(res);
+      measure([&](const ops::Config& c) { return bench_dora(sets, c, stream.handle()); }, dora_f32a_cfgs);
     }
     std::vector<ops::Config> moe_cfgs;
     for (int64_t bn : {32, 64, 128})
@@ -588,10 +589,7 @@ int main(int argc, char** argv) {
     for (const MoeCase& c : {MoeCase{128, 1536, 2048, 16}, MoeCase{128, 2048, 768, 16}, MoeCase{64, 2816, 2048, 64}}) {
       if (!wanted("moe_materialize r=" + std::to_string(c.r))) continue;
       MoeSets sets = make_moe(c.E, c.N, c.K, c.r, DType::bf16, DType::bf16);
-      Result res = best_of(forced ? std::vector<ops::Config>{*forced} : moe_cfgs,
-                           [&](const ops::Config& cfg) { return bench_moe(sets, cfg, stream.handle()); });
-      if (!forced) tuned_vs_default(res, [&](const ops::Config& cfg) { return bench_moe(sets, cfg, stream.handle()); });
-      report(res);
+      measure([&](const ops::Config& cfg) { return bench_moe(sets, cfg, stream.handle()); }, moe_cfgs);
     }
     // fp32 adapters on a bf16 base, converted per step or cast once (CAST_A).
     if (wanted("moe_materialize r=16 f32 adapters")) {
@@ -599,18 +597,12 @@ int main(int argc, char** argv) {
       std::vector<ops::Config> cfgs = moe_cfgs;
       if (!quick)
         for (int64_t bn : {64, 128}) cfgs.push_back(ops::Config{bn, 128, 0, 8, 3, {{"CAST_A", 1}}});
-      const auto run = [&](const ops::Config& cfg) { return bench_moe(sets, cfg, stream.handle()); };
-      Result res = best_of(forced ? std::vector<ops::Config>{*forced} : cfgs, run);
-      if (!forced) tuned_vs_default(res, run);
-      report(res);
+      measure([&](const ops::Config& cfg) { return bench_moe(sets, cfg, stream.handle()); }, cfgs);
     }
     // The LoRA ops: each with kerf's own choice (Config{}: the autotuner on a GPU) and a few fixed configs.
     const auto run_case = [&](OpCase c, const std::vector<ops::Config>& cfgs) {
       if (!wanted(c.op)) return;
-      const auto run = [&](const ops::Config& cfg) { return bench_op(c, cfg, stream.handle()); };
-      Result best = best_of(forced ? std::vector<ops::Config>{*forced} : cfgs, run);
-      if (!forced) tuned_vs_default(best, run);
-      report(best);
+      measure([&](const ops::Config& cfg) { return bench_op(c, cfg, stream.handle()); }, cfgs);
     };
     std::vector<ops::Config> merge_cfgs = {ops::Config{}};
     if (!quick)
