@@ -137,8 +137,7 @@ if [[ ,$stages, == *,bench,* ]]; then
   op_args=()
   [[ -n $bench_op ]] && op_args=(--op "$bench_op")
   "$build/tests/bench/kerf_bench" $quick "${op_args[@]}" --json "$final/kerf-bench.json" 2>&1 |
-    tee "$out/kerf-bench.log" > "$final/kerf-bench.log"
-  cat "$out/kerf-bench.log"
+    tee "$out/kerf-bench.log" "$final/kerf-bench.log"
   if python3 -c "import torch" 2>/dev/null; then
     PYTHONUNBUFFERED=1 python3 tests/bench/reference_bench.py $quick "${op_args[@]}" \
       --json "$final/reference-bench.json" > "$final/reference-bench.log" 2>&1 || tail -5 "$final/reference-bench.log"
