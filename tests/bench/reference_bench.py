@@ -6,6 +6,7 @@ same-size device copy measured in this run). Writes JSON for bench_table.py.
     python3 tests/bench/reference_bench.py --json out.json
 """
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -302,11 +303,11 @@ def main():
         for out, inn in shapes:
             run(f"dora_norm r={r}", bench_dora, out, inn, r)
     for out, inn in [(4096, 4096), (8192, 8192)]:
-        run("dora_norm r=16 f32 adapters", lambda o, i, rr, res: bench_dora(o, i, rr, res, torch.float32),
-            out, inn, 16)
+        run("dora_norm r=16 f32 adapters", functools.partial(bench_dora, adapters=torch.float32), out, inn, 16)
     for E, N, K, r in [(128, 1536, 2048, 16), (128, 2048, 768, 16), (64, 2816, 2048, 64)]:
         run(f"moe_materialize r={r}", bench_moe, E, N, K, r)
-    run("moe_materialize r=16 f32 adapters", lambda *a: bench_moe(*a[:4], a[4], torch.float32), 128, 1536, 2048, 16)
+    run("moe_materialize r=16 f32 adapters", functools.partial(bench_moe, adapters=torch.float32),
+        128, 1536, 2048, 16)
     for out, inn in [(4096, 4096), (8192, 8192), (14336, 4096)]:
         run("lora_merge r=16", bench_merge, out, inn, 16)
     for out, inn in [(4096, 4096), (8192, 8192), (14336, 4096)]:
