@@ -77,12 +77,21 @@ void* workspace(const Device& dev, void* stream, size_t bytes) {
   return stream_buffer(0, dev, stream, bytes);
 }
 
+void* unused_memory() { return reinterpret_cast<void*>(uintptr_t(1) << 16); }
+
+DType cast_a_dtype(const Config& config, DType product) {
+  return meta_or(config, "CAST_A", 0) && is_half(product) ? product : DType::f32;
+}
+
+namespace {
+
+// Scratch memory for a copy one launch writes and the next reads: no zero
+// promise, private to `stream` (to the calling thread on the CPU).
 void* scratch(const Device& dev, void* stream, size_t bytes) {
   return stream_buffer(1, dev, stream, bytes);
 }
 
-void* unused_memory() { return reinterpret_cast<void*>(uintptr_t(1) << 16); }
-
+// Held from asking for a stream's scratch until the last launch reading it is queued.
 std::unique_lock<std::mutex> scratch_lock(const Device& dev, void* stream) {
   if (!dev.is_cuda()) return {};  // CPU calls are synchronous and their scratch is per thread
   static std::mutex mu;
@@ -94,12 +103,6 @@ std::unique_lock<std::mutex> scratch_lock(const Device& dev, void* stream) {
   }
   return std::unique_lock<std::mutex>(*m);
 }
-
-DType cast_a_dtype(const Config& config, DType product) {
-  return meta_or(config, "CAST_A", 0) && is_half(product) ? product : DType::f32;
-}
-
-namespace {
 
 // The cast of A (seen as rank 3) into `dst`, and the copy it writes, in A's shape.
 std::pair<autotune::KernelCall, TensorView> cast_of(const TensorView& A, DType to, void* dst) {

@@ -91,13 +91,6 @@ int64_t split_for(int64_t blocks, int64_t programs, int64_t steps);
 // zero, on `dev`, private to `stream` (to the calling thread on the CPU).
 // Kernels using it must leave it zero when they finish.
 void* workspace(const Device& dev, void* stream, size_t bytes);
-// Scratch memory with no such promise (a copy one launch writes and the next
-// reads): at least `bytes` on `dev`, private to `stream` (or the calling thread).
-// On a GPU, hold scratch_lock(dev, stream) from asking for it until the last
-// launch that reads it is queued: another thread's launches on the same
-// stream then cannot come between the write and the read.
-void* scratch(const Device& dev, void* stream, size_t bytes);
-std::unique_lock<std::mutex> scratch_lock(const Device& dev, void* stream);
 
 // Stands for device memory a plan is only compiled for, never run with: aligned
 // like real memory (64 KiB), so the specialization facts are the same.
@@ -111,8 +104,10 @@ DType cast_a_dtype(const Config& config, DType product);
 // appended to `calls` and its contiguous copy returned; otherwise A.
 TensorView compiled_a(const TensorView& A, DType to, std::vector<autotune::KernelCall>& calls);
 // The same in a run: the cast (one kernels::cast_3d launch) is queued on
-// `options.stream` into that stream's scratch memory, which `lock` keeps until
-// the kernel reading the copy is queued.
+// `options.stream` into scratch memory private to that stream (to the calling
+// thread on the CPU), with no zero promise; `lock` keeps it until the kernel
+// reading the copy is queued, so another thread's launches on the same stream
+// cannot come between the write and the read.
 struct RunA {
   TensorView a;
   std::unique_lock<std::mutex> lock;
