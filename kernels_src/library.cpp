@@ -156,6 +156,27 @@ const std::vector<LibraryEntry>& library() {
                                        {"DOT", dot_code(t)},
                                        {"num_stages", 3}};
                  }});
+    e.push_back({"lora_embedding_gather", lora_embedding_gather,
+                 [=](DType t) {
+                   return std::vector<dsl::ArgSpec>{tensor(DType::i64, 1), tensor(t, 2), tensor(t, 2),
+                                                    tensor(DType::i64, 1), scalar, scalar};
+                 },
+                 [](DType) {
+                   return dsl::MetaMap{{"BLOCK_T", 128}, {"R_PAD", 16}};
+                 }});
+    e.push_back({"lora_embedding_scatter", lora_embedding_scatter,
+                 [=](DType t) {
+                   return std::vector<dsl::ArgSpec>{tensor(DType::i64, 1),
+                                                    tensor(DType::f32, 2),
+                                                    tensor(t, 2),
+                                                    tensor(DType::f32, 2),
+                                                    tensor(DType::i32, 1),
+                                                    scalar,
+                                                    scalar};
+                 },
+                 [](DType) {
+                   return dsl::MetaMap{{"BLOCK_T", 128}, {"R_PAD", 16}, {"BY_FREQ", 1}};
+                 }});
     e.push_back(
         {"embedding_count_ids", embedding_count_ids,
          [=](DType) {

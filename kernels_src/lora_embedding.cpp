@@ -26,8 +26,8 @@ struct Tokens {
   Value tok, tok_ok, id, local, in_shard;
 };
 
-Tokens load_tokens(Builder& k, const Tensor& x, const Tensor& err, const Value& start,
-                   const Value& total, const Value& vocab_local) {
+// Without `err`, nothing is recorded (a kernel after the one that recorded them).
+Tokens read_tokens(Builder& k, const Tensor& x, const Value& start, const Value& vocab_local) {
   const int64_t BT = k.meta("BLOCK_T");
   Tokens t;
   t.tok = program_id(0) * BT + arange(BT);
@@ -35,6 +35,13 @@ Tokens load_tokens(Builder& k, const Tensor& x, const Tensor& err, const Value& 
   t.id = load(x, {t.tok}, t.tok_ok).to(DType::i64);
   t.local = t.id - start;
   t.in_shard = t.tok_ok & (t.local >= 0) & (t.local < vocab_local.to(DType::i64));
+  return t;
+}
+
+Tokens load_tokens(Builder& k, const Tensor& x, const Tensor& err, const Value& start,
+                   const Value& total, const Value& vocab_local) {
+  const int64_t BT = k.meta("BLOCK_T");
+  Tokens t = read_tokens(k, x, start, vocab_local);
   // An id outside [0, total): count it, and the first one counted leaves its position and value.
   const Value bad = t.tok_ok & ((t.id < 0) | (t.id >= total));
   const Value slot0 = zeros({BT}, DType::i32);
@@ -121,6 +128,41 @@ const dsl::Kernel& lora_embedding_backward() {
       w = w / maximum(load(counts, {t.local}, t.in_shard, 1.0).to(DType::f32), literal(1.0));
     const Value gets = t.in_shard & (t.id != padding);
     atomic_add(dA, {rk.row(), t.local.col()}, gB * w.col(), gets.col() & rk_ok);
+  });
+  return k;
+}
+
+const dsl::Kernel& lora_embedding_gather() {
+  static const Kernel k("lora_embedding_gather", [](Builder& k) {
+    const Tensor x = k.tensor("x", 1), A = k.tensor("A", 2), act = k.tensor("act", 2);
+    const Tensor err = k.tensor("err", 1, DType::i64);
+    const Value start = k.scalar("start", DType::i64), total = k.scalar("total", DType::i64);
+    const Value rk = arange(k.meta("R_PAD"));
+    const Value rk_ok = rk.row() < A.dim(0);
+    const Tokens t = load_tokens(k, x, err, start, total, A.dim(1));
+    const Value a = load(A, {rk.row(), t.local.col()}, t.in_shard.col() & rk_ok);  // [BT, R]
+    store(act, {t.tok.col(), rk.row()}, a.to(act.dtype()), t.tok_ok.col() & rk_ok);
+  });
+  return k;
+}
+
+const dsl::Kernel& lora_embedding_scatter() {
+  static const Kernel k("lora_embedding_scatter", [](Builder& k) {
+    const Tensor x = k.tensor("x", 1), gB = k.tensor("gB", 2, DType::f32), act = k.tensor("act", 2);
+    const Tensor dA = k.tensor("dA", 2, DType::f32), counts = k.tensor("counts", 1, DType::i32);
+    const Value start = k.scalar("start", DType::i64), padding = k.scalar("padding", DType::i64);
+    const int64_t BT = k.meta("BLOCK_T"), R = k.meta("R_PAD");
+    const Value rk = arange(R);
+    const Value rk_ok = rk.row() < dA.dim(0);
+    const Tokens t = read_tokens(k, x, start, dA.dim(1));
+    const Value mine = t.tok_ok.col() & rk_ok;
+    const Value g = load(gB, {t.tok.col(), rk.row()}, mine);  // [BT, R]
+    Value w = full({BT}, 1.0, DType::f32);
+    if (k.meta("BY_FREQ", 0) != 0)
+      w = w / maximum(load(counts, {t.local}, t.in_shard, 1.0).to(DType::f32), literal(1.0));
+    atomic_add(dA, {rk.row(), t.local.col()}, g * w.col(), (t.in_shard & (t.id != padding)).col() & rk_ok);
+    store(gB, {t.tok.col(), rk.row()}, zeros({BT, R}), mine);
+    store(act, {t.tok.col(), rk.row()}, zeros({BT, R}, act.dtype()), mine);
   });
   return k;
 }

@@ -240,12 +240,23 @@ std::vector<autotune::Config> embedding_gpu_candidates() {
       {{"BLOCK_T", {16, 32, 64, 128}}, {"BLOCK_D", {64, 128, 256}}, {"num_warps", {4, 8}}, {"num_stages", {3}}});
 }
 
+// The one-kernel backward's tiles, and (GATHER) the three-launch one's: its
+// middle launch is the MoE backward's column-owning kernel, so its tiles are
+// those (BLOCK_T tokens per step, BLOCK_D columns of grad_out per program).
 std::vector<autotune::Config> embedding_backward_gpu_candidates() {
-  return autotune::product({{"BLOCK_T", {32, 64, 128, 256}},
-                            {"BLOCK_D", {32, 64, 128}},
-                            {"num_warps", {4, 8}},
-                            {"num_stages", {3}},
-                            {"ROTATE", {0, 1}}});
+  std::vector<autotune::Config> c = autotune::product({{"BLOCK_T", {32, 64, 128, 256}},
+                                                       {"BLOCK_D", {32, 64, 128}},
+                                                       {"num_warps", {4, 8}},
+                                                       {"num_stages", {3}},
+                                                       {"ROTATE", {0, 1}}});
+  for (const auto& [bd, warps] : {std::pair<int64_t, int64_t>{256, 8}, {512, 16}})
+    for (autotune::Config& gathered : autotune::product({{"BLOCK_T", {32, 64}},
+                                                         {"BLOCK_D", {bd}},
+                                                         {"num_warps", {warps}},
+                                                         {"num_stages", {2, 3}},
+                                                         {"GATHER", {1}}}))
+      c.push_back(std::move(gathered));
+  return c;
 }
 
 Config tuned_embedding_config(const EmbeddingForward& c) {
@@ -323,10 +334,107 @@ std::vector<Arg> embedding_backward_args(const EmbeddingBackward& c, const Tenso
           Scalar(c.vr.start), Scalar(c.vr.total), Scalar(c.padding)};
 }
 
+// Config.meta GATHER: the backward as gather, the MoE backward's one pass over
+// grad_out by column blocks (E = 1: dW = g, its A = B^T, its B = the gathered
+// activations, its dA = dB^T, its dB = gB = s * g @ B), and scatter of gB into
+// dA by id. Its views of one call; `ws` is the workspace (or stand-in memory).
+struct GatheredBackward {
+  TensorView da_acc, db_acc, counts, gB, act;  // f32 dA [1, r, V] and dB [1, D, r] targets, ...
+  TensorView dW, a_moe, b_moe, da_moe, db_moe;
+  Config moe;
+  dsl::MetaMap edge_meta;  // the gather's and scatter's
+  Grid edge_grid;
+};
+
+size_t gathered_workspace_bytes(const EmbeddingBackward& c) {
+  const int64_t T = c.x1.shape[0], D = c.B.shape[0], r = c.A.shape[0], V = c.A.shape[1];
+  const DType act_t = is_half(c.g2.dtype) ? c.g2.dtype : DType::f32;
+  size_t bytes = carved_bytes(1, T, r) + (size_t(T * r) * size_t(dtype_size_bytes(act_t)) + 15) / 16 * 16;
+  if (c.dA3.dtype != DType::f32) bytes += carved_bytes(1, r, V);
+  if (c.dB3.dtype != DType::f32) bytes += carved_bytes(1, D, r);
+  if (c.by_freq) bytes += carved_bytes(1, 1, V);
+  return bytes;
+}
+
+GatheredBackward plan_gathered(const EmbeddingBackward& c, const Config& config, char* ws) {
+  const int64_t T = c.x1.shape[0], D = c.B.shape[0], r = c.A.shape[0], V = c.A.shape[1];
+  const Device& dev = c.x1.device;
+  const DType act_t = is_half(c.g2.dtype) ? c.g2.dtype : DType::f32;
+  GatheredBackward p;
+  char* cursor = ws;
+  p.da_acc = c.dA3.dtype == DType::f32 ? c.dA3 : carve_f32(&cursor, 1, r, V, dev);
+  p.db_acc = c.dB3.dtype == DType::f32 ? c.dB3 : carve_f32(&cursor, 1, D, r, dev);
+  p.counts = c.by_freq ? TensorView::contiguous(carve_f32(&cursor, 1, 1, V, dev).data, DType::i32, {V}, dev)
+                       : TensorView::contiguous(nullptr, DType::i32, {0}, dev);
+  p.gB = carve_f32(&cursor, 1, T, r, dev);
+  p.act = TensorView::contiguous(cursor, act_t, {1, T, r}, dev);
+  p.dW = as_3d(c.g2);
+  p.a_moe = restride(c.B, {1, r, D}, {0, c.B.strides[1], c.B.strides[0]});
+  p.b_moe = p.act;
+  p.da_moe = restride(p.db_acc, {1, r, D}, {p.db_acc.strides[0], p.db_acc.strides[2], p.db_acc.strides[1]});
+  p.db_moe = p.gB;
+  p.moe = config;
+  p.moe.meta = {{"BY_COLUMNS", 1}, {"ROTATE", meta_or(config, "ROTATE", 0)}};
+  const int64_t r_pad = std::max<int64_t>(16, next_pow2(r));
+  const int64_t bt = std::clamp<int64_t>(4096 / r_pad, 16, 128);
+  p.edge_meta = {{"BLOCK_T", bt}, {"R_PAD", r_pad}, {"BY_FREQ", c.by_freq ? 1 : 0}};
+  p.edge_grid = Grid{uint32_t(cdiv(T, bt)), 1, 1};
+  return p;
+}
+
+TensorView as_2d(const TensorView& t3) {
+  return restride(t3, {t3.shape[1], t3.shape[2]}, {t3.strides[1], t3.strides[2]});
+}
+
+std::vector<Arg> gather_args(const EmbeddingBackward& c, const GatheredBackward& p, const TensorView& record) {
+  return {c.x1, c.A, as_2d(p.act), record, Scalar(c.vr.start), Scalar(c.vr.total)};
+}
+
+std::vector<Arg> scatter_args(const EmbeddingBackward& c, const GatheredBackward& p) {
+  return {c.x1, as_2d(p.gB), as_2d(p.act), as_2d(p.da_acc), p.counts, Scalar(c.vr.start), Scalar(c.padding)};
+}
+
+// The kernels of a GATHER call with `config` (workspace standing in), for compile lists.
+std::vector<autotune::KernelCall> gathered_kernels(const EmbeddingBackward& c, const Config& config,
+                                                   int64_t programs) {
+  const GatheredBackward p = plan_gathered(c, config, static_cast<char*>(unused_memory()));
+  dsl::MetaMap gather_meta = p.edge_meta;
+  gather_meta.erase("BY_FREQ");
+  return {{&kernels::lora_embedding_gather(), gather_args(c, p, stand_in_record(c.x1.device)), gather_meta},
+          moe_backward_kernel(p.dW, p.a_moe, p.b_moe, c.s, p.da_moe, p.db_moe, programs, p.moe),
+          {&kernels::lora_embedding_scatter(), scatter_args(c, p), p.edge_meta}};
+}
+
+// The launches of a GATHER call. The workspace's regions are zero on entry and
+// left zero: the scatter clears gB and the activations, flushes and the
+// CLEAR count clear the rest.
+void run_gathered_backward(const EmbeddingBackward& c, const Config& config, const TensorView& record) {
+  const Device& dev = c.x1.device;
+  char* ws = static_cast<char*>(workspace(dev, c.lo.stream, gathered_workspace_bytes(c)));
+  const GatheredBackward p = plan_gathered(c, config, ws);
+  dsl::MetaMap gather_meta = p.edge_meta;
+  gather_meta.erase("BY_FREQ");
+  if (c.dA3.dtype == DType::f32) fill_3d(c.dA3, 0.0, c.lo);
+  const dsl::MetaMap count_meta = {{"BLOCK_T", p.edge_meta.at("BLOCK_T")}};
+  if (c.by_freq) launch(kernels::embedding_count_ids(), {c.x1, p.counts, Scalar(c.vr.start)}, p.edge_grid,
+                        count_meta, c.lo);
+  launch(kernels::lora_embedding_gather(), gather_args(c, p, record), p.edge_grid, gather_meta, c.lo);
+  run_moe_backward(p.dW, p.a_moe, p.b_moe, c.s, p.da_moe, p.db_moe, c.lo, p.moe, /*db_is_zero=*/true);
+  launch(kernels::lora_embedding_scatter(), scatter_args(c, p), p.edge_grid, p.edge_meta, c.lo);
+  if (c.by_freq) {
+    dsl::MetaMap clear = count_meta;
+    clear["CLEAR"] = 1;
+    launch(kernels::embedding_count_ids(), {c.x1, p.counts, Scalar(c.vr.start)}, p.edge_grid, clear, c.lo);
+  }
+  if (c.dA3.dtype != DType::f32) flush_accumulator(p.da_acc, c.dA3, c.lo);
+  if (c.dB3.dtype != DType::f32) flush_accumulator(p.db_acc, c.dB3, c.lo);
+}
+
 // The launches of one backward call: fp32 accumulators (the outputs themselves
 // when f32, zeroed; else workspace regions flushed into them), with
 // scale_grad_by_freq the id counts (counted first, cleared after), the kernel.
 void run_embedding_backward(const EmbeddingBackward& c, const Config& config, const TensorView& record) {
+  if (meta_or(config, "GATHER", 0)) return run_gathered_backward(c, config, record);
   const int64_t D = c.B.shape[0], r = c.A.shape[0], V = c.A.shape[1];
   const Device& dev = c.x1.device;
   const bool da_direct = c.dA3.dtype == DType::f32, db_direct = c.dB3.dtype == DType::f32;
@@ -386,6 +494,7 @@ Config tuned_embedding_backward_config(const EmbeddingBackward& c) {
   q.extent_m = T;
   q.extent_k = D;
   q.kernels = [&](const Config& config) {
+    if (meta_or(config, "GATHER", 0)) return gathered_kernels(c, config, parallelism(dev));
     return std::vector<autotune::KernelCall>{embedding_backward_kernel(c, config, parallelism(dev))};
   };
   const TuningRecord record(dev);
@@ -416,8 +525,9 @@ const bool embedding_registered = [] {
       op.kernels = [](const std::vector<TensorView>& v, const autotune::Config& c, int sm_count) {
         const EmbeddingBackward call{v[0], v[1], v[2], v[3], 1.0, as_3d(v[4]), as_3d(v[5]),
                                      false, VocabRange{0, v[1].shape[1]}, -1, LaunchOptions{}};
-        return std::vector<autotune::KernelCall>{
-            embedding_backward_kernel(call, config_from(c, "BLOCK_T", "BLOCK_D"), sm_count)};
+        const Config config = config_from(c, "BLOCK_T", "BLOCK_D");
+        if (meta_or(config, "GATHER", 0)) return gathered_kernels(call, config, sm_count);
+        return std::vector<autotune::KernelCall>{embedding_backward_kernel(call, config, sm_count)};
       };
       op.gpu_candidates = embedding_backward_gpu_candidates;
     } else {
@@ -498,7 +608,7 @@ void lora_embedding_backward(const TensorView& x, const TensorView& A, const Ten
                              const TensorView& grad_B, const EmbeddingOptions& options,
                              void* stream, const Config& config, const Layout& layout) {
   const char* op = "lora_embedding_backward";
-  expect_meta(op, config, {{"ROTATE", 0, 1}});
+  expect_meta(op, config, {{"ROTATE", 0, 1}, {"GATHER", 0, 1}});
   expect_ids(op, x);
   const LayoutSplits splits = check_layout(op, layout,
                                            {{"x", x_dims(x, false)},

@@ -87,11 +87,15 @@ const std::vector<OperandDims>& backward_operands() {
   return o;
 }
 
+}  // namespace
+
+namespace detail {
+
 // The launches of one call with `config`: zero or carve the fp32 accumulators,
 // the kernel, and the flushes into bf16/f16 gradients.
 void run_moe_backward(const TensorView& dW, const TensorView& A, const TensorView& B, double s,
                       const TensorView& dA, const TensorView& dB, const LaunchOptions& options,
-                      const Config& config) {
+                      const Config& config, bool db_is_zero) {
   const int64_t E = dW.shape[0], N = dW.shape[1], K = dW.shape[2], r = A.shape[1];
   const bool gpu = dW.device.is_cuda();
   const MoeBackwardPlan p = plan_moe_backward(dW, r, gpu, parallelism(dW.device), config);
@@ -107,7 +111,7 @@ void run_moe_backward(const TensorView& dW, const TensorView& A, const TensorVie
   const TensorView da_acc = da_direct ? dA : carve_f32(&cursor, E, r, K, dW.device);
   const TensorView db_acc = db_direct ? dB : carve_f32(&cursor, E, N, r, dW.device);
   if (p.da_atomic && da_direct) fill_3d(dA, 0.0, options);
-  if (p.db_atomic && db_direct) fill_3d(dB, 0.0, options);
+  if (p.db_atomic && db_direct && !(db_is_zero && dB.dtype == DType::f32)) fill_3d(dB, 0.0, options);
   launch(*p.kernel, {dW, A, B, Scalar(s), da_acc, db_acc}, p.grid, p.meta, options);
   if (!da_direct) flush_accumulator(da_acc, dA, options);
   if (!db_direct) flush_accumulator(db_acc, dB, options);
@@ -149,6 +153,10 @@ autotune::KernelCall moe_backward_kernel(const TensorView& dW, const TensorView&
                                 : TensorView::contiguous(stand_in, DType::f32, {E, N, r}, dW.device);
   return {p.kernel, {dW, A, B, Scalar(s), da_acc, db_acc}, p.meta};
 }
+
+}  // namespace detail
+
+namespace {
 
 Config tuned_moe_backward_config(const TensorView& dW, const TensorView& A, const TensorView& B, double s,
                                  const TensorView& dA, const TensorView& dB, void* stream) {

@@ -105,11 +105,12 @@ struct BackCase {
   bool by_freq;
   int64_t split = 0;
   bool rotate = false;  // Config.meta ROTATE: token blocks start their steps over D apart
+  bool gather = false;  // Config.meta GATHER: gather, a one-pass product by column blocks, scatter
 };
 
 void check_backward(const BackCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.T, c.V, c.D, c.r, dtype_name(c.g), dtype_name(c.ab), dtype_name(c.grads),
-          c.padding.value_or(-999), c.by_freq, c.split, c.rotate, seed, dev.str());
+          c.padding.value_or(-999), c.by_freq, c.split, c.rotate, c.gather, seed, dev.str());
   std::mt19937_64 rng(seed);
   TestTensor X(DType::i64, {c.T}, dev), A(c.ab, {c.r, c.V}, dev), B(c.ab, {c.D, c.r}, dev);
   TestTensor G(c.g, {c.T, c.D}, dev), dA(c.grads, {c.r, c.V}, dev), dB(c.grads, {c.D, c.r}, dev);
@@ -128,11 +129,12 @@ void check_backward(const BackCase& c, Device dev, uint64_t seed) {
   o.scale_grad_by_freq = c.by_freq;
   ops::Config cfg;
   cfg.split_k = c.split;
-  if (c.rotate) {
+  if (c.rotate || c.gather) {
     cfg.block_m = 16;
     cfg.block_k = 32;
-    cfg.meta["ROTATE"] = 1;
   }
+  if (c.rotate) cfg.meta["ROTATE"] = 1;
+  if (c.gather) cfg.meta["GATHER"] = 1;
   const double s = 2.0;
   ops::lora_embedding_backward(X.view(), A.view(), B.view(), G.view(), s, dA.view(), dB.view(), o,
                                nullptr, cfg);
@@ -172,6 +174,12 @@ void run_backward_cases(Device dev) {
       {37, 50, 40, 3, DType::f32, DType::bf16, DType::f32, 7, true},
       {111, 1000, 130, 5, DType::bf16, DType::f32, DType::f32, 0, true, 0, true},
       {200, 300, 200, 8, DType::f16, DType::f32, DType::bf16, std::nullopt, false, 2, true},
+      // GATHER: split_k is the number of programs sharing a column block's tokens.
+      {111, 1000, 130, 5, DType::f32, DType::f32, DType::f32, std::nullopt, false, 0, false, true},
+      {111, 1000, 130, 5, DType::bf16, DType::f32, DType::f32, 0, true, 3, false, true},
+      {64, 512, 256, 16, DType::bf16, DType::bf16, DType::bf16, -1, false, 1, true, true},
+      {200, 300, 70, 40, DType::f16, DType::f32, DType::bf16, 299, true, 2, false, true},
+      {37, 50, 40, 3, DType::f32, DType::bf16, DType::f32, 7, true, 1, false, true},
   };
   uint64_t seed = 6200;
   for (const BackCase& c : cases) check_backward(c, dev, seed++);

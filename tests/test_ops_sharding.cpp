@@ -248,6 +248,13 @@ void check_embedding_layouts(Device dev) {
   const std::vector<double> ref_out = values(out), ref_a = values(dA), ref_b = values(dB);
 
   // Vocab split over "vp" (3 shards of 40 ids): forward outputs and grad_B are partial sums.
+  // The backward both as one kernel and as gather, product, scatter (Config.meta GATHER).
+  ops::Config gathered;
+  gathered.block_m = 16;
+  gathered.block_k = 32;
+  gathered.meta["GATHER"] = 1;
+  for (const ops::Config& cfg : {ops::Config{}, gathered}) {
+  CAPTURE(cfg.meta.size());
   std::vector<double> out_sum(size_t(T * D), 0.0), b_sum(size_t(D * r), 0.0);
   TestTensor gA(DType::f32, {r, V}, dev);
   gA.poison();
@@ -261,7 +268,7 @@ void check_embedding_layouts(Device dev) {
     ops::lora_embedding(X.view(), block(Wt, c * Vl, Vl, 0, D), block(A, 0, r, c * Vl, Vl), B.view(),
                         s, po.view(), {}, nullptr, {}, fwd);
     ops::lora_embedding_backward(X.view(), block(A, 0, r, c * Vl, Vl), B.view(), G.view(), s,
-                                 block(gA, 0, r, c * Vl, Vl), pb.view(), o, nullptr, {}, bwd);
+                                 block(gA, 0, r, c * Vl, Vl), pb.view(), o, nullptr, cfg, bwd);
     test::sync(dev);
     const std::vector<double> a = values(po), b = values(pb);
     for (size_t i = 0; i < a.size(); ++i) out_sum[i] += a[i];
@@ -270,6 +277,7 @@ void check_embedding_layouts(Device dev) {
   CHECK(test::max_relative_error(out_sum, ref_out, 1.0) <= 1e-5);
   CHECK(scaled_error(values(gA), ref_a) <= 1e-5);
   CHECK(scaled_error(b_sum, ref_b) <= 1e-5);
+  }
 
   // Tokens split over "dp" (3 shards of 19): outputs local; grad_A and grad_B partial. (Counts for
   // scale_grad_by_freq are per call, as PyTorch's are per batch: test it without.)

@@ -647,6 +647,11 @@ int main(int argc, char** argv) {
             emb_bwd_cfgs.push_back(ops::Config{bt, bd, 0, warps, 3});
             emb_bwd_cfgs.push_back(ops::Config{bt, bd, 0, warps, 3, {{"ROTATE", 1}}});
           }
+      // Gather, the MoE backward's column-owning pass over grad_out, scatter.
+      for (int64_t bt : {32, 64}) {
+        emb_bwd_cfgs.push_back(ops::Config{bt, 256, 0, 8, 2, {{"GATHER", 1}}});
+        emb_bwd_cfgs.push_back(ops::Config{bt, 512, 0, 16, 2, {{"GATHER", 1}}});
+      }
     }
     if (family("embedding r=")) run_case(make_embedding(8192, 128256, 4096, 16, false), emb_cfgs);
     if (family("embedding_backward")) run_case(make_embedding(8192, 128256, 4096, 16, true), emb_bwd_cfgs);

@@ -113,6 +113,18 @@ const dsl::Kernel& lora_embedding();
 // Args: x, A, B, g, s, dA, dB, counts, err, start, total, padding (-1: none).
 const dsl::Kernel& lora_embedding_backward();
 
+// The backward in three launches, for when grad_out is best read by column
+// blocks (ops: Config.meta GATHER): lora_embedding_gather writes each token's
+// LoRA activations act[t, :] = A[:, x[t] - start] (zeros outside the shard;
+// records bad ids in err as lora_embedding does), moe_lora_backward_by_columns
+// with E = 1 forms gB = s * g @ B [T, r] and dB in one pass over g, and
+// lora_embedding_scatter adds w(v) * gB[t, :] into dA[:, x[t] - start] (not for
+// padding) and sets gB and act back to zero. Grid cdiv(T, BLOCK_T).
+// Meta: BLOCK_T, R_PAD (and BY_FREQ for the scatter).
+// Args: x, A, act, err, start, total / x, gB (f32), act, dA (f32), counts, start, padding.
+const dsl::Kernel& lora_embedding_gather();
+const dsl::Kernel& lora_embedding_scatter();
+
 // counts[x[t] - start] += 1 for the ids inside [start, start + counts.dim(0));
 // with CLEAR, sets those counts back to 0. Grid cdiv(T, BLOCK_T).
 // Args: x, counts (i32), start.
