@@ -84,11 +84,12 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
                W3.device};
   q.block_m_name = "BLOCK_M";
   q.block_k_name = "BLOCK_K";
-  // Also with the columns split for one, two and four waves (4096x4096 at BLOCK_M=64
-  // makes 448 programs by default, 1.7 waves of two per SM), and into one tile per
-  // program, leaving the overlap of tiles to the hardware's scheduler.
-  q.gpu_candidates =
-      with_wave_splits(merge_gpu_candidates(), "BLOCK_M", out, "BLOCK_K", in, G, parallelism(W3.device), {1, 2, 4, 0});
+  // Also with the columns split for 1 to 16 waves of one program per SM (4096x4096 at
+  // BLOCK_M=64 makes 448 programs by default, 1.7 waves of two per SM; at 14336x4096 a
+  // Triton merge was fastest with 4 programs per 32-row block, about 16 such waves),
+  // and into one tile per program, leaving the overlap of tiles to the hardware's scheduler.
+  q.gpu_candidates = with_wave_splits(merge_gpu_candidates(), "BLOCK_M", out, "BLOCK_K", in, G,
+                                      parallelism(W3.device), {1, 2, 4, 8, 16, 0});
   q.finalist_variants = evict_variants();
   q.extent_m = out;
   q.extent_k = in;
