@@ -155,9 +155,15 @@ void dora_norm(const TensorView& W, const TensorView& A, const TensorView& B, co
 namespace {
 
 // GPU: BLOCK_M x BLOCK_K x warps x stages (split-K follows from BLOCK_M: it fills the device).
+// 256-row blocks also with 16 warps: at r=64 every row block reads A's [r, in]
+// from L2, so taller blocks read it less, and 8 warps hold 64 accumulators each there.
 std::vector<autotune::Config> dora_gpu_candidates() {
-  return autotune::product(
+  std::vector<autotune::Config> c = autotune::product(
       {{"BLOCK_M", {32, 64, 128, 256}}, {"BLOCK_K", {64, 128}}, {"num_warps", {4, 8}}, {"num_stages", {2, 3}}});
+  for (autotune::Config& tall :
+       autotune::product({{"BLOCK_M", {256}}, {"BLOCK_K", {64, 128}}, {"num_warps", {16}}, {"num_stages", {2, 3}}}))
+    c.push_back(std::move(tall));
+  return c;
 }
 
 // dora_gpu_candidates, each also with split-K set to one and to two full waves of
