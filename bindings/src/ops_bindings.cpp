@@ -18,8 +18,14 @@ namespace kerf::python {
 
 namespace {
 
-ops::Config config_of(const ops::Config* c) {
-  return c ? *c : ops::Config{};
+// The config= argument: None, or a kerf.Config. Taken as a handle so that the
+// common None costs no lookup of the Config type (a typed argument does one per call).
+ops::Config config_of(py::handle c) {
+  if (c.is_none()) return ops::Config{};
+  if (!py::isinstance<ops::Config>(c))
+    throw TypeError(std::string("config must be a kerf.Config or None, got ") +
+                    std::string(py::str(py::type::handle_of(c).attr("__name__"))));
+  return c.cast<ops::Config>();
 }
 
 std::string config_repr(const ops::Config& c) {
@@ -135,7 +141,7 @@ void bind_in_place(py::module_& m, const char* name, Op* op, const char* w_name,
   m.def(
       name,
       [name, op, w_name, a_name, b_name](py::handle W, py::handle A, py::handle B, double s,
-                                         py::handle stream, const ops::Config* config) {
+                                         py::handle stream, py::handle config) {
         Call call(name, stream);
         const TensorView w = call.output(W, w_name), a = call.input(A, a_name),
                          b = call.input(B, b_name);
@@ -155,7 +161,7 @@ void bind_ops(py::module_& m) {
   m.def(
       "dora_norm",
       [](py::handle W, py::handle A, py::handle B, py::handle m, double s, py::handle norm,
-         py::handle scale, double eps, py::handle stream, const ops::Config* config,
+         py::handle scale, double eps, py::handle stream, py::handle config,
          py::handle layout) {
         Call call("dora_norm", stream);
         const TensorView w = call.input(W, "W"), a = call.input(A, "A"), b = call.input(B, "B"),
@@ -187,7 +193,7 @@ void bind_ops(py::module_& m) {
       "dora_norm_4bit",
       [](py::handle packed, py::handle absmax, py::handle code, int64_t blocksize, py::handle A, py::handle B,
          py::handle m, double s, py::handle norm, py::handle scale, double eps, py::handle stream,
-         const ops::Config* config) {
+         py::handle config) {
         Call call("dora_norm_4bit", stream);
         ops::Weight4bit w;
         w.packed = call.input(packed, "packed");
@@ -210,7 +216,7 @@ void bind_ops(py::module_& m) {
   m.def(
       "moe_lora_materialize",
       [](py::handle W, py::handle A, py::handle B, double s, py::handle out, py::handle stream,
-         const ops::Config* config, py::handle layout) {
+         py::handle config, py::handle layout) {
         Call call("moe_lora_materialize", stream);
         const TensorView w = call.input(W, "W"), a = call.input(A, "A"), b = call.input(B, "B");
         const auto o =
@@ -233,7 +239,7 @@ void bind_ops(py::module_& m) {
   m.def(
       "dora_norm_partial",
       [](py::handle W, py::handle A, py::handle B, double s, py::handle sumsq, py::handle stream,
-         const ops::Config* config, py::handle layout) {
+         py::handle config, py::handle layout) {
         Call call("dora_norm_partial", stream);
         const TensorView w = call.input(W, "W"), a = call.input(A, "A"), b = call.input(B, "B");
         const auto o = call.output_or_new(sumsq, "sumsq", {w.shape[0]}, DType::f32);
@@ -283,7 +289,7 @@ void bind_ops(py::module_& m) {
   m.def(
       "moe_lora_materialize_backward",
       [](py::handle dW, py::handle A, py::handle B, double s, py::handle dA, py::handle dB,
-         py::handle stream, const ops::Config* config, py::handle layout) {
+         py::handle stream, py::handle config, py::handle layout) {
         Call call("moe_lora_materialize_backward", stream);
         const TensorView g = call.input(dW, "dW_eff"), a = call.input(A, "A"),
                          b = call.input(B, "B");
@@ -305,7 +311,7 @@ void bind_ops(py::module_& m) {
       "lora_embedding",
       [](py::handle x, py::handle weight, py::handle A, py::handle B, double s, py::handle out,
          py::handle padding_idx, bool scale_grad_by_freq, py::handle stream,
-         const ops::Config* config, py::handle layout) {
+         py::handle config, py::handle layout) {
         Call call("lora_embedding", stream);
         const TensorView ids = call.input(x, "x"), w = call.input(weight, "weight"),
                          a = call.input(A, "A"), b = call.input(B, "B");
@@ -328,7 +334,7 @@ void bind_ops(py::module_& m) {
       "lora_embedding_backward",
       [](py::handle x, py::handle A, py::handle B, py::handle grad_out, double s, py::handle grad_A,
          py::handle grad_B, py::handle padding_idx, bool scale_grad_by_freq, py::handle stream,
-         const ops::Config* config, py::handle layout) {
+         py::handle config, py::handle layout) {
         Call call("lora_embedding_backward", stream);
         const TensorView ids = call.input(x, "x"), a = call.input(A, "A"), b = call.input(B, "B"),
                          g = call.input(grad_out, "grad_out");

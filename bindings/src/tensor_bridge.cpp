@@ -347,9 +347,16 @@ bool is_numpy(py::handle obj) {
   return r == 1;
 }
 
+// A kerf.Buffer: its type object is looked up once (py::isinstance<Buffer> hashes
+// the C++ type's name on every call, twice per tensor of a NumPy/DLPack call).
+bool is_buffer(py::handle obj) {
+  static PyTypeObject* const type = reinterpret_cast<PyTypeObject*>(py::type::of<Buffer>().ptr());
+  return PyObject_TypeCheck(obj.ptr(), type) != 0;
+}
+
 Framework framework_of(const TorchApi* torch, py::handle obj) {
   if (is_plain_torch(torch, obj)) return Framework::torch;
-  if (py::isinstance<Buffer>(obj)) return Framework::kerf;
+  if (is_buffer(obj)) return Framework::kerf;
   if (is_torch(torch, obj)) return Framework::torch;
   if (is_numpy(obj)) return Framework::numpy;
   return Framework::other;
@@ -638,7 +645,7 @@ TensorView Call::convert(py::handle obj, const char* name, bool written) {
     framework = Framework::torch;
     v = torch_view(*torch, obj, written, op_, name);
     if (v.device.is_cuda()) resolve_stream(obj, framework, v.device.index);
-  } else if (py::isinstance<Buffer>(obj)) {
+  } else if (is_buffer(obj)) {
     framework = Framework::kerf;
     Buffer& b = obj.cast<Buffer&>();
     v = b.view();

@@ -96,3 +96,11 @@ def test_errors_leave_the_inputs_untouched_and_kerf_usable(kerf_cpu):
         np.testing.assert_array_equal(x, k)
     norm, _ = kerf_cpu.ops.dora_norm(W, A, B, m, 1.0)
     np.testing.assert_allclose(norm, np.full(8, np.sqrt(16 * 9.0)), rtol=1e-6)
+
+
+def test_a_config_that_is_not_a_kerf_config_is_a_type_error():
+    W, A, B, m = dora_inputs()
+    with pytest.raises(TypeError, match="config must be a kerf.Config or None, got dict"):
+        kerf.ops.dora_norm(W, A, B, m, 1.0, config={"block_m": 16})
+    with pytest.raises(TypeError, match="config must be a kerf.Config or None, got int"):
+        kerf.ops.lora_merge(W, A, B, 1.0, config=3)
