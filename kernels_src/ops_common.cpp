@@ -71,10 +71,28 @@ void* stream_buffer(int slot, const Device& dev, void* stream, size_t bytes) {
   return buf.data();
 }
 
+// Held from asking for a stream's buffer `slot` until the last launch using it is
+// queued. One mutex per (slot, device, stream); none on the CPU, whose calls are
+// synchronous and whose buffers are per thread.
+std::unique_lock<std::mutex> stream_lock(int slot, const Device& dev, void* stream) {
+  if (!dev.is_cuda()) return {};
+  static std::mutex mu;
+  static std::map<std::tuple<int, int, void*>, std::mutex> locks;  // a node map: each mutex stays put
+  std::mutex* m;
+  {
+    std::lock_guard<std::mutex> guard(mu);
+    m = &locks[{slot, dev.index, stream}];
+  }
+  return std::unique_lock<std::mutex>(*m);
+}
+
 }  // namespace
 
-void* workspace(const Device& dev, void* stream, size_t bytes) {
-  return stream_buffer(0, dev, stream, bytes);
+WorkspaceLease lease_workspace(const Device& dev, void* stream, size_t bytes) {
+  WorkspaceLease lease;
+  lease.lock = stream_lock(0, dev, stream);  // before the buffer: it may be regrown for this call
+  if (bytes) lease.data = static_cast<char*>(stream_buffer(0, dev, stream, bytes));
+  return lease;
 }
 
 void* unused_memory() { return reinterpret_cast<void*>(uintptr_t(1) << 16); }
@@ -93,15 +111,7 @@ void* scratch(const Device& dev, void* stream, size_t bytes) {
 
 // Held from asking for a stream's scratch until the last launch reading it is queued.
 std::unique_lock<std::mutex> scratch_lock(const Device& dev, void* stream) {
-  if (!dev.is_cuda()) return {};  // CPU calls are synchronous and their scratch is per thread
-  static std::mutex mu;
-  static std::map<std::pair<int, void*>, std::mutex> locks;  // a node map: each mutex stays put
-  std::mutex* m;
-  {
-    std::lock_guard<std::mutex> guard(mu);
-    m = &locks[{dev.index, stream}];
-  }
-  return std::unique_lock<std::mutex>(*m);
+  return stream_lock(1, dev, stream);
 }
 
 // The cast of A (seen as rank 3) into `dst`, and the copy it writes, in A's shape.

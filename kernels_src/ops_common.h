@@ -89,8 +89,16 @@ int64_t split_for(int64_t blocks, int64_t programs, int64_t steps);
 
 // Scratch memory for kernels that accumulate across programs: at least `bytes`,
 // zero, on `dev`, private to `stream` (to the calling thread on the CPU).
-// Kernels using it must leave it zero when they finish.
-void* workspace(const Device& dev, void* stream, size_t bytes);
+// Kernels using it must leave it zero when they finish. `lock` is held until
+// the caller has queued the last launch using it (an accumulator one launch adds
+// to and a later one flushes, or just the one launch), so that another thread's
+// launches on the same stream cannot come between, nor its call regrow the
+// buffer under them. Taken before run_a's scratch, never twice at once.
+struct WorkspaceLease {
+  char* data = nullptr;
+  std::unique_lock<std::mutex> lock;
+};
+WorkspaceLease lease_workspace(const Device& dev, void* stream, size_t bytes);
 
 // Stands for device memory a plan is only compiled for, never run with: aligned
 // like real memory (64 KiB), so the specialization facts are the same.

@@ -135,12 +135,12 @@ void run_dora_norm(const TensorView& W, const TensorView& A, const TensorView& B
                            : tuned_dora_config(W, A, B, m, norm, scale, stream);
     return plan_dora(out, in, r, W.dtype, W.device.is_cuda(), parallelism(W.device), cfg);
   });
-  void* ws = p->split > 1 ? workspace(W.device, stream, workspace_bytes(*p)) : nullptr;
+  const WorkspaceLease ws = p->split > 1 ? lease_workspace(W.device, stream, workspace_bytes(*p)) : WorkspaceLease{};
   LaunchOptions options;
   options.stream = stream;
   options.layout = layout;
   const RunA a = run_a(A, p->cast_a, options);
-  launch(*p->kernel, dora_args(*p, W, a.a, B, m, s, eps, norm, scale, ws), p->grid, p->meta, options);
+  launch(*p->kernel, dora_args(*p, W, a.a, B, m, s, eps, norm, scale, ws.data), p->grid, p->meta, options);
 }
 
 }  // namespace
@@ -202,11 +202,11 @@ Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorV
   // the split workspace is zero again after every launch, so nothing needs restoring.
   q.run = [&](const Config& c) {
     const DoraPlan p = plan_dora(out, in, r, W.dtype, gpu, programs, c);
-    void* ws = p.split == 1 ? nullptr : workspace(W.device, stream, workspace_bytes(p));
+    const WorkspaceLease ws = p.split == 1 ? WorkspaceLease{} : lease_workspace(W.device, stream, workspace_bytes(p));
     LaunchOptions options;
     options.stream = stream;
     const RunA a = run_a(A, p.cast_a, options);
-    launch(*p.kernel, dora_args(p, W, a.a, B, m, 1.0, 0.0, norm, scale, ws), p.grid, p.meta, options);
+    launch(*p.kernel, dora_args(p, W, a.a, B, m, 1.0, 0.0, norm, scale, ws.data), p.grid, p.meta, options);
   };
   q.stream = stream;
   return tuned_config(q);
@@ -342,11 +342,12 @@ Config tuned_dora_4bit_config(const TensorView& packed2, const Weight4bit& W, co
   };
   q.run = [&](const Config& c) {
     const DoraPlan p = plan_dora(out, in, r, dot, gpu, programs, c, W.blocksize);
-    void* ws = p.split == 1 ? nullptr : workspace(packed2.device, stream, workspace_bytes(p));
+    const WorkspaceLease ws =
+        p.split == 1 ? WorkspaceLease{} : lease_workspace(packed2.device, stream, workspace_bytes(p));
     LaunchOptions options;
     options.stream = stream;
     const RunA a = run_a(A, p.cast_a, options);
-    launch(*p.kernel, dora_4bit_args(p, packed2, W, a.a, B, m, 1.0, 0.0, norm, scale, ws), p.grid, p.meta, options);
+    launch(*p.kernel, dora_4bit_args(p, packed2, W, a.a, B, m, 1.0, 0.0, norm, scale, ws.data), p.grid, p.meta, options);
   };
   q.stream = stream;
   return tuned_config(q);
@@ -426,11 +427,12 @@ void dora_norm_4bit(const Weight4bit& W, const TensorView& A, const TensorView& 
                                           : tuned_dora_4bit_config(packed2, W, A, B, m, norm, scale, stream);
     return plan_dora(out, in, r, dot_4bit(A, B), packed2.device.is_cuda(), parallelism(packed2.device), cfg, W.blocksize);
   });
-  void* ws = p->split > 1 ? workspace(packed2.device, stream, workspace_bytes(*p)) : nullptr;
+  const WorkspaceLease ws =
+      p->split > 1 ? lease_workspace(packed2.device, stream, workspace_bytes(*p)) : WorkspaceLease{};
   LaunchOptions options;
   options.stream = stream;
   const RunA a = run_a(A, p->cast_a, options);
-  launch(*p->kernel, dora_4bit_args(*p, packed2, W, a.a, B, m, s, eps, norm, scale, ws), p->grid, p->meta, options);
+  launch(*p->kernel, dora_4bit_args(*p, packed2, W, a.a, B, m, s, eps, norm, scale, ws.data), p->grid, p->meta, options);
 }
 
 namespace {

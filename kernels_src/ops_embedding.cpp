@@ -410,8 +410,9 @@ std::vector<autotune::KernelCall> gathered_kernels(const EmbeddingBackward& c, c
 // CLEAR count clear the rest.
 void run_gathered_backward(const EmbeddingBackward& c, const Config& config, const TensorView& record) {
   const Device& dev = c.x1.device;
-  char* ws = static_cast<char*>(workspace(dev, c.lo.stream, gathered_workspace_bytes(c)));
-  const GatheredBackward p = plan_gathered(c, config, ws);
+  // Shared by all the launches below: held until the last is queued.
+  const WorkspaceLease ws = lease_workspace(dev, c.lo.stream, gathered_workspace_bytes(c));
+  const GatheredBackward p = plan_gathered(c, config, ws.data);
   dsl::MetaMap gather_meta = p.edge_meta;
   gather_meta.erase("BY_FREQ");
   if (c.dA3.dtype == DType::f32) fill_3d(c.dA3, 0.0, c.lo);
@@ -442,7 +443,8 @@ void run_embedding_backward(const EmbeddingBackward& c, const Config& config, co
   if (!da_direct) ws_bytes += carved_bytes(1, r, V);
   if (!db_direct) ws_bytes += carved_bytes(1, D, r);
   if (c.by_freq) ws_bytes += carved_bytes(1, 1, V);
-  char* cursor = ws_bytes ? static_cast<char*>(workspace(dev, c.lo.stream, ws_bytes)) : nullptr;
+  const WorkspaceLease ws = ws_bytes ? lease_workspace(dev, c.lo.stream, ws_bytes) : WorkspaceLease{};
+  char* cursor = ws.data;
   const TensorView da_acc = da_direct ? c.dA3 : carve_f32(&cursor, 1, r, V, dev);
   const TensorView db_acc = db_direct ? c.dB3 : carve_f32(&cursor, 1, D, r, dev);
   TensorView counts = TensorView::contiguous(nullptr, DType::i32, {0}, dev);

@@ -107,7 +107,8 @@ void run_moe_backward(const TensorView& dW, const TensorView& A, const TensorVie
   size_t ws_bytes = 0;
   if (!da_direct) ws_bytes += carved_bytes(E, r, K);
   if (!db_direct) ws_bytes += carved_bytes(E, N, r);
-  char* cursor = ws_bytes ? static_cast<char*>(workspace(dW.device, options.stream, ws_bytes)) : nullptr;
+  const WorkspaceLease ws = ws_bytes ? lease_workspace(dW.device, options.stream, ws_bytes) : WorkspaceLease{};
+  char* cursor = ws.data;
   const TensorView da_acc = da_direct ? dA : carve_f32(&cursor, E, r, K, dW.device);
   const TensorView db_acc = db_direct ? dB : carve_f32(&cursor, E, N, r, dW.device);
   if (p.da_atomic && da_direct) fill_3d(dA, 0.0, options);
