@@ -38,6 +38,29 @@ const dsl::Kernel& fill_3d() {
   return k;
 }
 
+const dsl::Kernel& fill_pair() {
+  static const Kernel k("fill_pair", [](Builder& k) {
+    const Tensor t0 = k.tensor("out0", 3), t1 = k.tensor("out1", 3);
+    const Value value = k.scalar("value", DType::f64);
+    const Value p = program_id(0);
+    // Program p fills tile p of out0 or, past out0's tiles, tile p - n0 of out1; each
+    // tensor's tiles are numbered column block fastest, then row block, then dim 0.
+    const auto fill = [&](const Tensor& t, const Value& q, const Value& mine, int64_t BM, int64_t BK) {
+      const Value col_blocks = cdiv(t.dim(2), literal(BK)), row_blocks = cdiv(t.dim(1), literal(BM));
+      const Value cb = q % col_blocks, rest = q / col_blocks;
+      const Value rows = ((rest % row_blocks) * BM + arange(BM)).col();
+      const Value cols = (cb * BK + arange(BK)).row();
+      const Value ok = mine & (rows < t.dim(1)) & (cols < t.dim(2));
+      store(t, {rest / row_blocks, rows, cols}, broadcast_to(value.to(t.dtype()), {BM, BK}), ok);
+    };
+    const int64_t BM0 = k.meta("BLOCK_M0"), BK0 = k.meta("BLOCK_K0");
+    const Value n0 = t0.dim(0) * cdiv(t0.dim(1), literal(BM0)) * cdiv(t0.dim(2), literal(BK0));
+    fill(t0, minimum(p, n0 - 1), p < n0, BM0, BK0);
+    fill(t1, maximum(p - n0, literal(int64_t(0))), p >= n0, k.meta("BLOCK_M1"), k.meta("BLOCK_K1"));
+  });
+  return k;
+}
+
 const dsl::Kernel& flush_accumulator() {
   static const Kernel k("flush_accumulator", [](Builder& k) {
     const Tensor acc = k.tensor("acc", 3, DType::f32), out = k.tensor("out", 3);

@@ -200,6 +200,13 @@ const std::vector<LibraryEntry>& library() {
                  [](DType) {
                    return dsl::MetaMap{{"BLOCK_M", 16}, {"BLOCK_K", 128}};
                  }});
+    e.push_back({"fill_pair", fill_pair,
+                 [=](DType t) {
+                   return std::vector<dsl::ArgSpec>{tensor(t, 3), tensor(DType::f32, 3), scalar};
+                 },
+                 [](DType) {
+                   return dsl::MetaMap{{"BLOCK_M0", 8}, {"BLOCK_K0", 256}, {"BLOCK_M1", 128}, {"BLOCK_K1", 16}};
+                 }});
     e.push_back({"flush_accumulator", flush_accumulator,
                  [=](DType t) {
                    return std::vector<dsl::ArgSpec>{tensor(DType::f32, 3), tensor(t, 3)};

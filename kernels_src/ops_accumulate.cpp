@@ -27,6 +27,18 @@ void fill_3d(const TensorView& t, double value, const LaunchOptions& options) {
   launch(kernels::fill_3d(), {t, Scalar(value)}, grid, meta, options);
 }
 
+void fill_pair_3d(const TensorView& a, const TensorView& b, double value, const LaunchOptions& options) {
+  if (a.numel() == 0) return fill_3d(b, value, options);
+  if (b.numel() == 0) return fill_3d(a, value, options);
+  Grid ga, gb;
+  const dsl::MetaMap ma = tile_meta(a, &ga), mb = tile_meta(b, &gb);
+  const int64_t tiles = int64_t(ga.x) * ga.y * ga.z + int64_t(gb.x) * gb.y * gb.z;
+  launch(kernels::fill_pair(), {a, b, Scalar(value)}, Grid{uint32_t(tiles), 1, 1},
+         {{"BLOCK_M0", ma.at("BLOCK_M")}, {"BLOCK_K0", ma.at("BLOCK_K")},
+          {"BLOCK_M1", mb.at("BLOCK_M")}, {"BLOCK_K1", mb.at("BLOCK_K")}},
+         options);
+}
+
 void flush_accumulator(const TensorView& acc, const TensorView& out, const LaunchOptions& options) {
   if (out.numel() == 0) return;
   Grid grid;

@@ -13,6 +13,8 @@ namespace kerf::ops::detail {
 
 // t (rank 3, any strides) = value.
 void fill_3d(const TensorView& t, double value, const LaunchOptions& options);
+// a = value and b = value in one launch (both rank 3, any shapes and strides).
+void fill_pair_3d(const TensorView& a, const TensorView& b, double value, const LaunchOptions& options);
 // out = acc rounded to out's dtype, then acc = 0; both rank 3 with one shape.
 void flush_accumulator(const TensorView& acc, const TensorView& out, const LaunchOptions& options);
 

@@ -449,8 +449,12 @@ void run_embedding_backward(const EmbeddingBackward& c, const Config& config, co
   const TensorView db_acc = db_direct ? c.dB3 : carve_f32(&cursor, 1, D, r, dev);
   TensorView counts = TensorView::contiguous(nullptr, DType::i32, {0}, dev);
   if (c.by_freq) counts = TensorView::contiguous(carve_f32(&cursor, 1, 1, V, dev).data, DType::i32, {V}, dev);
-  if (da_direct) fill_3d(c.dA3, 0.0, c.lo);
-  if (db_direct) fill_3d(c.dB3, 0.0, c.lo);
+  if (da_direct && db_direct)
+    fill_pair_3d(c.dA3, c.dB3, 0.0, c.lo);  // one launch for both
+  else if (da_direct)
+    fill_3d(c.dA3, 0.0, c.lo);
+  else if (db_direct)
+    fill_3d(c.dB3, 0.0, c.lo);
 
   const EmbeddingBackwardPlan p = plan_embedding_backward(c, config, parallelism(dev));
   const Grid tokens{p.grid.x, 1, 1};
@@ -655,8 +659,7 @@ void lora_embedding_backward(const TensorView& x, const TensorView& A, const Ten
   lo.layout = text;
   const TensorView dA3 = as_3d(grad_A), dB3 = as_3d(grad_B);
   if (x.numel() == 0 || D == 0) {  // sums over nothing
-    fill_3d(dA3, 0.0, lo);
-    fill_3d(dB3, 0.0, lo);
+    fill_pair_3d(dA3, dB3, 0.0, lo);
     return;
   }
   TensorView x1, g2;

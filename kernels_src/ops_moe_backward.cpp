@@ -111,8 +111,14 @@ void run_moe_backward(const TensorView& dW, const TensorView& A, const TensorVie
   char* cursor = ws.data;
   const TensorView da_acc = da_direct ? dA : carve_f32(&cursor, E, r, K, dW.device);
   const TensorView db_acc = db_direct ? dB : carve_f32(&cursor, E, N, r, dW.device);
-  if (p.da_atomic && da_direct) fill_3d(dA, 0.0, options);
-  if (p.db_atomic && db_direct && !(db_is_zero && dB.dtype == DType::f32)) fill_3d(dB, 0.0, options);
+  const bool fill_da = p.da_atomic && da_direct;
+  const bool fill_db = p.db_atomic && db_direct && !(db_is_zero && dB.dtype == DType::f32);
+  if (fill_da && fill_db)
+    fill_pair_3d(dA, dB, 0.0, options);  // one launch for both
+  else if (fill_da)
+    fill_3d(dA, 0.0, options);
+  else if (fill_db)
+    fill_3d(dB, 0.0, options);
   launch(*p.kernel, {dW, A, B, Scalar(s), da_acc, db_acc}, p.grid, p.meta, options);
   if (!da_direct) flush_accumulator(da_acc, dA, options);
   if (!db_direct) flush_accumulator(db_acc, dB, options);

@@ -9,6 +9,8 @@
 #include "device_tensor.h"
 #include "gpu_test_util.h"
 #include "kerf/jit/cpu_backend.h"
+#include "kerf/jit/launch.h"
+#include "kerf/kernels/kernels.h"
 #include "kerf/ops/ops.h"
 
 using namespace kerf;
@@ -181,4 +183,49 @@ TEST_CASE("moe_lora_materialize matches a float64 reference on the CPU", "[cpu][
 TEST_CASE("moe_lora_materialize matches a float64 reference on the GPU", "[gpu][kernels]") {
   KERF_REQUIRE_GPU();
   run_moe_cases(Device::cuda(0));
+}
+
+namespace {
+
+// fill_pair: two strided rank-3 views (inside larger buffers, whose other
+// elements must stay as they were) set in one launch, as its contract says.
+void check_fill_pair(Device dev) {
+  TestTensor a(DType::f32, {2, 40, 310}, dev), b(DType::bf16, {1, 70, 16}, dev);
+  a.poison();
+  b.poison();
+  a.upload();
+  b.upload();
+  const TensorView av = a.view({2, 37, 300}, {40 * 310, 310, 1});
+  const TensorView bv = b.view({1, 70, 16}, {70 * 16, 16, 1});
+  const int64_t bm0 = 8, bk0 = 128, bm1 = 32, bk1 = 16;
+  const int64_t n0 = 2 * ((37 + bm0 - 1) / bm0) * ((300 + bk0 - 1) / bk0);
+  const int64_t n1 = 1 * ((70 + bm1 - 1) / bm1) * ((16 + bk1 - 1) / bk1);
+  launch(kernels::fill_pair(), {av, bv, Scalar(1.5)}, Grid{uint32_t(n0 + n1), 1, 1},
+         {{"BLOCK_M0", bm0}, {"BLOCK_K0", bk0}, {"BLOCK_M1", bm1}, {"BLOCK_K1", bk1}});
+  test::sync(dev);
+  a.download();
+  b.download();
+  int64_t wrong = 0;
+  for (int64_t g = 0; g < 2; ++g)
+    for (int64_t i = 0; i < 40; ++i)
+      for (int64_t j = 0; j < 310; ++j) {
+        const double v = a.get((g * 40 + i) * 310 + j);
+        const bool inside = i < 37 && j < 300;
+        if (inside ? v != 1.5 : !std::isnan(v)) ++wrong;
+      }
+  for (int64_t i = 0; i < b.numel(); ++i)
+    if (b.get(i) != 1.5) ++wrong;
+  CHECK(wrong == 0);
+}
+
+}  // namespace
+
+TEST_CASE("fill_pair sets two strided views in one launch on the CPU", "[cpu][kernels]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  check_fill_pair(Device::cpu());
+}
+
+TEST_CASE("fill_pair sets two strided views in one launch on the GPU", "[gpu][kernels]") {
+  KERF_REQUIRE_GPU();
+  check_fill_pair(Device::cuda(0));
 }

@@ -157,6 +157,23 @@ std::vector<Case> op_kernel_cases() {
                  {{"BLOCK_M", 16}, {"BLOCK_K", 128}},
                  "fill_3d",
                  v.arch});
+    c.push_back({&kernels::fill_pair(),
+                 {T(w, 3, fast), T(DType::f32, 3), S},
+                 {{"BLOCK_M0", 8}, {"BLOCK_K0", 256}, {"BLOCK_M1", 128}, {"BLOCK_K1", 16}},
+                 "fill_pair",
+                 v.arch});
+    c.push_back({&kernels::lora_embedding_gather(),
+                 {T(DType::i64, 1, fast), T(w, 2, fast), T(is_half(w) ? w : DType::f32, 2, fast),
+                  T(DType::i64, 1), S, S},
+                 {{"BLOCK_T", 128}, {"R_PAD", 32}},
+                 "lora_embedding_gather",
+                 v.arch});
+    c.push_back({&kernels::lora_embedding_scatter(),
+                 {T(DType::i64, 1, fast), T(DType::f32, 2, fast), T(is_half(w) ? w : DType::f32, 2, fast),
+                  T(DType::f32, 2), T(DType::i32, 1), S, S},
+                 {{"BLOCK_T", 128}, {"R_PAD", 32}, {"BY_FREQ", 1}},
+                 "lora_embedding_scatter",
+                 v.arch});
     c.push_back({&kernels::flush_accumulator(),
                  {T(DType::f32, 3), T(w, 3, fast)},
                  {{"BLOCK_M", 16}, {"BLOCK_K", 128}},

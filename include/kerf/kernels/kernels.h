@@ -133,6 +133,10 @@ const dsl::Kernel& embedding_count_ids();
 // out[g, i, j] = value over a rank-3 view (any strides).
 // Grid (cdiv(d2, BLOCK_K), cdiv(d1, BLOCK_M), d0). Args: out, value.
 const dsl::Kernel& fill_3d();
+// Two rank-3 views set to value in one launch: grid (n0 + n1), n_i the number of
+// [BLOCK_Mi, BLOCK_Ki] tiles of out_i (d0 * row blocks * column blocks).
+// Args: out0, out1, value.
+const dsl::Kernel& fill_pair();
 // out[g, i, j] = acc[g, i, j] rounded to out's dtype, then acc[g, i, j] = 0:
 // an fp32 accumulator moved to its output and left zero. Same grid as fill_3d.
 // Args: acc (f32), out.
