@@ -167,6 +167,17 @@ CallKey& CallKey::add(const Config& c) {
 }
 
 void expect_meta(const char* op, const Config& config, std::initializer_list<MetaRange> allowed) {
+  for (const auto& [name, value] : {std::pair<const char*, int64_t>{"block_m", config.block_m},
+                                    {"block_k", config.block_k},
+                                    {"split_k", config.split_k},
+                                    {"num_warps", config.num_warps},
+                                    {"num_stages", config.num_stages}})
+    if (value < 0)
+      throw InvalidArgument(std::string(op) + ": Config." + name + " must be >= 0 (0 lets kerf choose), got " +
+                            std::to_string(value));
+  if (config.split_k > 65535)
+    throw InvalidArgument(std::string(op) + ": Config.split_k must be at most 65535 (programs on grid axis 1), got " +
+                          std::to_string(config.split_k));
   for (const auto& [name, value] : config.meta) {
     const MetaRange* range = nullptr;
     for (const MetaRange& a : allowed)

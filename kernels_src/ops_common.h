@@ -67,8 +67,11 @@ inline void expect_device(const char* op, const std::vector<NamedTensor>& ts) {
 inline bool has_config(const Config& c) {
   return c.block_m || c.block_k || c.split_k || c.num_warps || c.num_stages || !c.meta.empty();
 }
-// Throws InvalidArgument when config.meta names a meta-parameter `op` does not
-// take (`allowed`), or gives one of them a value outside [lo, hi].
+// Throws InvalidArgument when a field of `config` is negative or split_k is
+// beyond a grid's y extent (65535), or when config.meta names a meta-parameter
+// `op` does not take (`allowed`) or gives one of them a value outside [lo, hi].
+// (Tile sizes that are not powers of two, warps and stages out of range are
+// refused when the kernel is traced.)
 struct MetaRange {
   const char* name;
   int64_t lo, hi;

@@ -250,4 +250,18 @@ TEST_CASE("an op refuses Config.meta names it does not take and values out of ra
   two.meta["ROTATE"] = 2;
   CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize_backward(dW, mA, mB, 1.0, dA, dB, nullptr, two),
                 "moe_lora_materialize_backward: Config.meta ROTATE must be in [0, 1], got 2");
+  // Negative fields and splits beyond a grid's y extent are refused before anything runs
+  // (a negative split used to become a grid of 2^32 - 1 programs).
+  ops::Config negative;
+  negative.split_k = -1;
+  CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize_backward(dW, mA, mB, 1.0, dA, dB, nullptr, negative),
+                "moe_lora_materialize_backward: Config.split_k must be >= 0 (0 lets kerf choose), got -1");
+  ops::Config huge;
+  huge.split_k = 70000;
+  CHECK_REJECTS(InvalidArgument, ops::lora_merge(W, A, B, 1.0, nullptr, huge),
+                "lora_merge: Config.split_k must be at most 65535 (programs on grid axis 1), got 70000");
+  ops::Config warps;
+  warps.num_warps = -8;
+  CHECK_REJECTS(InvalidArgument, ops::dora_norm(W, A, B, m, 1.0, norm, scale, 0.0, nullptr, warps),
+                "dora_norm: Config.num_warps must be >= 0");
 }

@@ -431,6 +431,52 @@ TensorView dltensor_view(const dlpack::DLTensor& t, const char* op, const char* 
   return v;
 }
 
+// A NumPy array as kerf sees it through __array_interface__, for the arrays that
+// NumPy before 2.1 will not export through DLPack (read-only ones: broadcast_to,
+// frombuffer, read-only memory maps). Host memory; the same checks as a DLPack
+// tensor's (read through a DLTensor made of the interface's fields).
+TensorView numpy_interface_view(py::handle obj, const char* op, const char* name, bool written) {
+  const py::dict ai = py::reinterpret_steal<py::dict>(PyObject_GetAttrString(obj.ptr(), "__array_interface__"));
+  if (!ai) throw py::error_already_set();
+  const py::tuple data = ai["data"];
+  if (written && data[1].cast<bool>())
+    throw InvalidArgument(where(op, name) + " is read-only; kerf writes into it");
+  const std::string ts = ai["typestr"].cast<std::string>();
+  dlpack::DLDataType dt{0, 0, 1};
+  const bool little = ts.size() >= 3 && (ts[0] == '<' || ts[0] == '|');
+  const int bytes = little ? std::atoi(ts.c_str() + 2) : 0;
+  switch (little ? ts[1] : '?') {
+    case 'f': dt.code = dlpack::kDLFloat; break;
+    case 'i': dt.code = dlpack::kDLInt; break;
+    case 'u': dt.code = dlpack::kDLUInt; break;
+    case 'b': dt.code = dlpack::kDLBool; break;
+    default:
+      throw TypeError(where(op, name) + " is a NumPy array of type '" + ts + "', which kerf does not take");
+  }
+  dt.bits = uint8_t(bytes * 8);
+  const py::tuple shape = ai["shape"];
+  std::vector<int64_t> dims, strides;
+  for (const py::handle d : shape) dims.push_back(d.cast<int64_t>());
+  const py::object st = ai["strides"];
+  if (!st.is_none())
+    for (const py::handle d : st) {
+      const int64_t b = d.cast<int64_t>();
+      if (bytes == 0 || b % bytes)
+        throw InvalidArgument(where(op, name) + " has a stride of " + std::to_string(b) +
+                              " bytes, not a whole number of its " + std::to_string(bytes) + "-byte elements");
+      strides.push_back(b / bytes);
+    }
+  dlpack::DLTensor t{};
+  t.data = reinterpret_cast<void*>(uintptr_t(data[0].cast<uint64_t>()));
+  t.device = dlpack::DLDevice{dlpack::kDLCPU, 0};
+  t.ndim = int32_t(dims.size());
+  t.dtype = dt;
+  t.shape = dims.data();
+  t.strides = st.is_none() ? nullptr : strides.data();
+  t.byte_offset = 0;
+  return dltensor_view(t, op, name);
+}
+
 // The DLTensor inside a capsule (either generation), and its flags.
 struct CapsuleTensor {
   const dlpack::DLTensor* tensor = nullptr;
@@ -689,7 +735,13 @@ TensorView Call::from_dlpack(py::handle obj, const char* name, bool written, Fra
       resolve_stream(obj, framework, device.index);
       stream_value = dlpack_stream_value(stream_);
     }
-    capsule = export_dlpack(obj, stream_value ? stream_value.ptr() : nullptr);
+    try {
+      capsule = export_dlpack(obj, stream_value ? stream_value.ptr() : nullptr);
+    } catch (py::error_already_set& e) {
+      // NumPy before 2.1 exports no read-only array through DLPack.
+      if (framework != Framework::numpy || !e.matches(PyExc_BufferError)) throw;
+      return numpy_interface_view(obj, op_, name, written);
+    }
     if (!PyCapsule_CheckExact(capsule.ptr()))
       throw TypeError(where(op_, name) + ": __dlpack__() returned " + type_name(capsule) +
                       ", not a capsule");

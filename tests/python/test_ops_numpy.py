@@ -275,3 +275,25 @@ def test_lora_embedding_forward_and_backward_match_float64(kerf_cpu):
     with pytest.raises(ValueError):
         kerf_cpu.ops.lora_embedding(np.array([V]), W, A, B, s)
 
+
+
+def test_read_only_arrays_are_inputs_but_never_outputs(kerf_cpu):
+    # NumPy before 2.1 exports no read-only array through DLPack (np.broadcast_to,
+    # np.frombuffer and read-only memory maps give such arrays): kerf reads them
+    # through __array_interface__ instead, and refuses them as outputs.
+    rng = np.random.default_rng(11)
+    W = rng.standard_normal((24, 40)).astype(np.float32)
+    A = rng.standard_normal((4, 40)).astype(np.float32)
+    B = rng.standard_normal((24, 4)).astype(np.float32)
+    m = np.broadcast_to(np.float32(1.5), (24,))  # read-only, stride 0
+    W_ro = np.frombuffer(W.tobytes(), np.float32).reshape(24, 40)
+    A_ro = np.broadcast_to(A[None], (2, 4, 40))[1]  # read-only view
+    assert not W_ro.flags.writeable and not A_ro.flags.writeable and not m.flags.writeable
+    want_norm, want_scale = kerf_cpu.ops.dora_norm(W, A, B, np.full(24, 1.5, np.float32), 0.5)
+    norm, scale = kerf_cpu.ops.dora_norm(W_ro, A_ro, B, m, 0.5)
+    np.testing.assert_allclose(norm, want_norm, rtol=1e-6)
+    np.testing.assert_allclose(scale, want_scale, rtol=1e-6)
+    with pytest.raises(ValueError, match="norm is read-only; kerf writes into it"):
+        kerf_cpu.ops.dora_norm(W, A, B, m, 0.5, norm=np.broadcast_to(np.float32(0), (24,)))
+    with pytest.raises(ValueError, match="W is read-only"):
+        kerf_cpu.ops.lora_merge(W_ro, A, B, 0.5)
