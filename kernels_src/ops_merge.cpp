@@ -110,9 +110,9 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
 
 // One launch over W3 [G, out, in] += s * B3 [G, out, r] @ A3 [G, r, in], with the
 // caller's Config or else the autotuner's (remembered per call signature).
-void launch_merge(const TensorView& W3, const TensorView& A3, const TensorView& B3, double s,
+void launch_merge(const char* op, const TensorView& W3, const TensorView& A3, const TensorView& B3, double s,
                   void* stream, const Config& config) {
-  expect_meta("lora_merge", config, {{"EVICT", 0, 2}});
+  expect_meta(op, config, {{"EVICT", 0, 2}});
   if (has_config(config))
     return run_merge(W3, A3, B3, s, stream, config);
   static PlanMemo<Config> tuned;
@@ -148,7 +148,7 @@ void merge_torch(const char* op, const TensorView& W, const TensorView& A, const
     throw InvalidArgument(std::string(op) + ": rank " + std::to_string(r) +
                           " is above the supported 256");
   if (out == 0 || in == 0 || r == 0) return;
-  launch_merge(as_batch_of_one(W), as_batch_of_one(A), as_batch_of_one(B), s, stream, config);
+  launch_merge(op, as_batch_of_one(W), as_batch_of_one(A), as_batch_of_one(B), s, stream, config);
 }
 
 std::string dims_text(const TensorView& t, int from, int to) {
@@ -230,7 +230,7 @@ void merge_flax(const char* op, const TensorView& kernel, const TensorView& lora
         v.data = static_cast<char*>(t.data) + off * dtype_size_bytes(t.dtype);
         return v;
       };
-      launch_merge(restride(at(kernel, ow), {last.size, out, in}, {last.w, w_row, w_col}),
+      launch_merge(op, restride(at(kernel, ow), {last.size, out, in}, {last.w, w_row, w_col}),
                    restride(at(lora_b, oa), {last.size, r, in}, {last.a, a_rank, a_col}),
                    restride(at(lora_a, ob), {last.size, out, r}, {last.b, b_row, b_rank}), s,
                    stream, config);
