@@ -84,31 +84,72 @@ py::dict view_info(py::handle obj, py::handle stream) {
 
 // A sharding layout from Python: None, or a dict
 //   {"mesh": {"tp": 4} or [("tp", 4), ...], "specs": {"W": (None, "tp"), ...}, "coords": [c, ...]}
-// (specs as jax.sharding.PartitionSpec entries: an axis name or None per dimension).
+// (specs as jax.sharding.PartitionSpec entries: an axis name or None per dimension;
+// a spec of None is an unsplit operand). Anything else is a TypeError saying what was expected.
+std::string layout_type_of(py::handle h) { return py::str(py::type::handle_of(h).attr("__name__")); }
+
+std::string layout_axis_name(py::handle h, const std::string& what) {
+  if (!PyUnicode_Check(h.ptr()))
+    throw TypeError("layout: " + what + " must be an axis name (str), got " + layout_type_of(h));
+  return h.cast<std::string>();
+}
+
+int64_t layout_int(py::handle h, const std::string& what) {
+  if (!PyLong_Check(h.ptr()) || PyBool_Check(h.ptr()))
+    throw TypeError("layout: " + what + " must be an int, got " + layout_type_of(h));
+  return h.cast<int64_t>();
+}
+
+bool layout_sequence(py::handle h) {
+  return PyList_Check(h.ptr()) || PyTuple_Check(h.ptr());
+}
+
 ops::Layout layout_of(py::handle obj) {
   ops::Layout layout;
   if (!obj || obj.is_none()) return layout;
   if (!py::isinstance<py::dict>(obj))
-    throw TypeError("layout must be None or a dict with 'mesh', 'specs' and optionally 'coords'");
+    throw TypeError("layout must be None or a dict with 'mesh', 'specs' and optionally 'coords', got " +
+                    layout_type_of(obj));
   const py::dict d = py::reinterpret_borrow<py::dict>(obj);
   for (const auto& [key, value] : d) {
     const std::string k = py::str(key);
     if (k == "mesh") {
-      const py::object items = py::isinstance<py::dict>(value)
-                                   ? py::reinterpret_borrow<py::dict>(value).attr("items")()
-                                   : py::reinterpret_borrow<py::object>(value);
-      for (const py::handle axis : items) {
-        const auto pair = axis.cast<std::pair<std::string, int64_t>>();
-        layout.mesh.push_back({pair.first, pair.second});
+      if (py::isinstance<py::dict>(value)) {
+        for (const auto& [axis, size] : py::reinterpret_borrow<py::dict>(value))
+          layout.mesh.push_back({layout_axis_name(axis, "a mesh axis"), layout_int(size, "a mesh axis size")});
+      } else if (layout_sequence(value)) {
+        for (const py::handle axis : value) {
+          if (!layout_sequence(axis) || py::len(axis) != 2)
+            throw TypeError("layout: mesh entries must be (axis name, size) pairs, got " + std::string(py::repr(axis)));
+          const py::sequence pair = py::reinterpret_borrow<py::sequence>(axis);
+          layout.mesh.push_back({layout_axis_name(pair[0], "a mesh axis"), layout_int(pair[1], "a mesh axis size")});
+        }
+      } else {
+        throw TypeError("layout: mesh must be a dict {axis: size} or a list of (axis, size) pairs, got " +
+                        layout_type_of(value));
       }
     } else if (k == "specs") {
+      if (!py::isinstance<py::dict>(value))
+        throw TypeError("layout: specs must be a dict {operand: spec}, got " + layout_type_of(value));
       for (const auto& [name, spec] : py::reinterpret_borrow<py::dict>(value)) {
+        const std::string operand = layout_axis_name(name, "a specs key (an operand's name)");
         std::vector<std::string> dims;
-        for (const py::handle a : spec) dims.push_back(a.is_none() ? "" : a.cast<std::string>());
-        layout.specs[py::str(name)] = ops::PartitionSpec(std::move(dims));
+        if (!spec.is_none()) {
+          if (!layout_sequence(spec) && !py::isinstance<py::tuple>(spec))
+            throw TypeError("layout: the spec of " + operand +
+                            " must be a tuple with an axis name or None per dimension (like "
+                            "jax.sharding.PartitionSpec), got " +
+                            layout_type_of(spec));
+          for (const py::handle a : spec)
+            dims.push_back(a.is_none() ? "" : layout_axis_name(a, "an entry of " + operand + "'s spec"));
+        }
+        layout.specs[operand] = ops::PartitionSpec(std::move(dims));
       }
     } else if (k == "coords") {
-      layout.coords = value.cast<std::vector<int64_t>>();
+      if (!layout_sequence(value))
+        throw TypeError("layout: coords must be a list with this device's coordinate per mesh axis, got " +
+                        layout_type_of(value));
+      for (const py::handle c : value) layout.coords.push_back(layout_int(c, "a coordinate"));
     } else {
       throw InvalidArgument("layout: unknown key '" + k + "' (expected mesh, specs, coords)");
     }

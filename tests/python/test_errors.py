@@ -104,3 +104,17 @@ def test_a_config_that_is_not_a_kerf_config_is_a_type_error():
         kerf.ops.dora_norm(W, A, B, m, 1.0, config={"block_m": 16})
     with pytest.raises(TypeError, match="config must be a kerf.Config or None, got int"):
         kerf.ops.lora_merge(W, A, B, 1.0, config=3)
+
+
+@pytest.mark.parametrize("layout,message", [
+    ({"mesh": [("tp",)], "specs": {}}, r"mesh entries must be \(axis name, size\) pairs"),
+    ({"mesh": {"tp": "2"}, "specs": {}}, "a mesh axis size must be an int, got str"),
+    ({"mesh": {"tp": 2}, "specs": {"W": "tp"}}, "the spec of W must be a tuple"),
+    ({"mesh": {"tp": 2}, "specs": {"W": (1, None)}}, "an entry of W's spec must be an axis name"),
+    ({"mesh": {"tp": 2}, "specs": {"W": (None, "tp")}, "coords": 1}, "coords must be a list"),
+    ([("tp", 2)], "layout must be None or a dict"),
+])
+def test_a_malformed_layout_is_a_type_error_saying_what_was_expected(layout, message):
+    W, A, B, m = dora_inputs()
+    with pytest.raises(TypeError, match=message):
+        kerf.ops.dora_norm_partial(W, A, B, 1.0, layout=layout)
