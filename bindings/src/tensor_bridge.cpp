@@ -588,7 +588,12 @@ void* parse_stream(py::handle stream) {
   PyObject* s = stream.ptr();
   if (PyLong_Check(s)) {
     const long long v = PyLong_AsLongLong(s);
-    if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+    if (v == -1 && PyErr_Occurred()) {
+      if (!PyErr_ExceptionMatches(PyExc_OverflowError)) throw py::error_already_set();
+      PyErr_Clear();
+      throw InvalidArgument("stream must be a CUstream handle (an int >= 0), got " + str_of(stream) +
+                            ", which does not fit in 64 bits");
+    }
     if (v < 0)
       throw InvalidArgument("stream must be a CUstream handle (an int >= 0), got " +
                             std::to_string(v));
@@ -644,6 +649,10 @@ Call::Call(const char* op, py::handle stream) : op_(op), stream_arg_(stream) {}
 
 void Call::check_signals() {
   if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+}
+
+void Call::check_unused_stream() {
+  if (!stream_resolved_ && stream_arg_ && !stream_arg_.is_none()) (void)parse_stream(stream_arg_);
 }
 
 void Call::resolve_stream(py::handle obj, Framework framework, int device) {

@@ -52,6 +52,7 @@ class Call {
   // KeyboardInterrupt at once.
   template <class Work>
   void run(Work&& work) {
+    check_unused_stream();
     {
       py::gil_scoped_release nogil;
       work();
@@ -64,6 +65,8 @@ class Call {
   TensorView from_dlpack(py::handle obj, const char* name, bool written, Framework framework);
   void resolve_stream(py::handle obj, Framework framework, int device);
   static void check_signals();
+  // A stream= that no GPU tensor used (a CPU call) must still be a stream.
+  void check_unused_stream();
 
   const char* op_;
   py::handle stream_arg_;

@@ -118,3 +118,15 @@ def test_a_malformed_layout_is_a_type_error_saying_what_was_expected(layout, mes
     W, A, B, m = dora_inputs()
     with pytest.raises(TypeError, match=message):
         kerf.ops.dora_norm_partial(W, A, B, 1.0, layout=layout)
+
+
+@pytest.mark.parametrize("stream,error,message", [
+    ("x", TypeError, "stream must be None, an int CUstream handle"),
+    (2.5, TypeError, "got float"),
+    (-1, ValueError, r"an int >= 0\), got -1"),
+    (1 << 70, ValueError, "does not fit in 64 bits"),
+])
+def test_a_stream_that_is_not_one_is_refused_even_on_the_cpu(stream, error, message):
+    W, A, B, m = dora_inputs()
+    with pytest.raises(error, match=message):
+        kerf.ops.dora_norm(W, A, B, m, 1.0, stream=stream)
