@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "dlpack_abi.h"
+#include "module.h"
 #include "kerf/error.h"
 #include "kerf/runtime/cuda.h"
 
@@ -175,13 +176,25 @@ Buffer::Buffer(const std::vector<int64_t>& shape, DType dtype, Device device)
   if (shape.size() > size_t(kMaxRank))
     throw InvalidArgument("kerf.Buffer: at most " + std::to_string(kMaxRank) + " dimensions, got " +
                           std::to_string(shape.size()));
-  size_t count = 1;
+  // The byte count must fit (a wrapped product would make a small buffer that
+  // claims a huge shape): at most 2^62 bytes, far beyond any memory.
+  uint64_t bytes_needed = uint64_t(dtype_size_bytes(dtype));
+  bool too_big = false;
   for (int64_t d : shape) {
     if (d < 0) throw InvalidArgument("kerf.Buffer: sizes must be >= 0, got " + std::to_string(d));
-    count *= size_t(d);
+    too_big = too_big || (d != 0 && bytes_needed > (uint64_t(1) << 62) / uint64_t(d));
+    bytes_needed *= uint64_t(d);
+  }
+  for (int64_t d : shape)
+    if (d == 0) too_big = false;  // an empty buffer of any other sizes is fine
+  if (too_big) {
+    std::string dims;
+    for (int64_t d : shape) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
+    throw InvalidArgument("kerf.Buffer: [" + dims + "] " + std::string(dtype_name(dtype)) +
+                          " needs more than 2^62 bytes");
   }
   storage_ = std::make_shared<Storage>();
-  storage_->bytes = count * size_t(dtype_size_bytes(dtype));
+  storage_->bytes = size_t(bytes_needed);
   // At least one aligned block, so that an empty buffer still has a real address.
   const size_t bytes = std::max<size_t>(
       kHostAlignment, (storage_->bytes + kHostAlignment - 1) / kHostAlignment * kHostAlignment);
@@ -190,7 +203,8 @@ Buffer::Buffer(const std::vector<int64_t>& shape, DType dtype, Device device)
     storage_->data = storage_->device.data();
   } else {
     storage_->host.reset(std::aligned_alloc(kHostAlignment, bytes));
-    if (!storage_->host) throw std::bad_alloc();
+    if (!storage_->host)
+      throw HostOutOfMemory("kerf.Buffer: could not allocate " + std::to_string(bytes) + " bytes of host memory");
     storage_->data = storage_->host.get();
   }
 }

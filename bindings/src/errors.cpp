@@ -95,6 +95,8 @@ void register_errors(py::module_& m) {
     } catch (const CudaError& e) {
       raise(error_types().by_kind[size_t(e.kind())], e.what(),
             {{"code", PyLong_FromLong(e.code())}});
+    } catch (const HostOutOfMemory& e) {
+      PyErr_SetString(PyExc_MemoryError, e.what());
     } catch (const Error& e) {
       const size_t k = size_t(e.kind());
       PyObject* type = k < error_types().by_kind.size() ? error_types().by_kind[k] : nullptr;

@@ -3,9 +3,17 @@
 
 #include <pybind11/pybind11.h>
 
+#include <stdexcept>
+
 namespace kerf::python {
 
 namespace py = pybind11;
+
+// Host memory that could not be had, with the size asked for: raised as MemoryError
+// (thrown where the GIL may be released, so not set as a Python error there).
+struct HostOutOfMemory : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 
 void register_errors(
     py::module_& m);  // errors.cpp: kerf::Error -> ValueError / TypeError / RuntimeError
