@@ -122,6 +122,18 @@ void run_dora_norm(const TensorView& W, const TensorView& A, const TensorView& B
   expect_device(op, {{"W", &W}, {"A", &A}, {"B", &B}, {"m", &m}, {"norm", &norm}, {"scale", &scale}});
   if (r > 256) throw InvalidArgument("dora_norm: rank " + std::to_string(r) + " is above the supported 256");
   if (eps < 0) throw InvalidArgument("dora_norm: eps must be >= 0, got " + std::to_string(eps));
+  const std::vector<std::pair<const char*, const TensorView*>> inputs = {{"W", &W}, {"A", &A}, {"B", &B}, {"m", &m}};
+  for (const auto& [name, t] : inputs) {
+    expect_element_aligned(op, name, *t);
+    expect_int32_dims(op, name, *t);
+  }
+  // Outputs of their own: norm and scale written where nothing is read, nor each other.
+  for (const auto& [name, t] : {std::pair{"norm", &norm}, {"scale", &scale}}) {
+    expect_element_aligned(op, name, *t);
+    expect_no_self_overlap(op, name, *t);
+    for (const auto& [in_name, in_t] : inputs) expect_disjoint(op, name, *t, in_name, *in_t);
+  }
+  expect_disjoint(op, "scale", scale, "norm", norm);
   if (out == 0) return;
 
   static PlanMemo<DoraPlan> plans;

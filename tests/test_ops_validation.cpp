@@ -126,6 +126,16 @@ TEST_CASE("the DoRA norm ops reject bad shapes, dtypes, eps and overlapping outp
   CHECK_REJECTS(InvalidArgument,
                 ops::dora_norm_backward(norm, scale, on_gpu(t({8}, DType::f32, 12400))),
                 "dora_norm_backward: grad_m is on cuda:0 but norm is on cpu");
+  // dora_norm's own outputs: each other (the same tensor twice was accepted, and one
+  // result lost), and its inputs.
+  CHECK_REJECTS(InvalidArgument, ops::dora_norm(W, A, B, m, 1.0, norm, norm),
+                "dora_norm: output scale overlaps norm in memory");
+  CHECK_REJECTS(InvalidArgument, ops::dora_norm(W, A, B, m, 1.0, norm, t({8}, DType::f32, 12204)),
+                "dora_norm: output scale overlaps norm in memory");
+  CHECK_REJECTS(InvalidArgument, ops::dora_norm(W, A, B, m, 1.0, t({8}, DType::f32, 12104), scale),
+                "dora_norm: output norm overlaps m in memory");
+  CHECK_REJECTS(InvalidArgument, ops::dora_norm(W, A, B, m, 1.0, norm, t({8}, DType::f32, 90)),
+                "dora_norm: output scale overlaps W in memory");
 }
 
 TEST_CASE("the MoE ops reject bad shapes, dtypes and overlapping outputs", "[ops][validation]") {
