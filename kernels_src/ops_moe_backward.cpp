@@ -255,8 +255,7 @@ void moe_lora_materialize_backward(const TensorView& dW, const TensorView& A, co
   options.stream = stream;
   options.layout = text;
   if (N == 0 || K == 0) {  // sums over nothing
-    fill_3d(dA, 0.0, options);
-    fill_3d(dB, 0.0, options);
+    fill_pair_3d(dA, dB, 0.0, options);
     return;
   }
   static PlanMemo<Config> tuned;
