@@ -3,7 +3,12 @@
 // flushes into bf16 gradients; the embedding backward's gathered tables) hold it
 // until their last launch is queued, so another thread's launches on that stream
 // cannot come between them. Each thread's results must equal a lone call's.
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <exception>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -94,6 +99,19 @@ TEST_CASE("threads sharing a stream get a lone call's MoE and embedding gradient
     per.reserve(calls);
     for (int i = 0; i < calls; ++i) per.emplace_back(dev);
   }
+  // A deadlock between the calls would hang the whole run: give up loudly after two minutes.
+  const auto done = std::make_shared<std::atomic<bool>>(false);  // outlives this test for the watchdog
+  std::thread([done] {
+    for (int i = 0; i < 1200 && !done->load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    if (!done->load()) {
+      std::fprintf(stderr, "threads sharing a stream: the calls did not finish in 120 s (a deadlock?)\n");
+      std::abort();
+    }
+  }).detach();
+  struct Finished {  // set however this test leaves (a failure too), not while it is stuck
+    std::shared_ptr<std::atomic<bool>> flag;
+    ~Finished() { *flag = true; }
+  } finished{done};
   std::vector<std::thread> pool;
   std::vector<std::string> errors(threads);
   for (int t = 0; t < threads; ++t)
@@ -105,6 +123,7 @@ TEST_CASE("threads sharing a stream get a lone call's MoE and embedding gradient
       }
     });
   for (std::thread& th : pool) th.join();
+  stream.synchronize();
   for (const std::string& e : errors) CHECK(e.empty());
   stream.synchronize();
   for (int t = 0; t < threads; ++t)
