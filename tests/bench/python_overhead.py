@@ -65,6 +65,11 @@ def main():
     cases["kerf dora_norm, outputs allocated (2x torch.empty)"] = lambda: ops.dora_norm(W, A, B, m, 0.5)
     cases["kerf._kerf.dora_norm (no Python wrapper)"] = lambda: core.dora_norm(W, A, B, m, 0.5, norm, scale, 0.0,
                                                                               None, None)
+    # The whole call but the launch: an op on zero rows returns after its checks.
+    W0, B0, m0 = W[:0], B[:0], m[:0]
+    norm0, scale0 = norm[:0], scale[:0]
+    cases["kerf dora_norm on 0 rows (all but the launch)"] = lambda: ops.dora_norm(W0, A, B0, m0, 0.5, norm=norm0,
+                                                                                  scale=scale0)
     six = (W, A, B, m, norm, scale)
     cases["kerf tensor conversion only (6 tensors, no launch)"] = lambda: core._convert(six)
     # The same two without kerf._torch_bridge: torch tensors read through Python attributes.
