@@ -217,6 +217,15 @@ bool bench_gpu() {
     const auto op3 = [&] { ops::dora_norm(W, A, B, m, 0.5, norm, scale, 0.0, stream.handle(), fused); };
     op3();
     std::printf("gpu   ops::dora_norm, fused config (split 1): %8.1f ns\n", ns_per_call(per_batch, op3, sync));
+    // Everything but the launch: on zero rows the op returns after its checks.
+    const auto rows0 = [](const TensorView& t) {
+      TensorView v = t;
+      v.shape[0] = 0;
+      return v;
+    };
+    const TensorView W0 = rows0(W), B0 = rows0(B), m0 = rows0(m), norm0 = rows0(norm), scale0 = rows0(scale);
+    const auto op0 = [&] { ops::dora_norm(W0, A, B0, m0, 0.5, norm0, scale0, 0.0, stream.handle()); };
+    std::printf("gpu   ops::dora_norm on 0 rows (checks, no launch): %8.1f ns\n", ns_per_call(per_batch, op0, {}));
     cuda::DeviceBuffer ws(4096);
     ws.fill_bytes(0);
     float* f = static_cast<float*>(ws.data());
