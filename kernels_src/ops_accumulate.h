@@ -30,11 +30,11 @@ TensorView as_3d(const TensorView& t);
 // The MoE backward's launches on rank-3 views (dW [E, N, K], A [E, r, K],
 // B [E, N, r], dA [E, r, K], dB [E, N, r]) with `config`: no checks, no
 // tuning. Ops built on it (the embedding backward with Config.meta GATHER)
-// pass f32 dA and dB, so that it takes no workspace of its own; `db_is_zero` and
-// `da_is_zero` say an f32 dB or dA is zero already (no fill before atomics).
+// pass f32 dA and dB, so that it takes no workspace of its own; `db_is_zero`
+// says an f32 dB is zero already (no fill before atomics).
 void run_moe_backward(const TensorView& dW, const TensorView& A, const TensorView& B, double s,
                       const TensorView& dA, const TensorView& dB, const LaunchOptions& options,
-                      const Config& config, bool db_is_zero = false, bool da_is_zero = false);
+                      const Config& config, bool db_is_zero = false);
 // Its GPU candidates, and the kernel a call with `config` launches (for compile lists).
 std::vector<autotune::Config> moe_backward_gpu_candidates();
 autotune::KernelCall moe_backward_kernel(const TensorView& dW, const TensorView& A, const TensorView& B, double s,

@@ -339,10 +339,7 @@ std::vector<Arg> embedding_backward_args(const EmbeddingBackward& c, const Tenso
 // activations, its dA = dB^T, its dB = gB = s * g @ B), and scatter of gB into
 // dA by id. Its views of one call; `ws` is the workspace (or stand-in memory).
 struct GatheredBackward {
-  // f32 dA [1, r, V] target; dB's f32 accumulator as the MoE kernel's dA, [1, r, D]
-  // contiguous (its rows of dB^T are added with coalesced atomics, then flushed into
-  // dB's layout); the id counts; gB; the activations.
-  TensorView da_acc, dbt_acc, counts, gB, act;
+  TensorView da_acc, db_acc, counts, gB, act;  // f32 dA [1, r, V] and dB [1, D, r] targets, ...
   TensorView dW, a_moe, b_moe, da_moe, db_moe;
   Config moe;
   dsl::MetaMap edge_meta;  // the gather's and scatter's
@@ -354,7 +351,7 @@ size_t gathered_workspace_bytes(const EmbeddingBackward& c) {
   const DType act_t = is_half(c.g2.dtype) ? c.g2.dtype : DType::f32;
   size_t bytes = carved_bytes(1, T, r) + (size_t(T * r) * size_t(dtype_size_bytes(act_t)) + 15) / 16 * 16;
   if (c.dA3.dtype != DType::f32) bytes += carved_bytes(1, r, V);
-  bytes += carved_bytes(1, r, D);
+  if (c.dB3.dtype != DType::f32) bytes += carved_bytes(1, D, r);
   if (c.by_freq) bytes += carved_bytes(1, 1, V);
   return bytes;
 }
@@ -366,7 +363,7 @@ GatheredBackward plan_gathered(const EmbeddingBackward& c, const Config& config,
   GatheredBackward p;
   char* cursor = ws;
   p.da_acc = c.dA3.dtype == DType::f32 ? c.dA3 : carve_f32(&cursor, 1, r, V, dev);
-  p.dbt_acc = carve_f32(&cursor, 1, r, D, dev);
+  p.db_acc = c.dB3.dtype == DType::f32 ? c.dB3 : carve_f32(&cursor, 1, D, r, dev);
   p.counts = c.by_freq ? TensorView::contiguous(carve_f32(&cursor, 1, 1, V, dev).data, DType::i32, {V}, dev)
                        : TensorView::contiguous(nullptr, DType::i32, {0}, dev);
   p.gB = carve_f32(&cursor, 1, T, r, dev);
@@ -374,7 +371,7 @@ GatheredBackward plan_gathered(const EmbeddingBackward& c, const Config& config,
   p.dW = as_3d(c.g2);
   p.a_moe = restride(c.B, {1, r, D}, {0, c.B.strides[1], c.B.strides[0]});
   p.b_moe = p.act;
-  p.da_moe = p.dbt_acc;
+  p.da_moe = restride(p.db_acc, {1, r, D}, {p.db_acc.strides[0], p.db_acc.strides[2], p.db_acc.strides[1]});
   p.db_moe = p.gB;
   p.moe = config;
   p.moe.meta = {{"BY_COLUMNS", 1}, {"ROTATE", meta_or(config, "ROTATE", 0)}};
@@ -423,8 +420,7 @@ void run_gathered_backward(const EmbeddingBackward& c, const Config& config, con
   if (c.by_freq) launch(kernels::embedding_count_ids(), {c.x1, p.counts, Scalar(c.vr.start)}, p.edge_grid,
                         count_meta, c.lo);
   launch(kernels::lora_embedding_gather(), gather_args(c, p, record), p.edge_grid, gather_meta, c.lo);
-  run_moe_backward(p.dW, p.a_moe, p.b_moe, c.s, p.da_moe, p.db_moe, c.lo, p.moe, /*db_is_zero=*/true,
-                   /*da_is_zero=*/true);
+  run_moe_backward(p.dW, p.a_moe, p.b_moe, c.s, p.da_moe, p.db_moe, c.lo, p.moe, /*db_is_zero=*/true);
   launch(kernels::lora_embedding_scatter(), scatter_args(c, p), p.edge_grid, p.edge_meta, c.lo);
   if (c.by_freq) {
     dsl::MetaMap clear = count_meta;
@@ -432,10 +428,7 @@ void run_gathered_backward(const EmbeddingBackward& c, const Config& config, con
     launch(kernels::embedding_count_ids(), {c.x1, p.counts, Scalar(c.vr.start)}, p.edge_grid, clear, c.lo);
   }
   if (c.dA3.dtype != DType::f32) flush_accumulator(p.da_acc, c.dA3, c.lo);
-  // dB^T's accumulator into dB (any dtype and strides), left zero.
-  const TensorView dBt = restride(c.dB3, {1, p.dbt_acc.shape[1], p.dbt_acc.shape[2]},
-                                 {c.dB3.strides[0], c.dB3.strides[2], c.dB3.strides[1]});
-  flush_accumulator(p.dbt_acc, dBt, c.lo);
+  if (c.dB3.dtype != DType::f32) flush_accumulator(p.db_acc, c.dB3, c.lo);
 }
 
 // The launches of one backward call: fp32 accumulators (the outputs themselves

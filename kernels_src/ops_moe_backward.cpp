@@ -95,7 +95,7 @@ namespace detail {
 // the kernel, and the flushes into bf16/f16 gradients.
 void run_moe_backward(const TensorView& dW, const TensorView& A, const TensorView& B, double s,
                       const TensorView& dA, const TensorView& dB, const LaunchOptions& options,
-                      const Config& config, bool db_is_zero, bool da_is_zero) {
+                      const Config& config, bool db_is_zero) {
   const int64_t E = dW.shape[0], N = dW.shape[1], K = dW.shape[2], r = A.shape[1];
   const bool gpu = dW.device.is_cuda();
   const MoeBackwardPlan p = plan_moe_backward(dW, r, gpu, parallelism(dW.device), config);
@@ -111,7 +111,7 @@ void run_moe_backward(const TensorView& dW, const TensorView& A, const TensorVie
   char* cursor = ws.data;
   const TensorView da_acc = da_direct ? dA : carve_f32(&cursor, E, r, K, dW.device);
   const TensorView db_acc = db_direct ? dB : carve_f32(&cursor, E, N, r, dW.device);
-  const bool fill_da = p.da_atomic && da_direct && !(da_is_zero && dA.dtype == DType::f32);
+  const bool fill_da = p.da_atomic && da_direct;
   const bool fill_db = p.db_atomic && db_direct && !(db_is_zero && dB.dtype == DType::f32);
   if (fill_da && fill_db)
     fill_pair_3d(dA, dB, 0.0, options);  // one launch for both
