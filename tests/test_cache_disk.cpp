@@ -170,7 +170,12 @@ TEST_CASE("a writer killed mid-write leaves no entry that reads as valid", "[cac
 
 TEST_CASE("child: write an entry slowly until killed", "[.cache-child-slow-writer]") {
   static std::string dir;
-  dir = std::getenv("KERF_TEST_DIR");
+  const char* parent_dir = std::getenv("KERF_TEST_DIR");
+  if (!parent_dir) {  // run on its own (a filter of exclusions only selects hidden tests too)
+    WARN("a child of the cache's kill-during-write test: run by it, with KERF_TEST_DIR set");
+    return;
+  }
+  dir = parent_dir;
   cache::DiskCache::set_write_hook([](const std::string&, size_t) {
     std::ofstream(dir + "/first-chunk-written") << "1";
     std::this_thread::sleep_for(std::chrono::seconds(30));
