@@ -317,6 +317,7 @@ TEST_CASE("a new process runs a cached kernel without NVRTC, its first call in u
 }
 
 TEST_CASE("child: first GPU call from the disk cache", "[.cache-child-gpu-first-call]") {
+  KERF_REQUIRE_GPU();  // its parent needs a GPU too; run alone without one, it says so
   LaunchInfo info;
   double ms = 0;
   const bool right = run_axpb_gpu(&info, &ms);
