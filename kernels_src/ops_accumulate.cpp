@@ -39,6 +39,15 @@ void fill_pair_3d(const TensorView& a, const TensorView& b, double value, const 
          options);
 }
 
+void zero_fills(const TensorView& a, bool zero_a, const TensorView& b, bool zero_b, const LaunchOptions& options) {
+  if (zero_a && zero_b)
+    fill_pair_3d(a, b, 0.0, options);
+  else if (zero_a)
+    fill_3d(a, 0.0, options);
+  else if (zero_b)
+    fill_3d(b, 0.0, options);
+}
+
 void flush_accumulator(const TensorView& acc, const TensorView& out, const LaunchOptions& options) {
   if (out.numel() == 0) return;
   Grid grid;

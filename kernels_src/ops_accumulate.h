@@ -15,6 +15,9 @@ namespace kerf::ops::detail {
 void fill_3d(const TensorView& t, double value, const LaunchOptions& options);
 // a = value and b = value in one launch (both rank 3, any shapes and strides).
 void fill_pair_3d(const TensorView& a, const TensorView& b, double value, const LaunchOptions& options);
+// Zeroes a when `zero_a` and b when `zero_b` (before atomics add into them), in one
+// launch when both.
+void zero_fills(const TensorView& a, bool zero_a, const TensorView& b, bool zero_b, const LaunchOptions& options);
 // out = acc rounded to out's dtype, then acc = 0; both rank 3 with one shape.
 void flush_accumulator(const TensorView& acc, const TensorView& out, const LaunchOptions& options);
 
@@ -35,8 +38,7 @@ TensorView as_3d(const TensorView& t);
 void run_moe_backward(const TensorView& dW, const TensorView& A, const TensorView& B, double s,
                       const TensorView& dA, const TensorView& dB, const LaunchOptions& options,
                       const Config& config, bool db_is_zero = false);
-// Its GPU candidates, and the kernel a call with `config` launches (for compile lists).
-std::vector<autotune::Config> moe_backward_gpu_candidates();
+// The kernel a call with `config` launches (for compile lists).
 autotune::KernelCall moe_backward_kernel(const TensorView& dW, const TensorView& A, const TensorView& B, double s,
                                          const TensorView& dA, const TensorView& dB, int64_t programs,
                                          const Config& config);

@@ -342,8 +342,8 @@ struct GatheredBackward {
   TensorView da_acc, db_acc, counts, gB, act;  // f32 dA [1, r, V] and dB [1, D, r] targets, ...
   TensorView dW, a_moe, b_moe, da_moe, db_moe;
   Config moe;
-  dsl::MetaMap edge_meta;  // the gather's and scatter's
-  Grid edge_grid;
+  dsl::MetaMap gather_meta, scatter_meta;
+  Grid edge_grid;  // the gather's and scatter's
 };
 
 size_t gathered_workspace_bytes(const EmbeddingBackward& c) {
@@ -377,7 +377,8 @@ GatheredBackward plan_gathered(const EmbeddingBackward& c, const Config& config,
   p.moe.meta = {{"BY_COLUMNS", 1}, {"ROTATE", meta_or(config, "ROTATE", 0)}};
   const int64_t r_pad = std::max<int64_t>(16, next_pow2(r));
   const int64_t bt = std::clamp<int64_t>(4096 / r_pad, 16, 128);
-  p.edge_meta = {{"BLOCK_T", bt}, {"R_PAD", r_pad}, {"BY_FREQ", c.by_freq ? 1 : 0}};
+  p.gather_meta = {{"BLOCK_T", bt}, {"R_PAD", r_pad}};
+  p.scatter_meta = {{"BLOCK_T", bt}, {"R_PAD", r_pad}, {"BY_FREQ", c.by_freq ? 1 : 0}};
   p.edge_grid = Grid{uint32_t(cdiv(T, bt)), 1, 1};
   return p;
 }
@@ -398,11 +399,9 @@ std::vector<Arg> scatter_args(const EmbeddingBackward& c, const GatheredBackward
 std::vector<autotune::KernelCall> gathered_kernels(const EmbeddingBackward& c, const Config& config,
                                                    int64_t programs) {
   const GatheredBackward p = plan_gathered(c, config, static_cast<char*>(unused_memory()));
-  dsl::MetaMap gather_meta = p.edge_meta;
-  gather_meta.erase("BY_FREQ");
-  return {{&kernels::lora_embedding_gather(), gather_args(c, p, stand_in_record(c.x1.device)), gather_meta},
+  return {{&kernels::lora_embedding_gather(), gather_args(c, p, stand_in_record(c.x1.device)), p.gather_meta},
           moe_backward_kernel(p.dW, p.a_moe, p.b_moe, c.s, p.da_moe, p.db_moe, programs, p.moe),
-          {&kernels::lora_embedding_scatter(), scatter_args(c, p), p.edge_meta}};
+          {&kernels::lora_embedding_scatter(), scatter_args(c, p), p.scatter_meta}};
 }
 
 // The launches of a GATHER call. The workspace's regions are zero on entry and
@@ -413,15 +412,13 @@ void run_gathered_backward(const EmbeddingBackward& c, const Config& config, con
   // Shared by all the launches below: held until the last is queued.
   const WorkspaceLease ws = lease_workspace(dev, c.lo.stream, gathered_workspace_bytes(c));
   const GatheredBackward p = plan_gathered(c, config, ws.data);
-  dsl::MetaMap gather_meta = p.edge_meta;
-  gather_meta.erase("BY_FREQ");
   if (c.dA3.dtype == DType::f32) fill_3d(c.dA3, 0.0, c.lo);
-  const dsl::MetaMap count_meta = {{"BLOCK_T", p.edge_meta.at("BLOCK_T")}};
+  const dsl::MetaMap count_meta = {{"BLOCK_T", p.gather_meta.at("BLOCK_T")}};
   if (c.by_freq) launch(kernels::embedding_count_ids(), {c.x1, p.counts, Scalar(c.vr.start)}, p.edge_grid,
                         count_meta, c.lo);
-  launch(kernels::lora_embedding_gather(), gather_args(c, p, record), p.edge_grid, gather_meta, c.lo);
+  launch(kernels::lora_embedding_gather(), gather_args(c, p, record), p.edge_grid, p.gather_meta, c.lo);
   run_moe_backward(p.dW, p.a_moe, p.b_moe, c.s, p.da_moe, p.db_moe, c.lo, p.moe, /*db_is_zero=*/true);
-  launch(kernels::lora_embedding_scatter(), scatter_args(c, p), p.edge_grid, p.edge_meta, c.lo);
+  launch(kernels::lora_embedding_scatter(), scatter_args(c, p), p.edge_grid, p.scatter_meta, c.lo);
   if (c.by_freq) {
     dsl::MetaMap clear = count_meta;
     clear["CLEAR"] = 1;
@@ -449,12 +446,7 @@ void run_embedding_backward(const EmbeddingBackward& c, const Config& config, co
   const TensorView db_acc = db_direct ? c.dB3 : carve_f32(&cursor, 1, D, r, dev);
   TensorView counts = TensorView::contiguous(nullptr, DType::i32, {0}, dev);
   if (c.by_freq) counts = TensorView::contiguous(carve_f32(&cursor, 1, 1, V, dev).data, DType::i32, {V}, dev);
-  if (da_direct && db_direct)
-    fill_pair_3d(c.dA3, c.dB3, 0.0, c.lo);  // one launch for both
-  else if (da_direct)
-    fill_3d(c.dA3, 0.0, c.lo);
-  else if (db_direct)
-    fill_3d(c.dB3, 0.0, c.lo);
+  zero_fills(c.dA3, da_direct, c.dB3, db_direct, c.lo);
 
   const EmbeddingBackwardPlan p = plan_embedding_backward(c, config, parallelism(dev));
   const Grid tokens{p.grid.x, 1, 1};

@@ -111,37 +111,11 @@ void run_moe_backward(const TensorView& dW, const TensorView& A, const TensorVie
   char* cursor = ws.data;
   const TensorView da_acc = da_direct ? dA : carve_f32(&cursor, E, r, K, dW.device);
   const TensorView db_acc = db_direct ? dB : carve_f32(&cursor, E, N, r, dW.device);
-  const bool fill_da = p.da_atomic && da_direct;
-  const bool fill_db = p.db_atomic && db_direct && !(db_is_zero && dB.dtype == DType::f32);
-  if (fill_da && fill_db)
-    fill_pair_3d(dA, dB, 0.0, options);  // one launch for both
-  else if (fill_da)
-    fill_3d(dA, 0.0, options);
-  else if (fill_db)
-    fill_3d(dB, 0.0, options);
+  zero_fills(dA, p.da_atomic && da_direct, dB, p.db_atomic && db_direct && !(db_is_zero && dB.dtype == DType::f32),
+             options);
   launch(*p.kernel, {dW, A, B, Scalar(s), da_acc, db_acc}, p.grid, p.meta, options);
   if (!da_direct) flush_accumulator(da_acc, dA, options);
   if (!db_direct) flush_accumulator(db_acc, dB, options);
-}
-
-// GPU: the row-owning kernel's tiles, and the column-owning kernel's (its
-// column blocks 256 wide with 8 warps or 512 with 16: the dA accumulator is
-// 64 registers per thread at r = 64), each with and without rotated steps.
-std::vector<autotune::Config> moe_backward_gpu_candidates() {
-  std::vector<autotune::Config> c = autotune::product({{"BLOCK_N", {64, 128, 256}},
-                                                       {"BLOCK_K", {32, 64}},
-                                                       {"num_warps", {4, 8}},
-                                                       {"num_stages", {2, 3}},
-                                                       {"ROTATE", {0, 1}}});
-  for (const auto& [bk, warps] : {std::pair<int64_t, int64_t>{256, 8}, {512, 16}})
-    for (autotune::Config& by_columns : autotune::product({{"BLOCK_N", {16, 32, 64}},
-                                                           {"BLOCK_K", {bk}},
-                                                           {"num_warps", {warps}},
-                                                           {"num_stages", {2, 3}},
-                                                           {"ROTATE", {0, 1}},
-                                                           {"BY_COLUMNS", {1}}}))
-      c.push_back(std::move(by_columns));
-  return c;
 }
 
 // The kernel a call with `config` launches; dA/dB stand for the f32 accumulators when
@@ -164,6 +138,26 @@ autotune::KernelCall moe_backward_kernel(const TensorView& dW, const TensorView&
 }  // namespace detail
 
 namespace {
+
+// GPU: the row-owning kernel's tiles, and the column-owning kernel's (its
+// column blocks 256 wide with 8 warps or 512 with 16: the dA accumulator is
+// 64 registers per thread at r = 64), each with and without rotated steps.
+std::vector<autotune::Config> moe_backward_gpu_candidates() {
+  std::vector<autotune::Config> c = autotune::product({{"BLOCK_N", {64, 128, 256}},
+                                                       {"BLOCK_K", {32, 64}},
+                                                       {"num_warps", {4, 8}},
+                                                       {"num_stages", {2, 3}},
+                                                       {"ROTATE", {0, 1}}});
+  for (const auto& [bk, warps] : {std::pair<int64_t, int64_t>{256, 8}, {512, 16}})
+    for (autotune::Config& by_columns : autotune::product({{"BLOCK_N", {16, 32, 64}},
+                                                           {"BLOCK_K", {bk}},
+                                                           {"num_warps", {warps}},
+                                                           {"num_stages", {2, 3}},
+                                                           {"ROTATE", {0, 1}},
+                                                           {"BY_COLUMNS", {1}}}))
+      c.push_back(std::move(by_columns));
+  return c;
+}
 
 Config tuned_moe_backward_config(const TensorView& dW, const TensorView& A, const TensorView& B, double s,
                                  const TensorView& dA, const TensorView& dB, void* stream) {
