@@ -143,8 +143,9 @@ RunA run_a(const TensorView& A, DType to, const LaunchOptions& options) {
   void* dst = scratch(A.device, options.stream, size_t(A.numel()) * size_t(dtype_size_bytes(to)));
   const auto [call, copy] = cast_of(A, to, dst);
   const TensorView& a3 = std::get<TensorView>(call.args[0]);
+  const int64_t bm = call.meta.at("BLOCK_M"), bk = call.meta.at("BLOCK_K");  // cast_of's tile
   launch(*call.kernel, call.args,
-         Grid{uint32_t(cdiv(a3.shape[2], 256)), uint32_t(cdiv(a3.shape[1], 8)), uint32_t(a3.shape[0])}, call.meta,
+         Grid{uint32_t(cdiv(a3.shape[2], bk)), uint32_t(cdiv(a3.shape[1], bm)), uint32_t(a3.shape[0])}, call.meta,
          options);
   r.a = copy;
   return r;

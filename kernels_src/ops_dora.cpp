@@ -100,6 +100,21 @@ Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorV
 
 namespace {
 
+// The DoRA norms' memory checks: inputs element-aligned with int32 dims; norm
+// and scale written where nothing is read, nor into each other.
+void expect_norm_memory(const char* op, const std::vector<std::pair<const char*, const TensorView*>>& inputs,
+                        const TensorView& norm, const TensorView& scale) {
+  for (const auto& [name, t] : inputs) {
+    expect_element_aligned(op, name, *t);
+    expect_int32_dims(op, name, *t);
+  }
+  for (const auto& [name, t] : {std::pair{"norm", &norm}, {"scale", &scale}}) {
+    expect_no_self_overlap(op, name, *t);
+    for (const auto& [in_name, in_t] : inputs) expect_disjoint(op, name, *t, in_name, *in_t);
+  }
+  expect_disjoint(op, "scale", scale, "norm", norm);
+}
+
 // The checks, plan and launch of dora_norm on local tensors; `layout` is the
 // canonical layout text the kernel is launched with ("" unsharded).
 void run_dora_norm(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& m, double s,
@@ -122,18 +137,9 @@ void run_dora_norm(const TensorView& W, const TensorView& A, const TensorView& B
   expect_device(op, {{"W", &W}, {"A", &A}, {"B", &B}, {"m", &m}, {"norm", &norm}, {"scale", &scale}});
   if (r > 256) throw InvalidArgument("dora_norm: rank " + std::to_string(r) + " is above the supported 256");
   if (eps < 0) throw InvalidArgument("dora_norm: eps must be >= 0, got " + std::to_string(eps));
-  const std::vector<std::pair<const char*, const TensorView*>> inputs = {{"W", &W}, {"A", &A}, {"B", &B}, {"m", &m}};
-  for (const auto& [name, t] : inputs) {
-    expect_element_aligned(op, name, *t);
-    expect_int32_dims(op, name, *t);
-  }
-  // Outputs of their own: norm and scale written where nothing is read, nor each other.
-  for (const auto& [name, t] : {std::pair{"norm", &norm}, {"scale", &scale}}) {
-    expect_element_aligned(op, name, *t);
-    expect_no_self_overlap(op, name, *t);
-    for (const auto& [in_name, in_t] : inputs) expect_disjoint(op, name, *t, in_name, *in_t);
-  }
-  expect_disjoint(op, "scale", scale, "norm", norm);
+  expect_element_aligned(op, "norm", norm);
+  expect_element_aligned(op, "scale", scale);
+  expect_norm_memory(op, {{"W", &W}, {"A", &A}, {"B", &B}, {"m", &m}}, norm, scale);
   if (out == 0) return;
 
   static PlanMemo<DoraPlan> plans;
@@ -417,17 +423,9 @@ void dora_norm_4bit(const Weight4bit& W, const TensorView& A, const TensorView& 
   if (r > 256) throw InvalidArgument(std::string(op) + ": rank " + std::to_string(r) + " is above the supported 256");
   if (eps < 0) throw InvalidArgument(std::string(op) + ": eps must be >= 0, got " + std::to_string(eps));
   if (config.block_k == 1) throw InvalidArgument(std::string(op) + ": block_k must be at least 2 (a byte per step)");
-  const std::vector<std::pair<const char*, const TensorView*>> inputs = {
-      {"packed", &W.packed}, {"absmax", &W.absmax}, {"code", &W.code}, {"A", &A}, {"B", &B}, {"m", &m}};
-  for (const auto& [name, t] : inputs) {
-    expect_element_aligned(op, name, *t);
-    expect_int32_dims(op, name, *t);
-  }
-  for (const auto& [name, t] : {std::pair{"norm", &norm}, {"scale", &scale}}) {
-    expect_no_self_overlap(op, name, *t);
-    for (const auto& [in_name, in_t] : inputs) expect_disjoint(op, name, *t, in_name, *in_t);
-  }
-  expect_disjoint(op, "scale", scale, "norm", norm);
+  expect_norm_memory(
+      op, {{"packed", &W.packed}, {"absmax", &W.absmax}, {"code", &W.code}, {"A", &A}, {"B", &B}, {"m", &m}},
+      norm, scale);
   if (out == 0) return;
 
   static PlanMemo<DoraPlan> plans;
