@@ -23,8 +23,7 @@ namespace {
 ops::Config config_of(py::handle c) {
   if (c.is_none()) return ops::Config{};
   if (!py::isinstance<ops::Config>(c))
-    throw TypeError(std::string("config must be a kerf.Config or None, got ") +
-                    std::string(py::str(py::type::handle_of(c).attr("__name__"))));
+    throw TypeError("config must be a kerf.Config or None, got " + type_name(c));
   return c.cast<ops::Config>();
 }
 
@@ -86,17 +85,15 @@ py::dict view_info(py::handle obj, py::handle stream) {
 //   {"mesh": {"tp": 4} or [("tp", 4), ...], "specs": {"W": (None, "tp"), ...}, "coords": [c, ...]}
 // (specs as jax.sharding.PartitionSpec entries: an axis name or None per dimension;
 // a spec of None is an unsplit operand). Anything else is a TypeError saying what was expected.
-std::string layout_type_of(py::handle h) { return py::str(py::type::handle_of(h).attr("__name__")); }
-
 std::string layout_axis_name(py::handle h, const std::string& what) {
   if (!PyUnicode_Check(h.ptr()))
-    throw TypeError("layout: " + what + " must be an axis name (str), got " + layout_type_of(h));
+    throw TypeError("layout: " + what + " must be an axis name (str), got " + type_name(h));
   return h.cast<std::string>();
 }
 
 int64_t layout_int(py::handle h, const std::string& what) {
   if (!PyLong_Check(h.ptr()) || PyBool_Check(h.ptr()))
-    throw TypeError("layout: " + what + " must be an int, got " + layout_type_of(h));
+    throw TypeError("layout: " + what + " must be an int, got " + type_name(h));
   return h.cast<int64_t>();
 }
 
@@ -109,7 +106,7 @@ ops::Layout layout_of(py::handle obj) {
   if (!obj || obj.is_none()) return layout;
   if (!py::isinstance<py::dict>(obj))
     throw TypeError("layout must be None or a dict with 'mesh', 'specs' and optionally 'coords', got " +
-                    layout_type_of(obj));
+                    type_name(obj));
   const py::dict d = py::reinterpret_borrow<py::dict>(obj);
   for (const auto& [key, value] : d) {
     const std::string k = py::str(key);
@@ -126,11 +123,11 @@ ops::Layout layout_of(py::handle obj) {
         }
       } else {
         throw TypeError("layout: mesh must be a dict {axis: size} or a list of (axis, size) pairs, got " +
-                        layout_type_of(value));
+                        type_name(value));
       }
     } else if (k == "specs") {
       if (!py::isinstance<py::dict>(value))
-        throw TypeError("layout: specs must be a dict {operand: spec}, got " + layout_type_of(value));
+        throw TypeError("layout: specs must be a dict {operand: spec}, got " + type_name(value));
       for (const auto& [name, spec] : py::reinterpret_borrow<py::dict>(value)) {
         const std::string operand = layout_axis_name(name, "a specs key (an operand's name)");
         std::vector<std::string> dims;
@@ -139,7 +136,7 @@ ops::Layout layout_of(py::handle obj) {
             throw TypeError("layout: the spec of " + operand +
                             " must be a tuple with an axis name or None per dimension (like "
                             "jax.sharding.PartitionSpec), got " +
-                            layout_type_of(spec));
+                            type_name(spec));
           for (const py::handle a : spec)
             dims.push_back(a.is_none() ? "" : layout_axis_name(a, "an entry of " + operand + "'s spec"));
         }
@@ -148,7 +145,7 @@ ops::Layout layout_of(py::handle obj) {
     } else if (k == "coords") {
       if (!layout_sequence(value))
         throw TypeError("layout: coords must be a list with this device's coordinate per mesh axis, got " +
-                        layout_type_of(value));
+                        type_name(value));
       for (const py::handle c : value) layout.coords.push_back(layout_int(c, "a coordinate"));
     } else {
       throw InvalidArgument("layout: unknown key '" + k + "' (expected mesh, specs, coords)");

@@ -33,10 +33,6 @@ std::string str_of(py::handle h) {
   return out;
 }
 
-std::string type_name(py::handle h) {
-  return Py_TYPE(h.ptr())->tp_name;
-}
-
 std::string where(const char* op, const char* name) {
   return std::string(op) + ": " + name;
 }
@@ -584,6 +580,10 @@ void* cupy_current_stream() {
 }  // namespace
 
 // ---------------------------------------------------------------- streams
+std::string type_name(py::handle h) {
+  return Py_TYPE(h.ptr())->tp_name;
+}
+
 void* parse_stream(py::handle stream) {
   PyObject* s = stream.ptr();
   if (PyLong_Check(s)) {

@@ -88,6 +88,9 @@ TensorView view_of(py::handle obj, py::handle stream = py::none());
 // or a CuPy stream (.ptr).
 void* parse_stream(py::handle stream);
 
+// The name of h's type, for messages ("str", "numpy.ndarray").
+std::string type_name(py::handle h);
+
 // NumPy's name of a kerf dtype; nullptr when NumPy has none (bf16).
 const char* numpy_dtype_name(DType dtype);
 
