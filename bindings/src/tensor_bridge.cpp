@@ -579,11 +579,11 @@ void* cupy_current_stream() {
 
 }  // namespace
 
-// ---------------------------------------------------------------- streams
 std::string type_name(py::handle h) {
   return Py_TYPE(h.ptr())->tp_name;
 }
 
+// ---------------------------------------------------------------- streams
 void* parse_stream(py::handle stream) {
   PyObject* s = stream.ptr();
   if (PyLong_Check(s)) {
