@@ -240,23 +240,14 @@ std::vector<autotune::Config> embedding_gpu_candidates() {
       {{"BLOCK_T", {16, 32, 64, 128}}, {"BLOCK_D", {64, 128, 256}}, {"num_warps", {4, 8}}, {"num_stages", {3}}});
 }
 
-// The one-kernel backward's tiles, and (GATHER) the three-launch one's: its
-// middle launch is the MoE backward's column-owning kernel, so its tiles are
-// those (BLOCK_T tokens per step, BLOCK_D columns of grad_out per program).
+// The one-kernel backward's tiles. (GATHER is not tried: at 8192 tokens, vocab
+// 128256, dim 4096 on an H100 its best configuration took 77.6 us against 54.0.)
 std::vector<autotune::Config> embedding_backward_gpu_candidates() {
-  std::vector<autotune::Config> c = autotune::product({{"BLOCK_T", {32, 64, 128, 256}},
-                                                       {"BLOCK_D", {32, 64, 128}},
-                                                       {"num_warps", {4, 8}},
-                                                       {"num_stages", {3}},
-                                                       {"ROTATE", {0, 1}}});
-  for (const auto& [bd, warps] : {std::pair<int64_t, int64_t>{256, 8}, {512, 16}})
-    for (autotune::Config& gathered : autotune::product({{"BLOCK_T", {32, 64}},
-                                                         {"BLOCK_D", {bd}},
-                                                         {"num_warps", {warps}},
-                                                         {"num_stages", {2, 3}},
-                                                         {"GATHER", {1}}}))
-      c.push_back(std::move(gathered));
-  return c;
+  return autotune::product({{"BLOCK_T", {32, 64, 128, 256}},
+                            {"BLOCK_D", {32, 64, 128}},
+                            {"num_warps", {4, 8}},
+                            {"num_stages", {3}},
+                            {"ROTATE", {0, 1}}});
 }
 
 Config tuned_embedding_config(const EmbeddingForward& c) {
