@@ -479,7 +479,10 @@ Config tuned_embedding_backward_config(const EmbeddingBackward& c) {
                dev};
   q.block_m_name = "BLOCK_T";
   q.block_k_name = "BLOCK_D";
-  q.gpu_candidates = embedding_backward_gpu_candidates();
+  // Each tile also with D shared by the programs of one and two full waves: the
+  // default split (about three waves) makes tall token blocks' programs short.
+  q.gpu_candidates = with_wave_splits(embedding_backward_gpu_candidates(), "BLOCK_T", T, "BLOCK_D", D, 1,
+                                      parallelism(dev), {1, 2});
   q.extent_m = T;
   q.extent_k = D;
   q.kernels = [&](const Config& config) {

@@ -648,6 +648,15 @@ int main(int argc, char** argv) {
             emb_bwd_cfgs.push_back(ops::Config{bt, bd, 0, warps, 3});
             emb_bwd_cfgs.push_back(ops::Config{bt, bd, 0, warps, 3, {{"ROTATE", 1}}});
           }
+      // Tall token blocks with D shared by fewer, longer programs than the default split.
+      for (const auto& [bt, bd, split, warps] : {std::array<int64_t, 4>{32, 64, 1, 4}, {64, 64, 1, 8},
+                                                  {64, 64, 2, 8}, {32, 128, 1, 8}, {64, 128, 1, 8}})
+        emb_bwd_cfgs.push_back(ops::Config{bt, bd, split, warps, 3});
+      for (int64_t bt : {128, 256})
+        for (int64_t split : {2, 4}) {
+          emb_bwd_cfgs.push_back(ops::Config{bt, 64, split, 8, 3});
+          emb_bwd_cfgs.push_back(ops::Config{bt, 64, split, 8, 3, {{"ROTATE", 1}}});
+        }
       // Gather, the MoE backward's column-owning pass over grad_out, scatter (its best so far).
       emb_bwd_cfgs.push_back(ops::Config{32, 256, 0, 8, 2, {{"GATHER", 1}}});
     }
