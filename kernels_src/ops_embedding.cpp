@@ -260,7 +260,8 @@ Config tuned_embedding_config(const EmbeddingForward& c) {
                c.x1.device};
   q.block_m_name = "BLOCK_T";
   q.block_k_name = "BLOCK_D";
-  q.gpu_candidates = embedding_gpu_candidates();
+  q.gpu_candidates = with_wave_splits(embedding_gpu_candidates(), "BLOCK_T", T, "BLOCK_D", D, 1,
+                                      parallelism(c.x1.device), {1, 2});
   q.extent_m = T;
   q.extent_k = D;
   q.kernels = [&](const Config& config) {
