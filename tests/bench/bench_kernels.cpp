@@ -640,7 +640,8 @@ int main(int argc, char** argv) {
     std::vector<ops::Config> emb_cfgs = {ops::Config{}}, emb_bwd_cfgs = {ops::Config{}};
     if (!quick) {
       for (int64_t bt : {16, 32, 64, 128})
-        for (int64_t bd : {64, 128, 256}) emb_cfgs.push_back(ops::Config{bt, bd, 0, 4, 3});
+        for (int64_t bd : {64, 128, 256})
+          if (bt * bd <= 16384) emb_cfgs.push_back(ops::Config{bt, bd, 0, 4, 3});  // else too big for 3 stages
       for (int64_t bt : {64, 128, 256})
         for (int64_t bd : {32, 64, 128})
           for (int64_t warps : {4, 8}) {
