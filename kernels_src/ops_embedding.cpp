@@ -300,8 +300,13 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
   // Tall token blocks: dB's atomics per element of grad_out are R_PAD / BLOCK_T.
   const int64_t bt = config.block_m ? config.block_m : (gpu ? 128 : 16);
   const int64_t bd = config.block_k ? config.block_k : 64;
-  const int64_t split =
-      config.split_k ? config.split_k : split_for(cdiv(T, bt), programs, cdiv(D, bd));
+  // On a GPU the token blocks' programs share D as one full wave: long programs,
+  // whose dB partial sums and activation gathers are paid once per more columns
+  // (on an H100 at 8192x128256x4096: 47.3 us against 76 us at about three waves).
+  const int64_t blocks = cdiv(T, bt), steps = cdiv(D, bd);
+  const int64_t split = config.split_k ? config.split_k
+                        : gpu          ? std::clamp<int64_t>(programs / blocks, 1, std::max<int64_t>(steps, 1))
+                                       : split_for(blocks, programs, steps);
   EmbeddingBackwardPlan p;
   p.meta = {{"BLOCK_T", bt},
             {"BLOCK_D", bd},
@@ -480,10 +485,9 @@ Config tuned_embedding_backward_config(const EmbeddingBackward& c) {
                dev};
   q.block_m_name = "BLOCK_T";
   q.block_k_name = "BLOCK_D";
-  // Each tile also with D shared by the programs of one and two full waves: the
-  // default split (about three waves) makes tall token blocks' programs short.
+  // Each tile with D shared by the programs of one full wave (the default), two and three.
   q.gpu_candidates = with_wave_splits(embedding_backward_gpu_candidates(), "BLOCK_T", T, "BLOCK_D", D, 1,
-                                      parallelism(dev), {1, 2});
+                                      parallelism(dev), {2, 3});
   q.extent_m = T;
   q.extent_k = D;
   q.kernels = [&](const Config& config) {
