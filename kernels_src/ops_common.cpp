@@ -206,6 +206,10 @@ int64_t split_for(int64_t blocks, int64_t programs, int64_t steps) {
                              std::max<int64_t>(1, steps));
 }
 
+int64_t split_for_waves(int64_t blocks, int64_t programs, int64_t steps, int64_t waves) {
+  return std::clamp<int64_t>(waves * programs / std::max<int64_t>(blocks, 1), 1, std::max<int64_t>(1, steps));
+}
+
 int parallelism(const Device& dev) {
   if (!dev.is_cuda()) return jit::cpu::thread_count();
   static std::mutex mu;

@@ -89,6 +89,9 @@ int parallelism(const Device& dev);
 // about three programs per multiprocessor (`programs`) over `blocks` row
 // blocks, in whole steps (1 to `steps`).
 int64_t split_for(int64_t blocks, int64_t programs, int64_t steps);
+// The number of programs sharing a row block's columns that makes `waves` full
+// waves of `programs` programs over `blocks` row blocks (1 to `steps`).
+int64_t split_for_waves(int64_t blocks, int64_t programs, int64_t steps, int64_t waves);
 
 // Scratch memory for kernels that accumulate across programs: at least `bytes`,
 // zero, on `dev`, private to `stream` (to the calling thread on the CPU).

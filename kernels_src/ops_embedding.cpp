@@ -193,7 +193,7 @@ EmbeddingLaunch plan_embedding(const EmbeddingForward& c, const Config& config, 
   const int64_t bd = config.block_k ? config.block_k : (gpu ? 128 : 64);
   const int64_t blocks = cdiv(T, bt), steps = cdiv(D, bd);
   const int64_t split = config.split_k ? config.split_k
-                        : gpu          ? std::clamp<int64_t>(programs / blocks, 1, std::max<int64_t>(steps, 1))
+                        : gpu          ? split_for_waves(blocks, programs, steps, 1)
                                        : split_for(blocks, programs, steps);
   EmbeddingLaunch l;
   l.meta = {{"BLOCK_T", bt},
@@ -267,8 +267,9 @@ Config tuned_embedding_config(const EmbeddingForward& c) {
                c.x1.device};
   q.block_m_name = "BLOCK_T";
   q.block_k_name = "BLOCK_D";
+  // Each tile with D shared by the programs of one full wave (the default), two and three.
   q.gpu_candidates = with_wave_splits(embedding_gpu_candidates(), "BLOCK_T", T, "BLOCK_D", D, 1,
-                                      parallelism(c.x1.device), {2, 3});
+                                      parallelism(c.x1.device), {2, 3}, /*default_waves=*/1);
   q.extent_m = T;
   q.extent_k = D;
   q.kernels = [&](const Config& config) {
@@ -312,7 +313,7 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
   // (on an H100 at 8192x128256x4096: 47.3 us against 76 us at about three waves).
   const int64_t blocks = cdiv(T, bt), steps = cdiv(D, bd);
   const int64_t split = config.split_k ? config.split_k
-                        : gpu          ? std::clamp<int64_t>(programs / blocks, 1, std::max<int64_t>(steps, 1))
+                        : gpu          ? split_for_waves(blocks, programs, steps, 1)
                                        : split_for(blocks, programs, steps);
   EmbeddingBackwardPlan p;
   p.meta = {{"BLOCK_T", bt},
@@ -494,7 +495,7 @@ Config tuned_embedding_backward_config(const EmbeddingBackward& c) {
   q.block_k_name = "BLOCK_D";
   // Each tile with D shared by the programs of one full wave (the default), two and three.
   q.gpu_candidates = with_wave_splits(embedding_backward_gpu_candidates(), "BLOCK_T", T, "BLOCK_D", D, 1,
-                                      parallelism(dev), {2, 3});
+                                      parallelism(dev), {2, 3}, /*default_waves=*/1);
   q.extent_m = T;
   q.extent_k = D;
   q.kernels = [&](const Config& config) {

@@ -59,15 +59,17 @@ Config config_from(const autotune::Config& c, const std::string& block_m_name, c
 std::vector<autotune::Config> with_wave_splits(const std::vector<autotune::Config>& base,
                                                const std::string& block_m_name, int64_t rows,
                                                const std::string& block_k_name, int64_t cols, int64_t batch,
-                                               int64_t programs, const std::vector<int64_t>& waves) {
+                                               int64_t programs, const std::vector<int64_t>& waves,
+                                               int64_t default_waves) {
   std::vector<autotune::Config> all;
   for (const autotune::Config& c : base) {
     all.push_back(c);
     const int64_t blocks = std::max<int64_t>(1, batch * cdiv(rows, autotune::value_or_zero(c, block_m_name)));
     const int64_t n = std::max<int64_t>(1, cdiv(cols, autotune::value_or_zero(c, block_k_name)));
-    std::vector<int64_t> splits = {split_for(blocks, programs, n)};
+    std::vector<int64_t> splits = {default_waves ? split_for_waves(blocks, programs, n, default_waves)
+                                                 : split_for(blocks, programs, n)};
     for (const int64_t w : waves) {
-      const int64_t split = w == 0 ? n : std::clamp<int64_t>(w * programs / blocks, 1, n);
+      const int64_t split = w == 0 ? n : split_for_waves(blocks, programs, n, w);
       if (std::find(splits.begin(), splits.end(), split) != splits.end()) continue;
       splits.push_back(split);
       autotune::Config with = c;

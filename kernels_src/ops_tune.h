@@ -67,14 +67,15 @@ Config config_of(const TuneRequest& request, const autotune::Config& candidate);
 // full waves of `programs` multiprocessors (one program per SM), for ops whose
 // programs share a row block's columns (grid axis 1). A candidate's row blocks
 // are `batch` x cdiv(rows, its `block_m_name`), its column steps cdiv(cols, its
-// `block_k_name`); a split equal to the op's default (split_for) is not
-// repeated. A wave count of 0 stands for one column step per program (as many
+// `block_k_name`); a split equal to the op's default (split_for, or with
+// `default_waves` the split for that many waves) is not repeated. A wave count of 0 stands for one column step per program (as many
 // programs as tiles, the shape a one-tile-per-program kernel launches). Splits
 // change only the grid, so they compile nothing new.
 std::vector<autotune::Config> with_wave_splits(const std::vector<autotune::Config>& base,
                                                const std::string& block_m_name, int64_t rows,
                                                const std::string& block_k_name, int64_t cols, int64_t batch,
-                                               int64_t programs, const std::vector<int64_t>& waves);
+                                               int64_t programs, const std::vector<int64_t>& waves,
+                                               int64_t default_waves = 0);
 
 // The L2 hint variants the streaming ops try on their finalists (EVICT 1 and 2).
 const std::vector<autotune::Config>& evict_variants();

@@ -10,6 +10,8 @@
 #include "device_tensor.h"
 #include "gpu_test_util.h"
 #include "kerf/ops/ops.h"
+#include "kernels_src/ops_common.h"
+#include "kernels_src/ops_tune.h"
 #include "test_cache_util.h"
 
 using namespace kerf;
@@ -103,4 +105,35 @@ TEST_CASE("tuned ops give the answer of their default config, in-place ones incl
           "[autotune][gpu]") {
   KERF_REQUIRE_GPU();
   check_tuned_equals_default(Device::cuda(0));
+}
+
+// The split candidates a tile gets: its default split (split_for's, or with
+// default_waves that many full waves) once, and each asked-for wave count's
+// split unless it equals one already there.
+TEST_CASE("wave-split candidates try each split once, the op's own default included", "[autotune][cpu]") {
+  using ops::detail::split_for;
+  using ops::detail::split_for_waves;
+  using ops::detail::with_wave_splits;
+  const autotune::Config tile = {{"BLOCK_T", 64}, {"BLOCK_D", 64}};
+  const auto splits = [](const std::vector<autotune::Config>& c) {
+    std::vector<int64_t> s;
+    for (const autotune::Config& x : c) s.push_back(autotune::value_or_zero(x, "split_k"));
+    return s;
+  };
+  // 132 row blocks of 64 over 132 programs, 64 column steps: split_for gives 3.
+  const int64_t rows = 132 * 64 - 5, cols = 64 * 64 - 7, programs = 132;
+  REQUIRE(split_for(132, programs, 64) == 3);
+  CHECK(split_for_waves(132, programs, 64, 1) == 1);
+  CHECK(split_for_waves(132, programs, 64, 3) == 3);
+  CHECK(split_for_waves(1, programs, 64, 2) == 64);  // at most one step per program
+  CHECK(split_for_waves(1000, programs, 64, 1) == 1);  // at least 1
+  // Default split_for (3): the three-wave split is that default, so it is not repeated.
+  CHECK(splits(with_wave_splits({tile}, "BLOCK_T", rows, "BLOCK_D", cols, 1, programs, {2, 3})) ==
+        std::vector<int64_t>{0, 2});
+  // Default one wave (1): two and three waves are both new.
+  CHECK(splits(with_wave_splits({tile}, "BLOCK_T", rows, "BLOCK_D", cols, 1, programs, {2, 3}, 1)) ==
+        std::vector<int64_t>{0, 2, 3});
+  // A wave count whose split is the default's adds nothing; 0 is one step per program.
+  CHECK(splits(with_wave_splits({tile}, "BLOCK_T", rows, "BLOCK_D", cols, 1, programs, {1, 0}, 1)) ==
+        std::vector<int64_t>{0, 64});
 }

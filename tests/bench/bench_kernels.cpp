@@ -649,7 +649,7 @@ int main(int argc, char** argv) {
             emb_bwd_cfgs.push_back(ops::Config{bt, bd, 0, warps, 3});
             emb_bwd_cfgs.push_back(ops::Config{bt, bd, 0, warps, 3, {{"ROTATE", 1}}});
           }
-      // Tall token blocks with D shared by fewer, longer programs than the default split.
+      // D shared by a given number of programs (the default is one full wave of them).
       for (const auto& [bt, bd, split, warps] : {std::array<int64_t, 4>{32, 64, 1, 4}, {64, 64, 1, 8},
                                                   {64, 64, 2, 8}, {32, 128, 1, 8}, {64, 128, 1, 8}})
         emb_bwd_cfgs.push_back(ops::Config{bt, bd, split, warps, 3});
