@@ -573,8 +573,13 @@ Value sum(const Value& v, int axis) { return reduce(OpKind::ReduceSum, "sum", v,
 Value max(const Value& v, int axis) { return reduce(OpKind::ReduceMax, "max", v, axis); }
 Value min(const Value& v, int axis) { return reduce(OpKind::ReduceMin, "min", v, axis); }
 
-Value dot(const Value& a, const Value& b, const Value& acc) {
+Value dot(const Value& a, const Value& b, const Value& acc) { return dot(a, b, acc, 0); }
+
+Value dot(const Value& a, const Value& b, const Value& acc, int64_t warps_n) {
   Builder::Impl& s = impl_of(a, "dot");
+  if (warps_n < 0 || warps_n > 32 || (warps_n & (warps_n - 1)) != 0)
+    s.fail("dot", "warps_n must be 0 (kerf chooses) or a power of two up to 32, got " +
+                      std::to_string(warps_n));
   s.check_usable(b, "dot");
   if (a.shape().size() != 2 || b.shape().size() != 2)
     s.fail("dot", "takes two rank-2 tiles, got " + ir::to_string(a.type()) + " and " +
@@ -592,6 +597,7 @@ Value dot(const Value& a, const Value& b, const Value& acc) {
   const Type out{DType::f32, {a.shape()[0], b.shape()[1]}};
   ir::Operation op(OpKind::Dot);
   op.operands = {a.id(), b.id()};
+  op.attrs.axis = warps_n;
   if (acc.valid()) {
     s.check_usable(acc, "dot");
     if (acc.type() != out)
@@ -602,7 +608,7 @@ Value dot(const Value& a, const Value& b, const Value& acc) {
   return make(s, std::move(op), out);
 }
 
-Value dot(const Value& a, const Value& b) { return dot(a, b, Value()); }
+Value dot(const Value& a, const Value& b) { return dot(a, b, Value(), 0); }
 
 Value load(const Tensor& t, const std::vector<Value>& idx, const Value& mask, const Value& other) {
   return load(t, idx, mask, other, Evict::normal);

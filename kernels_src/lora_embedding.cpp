@@ -65,6 +65,7 @@ const dsl::Kernel& lora_embedding() {
     const int64_t BD = k.meta("BLOCK_D"), R = k.meta("R_PAD");
     const bool scale_after = k.meta("SCALE_AFTER", 0) != 0;
     const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
+    const int64_t warps_n = k.meta("WARPS_N", 0);  // warps sharing a step's columns (0: kerf's choice)
     const Value n_dim = weight.dim(1), rank = A.dim(0);
 
     const Tokens t = load_tokens(k, x, err, start, total, weight.dim(0));
@@ -80,7 +81,7 @@ const dsl::Kernel& lora_embedding() {
           load(weight, {t.local.col(), d.row()}, t.in_shard.col() & d_ok).to(DType::f32);
       const Value bt =
           trans(load(B, {d.col(), rk.row()}, (d.col() < n_dim) & (rk.row() < rank)).to(dot_t));
-      const Value v = scale_after ? e + s * dot(a, bt) : dot(a, bt, e);  // [BT, BD]
+      const Value v = scale_after ? e + s * dot(a, bt, Value(), warps_n) : dot(a, bt, e, warps_n);  // [BT, BD]
       store(out, {t.tok.col(), d.row()}, v.to(out.dtype()), t.tok_ok.col() & d_ok);
     });
   });

@@ -192,6 +192,9 @@ void expect_meta(const char* op, const Config& config, std::initializer_list<Met
     if (value < range->lo || value > range->hi)
       throw InvalidArgument(std::string(op) + ": Config.meta " + name + " must be in [" + std::to_string(range->lo) +
                             ", " + std::to_string(range->hi) + "], got " + std::to_string(value));
+    if (name == "WARPS_N" && (value & (value - 1)) != 0)
+      throw InvalidArgument(std::string(op) + ": Config.meta WARPS_N must be 0 (kerf chooses) or a power of two, got " +
+                            std::to_string(value));
   }
 }
 

@@ -203,6 +203,7 @@ EmbeddingLaunch plan_embedding(const EmbeddingForward& c, const Config& config, 
             {"SCALE_AFTER", scale_after ? 1 : 0},
             {"num_warps", config.num_warps ? config.num_warps : (gpu && bt >= 128 ? 8 : 4)},
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
+  if (const int64_t wn = meta_or(config, "WARPS_N", 0)) l.meta["WARPS_N"] = wn;
   l.grid = Grid{uint32_t(blocks), uint32_t(split), 1};
   return l;
 }
@@ -270,6 +271,9 @@ Config tuned_embedding_config(const EmbeddingForward& c) {
   // Each tile with D shared by the programs of one full wave (the default), two and three.
   q.gpu_candidates = with_wave_splits(embedding_gpu_candidates(), "BLOCK_T", T, "BLOCK_D", D, 1,
                                       parallelism(c.x1.device), {2, 3}, /*default_waves=*/1);
+  bool scale_after = false;
+  q.finalist_variants =
+      with_warps_n_variants({}, embedding_dot(c.weight.dtype, c.A.dtype, c.B.dtype, &scale_after));
   q.extent_m = T;
   q.extent_k = D;
   q.kernels = [&](const Config& config) {
@@ -559,7 +563,7 @@ void lora_embedding(const TensorView& x, const TensorView& weight, const TensorV
                     const EmbeddingOptions& options, void* stream, const Config& config,
                     const Layout& layout) {
   const char* op = "lora_embedding";
-  expect_meta(op, config, {});
+  expect_meta(op, config, {{"WARPS_N", 0, 32}});
   expect_ids(op, x);
   const LayoutSplits splits = check_layout(op, layout,
                                            {{"x", x_dims(x, false)},

@@ -54,6 +54,7 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
             {"num_warps", config.num_warps ? config.num_warps : 4},
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
   if (const int64_t evict = meta_or(config, "EVICT", 0)) p.meta["EVICT"] = evict;
+  if (const int64_t wn = meta_or(config, "WARPS_N", 0)) p.meta["WARPS_N"] = wn;
   p.grid = Grid{uint32_t(cdiv(out, bm)), uint32_t(split), uint32_t(G)};
   return p;
 }
@@ -90,7 +91,9 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
   // and into one tile per program, leaving the overlap of tiles to the hardware's scheduler.
   q.gpu_candidates = with_wave_splits(merge_gpu_candidates(), "BLOCK_M", out, "BLOCK_K", in, G,
                                       parallelism(W3.device), {1, 2, 4, 8, 16, 0});
-  q.finalist_variants = evict_variants();
+  bool scale_after = false;
+  q.finalist_variants =
+      with_warps_n_variants(evict_variants(), merge_dot_dtype(W3.dtype, A3.dtype, B3.dtype, &scale_after));
   q.extent_m = out;
   q.extent_k = in;
   q.kernels = [&](const Config& c) {
@@ -112,7 +115,7 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
 // caller's Config or else the autotuner's (remembered per call signature).
 void launch_merge(const char* op, const TensorView& W3, const TensorView& A3, const TensorView& B3, double s,
                   void* stream, const Config& config) {
-  expect_meta(op, config, {{"EVICT", 0, 2}});
+  expect_meta(op, config, {{"EVICT", 0, 2}, {"WARPS_N", 0, 32}});
   if (has_config(config))
     return run_merge(W3, A3, B3, s, stream, config);
   static PlanMemo<Config> tuned;

@@ -35,6 +35,7 @@ MoePlan plan_moe(const TensorView& W, int64_t r, bool gpu, const Config& config)
   // cp.async pipelining on the GPU; the CPU back end has no use for stages.
   p.meta["num_stages"] = config.num_stages ? config.num_stages : (gpu ? 3 : 1);
   if (const int64_t evict = meta_or(config, "EVICT", 0)) p.meta["EVICT"] = evict;
+  if (const int64_t wn = meta_or(config, "WARPS_N", 0)) p.meta["WARPS_N"] = wn;
   p.cast_a = cast_a_dtype(config, dot);
   // Column slices per row block (grid axis 1): 1 unless the config asks for more.
   const int64_t split =
@@ -77,7 +78,7 @@ void run_moe_lora_materialize(const TensorView& W, const TensorView& A, const Te
                               const TensorView& W_eff, void* stream, const Config& config,
                               const std::string& layout) {
   const char* op = "moe_lora_materialize";
-  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}});
+  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"WARPS_N", 0, 32}});
   expect_shape(op, "W", W, {-1, -1, -1});
   const int64_t E = W.shape[0], N = W.shape[1], K = W.shape[2];
   expect_shape(op, "A", A, {E, -1, K});
@@ -147,7 +148,8 @@ Config tuned_moe_config(const TensorView& W, const TensorView& A, const TensorVi
   q.block_m_name = "BLOCK_N";
   q.block_k_name = "BLOCK_K";
   q.gpu_candidates = moe_gpu_candidates();
-  q.finalist_variants = evict_and_cast_variants(A, is_half(W.dtype) ? W.dtype : DType::f32);
+  const DType product = is_half(W.dtype) ? W.dtype : DType::f32;
+  q.finalist_variants = with_warps_n_variants(evict_and_cast_variants(A, product), product);
   q.extent_m = N;
   q.extent_k = K;
   q.kernels = [&](const Config& c) { return moe_calls(plan_moe(W, r, gpu, c), W, A, B, W_eff); };

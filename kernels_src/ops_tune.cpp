@@ -80,6 +80,12 @@ std::vector<autotune::Config> with_wave_splits(const std::vector<autotune::Confi
   return all;
 }
 
+std::vector<autotune::Config> with_warps_n_variants(std::vector<autotune::Config> variants, DType product) {
+  if (is_half(product))
+    for (int64_t wn : {2, 4}) variants.push_back({{"WARPS_N", wn}});
+  return variants;
+}
+
 Config config_of(const TuneRequest& q, const autotune::Config& c) {
   return config_from(c, q.block_m_name, q.block_k_name);
 }

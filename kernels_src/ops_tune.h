@@ -82,6 +82,11 @@ const std::vector<autotune::Config>& evict_variants();
 // evict_variants, and CAST_A when A is f32, the product bf16/f16 and `A` on a GPU.
 std::vector<autotune::Config> evict_and_cast_variants(const TensorView& A, DType product);
 
+// `variants` and, when the op's product runs on tensor cores (`product` bf16 or
+// f16), WARPS_N 2 and 4: warps sharing the dot's columns, so that each reads
+// fewer of A's columns from shared memory (dsl::dot's warps_n).
+std::vector<autotune::Config> with_warps_n_variants(std::vector<autotune::Config> variants, DType product);
+
 // The autotuner's choice for `request` (its defaults, all zero, when tuning is off
 // for the device). On the CPU back end only two tile sizes of each are tried.
 Config tuned_config(const TuneRequest& request);

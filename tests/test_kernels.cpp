@@ -32,10 +32,13 @@ struct DoraCase {
   int64_t split;  // 0: let kerf choose
   int64_t stages = 0;
   int64_t cast_a = 0;  // Config.meta CAST_A: an f32 A rounded once by its own launch
+  int64_t block_m = 0, warps = 0;
+  int64_t warps_n = 0;  // Config.meta WARPS_N: warps sharing the dot's columns (the same answer)
 };
 
 void check_dora(const DoraCase& c, Device dev, uint64_t seed) {
-  CAPTURE(c.out, c.in, c.r, dtype_name(c.w), dtype_name(c.ab), c.split, c.cast_a, seed, dev.str());
+  CAPTURE(c.out, c.in, c.r, dtype_name(c.w), dtype_name(c.ab), c.split, c.cast_a, c.block_m, c.warps, c.warps_n, seed,
+          dev.str());
   std::mt19937_64 rng(seed);
   TestTensor W(c.w, {c.out, c.in}, dev), A(c.ab, {c.r, c.in}, dev), B(c.ab, {c.out, c.r}, dev);
   TestTensor m(DType::f32, {c.out}, dev), norm(DType::f32, {c.out}, dev), scale(DType::f32, {c.out}, dev);
@@ -49,7 +52,10 @@ void check_dora(const DoraCase& c, Device dev, uint64_t seed) {
   ops::Config cfg;
   cfg.split_k = c.split;
   cfg.num_stages = c.stages;
+  cfg.block_m = c.block_m;
+  cfg.num_warps = c.warps;
   if (c.cast_a) cfg.meta["CAST_A"] = 1;
+  if (c.warps_n) cfg.meta["WARPS_N"] = c.warps_n;
   ops::dora_norm(W.view(), A.view(), B.view(), m.view(), s, norm.view(), scale.view(), eps, nullptr, cfg);
   if (dev.is_cuda()) cuda::device_synchronize(dev.index);
   norm.download();
@@ -83,6 +89,13 @@ void run_dora_cases(Device dev) {
       // A cast once into the workspace: alone, after a split's sums, with f16 and f32 W (no cast).
       {1000, 1500, 7, DType::bf16, DType::f32, 1, 0, 1}, {300, 700, 16, DType::bf16, DType::f32, 3, 3, 1},
       {96, 2000, 8, DType::f16, DType::f32, 0, 2, 1},     {37, 130, 1, DType::f32, DType::f32, 2, 0, 1},
+      // Warps sharing the dot's columns: 2 or 4 of them, with the rest on rows (or copies where
+      // rows run out); odd shapes, a split's partial sums, an f32 dot (FMA: no tensor-core layout).
+      {300, 700, 64, DType::bf16, DType::bf16, 2, 3, 0, 128, 8, 2},
+      {1000, 1500, 7, DType::bf16, DType::f32, 0, 0, 0, 64, 8, 4},
+      {96, 2000, 8, DType::f16, DType::f16, 1, 2, 0, 32, 8, 4},
+      {257, 333, 32, DType::bf16, DType::bf16, 3, 2, 1, 256, 16, 2},
+      {37, 130, 5, DType::f32, DType::f32, 0, 0, 0, 64, 4, 2},
   };
   uint64_t seed = 1234;
   for (const DoraCase& c : cases) check_dora(c, dev, seed++);
@@ -98,8 +111,9 @@ struct MoeCase {
 
 void check_moe(const MoeCase& c, Device dev, uint64_t seed) {
   const DType ab = c.ab == DType::i1 ? c.w : c.ab;
-  CAPTURE(c.E, c.N, c.K, c.r, dtype_name(c.w), dtype_name(ab), c.peft_layout, c.config.block_k, c.config.split_k,
-          c.config.meta.count("CAST_A"), seed, dev.str());
+  CAPTURE(c.E, c.N, c.K, c.r, dtype_name(c.w), dtype_name(ab), c.peft_layout, c.config.block_m, c.config.block_k,
+          c.config.split_k, c.config.num_warps, c.config.meta.count("CAST_A"), c.config.meta.count("WARPS_N"), seed,
+          dev.str());
   std::mt19937_64 rng(seed);
   TestTensor W(c.w, {c.E, c.N, c.K}, dev), out(c.w, {c.E, c.N, c.K}, dev);
   TestTensor A(ab, {c.E * c.r, c.K}, dev), B(ab, {c.N, c.r * c.E}, dev);
@@ -158,6 +172,9 @@ void run_moe_cases(Device dev) {
       {3, 100, 130, 5, DType::bf16, true, ops::Config{0, 0, 0, 0, 0, {{"CAST_A", 1}}}, DType::f32},
       {2, 64, 256, 16, DType::f16, false, ops::Config{0, 64, 2, 0, 0, {{"CAST_A", 1}}}, DType::f32},
       {2, 64, 256, 16, DType::f32, true, ops::Config{0, 0, 0, 0, 0, {{"CAST_A", 1}}}, DType::f32},
+      // Warps sharing the dot's columns (Config.meta WARPS_N).
+      {3, 100, 130, 5, DType::bf16, true, ops::Config{64, 64, 0, 8, 3, {{"WARPS_N", 2}}}},
+      {2, 200, 300, 16, DType::f16, false, ops::Config{128, 128, 2, 8, 2, {{"WARPS_N", 4}}}, DType::f32},
   };
   uint64_t seed = 99;
   for (const MoeCase& c : cases) check_moe(c, dev, seed++);

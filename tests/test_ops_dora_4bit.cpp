@@ -59,7 +59,7 @@ struct Quantized {
 
 void check_4bit(const Case4& c, Device dev, uint64_t seed) {
   CAPTURE(c.out, c.in, c.r, c.blocksize, dtype_name(c.ab), dtype_name(c.m), c.config.split_k, c.config.block_m,
-          c.config.block_k, seed, dev.str());
+          c.config.block_k, c.config.num_warps, c.config.meta.count("WARPS_N"), seed, dev.str());
   std::mt19937_64 rng(seed);
   Quantized W(c.out, c.in, c.blocksize, dev, rng);
   TestTensor A(c.ab, {c.r, c.in}, dev), B(c.ab, {c.out, c.r}, dev), m(c.m, {c.out}, dev);
@@ -114,6 +114,11 @@ void run_4bit_cases(Device dev) {
     c.meta["CAST_A"] = 1;
     return c;
   };
+  auto warps_n = [](ops::Config c, int64_t warps, int64_t wn) {
+    c.num_warps = warps;
+    c.meta["WARPS_N"] = wn;
+    return c;
+  };
   const std::vector<Case4> cases = {
       {77, 130, 5, 64, DType::f32, DType::f32, {}},             // partial blocks, rows and steps
       {64, 256, 16, 64, DType::bf16, DType::bf16, {}},          // whole tiles
@@ -124,6 +129,8 @@ void run_4bit_cases(Device dev) {
       {96, 512, 16, 128, DType::bf16, DType::f32, cfg(32, 64, 2)},  // one scale per row and step, split
       {77, 130, 5, 64, DType::f32, DType::f32, cast_a(cfg(0, 0, 1))},   // f32 A rounded once, by its own launch
       {96, 512, 16, 64, DType::f32, DType::bf16, cast_a(cfg(32, 64, 3))},  // the same beside a split's sums
+      {200, 322, 33, 128, DType::bf16, DType::f32, warps_n(cfg(128, 64, 2), 8, 2)},  // warps sharing columns
+      {77, 130, 5, 64, DType::f16, DType::f32, warps_n(cfg(64, 0, 0), 8, 4)},
   };
   uint64_t seed = 9100;
   for (const Case4& c : cases) check_4bit(c, dev, seed++);

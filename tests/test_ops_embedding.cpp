@@ -36,6 +36,7 @@ struct EmbCase {
   int64_t V, D, r;
   DType ids, w, ab, out;
   bool strided_x = false;  // x is every other element of a buffer twice as long
+  ops::Config config{};  // tiles and meta (WARPS_N); zero: kerf's choice
 };
 
 // Random ids in [0, V), with a few repeats forced.
@@ -47,7 +48,8 @@ void fill_ids(TestTensor& buf, int64_t n, int64_t stride, int64_t V, std::mt1993
 
 void check_forward(const EmbCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.x_shape, c.V, c.D, c.r, dtype_name(c.ids), dtype_name(c.w), dtype_name(c.ab),
-          dtype_name(c.out), c.strided_x, seed, dev.str());
+          dtype_name(c.out), c.strided_x, c.config.block_m, c.config.block_k, c.config.num_warps,
+          c.config.meta.count("WARPS_N"), seed, dev.str());
   std::mt19937_64 rng(seed);
   int64_t T = 1;
   for (int64_t d : c.x_shape) T *= d;
@@ -68,7 +70,8 @@ void check_forward(const EmbCase& c, Device dev, uint64_t seed) {
   TestTensor out(c.out, out_shape, dev);
   out.poison();
   const double s = 1.25;
-  ops::lora_embedding(X.view(c.x_shape, xstrides), Wt.view(), A.view(), B.view(), s, out.view());
+  ops::lora_embedding(X.view(c.x_shape, xstrides), Wt.view(), A.view(), B.view(), s, out.view(), {}, nullptr,
+                      c.config);
   test::sync(dev);
   out.download();
   std::vector<double> got, ref;
@@ -93,6 +96,11 @@ void run_forward_cases(Device dev) {
       {{4, 16}, 512, 256, 16, DType::i64, DType::bf16, DType::bf16, DType::bf16},
       {{2, 9}, 300, 64, 8, DType::i32, DType::f16, DType::f16, DType::f32, true},
       {{50}, 77, 33, 1, DType::i64, DType::f32, DType::bf16, DType::f32, true},
+      // Warps sharing the dot's columns (Config.meta WARPS_N), partial tiles.
+      {{3, 37}, 1000, 130, 5, DType::i64, DType::bf16, DType::f32, DType::bf16, false,
+       ops::Config{64, 128, 0, 8, 3, {{"WARPS_N", 2}}}},
+      {{200}, 512, 300, 16, DType::i32, DType::bf16, DType::bf16, DType::f32, true,
+       ops::Config{128, 64, 2, 8, 2, {{"WARPS_N", 4}}}},
   };
   uint64_t seed = 6100;
   for (const EmbCase& c : cases) check_forward(c, dev, seed++);

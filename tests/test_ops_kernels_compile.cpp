@@ -8,6 +8,7 @@
 
 #include "catch.h"
 #include "gpu_test_util.h"
+#include "kerf/error.h"
 #include "kerf/jit/cuda_codegen.h"
 #include "kerf/jit/nvrtc.h"
 #include "kerf/kernels/kernels.h"
@@ -330,5 +331,53 @@ TEST_CASE("L2 hints reach the loads, stores and cp.async copies they are given, 
   for (const char* arch : {"sm_80", "sm_90a"}) {
     const jit::cuda::KernelCode code = jit::cuda::generate(fn, arch);
     REQUIRE_NOTHROW(nvrtc::compile(code.source, code.entry + ".cu", arch));
+  }
+}
+
+TEST_CASE("WARPS_N puts warps on a dot's columns: each reads its share of A's columns", "[cuda][codegen][ops]") {
+  KERF_REQUIRE_NVRTC();
+  const std::vector<ArgSpec> args = {T(DType::bf16, 2), T(DType::bf16, 2), T(DType::bf16, 2), T(DType::f32, 1),
+                                     S,                 S,                 T(DType::f32, 1),  T(DType::f32, 1)};
+  MetaMap meta = {{"BLOCK_M", 128}, {"BLOCK_K", 64}, {"R_PAD", 64}, {"DOT", int64_t(DType::bf16)},
+                  {"num_warps", 8},  {"num_stages", 3}};
+  const std::string rows_first = source_of(kernels::dora_norm_fused(), args, meta);
+  CHECK(rows_first.find("const int wm = warp & 7, wn = (warp >> 3) & 0;") != std::string::npos);
+  for (const auto& [wn, expect] : {std::pair<int64_t, std::string>{2, "const int wm = warp & 3, wn = (warp >> 2) & 1;"},
+                                   {4, "const int wm = warp & 1, wn = (warp >> 1) & 3;"},
+                                   {8, "const int wm = warp & 0, wn = (warp >> 0) & 7;"}}) {
+    meta["WARPS_N"] = wn;
+    const ir::Function fn = kernels::dora_norm_fused().trace(args, meta);
+    INFO("WARPS_N=" << wn);
+    CHECK(ir::print(fn).find("warps_n=" + std::to_string(wn)) != std::string::npos);
+    const jit::cuda::KernelCode code = jit::cuda::generate(fn, "sm_90a");
+    CHECK(code.source.find(expect) != std::string::npos);
+    // The row sum then crosses warps; NVRTC takes it.
+    nvrtc::Output out;
+    REQUIRE_NOTHROW(out = nvrtc::compile(code.source, code.entry + ".cu", "sm_90a"));
+    CHECK(out.image.size() > 4);
+  }
+  // More than the tile's 8-column groups allow: as many as there are (BLOCK_K=16: two).
+  meta["BLOCK_K"] = 16;
+  meta["WARPS_N"] = 8;
+  CHECK(source_of(kernels::dora_norm_fused(), args, meta).find("const int wm = warp & 3, wn = (warp >> 2) & 1;") !=
+        std::string::npos);
+}
+
+TEST_CASE("dot refuses a warps_n that is not a power of two up to 32", "[dsl][errors]") {
+  for (const int64_t bad : {int64_t(3), int64_t(64), int64_t(-1)}) {
+    const Kernel k("bad_dot", [bad](Builder& b) {
+      const Tensor X = b.tensor("X", 2);
+      const Value i = arange(16);
+      const Value x = load(X, {i.col(), i.row()}).to(DType::bf16);
+      store(X, {i.col(), i.row()}, dot(x, x, Value(), bad));
+    });
+    try {
+      (void)k.trace({T(DType::f32, 2)}, {});
+      FAIL("no error for warps_n=" << bad);
+    } catch (const Error& e) {
+      INFO(e.what());
+      CHECK(std::string(e.what()).find("op 'dot': warps_n must be 0 (kerf chooses) or a power of two up to 32, got " +
+                                       std::to_string(bad)) != std::string::npos);
+    }
   }
 }

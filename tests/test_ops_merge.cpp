@@ -30,11 +30,12 @@ struct MergeCase {
   int64_t offset = 0;  // W starts this many elements into its buffer (misaligned for the fast path)
   double s = 1.5;
   int64_t evict = 0;  // Config.meta EVICT (an L2 hint: the same answer)
+  int64_t warps_n = 0, block_m = 0, warps = 0;  // Config.meta WARPS_N and the tile it splits (the same answer)
 };
 
 void check_merge(const MergeCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.out, c.in, c.r, dtype_name(c.w), dtype_name(c.a), dtype_name(c.b), c.transposed,
-          c.offset, c.evict, seed, dev.str());
+          c.offset, c.evict, c.warps_n, c.block_m, c.warps, seed, dev.str());
   std::mt19937_64 rng(seed);
   TestTensor Wbuf(c.w, {c.out * c.in + c.offset}, dev), A(c.a, {c.r, c.in}, dev),
       B(c.b, {c.out, c.r}, dev);
@@ -52,6 +53,9 @@ void check_merge(const MergeCase& c, Device dev, uint64_t seed) {
 
   ops::Config cfg;
   if (c.evict) cfg.meta["EVICT"] = c.evict;
+  if (c.warps_n) cfg.meta["WARPS_N"] = c.warps_n;
+  cfg.block_m = c.block_m;
+  cfg.num_warps = c.warps;
   ops::lora_merge(W, A.view(), B.view(), c.s, nullptr, cfg);
   test::sync(dev);
   Wbuf.download();
@@ -95,6 +99,10 @@ void run_merge_cases(Device dev) {
   cases.push_back({50, 70, 3, DType::f32, DType::f32, DType::f32, false, 3, -0.75});
   cases.push_back({128, 256, 16, DType::bf16, DType::bf16, DType::bf16, false, 0, 1.5, 1});  // L2 hints
   cases.push_back({67, 130, 5, DType::f16, DType::f32, DType::f32, false, 0, 1.5, 2});
+  // Warps sharing the dot's columns (WARPS_N), in place, partial tiles.
+  cases.push_back({300, 200, 64, DType::bf16, DType::bf16, DType::bf16, false, 0, 1.5, 0, 2, 128, 8});
+  cases.push_back({67, 130, 5, DType::f16, DType::f32, DType::f32, false, 0, -0.5, 0, 4, 64, 8});
+  cases.push_back({40, 72, 8, DType::bf16, DType::f32, DType::f32, true, 0, 1.5, 0, 2, 32, 4});
   uint64_t seed = 4100;
   for (const MergeCase& c : cases) check_merge(c, dev, seed++);
 }

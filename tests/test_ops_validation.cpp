@@ -243,7 +243,8 @@ TEST_CASE("an op refuses Config.meta names it does not take and values out of ra
   ops::Config rotate;
   rotate.meta["ROTATE"] = 1;
   CHECK_REJECTS(InvalidArgument, ops::dora_norm(W, A, B, m, 1.0, norm, scale, 0.0, nullptr, rotate),
-                "dora_norm: Config.meta names 'ROTATE', which this op does not take (it takes EVICT, CAST_A)");
+                "dora_norm: Config.meta names 'ROTATE', which this op does not take (it takes EVICT, CAST_A, "
+                "WARPS_N)");
   CHECK_REJECTS(InvalidArgument,
                 ops::dora_norm_partial(W, A, B, 1.0, t({8}, DType::f32, 12400), nullptr, rotate),
                 "dora_norm_partial: Config.meta names 'ROTATE', which this op does not take (it takes none)");
@@ -260,6 +261,14 @@ TEST_CASE("an op refuses Config.meta names it does not take and values out of ra
   two.meta["ROTATE"] = 2;
   CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize_backward(dW, mA, mB, 1.0, dA, dB, nullptr, two),
                 "moe_lora_materialize_backward: Config.meta ROTATE must be in [0, 1], got 2");
+  ops::Config three;
+  three.meta["WARPS_N"] = 3;
+  CHECK_REJECTS(InvalidArgument, ops::lora_merge(W, A, B, 1.0, nullptr, three),
+                "lora_merge: Config.meta WARPS_N must be 0 (kerf chooses) or a power of two, got 3");
+  ops::Config many;
+  many.meta["WARPS_N"] = 64;
+  CHECK_REJECTS(InvalidArgument, ops::dora_norm(W, A, B, m, 1.0, norm, scale, 0.0, nullptr, many),
+                "dora_norm: Config.meta WARPS_N must be in [0, 32], got 64");
   // Negative fields and splits beyond a grid's y extent are refused before anything runs
   // (a negative split used to become a grid of 2^32 - 1 programs).
   ops::Config negative;

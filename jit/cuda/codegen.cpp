@@ -130,7 +130,7 @@ int Codegen::acc_layout(const Operation& op) {
   int l;
   if (mma_eligible(op)) {
     int wm, wn;
-    mma_warp_split(shape, num_warps_, &wm, &wn);
+    mma_warp_split(shape, num_warps_, int(op.attrs.axis), &wm, &wn);
     l = intern(mma_acc_layout(shape, num_warps_, wm, wn));
   } else {
     l = intern(blocked_layout(shape, num_warps_, 4));

@@ -66,7 +66,7 @@ Tile Codegen::emit_dot(const Operation& op, int h) {
                "));");
   if (mma_eligible(op)) {
     int wm, wn;
-    mma_warp_split(Shape{M, N}, num_warps_, &wm, &wn);
+    mma_warp_split(Shape{M, N}, num_warps_, int(op.attrs.axis), &wm, &wn);
     const int64_t MT = M / (16 * wm), NT = N / (8 * wn);
     const std::string mma =
         ta.dtype == DType::bf16 ? "kerf_dev::mma_bf16_16816" : "kerf_dev::mma_f16_16816";

@@ -56,8 +56,9 @@ Layout blocked_layout(const ir::Shape& shape, int num_warps, int vec);
 // The f32 accumulator of mma.sync.m16n8k16 for an [M, N] tile, with warps
 // split `warps_m` x `warps_n` (copies where the tile is too small).
 Layout mma_acc_layout(const ir::Shape& shape, int num_warps, int warps_m, int warps_n);
-// Chooses warps_m x warps_n for an [M, N] accumulator.
-void mma_warp_split(const ir::Shape& shape, int num_warps, int* warps_m, int* warps_n);
+// Chooses warps_m x warps_n for an [M, N] accumulator: rows first, or with
+// want_warps_n > 0 up to that many warps on columns first.
+void mma_warp_split(const ir::Shape& shape, int num_warps, int want_warps_n, int* warps_m, int* warps_n);
 
 // A layout derived from another by dropping register bits (and renaming
 // dimensions); `kept[j]` is the register bit of the source layout that

@@ -114,6 +114,10 @@ class Printer {
       case OpKind::ReduceMin:
         out_ += " " + v(op.operands[0]) + ", axis=" + std::to_string(a.axis);
         break;
+      case OpKind::Dot:
+        out_ += " " + operand_list(op, 0, op.operands.size());
+        if (a.axis) out_ += ", warps_n=" + std::to_string(a.axis);
+        break;
       case OpKind::Load:
       case OpKind::Store:
       case OpKind::AtomicAdd: {

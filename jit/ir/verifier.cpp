@@ -209,6 +209,8 @@ class Verifier {
         const Type want{DType::f32, {x.shape[0], y.shape[1]}};
         expect(result() == want, op, "result must be " + to_string(want));
         if (n == 3) expect(t(op.operands[2]) == want, op, "accumulator must be " + to_string(want));
+        expect(a.axis >= 0 && a.axis <= 32 && (a.axis & (a.axis - 1)) == 0, op,
+               "warps_n must be 0 or a power of two up to 32");
         break;
       }
       case OpKind::Load:

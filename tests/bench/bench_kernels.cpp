@@ -8,6 +8,7 @@
 // the same run. Results go to stdout as a table and, with --json FILE, as JSON
 // for tools/bench_table.py.
 #include <algorithm>
+#include <map>
 #include <array>
 #include <chrono>
 #include <cmath>
@@ -435,6 +436,7 @@ Result best_of(const std::vector<ops::Config>& configs, F run_one) {
 int main(int argc, char** argv) {
   std::string json_path, only, op_filter;
   std::optional<ops::Config> forced;
+  std::map<std::string, int64_t> meta;
   bool quick = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json_path = argv[++i];
@@ -454,7 +456,23 @@ int main(int argc, char** argv) {
       }
       forced = ops::Config{c[0], c[1], c[2], c[3], c[4]};
     }
+    // --meta NAME=V[,NAME=V...]: Config.meta for --only and --config (e.g. WARPS_N=2).
+    if (!std::strcmp(argv[i], "--meta") && i + 1 < argc) {
+      const std::string list = argv[++i];
+      for (size_t at = 0; at < list.size();) {
+        const size_t comma = std::min(list.find(',', at), list.size());
+        const std::string item = list.substr(at, comma - at);
+        const size_t eq = item.find('=');
+        if (eq == std::string::npos) {
+          std::fprintf(stderr, "--meta wants NAME=VALUE[,NAME=VALUE...]\n");
+          return 2;
+        }
+        meta[item.substr(0, eq)] = std::atoll(item.c_str() + eq + 1);
+        at = comma + 1;
+      }
+    }
   }
+  if (forced) forced->meta = meta;
   std::vector<std::string> filters;  // --op A,B: the cases whose name contains A or B
   for (size_t at = 0; !op_filter.empty() && at <= op_filter.size();) {
     const size_t comma = std::min(op_filter.find(',', at), op_filter.size());
@@ -484,7 +502,7 @@ int main(int argc, char** argv) {
     cuda::set_current_device(0);
     cuda::Stream stream(0);
     DoraSets sets = make_dora(v[0], v[1], v[2], DType::bf16, DType::bf16);
-    const Result r = bench_dora(sets, ops::Config{v[3], v[4], v[5], v[6], v[7]}, stream.handle());
+    const Result r = bench_dora(sets, ops::Config{v[3], v[4], v[5], v[6], v[7], meta}, stream.handle());
     std::printf("%s %s %.1f us %.0f GB/s [%s]\n", r.op.c_str(), r.shape.c_str(), r.median_us, r.gbps, r.config.c_str());
     return 0;
   }
@@ -556,11 +574,32 @@ int main(int argc, char** argv) {
     if (quick) dora_cfgs = {ops::Config{64, 64, 0, 8, 3}, ops::Config{128, 64, 0, 8, 3}, ops::Config{64, 128, 0, 4, 3}};
     const std::vector<std::pair<int64_t, int64_t>> dora_shapes = {
         {4096, 4096}, {8192, 8192}, {14336, 4096}, {4096, 14336}};
+    // Warps sharing the dot's columns (WARPS_N) on the tall tiles, each with the
+    // default split and the columns split for one and two full waves of one
+    // program per SM (the tuner's wave candidates).
+    const auto dora_warps_n_cfgs = [&](int64_t out, int64_t in) {
+      std::vector<ops::Config> c;
+      if (quick) return c;
+      for (int64_t bm : {128, 256})
+        for (int64_t waves : {0, 1, 2}) {
+          const int64_t blocks = (out + bm - 1) / bm, steps = (in + 63) / 64;
+          const int64_t split = waves ? std::clamp<int64_t>(waves * info.sm_count / blocks, 1, steps) : 0;
+          for (int64_t wn : {0, 2, 4}) {
+            if (wn == 0 && waves == 0) continue;  // in dora_cfgs
+            ops::Config cfg{bm, 64, split, 8, 3};
+            if (wn) cfg.meta["WARPS_N"] = wn;
+            c.push_back(cfg);
+          }
+        }
+      return c;
+    };
     for (int64_t r : {16, 32, 64}) {
       for (auto [o, i] : dora_shapes) {
         if (!wanted("dora_norm r=" + std::to_string(r))) break;
         DoraSets sets = make_dora(o, i, r, DType::bf16, DType::bf16);
-        measure([&](const ops::Config& c) { return bench_dora(sets, c, stream.handle()); }, dora_cfgs);
+        std::vector<ops::Config> cfgs = dora_cfgs;
+        for (ops::Config& c : dora_warps_n_cfgs(o, i)) cfgs.push_back(std::move(c));
+        measure([&](const ops::Config& c) { return bench_dora(sets, c, stream.handle()); }, cfgs);
       }
     }
     // PEFT's usual case: fp32 adapters on a bf16 base (the adapters converted per
@@ -582,6 +621,8 @@ int main(int argc, char** argv) {
     for (int64_t stages : {2, 3}) moe_cfgs.push_back(ops::Config{256, 64, 0, 8, stages});
     for (int64_t evict : {1, 2})
       for (int64_t bn : {64, 128}) moe_cfgs.push_back(ops::Config{bn, 128, 0, 8, 3, {{"EVICT", evict}}});
+    for (int64_t wn : {2, 4})
+      for (int64_t bn : {128, 256}) moe_cfgs.push_back(ops::Config{bn, 64, 0, 8, 3, {{"WARPS_N", wn}}});
     if (quick) moe_cfgs = {ops::Config{64, 64, 0, 8, 3}, ops::Config{32, 128, 0, 4, 3}, ops::Config{64, 128, 0, 4, 2}};
     struct MoeCase {
       int64_t E, N, K, r;
@@ -612,6 +653,9 @@ int main(int argc, char** argv) {
     if (!quick)
       for (int64_t evict : {1, 2})
         for (int64_t bm : {32, 64}) merge_cfgs.push_back(ops::Config{bm, 128, 0, 8, 3, {{"EVICT", evict}}});
+    if (!quick)
+      for (int64_t wn : {2, 4})
+        for (int64_t bm : {64, 128}) merge_cfgs.push_back(ops::Config{bm, 128, 0, 8, 3, {{"WARPS_N", wn}}});
     for (auto [o, i] : std::vector<std::pair<int64_t, int64_t>>{{4096, 4096}, {8192, 8192}, {14336, 4096}})
       if (family("lora_merge")) run_case(make_merge(o, i, 16), merge_cfgs);
     std::vector<ops::Config> dora4_cfgs = {ops::Config{}};

@@ -81,7 +81,8 @@ bool is_comparison(OpKind k);
 bool is_reduction(OpKind k);
 
 struct Attrs {
-  int64_t axis = 0;     // ProgramId, NumPrograms, ExpandDims, reductions, TensorDim/Stride
+  int64_t axis = 0;     // ProgramId, NumPrograms, ExpandDims, reductions, TensorDim/Stride;
+                        // Dot: warps sharing the result's columns on the GPU (0: codegen's choice)
   int64_t param = -1;   // Param, TensorDim/Stride, Load/Store/AtomicAdd
   int64_t start = 0;    // Arange
   int64_t end = 0;      // Arange
