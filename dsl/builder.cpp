@@ -181,6 +181,13 @@ ir::Function Kernel::trace(const std::vector<ArgSpec>& args, const MetaMap& meta
   if (stages < 1 || stages > 8)
     throw DefinitionError("kernel '" + s.fn.name + "': num_stages must be in 1..8, got " +
                           std::to_string(stages));
+  // The L2 prefetch size hint of pipelined copies (bytes), when given.
+  if (meta.count("l2_prefetch")) {
+    const int64_t bytes = b.meta("l2_prefetch");
+    if (bytes != 0 && bytes != 64 && bytes != 128 && bytes != 256)
+      throw DefinitionError("kernel '" + s.fn.name + "': l2_prefetch must be 0, 64, 128 or 256 (bytes), got " +
+                            std::to_string(bytes));
+  }
   {
     TraceScope scope(&b);
     state_->body(b);

@@ -77,6 +77,9 @@ struct MetaRange {
   int64_t lo, hi;
 };
 void expect_meta(const char* op, const Config& config, std::initializer_list<MetaRange> allowed);
+// Config.meta L2_PREFETCH (0, 64, 128 or 256 bytes), when given, as the kernel meta
+// l2_prefetch: the L2 prefetch size hint of the kernel's pipelined copies.
+void add_l2_prefetch(const Config& config, dsl::MetaMap& meta);
 // config.meta's value of `name`, else `fallback`.
 inline int64_t meta_or(const Config& c, const char* name, int64_t fallback) {
   auto it = c.meta.find(name);

@@ -54,6 +54,7 @@ DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, DType w_dtype, bool gpu, 
   p.meta["num_stages"] = config.num_stages ? config.num_stages : (gpu ? 3 : 1);
   if (const int64_t evict = meta_or(config, "EVICT", 0)) p.meta["EVICT"] = evict;
   if (const int64_t wn = meta_or(config, "WARPS_N", 0)) p.meta["WARPS_N"] = wn;
+  add_l2_prefetch(config, p.meta);
   p.cast_a = cast_a_dtype(config, dot);
   // A step within one scale block per row: one scale per row and step.
   if (four_bit && in % bk == 0 && blocksize % bk == 0) p.meta["SCALE_PER_STEP"] = 1;
@@ -122,7 +123,7 @@ void run_dora_norm(const TensorView& W, const TensorView& A, const TensorView& B
                    const TensorView& norm, const TensorView& scale, double eps, void* stream, const Config& config,
                    const std::string& layout) {
   const char* op = "dora_norm";
-  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"WARPS_N", 0, 32}});
+  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"WARPS_N", 0, 32}, {"L2_PREFETCH", 0, 256}});
   expect_shape(op, "W", W, {-1, -1});
   const int64_t out = W.shape[0], in = W.shape[1];
   expect_shape(op, "A", A, {-1, in});
@@ -209,7 +210,8 @@ Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorV
   q.block_k_name = "BLOCK_K";
   q.gpu_candidates = dora_gpu_candidates(out, in, programs);
   const DType product = is_half(W.dtype) ? W.dtype : DType::f32;
-  q.finalist_variants = with_warps_n_variants(evict_and_cast_variants(A, product), product);
+  q.finalist_variants =
+      with_l2_prefetch_variants(with_warps_n_variants(evict_and_cast_variants(A, product), product));
   q.extent_m = out;
   q.extent_k = in;
   q.kernels = [&](const Config& c) {
@@ -350,7 +352,7 @@ Config tuned_dora_4bit_config(const TensorView& packed2, const Weight4bit& W, co
   q.block_m_name = "BLOCK_M";
   q.block_k_name = "BLOCK_K";
   q.gpu_candidates = dora_4bit_candidates(dora_gpu_candidates(out, in, programs), in, W.blocksize);
-  q.finalist_variants = with_warps_n_variants(evict_and_cast_variants(A, dot), dot);
+  q.finalist_variants = with_l2_prefetch_variants(with_warps_n_variants(evict_and_cast_variants(A, dot), dot));
   q.extent_m = out;
   q.extent_k = in;
   q.kernels = [&](const Config& c) {
@@ -407,7 +409,7 @@ TensorView checked_packed(const char* op, const Weight4bit& W, int64_t out, int6
 void dora_norm_4bit(const Weight4bit& W, const TensorView& A, const TensorView& B, const TensorView& m, double s,
                     const TensorView& norm, const TensorView& scale, double eps, void* stream, const Config& config) {
   const char* op = "dora_norm_4bit";
-  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"WARPS_N", 0, 32}});
+  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"WARPS_N", 0, 32}, {"L2_PREFETCH", 0, 256}});
   expect_shape(op, "A", A, {-1, -1});
   const int64_t r = A.shape[0], in = A.shape[1];
   expect_shape(op, "B", B, {-1, r});

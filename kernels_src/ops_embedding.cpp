@@ -204,6 +204,7 @@ EmbeddingLaunch plan_embedding(const EmbeddingForward& c, const Config& config, 
             {"num_warps", config.num_warps ? config.num_warps : (gpu && bt >= 128 ? 8 : 4)},
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
   if (const int64_t wn = meta_or(config, "WARPS_N", 0)) l.meta["WARPS_N"] = wn;
+  add_l2_prefetch(config, l.meta);
   l.grid = Grid{uint32_t(blocks), uint32_t(split), 1};
   return l;
 }
@@ -273,7 +274,7 @@ Config tuned_embedding_config(const EmbeddingForward& c) {
                                       parallelism(c.x1.device), {2, 3}, /*default_waves=*/1);
   bool scale_after = false;
   q.finalist_variants =
-      with_warps_n_variants({}, embedding_dot(c.weight.dtype, c.A.dtype, c.B.dtype, &scale_after));
+      with_l2_prefetch_variants(with_warps_n_variants({}, embedding_dot(c.weight.dtype, c.A.dtype, c.B.dtype, &scale_after)));
   q.extent_m = T;
   q.extent_k = D;
   q.kernels = [&](const Config& config) {
@@ -328,6 +329,7 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
             {"ROTATE", meta_or(config, "ROTATE", 0)},
             {"num_warps", config.num_warps ? config.num_warps : (gpu && bt >= 128 ? 8 : 4)},
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
+  add_l2_prefetch(config, p.meta);
   p.grid = Grid{uint32_t(cdiv(T, bt)), uint32_t(split), 1};
   p.block_t = bt;
   return p;
@@ -500,6 +502,7 @@ Config tuned_embedding_backward_config(const EmbeddingBackward& c) {
   // Each tile with D shared by the programs of one full wave (the default), two and three.
   q.gpu_candidates = with_wave_splits(embedding_backward_gpu_candidates(), "BLOCK_T", T, "BLOCK_D", D, 1,
                                       parallelism(dev), {2, 3}, /*default_waves=*/1);
+  q.finalist_variants = with_l2_prefetch_variants({});
   q.extent_m = T;
   q.extent_k = D;
   q.kernels = [&](const Config& config) {
@@ -563,7 +566,7 @@ void lora_embedding(const TensorView& x, const TensorView& weight, const TensorV
                     const EmbeddingOptions& options, void* stream, const Config& config,
                     const Layout& layout) {
   const char* op = "lora_embedding";
-  expect_meta(op, config, {{"WARPS_N", 0, 32}});
+  expect_meta(op, config, {{"WARPS_N", 0, 32}, {"L2_PREFETCH", 0, 256}});
   expect_ids(op, x);
   const LayoutSplits splits = check_layout(op, layout,
                                            {{"x", x_dims(x, false)},
@@ -617,7 +620,7 @@ void lora_embedding_backward(const TensorView& x, const TensorView& A, const Ten
                              const TensorView& grad_B, const EmbeddingOptions& options,
                              void* stream, const Config& config, const Layout& layout) {
   const char* op = "lora_embedding_backward";
-  expect_meta(op, config, {{"ROTATE", 0, 1}, {"GATHER", 0, 1}});
+  expect_meta(op, config, {{"ROTATE", 0, 1}, {"GATHER", 0, 1}, {"L2_PREFETCH", 0, 256}});
   expect_ids(op, x);
   const LayoutSplits splits = check_layout(op, layout,
                                            {{"x", x_dims(x, false)},

@@ -55,6 +55,7 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
   if (const int64_t evict = meta_or(config, "EVICT", 0)) p.meta["EVICT"] = evict;
   if (const int64_t wn = meta_or(config, "WARPS_N", 0)) p.meta["WARPS_N"] = wn;
+  add_l2_prefetch(config, p.meta);
   p.grid = Grid{uint32_t(cdiv(out, bm)), uint32_t(split), uint32_t(G)};
   return p;
 }
@@ -93,7 +94,7 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
                                       parallelism(W3.device), {1, 2, 4, 8, 16, 0});
   bool scale_after = false;
   q.finalist_variants =
-      with_warps_n_variants(evict_variants(), merge_dot_dtype(W3.dtype, A3.dtype, B3.dtype, &scale_after));
+      with_l2_prefetch_variants(with_warps_n_variants(evict_variants(), merge_dot_dtype(W3.dtype, A3.dtype, B3.dtype, &scale_after)));
   q.extent_m = out;
   q.extent_k = in;
   q.kernels = [&](const Config& c) {
@@ -115,7 +116,7 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
 // caller's Config or else the autotuner's (remembered per call signature).
 void launch_merge(const char* op, const TensorView& W3, const TensorView& A3, const TensorView& B3, double s,
                   void* stream, const Config& config) {
-  expect_meta(op, config, {{"EVICT", 0, 2}, {"WARPS_N", 0, 32}});
+  expect_meta(op, config, {{"EVICT", 0, 2}, {"WARPS_N", 0, 32}, {"L2_PREFETCH", 0, 256}});
   if (has_config(config))
     return run_merge(W3, A3, B3, s, stream, config);
   static PlanMemo<Config> tuned;

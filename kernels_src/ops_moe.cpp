@@ -36,6 +36,7 @@ MoePlan plan_moe(const TensorView& W, int64_t r, bool gpu, const Config& config)
   p.meta["num_stages"] = config.num_stages ? config.num_stages : (gpu ? 3 : 1);
   if (const int64_t evict = meta_or(config, "EVICT", 0)) p.meta["EVICT"] = evict;
   if (const int64_t wn = meta_or(config, "WARPS_N", 0)) p.meta["WARPS_N"] = wn;
+  add_l2_prefetch(config, p.meta);
   p.cast_a = cast_a_dtype(config, dot);
   // Column slices per row block (grid axis 1): 1 unless the config asks for more.
   const int64_t split =
@@ -78,7 +79,7 @@ void run_moe_lora_materialize(const TensorView& W, const TensorView& A, const Te
                               const TensorView& W_eff, void* stream, const Config& config,
                               const std::string& layout) {
   const char* op = "moe_lora_materialize";
-  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"WARPS_N", 0, 32}});
+  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"WARPS_N", 0, 32}, {"L2_PREFETCH", 0, 256}});
   expect_shape(op, "W", W, {-1, -1, -1});
   const int64_t E = W.shape[0], N = W.shape[1], K = W.shape[2];
   expect_shape(op, "A", A, {E, -1, K});
@@ -149,7 +150,8 @@ Config tuned_moe_config(const TensorView& W, const TensorView& A, const TensorVi
   q.block_k_name = "BLOCK_K";
   q.gpu_candidates = moe_gpu_candidates();
   const DType product = is_half(W.dtype) ? W.dtype : DType::f32;
-  q.finalist_variants = with_warps_n_variants(evict_and_cast_variants(A, product), product);
+  q.finalist_variants =
+      with_l2_prefetch_variants(with_warps_n_variants(evict_and_cast_variants(A, product), product));
   q.extent_m = N;
   q.extent_k = K;
   q.kernels = [&](const Config& c) { return moe_calls(plan_moe(W, r, gpu, c), W, A, B, W_eff); };

@@ -54,6 +54,7 @@ MoeBackwardPlan plan_moe_backward(const TensorView& dW, int64_t r, bool gpu, int
               {"ROTATE", rotate},
               {"num_warps", config.num_warps ? config.num_warps : (gpu && bk >= 512 ? 16 : gpu ? 8 : 4)},
               {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
+    add_l2_prefetch(config, p.meta);
     p.grid = Grid{uint32_t(cdiv(K, bk)), uint32_t(p.split), uint32_t(E)};
     return p;
   }
@@ -74,6 +75,7 @@ MoeBackwardPlan plan_moe_backward(const TensorView& dW, int64_t r, bool gpu, int
             {"ROTATE", rotate},
             {"num_warps", config.num_warps ? config.num_warps : (gpu && bn >= 128 ? 8 : 4)},
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
+  add_l2_prefetch(config, p.meta);
   p.grid = Grid{uint32_t(cdiv(N, bn)), uint32_t(p.split), uint32_t(E)};
   return p;
 }
@@ -171,6 +173,7 @@ Config tuned_moe_backward_config(const TensorView& dW, const TensorView& A, cons
   q.block_m_name = "BLOCK_N";
   q.block_k_name = "BLOCK_K";
   q.gpu_candidates = moe_backward_gpu_candidates();
+  q.finalist_variants = with_l2_prefetch_variants({});
   q.extent_m = N;
   q.extent_k = K;
   q.kernels = [&](const Config& c) {
@@ -212,7 +215,7 @@ void moe_lora_materialize_backward(const TensorView& dW, const TensorView& A, co
                                    double s, const TensorView& dA, const TensorView& dB,
                                    void* stream, const Config& config, const Layout& layout) {
   const char* op = "moe_lora_materialize_backward";
-  expect_meta(op, config, {{"ROTATE", 0, 1}, {"BY_COLUMNS", 0, 1}});
+  expect_meta(op, config, {{"ROTATE", 0, 1}, {"BY_COLUMNS", 0, 1}, {"L2_PREFETCH", 0, 256}});
   const LayoutSplits splits = check_layout(op, layout, backward_operands());
   expect_unsplit(op, layout, splits, "r", "each expert's product B[e] @ A[e] needs every rank");
   expect_shape(op, "dW_eff", dW, {-1, -1, -1});

@@ -86,6 +86,11 @@ std::vector<autotune::Config> with_warps_n_variants(std::vector<autotune::Config
   return variants;
 }
 
+std::vector<autotune::Config> with_l2_prefetch_variants(std::vector<autotune::Config> variants) {
+  for (int64_t bytes : {128, 256}) variants.push_back({{"L2_PREFETCH", bytes}});
+  return variants;
+}
+
 Config config_of(const TuneRequest& q, const autotune::Config& c) {
   return config_from(c, q.block_m_name, q.block_k_name);
 }

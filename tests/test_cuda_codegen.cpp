@@ -135,7 +135,7 @@ TEST_CASE("bf16 dots use tensor cores and pipelined loops use cp.async", "[cuda]
       {t(DType::bf16, 2, false), t(DType::bf16, 2, false), t(DType::bf16, 2, false)},
       {{"BM", 64}, {"BN", 64}, {"BK", 32}, {"num_stages", 3}});
   const std::string slow_src = jit::cuda::generate(slow, "sm_90a").source;
-  CHECK(slow_src.find("cp_async<") == std::string::npos);
+  CHECK(slow_src.find("kerf_dev::cp_async<") == std::string::npos);
   CHECK(slow_src.find("1-wide") != std::string::npos);
 }
 

@@ -34,6 +34,7 @@ struct DoraCase {
   int64_t cast_a = 0;  // Config.meta CAST_A: an f32 A rounded once by its own launch
   int64_t block_m = 0, warps = 0;
   int64_t warps_n = 0;  // Config.meta WARPS_N: warps sharing the dot's columns (the same answer)
+  int64_t l2_prefetch = 0;  // Config.meta L2_PREFETCH: an L2 prefetch size hint (the same answer)
 };
 
 void check_dora(const DoraCase& c, Device dev, uint64_t seed) {
@@ -56,6 +57,7 @@ void check_dora(const DoraCase& c, Device dev, uint64_t seed) {
   cfg.num_warps = c.warps;
   if (c.cast_a) cfg.meta["CAST_A"] = 1;
   if (c.warps_n) cfg.meta["WARPS_N"] = c.warps_n;
+  if (c.l2_prefetch) cfg.meta["L2_PREFETCH"] = c.l2_prefetch;
   ops::dora_norm(W.view(), A.view(), B.view(), m.view(), s, norm.view(), scale.view(), eps, nullptr, cfg);
   if (dev.is_cuda()) cuda::device_synchronize(dev.index);
   norm.download();
@@ -96,6 +98,9 @@ void run_dora_cases(Device dev) {
       {96, 2000, 8, DType::f16, DType::f16, 1, 2, 0, 32, 8, 4},
       {257, 333, 32, DType::bf16, DType::bf16, 3, 2, 1, 256, 16, 2},
       {37, 130, 5, DType::f32, DType::f32, 0, 0, 0, 64, 4, 2},
+      // L2 prefetch sizes on the pipelined copies.
+      {1000, 1500, 7, DType::bf16, DType::bf16, 0, 3, 0, 128, 8, 0, 256},
+      {300, 700, 64, DType::bf16, DType::f32, 2, 3, 1, 64, 4, 2, 128},
   };
   uint64_t seed = 1234;
   for (const DoraCase& c : cases) check_dora(c, dev, seed++);
@@ -175,6 +180,7 @@ void run_moe_cases(Device dev) {
       // Warps sharing the dot's columns (Config.meta WARPS_N).
       {3, 100, 130, 5, DType::bf16, true, ops::Config{64, 64, 0, 8, 3, {{"WARPS_N", 2}}}},
       {2, 200, 300, 16, DType::f16, false, ops::Config{128, 128, 2, 8, 2, {{"WARPS_N", 4}}}, DType::f32},
+      {3, 100, 130, 5, DType::bf16, false, ops::Config{64, 64, 0, 4, 3, {{"L2_PREFETCH", 256}}}},
   };
   uint64_t seed = 99;
   for (const MoeCase& c : cases) check_moe(c, dev, seed++);

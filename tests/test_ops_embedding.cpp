@@ -114,11 +114,12 @@ struct BackCase {
   int64_t split = 0;
   bool rotate = false;  // Config.meta ROTATE: token blocks start their steps over D apart
   bool gather = false;  // Config.meta GATHER: gather, a one-pass product by column blocks, scatter
+  int64_t l2_prefetch = 0;  // Config.meta L2_PREFETCH (a hint: the same answer)
 };
 
 void check_backward(const BackCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.T, c.V, c.D, c.r, dtype_name(c.g), dtype_name(c.ab), dtype_name(c.grads),
-          c.padding.value_or(-999), c.by_freq, c.split, c.rotate, c.gather, seed, dev.str());
+          c.padding.value_or(-999), c.by_freq, c.split, c.rotate, c.gather, c.l2_prefetch, seed, dev.str());
   std::mt19937_64 rng(seed);
   TestTensor X(DType::i64, {c.T}, dev), A(c.ab, {c.r, c.V}, dev), B(c.ab, {c.D, c.r}, dev);
   TestTensor G(c.g, {c.T, c.D}, dev), dA(c.grads, {c.r, c.V}, dev), dB(c.grads, {c.D, c.r}, dev);
@@ -143,6 +144,7 @@ void check_backward(const BackCase& c, Device dev, uint64_t seed) {
   }
   if (c.rotate) cfg.meta["ROTATE"] = 1;
   if (c.gather) cfg.meta["GATHER"] = 1;
+  if (c.l2_prefetch) cfg.meta["L2_PREFETCH"] = c.l2_prefetch;
   const double s = 2.0;
   ops::lora_embedding_backward(X.view(), A.view(), B.view(), G.view(), s, dA.view(), dB.view(), o,
                                nullptr, cfg);
@@ -188,6 +190,7 @@ void run_backward_cases(Device dev) {
       {64, 512, 256, 16, DType::bf16, DType::bf16, DType::bf16, -1, false, 1, true, true},
       {200, 300, 70, 40, DType::f16, DType::f32, DType::bf16, 299, true, 2, false, true},
       {37, 50, 40, 3, DType::f32, DType::bf16, DType::f32, 7, true, 1, false, true},
+      {200, 300, 200, 8, DType::bf16, DType::bf16, DType::f32, 3, false, 2, true, false, 128},
   };
   uint64_t seed = 6200;
   for (const BackCase& c : cases) check_backward(c, dev, seed++);

@@ -381,3 +381,31 @@ TEST_CASE("dot refuses a warps_n that is not a power of two up to 32", "[dsl][er
     }
   }
 }
+
+TEST_CASE("l2_prefetch gives pipelined copies an L2 prefetch size, and other sizes are refused",
+          "[cuda][codegen][ops]") {
+  KERF_REQUIRE_NVRTC();
+  const std::vector<ArgSpec> args = {T(DType::bf16, 2), T(DType::bf16, 2), T(DType::bf16, 2), T(DType::f32, 1),
+                                     S,                 S,                 T(DType::f32, 1),  T(DType::f32, 1)};
+  MetaMap meta = {{"BLOCK_M", 64}, {"BLOCK_K", 64}, {"R_PAD", 16}, {"DOT", int64_t(DType::bf16)},
+                  {"num_warps", 4}, {"num_stages", 3}};
+  CHECK(source_of(kernels::dora_norm_fused(), args, meta).find("kerf_dev::cp_async<16>(") != std::string::npos);
+  for (const int64_t bytes : {64, 128, 256}) {
+    meta["l2_prefetch"] = bytes;
+    const ir::Function fn = kernels::dora_norm_fused().trace(args, meta);
+    const jit::cuda::KernelCode code = jit::cuda::generate(fn, "sm_90a");
+    INFO("l2_prefetch=" << bytes);
+    CHECK(code.source.find("kerf_dev::cp_async<16, " + std::to_string(bytes) + ">(") != std::string::npos);
+    nvrtc::Output out;
+    REQUIRE_NOTHROW(out = nvrtc::compile(code.source, code.entry + ".cu", "sm_90a"));
+    CHECK(out.image.size() > 4);
+  }
+  meta["l2_prefetch"] = 100;
+  try {
+    (void)source_of(kernels::dora_norm_fused(), args, meta);
+    FAIL("no error for l2_prefetch=100");
+  } catch (const Error& e) {
+    CHECK(std::string(e.what()).find("kernel 'dora_norm': l2_prefetch must be 0, 64, 128 or 256 (bytes), got 100") !=
+          std::string::npos);
+  }
+}

@@ -45,11 +45,12 @@ struct BackwardCase {
   int64_t split = 0;  // 0: kerf chooses; 1: dB stored directly; > 1: dB accumulated too
   bool rotate = false;  // Config.meta ROTATE: row blocks start their column steps apart
   bool by_columns = false;  // Config.meta BY_COLUMNS: the column-owning kernel (split: of the rows)
+  int64_t l2_prefetch = 0;  // Config.meta L2_PREFETCH (a hint: the same answer)
 };
 
 void check_backward(const BackwardCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.E, c.d1, c.d2, c.r, dtype_name(c.w), dtype_name(c.ab), dtype_name(c.grads),
-          layout_name(c.layout), c.split, seed, dev.str(), c.rotate, c.by_columns);
+          layout_name(c.layout), c.split, seed, dev.str(), c.rotate, c.by_columns, c.l2_prefetch);
   std::mt19937_64 rng(seed);
   const int64_t E = c.E, d1 = c.d1, d2 = c.d2, r = c.r;
   TestTensor dW(c.w, {E, d1, d2}, dev);
@@ -90,6 +91,7 @@ void check_backward(const BackwardCase& c, Device dev, uint64_t seed) {
     cfg.block_k = 32;  // columns per program
     cfg.meta["BY_COLUMNS"] = 1;
   }
+  if (c.l2_prefetch) cfg.meta["L2_PREFETCH"] = c.l2_prefetch;
   ops::moe_lora_materialize_backward(dW.view(), a, b, s, da, db, nullptr, cfg);
   test::sync(dev);
   dA.download();
@@ -168,6 +170,9 @@ void run_backward_cases(Device dev) {
       {2, 64, 256, 16, DType::bf16, DType::bf16, DType::f32, MoeLayout::plain, 3, true, true},
       {2, 90, 70, 33, DType::f16, DType::f32, DType::f16, MoeLayout::peft_transposed, 2, false, true},
       {5, 17, 29, 1, DType::f32, DType::f32, DType::bf16, MoeLayout::peft, 0, false, true},
+      // L2 prefetch size hints on the pipelined copies.
+      {2, 64, 300, 16, DType::bf16, DType::bf16, DType::bf16, MoeLayout::plain, 3, true, false, 256},
+      {3, 100, 130, 5, DType::bf16, DType::f32, DType::bf16, MoeLayout::peft, 1, true, true, 128},
   };
   uint64_t seed = 5100;
   for (const BackwardCase& c : cases) check_backward(c, dev, seed++);

@@ -244,7 +244,7 @@ TEST_CASE("an op refuses Config.meta names it does not take and values out of ra
   rotate.meta["ROTATE"] = 1;
   CHECK_REJECTS(InvalidArgument, ops::dora_norm(W, A, B, m, 1.0, norm, scale, 0.0, nullptr, rotate),
                 "dora_norm: Config.meta names 'ROTATE', which this op does not take (it takes EVICT, CAST_A, "
-                "WARPS_N)");
+                "WARPS_N, L2_PREFETCH)");
   CHECK_REJECTS(InvalidArgument,
                 ops::dora_norm_partial(W, A, B, 1.0, t({8}, DType::f32, 12400), nullptr, rotate),
                 "dora_norm_partial: Config.meta names 'ROTATE', which this op does not take (it takes none)");
@@ -256,7 +256,7 @@ TEST_CASE("an op refuses Config.meta names it does not take and values out of ra
   typo.meta["ROTATED"] = 1;
   CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize_backward(dW, mA, mB, 1.0, dA, dB, nullptr, typo),
                 "moe_lora_materialize_backward: Config.meta names 'ROTATED', which this op does not take (it "
-                "takes ROTATE, BY_COLUMNS)");
+                "takes ROTATE, BY_COLUMNS, L2_PREFETCH)");
   ops::Config two;
   two.meta["ROTATE"] = 2;
   CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize_backward(dW, mA, mB, 1.0, dA, dB, nullptr, two),
@@ -269,6 +269,10 @@ TEST_CASE("an op refuses Config.meta names it does not take and values out of ra
   many.meta["WARPS_N"] = 64;
   CHECK_REJECTS(InvalidArgument, ops::dora_norm(W, A, B, m, 1.0, norm, scale, 0.0, nullptr, many),
                 "dora_norm: Config.meta WARPS_N must be in [0, 32], got 64");
+  ops::Config prefetch;
+  prefetch.meta["L2_PREFETCH"] = 100;
+  CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize_backward(dW, mA, mB, 1.0, dA, dB, nullptr, prefetch),
+                "moe_lora_materialize_backward: Config.meta L2_PREFETCH must be 0, 64, 128 or 256 (bytes), got 100");
   // Negative fields and splits beyond a grid's y extent are refused before anything runs
   // (a negative split used to become a grid of 2^32 - 1 programs).
   ops::Config negative;

@@ -20,6 +20,7 @@ namespace detail {
 Codegen::Codegen(const ir::Function& f, const std::string& arch) : f_(f), arch_(arch) {
   num_warps_ = int(f.meta_value("num_warps", 4));
   num_stages_ = int(f.meta_value("num_stages", 1));
+  l2_prefetch_ = int(f.meta_value("l2_prefetch", 0));  // 0, 64, 128 or 256: checked when traced
   sm_ = parse_sm(arch);
 }
 

@@ -449,6 +449,7 @@ class Codegen {
   int sm_ = 80;
   int num_warps_ = 4;
   int num_stages_ = 1;
+  int l2_prefetch_ = 0;  // meta l2_prefetch: the L2 prefetch size hint of cp.async copies (bytes)
   std::vector<ir::AxisInfo> axis_;
   std::vector<int> uses_;
   std::vector<const Operation*> def_op_;

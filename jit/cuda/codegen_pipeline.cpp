@@ -163,11 +163,12 @@ void Codegen::emit_prefetch(const Operation& op, int target, int inner, ValueId 
   const std::string pred = "(" + valid + ")" + (op.attrs.has_mask ? " && " + elem(mask, "r") : "");
   line(inner, "  const bool ok = " + pred + ";");
   const std::string pol = l2_policy(op);
+  const std::string size = S(w * eb) + (l2_prefetch_ ? ", " + S(l2_prefetch_) : "");
   if (pol.empty())
-    line(inner, "  kerf_dev::cp_async<" + S(w * eb) + ">(ring + " + smem_offset(l, a.pitch, "r") +
+    line(inner, "  kerf_dev::cp_async<" + size + ">(ring + " + smem_offset(l, a.pitch, "r") +
                     ", ok ? " + ptr + " + off : " + ptr + ", ok);");
   else
-    line(inner, "  kerf_dev::cp_async_hint<" + S(w * eb) + ">(ring + " + smem_offset(l, a.pitch, "r") +
+    line(inner, "  kerf_dev::cp_async_hint<" + size + ">(ring + " + smem_offset(l, a.pitch, "r") +
                     ", ok ? " + ptr + " + off : " + ptr + ", ok, " + pol + ");");
   line(inner, "}");
   if (!own.empty()) line(inner, "}");

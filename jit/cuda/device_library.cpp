@@ -240,12 +240,20 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const void* smem_
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 }
 
-// Asynchronous global -> shared copies (sm_80+), for software pipelining.
-template <int B>
+// Asynchronous global -> shared copies (sm_80+), for software pipelining. P
+// (0, 64, 128 or 256): the L2 prefetch size hint of 16-byte copies (how much
+// L2 fetches from DRAM around a miss; 0: none given).
+template <int B, int P = 0>
 __device__ __forceinline__ void cp_async(void* smem, const void* gmem, bool pred) {
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
   const int src_bytes = pred ? B : 0;  // 0: fill with zeros, read nothing
-  if (B == 16)
+  if (B == 16 && P == 256)
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" :: "r"(s), "l"(gmem), "r"(src_bytes));
+  else if (B == 16 && P == 128)
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;" :: "r"(s), "l"(gmem), "r"(src_bytes));
+  else if (B == 16 && P == 64)
+    asm volatile("cp.async.cg.shared.global.L2::64B [%0], [%1], 16, %2;" :: "r"(s), "l"(gmem), "r"(src_bytes));
+  else if (B == 16)
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(s), "l"(gmem), "r"(src_bytes));
   else
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" :: "r"(s), "l"(gmem), "n"(B), "r"(src_bytes));
@@ -254,13 +262,14 @@ __device__ __forceinline__ void cp_async(void* smem, const void* gmem, bool pred
 // ptxas before 13.4 can drop the createpolicy that a cp.async's cache hint
 // reads (the copy then decodes an unset descriptor register and the kernel
 // dies with an illegal instruction, seen on sm_90a with CUDA 13.0), so with
-// those compilers the copy goes without the hint; loads and stores keep theirs.
+// those compilers the copy goes without the hint (keeping its prefetch size);
+// loads and stores keep theirs. With the hint it goes without a prefetch size.
 #if defined(__CUDACC_VER_MAJOR__) && (__CUDACC_VER_MAJOR__ > 13 || (__CUDACC_VER_MAJOR__ == 13 && __CUDACC_VER_MINOR__ >= 4))
 #define KERF_CP_ASYNC_HINT 1
 #else
 #define KERF_CP_ASYNC_HINT 0
 #endif
-template <int B>
+template <int B, int P = 0>
 __device__ __forceinline__ void cp_async_hint(void* smem, const void* gmem, bool pred, unsigned long long pol) {
 #if KERF_CP_ASYNC_HINT
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
@@ -273,12 +282,7 @@ __device__ __forceinline__ void cp_async_hint(void* smem, const void* gmem, bool
                  :: "r"(s), "l"(gmem), "n"(B), "r"(src_bytes), "l"(pol));
 #else
   (void)pol;
-  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-  const int src_bytes = pred ? B : 0;
-  if (B == 16)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(s), "l"(gmem), "r"(src_bytes));
-  else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" :: "r"(s), "l"(gmem), "n"(B), "r"(src_bytes));
+  cp_async<B, P>(smem, gmem, pred);
 #endif
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
