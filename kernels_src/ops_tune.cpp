@@ -87,7 +87,7 @@ std::vector<autotune::Config> with_warps_n_variants(std::vector<autotune::Config
 }
 
 std::vector<autotune::Config> with_l2_prefetch_variants(std::vector<autotune::Config> variants) {
-  for (int64_t bytes : {128, 256}) variants.push_back({{"L2_PREFETCH", bytes}});
+  variants.push_back({{"L2_PREFETCH", 128}});
   return variants;
 }
 

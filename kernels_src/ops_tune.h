@@ -87,9 +87,11 @@ std::vector<autotune::Config> evict_and_cast_variants(const TensorView& A, DType
 // fewer of A's columns from shared memory (dsl::dot's warps_n).
 std::vector<autotune::Config> with_warps_n_variants(std::vector<autotune::Config> variants, DType product);
 
-// `variants` and L2_PREFETCH 128 and 256 (on an H100 at 8192x8192 the DoRA norm at
-// r=16 ran 56.2 us without, 55.8 with 128 and 53.6 with 256 bytes; at r=64 256
-// bytes lost 5%; the MoE forward and merge gained up to 1% with 128).
+// `variants` and L2_PREFETCH 128 (on an H100 the MoE forward, merge and DoRA norm
+// gained up to 1% with it at fixed configs). Not 256: it took the DoRA norm at r=16
+// and 8192x8192 from 56.2 to 53.6 us but made r=64 5% slower, and when the tuner
+// was offered it, it chose it for r=64 at 4096x4096 and 4096x14336 and those calls
+// ran 21.7 -> 23.1 and 54.7 -> 57.1 us in the benchmark.
 std::vector<autotune::Config> with_l2_prefetch_variants(std::vector<autotune::Config> variants);
 
 // The autotuner's choice for `request` (its defaults, all zero, when tuning is off
