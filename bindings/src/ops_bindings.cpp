@@ -64,8 +64,9 @@ over the autotuner.
       .def_readwrite("num_warps", &ops::Config::num_warps)
       .def_readwrite("num_stages", &ops::Config::num_stages)
       .def_readwrite("meta", &ops::Config::meta,
-                     "Further meta-parameters by name, e.g. {'ROTATE': 1} (MoE and embedding backward); "
-                     "an op refuses names it does not take.")
+                     "Further meta-parameters by name, e.g. {'ROTATE': 1} (MoE and embedding backward), "
+                     "{'WARPS_N': 2}, {'L2_PREFETCH': 128} (docs/ops.md lists them per op); an op refuses "
+                     "names it does not take.")
       .def("__repr__", &config_repr);
 }
 

@@ -61,6 +61,20 @@ def test_dora_norm_rounds_float32_adapters_once_when_asked(kerf_cpu):
         kerf_cpu.ops.dora_norm(W, A, B, m, 0.5, config=kerf_cpu.Config(meta={"CAST_A": 2}))
 
 
+def test_layout_and_prefetch_hints_pass_through_config_meta(kerf_cpu):
+    # WARPS_N and L2_PREFETCH change only how a GPU runs the op: the same answer, and
+    # values the GPU could not use are refused with the op's message on any device.
+    W, A, B, m = make_dora(64, 96, 8, dtype=np.float16)
+    plain, _ = kerf_cpu.ops.dora_norm(W, A, B, m, 0.5)
+    hinted, _ = kerf_cpu.ops.dora_norm(W, A, B, m, 0.5,
+                                       config=kerf_cpu.Config(meta={"WARPS_N": 2, "L2_PREFETCH": 128}))
+    np.testing.assert_allclose(hinted, plain, rtol=1e-6)
+    with pytest.raises(kerf_cpu.InvalidArgumentError, match="WARPS_N must be 0 .kerf chooses. or a power of two"):
+        kerf_cpu.ops.dora_norm(W, A, B, m, 0.5, config=kerf_cpu.Config(meta={"WARPS_N": 3}))
+    with pytest.raises(kerf_cpu.InvalidArgumentError, match="L2_PREFETCH must be 0, 64, 128 or 256"):
+        kerf_cpu.ops.dora_norm(W, A, B, m, 0.5, config=kerf_cpu.Config(meta={"L2_PREFETCH": 32}))
+
+
 def test_dora_norm_on_bfloat16_weights_from_a_dlpack_capsule(kerf_cpu):
     # NumPy has no bfloat16: the bits travel in a hand-made capsule typed kDLBfloat.
     W32, A, B, m = make_dora(64, 96, 8)
