@@ -98,6 +98,7 @@ void run_dora_cases(Device dev) {
       {96, 2000, 8, DType::f16, DType::f16, 1, 2, 0, 32, 8, 4},
       {257, 333, 32, DType::bf16, DType::bf16, 3, 2, 1, 256, 16, 2},
       {37, 130, 5, DType::f32, DType::f32, 0, 0, 0, 64, 4, 2},
+      {45, 300, 16, DType::bf16, DType::bf16, 2, 2, 0, 16, 8, 2},  // rows run out: the rest on columns
       // L2 prefetch sizes on the pipelined copies.
       {1000, 1500, 7, DType::bf16, DType::bf16, 0, 3, 0, 128, 8, 0, 256},
       {300, 700, 64, DType::bf16, DType::f32, 2, 3, 1, 64, 4, 2, 128},

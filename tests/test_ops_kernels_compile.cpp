@@ -361,6 +361,13 @@ TEST_CASE("WARPS_N puts warps on a dot's columns: each reads its share of A's co
   meta["WARPS_N"] = 8;
   CHECK(source_of(kernels::dora_norm_fused(), args, meta).find("const int wm = warp & 3, wn = (warp >> 2) & 1;") !=
         std::string::npos);
+  // Fewer rows than the warps asked for leave on columns: BLOCK_M=16 holds one warp's rows,
+  // so WARPS_N=2 becomes 8 warps on columns, none copying another's work.
+  meta["BLOCK_K"] = 64;
+  meta["BLOCK_M"] = 16;
+  meta["WARPS_N"] = 2;
+  CHECK(source_of(kernels::dora_norm_fused(), args, meta).find("const int wm = warp & 0, wn = (warp >> 0) & 7;") !=
+        std::string::npos);
 }
 
 TEST_CASE("dot refuses a warps_n that is not a power of two up to 32", "[dsl][errors]") {

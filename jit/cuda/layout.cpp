@@ -145,9 +145,10 @@ Layout blocked_layout(const ir::Shape& shape, int num_warps, int vec) {
 
 void mma_warp_split(const ir::Shape& shape, int num_warps, int want_warps_n, int* warps_m, int* warps_n) {
   int wm = 1, wn = 1;
-  if (want_warps_n > 0) {  // columns first, as asked, then rows
+  if (want_warps_n > 0) {  // columns first, as asked, then rows, then columns again
     while (wn * 2 <= want_warps_n && wn * 2 <= num_warps && int64_t(wn * 2) * 8 <= shape[1]) wn *= 2;
     while (wm * wn * 2 <= num_warps && int64_t(wm * 2) * 16 <= shape[0]) wm *= 2;
+    while (wm * wn * 2 <= num_warps && int64_t(wn * 2) * 8 <= shape[1]) wn *= 2;
   } else {
     while (wm * 2 <= num_warps && int64_t(wm * 2) * 16 <= shape[0]) wm *= 2;
     while (wm * wn * 2 <= num_warps && int64_t(wn * 2) * 8 <= shape[1]) wn *= 2;

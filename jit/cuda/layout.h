@@ -57,7 +57,8 @@ Layout blocked_layout(const ir::Shape& shape, int num_warps, int vec);
 // split `warps_m` x `warps_n` (copies where the tile is too small).
 Layout mma_acc_layout(const ir::Shape& shape, int num_warps, int warps_m, int warps_n);
 // Chooses warps_m x warps_n for an [M, N] accumulator: rows first, or with
-// want_warps_n > 0 up to that many warps on columns first.
+// want_warps_n > 0 up to that many warps on columns first (more where the rows
+// run out, rather than warps that copy others' work).
 void mma_warp_split(const ir::Shape& shape, int num_warps, int want_warps_n, int* warps_m, int* warps_n);
 
 // A layout derived from another by dropping register bits (and renaming

@@ -192,7 +192,7 @@ Value dot(const Value& a, const Value& b, const Value& acc);
 // The same, with how many warps share the result's columns on the GPU's
 // tensor cores (`warps_n`: 0 lets kerf choose, which puts warps on rows first;
 // otherwise a power of two up to 32, reduced where the tile or the program has
-// too few columns or warps). Each warp reads b's columns for its share only,
+// too few columns or warps, raised where the rows run out). Each warp reads b's columns for its share only,
 // so a tall a and a wide b read b from shared memory fewer times; each warp
 // then keeps more of a's rows in registers. Results are the same; the CPU back
 // end ignores it.
