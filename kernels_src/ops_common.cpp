@@ -192,18 +192,14 @@ void expect_meta(const char* op, const Config& config, std::initializer_list<Met
     if (value < range->lo || value > range->hi)
       throw InvalidArgument(std::string(op) + ": Config.meta " + name + " must be in [" + std::to_string(range->lo) +
                             ", " + std::to_string(range->hi) + "], got " + std::to_string(value));
-    if (name == "L2_PREFETCH" && value != 0 && value != 64 && value != 128 && value != 256)
-      throw InvalidArgument(std::string(op) + ": Config.meta L2_PREFETCH must be 0, 64, 128 or 256 (bytes), got " +
-                            std::to_string(value));
-    if (name == "WARPS_N" && (value & (value - 1)) != 0)
-      throw InvalidArgument(std::string(op) + ": Config.meta WARPS_N must be 0 (kerf chooses) or a power of two, got " +
+    if (range->takes && !range->takes(value))
+      throw InvalidArgument(std::string(op) + ": Config.meta " + name + " must be " + range->takes_text + ", got " +
                             std::to_string(value));
   }
 }
 
 void add_l2_prefetch(const Config& config, dsl::MetaMap& meta) {
-  auto it = config.meta.find("L2_PREFETCH");
-  if (it != config.meta.end() && it->second != 0) meta["l2_prefetch"] = it->second;
+  if (const int64_t bytes = meta_or(config, "L2_PREFETCH", 0)) meta["l2_prefetch"] = bytes;
 }
 
 size_t CallKeyHash::operator()(const CallKey& k) const {

@@ -69,14 +69,23 @@ inline bool has_config(const Config& c) {
 }
 // Throws InvalidArgument when a field of `config` is negative or split_k is
 // beyond a grid's y extent (65535), or when config.meta names a meta-parameter
-// `op` does not take (`allowed`) or gives one of them a value outside [lo, hi].
-// (Tile sizes that are not powers of two, warps and stages out of range are
-// refused when the kernel is traced.)
+// `op` does not take (`allowed`) or gives one of them a value outside [lo, hi]
+// or one its `takes` refuses. (Tile sizes that are not powers of two, warps and
+// stages out of range are refused when the kernel is traced.)
 struct MetaRange {
   const char* name;
   int64_t lo, hi;
+  // When set: which values of [lo, hi] the op takes, and the message's words for them.
+  bool (*takes)(int64_t) = nullptr;
+  const char* takes_text = nullptr;
 };
 void expect_meta(const char* op, const Config& config, std::initializer_list<MetaRange> allowed);
+inline bool zero_or_pow2(int64_t v) { return (v & (v - 1)) == 0; }
+inline bool l2_prefetch_bytes(int64_t v) { return v == 0 || v == 64 || v == 128 || v == 256; }
+// The meta-parameters every op whose kernel has a tensor-core dot (WARPS_N), or
+// pipelined copies (L2_PREFETCH), takes.
+inline constexpr MetaRange kWarpsN{"WARPS_N", 0, 32, zero_or_pow2, "0 (kerf chooses) or a power of two"};
+inline constexpr MetaRange kL2Prefetch{"L2_PREFETCH", 0, 256, l2_prefetch_bytes, "0, 64, 128 or 256 (bytes)"};
 // Config.meta L2_PREFETCH (0, 64, 128 or 256 bytes), when given, as the kernel meta
 // l2_prefetch: the L2 prefetch size hint of the kernel's pipelined copies.
 void add_l2_prefetch(const Config& config, dsl::MetaMap& meta);

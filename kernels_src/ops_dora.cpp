@@ -123,7 +123,7 @@ void run_dora_norm(const TensorView& W, const TensorView& A, const TensorView& B
                    const TensorView& norm, const TensorView& scale, double eps, void* stream, const Config& config,
                    const std::string& layout) {
   const char* op = "dora_norm";
-  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"WARPS_N", 0, 32}, {"L2_PREFETCH", 0, 256}});
+  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, kWarpsN, kL2Prefetch});
   expect_shape(op, "W", W, {-1, -1});
   const int64_t out = W.shape[0], in = W.shape[1];
   expect_shape(op, "A", A, {-1, in});
@@ -409,7 +409,7 @@ TensorView checked_packed(const char* op, const Weight4bit& W, int64_t out, int6
 void dora_norm_4bit(const Weight4bit& W, const TensorView& A, const TensorView& B, const TensorView& m, double s,
                     const TensorView& norm, const TensorView& scale, double eps, void* stream, const Config& config) {
   const char* op = "dora_norm_4bit";
-  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"WARPS_N", 0, 32}, {"L2_PREFETCH", 0, 256}});
+  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, kWarpsN, kL2Prefetch});
   expect_shape(op, "A", A, {-1, -1});
   const int64_t r = A.shape[0], in = A.shape[1];
   expect_shape(op, "B", B, {-1, r});

@@ -566,7 +566,7 @@ void lora_embedding(const TensorView& x, const TensorView& weight, const TensorV
                     const EmbeddingOptions& options, void* stream, const Config& config,
                     const Layout& layout) {
   const char* op = "lora_embedding";
-  expect_meta(op, config, {{"WARPS_N", 0, 32}, {"L2_PREFETCH", 0, 256}});
+  expect_meta(op, config, {kWarpsN, kL2Prefetch});
   expect_ids(op, x);
   const LayoutSplits splits = check_layout(op, layout,
                                            {{"x", x_dims(x, false)},
@@ -620,7 +620,7 @@ void lora_embedding_backward(const TensorView& x, const TensorView& A, const Ten
                              const TensorView& grad_B, const EmbeddingOptions& options,
                              void* stream, const Config& config, const Layout& layout) {
   const char* op = "lora_embedding_backward";
-  expect_meta(op, config, {{"ROTATE", 0, 1}, {"GATHER", 0, 1}, {"L2_PREFETCH", 0, 256}});
+  expect_meta(op, config, {{"ROTATE", 0, 1}, {"GATHER", 0, 1}, kL2Prefetch});
   expect_ids(op, x);
   const LayoutSplits splits = check_layout(op, layout,
                                            {{"x", x_dims(x, false)},

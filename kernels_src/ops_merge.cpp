@@ -116,7 +116,7 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
 // caller's Config or else the autotuner's (remembered per call signature).
 void launch_merge(const char* op, const TensorView& W3, const TensorView& A3, const TensorView& B3, double s,
                   void* stream, const Config& config) {
-  expect_meta(op, config, {{"EVICT", 0, 2}, {"WARPS_N", 0, 32}, {"L2_PREFETCH", 0, 256}});
+  expect_meta(op, config, {{"EVICT", 0, 2}, kWarpsN, kL2Prefetch});
   if (has_config(config))
     return run_merge(W3, A3, B3, s, stream, config);
   static PlanMemo<Config> tuned;

@@ -79,7 +79,7 @@ void run_moe_lora_materialize(const TensorView& W, const TensorView& A, const Te
                               const TensorView& W_eff, void* stream, const Config& config,
                               const std::string& layout) {
   const char* op = "moe_lora_materialize";
-  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"WARPS_N", 0, 32}, {"L2_PREFETCH", 0, 256}});
+  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, kWarpsN, kL2Prefetch});
   expect_shape(op, "W", W, {-1, -1, -1});
   const int64_t E = W.shape[0], N = W.shape[1], K = W.shape[2];
   expect_shape(op, "A", A, {E, -1, K});
