@@ -416,6 +416,18 @@ void tuned_vs_default(Result& best, F run_with_config) {
   g_tuning.push_back(t);
 }
 
+// The comma-separated items of a command-line value (an empty one between two
+// commas included, a trailing comma adding none).
+std::vector<std::string> comma_items(const std::string& list) {
+  std::vector<std::string> items;
+  for (size_t at = 0; at < list.size();) {
+    const size_t comma = std::min(list.find(',', at), list.size());
+    items.push_back(list.substr(at, comma - at));
+    at = comma + 1;
+  }
+  return items;
+}
+
 template <class F>
 Result best_of(const std::vector<ops::Config>& configs, F run_one) {
   Result best;
@@ -458,27 +470,20 @@ int main(int argc, char** argv) {
     }
     // --meta NAME=V[,NAME=V...]: Config.meta for --only and --config (e.g. WARPS_N=2).
     if (!std::strcmp(argv[i], "--meta") && i + 1 < argc) {
-      const std::string list = argv[++i];
-      for (size_t at = 0; at < list.size();) {
-        const size_t comma = std::min(list.find(',', at), list.size());
-        const std::string item = list.substr(at, comma - at);
+      for (const std::string& item : comma_items(argv[++i])) {
         const size_t eq = item.find('=');
         if (eq == std::string::npos) {
           std::fprintf(stderr, "--meta wants NAME=VALUE[,NAME=VALUE...]\n");
           return 2;
         }
         meta[item.substr(0, eq)] = std::atoll(item.c_str() + eq + 1);
-        at = comma + 1;
       }
     }
   }
   if (forced) forced->meta = meta;
   std::vector<std::string> filters;  // --op A,B: the cases whose name contains A or B
-  for (size_t at = 0; !op_filter.empty() && at <= op_filter.size();) {
-    const size_t comma = std::min(op_filter.find(',', at), op_filter.size());
-    if (comma > at) filters.push_back(op_filter.substr(at, comma - at));
-    at = comma + 1;
-  }
+  for (const std::string& f : comma_items(op_filter))
+    if (!f.empty()) filters.push_back(f);
   const auto wanted = [&](const std::string& op) {
     if (filters.empty()) return true;
     for (const std::string& f : filters)
