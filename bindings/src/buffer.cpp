@@ -179,15 +179,14 @@ Buffer::Buffer(const std::vector<int64_t>& shape, DType dtype, Device device)
   // The byte count must fit (a wrapped product would make a small buffer that
   // claims a huge shape): at most 2^62 bytes, far beyond any memory.
   uint64_t bytes_needed = uint64_t(dtype_size_bytes(dtype));
-  bool too_big = false;
+  bool too_big = false, empty = false;  // an empty buffer of any other sizes is fine
   for (int64_t d : shape) {
     if (d < 0) throw InvalidArgument("kerf.Buffer: sizes must be >= 0, got " + std::to_string(d));
+    empty = empty || d == 0;
     too_big = too_big || (d != 0 && bytes_needed > (uint64_t(1) << 62) / uint64_t(d));
     bytes_needed *= uint64_t(d);
   }
-  for (int64_t d : shape)
-    if (d == 0) too_big = false;  // an empty buffer of any other sizes is fine
-  if (too_big) {
+  if (too_big && !empty) {
     std::string dims;
     for (int64_t d : shape) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
     throw InvalidArgument("kerf.Buffer: [" + dims + "] " + std::string(dtype_name(dtype)) +

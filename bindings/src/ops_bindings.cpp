@@ -133,7 +133,7 @@ ops::Layout layout_of(py::handle obj) {
         const std::string operand = layout_axis_name(name, "a specs key (an operand's name)");
         std::vector<std::string> dims;
         if (!spec.is_none()) {
-          if (!layout_sequence(spec) && !py::isinstance<py::tuple>(spec))
+          if (!layout_sequence(spec))
             throw TypeError("layout: the spec of " + operand +
                             " must be a tuple with an axis name or None per dimension (like "
                             "jax.sharding.PartitionSpec), got " +
