@@ -658,6 +658,14 @@ Value atomic_add(const Tensor& t, const std::vector<Value>& idx, const Value& va
   return store_like(OpKind::AtomicAdd, "atomic_add", t, idx, value, mask, order == MemoryOrder::acq_rel);
 }
 
+void wait_prior_grid() {
+  current_builder("wait_prior_grid").impl().emit(ir::Operation(OpKind::GridWait), nullptr);
+}
+
+void release_dependents() {
+  current_builder("release_dependents").impl().emit(ir::Operation(OpKind::GridRelease), nullptr);
+}
+
 Value IntArg::value() const {
   if (!is_constant_) return value_;
   return literal(constant_);

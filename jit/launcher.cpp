@@ -7,6 +7,7 @@
 // asks the cache (cache/cuda_binary.h, cache/cpu_kernel.h): bundles, the disk
 // tier, then the compiler.
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <future>
 #include <memory>
@@ -42,6 +43,7 @@ struct Compiled {
   void* function = nullptr;
   int threads = 0;
   int smem_bytes = 0;
+  bool can_overlap = false;  // waits for the prior grid, on sm_90+: overlap_prior is honoured
   std::string backend;
   KernelSource source = KernelSource::compiled;
 };
@@ -268,6 +270,23 @@ std::shared_ptr<Compiled> build_cpu(const ir::Function& fn, std::string_view lay
   return c;
 }
 
+bool waits_prior_grid(const ir::Block& b) {
+  for (const ir::Operation& op : b.ops)
+    if (op.kind == ir::OpKind::GridWait || (op.body && waits_prior_grid(*op.body))) return true;
+  return false;
+}
+
+// Whether the kernel waits for the grid before it (dsl::wait_prior_grid) and the launch
+// may overlap that grid: sm_90 and later, unless KERF_OVERLAP_LAUNCHES=0.
+bool may_overlap(const ir::Function& fn, int device) {
+  static const bool enabled = [] {
+    const char* v = std::getenv("KERF_OVERLAP_LAUNCHES");
+    return !(v && std::string_view(v) == "0");
+  }();
+  if (!enabled || cuda::device_info(device).cc_major < 9) return false;
+  return waits_prior_grid(fn.body);
+}
+
 std::shared_ptr<Compiled> build_cuda(const ir::Function& fn, int device, std::string_view layout) {
   const std::string arch = device_arch(device);
   cache::CudaBinary bin = cache::cuda_binary(fn, arch, layout);
@@ -278,6 +297,7 @@ std::shared_ptr<Compiled> build_cuda(const ir::Function& fn, int device, std::st
   c->function = c->module.function(bin.entry);
   c->threads = bin.threads;
   c->smem_bytes = bin.smem_bytes;
+  c->can_overlap = may_overlap(fn, device);
   if (bin.smem_bytes > 48 * 1024) {
     const int limit = cuda::device_info(device).max_smem_per_block_optin;
     if (limit > 0 && bin.smem_bytes > limit)
@@ -395,7 +415,8 @@ LaunchInfo launch(const dsl::Kernel& kernel, const std::vector<Arg>& args, Grid 
                             std::to_string(grid.x) + ", " + std::to_string(grid.y) + ", " +
                             std::to_string(grid.z) + ")");
     void* params[] = {slots};
-    cuda::launch(c->function, grid, c->threads, c->smem_bytes, options.stream, params);
+    cuda::launch(c->function, grid, c->threads, c->smem_bytes, options.stream, params,
+                 options.overlap_prior && c->can_overlap);
   } else {
     jit::cpu::run_grid(*c->cpu, grid, slots);
   }

@@ -31,6 +31,7 @@ const dsl::Kernel& fill_3d() {
   static const Kernel k("fill_3d", [](Builder& k) {
     const Tensor out = k.tensor("out", 3);
     const Value value = k.scalar("value", DType::f64);
+    if (k.meta("RELEASE", 0)) release_dependents();
     const Tile3 t = tile_of(k, out);
     const Value v = broadcast_to(value.to(out.dtype()), {k.meta("BLOCK_M"), k.meta("BLOCK_K")});
     store(out, {t.i, t.rows, t.cols}, v, t.ok);
@@ -42,6 +43,7 @@ const dsl::Kernel& fill_pair() {
   static const Kernel k("fill_pair", [](Builder& k) {
     const Tensor t0 = k.tensor("out0", 3), t1 = k.tensor("out1", 3);
     const Value value = k.scalar("value", DType::f64);
+    if (k.meta("RELEASE", 0)) release_dependents();
     const Value p = program_id(0);
     // Program p fills tile p of out0 or, past out0's tiles, tile p - n0 of out1; each
     // tensor's tiles are numbered column block fastest, then row block, then dim 0.

@@ -102,6 +102,9 @@ const dsl::Kernel& lora_embedding_backward() {
     // ROTATE: each token block starts its steps over D at a different step, so the token
     // blocks sharing a slice of D do not all add into the same rows of dB at once.
     const bool rotate = k.meta("ROTATE", 0) != 0;
+    // WAIT_PRIOR: launched to overlap the zero-fill of dA and dB before it, so every
+    // atomic comes after a wait for that fill; the loads before it read only inputs.
+    const bool wait_fill = k.meta("WAIT_PRIOR", 0) != 0;
     const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
     const Value n_dim = g.dim(1), rank = A.dim(0);
 
@@ -121,6 +124,7 @@ const dsl::Kernel& lora_embedding_backward() {
       const Value gt = load(g, {t.tok.col(), d.row()}, t.tok_ok.col() & (d.row() < n_dim))
                            .to(dot_t);                                       // [BT, BD]
       const Value b = load(B, {d.col(), rk.row()}, d_ok & rk_ok).to(dot_t);  // [BD, R]
+      if (wait_fill) wait_prior_grid();
       atomic_add(dB, {d.col(), rk.row()}, dot(trans(gt), act) * s, d_ok & rk_ok);
       return dot(gt, b, acc);
     });

@@ -12,7 +12,9 @@
 // once at the end (added atomically with DB_ATOMIC, when several column slices each hold a part).
 // With ROTATE each row block starts its column steps at a different step (its index), so that
 // the row blocks of an expert, which add into the same dA columns, are not all at the same
-// columns at once.
+// columns at once. With WAIT_PRIOR (both kernels) every write comes after a wait for the grid
+// launched before, the zero-fill of the gradients, which the kernel may then overlap: each
+// step's loads read only inputs and go ahead of it.
 #include "kerf/kernels/kernels.h"
 #include "split_range.h"
 
@@ -28,7 +30,8 @@ const dsl::Kernel& moe_lora_backward() {
     const Tensor dB = k.tensor("dB", 3);
     const int64_t BN = k.meta("BLOCK_N"), BK = k.meta("BLOCK_K"), R = k.meta("R_PAD");
     const bool db_atomic = k.meta("DB_ATOMIC", 0) != 0;
-  const bool rotate = k.meta("ROTATE", 0) != 0;
+    const bool rotate = k.meta("ROTATE", 0) != 0;
+    const bool wait_fill = k.meta("WAIT_PRIOR", 0) != 0;
     const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
     const Value e = program_id(2);
     const Value n_rows = dW.dim(1), n_cols = dW.dim(2), rank = A.dim(1);
@@ -48,6 +51,7 @@ const dsl::Kernel& moe_lora_backward() {
       const Value col_ok = cols.row() < n_cols;
       const Value g = load(dW, {e, rows.col(), cols.row()}, row_ok & col_ok).to(dot_t);  // [BN, BK]
       const Value a = load(A, {e, rk.col(), cols.row()}, rank_ok & col_ok).to(dot_t);    // [R, BK]
+      if (wait_fill) wait_prior_grid();
       atomic_add(dA, {e, rk.col(), cols.row()}, dot(bt, g) * s, rank_ok & col_ok);
       return dot(g, trans(a), acc);  // [BN, R]
     });
@@ -79,6 +83,7 @@ const dsl::Kernel& moe_lora_backward_by_columns() {
     const int64_t BN = k.meta("BLOCK_N"), BK = k.meta("BLOCK_K"), R = k.meta("R_PAD");
     const bool da_atomic = k.meta("DA_ATOMIC", 0) != 0;
     const bool rotate = k.meta("ROTATE", 0) != 0;
+    const bool wait_fill = k.meta("WAIT_PRIOR", 0) != 0;
     const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
     const Value e = program_id(2);
     const Value n_rows = dW.dim(1), n_cols = dW.dim(2), rank = A.dim(1);
@@ -97,6 +102,7 @@ const dsl::Kernel& moe_lora_backward_by_columns() {
       const Value row_ok = rows.col() < n_rows;                                           // [BN, 1]
       const Value g = load(dW, {e, rows.col(), cols.row()}, row_ok & col_ok).to(dot_t);  // [BN, BK]
       const Value b = load(B, {e, rows.col(), rk.row()}, row_ok & rank_ok).to(dot_t);     // [BN, R]
+      if (wait_fill) wait_prior_grid();
       atomic_add(dB, {e, rows.col(), rk.row()}, dot(g, at) * s, row_ok & rank_ok);
       return dot(trans(b), g, acc);  // [R, BK]
     });

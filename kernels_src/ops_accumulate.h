@@ -11,13 +11,17 @@
 
 namespace kerf::ops::detail {
 
-// t (rank 3, any strides) = value.
-void fill_3d(const TensorView& t, double value, const LaunchOptions& options);
+// t (rank 3, any strides) = value. Each returns whether it launched a kernel (nothing
+// to fill: no launch); with `release` that kernel lets the next one start early
+// (kernels.h, RELEASE), for a launch with LaunchOptions::overlap_prior.
+bool fill_3d(const TensorView& t, double value, const LaunchOptions& options, bool release = false);
 // a = value and b = value in one launch (both rank 3, any shapes and strides).
-void fill_pair_3d(const TensorView& a, const TensorView& b, double value, const LaunchOptions& options);
+bool fill_pair_3d(const TensorView& a, const TensorView& b, double value, const LaunchOptions& options,
+                  bool release = false);
 // Zeroes a when `zero_a` and b when `zero_b` (before atomics add into them), in one
 // launch when both.
-void zero_fills(const TensorView& a, bool zero_a, const TensorView& b, bool zero_b, const LaunchOptions& options);
+bool zero_fills(const TensorView& a, bool zero_a, const TensorView& b, bool zero_b, const LaunchOptions& options,
+                bool release = false);
 // out = acc rounded to out's dtype, then acc = 0; both rank 3 with one shape.
 void flush_accumulator(const TensorView& acc, const TensorView& out, const LaunchOptions& options);
 

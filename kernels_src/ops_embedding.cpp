@@ -303,6 +303,10 @@ struct EmbeddingBackwardPlan {
   dsl::MetaMap meta;
   Grid grid;
   int64_t block_t;
+  // On a GPU the kernel waits for the grid before it (WAIT_PRIOR) before its first
+  // atomics, so it may start while the zero-fill of the f32 gradients runs
+  // (LaunchOptions::overlap_prior, when a fill goes right before it).
+  bool overlap_fill = false;
 };
 
 EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const Config& config, int64_t programs) {
@@ -330,6 +334,8 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
             {"num_warps", config.num_warps ? config.num_warps : (gpu && bt >= 128 ? 8 : 4)},
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
   add_l2_prefetch(config, p.meta);
+  p.overlap_fill = gpu;
+  if (p.overlap_fill) p.meta["WAIT_PRIOR"] = 1;
   p.grid = Grid{uint32_t(cdiv(T, bt)), uint32_t(split), 1};
   p.block_t = bt;
   return p;
@@ -457,15 +463,17 @@ void run_embedding_backward(const EmbeddingBackward& c, const Config& config, co
   const TensorView db_acc = db_direct ? c.dB3 : carve_f32(&cursor, 1, D, r, dev);
   TensorView counts = TensorView::contiguous(nullptr, DType::i32, {0}, dev);
   if (c.by_freq) counts = TensorView::contiguous(carve_f32(&cursor, 1, 1, V, dev).data, DType::i32, {V}, dev);
-  zero_fills(c.dA3, da_direct, c.dB3, db_direct, c.lo);
-
   const EmbeddingBackwardPlan p = plan_embedding_backward(c, config, parallelism(dev));
   const Grid tokens{p.grid.x, 1, 1};
   if (c.by_freq)
     launch(kernels::embedding_count_ids(), {c.x1, counts, Scalar(c.vr.start)}, tokens, {{"BLOCK_T", p.block_t}},
            c.lo);
+  // The fill goes last before the kernel, which may then overlap it.
+  const bool filled = zero_fills(c.dA3, da_direct, c.dB3, db_direct, c.lo, p.overlap_fill);
+  LaunchOptions main = c.lo;
+  main.overlap_prior = filled && p.overlap_fill;
   launch(kernels::lora_embedding_backward(),
-         embedding_backward_args(c, da_acc, db_acc, counts, record), p.grid, p.meta, c.lo);
+         embedding_backward_args(c, da_acc, db_acc, counts, record), p.grid, p.meta, main);
   if (c.by_freq)
     launch(kernels::embedding_count_ids(), {c.x1, counts, Scalar(c.vr.start)}, tokens,
            {{"BLOCK_T", p.block_t}, {"CLEAR", 1}}, c.lo);

@@ -55,6 +55,7 @@ MoeBackwardPlan plan_moe_backward(const TensorView& dW, int64_t r, bool gpu, int
               {"num_warps", config.num_warps ? config.num_warps : (gpu && bk >= 512 ? 16 : gpu ? 8 : 4)},
               {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
     add_l2_prefetch(config, p.meta);
+    if (gpu) p.meta["WAIT_PRIOR"] = 1;  // overlaps the zero-fill launched before it
     p.grid = Grid{uint32_t(cdiv(K, bk)), uint32_t(p.split), uint32_t(E)};
     return p;
   }
@@ -76,6 +77,7 @@ MoeBackwardPlan plan_moe_backward(const TensorView& dW, int64_t r, bool gpu, int
             {"num_warps", config.num_warps ? config.num_warps : (gpu && bn >= 128 ? 8 : 4)},
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
   add_l2_prefetch(config, p.meta);
+  if (gpu) p.meta["WAIT_PRIOR"] = 1;
   p.grid = Grid{uint32_t(cdiv(N, bn)), uint32_t(p.split), uint32_t(E)};
   return p;
 }
@@ -113,9 +115,11 @@ void run_moe_backward(const TensorView& dW, const TensorView& A, const TensorVie
   char* cursor = ws.data;
   const TensorView da_acc = da_direct ? dA : carve_f32(&cursor, E, r, K, dW.device);
   const TensorView db_acc = db_direct ? dB : carve_f32(&cursor, E, N, r, dW.device);
-  zero_fills(dA, p.da_atomic && da_direct, dB, p.db_atomic && db_direct && !(db_is_zero && dB.dtype == DType::f32),
-             options);
-  launch(*p.kernel, {dW, A, B, Scalar(s), da_acc, db_acc}, p.grid, p.meta, options);
+  const bool filled = zero_fills(dA, p.da_atomic && da_direct, dB,
+                                 p.db_atomic && db_direct && !(db_is_zero && dB.dtype == DType::f32), options, gpu);
+  LaunchOptions main = options;
+  main.overlap_prior = filled && gpu;  // the kernel waits for the fill before it writes
+  launch(*p.kernel, {dW, A, B, Scalar(s), da_acc, db_acc}, p.grid, p.meta, main);
   if (!da_direct) flush_accumulator(da_acc, dA, options);
   if (!db_direct) flush_accumulator(db_acc, dB, options);
 }

@@ -83,6 +83,26 @@ inline constexpr unsigned CU_EVENT_DEFAULT = 0;
 // Stream 0 means the legacy default stream, as cuda.h documents for kerf's StreamHandle.
 inline constexpr unsigned long long CU_GET_PROC_ADDRESS_LEGACY_STREAM = 1;
 
+// cuLaunchKernelEx's configuration, laid out as cuda.h lays it out (checked in
+// tests/test_cuda_runtime.cpp), for the one launch attribute kerf sets.
+inline constexpr int CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6;
+struct CUlaunchAttribute {
+  int id = 0;
+  char pad[4] = {};
+  union Value {
+    alignas(8) char bytes[64];
+    int programmatic_stream_serialization_allowed;
+  } value = {};
+};
+struct CUlaunchConfig {
+  unsigned grid_x = 1, grid_y = 1, grid_z = 1;
+  unsigned block_x = 1, block_y = 1, block_z = 1;
+  unsigned dynamic_smem_bytes = 0;
+  CUstream stream = nullptr;
+  CUlaunchAttribute* attrs = nullptr;
+  unsigned num_attrs = 0;
+};
+
 // The entry points kerf uses, named as the driver names them without the "cu"
 // prefix (cuda.h defines several "cu..." names as macros, e.g. cuMemAlloc).
 // Enum arguments are passed as int, which is how C passes them.
@@ -108,6 +128,8 @@ struct DriverApi {
                            unsigned block_x, unsigned block_y, unsigned block_z,
                            unsigned dynamic_smem_bytes, CUstream stream, void** params,
                            void** extra) = nullptr;
+  CUresult (*LaunchKernelEx)(const CUlaunchConfig* config, CUfunction function, void** params,
+                             void** extra) = nullptr;
   CUresult (*MemAlloc)(CUdeviceptr* ptr, size_t bytes) = nullptr;
   CUresult (*MemFree)(CUdeviceptr ptr) = nullptr;
   CUresult (*MemcpyHtoD)(CUdeviceptr dst, const void* src, size_t bytes) = nullptr;
@@ -154,6 +176,7 @@ struct DriverApi {
   X(FuncGetAttribute, 2020)       \
   X(FuncSetAttribute, 9000)       \
   X(LaunchKernel, 4000)           \
+  X(LaunchKernelEx, 11060)        \
   X(MemAlloc, 3020)               \
   X(MemFree, 3020)                \
   X(MemcpyHtoD, 3020)             \

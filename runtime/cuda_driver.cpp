@@ -482,7 +482,7 @@ FunctionAttributes function_attributes(void* function) {
 }
 
 void launch(void* function, Grid grid, int block_threads, int dynamic_smem_bytes,
-            StreamHandle stream, void** params) {
+            StreamHandle stream, void** params, bool overlap_prior) {
   if (!function) throw InvalidArgument("cuda::launch: the function is null");
   if (grid.x == 0 || grid.y == 0 || grid.z == 0)
     throw InvalidArgument("cuda::launch: grid (" + std::to_string(grid.x) + ", " +
@@ -495,14 +495,33 @@ void launch(void* function, Grid grid, int block_threads, int dynamic_smem_bytes
     throw InvalidArgument("cuda::launch: dynamic_smem_bytes must be >= 0, got " +
                           std::to_string(dynamic_smem_bytes));
   ensure_context(stream);
-  check(api().LaunchKernel(static_cast<CUfunction>(function), grid.x, grid.y, grid.z,
-                           unsigned(block_threads), 1, 1, unsigned(dynamic_smem_bytes),
-                           static_cast<CUstream>(stream), params, nullptr),
+  CUresult code;
+  if (overlap_prior) {
+    CUlaunchAttribute attr;
+    attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmatic_stream_serialization_allowed = 1;
+    CUlaunchConfig config;
+    config.grid_x = grid.x;
+    config.grid_y = grid.y;
+    config.grid_z = grid.z;
+    config.block_x = unsigned(block_threads);
+    config.dynamic_smem_bytes = unsigned(dynamic_smem_bytes);
+    config.stream = static_cast<CUstream>(stream);
+    config.attrs = &attr;
+    config.num_attrs = 1;
+    code = api().LaunchKernelEx(&config, static_cast<CUfunction>(function), params, nullptr);
+  } else {
+    code = api().LaunchKernel(static_cast<CUfunction>(function), grid.x, grid.y, grid.z,
+                              unsigned(block_threads), 1, 1, unsigned(dynamic_smem_bytes),
+                              static_cast<CUstream>(stream), params, nullptr);
+  }
+  check(code,
         [&] {
           return "launching a kernel with grid (" + std::to_string(grid.x) + ", " +
                  std::to_string(grid.y) + ", " + std::to_string(grid.z) + "), " +
                  std::to_string(block_threads) + " threads per block and " +
-                 std::to_string(dynamic_smem_bytes) + " bytes of dynamic shared memory";
+                 std::to_string(dynamic_smem_bytes) + " bytes of dynamic shared memory" +
+                 (overlap_prior ? ", overlapping the previous kernel" : "");
         });
 }
 

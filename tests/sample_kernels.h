@@ -235,4 +235,55 @@ inline const Kernel& gather_kernel() {
   return k;
 }
 
+// A pair for programmatic dependent launch. The producer's programs each own BM
+// rows of y and, after REPEAT passes over their rows of x (work that keeps it
+// running), store y = 2x + 1 (RELEASE: its dependents may start as it begins).
+// The consumer sums x * y per row: x is read before the wait (an input of
+// both), y after it. WAIT: 0 none, 1 at the top level before the loop, 2 in
+// the loop body between the loads of x and y.
+//   producer: x [M, N], y [M, N]      consumer: x [M, N], y [M, N], out [M] f32
+inline const Kernel& overlap_producer_kernel() {
+  static const Kernel k("overlap_producer", [](Builder& b) {
+    auto x = b.tensor("x", 2), y = b.tensor("y", 2);
+    const int64_t BM = b.meta("BM"), BN = b.meta("BN"), repeat = b.meta("REPEAT", 1);
+    if (b.meta("RELEASE", 0)) release_dependents();
+    auto rows = program_id(0) * BM + arange(BM);
+    auto row_ok = rows.col() < x.dim(0);
+    auto scale = for_range(0, int(repeat), 1, zeros({BM, 1}), [&](const Value&, const Value& acc) {
+      return for_range(0, x.dim(1), BN, acc, [&](const Value& c0, const Value& a) {
+        auto cols = c0 + arange(BN);
+        auto v = load(x, {rows.col(), cols.row()}, row_ok & (cols.row() < x.dim(1))).to(DType::f32);
+        return a + expand_dims(sum(v * 0.0, 1), 1);  // 0, but only after reading the row
+      });
+    });
+    for_range(0, x.dim(1), BN, [&](const Value& c0) {
+      auto cols = c0 + arange(BN);
+      auto m = row_ok & (cols.row() < x.dim(1));
+      auto v = load(x, {rows.col(), cols.row()}, m).to(DType::f32);
+      store(y, {rows.col(), cols.row()}, (v * 2.0 + 1.0 + scale).to(y.dtype()), m);
+    });
+  });
+  return k;
+}
+
+inline const Kernel& overlap_consumer_kernel() {
+  static const Kernel k("overlap_consumer", [](Builder& b) {
+    auto x = b.tensor("x", 2), y = b.tensor("y", 2), out = b.tensor("out", 1, DType::f32);
+    const int64_t BM = b.meta("BM"), BN = b.meta("BN"), wait = b.meta("WAIT", 0);
+    auto rows = program_id(0) * BM + arange(BM);
+    auto row_ok = rows.col() < x.dim(0);
+    if (wait == 1) wait_prior_grid();
+    auto acc = for_range(0, x.dim(1), BN, zeros({BM, BN}), [&](const Value& c0, const Value& a) {
+      auto cols = c0 + arange(BN);
+      auto m = row_ok & (cols.row() < x.dim(1));
+      auto xv = load(x, {rows.col(), cols.row()}, m).to(DType::f32);
+      if (wait == 2) wait_prior_grid();
+      auto yv = load(y, {rows.col(), cols.row()}, m).to(DType::f32);
+      return a + xv * yv;
+    });
+    store(out, {rows}, sum(acc, 1), rows < x.dim(0));
+  });
+  return k;
+}
+
 }  // namespace kerf::test

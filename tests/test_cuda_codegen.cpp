@@ -101,6 +101,11 @@ std::vector<Case> all_cases() {
     cases.push_back({&test::gather_kernel(), {t(d, 1), t(DType::i32, 2), t(DType::u8, 2), t(d, 2)},
                      {{"T", d == DType::f32 ? 32 : 16}, {"BM", 16}, {"BN", 64}, {"num_warps", d == DType::f16 ? 8 : 4}},
                      "gather"});
+  for (int64_t wait : {1, 2})
+    cases.push_back({&test::overlap_consumer_kernel(), {t(DType::bf16, 2), t(DType::bf16, 2), t(DType::f32, 1)},
+                     {{"BM", 16}, {"BN", 128}, {"WAIT", wait}, {"num_stages", 3}}, "overlap_consumer"});
+  cases.push_back({&test::overlap_producer_kernel(), {t(DType::f32, 2), t(DType::f32, 2)},
+                   {{"BM", 16}, {"BN", 128}, {"REPEAT", 2}, {"RELEASE", 1}}, "overlap_producer"});
   cases.push_back({&test::ticket_kernel(), {t(DType::i32, 1), t(DType::i32, 1), t(DType::f32, 1), t(DType::f32, 1)},
                    {{"BLOCK", 64}}, "ticket"});
   return cases;
@@ -202,4 +207,36 @@ TEST_CASE("interleave into a dot's accumulator picks registers, over lanes it pi
   CHECK(src.find("= (((r) >> 0) & 1) ? ") != std::string::npos);
   // The 1-D pair of 64 spreads over lanes: lane bit 0 chooses.
   CHECK(src.find("= ((lane >> 0) & 1) ? ") != std::string::npos);
+}
+
+TEST_CASE("a wait for the prior grid is griddepcontrol on sm_90, and nothing after it is issued ahead",
+          "[cuda][codegen]") {
+  const std::vector<ArgSpec> args = {t(DType::bf16, 2), t(DType::bf16, 2), t(DType::f32, 1)};
+  const auto source = [&](int64_t wait, const char* arch) {
+    const ir::Function fn =
+        test::overlap_consumer_kernel().trace(args, {{"BM", 16}, {"BN", 128}, {"WAIT", wait}, {"num_stages", 3}});
+    return jit::cuda::generate(fn, arch).source;
+  };
+  // In the loop, between the loads: x (before it) is prefetched, y (after it) is read in place.
+  const std::string in_loop = source(2, "sm_90a");
+  CHECK(in_loop.find("griddepcontrol.wait;") != std::string::npos);
+  CHECK(in_loop.find("prefetch @x") != std::string::npos);
+  CHECK(in_loop.find("prefetch @y") == std::string::npos);
+  // At the top level, before the loop: both prefetched, every prefetch after the wait.
+  const std::string top = source(1, "sm_90a");
+  const size_t wait_at = top.find("griddepcontrol.wait;");
+  REQUIRE(wait_at != std::string::npos);
+  CHECK(top.find("prefetch @x") > wait_at);
+  CHECK(top.find("prefetch @y") != std::string::npos);
+  CHECK(top.find("prefetch @y") > wait_at);
+  // No wait: both prefetched, no griddepcontrol.
+  const std::string none = source(0, "sm_90a");
+  CHECK(none.find("griddepcontrol") == std::string::npos);
+  CHECK(none.find("prefetch @y") != std::string::npos);
+  // sm_80 has no programmatic dependent launch: the op emits nothing there.
+  CHECK(source(2, "sm_80").find("griddepcontrol") == std::string::npos);
+  const ir::Function producer = test::overlap_producer_kernel().trace(
+      {t(DType::f32, 2), t(DType::f32, 2)}, {{"BM", 16}, {"BN", 128}, {"RELEASE", 1}});
+  CHECK(jit::cuda::generate(producer, "sm_90a").source.find("griddepcontrol.launch_dependents;") !=
+        std::string::npos);
 }

@@ -1,6 +1,7 @@
 // The CUDA driver and NVRTC wrappers: both opened at run time, both clear about what
 // is missing, and NVRTC compile errors point at the generated source. [cuda] tests run
 // anywhere; [gpu] tests need a device and are skipped (KERF-SKIPPED) without one.
+#include <cstddef>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -234,6 +235,17 @@ TEST_CASE("kerf's declarations of the driver and NVRTC APIs match cuda.h and nvr
   STATIC_REQUIRE(same_abi(decltype(d::DriverApi::name){}, PFN_cu##name##_v##version{}));
   KERF_CUDA_ENTRY_POINTS(KERF_PIN_ENTRY_POINT)
 #undef KERF_PIN_ENTRY_POINT
+  // cuLaunchKernelEx's configuration, as kerf lays it out.
+  STATIC_REQUIRE(d::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION ==
+                 int(::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION));
+  STATIC_REQUIRE(sizeof(d::CUlaunchAttribute) == sizeof(::CUlaunchAttribute));
+  STATIC_REQUIRE(alignof(d::CUlaunchAttribute) == alignof(::CUlaunchAttribute));
+  STATIC_REQUIRE(offsetof(d::CUlaunchAttribute, value) == offsetof(::CUlaunchAttribute, value));
+  STATIC_REQUIRE(sizeof(d::CUlaunchConfig) == sizeof(::CUlaunchConfig));
+  STATIC_REQUIRE(offsetof(d::CUlaunchConfig, dynamic_smem_bytes) == offsetof(::CUlaunchConfig, sharedMemBytes));
+  STATIC_REQUIRE(offsetof(d::CUlaunchConfig, stream) == offsetof(::CUlaunchConfig, hStream));
+  STATIC_REQUIRE(offsetof(d::CUlaunchConfig, attrs) == offsetof(::CUlaunchConfig, attrs));
+  STATIC_REQUIRE(offsetof(d::CUlaunchConfig, num_attrs) == offsetof(::CUlaunchConfig, numAttrs));
   STATIC_REQUIRE(d::CUDA_SUCCESS == ::CUDA_SUCCESS);
   STATIC_REQUIRE(d::CUDA_ERROR_INVALID_VALUE == ::CUDA_ERROR_INVALID_VALUE);
   STATIC_REQUIRE(d::CUDA_ERROR_OUT_OF_MEMORY == ::CUDA_ERROR_OUT_OF_MEMORY);

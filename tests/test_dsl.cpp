@@ -235,6 +235,46 @@ TEST_CASE("the verifier rejects ill-typed IR", "[ir][verifier]") {
   CHECK_THROWS_AS(ir::verify(g), InternalError);
 }
 
+TEST_CASE("grid dependency ops keep their place among a kernel's effects", "[dsl][ir]") {
+  Kernel k("overlap", [](Builder& b) {
+    auto x = b.tensor("x", 1), out = b.tensor("out", 1);
+    release_dependents();
+    auto i = program_id(0) * 16 + arange(16);
+    auto v = load(x, {i}, i < x.dim(0));
+    wait_prior_grid();
+    for_range(0, 2, 1, [&](const Value&) {
+      wait_prior_grid();
+      store(out, {i}, v, i < out.dim(0));
+    });
+  });
+  ir::Function f = k.trace({ArgSpec::tensor(DType::f32, 1), ArgSpec::tensor(DType::f32, 1)}, {});
+  ir::verify(f);
+  const std::string text = ir::print(f);
+  INFO(text);
+  const size_t at_release = text.find("release_dependents"), at_load = text.find("load @x"),
+               at_wait = text.find("wait_prior_grid"), at_loop = text.find("for "),
+               at_inner = text.find("wait_prior_grid", at_wait + 1), at_store = text.find("store @out");
+  REQUIRE(at_release != std::string::npos);
+  REQUIRE(at_inner != std::string::npos);
+  CHECK(at_release < at_load);
+  CHECK(at_load < at_wait);
+  CHECK(at_wait < at_loop);
+  CHECK(at_loop < at_inner);
+  CHECK(at_inner < at_store);
+  // Not pure: a kernel with them hashes differently from one without.
+  Kernel plain("overlap", [](Builder& b) {
+    auto x = b.tensor("x", 1), out = b.tensor("out", 1);
+    auto i = program_id(0) * 16 + arange(16);
+    auto v = load(x, {i}, i < x.dim(0));
+    for_range(0, 2, 1, [&](const Value&) { store(out, {i}, v, i < out.dim(0)); });
+  });
+  CHECK(ir::hash(plain.trace({ArgSpec::tensor(DType::f32, 1), ArgSpec::tensor(DType::f32, 1)}, {})) != ir::hash(f));
+  // The verifier holds them to no operands and no results.
+  for (auto& op : f.body.ops)
+    if (op.kind == ir::OpKind::GridWait) op.operands.push_back(op.operands.empty() ? 0 : op.operands[0]);
+  CHECK_THROWS_AS(ir::verify(f), InternalError);
+}
+
 TEST_CASE("the IR text does not depend on the order the kernel's operands were traced", "[ir][canonical]") {
   // The same mask built with its two halves traced in either order (what two
   // C++ compilers may do with `(a < n) & (b < n)`), plus a dead and a duplicate value.

@@ -12,6 +12,7 @@
 #include "kerf/jit/launch.h"
 #include "kerf/kernels/kernels.h"
 #include "kerf/ops/ops.h"
+#include "sample_kernels.h"
 
 using namespace kerf;
 using kerf::test::TestTensor;
@@ -252,4 +253,58 @@ TEST_CASE("fill_pair sets two strided views in one launch on the CPU", "[cpu][ke
 TEST_CASE("fill_pair sets two strided views in one launch on the GPU", "[gpu][kernels]") {
   KERF_REQUIRE_GPU();
   check_fill_pair(Device::cuda(0));
+}
+
+namespace {
+
+// Programmatic dependent launch: the consumer is launched to overlap the
+// producer (LaunchOptions::overlap_prior) and reads what the producer writes
+// after its wait_prior_grid(), at the top level or inside its loop; y starts
+// poisoned each round, so a read that overtook the wait would show. A consumer
+// with no wait is launched as usual, overlap_prior notwithstanding.
+void check_overlapped_launches(Device dev) {
+  const int64_t M = 300, N = 1000, BM = 16, BN = 128;
+  TestTensor x(DType::f32, {M, N}, dev), y(DType::f32, {M, N}, dev), out(DType::f32, {M}, dev);
+  std::mt19937_64 rng(77);
+  const Grid grid{uint32_t((M + BM - 1) / BM), 1, 1};
+  LaunchOptions overlap;
+  overlap.overlap_prior = true;
+  for (int round = 0; round < 6; ++round) {
+    const int64_t wait = round % 3;  // 0: none, 1: top level, 2: in the loop
+    CAPTURE(round, wait, dev.str());
+    x.randomize(rng);
+    y.poison();
+    out.poison();
+    launch(test::overlap_producer_kernel(), {x.view(), y.view()}, grid,
+           {{"BM", BM}, {"BN", BN}, {"REPEAT", 8}, {"RELEASE", 1}});
+    launch(test::overlap_consumer_kernel(), {x.view(), y.view(), out.view()}, grid,
+           {{"BM", BM}, {"BN", BN}, {"WAIT", wait}, {"num_stages", 3}}, overlap);
+    test::sync(dev);
+    out.download();
+    std::vector<double> got(static_cast<size_t>(M)), ref(static_cast<size_t>(M));
+    for (int64_t i = 0; i < M; ++i) {
+      double acc = 0;
+      for (int64_t j = 0; j < N; ++j) {
+        const double v = x.get(i * N + j);
+        acc += v * (2.0 * v + 1.0);
+      }
+      ref[size_t(i)] = acc;
+      got[size_t(i)] = out.get(i);
+    }
+    CHECK(test::max_relative_error(got, ref) <= 1e-5);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("a launch overlapping the previous kernel sees its writes after the wait, on the CPU",
+          "[cpu][kernels]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  check_overlapped_launches(Device::cpu());
+}
+
+TEST_CASE("a launch overlapping the previous kernel sees its writes after the wait, on the GPU",
+          "[gpu][kernels]") {
+  KERF_REQUIRE_GPU();
+  check_overlapped_launches(Device::cuda(0));
 }

@@ -77,6 +77,7 @@ std::vector<Case> op_kernel_cases() {
                   {"DOT", int64_t(dot)},
                   {"DB_ATOMIC", flag},
                   {"ROTATE", 1 - flag},
+                  {"WAIT_PRIOR", flag},
                   {"num_warps", 8},
                   {"num_stages", stages}},
                  "moe_lora_backward",
@@ -90,6 +91,7 @@ std::vector<Case> op_kernel_cases() {
                   {"DOT", int64_t(dot)},
                   {"DA_ATOMIC", flag},
                   {"ROTATE", flag},
+                  {"WAIT_PRIOR", 1 - flag},
                   {"num_warps", 8},
                   {"num_stages", stages}},
                  "moe_lora_backward_by_columns",
@@ -114,6 +116,7 @@ std::vector<Case> op_kernel_cases() {
           {"DOT", int64_t(dot)},
           {"BY_FREQ", flag},
           {"ROTATE", 1 - flag},
+          {"WAIT_PRIOR", 1 - flag},
           {"num_stages", stages}},
          "lora_embedding_backward",
          v.arch});
@@ -155,12 +158,12 @@ std::vector<Case> op_kernel_cases() {
                  v.arch});
     c.push_back({&kernels::fill_3d(),
                  {T(w, 3, fast), S},
-                 {{"BLOCK_M", 16}, {"BLOCK_K", 128}},
+                 {{"BLOCK_M", 16}, {"BLOCK_K", 128}, {"RELEASE", flag}},
                  "fill_3d",
                  v.arch});
     c.push_back({&kernels::fill_pair(),
                  {T(w, 3, fast), T(DType::f32, 3), S},
-                 {{"BLOCK_M0", 8}, {"BLOCK_K0", 256}, {"BLOCK_M1", 128}, {"BLOCK_K1", 16}},
+                 {{"BLOCK_M0", 8}, {"BLOCK_K0", 256}, {"BLOCK_M1", 128}, {"BLOCK_K1", 16}, {"RELEASE", 1 - flag}},
                  "fill_pair",
                  v.arch});
     c.push_back({&kernels::lora_embedding_gather(),

@@ -837,6 +837,9 @@ class KernelEmitter {
         return;
       case OpKind::Yield:
         return;  // emit_for copies the yielded values
+      case OpKind::GridWait:
+      case OpKind::GridRelease:
+        return;  // CPU launches run one after another: nothing overlaps
       case OpKind::Store:
       case OpKind::AtomicAdd:
         emit_store_like(op);

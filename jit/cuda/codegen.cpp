@@ -72,7 +72,7 @@ int Codegen::parse_sm(const std::string& arch) {
 
 bool Codegen::is_pure(OpKind k) const {
   return k != OpKind::Load && k != OpKind::Store && k != OpKind::AtomicAdd && k != OpKind::For &&
-         k != OpKind::Yield;
+         k != OpKind::Yield && k != OpKind::GridWait && k != OpKind::GridRelease;
 }
 
 // Records each value's defining op and placement level.
@@ -381,6 +381,14 @@ void Codegen::emit_block(const ir::Block& b) {
         break;
       case OpKind::Yield:
         break;  // handled by emit_for
+      case OpKind::GridWait:
+        // Programmatic dependent launch (sm_90+): wait for the grid launched before this one
+        // and see its writes. Without such a launch there is nothing to wait for.
+        if (sm_ >= 90) line(lv, "asm volatile(\"griddepcontrol.wait;\" ::: \"memory\");");
+        break;
+      case OpKind::GridRelease:
+        if (sm_ >= 90) line(lv, "asm volatile(\"griddepcontrol.launch_dependents;\" ::: \"memory\");");
+        break;
       default:
         break;  // pure values are emitted where they are used
     }

@@ -74,6 +74,8 @@ const char* op_name(OpKind k) {
     case OpKind::Load: return "load";
     case OpKind::Store: return "store";
     case OpKind::AtomicAdd: return "atomic_add";
+    case OpKind::GridWait: return "wait_prior_grid";
+    case OpKind::GridRelease: return "release_dependents";
     case OpKind::For: return "for";
     case OpKind::Yield: return "yield";
   }

@@ -283,6 +283,10 @@ class Verifier {
         break;
       }
       case OpKind::Yield: break;
+      case OpKind::GridWait:
+      case OpKind::GridRelease:
+        expect(n == 0 && op.results.empty(), op, "takes no operands and has no result");
+        break;
       default:
         if (is_elementwise_unary(op.kind) || is_elementwise_binary(op.kind))
           expect(n >= 1 && t(op.operands[0]).dtype != DType::u8, op,

@@ -225,6 +225,22 @@ enum class MemoryOrder { relaxed, acq_rel };
 Value atomic_add(const Tensor& t, const std::vector<Value>& idx, const Value& value,
                  const Value& mask = {}, MemoryOrder order = MemoryOrder::relaxed);
 
+// Programmatic dependent launch (CUDA, sm_90 and later). A kernel launched with
+// LaunchOptions::overlap_prior may start while the kernel launched just before it
+// on the same stream is still running: wait_prior_grid() is the point from which
+// that kernel's writes are visible, so everything the kernel reads or writes that
+// the previous kernel writes must come after it, and what comes before it may
+// read only memory that was complete before the previous kernel started. Nothing
+// that follows it is moved ahead of it: in a for_range body, the loads after it
+// are not issued iterations ahead, while those before it may be (so they, too,
+// must not read what the previous kernel writes); it costs next to nothing once
+// the previous kernel is done. release_dependents() lets the kernel launched
+// after this one (with overlap_prior) start before this one ends; without it,
+// that kernel starts as this one's programs finish. A kernel launched without
+// overlap_prior, the CPU back end and GPUs before sm_90 pass both by.
+void wait_prior_grid();
+void release_dependents();
+
 // An integer scalar operand: a Value or a C++ integer (a constant of the trace).
 class IntArg {
  public:

@@ -69,6 +69,11 @@ enum class OpKind : uint8_t {
   AtomicAdd,    // operands: idx..., value, [mask]; optional result: the old values
                 // (0 where masked off). Device scope; attrs.acq_rel orders it
                 // after every earlier write of the program and before every later read.
+  // ---- grid dependencies (programmatic dependent launch; no operands, no results)
+  GridWait,     // what the grid launched before this one on the stream wrote is visible
+                // from here on (it may still be running before this point); nothing
+                // after it in program order is moved ahead of it
+  GridRelease,  // a grid launched after this one may start before this one ends
   // ---- control
   For,          // operands: lo, hi, step, init...; body args: iv, carried...; results: carried
   Yield,        // terminator of a For body: the next carried values

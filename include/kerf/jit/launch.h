@@ -42,6 +42,12 @@ struct LaunchOptions {
   // Canonical text of the sharding layout the calling op uses ("" when unsharded).
   // It is part of the kernel's cache key (and of autotune keys); it must outlive the call.
   std::string_view layout;
+  // Programmatic dependent launch: the grid may start before the kernel launched
+  // just before it on `stream` ends, and until the kernel's dsl::wait_prior_grid()
+  // it runs alongside that kernel's last programs. Taken on sm_90 and later, for
+  // kernels that call wait_prior_grid(); elsewhere (and with the environment's
+  // KERF_OVERLAP_LAUNCHES=0) the launch waits for the previous kernel as usual.
+  bool overlap_prior = false;
 };
 
 // Runs `kernel` over `grid` with `args` (tensors and scalars in the order the

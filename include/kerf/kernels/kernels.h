@@ -65,7 +65,8 @@ const dsl::Kernel& dora_norm_backward();
 // when DB_ATOMIC); any strides. fp32 accumulation.
 // Grid (cdiv(N, BLOCK_N), splits, E): the programs of grid axis 1 share K in
 // whole BLOCK_K steps. Meta: BLOCK_N, BLOCK_K, R_PAD, DOT, DB_ATOMIC (needed
-// with several splits; dB is then f32 and zero on entry).
+// with several splits; dB is then f32 and zero on entry), ROTATE, WAIT_PRIOR
+// (its writes wait for the grid launched before it, as the embedding's).
 // Args: dW, A, B, s, dA, dB.
 const dsl::Kernel& moe_lora_backward();
 // The same with rows and columns swapped: each program owns BLOCK_K columns of
@@ -75,8 +76,8 @@ const dsl::Kernel& moe_lora_backward();
 //                                     dA is then f32 and zero on entry)
 //   dB[e] += s * dW[e] @ A[e]^T
 // Grid (cdiv(K, BLOCK_K), splits, E): the programs of grid axis 1 share N in
-// whole BLOCK_N steps. Meta: BLOCK_N, BLOCK_K, R_PAD, DOT, DA_ATOMIC, ROTATE.
-// Args: dW, A, B, s, dA, dB.
+// whole BLOCK_N steps. Meta: BLOCK_N, BLOCK_K, R_PAD, DOT, DA_ATOMIC, ROTATE,
+// WAIT_PRIOR. Args: dW, A, B, s, dA, dB.
 const dsl::Kernel& moe_lora_backward_by_columns();
 
 // LoRA merge in place, one pass over W (unmerge: the op passes -s):
@@ -109,7 +110,9 @@ const dsl::Kernel& lora_embedding();
 // w(v) = 1 / counts[v] when BY_FREQ (counts [V] i32 from embedding_count_ids),
 // else 1. dA [r, V] and dB [D, r] f32, added to atomically (zero on entry).
 // Grid (cdiv(T, BLOCK_T), splits), sharing D as above. Meta: BLOCK_T,
-// BLOCK_D, R_PAD, DOT, BY_FREQ.
+// BLOCK_D, R_PAD, DOT, BY_FREQ, ROTATE, WAIT_PRIOR (every atomic waits for the
+// grid launched before it: the zero-fill of dA and dB, which it may overlap
+// when launched with LaunchOptions::overlap_prior).
 // Args: x, A, B, g, s, dA, dB, counts, err, start, total, padding (-1: none).
 const dsl::Kernel& lora_embedding_backward();
 
@@ -131,7 +134,10 @@ const dsl::Kernel& lora_embedding_scatter();
 const dsl::Kernel& embedding_count_ids();
 
 // out[g, i, j] = value over a rank-3 view (any strides).
-// Grid (cdiv(d2, BLOCK_K), cdiv(d1, BLOCK_M), d0). Args: out, value.
+// Grid (cdiv(d2, BLOCK_K), cdiv(d1, BLOCK_M), d0). Args: out, value. With the
+// meta-parameter RELEASE (fill_pair too) each program first lets the kernel
+// launched after it start (dsl::release_dependents), for a kernel launched with
+// LaunchOptions::overlap_prior that waits for the fill before its atomics.
 const dsl::Kernel& fill_3d();
 // Two rank-3 views set to value in one launch: grid (n0 + n1), n_i the number of
 // [BLOCK_Mi, BLOCK_Ki] tiles of out_i (d0 * row blocks * column blocks).

@@ -80,9 +80,13 @@ struct FunctionAttributes {
 };
 FunctionAttributes function_attributes(void* function);
 
-// cuLaunchKernel. `params` follows the driver's kernelParams convention.
+// cuLaunchKernel. `params` follows the driver's kernelParams convention. With
+// `overlap_prior` (cuLaunchKernelEx with programmatic stream serialization) the
+// grid may start before the kernel launched ahead of it on `stream` has finished;
+// the kernel must wait for it (griddepcontrol.wait) before it touches what that
+// kernel writes. Only for kernels that do; sm_90 and later.
 void launch(void* function, Grid grid, int block_threads, int dynamic_smem_bytes,
-            StreamHandle stream, void** params);
+            StreamHandle stream, void** params, bool overlap_prior = false);
 
 // Device memory owned by this object (cuMemAlloc / cuMemFree).
 class DeviceBuffer {
