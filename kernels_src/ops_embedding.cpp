@@ -316,10 +316,12 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
   const DType dot = embedding_dot(c.g2.dtype, c.g2.dtype, c.g2.dtype, &unused);
   // Tall token blocks: dB's atomics per element of grad_out are R_PAD / BLOCK_T.
   const int64_t bt = config.block_m ? config.block_m : (gpu ? 128 : 16);
-  // 128 columns per step on a GPU: a program of smaller tiles may share its SM with
-  // others when it starts beside the zero-fill (overlap_fill), which took 128x64
-  // from 46-48 us to 71-79 us at 8192x128256x4096 on an H100 (128x128: 44-45 us).
-  const int64_t bd = config.block_k ? config.block_k : (gpu ? 128 : 64);
+  // 128 columns per step on a GPU where three stages of such tiles fit (2-byte
+  // grad_out, r up to 64): a program of smaller tiles may share its SM with others
+  // when it starts beside the zero-fill (overlap_fill), which took 128x64 from
+  // 46-48 us to 71-79 us at 8192x128256x4096 on an H100 (128x128: 44-45 us).
+  const bool wide = gpu && dtype_size_bytes(c.g2.dtype) <= 2 && r <= 64;
+  const int64_t bd = config.block_k ? config.block_k : (wide ? 128 : 64);
   // On a GPU the token blocks' programs share D as one full wave: long programs,
   // whose dB partial sums and activation gathers are paid once per more columns
   // (on an H100 at 8192x128256x4096: 47.3 us against 76 us at about three waves).
