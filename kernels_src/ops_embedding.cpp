@@ -307,6 +307,12 @@ struct EmbeddingBackwardPlan {
   // atomics, so it may start while the zero-fill of the f32 gradients runs
   // (LaunchOptions::overlap_prior, when a fill goes right before it).
   bool overlap_fill = false;
+  // Whether the fill lets it start as the fill starts (else as the fill ends): only
+  // for tiles of at least 128x128. On an H100 at 8192x128256x4096 smaller ones, of
+  // which several programs fit on one SM, ran 1.5-3x slower started beside the fill
+  // (128x64: 46 -> 71-79 us), larger ones gained 1-3 us; started as the fill ends
+  // no tile lost.
+  bool release_early = false;
 };
 
 EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const Config& config, int64_t programs) {
@@ -317,9 +323,8 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
   // Tall token blocks: dB's atomics per element of grad_out are R_PAD / BLOCK_T.
   const int64_t bt = config.block_m ? config.block_m : (gpu ? 128 : 16);
   // 128 columns per step on a GPU where three stages of such tiles fit (2-byte
-  // grad_out, r up to 64): a program of smaller tiles may share its SM with others
-  // when it starts beside the zero-fill (overlap_fill), which took 128x64 from
-  // 46-48 us to 71-79 us at 8192x128256x4096 on an H100 (128x128: 44-45 us).
+  // grad_out, r up to 64): such tiles may start beside the zero-fill (release_early),
+  // 44-45 us at 8192x128256x4096 on an H100 against 46-48 us for 128x64.
   const bool wide = gpu && dtype_size_bytes(c.g2.dtype) <= 2 && r <= 64;
   const int64_t bd = config.block_k ? config.block_k : (wide ? 128 : 64);
   // On a GPU the token blocks' programs share D as one full wave: long programs,
@@ -343,6 +348,7 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
   if (p.overlap_fill) p.meta["WAIT_PRIOR"] = 1;
   p.grid = Grid{uint32_t(cdiv(T, bt)), uint32_t(split), 1};
   p.block_t = bt;
+  p.release_early = p.overlap_fill && bt * bd >= 128 * 128;
   return p;
 }
 
@@ -474,7 +480,7 @@ void run_embedding_backward(const EmbeddingBackward& c, const Config& config, co
     launch(kernels::embedding_count_ids(), {c.x1, counts, Scalar(c.vr.start)}, tokens, {{"BLOCK_T", p.block_t}},
            c.lo);
   // The fill goes last before the kernel, which may then overlap it.
-  const bool filled = zero_fills(c.dA3, da_direct, c.dB3, db_direct, c.lo, p.overlap_fill);
+  const bool filled = zero_fills(c.dA3, da_direct, c.dB3, db_direct, c.lo, p.release_early);
   LaunchOptions main = c.lo;
   main.overlap_prior = filled && p.overlap_fill;
   launch(kernels::lora_embedding_backward(),
