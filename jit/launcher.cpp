@@ -270,12 +270,6 @@ std::shared_ptr<Compiled> build_cpu(const ir::Function& fn, std::string_view lay
   return c;
 }
 
-bool waits_prior_grid(const ir::Block& b) {
-  for (const ir::Operation& op : b.ops)
-    if (op.kind == ir::OpKind::GridWait || (op.body && waits_prior_grid(*op.body))) return true;
-  return false;
-}
-
 // Whether the kernel waits for the grid before it (dsl::wait_prior_grid) and the launch
 // may overlap that grid: sm_90 and later, unless KERF_OVERLAP_LAUNCHES=0.
 bool may_overlap(const ir::Function& fn, int device) {
@@ -284,7 +278,7 @@ bool may_overlap(const ir::Function& fn, int device) {
     return !(v && std::string_view(v) == "0");
   }();
   if (!enabled || cuda::device_info(device).cc_major < 9) return false;
-  return waits_prior_grid(fn.body);
+  return ir::contains(fn.body, ir::OpKind::GridWait);
 }
 
 std::shared_ptr<Compiled> build_cuda(const ir::Function& fn, int device, std::string_view layout) {

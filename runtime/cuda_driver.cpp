@@ -175,7 +175,7 @@ Driver open_driver(const std::string& library) {
   if ((!gpa2 && !gpa1) || !get_version) {
     d.unavailable_reason = "the CUDA driver in " + library +
                            " is too old or not a CUDA driver: it has no cuGetProcAddress "
-                           "(kerf needs a driver for CUDA 11.3 or newer)";
+                           "(kerf needs a driver for CUDA 11.6 or newer)";
     return d;
   }
   int version = 0;

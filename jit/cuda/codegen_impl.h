@@ -389,8 +389,6 @@ class Codegen {
   std::vector<const Operation*> pipelinable_loads(const Operation& loop, int inner);
 
   static void collect_written(const ir::Block& b, std::set<int64_t>& out);
-  // Whether `op` is, or its loop body holds, a wait for the prior grid.
-  static bool waits_prior_grid(const Operation& op);
 
   // Emits, into `target` level, a block that issues the cp.async copies of
   // `op` for the iteration whose induction variable is `iv_value` into ring

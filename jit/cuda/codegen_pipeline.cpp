@@ -103,7 +103,8 @@ std::vector<const Operation*> Codegen::pipelinable_loads(const Operation& loop, 
   bool after_wait = false;
   for (const Operation& op : body.ops) {
     // Nothing after a wait for the prior grid is issued ahead of it.
-    after_wait = after_wait || waits_prior_grid(op);
+    after_wait = after_wait || op.kind == OpKind::GridWait ||
+                 (op.body && ir::contains(*op.body, OpKind::GridWait));
     if (after_wait) break;
     if (op.kind != OpKind::Load || op.attrs.has_other || type(op.results[0]).is_scalar()) continue;
     // A prefetch must not overtake a store to what it reads.
@@ -118,14 +119,6 @@ std::vector<const Operation*> Codegen::pipelinable_loads(const Operation& loop, 
     out.push_back(&op);
   }
   return out;
-}
-
-bool Codegen::waits_prior_grid(const Operation& op) {
-  if (op.kind == OpKind::GridWait) return true;
-  if (op.body)
-    for (const Operation& inner : op.body->ops)
-      if (waits_prior_grid(inner)) return true;
-  return false;
 }
 
 void Codegen::collect_written(const ir::Block& b, std::set<int64_t>& out) {

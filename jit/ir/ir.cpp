@@ -152,4 +152,10 @@ std::vector<int> count_uses(const Function& f) {
   return uses;
 }
 
+bool contains(const Block& b, OpKind k) {
+  for (const Operation& op : b.ops)
+    if (op.kind == k || (op.body && contains(*op.body, k))) return true;
+  return false;
+}
+
 }  // namespace kerf::ir

@@ -184,6 +184,9 @@ void verify(const Function& f);
 // C++ evaluated the operands of the kernel's expressions.
 void canonicalize(Function& f);
 
+// Whether `b` or a loop body inside it holds an op of kind `k`.
+bool contains(const Block& b, OpKind k);
+
 // Number of uses of each value (index = ValueId), counting uses inside loop bodies.
 std::vector<int> count_uses(const Function& f);
 
