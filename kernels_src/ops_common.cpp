@@ -202,6 +202,11 @@ void add_l2_prefetch(const Config& config, dsl::MetaMap& meta) {
   if (const int64_t bytes = meta_or(config, "L2_PREFETCH", 0)) meta["l2_prefetch"] = bytes;
 }
 
+void pass_meta(const Config& config, dsl::MetaMap& meta, std::initializer_list<const char*> names) {
+  for (const char* name : names)
+    if (const int64_t v = meta_or(config, name, 0)) meta[name] = v;
+}
+
 size_t CallKeyHash::operator()(const CallKey& k) const {
   uint64_t h = k.n;
   for (size_t i = 0; i < k.n; ++i) h = (h ^ uint64_t(k.words[i])) * 0x100000001b3ull + (h >> 29);

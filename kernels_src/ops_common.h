@@ -89,6 +89,9 @@ inline constexpr MetaRange kL2Prefetch{"L2_PREFETCH", 0, 256, l2_prefetch_bytes,
 // Config.meta L2_PREFETCH (0, 64, 128 or 256 bytes), when given, as the kernel meta
 // l2_prefetch: the L2 prefetch size hint of the kernel's pipelined copies.
 void add_l2_prefetch(const Config& config, dsl::MetaMap& meta);
+// Each of `names` that config.meta sets to a non-zero value, as the kernel
+// meta-parameter of that name (EVICT, WARPS_N: kernels read 0 when unset).
+void pass_meta(const Config& config, dsl::MetaMap& meta, std::initializer_list<const char*> names);
 // config.meta's value of `name`, else `fallback`.
 inline int64_t meta_or(const Config& c, const char* name, int64_t fallback) {
   auto it = c.meta.find(name);

@@ -52,8 +52,7 @@ DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, DType w_dtype, bool gpu, 
   p.meta = {{"BLOCK_M", bm}, {"BLOCK_K", bk}, {"R_PAD", r_pad}, {"DOT", int64_t(dot)}, {"num_warps", warps}};
   // cp.async pipelining on the GPU; the CPU back end has no use for stages.
   p.meta["num_stages"] = config.num_stages ? config.num_stages : (gpu ? 3 : 1);
-  if (const int64_t evict = meta_or(config, "EVICT", 0)) p.meta["EVICT"] = evict;
-  if (const int64_t wn = meta_or(config, "WARPS_N", 0)) p.meta["WARPS_N"] = wn;
+  pass_meta(config, p.meta, {"EVICT", "WARPS_N"});
   add_l2_prefetch(config, p.meta);
   p.cast_a = cast_a_dtype(config, dot);
   // A step within one scale block per row: one scale per row and step.

@@ -203,7 +203,7 @@ EmbeddingLaunch plan_embedding(const EmbeddingForward& c, const Config& config, 
             {"SCALE_AFTER", scale_after ? 1 : 0},
             {"num_warps", config.num_warps ? config.num_warps : (gpu && bt >= 128 ? 8 : 4)},
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
-  if (const int64_t wn = meta_or(config, "WARPS_N", 0)) l.meta["WARPS_N"] = wn;
+  pass_meta(config, l.meta, {"WARPS_N"});
   add_l2_prefetch(config, l.meta);
   l.grid = Grid{uint32_t(blocks), uint32_t(split), 1};
   return l;
@@ -303,11 +303,8 @@ struct EmbeddingBackwardPlan {
   dsl::MetaMap meta;
   Grid grid;
   int64_t block_t;
-  // On a GPU the kernel waits for the grid before it (WAIT_PRIOR) before its first
-  // atomics, so it may start while the zero-fill of the f32 gradients runs
-  // (LaunchOptions::overlap_prior, when a fill goes right before it).
-  bool overlap_fill = false;
-  // Whether the fill lets it start as the fill starts (else as the fill ends): only
+  // Whether the zero-fill of the f32 gradients lets the kernel start as the fill
+  // starts (else as the fill ends; the kernel waits for it before its atomics): only
   // for tiles of at least 128x128. On an H100 at 8192x128256x4096 smaller ones, of
   // which several programs fit on one SM, ran 1.5-3x slower started beside the fill
   // (128x64: 46 -> 71-79 us), larger ones gained 1-3 us; started as the fill ends
@@ -344,11 +341,12 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
             {"num_warps", config.num_warps ? config.num_warps : (gpu && bt >= 128 ? 8 : 4)},
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
   add_l2_prefetch(config, p.meta);
-  p.overlap_fill = gpu;
-  if (p.overlap_fill) p.meta["WAIT_PRIOR"] = 1;
-  p.grid = Grid{uint32_t(cdiv(T, bt)), uint32_t(split), 1};
+  // On a GPU the kernel waits for the grid before it, the fill, before its first atomics,
+  // so that its launch may overlap the fill (LaunchOptions::overlap_prior).
+  if (gpu) p.meta["WAIT_PRIOR"] = 1;
+  p.grid = Grid{uint32_t(blocks), uint32_t(split), 1};
   p.block_t = bt;
-  p.release_early = p.overlap_fill && bt * bd >= 128 * 128;
+  p.release_early = gpu && bt * bd >= 128 * 128;
   return p;
 }
 
@@ -482,7 +480,7 @@ void run_embedding_backward(const EmbeddingBackward& c, const Config& config, co
   // The fill goes last before the kernel, which may then overlap it.
   const bool filled = zero_fills(c.dA3, da_direct, c.dB3, db_direct, c.lo, p.release_early);
   LaunchOptions main = c.lo;
-  main.overlap_prior = filled && p.overlap_fill;
+  main.overlap_prior = filled;  // taken where the kernel waits for the fill (WAIT_PRIOR)
   launch(kernels::lora_embedding_backward(),
          embedding_backward_args(c, da_acc, db_acc, counts, record), p.grid, p.meta, main);
   if (c.by_freq)

@@ -53,8 +53,7 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
             {"SCALE_AFTER", scale_after ? 1 : 0},
             {"num_warps", config.num_warps ? config.num_warps : 4},
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
-  if (const int64_t evict = meta_or(config, "EVICT", 0)) p.meta["EVICT"] = evict;
-  if (const int64_t wn = meta_or(config, "WARPS_N", 0)) p.meta["WARPS_N"] = wn;
+  pass_meta(config, p.meta, {"EVICT", "WARPS_N"});
   add_l2_prefetch(config, p.meta);
   p.grid = Grid{uint32_t(cdiv(out, bm)), uint32_t(split), uint32_t(G)};
   return p;

@@ -34,8 +34,7 @@ MoePlan plan_moe(const TensorView& W, int64_t r, bool gpu, const Config& config)
             {"num_warps", config.num_warps ? config.num_warps : 4}};
   // cp.async pipelining on the GPU; the CPU back end has no use for stages.
   p.meta["num_stages"] = config.num_stages ? config.num_stages : (gpu ? 3 : 1);
-  if (const int64_t evict = meta_or(config, "EVICT", 0)) p.meta["EVICT"] = evict;
-  if (const int64_t wn = meta_or(config, "WARPS_N", 0)) p.meta["WARPS_N"] = wn;
+  pass_meta(config, p.meta, {"EVICT", "WARPS_N"});
   add_l2_prefetch(config, p.meta);
   p.cast_a = cast_a_dtype(config, dot);
   // Column slices per row block (grid axis 1): 1 unless the config asks for more.

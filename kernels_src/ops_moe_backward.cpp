@@ -118,7 +118,7 @@ void run_moe_backward(const TensorView& dW, const TensorView& A, const TensorVie
   const bool filled = zero_fills(dA, p.da_atomic && da_direct, dB,
                                  p.db_atomic && db_direct && !(db_is_zero && dB.dtype == DType::f32), options, gpu);
   LaunchOptions main = options;
-  main.overlap_prior = filled && gpu;  // the kernel waits for the fill before it writes
+  main.overlap_prior = filled;  // taken where the kernel waits for the fill (WAIT_PRIOR, GPUs)
   launch(*p.kernel, {dW, A, B, Scalar(s), da_acc, db_acc}, p.grid, p.meta, main);
   if (!da_direct) flush_accumulator(da_acc, dA, options);
   if (!db_direct) flush_accumulator(db_acc, dB, options);
