@@ -184,7 +184,7 @@ ir::Function Kernel::trace(const std::vector<ArgSpec>& args, const MetaMap& meta
   // The L2 prefetch size hint of pipelined copies (bytes), when given.
   if (meta.count("l2_prefetch")) {
     const int64_t bytes = b.meta("l2_prefetch");
-    if (bytes != 0 && bytes != 64 && bytes != 128 && bytes != 256)
+    if (!is_l2_prefetch_size(bytes))
       throw DefinitionError("kernel '" + s.fn.name + "': l2_prefetch must be 0, 64, 128 or 256 (bytes), got " +
                             std::to_string(bytes));
   }

@@ -81,11 +81,10 @@ struct MetaRange {
 };
 void expect_meta(const char* op, const Config& config, std::initializer_list<MetaRange> allowed);
 inline bool zero_or_pow2(int64_t v) { return (v & (v - 1)) == 0; }
-inline bool l2_prefetch_bytes(int64_t v) { return v == 0 || v == 64 || v == 128 || v == 256; }
 // The meta-parameters every op whose kernel has a tensor-core dot (WARPS_N), or
 // pipelined copies (L2_PREFETCH), takes.
 inline constexpr MetaRange kWarpsN{"WARPS_N", 0, 32, zero_or_pow2, "0 (kerf chooses) or a power of two"};
-inline constexpr MetaRange kL2Prefetch{"L2_PREFETCH", 0, 256, l2_prefetch_bytes, "0, 64, 128 or 256 (bytes)"};
+inline constexpr MetaRange kL2Prefetch{"L2_PREFETCH", 0, 256, dsl::is_l2_prefetch_size, "0, 64, 128 or 256 (bytes)"};
 // Config.meta L2_PREFETCH (0, 64, 128 or 256 bytes), when given, as the kernel meta
 // l2_prefetch: the L2 prefetch size hint of the kernel's pipelined copies.
 void add_l2_prefetch(const Config& config, dsl::MetaMap& meta);

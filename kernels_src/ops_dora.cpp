@@ -44,7 +44,7 @@ DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, DType w_dtype, bool gpu, 
   // 14336x4096 and 4096x14336, and r=32 from 26.6 / 63.1 / 59.2 / 58.0 to
   // 20.4 / 57.6 / 52.6 / 52.7 us, against 64x128, 4 warps, 3 stages, about
   // three waves (which stays the default for r=16).
-  const bool wide = gpu && blocksize == 0 && is_half(w_dtype) && r_pad >= 32 && !config.block_m && !config.block_k;
+  const bool wide = gpu && !four_bit && is_half(w_dtype) && r_pad >= 32 && !config.block_m && !config.block_k;
   const int64_t bm = config.block_m ? config.block_m : (wide ? 128 : gpu ? 64 : 16);
   int64_t bk_default = wide ? 64 : gpu ? 128 : 64;
   if (four_bit) {  // by default a step stays inside a scale block when it can
@@ -55,9 +55,10 @@ DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, DType w_dtype, bool gpu, 
   const int64_t warps = config.num_warps ? config.num_warps : (wide ? 8 : 4);
   DoraPlan p;
   p.blocks_m = cdiv(out, bm);
+  const int64_t steps = cdiv(in, bk);
   p.split = config.split_k;
   if (p.split == 0)
-    p.split = wide ? split_for_waves(p.blocks_m, programs, cdiv(in, bk), 2) : split_for(p.blocks_m, programs, cdiv(in, bk));
+    p.split = wide ? split_for_waves(p.blocks_m, programs, steps, 2) : split_for(p.blocks_m, programs, steps);
   p.meta = {{"BLOCK_M", bm}, {"BLOCK_K", bk}, {"R_PAD", r_pad}, {"DOT", int64_t(dot)}, {"num_warps", warps}};
   // cp.async pipelining on the GPU; the CPU back end has no use for stages.
   p.meta["num_stages"] = config.num_stages ? config.num_stages : (wide ? 2 : gpu ? 3 : 1);

@@ -122,6 +122,10 @@ class Builder {
 };
 
 // A DSL kernel: a name and a body. Cheap to copy; the body runs at trace time.
+// Whether `bytes` is an L2 prefetch size the meta-parameter l2_prefetch takes:
+// 0 (none given), 64, 128 or 256.
+constexpr bool is_l2_prefetch_size(int64_t bytes) { return bytes == 0 || bytes == 64 || bytes == 128 || bytes == 256; }
+
 class Kernel {
  public:
   using Body = std::function<void(Builder&)>;
@@ -131,7 +135,8 @@ class Kernel {
   uint64_t id() const;  // unique within the process
 
   // Runs the body for one specialization and returns verified IR.
-  // `meta` may set num_warps (default 4) and num_stages (default 1).
+  // `meta` may set num_warps (default 4), num_stages (default 1) and
+  // l2_prefetch (the L2 prefetch size of pipelined copies: is_l2_prefetch_size).
   ir::Function trace(const std::vector<ArgSpec>& args, const MetaMap& meta) const;
 
  private:
