@@ -48,20 +48,6 @@ std::optional<DType> parse_dtype(std::string_view n) {
   return std::nullopt;
 }
 
-int dtype_size_bytes(DType t) {
-  switch (t) {
-    case DType::i1:
-    case DType::u8: return 1;
-    case DType::f16:
-    case DType::bf16: return 2;
-    case DType::i32:
-    case DType::f32: return 4;
-    case DType::i64:
-    case DType::f64: return 8;
-  }
-  return 0;
-}
-
 float bf16_to_float(uint16_t bits) {
   uint32_t u = uint32_t(bits) << 16;
   float f;

@@ -6,6 +6,7 @@
 // tracing, no hashing of source or IR, no disk. A miss traces the kernel and
 // asks the cache (cache/cuda_binary.h, cache/cpu_kernel.h): bundles, the disk
 // tier, then the compiler.
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -67,6 +68,8 @@ inline uint64_t mix_bytes(uint64_t h, std::string_view s) {
   return mix(h, tail);
 }
 
+uint32_t device_word(Device dev) { return uint32_t(dev.kind) << 16 | uint32_t(dev.index); }
+
 ir::TensorFacts facts_of(const TensorView& t) {
   ir::TensorFacts f;
   const int eb = dtype_size_bytes(t.dtype);
@@ -106,7 +109,7 @@ struct Probe {
   Probe(const dsl::Kernel& k, Device dev, const std::vector<Arg>& args, const dsl::MetaMap& m,
         std::string_view lay)
       : kernel_id(k.id()),
-        device(uint32_t(dev.kind) << 16 | uint32_t(dev.index)),
+        device(device_word(dev)),
         layout(lay),
         meta(&m) {
     num_specs = args.size();
@@ -220,6 +223,72 @@ class KernelCache {
   std::unordered_multimap<uint64_t, std::shared_ptr<Slot>> map_;
 };
 
+// Bumped by clear_kernel_cache(): LaunchMemo entries of an older epoch are forgotten.
+std::atomic<uint64_t> cache_epoch{0};
+
+}  // namespace
+
+// ---------------------------------------------------------------- LaunchMemo
+struct LaunchMemo::Impl {
+  struct Entry {
+    uint64_t kernel_id = 0;
+    const dsl::MetaMap* meta = nullptr;
+    uint32_t device = 0;
+    std::string layout;
+    std::vector<uint64_t> specs;
+    std::shared_ptr<Compiled> compiled;
+  };
+  static constexpr size_t kMaxEntries = 4;
+
+  std::mutex mu;
+  uint64_t epoch = 0;
+  std::vector<Entry> entries;
+  size_t next = 0;  // the entry a new kernel replaces once the memo is full
+
+  std::shared_ptr<Compiled> find(uint64_t kernel_id, const dsl::MetaMap* meta, uint32_t device,
+                                 std::string_view layout, const uint64_t* specs, size_t n) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (epoch != cache_epoch.load(std::memory_order_acquire)) return nullptr;
+    for (const Entry& e : entries)
+      if (e.kernel_id == kernel_id && e.meta == meta && e.device == device && e.specs.size() == n &&
+          std::memcmp(e.specs.data(), specs, n * sizeof(uint64_t)) == 0 && e.layout == layout)
+        return e.compiled;
+    return nullptr;
+  }
+
+  void remember(uint64_t kernel_id, const dsl::MetaMap* meta, uint32_t device, std::string_view layout,
+                const uint64_t* specs, size_t n, std::shared_ptr<Compiled> compiled, uint64_t at_epoch) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (epoch != at_epoch) {
+      entries.clear();
+      next = 0;
+      epoch = at_epoch;
+    }
+    Entry e{kernel_id, meta, device, std::string(layout), std::vector<uint64_t>(specs, specs + n),
+            std::move(compiled)};
+    if (entries.size() < kMaxEntries) {
+      entries.push_back(std::move(e));
+    } else {
+      entries[next] = std::move(e);
+      next = (next + 1) % kMaxEntries;
+    }
+  }
+};
+
+LaunchMemo::LaunchMemo() : impl_(new Impl) {}
+LaunchMemo::~LaunchMemo() { delete impl_; }
+LaunchMemo::LaunchMemo(const LaunchMemo&) : impl_(new Impl) {}
+LaunchMemo& LaunchMemo::operator=(const LaunchMemo& o) {
+  if (this != &o) {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->entries.clear();
+    impl_->next = 0;
+  }
+  return *this;
+}
+
+namespace {
+
 // ---------------------------------------------------------------- checks
 Device common_device(const std::vector<Arg>& args, const std::string& kernel_name) {
   bool seen = false;
@@ -309,12 +378,25 @@ std::shared_ptr<Compiled> build_cuda(const ir::Function& fn, int device, std::st
 // Checks the call, finds (or builds) its kernel; fills `info`. Null when the grid is empty.
 std::shared_ptr<Compiled> resolve(const dsl::Kernel& kernel, const std::vector<Arg>& args,
                                   Grid grid, const dsl::MetaMap& meta, std::string_view layout,
-                                  Device* dev_out, LaunchInfo& info) {
+                                  LaunchMemo* memo, Device* dev_out, LaunchInfo& info) {
   for (size_t i = 0; i < args.size(); ++i)
     if (const TensorView* t = std::get_if<TensorView>(&args[i])) check_tensor(*t, i, kernel.name());
   const Device dev = common_device(args, kernel.name());
   *dev_out = dev;
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return nullptr;  // nothing to run
+
+  // The caller's memo first: the specialization words alone, no meta hashing, no global lock.
+  uint64_t specs[Probe::kInlineArgs];
+  const bool use_memo = memo && args.size() <= Probe::kInlineArgs;
+  const uint64_t epoch = cache_epoch.load(std::memory_order_acquire);
+  if (use_memo) {
+    for (size_t i = 0; i < args.size(); ++i) specs[i] = spec_word(args[i]);
+    if (std::shared_ptr<Compiled> c =
+            memo->impl().find(kernel.id(), &meta, device_word(dev), layout, specs, args.size())) {
+      info.backend = c->backend;
+      return c;
+    }
+  }
 
   const Probe probe(kernel, dev, args, meta, layout);
   Clock::time_point t0;  // read only when building: the hot path does not look at clocks
@@ -337,6 +419,8 @@ std::shared_ptr<Compiled> resolve(const dsl::Kernel& kernel, const std::vector<A
     info.compiled = c->source == KernelSource::compiled;
   }
   info.backend = c->backend;
+  if (use_memo)
+    memo->impl().remember(kernel.id(), &meta, device_word(dev), layout, specs, args.size(), c, epoch);
   return c;
 }
 
@@ -390,7 +474,8 @@ LaunchInfo launch(const dsl::Kernel& kernel, const std::vector<Arg>& args, Grid 
                   const dsl::MetaMap& meta, const LaunchOptions& options) {
   LaunchInfo info;
   Device dev;
-  const std::shared_ptr<Compiled> c = resolve(kernel, args, grid, meta, options.layout, &dev, info);
+  const std::shared_ptr<Compiled> c =
+      resolve(kernel, args, grid, meta, options.layout, options.memo, &dev, info);
   if (!c) return info;
 
   constexpr size_t kInlineSlots = 64;
@@ -421,7 +506,7 @@ LaunchInfo prepare(const dsl::Kernel& kernel, const std::vector<Arg>& args,
                    const dsl::MetaMap& meta, const LaunchOptions& options) {
   LaunchInfo info;
   Device dev;
-  resolve(kernel, args, Grid{1, 1, 1}, meta, options.layout, &dev, info);
+  resolve(kernel, args, Grid{1, 1, 1}, meta, options.layout, options.memo, &dev, info);
   return info;
 }
 
@@ -433,6 +518,7 @@ std::string cuda_source(const dsl::Kernel& kernel, const std::vector<Arg>& args,
 
 void clear_kernel_cache() {
   KernelCache::instance().clear();
+  cache_epoch.fetch_add(1, std::memory_order_acq_rel);
 }
 
 }  // namespace kerf

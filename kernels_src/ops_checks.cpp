@@ -1,6 +1,7 @@
 #include "ops_checks.h"
 
 #include <algorithm>
+#include <array>
 #include <climits>
 #include <cstdint>
 
@@ -20,13 +21,15 @@ void expect_element_aligned(const char* op, const char* name, const TensorView& 
 
 void expect_no_self_overlap(const char* op, const char* name, const TensorView& t) {
   if (t.numel() == 0) return;
-  std::vector<std::pair<int64_t, int64_t>> dims;  // |stride|, size
+  std::array<std::pair<int64_t, int64_t>, kMaxRank> dims;  // |stride|, size (no allocation: every call checks)
+  size_t n = 0;
   for (int d = 0; d < t.rank; ++d)
-    if (t.shape[size_t(d)] > 1)
-      dims.emplace_back(std::abs(t.strides[size_t(d)]), t.shape[size_t(d)]);
-  std::sort(dims.begin(), dims.end());
+    if (t.shape[size_t(d)] > 1) dims[n++] = {std::abs(t.strides[size_t(d)]), t.shape[size_t(d)]};
+  for (size_t i = 1; i < n; ++i)  // insertion sort of at most kMaxRank entries
+    for (size_t j = i; j > 0 && dims[j] < dims[j - 1]; --j) std::swap(dims[j], dims[j - 1]);
   int64_t reach = 0;  // the furthest element the smaller strides reach
-  for (const auto& [stride, size] : dims) {
+  for (size_t i = 0; i < n; ++i) {
+    const auto [stride, size] = dims[i];
     if (stride <= reach)
       throw InvalidArgument(
           std::string(op) + ": output " + name + " (" + t.describe() +

@@ -27,6 +27,7 @@ struct DoraPlan {
   int64_t blocks_m = 0;
   int64_t ws_floats = 0;  // workspace: sumsq floats (then blocks_m ticket ints) when split > 1
   DType cast_a = DType::f32;  // CAST_A: what an f32 A is rounded to first (f32: nothing)
+  mutable LaunchMemo memo;    // the kernel that `kernel` with `meta` resolved to, by call
 };
 
 // `programs`: multiprocessors (CPU threads) the launch should fill.
@@ -113,7 +114,7 @@ namespace {
 
 // The DoRA norms' memory checks: inputs element-aligned with int32 dims; norm
 // and scale written where nothing is read, nor into each other.
-void expect_norm_memory(const char* op, const std::vector<std::pair<const char*, const TensorView*>>& inputs,
+void expect_norm_memory(const char* op, std::initializer_list<std::pair<const char*, const TensorView*>> inputs,
                         const TensorView& norm, const TensorView& scale) {
   for (const auto& [name, t] : inputs) {
     expect_element_aligned(op, name, *t);
@@ -169,6 +170,7 @@ void run_dora_norm(const TensorView& W, const TensorView& A, const TensorView& B
   options.stream = stream;
   options.layout = layout;
   const RunA a = run_a(A, p->cast_a, options);
+  options.memo = &p->memo;
   launch(*p->kernel, dora_args(*p, W, a.a, B, m, s, eps, norm, scale, ws.data), p->grid, p->meta, options);
 }
 
@@ -455,6 +457,7 @@ void dora_norm_4bit(const Weight4bit& W, const TensorView& A, const TensorView& 
   LaunchOptions options;
   options.stream = stream;
   const RunA a = run_a(A, p->cast_a, options);
+  options.memo = &p->memo;
   launch(*p->kernel, dora_4bit_args(*p, packed2, W, a.a, B, m, s, eps, norm, scale, ws.data), p->grid, p->meta, options);
 }
 

@@ -36,12 +36,6 @@ TensorView TensorView::strided(void* data, DType dtype, const std::vector<int64_
   return t;
 }
 
-int64_t TensorView::numel() const {
-  int64_t n = 1;
-  for (int d = 0; d < rank; ++d) n *= shape[size_t(d)];
-  return n;
-}
-
 bool TensorView::is_contiguous() const {
   int64_t expect = 1;
   for (int d = rank; d-- > 0;) {

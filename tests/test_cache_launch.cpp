@@ -1,6 +1,7 @@
 // kerf::launch with the cache tiers: a kernel compiled in one process loads in
 // the next, eight processes warming the same keys, failed compiles never
 // cached, the in-memory hot path touching nothing, layouts in the key.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -262,6 +263,58 @@ TEST_CASE("prepare readies a kernel without running it", "[cache][cpu]") {
   CHECK(out[0] == -7.0f);
   CHECK(launch(axpb_kernel(), args, Grid{4}, {{"BLOCK", 32}}).source == KernelSource::memory);
   CHECK(out[99] == 2.0f);
+}
+
+TEST_CASE("a launch memo keeps kernels apart by specialization and layout and forgets them on a cache clear",
+          "[cache][cpu]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  test::TempDir dir;
+  test::ScopedEnv env({{"KERF_CACHE_DIR", dir.path()}});
+  const int64_t n = 100;
+  std::vector<float> x32(static_cast<size_t>(n)), out32(static_cast<size_t>(n));
+  std::vector<double> x64(static_cast<size_t>(n)), out64(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) x32[size_t(i)] = float(x64[size_t(i)] = double(i) * 0.5 + 1.0);
+  const dsl::MetaMap meta = {{"BLOCK", 32}};  // one map for the memo's life, as a plan holds it
+  LaunchMemo memo;
+  const auto run = [&](DType dtype, std::string_view layout) {
+    void* x = dtype == DType::f32 ? static_cast<void*>(x32.data()) : static_cast<void*>(x64.data());
+    void* out = dtype == DType::f32 ? static_cast<void*>(out32.data()) : static_cast<void*>(out64.data());
+    std::fill(out32.begin(), out32.end(), -1.0f);
+    std::fill(out64.begin(), out64.end(), -1.0);
+    LaunchOptions options;
+    options.layout = layout;
+    options.memo = &memo;
+    const LaunchInfo info =
+        launch(axpb_kernel(),
+               {TensorView::contiguous(x, dtype, {n}), TensorView::contiguous(out, dtype, {n}), Scalar(3.0), Scalar(-2.0)},
+               Grid{4}, meta, options);
+    for (int64_t i = 0; i < n; ++i) {
+      const double want = 3.0 * x64[size_t(i)] - 2.0;
+      const double got = dtype == DType::f32 ? double(out32[size_t(i)]) : out64[size_t(i)];
+      if (got != want) FAIL("element " << i << " is " << got << ", want " << want);
+    }
+    return info.source;
+  };
+  CHECK(run(DType::f32, "") == KernelSource::compiled);
+  CHECK(run(DType::f32, "") == KernelSource::memory);
+  // Another dtype is another specialization: the memo must not hand out the f32 kernel.
+  CHECK(run(DType::f64, "") == KernelSource::compiled);
+  CHECK(run(DType::f32, "") == KernelSource::memory);
+  CHECK(run(DType::f64, "") == KernelSource::memory);
+  CHECK(run(DType::f32, "mesh(tp=2) x:[tp] out:[tp]") == KernelSource::compiled);
+  CHECK(run(DType::f32, "mesh(tp=2) x:[tp] out:[tp]") == KernelSource::memory);
+  // After a clear the memo's kernels are gone too: the next call loads from the disk tier.
+  clear_kernel_cache();
+  CHECK(run(DType::f32, "") == KernelSource::disk);
+  CHECK(run(DType::f32, "") == KernelSource::memory);
+  // More kernels than the memo holds: each call is still right.
+  for (int round = 0; round < 2; ++round)
+    for (const char* layout : {"", "mesh(tp=2) x:[tp] out:[tp]", "mesh(dp=2) x:[dp] out:[dp]"})
+      for (DType t : {DType::f32, DType::f64}) CHECK(run(t, layout) != KernelSource::bundle);
+  // A copy of a memo starts empty and works on its own.
+  LaunchMemo copy = memo;
+  memo = LaunchMemo();
+  CHECK(run(DType::f64, "") == KernelSource::memory);
 }
 
 // ---------------------------------------------------------------- on a GPU

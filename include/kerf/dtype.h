@@ -18,7 +18,20 @@ const char* dtype_name(DType t);
 // Accepts the canonical names and the common aliases ("float32", "bfloat16", "bool", ...).
 std::optional<DType> parse_dtype(std::string_view name);
 
-int dtype_size_bytes(DType t);  // i1 is stored as one byte
+// Bytes per element; i1 is stored as one byte. Inline: every launch and op check asks.
+constexpr int dtype_size_bytes(DType t) {
+  switch (t) {
+    case DType::i1:
+    case DType::u8: return 1;
+    case DType::f16:
+    case DType::bf16: return 2;
+    case DType::i32:
+    case DType::f32: return 4;
+    case DType::i64:
+    case DType::f64: return 8;
+  }
+  return 0;
+}
 inline bool is_float(DType t) {
   return t == DType::f16 || t == DType::bf16 || t == DType::f32 || t == DType::f64;
 }

@@ -36,6 +36,29 @@ struct LaunchInfo {
   KernelSource source = KernelSource::memory;
 };
 
+// The kernels one caller's launches resolved to, by the arguments' specialization
+// facts, device and layout, for a caller that launches one kernel with one meta
+// map over and over: an op's plan keeps one next to its meta map. A launch given
+// the memo (LaunchOptions::memo) finds its kernel there without the kernel
+// cache's lookup (hashing the meta map, a process-wide lock). The memo assumes
+// that the meta map it was used with stays the same object with the same
+// contents while the memo lives; launches with another map only miss. It holds
+// a few kernels, forgets them when clear_kernel_cache() runs, and is
+// thread-safe. Copies start empty.
+class LaunchMemo {
+ public:
+  LaunchMemo();
+  ~LaunchMemo();
+  LaunchMemo(const LaunchMemo&);
+  LaunchMemo& operator=(const LaunchMemo&);
+
+  struct Impl;
+  Impl& impl() const { return *impl_; }
+
+ private:
+  Impl* impl_;
+};
+
 // Optional parts of a launch.
 struct LaunchOptions {
   void* stream = nullptr;  // a CUstream (nullptr: the default stream)
@@ -48,6 +71,8 @@ struct LaunchOptions {
   // kernels that call wait_prior_grid(); elsewhere (and with the environment's
   // KERF_OVERLAP_LAUNCHES=0) the launch waits for the previous kernel as usual.
   bool overlap_prior = false;
+  // Where to remember the kernel this launch resolves to (see LaunchMemo); null: none.
+  LaunchMemo* memo = nullptr;
 };
 
 // Runs `kernel` over `grid` with `args` (tensors and scalars in the order the

@@ -43,7 +43,11 @@ struct TensorView {
   static TensorView strided(void* data, DType dtype, const std::vector<int64_t>& shape,
                             const std::vector<int64_t>& strides, Device device = Device::cpu());
 
-  int64_t numel() const;
+  int64_t numel() const {
+    int64_t n = 1;
+    for (int d = 0; d < rank; ++d) n *= shape[size_t(d)];
+    return n;
+  }
   int64_t size(int d) const { return shape[size_t(d)]; }
   int64_t stride(int d) const { return strides[size_t(d)]; }
   bool is_contiguous() const;
