@@ -80,6 +80,7 @@ double time_us(const std::function<void(int)>& run, int iters, cuda::StreamHandl
 
 // GB/s of a device-to-device copy that moves `bytes` (half read, half written).
 double copy_gbps(double bytes, cuda::StreamHandle stream) {
+  if (!(bytes > 0)) throw InvalidArgument("copy_gbps: nothing to copy");
   const size_t half = size_t(bytes / 2);
   const int sets = int(std::max<double>(2, std::ceil(400e6 / bytes)));
   std::vector<cuda::DeviceBuffer> src, dst;
@@ -560,6 +561,10 @@ int main(int argc, char** argv) {
                              const std::vector<ops::Config>& cfgs) {
       Result res = best_of(forced ? std::vector<ops::Config>{*forced} : cfgs, run);
       if (!forced) tuned_vs_default(res, run);
+      if (res.median_us == 0) {  // every config was refused (the reasons are printed above)
+        std::printf("  no configuration of this case ran\n");
+        return;
+      }
       report(res);
     };
 
