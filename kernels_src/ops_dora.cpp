@@ -511,13 +511,10 @@ void dora_norm(const TensorView& W, const TensorView& A, const TensorView& B, co
                double s, const TensorView& norm, const TensorView& scale, double eps, void* stream,
                const Config& config, const Layout& layout) {
   const char* op = "dora_norm";
-  const detail::LayoutSplits splits = detail::check_layout(op, layout,
-                                                           {{"W", {"out", "in"}},
-                                                            {"A", {"r", "in"}},
-                                                            {"B", {"out", "r"}},
-                                                            {"m", {"out"}},
-                                                            {"norm", {"out"}},
-                                                            {"scale", {"out"}}});
+  const detail::LayoutSplits splits = detail::check_layout(op, layout, [] {
+    return std::vector<detail::OperandDims>{{"W", {"out", "in"}}, {"A", {"r", "in"}},    {"B", {"out", "r"}},
+                                            {"m", {"out"}},       {"norm", {"out"}},     {"scale", {"out"}}};
+  });
   detail::expect_unsplit(
       op, layout, splits, "r",
       "the norm of W + s*B@A needs the whole product, so B and A keep every rank");

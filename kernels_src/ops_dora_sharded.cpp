@@ -99,8 +99,9 @@ void dora_norm_finish(const TensorView& sumsq, const TensorView& m, double eps,
                       const TensorView& norm, const TensorView& scale, void* stream,
                       const Layout& layout) {
   const char* op = "dora_norm_finish";
-  check_layout(op, layout,
-               {{"sumsq", {"out"}}, {"m", {"out"}}, {"norm", {"out"}}, {"scale", {"out"}}});
+  check_layout(op, layout, [] {
+    return std::vector<OperandDims>{{"sumsq", {"out"}}, {"m", {"out"}}, {"norm", {"out"}}, {"scale", {"out"}}};
+  });
   expect_shape(op, "sumsq", sumsq, {-1});
   const int64_t out = sumsq.shape[0];
   expect_shape(op, "m", m, {out});
@@ -136,7 +137,9 @@ void dora_norm_finish(const TensorView& sumsq, const TensorView& m, double eps,
 void dora_norm_backward(const TensorView& norm, const TensorView& grad_scale,
                         const TensorView& grad_m, void* stream, const Layout& layout) {
   const char* op = "dora_norm_backward";
-  check_layout(op, layout, {{"norm", {"out"}}, {"grad_scale", {"out"}}, {"grad_m", {"out"}}});
+  check_layout(op, layout, [] {
+    return std::vector<OperandDims>{{"norm", {"out"}}, {"grad_scale", {"out"}}, {"grad_m", {"out"}}};
+  });
   expect_shape(op, "norm", norm, {-1});
   const int64_t out = norm.shape[0];
   expect_shape(op, "grad_scale", grad_scale, {out});

@@ -214,10 +214,23 @@ std::vector<Arg> embedding_args(const EmbeddingForward& c, const TensorView& rec
 }
 
 // `record`: where the kernel notes ids out of range (error_record, or a tuning's own).
-void run_embedding(const EmbeddingForward& c, const Config& config, const TensorView& record) {
-  const EmbeddingLaunch l = plan_embedding(c, config, parallelism(c.x1.device));
-  launch(kernels::lora_embedding(), embedding_args(c, record), l.grid, l.meta, c.lo);
+// `memo`: where the launch remembers its kernel (a plan's own, next to l.meta), or null.
+void run_embedding(const EmbeddingForward& c, const EmbeddingLaunch& l, const TensorView& record,
+                   LaunchMemo* memo = nullptr) {
+  LaunchOptions lo = c.lo;
+  lo.memo = memo;
+  launch(kernels::lora_embedding(), embedding_args(c, record), l.grid, l.meta, lo);
 }
+
+void run_embedding(const EmbeddingForward& c, const Config& config, const TensorView& record) {
+  run_embedding(c, plan_embedding(c, config, parallelism(c.x1.device)), record);
+}
+
+// A forward call's launch as repeated calls reuse it: the plan and the kernel it resolved to.
+struct EmbeddingPlan {
+  EmbeddingLaunch launch;
+  mutable LaunchMemo memo;
+};
 
 // Stands for the error record where kernels are only compiled (never dereferenced).
 TensorView stand_in_record(const Device& dev) {
@@ -585,12 +598,13 @@ void lora_embedding(const TensorView& x, const TensorView& weight, const TensorV
   const char* op = "lora_embedding";
   expect_meta(op, config, {kWarpsN, kL2Prefetch});
   expect_ids(op, x);
-  const LayoutSplits splits = check_layout(op, layout,
-                                           {{"x", x_dims(x, false)},
-                                            {"weight", {"vocab", "dim"}},
-                                            {"A", {"r", "vocab"}},
-                                            {"B", {"dim", "r"}},
-                                            {"out", x_dims(x, true)}});
+  const LayoutSplits splits = check_layout(op, layout, [&] {
+    return std::vector<OperandDims>{{"x", x_dims(x, false)},
+                                    {"weight", {"vocab", "dim"}},
+                                    {"A", {"r", "vocab"}},
+                                    {"B", {"dim", "r"}},
+                                    {"out", x_dims(x, true)}};
+  });
   expect_unsplit(op, layout, splits, "r", "each token's LoRA term needs every rank of A and B");
   expect_shape(op, "weight", weight, {-1, -1});
   const int64_t V = weight.shape[0], D = weight.shape[1];
@@ -624,11 +638,16 @@ void lora_embedding(const TensorView& x, const TensorView& weight, const TensorV
   lo.stream = stream;
   lo.layout = text;
   const EmbeddingForward call{x1, weight, A, B, s, out2, vr, lo};
-  static PlanMemo<Config> tuned;
+  static PlanMemo<EmbeddingPlan> plans;
   CallKey key;
   key.add(T).add(weight).add(A).add(B.dtype).add(out.dtype).add(x1.dtype).add(x.device);
-  run_embedding(call, has_config(config) ? config : *tuned.get(key, [&] { return tuned_embedding_config(call); }),
-                error_record(x.device, stream));
+  key.add(config);
+  const std::shared_ptr<const EmbeddingPlan> p = plans.get(key, [&] {
+    // A caller's Config wins; otherwise the autotuner's choice (its defaults when tuning is off).
+    const Config cfg = has_config(config) ? config : tuned_embedding_config(call);
+    return EmbeddingPlan{plan_embedding(call, cfg, parallelism(x.device)), {}};
+  });
+  run_embedding(call, p->launch, error_record(x.device, stream), &p->memo);
   if (x.device.is_cuda() && options.id_check == IdCheck::sync) throw_recorded_bad_ids(op, x.device, stream);
 }
 
@@ -639,13 +658,14 @@ void lora_embedding_backward(const TensorView& x, const TensorView& A, const Ten
   const char* op = "lora_embedding_backward";
   expect_meta(op, config, {{"ROTATE", 0, 1}, {"GATHER", 0, 1}, kL2Prefetch});
   expect_ids(op, x);
-  const LayoutSplits splits = check_layout(op, layout,
-                                           {{"x", x_dims(x, false)},
-                                            {"A", {"r", "vocab"}},
-                                            {"B", {"dim", "r"}},
-                                            {"grad_out", x_dims(x, true)},
-                                            {"grad_A", {"r", "vocab"}},
-                                            {"grad_B", {"dim", "r"}}});
+  const LayoutSplits splits = check_layout(op, layout, [&] {
+    return std::vector<OperandDims>{{"x", x_dims(x, false)},
+                                    {"A", {"r", "vocab"}},
+                                    {"B", {"dim", "r"}},
+                                    {"grad_out", x_dims(x, true)},
+                                    {"grad_A", {"r", "vocab"}},
+                                    {"grad_B", {"dim", "r"}}};
+  });
   expect_unsplit(op, layout, splits, "r", "each token's LoRA term needs every rank of A and B");
   expect_shape(op, "A", A, {-1, -1});
   const int64_t r = A.shape[0], V = A.shape[1];

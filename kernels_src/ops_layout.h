@@ -3,6 +3,7 @@
 
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kerf/ops/layout.h"
@@ -31,6 +32,15 @@ struct LayoutSplits {
 // disagreement) before anything runs.
 LayoutSplits check_layout(const char* op, const Layout& layout,
                           const std::vector<OperandDims>& operands);
+
+// The same, the operand list built by `make` only when the layout names a mesh or
+// a spec: an unsharded call (no mesh, no specs) splits nothing, so the common
+// call builds no list of names.
+template <class MakeOperands, class = decltype(std::declval<MakeOperands&>()())>
+LayoutSplits check_layout(const char* op, const Layout& layout, MakeOperands&& make) {
+  if (layout.mesh.empty() && layout.specs.empty()) return {};
+  return check_layout(op, layout, make());
+}
 
 // Throws InvalidArgument unless logical dimension `dim` is whole; `why` ends the message.
 void expect_unsplit(const char* op, const Layout& layout, const LayoutSplits& splits,

@@ -227,11 +227,10 @@ void moe_lora_materialize(const TensorView& W, const TensorView& A, const Tensor
                           const TensorView& W_eff, void* stream, const Config& config,
                           const Layout& layout) {
   const char* op = "moe_lora_materialize";
-  const detail::LayoutSplits splits = detail::check_layout(op, layout,
-                                                           {{"W", {"E", "N", "K"}},
-                                                            {"A", {"E", "r", "K"}},
-                                                            {"B", {"E", "N", "r"}},
-                                                            {"W_eff", {"E", "N", "K"}}});
+  const detail::LayoutSplits splits = detail::check_layout(op, layout, [] {
+    return std::vector<detail::OperandDims>{
+        {"W", {"E", "N", "K"}}, {"A", {"E", "r", "K"}}, {"B", {"E", "N", "r"}}, {"W_eff", {"E", "N", "K"}}};
+  });
   detail::expect_unsplit(op, layout, splits, "r",
                          "each expert's product B[e] @ A[e] needs every rank");
   run_moe_lora_materialize(W, A, B, s, W_eff, stream, config, layout.canonical());
