@@ -1,9 +1,9 @@
 #include "ops_checks.h"
 
-#include <algorithm>
 #include <array>
 #include <climits>
 #include <cstdint>
+#include <utility>
 
 #include "ops_common.h"
 

@@ -94,7 +94,7 @@ std::string split_words(const std::string& axis) {
 
 LayoutSplits check_layout(const char* op, const Layout& layout,
                           const std::vector<OperandDims>& operands) {
-  if (layout.mesh.empty() && layout.specs.empty()) return {};  // unsharded: every dimension whole
+  if (names_nothing(layout)) return {};
   const std::string p = std::string(op) + ": layout: ";
   std::set<std::string> names;
   for (const MeshAxis& a : layout.mesh) {

@@ -30,15 +30,17 @@ struct LayoutSplits {
 // operand uses an axis twice, and that operands sharing a logical dimension
 // split it the same way. Throws InvalidArgument (naming both specs on a
 // disagreement) before anything runs.
+// An unsharded call's layout (no mesh, no specs): every dimension whole, nothing to check.
+inline bool names_nothing(const Layout& layout) { return layout.mesh.empty() && layout.specs.empty(); }
+
 LayoutSplits check_layout(const char* op, const Layout& layout,
                           const std::vector<OperandDims>& operands);
 
 // The same, the operand list built by `make` only when the layout names a mesh or
-// a spec: an unsharded call (no mesh, no specs) splits nothing, so the common
-// call builds no list of names.
+// a spec (!names_nothing), so the common unsharded call builds no list of names.
 template <class MakeOperands, class = decltype(std::declval<MakeOperands&>()())>
 LayoutSplits check_layout(const char* op, const Layout& layout, MakeOperands&& make) {
-  if (layout.mesh.empty() && layout.specs.empty()) return {};
+  if (names_nothing(layout)) return {};
   return check_layout(op, layout, make());
 }
 

@@ -311,9 +311,10 @@ TEST_CASE("a launch memo keeps kernels apart by specialization and layout and fo
   for (int round = 0; round < 2; ++round)
     for (const char* layout : {"", "mesh(tp=2) x:[tp] out:[tp]", "mesh(dp=2) x:[dp] out:[dp]"})
       for (DType t : {DType::f32, DType::f64}) CHECK(run(t, layout) != KernelSource::bundle);
-  // A copy of a memo starts empty and works on its own.
-  LaunchMemo copy = memo;
-  memo = LaunchMemo();
+  // A memo copied or assigned over starts empty: the next launch finds its kernel in
+  // the process's cache and remembers it again.
+  memo = LaunchMemo(memo);
+  CHECK(run(DType::f64, "") == KernelSource::memory);
   CHECK(run(DType::f64, "") == KernelSource::memory);
 }
 

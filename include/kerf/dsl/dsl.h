@@ -121,11 +121,11 @@ class Builder {
   std::unique_ptr<Impl> impl_;
 };
 
-// A DSL kernel: a name and a body. Cheap to copy; the body runs at trace time.
 // Whether `bytes` is an L2 prefetch size the meta-parameter l2_prefetch takes:
 // 0 (none given), 64, 128 or 256.
 constexpr bool is_l2_prefetch_size(int64_t bytes) { return bytes == 0 || bytes == 64 || bytes == 128 || bytes == 256; }
 
+// A DSL kernel: a name and a body. Cheap to copy; the body runs at trace time.
 class Kernel {
  public:
   using Body = std::function<void(Builder&)>;
