@@ -188,6 +188,12 @@ ir::Function Kernel::trace(const std::vector<ArgSpec>& args, const MetaMap& meta
       throw DefinitionError("kernel '" + s.fn.name + "': l2_prefetch must be 0, 64, 128 or 256 (bytes), got " +
                             std::to_string(bytes));
   }
+  // wgmma=1: tensor-core dots may use Hopper's warpgroup instructions (on sm_90a).
+  if (meta.count("wgmma")) {
+    const int64_t on = b.meta("wgmma");
+    if (on != 0 && on != 1)
+      throw DefinitionError("kernel '" + s.fn.name + "': wgmma must be 0 or 1, got " + std::to_string(on));
+  }
   {
     TraceScope scope(&b);
     state_->body(b);

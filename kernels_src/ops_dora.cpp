@@ -133,7 +133,7 @@ void run_dora_norm(const TensorView& W, const TensorView& A, const TensorView& B
                    const TensorView& norm, const TensorView& scale, double eps, void* stream, const Config& config,
                    const std::string& layout) {
   const char* op = "dora_norm";
-  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, kWarpsN, kL2Prefetch});
+  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, kWarpsN, kL2Prefetch, {"WGMMA", 0, 1}});
   expect_shape(op, "W", W, {-1, -1});
   const int64_t out = W.shape[0], in = W.shape[1];
   expect_shape(op, "A", A, {-1, in});
@@ -221,8 +221,9 @@ Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorV
   q.block_k_name = "BLOCK_K";
   q.gpu_candidates = dora_gpu_candidates(out, in, programs);
   const DType product = is_half(W.dtype) ? W.dtype : DType::f32;
-  q.finalist_variants =
-      with_l2_prefetch_variants(with_warps_n_variants(evict_and_cast_variants(A, product), product));
+  q.finalist_variants = with_wgmma_variant(
+      with_l2_prefetch_variants(with_warps_n_variants(evict_and_cast_variants(A, product), product)), product,
+      W.device);
   q.extent_m = out;
   q.extent_k = in;
   q.kernels = [&](const Config& c) {

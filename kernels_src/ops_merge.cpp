@@ -92,8 +92,9 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
   q.gpu_candidates = with_wave_splits(merge_gpu_candidates(), "BLOCK_M", out, "BLOCK_K", in, G,
                                       parallelism(W3.device), {1, 2, 4, 8, 16, 0});
   bool scale_after = false;
-  q.finalist_variants =
-      with_l2_prefetch_variants(with_warps_n_variants(evict_variants(), merge_dot_dtype(W3.dtype, A3.dtype, B3.dtype, &scale_after)));
+  const DType product = merge_dot_dtype(W3.dtype, A3.dtype, B3.dtype, &scale_after);
+  q.finalist_variants = with_wgmma_variant(
+      with_l2_prefetch_variants(with_warps_n_variants(evict_variants(), product)), product, W3.device);
   q.extent_m = out;
   q.extent_k = in;
   q.kernels = [&](const Config& c) {
@@ -115,7 +116,7 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
 // caller's Config or else the autotuner's (remembered per call signature).
 void launch_merge(const char* op, const TensorView& W3, const TensorView& A3, const TensorView& B3, double s,
                   void* stream, const Config& config) {
-  expect_meta(op, config, {{"EVICT", 0, 2}, kWarpsN, kL2Prefetch});
+  expect_meta(op, config, {{"EVICT", 0, 2}, kWarpsN, kL2Prefetch, {"WGMMA", 0, 1}});
   if (has_config(config))
     return run_merge(W3, A3, B3, s, stream, config);
   static PlanMemo<Config> tuned;

@@ -78,7 +78,7 @@ void run_moe_lora_materialize(const TensorView& W, const TensorView& A, const Te
                               const TensorView& W_eff, void* stream, const Config& config,
                               const std::string& layout) {
   const char* op = "moe_lora_materialize";
-  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, kWarpsN, kL2Prefetch});
+  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, kWarpsN, kL2Prefetch, {"WGMMA", 0, 1}});
   expect_shape(op, "W", W, {-1, -1, -1});
   const int64_t E = W.shape[0], N = W.shape[1], K = W.shape[2];
   expect_shape(op, "A", A, {E, -1, K});
@@ -149,8 +149,9 @@ Config tuned_moe_config(const TensorView& W, const TensorView& A, const TensorVi
   q.block_k_name = "BLOCK_K";
   q.gpu_candidates = moe_gpu_candidates();
   const DType product = is_half(W.dtype) ? W.dtype : DType::f32;
-  q.finalist_variants =
-      with_l2_prefetch_variants(with_warps_n_variants(evict_and_cast_variants(A, product), product));
+  q.finalist_variants = with_wgmma_variant(
+      with_l2_prefetch_variants(with_warps_n_variants(evict_and_cast_variants(A, product), product)), product,
+      W.device);
   q.extent_m = N;
   q.extent_k = K;
   q.kernels = [&](const Config& c) { return moe_calls(plan_moe(W, r, gpu, c), W, A, B, W_eff); };

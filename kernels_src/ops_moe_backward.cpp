@@ -177,7 +177,8 @@ Config tuned_moe_backward_config(const TensorView& dW, const TensorView& A, cons
   q.block_m_name = "BLOCK_N";
   q.block_k_name = "BLOCK_K";
   q.gpu_candidates = moe_backward_gpu_candidates();
-  q.finalist_variants = with_l2_prefetch_variants({});
+  q.finalist_variants =
+      with_wgmma_variant(with_l2_prefetch_variants({}), is_half(dW.dtype) ? dW.dtype : DType::f32, dW.device);
   q.extent_m = N;
   q.extent_k = K;
   q.kernels = [&](const Config& c) {
@@ -219,7 +220,7 @@ void moe_lora_materialize_backward(const TensorView& dW, const TensorView& A, co
                                    double s, const TensorView& dA, const TensorView& dB,
                                    void* stream, const Config& config, const Layout& layout) {
   const char* op = "moe_lora_materialize_backward";
-  expect_meta(op, config, {{"ROTATE", 0, 1}, {"BY_COLUMNS", 0, 1}, kL2Prefetch});
+  expect_meta(op, config, {{"ROTATE", 0, 1}, {"BY_COLUMNS", 0, 1}, kL2Prefetch, {"WGMMA", 0, 1}});
   const LayoutSplits splits = check_layout(op, layout, backward_operands());
   expect_unsplit(op, layout, splits, "r", "each expert's product B[e] @ A[e] needs every rank");
   expect_shape(op, "dW_eff", dW, {-1, -1, -1});

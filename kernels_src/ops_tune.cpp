@@ -91,6 +91,13 @@ std::vector<autotune::Config> with_l2_prefetch_variants(std::vector<autotune::Co
   return variants;
 }
 
+std::vector<autotune::Config> with_wgmma_variant(std::vector<autotune::Config> variants, DType product,
+                                                 const Device& device) {
+  if (is_half(product) && device.is_cuda() && device_arch(device.index) == "sm_90a")
+    variants.push_back({{"WGMMA", 1}});
+  return variants;
+}
+
 Config config_of(const TuneRequest& q, const autotune::Config& c) {
   return config_from(c, q.block_m_name, q.block_k_name);
 }

@@ -36,11 +36,13 @@ struct DoraCase {
   int64_t block_m = 0, warps = 0;
   int64_t warps_n = 0;  // Config.meta WARPS_N: warps sharing the dot's columns (the same answer)
   int64_t l2_prefetch = 0;  // Config.meta L2_PREFETCH: an L2 prefetch size hint (the same answer)
+  int64_t block_k = 0;
+  bool wgmma = false;  // Config.meta WGMMA: Hopper's warpgroup dots (sm_90a; elsewhere the same kernel)
 };
 
 void check_dora(const DoraCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.out, c.in, c.r, dtype_name(c.w), dtype_name(c.ab), c.split, c.cast_a, c.block_m, c.warps, c.warps_n, seed,
-          dev.str());
+          dev.str(), c.block_k, c.wgmma);
   std::mt19937_64 rng(seed);
   TestTensor W(c.w, {c.out, c.in}, dev), A(c.ab, {c.r, c.in}, dev), B(c.ab, {c.out, c.r}, dev);
   TestTensor m(DType::f32, {c.out}, dev), norm(DType::f32, {c.out}, dev), scale(DType::f32, {c.out}, dev);
@@ -59,6 +61,8 @@ void check_dora(const DoraCase& c, Device dev, uint64_t seed) {
   if (c.cast_a) cfg.meta["CAST_A"] = 1;
   if (c.warps_n) cfg.meta["WARPS_N"] = c.warps_n;
   if (c.l2_prefetch) cfg.meta["L2_PREFETCH"] = c.l2_prefetch;
+  cfg.block_k = c.block_k;
+  if (c.wgmma) cfg.meta["WGMMA"] = 1;
   ops::dora_norm(W.view(), A.view(), B.view(), m.view(), s, norm.view(), scale.view(), eps, nullptr, cfg);
   if (dev.is_cuda()) cuda::device_synchronize(dev.index);
   norm.download();
@@ -103,6 +107,12 @@ void run_dora_cases(Device dev) {
       // L2 prefetch sizes on the pipelined copies.
       {1000, 1500, 7, DType::bf16, DType::bf16, 0, 3, 0, 128, 8, 0, 256},
       {300, 700, 64, DType::bf16, DType::f32, 2, 3, 1, 64, 4, 2, 128},
+      // Warpgroup dots (WGMMA; sm_90a, elsewhere the mma.sync kernel): B's tile of one and two
+      // 64-column blocks, rows and columns split among warpgroups, f32 adapters rounded per step.
+      {300, 700, 64, DType::bf16, DType::bf16, 0, 3, 0, 64, 4, 0, 0, 128, true},
+      {1000, 1500, 7, DType::bf16, DType::f32, 2, 3, 0, 128, 8, 0, 0, 64, true},
+      {257, 333, 32, DType::f16, DType::f16, 1, 2, 0, 64, 8, 2, 0, 64, true},
+      {96, 2000, 16, DType::bf16, DType::bf16, 3, 3, 0, 64, 4, 0, 0, 64, true},
   };
   uint64_t seed = 1234;
   for (const DoraCase& c : cases) check_dora(c, dev, seed++);
@@ -183,6 +193,10 @@ void run_moe_cases(Device dev) {
       {3, 100, 130, 5, DType::bf16, true, ops::Config{64, 64, 0, 8, 3, {{"WARPS_N", 2}}}},
       {2, 200, 300, 16, DType::f16, false, ops::Config{128, 128, 2, 8, 2, {{"WARPS_N", 4}}}, DType::f32},
       {3, 100, 130, 5, DType::bf16, false, ops::Config{64, 64, 0, 4, 3, {{"L2_PREFETCH", 256}}}},
+      // Warpgroup dots (WGMMA).
+      {3, 100, 130, 5, DType::bf16, false, ops::Config{64, 64, 0, 4, 3, {{"WGMMA", 1}}}},
+      {2, 200, 300, 64, DType::f16, true, ops::Config{128, 128, 0, 8, 3, {{"WGMMA", 1}}}, DType::f32},
+      {2, 130, 200, 16, DType::bf16, false, ops::Config{128, 64, 2, 8, 2, {{"WGMMA", 1}, {"WARPS_N", 2}}}},
   };
   uint64_t seed = 99;
   for (const MoeCase& c : cases) check_moe(c, dev, seed++);

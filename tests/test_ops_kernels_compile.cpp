@@ -419,3 +419,35 @@ TEST_CASE("l2_prefetch gives pipelined copies an L2 prefetch size, and other siz
           std::string::npos);
   }
 }
+
+TEST_CASE("wgmma=1 puts both MoE backward dots on warpgroup instructions for sm_90a, and only there",
+          "[cuda][codegen][ops]") {
+  const std::vector<ArgSpec> args = {T(DType::bf16, 3), T(DType::bf16, 3), T(DType::bf16, 3), S,
+                                     T(DType::f32, 3),  T(DType::bf16, 3)};
+  MetaMap meta = {{"BLOCK_N", 256}, {"BLOCK_K", 64}, {"R_PAD", 64}, {"DOT", int64_t(DType::bf16)},
+                  {"ROTATE", 1},    {"num_warps", 8}, {"num_stages", 3}, {"wgmma", 1}};
+  const ir::Function fn = kernels::moe_lora_backward().trace(args, meta);
+  const std::string src = jit::cuda::generate(fn, "sm_90a").source;
+  INFO(src);
+  // dA = B^T @ dW: dW's tile MN-major, each of the two warpgroups 32 of its 64 columns;
+  // dB = dW @ A^T: A's tile K-major, each warpgroup 128 of the 256 rows (two m64 tiles).
+  CHECK(src.find("kerf_dev::wgmma_bf16_n32<1>(") != std::string::npos);
+  CHECK(src.find("kerf_dev::wgmma_bf16_n64<0>(") != std::string::npos);
+  CHECK(src.find("kerf_dev::mma_bf16_16816(&") == std::string::npos);
+  // Both rings swizzled and 1024-aligned; the copies made visible to the async proxy.
+  CHECK(src.find("kerf_dev::cp_async<16>(ring + kerf_dev::sw128(") != std::string::npos);
+  CHECK(src.find("fence.proxy.async.shared::cta") != std::string::npos);
+  if (nvrtc::available()) {
+    nvrtc::Output out;
+    REQUIRE_NOTHROW(out = nvrtc::compile(src, "moe_backward_wgmma.cu", "sm_90a"));
+    CHECK(!out.image.empty());
+  }
+  // Without the architecture-specific target (sm_90, sm_80) the same meta keeps mma.sync.
+  for (const char* arch : {"sm_90", "sm_80"}) {
+    const std::string plain = jit::cuda::generate(fn, arch).source;
+    CHECK(plain.find("kerf_dev::wgmma_") == std::string::npos);
+    CHECK(plain.find("kerf_dev::mma_bf16_16816(&") != std::string::npos);
+  }
+  meta["wgmma"] = 2;
+  CHECK_THROWS_WITH(kernels::moe_lora_backward().trace(args, meta), Catch::Contains("wgmma must be 0 or 1"));
+}

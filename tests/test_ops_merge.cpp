@@ -31,11 +31,12 @@ struct MergeCase {
   double s = 1.5;
   int64_t evict = 0;  // Config.meta EVICT (an L2 hint: the same answer)
   int64_t warps_n = 0, block_m = 0, warps = 0;  // Config.meta WARPS_N and the tile it splits (the same answer)
+  bool wgmma = false;  // Config.meta WGMMA: Hopper's warpgroup dots (sm_90a; elsewhere the same kernel)
 };
 
 void check_merge(const MergeCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.out, c.in, c.r, dtype_name(c.w), dtype_name(c.a), dtype_name(c.b), c.transposed,
-          c.offset, c.evict, c.warps_n, c.block_m, c.warps, seed, dev.str());
+          c.offset, c.evict, c.warps_n, c.block_m, c.warps, seed, dev.str(), c.wgmma);
   std::mt19937_64 rng(seed);
   TestTensor Wbuf(c.w, {c.out * c.in + c.offset}, dev), A(c.a, {c.r, c.in}, dev),
       B(c.b, {c.out, c.r}, dev);
@@ -56,6 +57,10 @@ void check_merge(const MergeCase& c, Device dev, uint64_t seed) {
   if (c.warps_n) cfg.meta["WARPS_N"] = c.warps_n;
   cfg.block_m = c.block_m;
   cfg.num_warps = c.warps;
+  if (c.wgmma) {
+    cfg.block_k = 64;
+    cfg.meta["WGMMA"] = 1;
+  }
   ops::lora_merge(W, A.view(), B.view(), c.s, nullptr, cfg);
   test::sync(dev);
   Wbuf.download();
@@ -103,6 +108,9 @@ void run_merge_cases(Device dev) {
   cases.push_back({300, 200, 64, DType::bf16, DType::bf16, DType::bf16, false, 0, 1.5, 0, 2, 128, 8});
   cases.push_back({67, 130, 5, DType::f16, DType::f32, DType::f32, false, 0, -0.5, 0, 4, 64, 8});
   cases.push_back({40, 72, 8, DType::bf16, DType::f32, DType::f32, true, 0, 1.5, 0, 2, 32, 4});
+  // Warpgroup dots (WGMMA): 64 and 128 rows per program, 1 and 2 warpgroups.
+  cases.push_back({300, 200, 64, DType::bf16, DType::bf16, DType::bf16, false, 0, 1.5, 0, 0, 64, 4, true});
+  cases.push_back({130, 333, 16, DType::f16, DType::f32, DType::f32, true, 0, -0.5, 0, 0, 128, 8, true});
   uint64_t seed = 4100;
   for (const MergeCase& c : cases) check_merge(c, dev, seed++);
 }

@@ -46,11 +46,12 @@ struct BackwardCase {
   bool rotate = false;  // Config.meta ROTATE: row blocks start their column steps apart
   bool by_columns = false;  // Config.meta BY_COLUMNS: the column-owning kernel (split: of the rows)
   int64_t l2_prefetch = 0;  // Config.meta L2_PREFETCH (a hint: the same answer)
+  bool wgmma = false;  // Config.meta WGMMA: Hopper's warpgroup dots, 128-row blocks of 8 warps
 };
 
 void check_backward(const BackwardCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.E, c.d1, c.d2, c.r, dtype_name(c.w), dtype_name(c.ab), dtype_name(c.grads),
-          layout_name(c.layout), c.split, seed, dev.str(), c.rotate, c.by_columns, c.l2_prefetch);
+          layout_name(c.layout), c.split, seed, dev.str(), c.rotate, c.by_columns, c.l2_prefetch, c.wgmma);
   std::mt19937_64 rng(seed);
   const int64_t E = c.E, d1 = c.d1, d2 = c.d2, r = c.r;
   TestTensor dW(c.w, {E, d1, d2}, dev);
@@ -92,6 +93,13 @@ void check_backward(const BackwardCase& c, Device dev, uint64_t seed) {
     cfg.meta["BY_COLUMNS"] = 1;
   }
   if (c.l2_prefetch) cfg.meta["L2_PREFETCH"] = c.l2_prefetch;
+  if (c.wgmma) {
+    cfg.block_m = 128;
+    cfg.block_k = 64;
+    cfg.num_warps = 8;
+    cfg.num_stages = 3;
+    cfg.meta["WGMMA"] = 1;
+  }
   ops::moe_lora_materialize_backward(dW.view(), a, b, s, da, db, nullptr, cfg);
   test::sync(dev);
   dA.download();
@@ -173,6 +181,10 @@ void run_backward_cases(Device dev) {
       // L2 prefetch size hints on the pipelined copies.
       {2, 64, 300, 16, DType::bf16, DType::bf16, DType::bf16, MoeLayout::plain, 3, true, false, 256},
       {3, 100, 130, 5, DType::bf16, DType::f32, DType::bf16, MoeLayout::peft, 1, true, true, 128},
+      // Warpgroup dots (WGMMA): both products, rows not a multiple of the block, rank 64 and 5.
+      {2, 300, 200, 64, DType::bf16, DType::bf16, DType::f32, MoeLayout::plain, 0, true, false, 0, true},
+      {3, 150, 130, 5, DType::bf16, DType::f32, DType::bf16, MoeLayout::peft, 2, true, false, 0, true},
+      {2, 130, 64, 32, DType::f16, DType::f16, DType::f16, MoeLayout::peft_transposed, 1, false, false, 0, true},
   };
   uint64_t seed = 5100;
   for (const BackwardCase& c : cases) check_backward(c, dev, seed++);

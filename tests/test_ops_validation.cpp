@@ -244,7 +244,7 @@ TEST_CASE("an op refuses Config.meta names it does not take and values out of ra
   rotate.meta["ROTATE"] = 1;
   CHECK_REJECTS(InvalidArgument, ops::dora_norm(W, A, B, m, 1.0, norm, scale, 0.0, nullptr, rotate),
                 "dora_norm: Config.meta names 'ROTATE', which this op does not take (it takes EVICT, CAST_A, "
-                "WARPS_N, L2_PREFETCH)");
+                "WARPS_N, L2_PREFETCH, WGMMA)");
   CHECK_REJECTS(InvalidArgument,
                 ops::dora_norm_partial(W, A, B, 1.0, t({8}, DType::f32, 12400), nullptr, rotate),
                 "dora_norm_partial: Config.meta names 'ROTATE', which this op does not take (it takes none)");
@@ -256,7 +256,7 @@ TEST_CASE("an op refuses Config.meta names it does not take and values out of ra
   typo.meta["ROTATED"] = 1;
   CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize_backward(dW, mA, mB, 1.0, dA, dB, nullptr, typo),
                 "moe_lora_materialize_backward: Config.meta names 'ROTATED', which this op does not take (it "
-                "takes ROTATE, BY_COLUMNS, L2_PREFETCH)");
+                "takes ROTATE, BY_COLUMNS, L2_PREFETCH, WGMMA)");
   ops::Config two;
   two.meta["ROTATE"] = 2;
   CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize_backward(dW, mA, mB, 1.0, dA, dB, nullptr, two),

@@ -22,6 +22,8 @@ Codegen::Codegen(const ir::Function& f, const std::string& arch) : f_(f), arch_(
   num_stages_ = int(f.meta_value("num_stages", 1));
   l2_prefetch_ = int(f.meta_value("l2_prefetch", 0));  // 0, 64, 128 or 256: checked when traced
   sm_ = parse_sm(arch);
+  // wgmma needs the architecture-specific target (sm_90a); elsewhere the meta is ignored.
+  wgmma_ = f.meta_value("wgmma", 0) != 0 && sm_ == 90 && !arch.empty() && arch.back() == 'a';
 }
 
 KernelCode Codegen::run() {
@@ -50,6 +52,7 @@ KernelCode Codegen::run() {
       << " bytes of shared memory\n";
   src << "#include <cuda/std/cstdint>\n";
   src << device_library_source();
+  for (int n : wgmma_sizes_) src << wgmma_wrapper_source(n);
   src << "\nextern \"C\" __global__ void __launch_bounds__(" << out.threads << ") " << out.entry
       << "(const __grid_constant__ kerf_dev::Args<" << std::max(1, out.num_slots) << "> args) {\n";
   src << "  extern __shared__ __align__(16) unsigned char kerf_smem[];\n";
@@ -79,6 +82,7 @@ bool Codegen::is_pure(OpKind k) const {
 void Codegen::scan_block(const ir::Block& b, int level) {
   for (const Operation& op : b.ops) {
     for (ValueId r : op.results) def_op_[size_t(r)] = &op;
+    for (size_t i = 0; i < op.operands.size(); ++i) users_[op.operands[i]].push_back({&op, int(i)});
     if (op.kind == OpKind::For) {
       for (ValueId a : op.body->args) level_of_[size_t(a)] = level + 1;
       scan_block(*op.body, level + 1);
@@ -126,10 +130,59 @@ bool Codegen::mma_eligible(const Operation& op) const {
   return M % 16 == 0 && N % 8 == 0 && K % 16 == 0;
 }
 
+ValueId Codegen::dot_source(ValueId v, bool* transposed) const {
+  *transposed = false;
+  const Operation* op = def_op_[size_t(v)];
+  if (op && op->kind == OpKind::Transpose && type(op->operands[0]).dtype == type(v).dtype) {
+    *transposed = true;
+    return op->operands[0];
+  }
+  return v;
+}
+
+bool Codegen::sw128_candidate(ValueId v) const {
+  if (!wgmma_) return false;
+  const ir::Type& t = type(v);
+  if (t.shape.size() != 2 || !is_half(t.dtype) || t.shape[0] % 8 || t.shape[1] % 64) return false;
+  const auto it = users_.find(v);
+  if (it == users_.end()) return false;
+  for (const auto& [op, i] : it->second) {
+    if (op->kind == OpKind::Dot && i < 2 && mma_eligible(*op)) continue;
+    if (op->kind == OpKind::Transpose && type(op->results[0]).dtype == t.dtype) {
+      const auto tu = users_.find(op->results[0]);
+      if (tu == users_.end()) return false;
+      for (const auto& [op2, i2] : tu->second)
+        if (!(op2->kind == OpKind::Dot && i2 < 2 && mma_eligible(*op2))) return false;
+      continue;
+    }
+    return false;
+  }
+  return true;
+}
+
+bool Codegen::wgmma_dot(const Operation& op) const {
+  if (!wgmma_ || !mma_eligible(op) || num_warps_ % 4) return false;
+  const Shape& shape = type(op.results[0]).shape;
+  int wm, wn;
+  mma_warp_split(shape, num_warps_, int(op.attrs.axis), &wm, &wn);
+  if (wm % 4 || shape[0] % (16 * wm)) return false;
+  const int64_t nw = shape[1] / wn;  // columns of one warpgroup
+  bool transposed;
+  const ValueId b = dot_source(op.operands[1], &transposed);
+  if (!sw128_candidate(b)) return false;
+  // K-major (smem holds B^T [N, K]): one instruction of N = nw <= 256.
+  // MN-major ([K, N]): instructions of 64 columns, or one of 16 or 32.
+  return transposed ? nw % 8 == 0 && nw <= 256 : (nw % 64 == 0 || nw == 32 || nw == 16);
+}
+
 int Codegen::acc_layout(const Operation& op) {
   const Shape& shape = type(op.results[0]).shape;
   int l;
-  if (mma_eligible(op)) {
+  if (wgmma_dot(op)) {
+    int wm, wn;
+    mma_warp_split(shape, num_warps_, int(op.attrs.axis), &wm, &wn);
+    l = intern(wgmma_acc_layout(shape, num_warps_, wm, wn));
+  } else if (mma_eligible(op)) {
     int wm, wn;
     mma_warp_split(shape, num_warps_, int(op.attrs.axis), &wm, &wn);
     l = intern(mma_acc_layout(shape, num_warps_, wm, wn));
@@ -334,6 +387,14 @@ std::string Codegen::fresh(const std::string& base) {
   return base + "_" + S(counter_++);
 }
 
+std::string Codegen::alloc_smem_1024(int lv, int64_t bytes, int* offset) {
+  *offset = alloc_smem(bytes + 1024);
+  const std::string name = fresh("sw_base");
+  line(lv, "const int " + name + " = " + S(*offset) + " + ((1024 - (int)(((unsigned)__cvta_generic_to_shared(kerf_smem) + " +
+               S(*offset) + "u) & 1023u)) & 1023);  // 1024-aligned, for wgmma's swizzle");
+  return name;
+}
+
 int Codegen::alloc_smem(int64_t bytes) {
   const int off = (smem_top_ + 15) & ~15;
   smem_top_ = off + int(bytes);
@@ -434,14 +495,25 @@ void Codegen::emit_for(const Operation& op, int lv) {
   const std::vector<const Operation*> pipelined = pipelinable_loads(op, inner);
   const int S_ = num_stages_;
   const std::string it = "it" + S(ivid);
+  bool swizzled_rings = false;
   if (!pipelined.empty()) {
     line(lv, "int " + it + " = 0;  // iteration count, selects the ring slot");
     for (const Operation* ld : pipelined) {
       const ir::Type& t = type(ld->results[0]);
       AsyncLoad a;
       a.pitch = smem_pitches(t.shape, dtype_size_bytes(t.dtype));
-      a.stage_bytes = (smem_bytes_for(t.shape, dtype_size_bytes(t.dtype)) + 15) & ~int64_t(15);
-      a.ring_offset = alloc_smem(a.stage_bytes * S_);
+      if (sw128_candidate(ld->results[0])) {
+        a.sw_rows = t.shape[0];
+        a.stage_bytes = t.shape[0] * t.shape[1] * dtype_size_bytes(t.dtype);
+        a.region_bytes = a.stage_bytes * S_ + 1024;
+        a.base = alloc_smem_1024(lv, a.stage_bytes * S_, &a.ring_offset);
+        swizzled_rings = true;
+      } else {
+        a.stage_bytes = (smem_bytes_for(t.shape, dtype_size_bytes(t.dtype)) + 15) & ~int64_t(15);
+        a.region_bytes = a.stage_bytes * S_;
+        a.ring_offset = alloc_smem(a.region_bytes);
+        a.base = S(a.ring_offset);
+      }
       a.stage = it + " % " + S(S_);
       async_[ld->results[0]] = a;
     }
@@ -462,6 +534,8 @@ void Codegen::emit_for(const Operation& op, int lv) {
   if (!pipelined.empty()) {
     line(inner,
          "kerf_dev::cp_async_wait<" + S(S_ - 2) + ">();  // this iteration's copies have landed");
+    if (swizzled_rings)  // wgmma reads them through the async proxy
+      line(inner, "asm volatile(\"fence.proxy.async.shared::cta;\" ::: \"memory\");");
     line(inner, "__syncthreads();");
     frame(inner).fenced = true;
     const std::string ivn = fresh("pf_iv");
@@ -536,7 +610,7 @@ void Codegen::emit_for(const Operation& op, int lv) {
       for (const Operation* ld : pipelined) {
         const AsyncLoad& a = async_.at(ld->results[0]);
         lo_off = std::min(lo_off, a.ring_offset);
-        hi_off = std::max(hi_off, a.ring_offset + int(a.stage_bytes * S_));
+        hi_off = std::max(hi_off, a.ring_offset + int(a.region_bytes));
       }
       free_smem_.push_back({lo_off, hi_off - lo_off});
     }

@@ -8,7 +8,7 @@ Staged Codegen::stage(ValueId v) {
   auto it = staged_.find(v);
   if (it != staged_.end()) return it->second;
   if (auto a = async_.find(v); a != async_.end())
-    return Staged{async_slot_offset(a->second), a->second.pitch[0]};
+    return Staged{async_slot_offset(a->second), a->second.pitch[0], false, a->second.sw_rows};
   // trans(x): x's tile in shared memory, read transposed (no second copy).
   if (const Operation* op = def_op_[size_t(v)];
       op && op->kind == OpKind::Transpose && type(op->operands[0]).dtype == type(v).dtype) {
@@ -18,7 +18,16 @@ Staged Codegen::stage(ValueId v) {
     return s;
   }
   const int lv = level_of_[size_t(v)];
-  const auto [dt, pitch, off] = alloc_smem_tile(v);
+  const int64_t sw_rows = sw128_candidate(v) ? type(v).shape[0] : 0;
+  const DType dt = type(v).dtype;
+  const std::vector<int64_t> pitch = smem_pitches(type(v).shape, dtype_size_bytes(dt));
+  std::string where;
+  if (sw_rows) {
+    int unused = 0;
+    where = alloc_smem_1024(lv, type(v).shape[0] * type(v).shape[1] * dtype_size_bytes(dt), &unused);
+  } else {
+    where = S(alloc_smem_tile(v).offset);
+  }
   int l = pref_[size_t(v)];
   if (l < 0) l = blocked(type(v).shape);
   const Tile t = get(v, l);
@@ -27,11 +36,12 @@ Staged Codegen::stage(ValueId v) {
   line(lv, "// stage %" + S(v) + " in shared memory for a dot");
   line(lv, "__syncthreads();");
   line(lv, "{");
-  line(lv, st + "* " + buf + " = reinterpret_cast<" + st + "*>(kerf_smem + " + S(off) + ");");
-  write_smem(lv, t, l, dt, buf, pitch);
+  line(lv, st + "* " + buf + " = reinterpret_cast<" + st + "*>(kerf_smem + " + where + ");");
+  write_smem(lv, t, l, dt, buf, pitch, sw_rows);
   line(lv, "}");
+  if (sw_rows) line(lv, "asm volatile(\"fence.proxy.async.shared::cta;\" ::: \"memory\");");
   line(lv, "__syncthreads();");
-  Staged s{S(off), pitch[0]};
+  Staged s{where, pitch[0], false, sw_rows};
   staged_[v] = s;
   return s;
 }
@@ -68,8 +78,14 @@ Tile Codegen::emit_dot(const Operation& op, int h) {
     int wm, wn;
     mma_warp_split(Shape{M, N}, num_warps_, int(op.attrs.axis), &wm, &wn);
     const int64_t MT = M / (16 * wm), NT = N / (8 * wn);
+    const bool wg = wgmma_dot(op);
     const std::string mma =
         ta.dtype == DType::bf16 ? "kerf_dev::mma_bf16_16816" : "kerf_dev::mma_f16_16816";
+    // Element offset of (row, col) of a staged tile: row-major with its pitch, or swizzled.
+    const auto at_rc = [](const Staged& st, const std::string& row, const std::string& col) {
+      if (st.sw_rows) return "kerf_dev::sw128(" + row + ", " + col + ", " + S(st.sw_rows) + ")";
+      return "(" + row + ") * " + S(st.pitch) + " + " + col;
+    };
     line(lv, "const int wm = warp & " + S(wm - 1) + ", wn = (warp >> " + S(log2i(wm)) + ") & " +
                  S(wn - 1) + ";");
     // A's fragments: loaded once where A is defined when the dot sits in a
@@ -89,15 +105,50 @@ Tile Codegen::emit_dot(const Operation& op, int h) {
       line(la, "  #pragma unroll");
       line(la, "  for (int mi = 0; mi < " + S(MT) + "; ++mi)");
       if (!sa.transposed)
-        line(la, "    kerf_dev::ldmatrix_x4(" + af + "[ki][mi], " + base + " + (" + wmx +
-                     " * 16 + mi * " + S(16 * wm) + " + (lane & 15)) * " + S(sa.pitch) +
-                     " + ki * 16 + (lane >> 4) * 8);");
+        line(la, "    kerf_dev::ldmatrix_x4(" + af + "[ki][mi], " + base + " + " +
+                     at_rc(sa, wmx + " * 16 + mi * " + S(16 * wm) + " + (lane & 15)",
+                           "ki * 16 + (lane >> 4) * 8") +
+                     ");");
       else  // shared memory holds A^T [K, M]: rows k, 8 m's per row, transposed by ldmatrix
-        line(la, "    kerf_dev::ldmatrix_x4_trans(" + af + "[ki][mi], " + base +
-                     " + (ki * 16 + (lane & 7) + ((lane >> 4) & 1) * 8) * " + S(sa.pitch) + " + " +
-                     wmx + " * 16 + mi * " + S(16 * wm) + " + ((lane >> 3) & 1) * 8);");
+        line(la, "    kerf_dev::ldmatrix_x4_trans(" + af + "[ki][mi], " + base + " + " +
+                     at_rc(sa, "ki * 16 + (lane & 7) + ((lane >> 4) & 1) * 8",
+                           wmx + " * 16 + mi * " + S(16 * wm) + " + ((lane >> 3) & 1) * 8") +
+                     ");");
       if (la < lv) afrags_[frag_key] = af;
     }
+    if (wg) {
+      // wgmma: each warpgroup multiplies its 64-row m tiles by its N / wn
+      // columns of B, read from shared memory through a descriptor.
+      const int64_t nw = N / wn;
+      const int64_t chunk = sb.transposed ? nw : std::min<int64_t>(nw, 64);
+      wgmma_sizes_.insert(0);
+      wgmma_sizes_.insert(int(chunk));
+      const std::string fn = std::string("kerf_dev::wgmma_") + (ta.dtype == DType::bf16 ? "bf16" : "f16") +
+                             "_n" + S(chunk) + "<" + (sb.transposed ? "0" : "1") + ">";
+      const int64_t rows = sb.sw_rows;
+      line(lv, "const unsigned sb_addr = (unsigned)__cvta_generic_to_shared(sb);");
+      line(lv, "const int n0 = wn * " + S(nw) + ";");
+      line(lv, "kerf_dev::wgmma_fence();");
+      line(lv, "#pragma unroll");
+      line(lv, "for (int ki = 0; ki < " + S(K / 16) + "; ++ki) {");
+      line(lv, "  #pragma unroll");
+      line(lv, "  for (int mi = 0; mi < " + S(MT) + "; ++mi) {");
+      line(lv, "    #pragma unroll");
+      line(lv, "    for (int c = 0; c < " + S(nw / chunk) + "; ++c) {");
+      if (sb.transposed)  // B^T [N, K] in shared memory: K-major
+        line(lv, "      const unsigned off = ((ki * 16) >> 6) * " + S(rows * 128) +
+                     " + (n0 + c * " + S(chunk) + ") * 128 + ((ki * 16) & 63) * 2;");
+      else  // B [K, N]: MN-major
+        line(lv, "      const unsigned off = ((n0 + c * " + S(chunk) + ") >> 6) * " + S(rows * 128) +
+                     " + ki * 16 * 128 + ((n0 + c * " + S(chunk) + ") & 63) * 2;");
+      line(lv, "      " + fn + "(&" + name + "[((c * " + S(chunk / 8) + ") << 2) | (mi << " +
+                   S(2 + log2i(int(NT))) + ")], " + af + "[ki][mi], kerf_dev::wgmma_desc(sb_addr + off));");
+      line(lv, "    }");
+      line(lv, "  }");
+      line(lv, "}");
+      line(lv, "kerf_dev::wgmma_commit();");
+      line(lv, "kerf_dev::wgmma_wait();");
+    } else {
     line(lv, "#pragma unroll");
     line(lv, "for (int ki = 0; ki < " + S(K / 16) + "; ++ki) {");
     line(lv, "  #pragma unroll");
@@ -109,15 +160,16 @@ Tile Codegen::emit_dot(const Operation& op, int h) {
       // Shared memory holds B^T [N, K]: each n's k's are contiguous, the layout
       // mma wants for B, so ldmatrix needs no transpose.
       const std::string n_of = per == 2 ? "(ni + (lane >> 4))" : "ni";
-      line(lv, std::string("    kerf_dev::") + (per == 2 ? "ldmatrix_x4" : "ldmatrix_x2") +
-                   "(bf, sb + (wn * 8 + " + n_of + " * " + S(8 * wn) + " + (lane & 7)) * " +
-                   S(sb.pitch) + " + ki * 16 + ((lane >> 3) & 1) * 8);");
+      line(lv, std::string("    kerf_dev::") + (per == 2 ? "ldmatrix_x4" : "ldmatrix_x2") + "(bf, sb + " +
+                   at_rc(sb, "wn * 8 + " + n_of + " * " + S(8 * wn) + " + (lane & 7)",
+                         "ki * 16 + ((lane >> 3) & 1) * 8") +
+                   ");");
     } else if (per == 2) {
-      line(lv, "    kerf_dev::ldmatrix_x4_trans(bf, sb + (ki * 16 + (lane & 15)) * " + S(sb.pitch) +
-                   " + wn * 8 + (ni + (lane >> 4)) * " + S(8 * wn) + ");");
+      line(lv, "    kerf_dev::ldmatrix_x4_trans(bf, sb + " +
+                   at_rc(sb, "ki * 16 + (lane & 15)", "wn * 8 + (ni + (lane >> 4)) * " + S(8 * wn)) + ");");
     } else {
-      line(lv, "    kerf_dev::ldmatrix_x2_trans(bf, sb + (ki * 16 + (lane & 15)) * " + S(sb.pitch) +
-                   " + wn * 8 + ni * " + S(8 * wn) + ");");
+      line(lv, "    kerf_dev::ldmatrix_x2_trans(bf, sb + " +
+                   at_rc(sb, "ki * 16 + (lane & 15)", "wn * 8 + ni * " + S(8 * wn)) + ");");
     }
     line(lv, "    #pragma unroll");
     line(lv, "    for (int h = 0; h < " + S(per) + "; ++h)");
@@ -127,6 +179,7 @@ Tile Codegen::emit_dot(const Operation& op, int h) {
                  "[ki][mi], bf + 2 * h);");
     line(lv, "  }");
     line(lv, "}");
+    }
   } else {
     // fp32 FMA: each thread walks K for the rows and columns it owns.
     const Derived rows = unbroadcast_layout(H, Shape{M, 1});

@@ -127,6 +127,9 @@ struct Staged {        // a rank-2 tile written row-major into shared memory
   // The shared memory holds the tile's transpose (a trans() of a staged or
   // pipelined tile reads the same bytes the other way round).
   bool transposed = false;
+  // Non-zero: the tile is in wgmma's 128-byte-swizzled layout (see sw128_candidate)
+  // with this many rows, not row-major with `pitch`.
+  int64_t sw_rows = 0;
 };
 
 // Code and emitted tiles of one loop level.
@@ -145,6 +148,9 @@ struct AsyncLoad {
   int64_t stage_bytes = 0;  // one tile, rows padded
   std::vector<int64_t> pitch;
   std::string stage;  // C++ expression: the ring slot of this iteration
+  int64_t sw_rows = 0;   // non-zero: slots in wgmma's 128-byte-swizzled layout (Staged::sw_rows)
+  std::string base;      // C++ expression: the byte offset of slot 0 (1024-aligned when swizzled)
+  int64_t region_bytes = 0;  // bytes allocated for the ring
 };
 
 class Codegen {
@@ -171,6 +177,18 @@ class Codegen {
   int blocked(const Shape& shape);
 
   bool mma_eligible(const Operation& op) const;
+
+  // wgmma (sm_90a, kernel meta wgmma=1): a tensor-core dot whose B operand is a
+  // 16-bit [rows, cols] tile (or its trans()) with rows % 8 == 0 and cols % 64
+  // == 0, read by nothing but tensor-core dots, so that it may live in shared
+  // memory in the 128-byte-swizzled layout wgmma reads (element (r, c) at
+  // sw128 offset: 64-column blocks of rows x 128 bytes, 16-byte chunk c/8 of
+  // row r at chunk (c/8) ^ (r % 8)), and whose warp split gives each
+  // warpgroup 64 consecutive rows per m tile.
+  bool wgmma_dot(const Operation& op) const;
+  // The value a dot operand is staged from (under a trans() of the same dtype).
+  ValueId dot_source(ValueId v, bool* transposed) const;
+  bool sw128_candidate(ValueId v) const;
 
   int acc_layout(const Operation& op);
 
@@ -340,7 +358,10 @@ class Codegen {
 
   int64_t smem_bytes_for(const Shape& shape, int elem_bytes) const;
 
-  std::string smem_offset(int l, const std::vector<int64_t>& pitch, const std::string& r);
+  std::string smem_offset(int l, const std::vector<int64_t>& pitch, const std::string& r,
+                          int64_t sw_rows = 0);
+  // The byte offset expression of a 1024-aligned region of `bytes` (1024 more are allocated).
+  std::string alloc_smem_1024(int lv, int64_t bytes, int* offset);
 
   // Room in shared memory for one tile of `v` (row-major, rows padded).
   struct SmemTile {
@@ -352,7 +373,7 @@ class Codegen {
 
   // Writes a tile into shared memory (row-major, padded). Emitted at `lv`.
   void write_smem(int lv, const Tile& t, int l, DType dt, const std::string& buf,
-                  const std::vector<int64_t>& pitch);
+                  const std::vector<int64_t>& pitch, int64_t sw_rows = 0);
 
   Tile convert_tile(ValueId v, const Tile& src, int from, int to);
 
@@ -449,7 +470,10 @@ class Codegen {
   int sm_ = 80;
   int num_warps_ = 4;
   int num_stages_ = 1;
-  int l2_prefetch_ = 0;  // meta l2_prefetch: the L2 prefetch size hint of cp.async copies (bytes)
+  int l2_prefetch_ = 0;
+  bool wgmma_ = false;        // meta wgmma=1 on an sm_90a target
+  std::set<int> wgmma_sizes_;  // N of the wgmma instructions emitted (their wrappers go in the source)
+  std::map<ValueId, std::vector<std::pair<const Operation*, int>>> users_;  // value -> (op, operand index)  // meta l2_prefetch: the L2 prefetch size hint of cp.async copies (bytes)
   std::vector<ir::AxisInfo> axis_;
   std::vector<int> uses_;
   std::vector<const Operation*> def_op_;

@@ -6,13 +6,14 @@
 namespace kerf::jit::cuda::detail {
 
 std::string Codegen::async_slot_offset(const AsyncLoad& a) const {
-  return S(a.ring_offset) + " + (" + a.stage + ") * " + S(a.stage_bytes);
+  return a.base + " + (" + a.stage + ") * " + S(a.stage_bytes);
 }
 
 Tile Codegen::from_async(ValueId v, int l) {
   const AsyncLoad& a = async_.at(v);
   const DType dt = type(v).dtype;
   const std::string st = storage_type(dt);
+  if (a.sw_rows) throw InternalError("CUDA codegen: a swizzled tile read outside a dot");
   return read_smem(level_of_[size_t(v)], v,
                    "reinterpret_cast<const " + st + "*>(kerf_smem + " + async_slot_offset(a) + ")",
                    l, dt, a.pitch);
@@ -154,7 +155,7 @@ void Codegen::emit_prefetch(const Operation& op, int target, int inner, ValueId 
   const int w = vector_width(op, l);
   const int n = layouts_[size_t(l)].num_regs();
   const std::string ptr = pointer_expr(op);
-  line(inner, st + "* ring = reinterpret_cast<" + st + "*>(kerf_smem + " + S(a.ring_offset) +
+  line(inner, st + "* ring = reinterpret_cast<" + st + "*>(kerf_smem + " + a.base +
                   " + (" + slot + ") * " + S(a.stage_bytes) + ");");
   // Where threads hold copies of the same elements (a tile smaller than the
   // block, or a [BM,1] column), the first of them copies: one write per slot
@@ -170,10 +171,10 @@ void Codegen::emit_prefetch(const Operation& op, int target, int inner, ValueId 
   const std::string pol = l2_policy(op);
   const std::string size = S(w * eb) + (l2_prefetch_ ? ", " + S(l2_prefetch_) : "");
   if (pol.empty())
-    line(inner, "  kerf_dev::cp_async<" + size + ">(ring + " + smem_offset(l, a.pitch, "r") +
+    line(inner, "  kerf_dev::cp_async<" + size + ">(ring + " + smem_offset(l, a.pitch, "r", a.sw_rows) +
                     ", ok ? " + ptr + " + off : " + ptr + ", ok);");
   else
-    line(inner, "  kerf_dev::cp_async_hint<" + size + ">(ring + " + smem_offset(l, a.pitch, "r") +
+    line(inner, "  kerf_dev::cp_async_hint<" + size + ">(ring + " + smem_offset(l, a.pitch, "r", a.sw_rows) +
                     ", ok ? " + ptr + " + off : " + ptr + ", ok, " + pol + ");");
   line(inner, "}");
   if (!own.empty()) line(inner, "}");

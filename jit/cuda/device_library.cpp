@@ -290,8 +290,56 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" :: "n"(N));
 }
 
+// Element offset of (r, c) in a 16-bit tile of `rows` rows kept in wgmma's
+// 128-byte-swizzled layout: 64-column blocks of rows x 128 bytes, the 16-byte
+// chunk c/8 of row r at chunk (c/8) ^ (r % 8) of its 128 bytes.
+__device__ __forceinline__ int sw128(int r, int c, int rows) {
+  return (c >> 6) * (rows * 64) + r * 64 + ((((c >> 3) & 7) ^ (r & 7)) << 3) + (c & 7);
+}
+
 }  // namespace kerf_dev
 )KERF";
+}
+
+std::string wgmma_wrapper_source(int n) {
+  std::string out;
+  if (n == 0) {
+    // Helpers every wgmma dot uses: a shared-memory descriptor of a 128-byte-swizzled
+    // operand (8-row groups 1024 bytes apart), and the warpgroup's ordering steps.
+    out += R"KERF(
+namespace kerf_dev {
+__device__ __forceinline__ unsigned long long wgmma_desc(unsigned smem_addr) {
+  return (unsigned long long)((smem_addr >> 4) & 0x3FFF) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+}  // namespace kerf_dev
+)KERF";
+    return out;
+  }
+  // D[64, n] += A[64, 16] (registers, mma.sync's A fragment per warp) @ B[16, n]
+  // (shared memory, descriptor); TB = 1: B is MN-major (n contiguous), 0: K-major.
+  const int regs = n / 2;
+  for (const char* t : {"bf16", "f16"}) {
+    std::string d, outs;
+    for (int i = 0; i < regs; ++i) {
+      d += (i ? ", %" : "%") + std::to_string(i);
+      outs += std::string(i ? ", " : "") + "\"+f\"(d[" + std::to_string(i) + "])";
+    }
+    const std::string a = "%" + std::to_string(regs) + ", %" + std::to_string(regs + 1) + ", %" +
+                          std::to_string(regs + 2) + ", %" + std::to_string(regs + 3);
+    out += "namespace kerf_dev {\ntemplate <int TB>\n__device__ __forceinline__ void wgmma_" + std::string(t) +
+           "_n" + std::to_string(n) +
+           "(float* d, const unsigned* a, unsigned long long desc) {\n"
+           "  asm volatile(\"{\\n.reg .pred p;\\nsetp.ne.b32 p, 1, 0;\\n\"\n"
+           "               \"wgmma.mma_async.sync.aligned.m64n" +
+           std::to_string(n) + "k16.f32." + t + "." + t + " {" + d + "}, {" + a + "}, %" +
+           std::to_string(regs + 4) + ", p, 1, 1, %" + std::to_string(regs + 5) + ";\\n}\\n\"\n" +
+           "               : " + outs + "\n"
+           "               : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(desc), \"n\"(TB));\n}\n}  // namespace kerf_dev\n";
+  }
+  return out;
 }
 
 }  // namespace kerf::jit::cuda

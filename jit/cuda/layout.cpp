@@ -143,6 +143,31 @@ Layout blocked_layout(const ir::Shape& shape, int num_warps, int vec) {
   return l;
 }
 
+Layout wgmma_acc_layout(const ir::Shape& shape, int num_warps, int warps_m, int warps_n) {
+  if (shape.size() != 2 || shape[0] < 64 || shape[1] < 8 * warps_n || warps_m % 4)
+    throw InternalError("wgmma accumulator layout needs an [M>=64, N] tile and warps_m a multiple of 4, got " +
+                        ir::shape_string(shape));
+  Layout l;
+  l.shape = shape;
+  BitPool pool(shape);
+  const Basis c1 = pool.take(1), c2 = pool.take(1), c4 = pool.take(1);  // cols 1, 2, 4
+  const Basis r1 = pool.take(0), r2 = pool.take(0), r4 = pool.take(0), r8 = pool.take(0);
+  l.reg = {c1, r8};
+  l.lane = {c2, c4, r1, r2, r4};
+  for (int w = 1; w < warps_m; w *= 2) l.warp.push_back(pool.take(0));
+  // A warp's n tiles are consecutive: the low column bits stay in registers and
+  // the warps along N take the high ones, so that each warpgroup's columns are one range.
+  std::vector<Basis> n_tiles;
+  const int64_t per_warp_n = shape[1] / warps_n;
+  for (int64_t c = 8; c < per_warp_n; c *= 2) n_tiles.push_back(pool.take(1));
+  for (int w = 1; w < warps_n; w *= 2) l.warp.push_back(pool.take(1));
+  for (int w = warps_m * warps_n; w < num_warps; w *= 2) l.warp.push_back(Basis{});  // copies
+  for (const Basis& b : n_tiles) l.reg.push_back(b);
+  while (pool.has(0)) l.reg.push_back(pool.take(0));  // m tiles
+  l.check();
+  return l;
+}
+
 void mma_warp_split(const ir::Shape& shape, int num_warps, int want_warps_n, int* warps_m, int* warps_n) {
   int wm = 1, wn = 1;
   if (want_warps_n > 0) {  // columns first, as asked, then rows, then columns again

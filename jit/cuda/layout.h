@@ -56,6 +56,11 @@ Layout blocked_layout(const ir::Shape& shape, int num_warps, int vec);
 // The f32 accumulator of mma.sync.m16n8k16 for an [M, N] tile, with warps
 // split `warps_m` x `warps_n` (copies where the tile is too small).
 Layout mma_acc_layout(const ir::Shape& shape, int num_warps, int warps_m, int warps_n);
+// The f32 accumulator of wgmma.m64nNk16 for an [M, N] tile: as mma_acc_layout
+// (each warp 16 rows of an m16 tile, warps_m a multiple of 4 so that a
+// warpgroup holds 64 consecutive rows), but each warp's columns are one range
+// of N / warps_n, as one wgmma instruction writes them.
+Layout wgmma_acc_layout(const ir::Shape& shape, int num_warps, int warps_m, int warps_n);
 // Chooses warps_m x warps_n for an [M, N] accumulator: rows first, or with
 // want_warps_n > 0 up to that many warps on columns first (more where the rows
 // run out, rather than warps that copy others' work).

@@ -135,8 +135,10 @@ class Kernel {
   uint64_t id() const;  // unique within the process
 
   // Runs the body for one specialization and returns verified IR.
-  // `meta` may set num_warps (default 4), num_stages (default 1) and
-  // l2_prefetch (the L2 prefetch size of pipelined copies: is_l2_prefetch_size).
+  // `meta` may set num_warps (default 4), num_stages (default 1),
+  // l2_prefetch (the L2 prefetch size of pipelined copies: is_l2_prefetch_size)
+  // and wgmma (0 or 1: tensor-core dots on Hopper's warpgroup instructions,
+  // on sm_90a targets; see the CUDA back end).
   ir::Function trace(const std::vector<ArgSpec>& args, const MetaMap& meta) const;
 
  private:
