@@ -29,6 +29,11 @@ class BitPool {
     left_[size_t(d)]--;
     return b;
   }
+  // The bits of an m16n8 fragment (cols 1, 2, 4 and rows 1, 2, 4, 8), as fragment_16x8 uses them.
+  void take_fragment_bits() {
+    for (int i = 0; i < 3; ++i) take(1);
+    for (int i = 0; i < 4; ++i) take(0);
+  }
 
  private:
   std::vector<int> left_;
@@ -143,17 +148,30 @@ Layout blocked_layout(const ir::Shape& shape, int num_warps, int vec) {
   return l;
 }
 
+namespace {
+
+// The part every tensor-core accumulator shares: the f32 C fragment of an
+// m16n8 tile (registers: col 1, row 8; lanes: cols 2, 4, rows 1, 2, 4).
+Layout fragment_16x8(const ir::Shape& shape) {
+  BitPool pool(shape);
+  const Basis c1 = pool.take(1), c2 = pool.take(1), c4 = pool.take(1);
+  const Basis r1 = pool.take(0), r2 = pool.take(0), r4 = pool.take(0), r8 = pool.take(0);
+  Layout l;
+  l.shape = shape;
+  l.reg = {c1, r8};
+  l.lane = {c2, c4, r1, r2, r4};
+  return l;
+}
+
+}  // namespace
+
 Layout wgmma_acc_layout(const ir::Shape& shape, int num_warps, int warps_m, int warps_n) {
   if (shape.size() != 2 || shape[0] < 64 || shape[1] < 8 * warps_n || warps_m % 4)
     throw InternalError("wgmma accumulator layout needs an [M>=64, N] tile and warps_m a multiple of 4, got " +
                         ir::shape_string(shape));
-  Layout l;
-  l.shape = shape;
+  Layout l = fragment_16x8(shape);
   BitPool pool(shape);
-  const Basis c1 = pool.take(1), c2 = pool.take(1), c4 = pool.take(1);  // cols 1, 2, 4
-  const Basis r1 = pool.take(0), r2 = pool.take(0), r4 = pool.take(0), r8 = pool.take(0);
-  l.reg = {c1, r8};
-  l.lane = {c2, c4, r1, r2, r4};
+  pool.take_fragment_bits();
   for (int w = 1; w < warps_m; w *= 2) l.warp.push_back(pool.take(0));
   // A warp's n tiles are consecutive: the low column bits stay in registers and
   // the warps along N take the high ones, so that each warpgroup's columns are one range.
@@ -186,13 +204,9 @@ Layout mma_acc_layout(const ir::Shape& shape, int num_warps, int warps_m, int wa
   if (shape.size() != 2 || shape[0] < 16 || shape[1] < 8)
     throw InternalError("mma accumulator layout needs an [M>=16, N>=8] tile, got " +
                         ir::shape_string(shape));
-  Layout l;
-  l.shape = shape;
+  Layout l = fragment_16x8(shape);
   BitPool pool(shape);
-  const Basis c1 = pool.take(1), c2 = pool.take(1), c4 = pool.take(1);  // cols 1, 2, 4
-  const Basis r1 = pool.take(0), r2 = pool.take(0), r4 = pool.take(0), r8 = pool.take(0);
-  l.reg = {c1, r8};
-  l.lane = {c2, c4, r1, r2, r4};
+  pool.take_fragment_bits();
   for (int w = 1; w < warps_m; w *= 2) l.warp.push_back(pool.has(0) ? pool.take(0) : Basis{});
   for (int w = 1; w < warps_n; w *= 2) l.warp.push_back(pool.has(1) ? pool.take(1) : Basis{});
   for (int w = warps_m * warps_n; w < num_warps; w *= 2) l.warp.push_back(Basis{});  // copies
