@@ -198,7 +198,7 @@ void expect_meta(const char* op, const Config& config, std::initializer_list<Met
   }
 }
 
-void add_l2_prefetch(const Config& config, dsl::MetaMap& meta) {
+void add_codegen_hints(const Config& config, dsl::MetaMap& meta) {
   if (const int64_t bytes = meta_or(config, "L2_PREFETCH", 0)) meta["l2_prefetch"] = bytes;
   if (meta_or(config, "WGMMA", 0)) meta["wgmma"] = 1;
 }

@@ -85,9 +85,12 @@ inline bool zero_or_pow2(int64_t v) { return (v & (v - 1)) == 0; }
 // pipelined copies (L2_PREFETCH), takes.
 inline constexpr MetaRange kWarpsN{"WARPS_N", 0, 32, zero_or_pow2, "0 (kerf chooses) or a power of two"};
 inline constexpr MetaRange kL2Prefetch{"L2_PREFETCH", 0, 256, dsl::is_l2_prefetch_size, "0, 64, 128 or 256 (bytes)"};
-// Config.meta L2_PREFETCH (0, 64, 128 or 256 bytes), when given, as the kernel meta
-// l2_prefetch: the L2 prefetch size hint of the kernel's pipelined copies.
-void add_l2_prefetch(const Config& config, dsl::MetaMap& meta);
+// Config.meta WGMMA (0 or 1), for ops whose tensor-core dots may run on Hopper's warpgroup instructions.
+inline constexpr MetaRange kWgmma{"WGMMA", 0, 1};
+// The code-generation hints of Config.meta as the kernel metas that carry them:
+// L2_PREFETCH (0, 64, 128 or 256 bytes) as l2_prefetch, the L2 prefetch size hint
+// of the kernel's pipelined copies, and WGMMA 1 as wgmma.
+void add_codegen_hints(const Config& config, dsl::MetaMap& meta);
 // Each of `names` that config.meta sets to a non-zero value, as the kernel
 // meta-parameter of that name (EVICT, WARPS_N: kernels read 0 when unset).
 void pass_meta(const Config& config, dsl::MetaMap& meta, std::initializer_list<const char*> names);

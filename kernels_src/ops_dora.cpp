@@ -64,7 +64,7 @@ DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, DType w_dtype, bool gpu, 
   // cp.async pipelining on the GPU; the CPU back end has no use for stages.
   p.meta["num_stages"] = config.num_stages ? config.num_stages : (wide ? 2 : gpu ? 3 : 1);
   pass_meta(config, p.meta, {"EVICT", "WARPS_N"});
-  add_l2_prefetch(config, p.meta);
+  add_codegen_hints(config, p.meta);
   p.cast_a = cast_a_dtype(config, dot);
   // A step within one scale block per row: one scale per row and step.
   if (four_bit && in % bk == 0 && blocksize % bk == 0) p.meta["SCALE_PER_STEP"] = 1;
@@ -133,7 +133,7 @@ void run_dora_norm(const TensorView& W, const TensorView& A, const TensorView& B
                    const TensorView& norm, const TensorView& scale, double eps, void* stream, const Config& config,
                    const std::string& layout) {
   const char* op = "dora_norm";
-  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, kWarpsN, kL2Prefetch, {"WGMMA", 0, 1}});
+  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, kWarpsN, kL2Prefetch, kWgmma});
   expect_shape(op, "W", W, {-1, -1});
   const int64_t out = W.shape[0], in = W.shape[1];
   expect_shape(op, "A", A, {-1, in});

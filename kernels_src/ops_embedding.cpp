@@ -204,7 +204,7 @@ EmbeddingLaunch plan_embedding(const EmbeddingForward& c, const Config& config, 
             {"num_warps", config.num_warps ? config.num_warps : (gpu && bt >= 128 ? 8 : 4)},
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
   pass_meta(config, l.meta, {"WARPS_N"});
-  add_l2_prefetch(config, l.meta);
+  add_codegen_hints(config, l.meta);
   l.grid = Grid{uint32_t(blocks), uint32_t(split), 1};
   return l;
 }
@@ -353,7 +353,7 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
             {"ROTATE", meta_or(config, "ROTATE", 0)},
             {"num_warps", config.num_warps ? config.num_warps : (gpu && bt >= 128 ? 8 : 4)},
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
-  add_l2_prefetch(config, p.meta);
+  add_codegen_hints(config, p.meta);
   // On a GPU the kernel waits for the grid before it, the fill, before its first atomics,
   // so that its launch may overlap the fill (LaunchOptions::overlap_prior).
   if (gpu) p.meta["WAIT_PRIOR"] = 1;

@@ -54,7 +54,7 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
             {"num_warps", config.num_warps ? config.num_warps : 4},
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
   pass_meta(config, p.meta, {"EVICT", "WARPS_N"});
-  add_l2_prefetch(config, p.meta);
+  add_codegen_hints(config, p.meta);
   p.grid = Grid{uint32_t(cdiv(out, bm)), uint32_t(split), uint32_t(G)};
   return p;
 }
@@ -116,7 +116,7 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
 // caller's Config or else the autotuner's (remembered per call signature).
 void launch_merge(const char* op, const TensorView& W3, const TensorView& A3, const TensorView& B3, double s,
                   void* stream, const Config& config) {
-  expect_meta(op, config, {{"EVICT", 0, 2}, kWarpsN, kL2Prefetch, {"WGMMA", 0, 1}});
+  expect_meta(op, config, {{"EVICT", 0, 2}, kWarpsN, kL2Prefetch, kWgmma});
   if (has_config(config))
     return run_merge(W3, A3, B3, s, stream, config);
   static PlanMemo<Config> tuned;

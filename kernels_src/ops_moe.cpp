@@ -35,7 +35,7 @@ MoePlan plan_moe(const TensorView& W, int64_t r, bool gpu, const Config& config)
   // cp.async pipelining on the GPU; the CPU back end has no use for stages.
   p.meta["num_stages"] = config.num_stages ? config.num_stages : (gpu ? 3 : 1);
   pass_meta(config, p.meta, {"EVICT", "WARPS_N"});
-  add_l2_prefetch(config, p.meta);
+  add_codegen_hints(config, p.meta);
   p.cast_a = cast_a_dtype(config, dot);
   // Column slices per row block (grid axis 1): 1 unless the config asks for more.
   const int64_t split =
@@ -78,7 +78,7 @@ void run_moe_lora_materialize(const TensorView& W, const TensorView& A, const Te
                               const TensorView& W_eff, void* stream, const Config& config,
                               const std::string& layout) {
   const char* op = "moe_lora_materialize";
-  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, kWarpsN, kL2Prefetch, {"WGMMA", 0, 1}});
+  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, kWarpsN, kL2Prefetch, kWgmma});
   expect_shape(op, "W", W, {-1, -1, -1});
   const int64_t E = W.shape[0], N = W.shape[1], K = W.shape[2];
   expect_shape(op, "A", A, {E, -1, K});

@@ -54,7 +54,7 @@ MoeBackwardPlan plan_moe_backward(const TensorView& dW, int64_t r, bool gpu, int
               {"ROTATE", rotate},
               {"num_warps", config.num_warps ? config.num_warps : (gpu && bk >= 512 ? 16 : gpu ? 8 : 4)},
               {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
-    add_l2_prefetch(config, p.meta);
+    add_codegen_hints(config, p.meta);
     if (gpu) p.meta["WAIT_PRIOR"] = 1;  // overlaps the zero-fill launched before it
     p.grid = Grid{uint32_t(cdiv(K, bk)), uint32_t(p.split), uint32_t(E)};
     return p;
@@ -76,7 +76,7 @@ MoeBackwardPlan plan_moe_backward(const TensorView& dW, int64_t r, bool gpu, int
             {"ROTATE", rotate},
             {"num_warps", config.num_warps ? config.num_warps : (gpu && bn >= 128 ? 8 : 4)},
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
-  add_l2_prefetch(config, p.meta);
+  add_codegen_hints(config, p.meta);
   if (gpu) p.meta["WAIT_PRIOR"] = 1;
   p.grid = Grid{uint32_t(cdiv(N, bn)), uint32_t(p.split), uint32_t(E)};
   return p;
@@ -220,7 +220,7 @@ void moe_lora_materialize_backward(const TensorView& dW, const TensorView& A, co
                                    double s, const TensorView& dA, const TensorView& dB,
                                    void* stream, const Config& config, const Layout& layout) {
   const char* op = "moe_lora_materialize_backward";
-  expect_meta(op, config, {{"ROTATE", 0, 1}, {"BY_COLUMNS", 0, 1}, kL2Prefetch, {"WGMMA", 0, 1}});
+  expect_meta(op, config, {{"ROTATE", 0, 1}, {"BY_COLUMNS", 0, 1}, kL2Prefetch, kWgmma});
   const LayoutSplits splits = check_layout(op, layout, backward_operands());
   expect_unsplit(op, layout, splits, "r", "each expert's product B[e] @ A[e] needs every rank");
   expect_shape(op, "dW_eff", dW, {-1, -1, -1});

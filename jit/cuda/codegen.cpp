@@ -52,6 +52,7 @@ KernelCode Codegen::run() {
       << " bytes of shared memory\n";
   src << "#include <cuda/std/cstdint>\n";
   src << device_library_source();
+  if (!wgmma_sizes_.empty()) src << wgmma_helpers_source();
   for (int n : wgmma_sizes_) src << wgmma_wrapper_source(n);
   src << "\nextern \"C\" __global__ void __launch_bounds__(" << out.threads << ") " << out.entry
       << "(const __grid_constant__ kerf_dev::Args<" << std::max(1, out.num_slots) << "> args) {\n";
@@ -144,20 +145,20 @@ bool Codegen::sw128_candidate(ValueId v) const {
   if (!wgmma_) return false;
   const ir::Type& t = type(v);
   if (t.shape.size() != 2 || !is_half(t.dtype) || t.shape[0] % 8 || t.shape[1] % 64) return false;
-  const auto it = users_.find(v);
-  if (it == users_.end()) return false;
-  for (const auto& [op, i] : it->second) {
-    if (op->kind == OpKind::Dot && i < 2 && mma_eligible(*op)) continue;
-    if (op->kind == OpKind::Transpose && type(op->results[0]).dtype == t.dtype) {
-      const auto tu = users_.find(op->results[0]);
-      if (tu == users_.end()) return false;
-      for (const auto& [op2, i2] : tu->second)
-        if (!(op2->kind == OpKind::Dot && i2 < 2 && mma_eligible(*op2))) return false;
-      continue;
+  // Every use an operand of a tensor-core dot, directly or (once) through a trans().
+  const auto only_dot_operand = [&](ValueId x, bool through_trans, const auto& self) -> bool {
+    const auto it = users_.find(x);
+    if (it == users_.end()) return false;
+    for (const auto& [op, i] : it->second) {
+      if (op->kind == OpKind::Dot && i < 2 && mma_eligible(*op)) continue;
+      if (through_trans && op->kind == OpKind::Transpose && type(op->results[0]).dtype == t.dtype &&
+          self(op->results[0], false, self))
+        continue;
+      return false;
     }
-    return false;
-  }
-  return true;
+    return true;
+  };
+  return only_dot_operand(v, true, only_dot_operand);
 }
 
 bool Codegen::wgmma_dot(const Operation& op) const {

@@ -10,9 +10,9 @@ Staged Codegen::stage(ValueId v) {
   if (auto a = async_.find(v); a != async_.end())
     return Staged{async_slot_offset(a->second), a->second.pitch[0], false, a->second.sw_rows};
   // trans(x): x's tile in shared memory, read transposed (no second copy).
-  if (const Operation* op = def_op_[size_t(v)];
-      op && op->kind == OpKind::Transpose && type(op->operands[0]).dtype == type(v).dtype) {
-    Staged s = stage(op->operands[0]);
+  bool transposed = false;
+  if (const ValueId src = dot_source(v, &transposed); transposed) {
+    Staged s = stage(src);
     s.transposed = !s.transposed;
     staged_[v] = s;
     return s;
@@ -121,7 +121,6 @@ Tile Codegen::emit_dot(const Operation& op, int h) {
       // columns of B, read from shared memory through a descriptor.
       const int64_t nw = N / wn;
       const int64_t chunk = sb.transposed ? nw : std::min<int64_t>(nw, 64);
-      wgmma_sizes_.insert(0);
       wgmma_sizes_.insert(int(chunk));
       const std::string fn = std::string("kerf_dev::wgmma_") + (ta.dtype == DType::bf16 ? "bf16" : "f16") +
                              "_n" + S(chunk) + "<" + (sb.transposed ? "0" : "1") + ">";
@@ -149,36 +148,36 @@ Tile Codegen::emit_dot(const Operation& op, int h) {
       line(lv, "kerf_dev::wgmma_commit();");
       line(lv, "kerf_dev::wgmma_wait();");
     } else {
-    line(lv, "#pragma unroll");
-    line(lv, "for (int ki = 0; ki < " + S(K / 16) + "; ++ki) {");
-    line(lv, "  #pragma unroll");
-    // B fragments for two n-tiles per ldmatrix.x4 (lanes 16-31 address the second).
-    const int64_t per = NT >= 2 ? 2 : 1;
-    line(lv, "  for (int ni = 0; ni < " + S(NT) + "; ni += " + S(per) + ") {");
-    line(lv, "    unsigned bf[" + S(2 * per) + "];");
-    if (sb.transposed) {
-      // Shared memory holds B^T [N, K]: each n's k's are contiguous, the layout
-      // mma wants for B, so ldmatrix needs no transpose.
-      const std::string n_of = per == 2 ? "(ni + (lane >> 4))" : "ni";
-      line(lv, std::string("    kerf_dev::") + (per == 2 ? "ldmatrix_x4" : "ldmatrix_x2") + "(bf, sb + " +
-                   at_rc(sb, "wn * 8 + " + n_of + " * " + S(8 * wn) + " + (lane & 7)",
-                         "ki * 16 + ((lane >> 3) & 1) * 8") +
-                   ");");
-    } else if (per == 2) {
-      line(lv, "    kerf_dev::ldmatrix_x4_trans(bf, sb + " +
-                   at_rc(sb, "ki * 16 + (lane & 15)", "wn * 8 + (ni + (lane >> 4)) * " + S(8 * wn)) + ");");
-    } else {
-      line(lv, "    kerf_dev::ldmatrix_x2_trans(bf, sb + " +
-                   at_rc(sb, "ki * 16 + (lane & 15)", "wn * 8 + ni * " + S(8 * wn)) + ");");
-    }
-    line(lv, "    #pragma unroll");
-    line(lv, "    for (int h = 0; h < " + S(per) + "; ++h)");
-    line(lv, "      #pragma unroll");
-    line(lv, "      for (int mi = 0; mi < " + S(MT) + "; ++mi) " + mma + "(&" + name +
-                 "[((ni + h) << 2) | (mi << " + S(2 + log2i(NT)) + ")], " + af +
-                 "[ki][mi], bf + 2 * h);");
-    line(lv, "  }");
-    line(lv, "}");
+      line(lv, "#pragma unroll");
+      line(lv, "for (int ki = 0; ki < " + S(K / 16) + "; ++ki) {");
+      line(lv, "  #pragma unroll");
+      // B fragments for two n-tiles per ldmatrix.x4 (lanes 16-31 address the second).
+      const int64_t per = NT >= 2 ? 2 : 1;
+      line(lv, "  for (int ni = 0; ni < " + S(NT) + "; ni += " + S(per) + ") {");
+      line(lv, "    unsigned bf[" + S(2 * per) + "];");
+      if (sb.transposed) {
+        // Shared memory holds B^T [N, K]: each n's k's are contiguous, the layout
+        // mma wants for B, so ldmatrix needs no transpose.
+        const std::string n_of = per == 2 ? "(ni + (lane >> 4))" : "ni";
+        line(lv, std::string("    kerf_dev::") + (per == 2 ? "ldmatrix_x4" : "ldmatrix_x2") + "(bf, sb + " +
+                     at_rc(sb, "wn * 8 + " + n_of + " * " + S(8 * wn) + " + (lane & 7)",
+                           "ki * 16 + ((lane >> 3) & 1) * 8") +
+                     ");");
+      } else if (per == 2) {
+        line(lv, "    kerf_dev::ldmatrix_x4_trans(bf, sb + " +
+                     at_rc(sb, "ki * 16 + (lane & 15)", "wn * 8 + (ni + (lane >> 4)) * " + S(8 * wn)) + ");");
+      } else {
+        line(lv, "    kerf_dev::ldmatrix_x2_trans(bf, sb + " +
+                     at_rc(sb, "ki * 16 + (lane & 15)", "wn * 8 + ni * " + S(8 * wn)) + ");");
+      }
+      line(lv, "    #pragma unroll");
+      line(lv, "    for (int h = 0; h < " + S(per) + "; ++h)");
+      line(lv, "      #pragma unroll");
+      line(lv, "      for (int mi = 0; mi < " + S(MT) + "; ++mi) " + mma + "(&" + name +
+                   "[((ni + h) << 2) | (mi << " + S(2 + log2i(NT)) + ")], " + af +
+                   "[ki][mi], bf + 2 * h);");
+      line(lv, "  }");
+      line(lv, "}");
     }
   } else {
     // fp32 FMA: each thread walks K for the rows and columns it owns.

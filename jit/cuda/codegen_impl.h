@@ -470,10 +470,10 @@ class Codegen {
   int sm_ = 80;
   int num_warps_ = 4;
   int num_stages_ = 1;
-  int l2_prefetch_ = 0;
+  int l2_prefetch_ = 0;  // meta l2_prefetch: the L2 prefetch size hint of cp.async copies (bytes)
   bool wgmma_ = false;        // meta wgmma=1 on an sm_90a target
   std::set<int> wgmma_sizes_;  // N of the wgmma instructions emitted (their wrappers go in the source)
-  std::map<ValueId, std::vector<std::pair<const Operation*, int>>> users_;  // value -> (op, operand index)  // meta l2_prefetch: the L2 prefetch size hint of cp.async copies (bytes)
+  std::map<ValueId, std::vector<std::pair<const Operation*, int>>> users_;  // value -> (op, operand index)
   std::vector<ir::AxisInfo> axis_;
   std::vector<int> uses_;
   std::vector<const Operation*> def_op_;

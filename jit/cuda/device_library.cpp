@@ -301,12 +301,10 @@ __device__ __forceinline__ int sw128(int r, int c, int rows) {
 )KERF";
 }
 
-std::string wgmma_wrapper_source(int n) {
-  std::string out;
-  if (n == 0) {
-    // Helpers every wgmma dot uses: a shared-memory descriptor of a 128-byte-swizzled
-    // operand (8-row groups 1024 bytes apart), and the warpgroup's ordering steps.
-    out += R"KERF(
+const char* wgmma_helpers_source() {
+  // A shared-memory descriptor of a 128-byte-swizzled operand (8-row groups
+  // 1024 bytes apart), and the warpgroup's ordering steps.
+  return R"KERF(
 namespace kerf_dev {
 __device__ __forceinline__ unsigned long long wgmma_desc(unsigned smem_addr) {
   return (unsigned long long)((smem_addr >> 4) & 0x3FFF) | (1ull << 16) | (64ull << 32) | (1ull << 62);
@@ -316,8 +314,10 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
 }  // namespace kerf_dev
 )KERF";
-    return out;
-  }
+}
+
+std::string wgmma_wrapper_source(int n) {
+  std::string out;
   // D[64, n] += A[64, 16] (registers, mma.sync's A fragment per warp) @ B[16, n]
   // (shared memory, descriptor); TB = 1: B is MN-major (n contiguous), 0: K-major.
   const int regs = n / 2;

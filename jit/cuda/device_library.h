@@ -7,8 +7,10 @@ namespace kerf::jit::cuda {
 
 const char* device_library_source();
 
-// wgmma.m64n<n>k16 wrappers (bf16 and f16, A from registers, B by descriptor)
-// for the kernels that use them; n = 0 gives the shared helpers.
+// The helpers every wgmma dot uses (descriptor, fence, commit, wait), and the
+// wgmma.m64n<n>k16 wrappers (bf16 and f16, A from registers, B by descriptor),
+// for the kernels that use them.
+const char* wgmma_helpers_source();
 std::string wgmma_wrapper_source(int n);
 
 }  // namespace kerf::jit::cuda
