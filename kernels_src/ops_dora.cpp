@@ -206,6 +206,18 @@ std::vector<autotune::Config> dora_gpu_candidates(int64_t out, int64_t in, int64
   return with_wave_splits(dora_gpu_candidates(), "BLOCK_M", out, "BLOCK_K", in, 1, programs, {1, 2});
 }
 
+// The tiles that won with WGMMA on an H100 (bf16, r=32 and 64, the four benchmark
+// shapes): 64 rows on one warpgroup with two or three stages, and 128 rows on two
+// warpgroups with 64- or 128-column steps, the latter mostly with one or two waves.
+std::vector<autotune::Config> dora_wgmma_tiles() {
+  std::vector<autotune::Config> c =
+      autotune::product({{"BLOCK_M", {64}}, {"BLOCK_K", {64}}, {"num_warps", {4}}, {"num_stages", {2, 3}}});
+  for (autotune::Config& t :
+       autotune::product({{"BLOCK_M", {128}}, {"BLOCK_K", {64, 128}}, {"num_warps", {8}}, {"num_stages", {3}}}))
+    c.push_back(std::move(t));
+  return c;
+}
+
 Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& m,
                          const TensorView& norm, const TensorView& scale, void* stream) {
   const bool gpu = W.device.is_cuda();
@@ -219,8 +231,9 @@ Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorV
                W.device};
   q.block_m_name = "BLOCK_M";
   q.block_k_name = "BLOCK_K";
-  q.gpu_candidates = dora_gpu_candidates(out, in, programs);
   const DType product = is_half(W.dtype) ? W.dtype : DType::f32;
+  q.gpu_candidates = with_wave_splits(with_wgmma_tiles(dora_gpu_candidates(), dora_wgmma_tiles(), product, W.device),
+                                      "BLOCK_M", out, "BLOCK_K", in, 1, programs, {1, 2});
   q.finalist_variants = with_wgmma_variant(
       with_l2_prefetch_variants(with_warps_n_variants(evict_and_cast_variants(A, product), product)), product,
       W.device);

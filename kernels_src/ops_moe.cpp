@@ -60,6 +60,17 @@ void launch_moe(const MoePlan& p, const TensorView& W, const TensorView& A, cons
   launch(kernels::moe_lora_materialize(), {W, a.a, B, Scalar(s), W_eff}, p.grid, p.meta, options);
 }
 
+// The tiles that ran best with WGMMA on an H100 (bf16, r=64): 64x128 on one
+// warpgroup with two stages, 128x128 on two with three, each at the usual splits.
+std::vector<autotune::Config> moe_wgmma_tiles() {
+  std::vector<autotune::Config> c = autotune::product(
+      {{"BLOCK_N", {64}}, {"BLOCK_K", {128}}, {"num_warps", {4}}, {"num_stages", {2}}, {"split_k", {1, 2, 3, 4}}});
+  for (autotune::Config& t : autotune::product(
+           {{"BLOCK_N", {128}}, {"BLOCK_K", {128}}, {"num_warps", {8}}, {"num_stages", {3}}, {"split_k", {1, 2, 3, 4}}}))
+    c.push_back(std::move(t));
+  return c;
+}
+
 Config tuned_moe_config(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& W_eff,
                         void* stream);
 
@@ -147,8 +158,8 @@ Config tuned_moe_config(const TensorView& W, const TensorView& A, const TensorVi
                W.device};
   q.block_m_name = "BLOCK_N";
   q.block_k_name = "BLOCK_K";
-  q.gpu_candidates = moe_gpu_candidates();
   const DType product = is_half(W.dtype) ? W.dtype : DType::f32;
+  q.gpu_candidates = with_wgmma_tiles(moe_gpu_candidates(), moe_wgmma_tiles(), product, W.device);
   q.finalist_variants = with_wgmma_variant(
       with_l2_prefetch_variants(with_warps_n_variants(evict_and_cast_variants(A, product), product)), product,
       W.device);

@@ -98,6 +98,17 @@ std::vector<autotune::Config> with_wgmma_variant(std::vector<autotune::Config> v
   return variants;
 }
 
+std::vector<autotune::Config> with_wgmma_tiles(std::vector<autotune::Config> candidates,
+                                               const std::vector<autotune::Config>& tiles, DType product,
+                                               const Device& device) {
+  if (with_wgmma_variant({}, product, device).empty()) return candidates;
+  for (autotune::Config tile : tiles) {
+    tile["WGMMA"] = 1;
+    candidates.push_back(std::move(tile));
+  }
+  return candidates;
+}
+
 Config config_of(const TuneRequest& q, const autotune::Config& c) {
   return config_from(c, q.block_m_name, q.block_k_name);
 }

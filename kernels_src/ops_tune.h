@@ -101,6 +101,15 @@ std::vector<autotune::Config> with_l2_prefetch_variants(std::vector<autotune::Co
 std::vector<autotune::Config> with_wgmma_variant(std::vector<autotune::Config> variants, DType product,
                                                  const Device& device);
 
+// `candidates` and, when `product` runs on tensor cores and `device` is an sm_90a
+// GPU, each of `tiles` with WGMMA 1: first-round candidates of their own, since
+// the tiles that suit warpgroup dots are not the ones that win with mma.sync (the
+// finalists' WGMMA variant alone missed them: DoRA r=64 at 14336x4096 tuned to
+// 54.1 us while 128x128 tiles, 8 warps, one wave and WGMMA ran 51.6 us).
+std::vector<autotune::Config> with_wgmma_tiles(std::vector<autotune::Config> candidates,
+                                               const std::vector<autotune::Config>& tiles, DType product,
+                                               const Device& device);
+
 // The autotuner's choice for `request` (its defaults, all zero, when tuning is off
 // for the device). On the CPU back end only two tile sizes of each are tried.
 Config tuned_config(const TuneRequest& request);

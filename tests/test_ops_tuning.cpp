@@ -137,3 +137,27 @@ TEST_CASE("wave-split candidates try each split once, the op's own default inclu
   CHECK(splits(with_wave_splits({tile}, "BLOCK_T", rows, "BLOCK_D", cols, 1, programs, {1, 0}, 1)) ==
         std::vector<int64_t>{0, 64});
 }
+
+// WGMMA tiles are first-round candidates only where warpgroup dots exist: a
+// half-precision product on an sm_90a GPU.
+TEST_CASE("WGMMA tiles join the candidates only for a tensor-core product on sm_90a", "[autotune][cpu]") {
+  using ops::detail::with_wgmma_tiles;
+  const std::vector<autotune::Config> base = {{{"BLOCK_M", 32}}}, tiles = {{{"BLOCK_M", 64}}, {{"BLOCK_M", 128}}};
+  CHECK(with_wgmma_tiles(base, tiles, DType::bf16, Device::cpu()) == base);
+  CHECK(with_wgmma_tiles(base, tiles, DType::f32, Device::cuda(0)) == base);  // no tensor-core product
+}
+
+TEST_CASE("WGMMA tiles join the candidates on an sm_90a GPU and nowhere else", "[autotune][gpu]") {
+  KERF_REQUIRE_GPU();
+  using ops::detail::with_wgmma_tiles;
+  const std::vector<autotune::Config> base = {{{"BLOCK_M", 32}}}, tiles = {{{"BLOCK_M", 64}}, {{"BLOCK_M", 128}}};
+  const std::vector<autotune::Config> got = with_wgmma_tiles(base, tiles, DType::f16, Device::cuda(0));
+  if (device_arch(0) != "sm_90a") {
+    CHECK(got == base);
+    return;
+  }
+  REQUIRE(got.size() == 3);
+  CHECK(got[0] == base[0]);
+  CHECK(got[1] == autotune::Config{{"BLOCK_M", 64}, {"WGMMA", 1}});
+  CHECK(got[2] == autotune::Config{{"BLOCK_M", 128}, {"WGMMA", 1}});
+}

@@ -11,6 +11,8 @@
 #   tools/gpu-check.sh --stages build      # only build (C++ and, with pybind11, the Python module)
 #   tools/gpu-check.sh --stages bench --bench-op dora_norm,lora_merge
 #                                          # only the benchmark cases whose names contain one of these
+#   tools/gpu-check.sh --stages bench --bench-args --tuned-only
+#                                          # more kerf_bench options (here: the autotuner's choice only, no sweep)
 #
 # The benchmark logs and JSON are written to $OUT as they grow, so a run
 # stopped by a time limit still leaves every case it finished.
@@ -23,12 +25,14 @@ cd "$root"
 stages="test,sanitize,bench,python"
 quick=""
 bench_op=""
+bench_args=()
 test_filter="[gpu]"
 while (($#)); do
   case "$1" in
     --stages) stages="$2"; shift 2 ;;
     --quick) quick="--quick"; shift ;;
     --bench-op) bench_op="$2"; shift 2 ;;
+    --bench-args) read -r -a bench_args <<< "$2"; shift 2 ;;
     --filter) test_filter="$2"; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
@@ -141,7 +145,7 @@ if [[ ,$stages, == *,bench,* ]]; then
   t0=$SECONDS
   op_args=()
   [[ -n $bench_op ]] && op_args=(--op "$bench_op")
-  "$build/tests/bench/kerf_bench" $quick "${op_args[@]}" --json "$final/kerf-bench.json" 2>&1 |
+  "$build/tests/bench/kerf_bench" $quick "${op_args[@]}" "${bench_args[@]}" --json "$final/kerf-bench.json" 2>&1 |
     tee "$out/kerf-bench.log" "$final/kerf-bench.log"
   if python3 -c "import torch" 2>/dev/null; then
     PYTHONUNBUFFERED=1 python3 tests/bench/reference_bench.py $quick "${op_args[@]}" \

@@ -386,6 +386,7 @@ OpCase make_embedding(int64_t T, int64_t V, int64_t D, int64_t r, bool backward)
 // The best of a few configurations (the autotuned call is timed after it, in
 // tuned_vs_default, and becomes the figure when faster).
 std::vector<Result> g_sweep;  // every configuration tried, for the JSON report
+bool g_verbose = false;       // --verbose: a line per configuration tried
 
 // The op with its own defaults (autotuner off) and autotuned (on), each timed.
 struct TunedVsDefault {
@@ -435,6 +436,8 @@ Result best_of(const std::vector<ops::Config>& configs, F run_one) {
   for (const ops::Config& c : configs) {
     try {
       Result r = run_one(c);
+      if (g_verbose)
+        std::printf("    %-30s %-18s %9.1f us  [%s]\n", r.op.c_str(), r.shape.c_str(), r.median_us, r.config.c_str());
       g_sweep.push_back(r);
       if (best.median_us == 0 || r.median_us < best.median_us) best = r;
     } catch (const kerf::Error& e) {
@@ -447,13 +450,14 @@ Result best_of(const std::vector<ops::Config>& configs, F run_one) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string json_path, only, op_filter;
+  std::string json_path, only, op_filter, with_meta;
   std::optional<ops::Config> forced;
   std::map<std::string, int64_t> meta;
-  bool quick = false;
+  bool quick = false, tuned_only = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json_path = argv[++i];
     if (!std::strcmp(argv[i], "--quick")) quick = true;
+    if (!std::strcmp(argv[i], "--verbose")) g_verbose = true;
     // --only OUT,IN,R,BM,BK,SPLIT,WARPS,STAGES: one DoRA case and config, timed
     // repeatedly (for profilers).
     if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
@@ -469,6 +473,12 @@ int main(int argc, char** argv) {
       }
       forced = ops::Config{c[0], c[1], c[2], c[3], c[4]};
     }
+    // --with-meta NAME: only the swept configs that set meta NAME (e.g. WGMMA), beside
+    // the op's default and autotuned calls.
+    if (!std::strcmp(argv[i], "--with-meta") && i + 1 < argc) with_meta = argv[++i];
+    // --tuned-only: no sweep; each case's figure is the autotuner's choice (what a
+    // call without a Config gets), timed beside the op's default config.
+    if (!std::strcmp(argv[i], "--tuned-only")) tuned_only = true;
     // --meta NAME=V[,NAME=V...]: Config.meta for --only and --config (e.g. WARPS_N=2).
     if (!std::strcmp(argv[i], "--meta") && i + 1 < argc) {
       for (const std::string& item : comma_items(argv[++i])) {
@@ -559,7 +569,11 @@ int main(int argc, char** argv) {
     // One case: the best of `cfgs` (or the forced config), the tuned-vs-default line, the row.
     const auto measure = [&](const std::function<Result(const ops::Config&)>& run,
                              const std::vector<ops::Config>& cfgs) {
-      Result res = best_of(forced ? std::vector<ops::Config>{*forced} : cfgs, run);
+      std::vector<ops::Config> tried = forced ? std::vector<ops::Config>{*forced} : cfgs;
+      if (!forced && !with_meta.empty())
+        std::erase_if(tried, [&](const ops::Config& c) { return !c.meta.count(with_meta); });
+      if (!forced && tuned_only) tried.clear();
+      Result res = best_of(tried, run);
       if (!forced) tuned_vs_default(res, run);
       if (res.median_us == 0) {  // every config was refused (the reasons are printed above)
         std::printf("  no configuration of this case ran\n");
@@ -581,6 +595,21 @@ int main(int argc, char** argv) {
     // L2 hints (W evicted first; 2: A kept) on two of the usual winners.
     for (int64_t evict : {1, 2})
       for (int64_t bm : {64, 128}) dora_cfgs.push_back(ops::Config{bm, 64, 0, 8, 3, {{"EVICT", evict}}});
+    // Warpgroup dots (WGMMA, sm_90a only: elsewhere these would repeat the mma.sync
+    // tiles): each warpgroup owns 64 rows per instruction, so the tiles pair rows
+    // with warps differently, and deeper rings pay off when B is read once per warpgroup.
+    const bool hopper = cuda::arch_name(info.cc_major, info.cc_minor) == "sm_90a";
+    const auto wgmma_tiles = [&](const std::vector<std::array<int64_t, 2>>& rows_warps,
+                                 const std::vector<int64_t>& steps, const std::vector<int64_t>& stages) {
+      std::vector<ops::Config> c;
+      if (!hopper || quick) return c;
+      for (const auto& [bm, warps] : rows_warps)
+        for (int64_t bk : steps)
+          for (int64_t st : stages) c.push_back(ops::Config{bm, bk, 0, warps, st, {{"WGMMA", 1}}});
+      return c;
+    };
+    for (ops::Config& c : wgmma_tiles({{64, 4}, {128, 4}, {128, 8}, {256, 8}}, {64, 128}, {2, 3, 4}))
+      dora_cfgs.push_back(std::move(c));
     if (quick) dora_cfgs = {ops::Config{64, 64, 0, 8, 3}, ops::Config{128, 64, 0, 8, 3}, ops::Config{64, 128, 0, 4, 3}};
     const std::vector<std::pair<int64_t, int64_t>> dora_shapes = {
         {4096, 4096}, {8192, 8192}, {14336, 4096}, {4096, 14336}};
@@ -600,6 +629,12 @@ int main(int argc, char** argv) {
             if (wn) cfg.meta["WARPS_N"] = wn;
             c.push_back(cfg);
           }
+          // The same splits of the warpgroup tiles.
+          if (waves)
+            for (ops::Config cfg : wgmma_tiles({{bm, 8}}, {64, 128}, {3})) {
+              cfg.split_k = split;
+              c.push_back(std::move(cfg));
+            }
         }
       return c;
     };
@@ -633,6 +668,8 @@ int main(int argc, char** argv) {
       for (int64_t bn : {64, 128}) moe_cfgs.push_back(ops::Config{bn, 128, 0, 8, 3, {{"EVICT", evict}}});
     for (int64_t wn : {2, 4})
       for (int64_t bn : {128, 256}) moe_cfgs.push_back(ops::Config{bn, 64, 0, 8, 3, {{"WARPS_N", wn}}});
+    for (ops::Config& c : wgmma_tiles({{64, 4}, {128, 4}, {128, 8}, {256, 8}}, {64, 128}, {2, 3, 4}))
+      moe_cfgs.push_back(std::move(c));
     if (quick) moe_cfgs = {ops::Config{64, 64, 0, 8, 3}, ops::Config{32, 128, 0, 4, 3}, ops::Config{64, 128, 0, 4, 2}};
     struct MoeCase {
       int64_t E, N, K, r;
@@ -688,6 +725,10 @@ int main(int argc, char** argv) {
         if (rotate)
           for (int64_t bn : {128, 256}) moe_bwd_cfgs.push_back(ops::Config{bn, 64, 0, 8, 3, {{"ROTATE", 1}}});
       }
+    for (ops::Config c : wgmma_tiles({{256, 8}}, {64}, {2, 3})) {  // 128 rows ran 30% slower
+      c.meta["ROTATE"] = 1;
+      moe_bwd_cfgs.push_back(std::move(c));
+    }
     for (const MoeCase& c : {MoeCase{128, 1536, 2048, 16}, MoeCase{128, 2048, 768, 16}, MoeCase{64, 2816, 2048, 64}})
       for (DType grads : {DType::f32, DType::bf16})
         if (family("moe_backward")) run_case(make_moe_backward(c.E, c.N, c.K, c.r, grads), moe_bwd_cfgs);

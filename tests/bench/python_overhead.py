@@ -120,13 +120,15 @@ def main():
 
     core._convert(six)  # torch is imported: kerf has looked for its bridge
     bridge = core._torch_bridge_status()
-    results = {}
-    for name, fn in cases.items():
-        core._set_torch_bridge(name not in attribute_path)
-        per_call, gpu_per_call = [], []
-        stream_ctx = torch.cuda.stream(side) if name in on_side_stream else contextlib.nullcontext()
-        with stream_ctx:
-            for _ in range(args.rounds):
+    # Rounds go case by case in turn (round 1 of every case, then round 2, ...), so that
+    # a drift of this machine's launch cost during the run falls on every case alike.
+    per_call = {name: [] for name in cases}
+    gpu_per_call = {name: [] for name in cases}
+    for _ in range(args.rounds):
+        for name, fn in cases.items():
+            core._set_torch_bridge(name not in attribute_path)
+            stream_ctx = torch.cuda.stream(side) if name in on_side_stream else contextlib.nullcontext()
+            with stream_ctx:
                 torch.cuda.synchronize()
                 # The GPU is held busy while the host queues the round, so the host never
                 # waits on it (calls stay well under the launch queue's depth); the GPU's
@@ -139,11 +141,11 @@ def main():
                 t1 = time.perf_counter()
                 end.record()
                 end.synchronize()
-                per_call.append((t1 - t0) / args.calls * 1e6)
-                gpu_per_call.append(start.elapsed_time(end) * 1e3 / args.calls)
-        torch.cuda.synchronize()
-        results[name] = {"median_us": statistics.median(per_call), "min_us": min(per_call),
-                         "gpu_us_per_call": statistics.median(gpu_per_call)}
+                per_call[name].append((t1 - t0) / args.calls * 1e6)
+                gpu_per_call[name].append(start.elapsed_time(end) * 1e3 / args.calls)
+    torch.cuda.synchronize()
+    results = {name: {"median_us": statistics.median(per_call[name]), "min_us": min(per_call[name]),
+                      "gpu_us_per_call": statistics.median(gpu_per_call[name])} for name in cases}
     core._set_torch_bridge(True)
 
     gpu = torch.cuda.get_device_name()
