@@ -197,13 +197,14 @@ std::vector<autotune::Config> dora_gpu_candidates() {
   return c;
 }
 
-// dora_gpu_candidates, each also with split-K set to one and to two full waves of
-// programs on `programs` multiprocessors (the default split aims at about three).
-// Fewer, longer programs pay the B tile and the finish once per more columns: at
-// r=64 on 4096x4096, one wave (split 4 at BLOCK_M=128) ran 21.6 us against 25.6
-// us for the default split of 13 on an H100.
-std::vector<autotune::Config> dora_gpu_candidates(int64_t out, int64_t in, int64_t programs) {
-  return with_wave_splits(dora_gpu_candidates(), "BLOCK_M", out, "BLOCK_K", in, 1, programs, {1, 2});
+// `tiles` (dora_gpu_candidates by default), each also with split-K set to one and
+// to two full waves of programs on `programs` multiprocessors (the default split
+// aims at about three). Fewer, longer programs pay the B tile and the finish once
+// per more columns: at r=64 on 4096x4096, one wave (split 4 at BLOCK_M=128) ran
+// 21.6 us against 25.6 us for the default split of 13 on an H100.
+std::vector<autotune::Config> dora_gpu_candidates(int64_t out, int64_t in, int64_t programs,
+                                                  const std::vector<autotune::Config>& tiles = dora_gpu_candidates()) {
+  return with_wave_splits(tiles, "BLOCK_M", out, "BLOCK_K", in, 1, programs, {1, 2});
 }
 
 // The tiles that won with WGMMA on an H100 (bf16, r=32 and 64, the four benchmark
@@ -232,8 +233,8 @@ Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorV
   q.block_m_name = "BLOCK_M";
   q.block_k_name = "BLOCK_K";
   const DType product = is_half(W.dtype) ? W.dtype : DType::f32;
-  q.gpu_candidates = with_wave_splits(with_wgmma_tiles(dora_gpu_candidates(), dora_wgmma_tiles(), product, W.device),
-                                      "BLOCK_M", out, "BLOCK_K", in, 1, programs, {1, 2});
+  q.gpu_candidates =
+      dora_gpu_candidates(out, in, programs, with_wgmma_tiles(dora_gpu_candidates(), dora_wgmma_tiles(), product, W.device));
   q.finalist_variants = with_wgmma_variant(
       with_l2_prefetch_variants(with_warps_n_variants(evict_and_cast_variants(A, product), product)), product,
       W.device);

@@ -91,17 +91,25 @@ std::vector<autotune::Config> with_l2_prefetch_variants(std::vector<autotune::Co
   return variants;
 }
 
+namespace {
+
+// Whether an op whose product is `product` can run its dots as wgmma on `device`.
+bool wgmma_applies(DType product, const Device& device) {
+  return is_half(product) && device.is_cuda() && device_arch(device.index) == "sm_90a";
+}
+
+}  // namespace
+
 std::vector<autotune::Config> with_wgmma_variant(std::vector<autotune::Config> variants, DType product,
                                                  const Device& device) {
-  if (is_half(product) && device.is_cuda() && device_arch(device.index) == "sm_90a")
-    variants.push_back({{"WGMMA", 1}});
+  if (wgmma_applies(product, device)) variants.push_back({{"WGMMA", 1}});
   return variants;
 }
 
 std::vector<autotune::Config> with_wgmma_tiles(std::vector<autotune::Config> candidates,
                                                const std::vector<autotune::Config>& tiles, DType product,
                                                const Device& device) {
-  if (with_wgmma_variant({}, product, device).empty()) return candidates;
+  if (!wgmma_applies(product, device)) return candidates;
   for (autotune::Config tile : tiles) {
     tile["WGMMA"] = 1;
     candidates.push_back(std::move(tile));
