@@ -4,7 +4,7 @@
 namespace kerf::cache {
 namespace {
 
-// "bf16[2] c a16 d16=11 s16=01": dtype, rank and the specialization facts.
+// "bf16[2] c a16 d16=11 s16=01 d8=11 s8=01": dtype, rank and the specialization facts.
 std::string arg_text(const dsl::ArgSpec& a) {
   if (a.kind == ir::ParamKind::Scalar) return "scalar";
   std::string s = std::string(dtype_name(a.dtype)) + "[" + std::to_string(a.rank) + "]";
@@ -15,7 +15,8 @@ std::string arg_text(const dsl::ArgSpec& a) {
     for (int d = 0; d < a.rank; ++d) b += (mask >> d) & 1 ? '1' : '0';
     return b;
   };
-  return s + " d16=" + bits(a.facts.dims_div16) + " s16=" + bits(a.facts.strides_div16);
+  return s + " d16=" + bits(a.facts.dims_div16) + " s16=" + bits(a.facts.strides_div16) +
+         " d8=" + bits(a.facts.dims_div8) + " s8=" + bits(a.facts.strides_div8);
 }
 
 }  // namespace

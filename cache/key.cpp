@@ -104,6 +104,8 @@ std::string encode_kernel(const KernelKeyFields& f, const std::string& compiler)
       e.u8(uint8_t(a.facts.aligned16));
       e.u32(a.facts.dims_div16);
       e.u32(a.facts.strides_div16);
+      e.u32(a.facts.dims_div8);
+      e.u32(a.facts.strides_div8);
     }
   });
   e.string_field(kLayout, f.layout);

@@ -76,9 +76,11 @@ ir::TensorFacts facts_of(const TensorView& t) {
   f.contiguous_last = t.rank > 0 && t.strides[size_t(t.rank - 1)] == 1;
   f.aligned16 = (reinterpret_cast<uintptr_t>(t.data) % 16) == 0;
   for (int d = 0; d < t.rank; ++d) {
-    if (t.shape[size_t(d)] % 16 == 0) f.dims_div16 |= 1u << d;
-    if (t.strides[size_t(d)] % 16 == 0 && (t.strides[size_t(d)] * eb) % 16 == 0)
-      f.strides_div16 |= 1u << d;
+    const int64_t size = t.shape[size_t(d)], stride = t.strides[size_t(d)];
+    if (size % 16 == 0) f.dims_div16 |= 1u << d;
+    if (size % 8 == 0) f.dims_div8 |= 1u << d;
+    if (stride % 16 == 0 && (stride * eb) % 16 == 0) f.strides_div16 |= 1u << d;
+    if (stride % 8 == 0) f.strides_div8 |= 1u << d;
   }
   return f;
 }
@@ -90,7 +92,8 @@ uint64_t spec_word(const Arg& a) {
   const ir::TensorFacts f = facts_of(*t);
   return uint64_t(ir::ParamKind::Tensor) | uint64_t(t->dtype) << 4 | uint64_t(t->rank) << 12 |
          uint64_t(f.contiguous_last) << 20 | uint64_t(f.aligned16) << 21 |
-         uint64_t(f.dims_div16 & 0xFF) << 24 | uint64_t(f.strides_div16 & 0xFF) << 32;
+         uint64_t(f.dims_div16 & 0xFF) << 24 | uint64_t(f.strides_div16 & 0xFF) << 32 |
+         uint64_t(f.dims_div8 & 0xFF) << 40 | uint64_t(f.strides_div8 & 0xFF) << 48;
 }
 
 // A lookup key, built on the stack for each call; it borrows the caller's data.

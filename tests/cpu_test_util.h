@@ -11,6 +11,7 @@
 #include "kerf/dsl/dsl.h"
 #include "kerf/jit/abi.h"
 #include "kerf/jit/cpu_backend.h"
+#include "kerf/jit/launch.h"
 #include "kerf/runtime/tensor.h"
 
 // Ends the current test early, with a line saying why, when there is no CPU back end.
@@ -24,27 +25,9 @@
 
 namespace kerf::testing {
 
-// The facts the specialization records for a tensor argument.
+// The facts the specialization records for a tensor argument (the launcher's own).
 inline ir::TensorFacts facts_of(const TensorView& t) {
-  ir::TensorFacts f;
-  f.contiguous_last = t.rank > 0 && t.strides[size_t(t.rank - 1)] == 1;
-  f.aligned16 = reinterpret_cast<uintptr_t>(t.data) % 16 == 0;
-  for (int d = 0; d < t.rank; ++d) {
-    if (t.shape[size_t(d)] % 16 == 0) f.dims_div16 |= 1u << d;
-    if (t.strides[size_t(d)] % 16 == 0) f.strides_div16 |= 1u << d;
-  }
-  return f;
-}
-
-inline std::vector<dsl::ArgSpec> arg_specs(const std::vector<Arg>& args) {
-  std::vector<dsl::ArgSpec> specs;
-  for (const Arg& a : args) {
-    if (const auto* t = std::get_if<TensorView>(&a))
-      specs.push_back(dsl::ArgSpec::tensor(t->dtype, t->rank, facts_of(*t)));
-    else
-      specs.push_back(dsl::ArgSpec::scalar());
-  }
-  return specs;
+  return kerf::arg_specs({Arg(t)})[0].facts;
 }
 
 // A kernel compiled for one set of arguments' specialization.
@@ -62,7 +45,7 @@ struct CompiledCpuKernel {
 inline CompiledCpuKernel compile_for(const dsl::Kernel& k, const std::vector<Arg>& args,
                                      const dsl::MetaMap& meta) {
   CompiledCpuKernel c;
-  c.function = k.trace(arg_specs(args), meta);
+  c.function = k.trace(kerf::arg_specs(args), meta);
   c.kernel = jit::cpu::compile(c.function);
   return c;
 }

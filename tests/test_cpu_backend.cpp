@@ -925,7 +925,7 @@ TEST_CASE("compiled kernels free their code and the LLVM IR can be inspected", "
     run_on_cpu(vector_add(), args, {{"BLOCK", 8}}, Grid{});
     CHECK(out[0] == float(i));
   }
-  const ir::Function f = vector_add().trace(testing::arg_specs(args), {{"BLOCK", 8}});
+  const ir::Function f = vector_add().trace(kerf::arg_specs(args), {{"BLOCK", 8}});
   const std::string text = jit::cpu::emit_llvm_ir(f);
   INFO(text);
   CHECK(text.find("define void @kerf_vec_add(") != std::string::npos);

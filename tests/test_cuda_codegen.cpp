@@ -6,6 +6,7 @@
 #include "catch.h"
 #include "gpu_test_util.h"
 #include "kerf/jit/cuda_codegen.h"
+#include "kerf/jit/launch.h"
 #include "kerf/jit/nvrtc.h"
 #include "kerf/kernels/kernels.h"
 #include "sample_kernels.h"
@@ -142,6 +143,57 @@ TEST_CASE("bf16 dots use tensor cores and pipelined loops use cp.async", "[cuda]
   const std::string slow_src = jit::cuda::generate(slow, "sm_90a").source;
   CHECK(slow_src.find("kerf_dev::cp_async<") == std::string::npos);
   CHECK(slow_src.find("1-wide") != std::string::npos);
+}
+
+TEST_CASE("rows whose length is a multiple of 8 but not 16 still move in 16-byte vectors", "[cuda][codegen]") {
+  // The launcher's own facts of real tensor views (row-major, 16-byte aligned, never read).
+  void* base = reinterpret_cast<void*>(uintptr_t(1) << 20);
+  const auto matmul_args = [&](int64_t K) {
+    return arg_specs({TensorView::contiguous(base, DType::bf16, {64, K}),
+                      TensorView::contiguous(base, DType::bf16, {K, 64}),
+                      TensorView::contiguous(base, DType::bf16, {64, 64})});
+  };
+  // The vector width of the first load of `tensor` in the generated code.
+  const auto width = [](const std::string& src, const std::string& tensor) {
+    const size_t at = src.find("load @" + tensor + " in ");
+    REQUIRE(at != std::string::npos);
+    const size_t end = src.find("-wide", at);
+    const size_t start = src.rfind(' ', end) + 1;
+    return std::stoi(src.substr(start, end - start));
+  };
+  const auto matmul_src = [&](int64_t K) {
+    return jit::cuda::generate(test::matmul_kernel().trace(matmul_args(K), {{"BM", 64}, {"BN", 64}, {"BK", 32}}),
+                               "sm_90a").source;
+  };
+  // A [64, 8200]: bit d of each mask is dimension d.
+  const ir::TensorFacts f8200 = matmul_args(8200)[0].facts;
+  CHECK(f8200.dims_div16 == 0b01);
+  CHECK(f8200.dims_div8 == 0b11);
+  CHECK(f8200.strides_div16 == 0b00);
+  CHECK(f8200.strides_div8 == 0b01);
+  CHECK(width(matmul_src(8200), "A") == 8);  // 8 bf16: 16 bytes
+  CHECK(matmul_args(8192)[0].facts.dims_div8 == 0b11);  // div16 implies div8
+  CHECK(width(matmul_src(8192), "A") == 8);
+  // 8196 columns: divisible by 4 only, so element by element.
+  CHECK(matmul_args(8196)[0].facts.dims_div8 == 0b01);
+  CHECK(width(matmul_src(8196), "A") == 1);
+  // One-byte elements: 8 of them are 8 bytes, short of a 16-byte vector.
+  static const Kernel copy("copy_rows", [](Builder& b) {
+    auto x = b.tensor("x", 2), y = b.tensor("y", 2);
+    auto rows = program_id(0) * 16 + arange(16), cols = program_id(1) * 256 + arange(256);
+    auto m = (rows.col() < x.dim(0)) & (cols.row() < x.dim(1));
+    store(y, {rows.col(), cols.row()}, load(x, {rows.col(), cols.row()}, m), m);
+  });
+  const auto u8_src = [&](int64_t K) {
+    const TensorView x = TensorView::contiguous(base, DType::u8, {64, K});
+    return jit::cuda::generate(copy.trace(arg_specs({x, x}), {}), "sm_90a").source;
+  };
+  CHECK(width(u8_src(8200), "x") == 8);
+  CHECK(width(u8_src(8208), "x") == 16);
+  // The facts are in the printed IR, so in the kernel's identity.
+  const std::string text = ir::print(test::matmul_kernel().trace(matmul_args(8200), {{"BM", 64}, {"BN", 64}, {"BK", 32}}));
+  CHECK(text.find("div8=") != std::string::npos);
+  CHECK(text.find("sdiv8=") != std::string::npos);
 }
 
 TEST_CASE("in-place updates are pipelined only when iterations touch disjoint tiles", "[cuda][codegen]") {

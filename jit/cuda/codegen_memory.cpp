@@ -72,7 +72,7 @@ int Codegen::vector_width(const Operation& op, int l) const {
   for (int k = 0; k + 1 < p.rank; ++k) {
     const ir::AxisInfo& a = axis_[size_t(op.operands[size_t(k)])];
     w = std::min(w, a.constancy[size_t(D)]);
-    const int64_t sd = (p.facts.strides_div16 >> k) & 1 ? 16 : 1;
+    const int64_t sd = p.facts.stride_divisor(k);
     div = std::min(div, std::min(ir::kMaxDivisibility, a.element_divisibility() * sd));
   }
   div = std::min<int64_t>(div, p.facts.aligned16 ? 16 / eb : 1);

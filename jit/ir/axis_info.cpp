@@ -73,12 +73,12 @@ class Analysis {
         break;
       case OpKind::TensorDim: {
         const Param& p = f_.params[size_t(a.param)];
-        out = uniform(t, (p.facts.dims_div16 >> a.axis) & 1 ? 16 : 1);
+        out = uniform(t, p.facts.dim_divisor(int(a.axis)));
         break;
       }
       case OpKind::TensorStride: {
         const Param& p = f_.params[size_t(a.param)];
-        out = uniform(t, (p.facts.strides_div16 >> a.axis) & 1 ? 16 : 1);
+        out = uniform(t, p.facts.stride_divisor(int(a.axis)));
         break;
       }
       case OpKind::Param:

@@ -53,6 +53,10 @@ class Printer {
       if (p.facts.aligned16) add("align16");
       if (p.facts.dims_div16) add("div16=" + bits_list(p.facts.dims_div16, p.rank));
       if (p.facts.strides_div16) add("sdiv16=" + bits_list(p.facts.strides_div16, p.rank));
+      // div8 only where div16 does not already say more.
+      if (const uint32_t d8 = p.facts.dims_div8 & ~p.facts.dims_div16) add("div8=" + bits_list(d8, p.rank));
+      if (const uint32_t s8 = p.facts.strides_div8 & ~p.facts.strides_div16)
+        add("sdiv8=" + bits_list(s8, p.rank));
       if (!facts.empty()) out_ += "{" + facts + "}";
     }
     out_ += ") meta {";

@@ -18,7 +18,7 @@
 
 namespace kerf::cache {
 
-inline constexpr uint32_t kKeyEncodingVersion = 1;
+inline constexpr uint32_t kKeyEncodingVersion = 2;  // 2: tensor facts gained div8 masks
 
 // Where code runs and what produced it.
 struct Target {

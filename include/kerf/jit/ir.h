@@ -122,15 +122,28 @@ enum class ParamKind : uint8_t { Tensor, Scalar };
 
 // Facts about a tensor argument that change the generated code; they are part
 // of the specialization (and so of the IR text and its hash). "div16" means
-// divisible by 16 elements, the granularity of kerf's vector accesses.
+// divisible by 16 elements, the granularity of kerf's vector accesses; "div8"
+// divisible by 8 (enough for 16-byte vectors of 2- and 4-byte dtypes, so a
+// bf16 row of 8200 elements still moves in 16-byte vectors).
 struct TensorFacts {
   bool contiguous_last = false;  // the last dimension has stride 1
   bool aligned16 = false;        // the data address is a multiple of 16 bytes
   uint32_t dims_div16 = 0;       // bit d: size of dimension d is a multiple of 16
   uint32_t strides_div16 = 0;    // bit d: stride of dimension d is a multiple of 16
+  uint32_t dims_div8 = 0;        // bit d: size of dimension d is a multiple of 8 (set with div16 too)
+  uint32_t strides_div8 = 0;     // bit d: stride of dimension d is a multiple of 8 (set with div16 too)
   bool operator==(const TensorFacts& o) const {
     return contiguous_last == o.contiguous_last && aligned16 == o.aligned16 &&
-           dims_div16 == o.dims_div16 && strides_div16 == o.strides_div16;
+           dims_div16 == o.dims_div16 && strides_div16 == o.strides_div16 &&
+           dims_div8 == o.dims_div8 && strides_div8 == o.strides_div8;
+  }
+  // The power of two (16, 8 or 1) known to divide the size or stride of dimension d.
+  int64_t dim_divisor(int d) const { return divisor(dims_div16, dims_div8, d); }
+  int64_t stride_divisor(int d) const { return divisor(strides_div16, strides_div8, d); }
+
+ private:
+  static int64_t divisor(uint32_t div16, uint32_t div8, int d) {
+    return (div16 >> d) & 1 ? 16 : (div8 >> d) & 1 ? 8 : 1;
   }
 };
 
