@@ -27,7 +27,8 @@ const dsl::Kernel& lora_merge() {
     const Value g = program_id(2);
     const Value n_out = W.dim(1), n_in = W.dim(2), rank = A.dim(1);
 
-    const Value rows = program_id(0) * BM + arange(BM);
+    const RowSliceAxes axes = row_slice_axes(k.meta("COLS_FIRST", 0));
+    const Value rows = program_id(axes.rows) * BM + arange(BM);
     const Value rk = arange(R);
     const Value row_ok = rows.col() < n_out;
     const Value b_raw =
@@ -36,7 +37,7 @@ const dsl::Kernel& lora_merge() {
     // the dot; otherwise s*B is rounded once to that dtype and the dot adds onto W.
     const Value b = scale_after ? b_raw.to(dot_t) : (b_raw * s).to(dot_t);
 
-    const auto [lo, hi] = split_range(n_in, BK);
+    const auto [lo, hi] = split_range(n_in, BK, axes.slices);
     for_range(lo, hi, BK, [&](const Value& k0) {
       const Value cols = k0 + arange(BK);
       const Value col_ok = cols.row() < n_in;

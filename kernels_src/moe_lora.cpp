@@ -25,11 +25,12 @@ const dsl::Kernel& moe_lora_materialize() {
     const Value e = program_id(2);
     const Value n_rows = W.dim(1), n_cols = W.dim(2), rank = A.dim(1);
 
-    const Value rows = program_id(0) * BN + arange(BN);
+    const RowSliceAxes axes = row_slice_axes(k.meta("COLS_FIRST", 0));
+    const Value rows = program_id(axes.rows) * BN + arange(BN);
     const Value rk = arange(R);
     const Value row_ok = rows.col() < n_rows;
     const Value bs = (load(B, {e, rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(DType::f32) * s).to(dot_t);
-    const auto [lo, hi] = split_range(n_cols, BK);
+    const auto [lo, hi] = split_range(n_cols, BK, axes.slices);
     for_range(lo, hi, BK, [&](const Value& k0) {
       const Value cols = k0 + arange(BK);
       const Value col_ok = cols.row() < n_cols;

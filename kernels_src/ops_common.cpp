@@ -203,6 +203,15 @@ void add_codegen_hints(const Config& config, dsl::MetaMap& meta) {
   if (meta_or(config, "WGMMA", 0)) meta["wgmma"] = 1;
 }
 
+Grid row_slice_grid(int64_t row_blocks, int64_t slices, int64_t batch, const Config& config, dsl::MetaMap& meta) {
+  if (meta_or(config, "COLS_FIRST", 0) && row_blocks <= 65535) {
+    meta["COLS_FIRST"] = 1;
+    return Grid{uint32_t(slices), uint32_t(row_blocks), uint32_t(batch)};
+  }
+  meta.erase("COLS_FIRST");
+  return Grid{uint32_t(row_blocks), uint32_t(slices), uint32_t(batch)};
+}
+
 void pass_meta(const Config& config, dsl::MetaMap& meta, std::initializer_list<const char*> names) {
   for (const char* name : names)
     if (const int64_t v = meta_or(config, name, 0)) meta[name] = v;

@@ -87,6 +87,13 @@ inline constexpr MetaRange kWarpsN{"WARPS_N", 0, 32, zero_or_pow2, "0 (kerf choo
 inline constexpr MetaRange kL2Prefetch{"L2_PREFETCH", 0, 256, dsl::is_l2_prefetch_size, "0, 64, 128 or 256 (bytes)"};
 // Config.meta WGMMA (0 or 1), for ops whose tensor-core dots may run on Hopper's warpgroup instructions.
 inline constexpr MetaRange kWgmma{"WGMMA", 0, 1};
+// Config.meta COLS_FIRST (0 or 1): the column slices of each row block on grid axis 0 (split_range.h).
+inline constexpr MetaRange kColsFirst{"COLS_FIRST", 0, 1};
+// The grid of a kernel whose programs own (row block, column slice) pairs, `batch`
+// on axis 2, in the order config's COLS_FIRST asks for; sets the kernel's
+// COLS_FIRST meta to match. Where the row blocks would not fit grid axis 1
+// (65535), the slices stay on axis 1: the same work in another order.
+Grid row_slice_grid(int64_t row_blocks, int64_t slices, int64_t batch, const Config& config, dsl::MetaMap& meta);
 // The code-generation hints of Config.meta as the kernel metas that carry them:
 // L2_PREFETCH (0, 64, 128 or 256 bytes) as l2_prefetch, the L2 prefetch size hint
 // of the kernel's pipelined copies, and WGMMA 1 as wgmma.

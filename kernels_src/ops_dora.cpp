@@ -76,7 +76,7 @@ DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, DType w_dtype, bool gpu, 
   // One launch: the splits add partial sums into a zeroed workspace and the
   // last split of each row block finishes it (and zeroes it again).
   p.kernel = four_bit ? &kernels::dora_norm_4bit_split() : &kernels::dora_norm_split();
-  p.grid = Grid{uint32_t(p.blocks_m), uint32_t(p.split), 1};
+  p.grid = row_slice_grid(p.blocks_m, p.split, 1, config, p.meta);
   p.ws_floats = (out + 3) / 4 * 4;
   return p;
 }
@@ -133,7 +133,7 @@ void run_dora_norm(const TensorView& W, const TensorView& A, const TensorView& B
                    const TensorView& norm, const TensorView& scale, double eps, void* stream, const Config& config,
                    const std::string& layout) {
   const char* op = "dora_norm";
-  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, kWarpsN, kL2Prefetch, kWgmma});
+  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, kWarpsN, kL2Prefetch, kWgmma, kColsFirst});
   expect_shape(op, "W", W, {-1, -1});
   const int64_t out = W.shape[0], in = W.shape[1];
   expect_shape(op, "A", A, {-1, in});
@@ -235,9 +235,9 @@ Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorV
   const DType product = is_half(W.dtype) ? W.dtype : DType::f32;
   q.gpu_candidates =
       dora_gpu_candidates(out, in, programs, with_wgmma_tiles(dora_gpu_candidates(), dora_wgmma_tiles(), product, W.device));
-  q.finalist_variants = with_wgmma_variant(
+  q.finalist_variants = with_cols_first_variants(with_wgmma_variant(
       with_l2_prefetch_variants(with_warps_n_variants(evict_and_cast_variants(A, product), product)), product,
-      W.device);
+      W.device));
   q.extent_m = out;
   q.extent_k = in;
   q.kernels = [&](const Config& c) {
@@ -435,7 +435,7 @@ TensorView checked_packed(const char* op, const Weight4bit& W, int64_t out, int6
 void dora_norm_4bit(const Weight4bit& W, const TensorView& A, const TensorView& B, const TensorView& m, double s,
                     const TensorView& norm, const TensorView& scale, double eps, void* stream, const Config& config) {
   const char* op = "dora_norm_4bit";
-  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, kWarpsN, kL2Prefetch});
+  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, kWarpsN, kL2Prefetch, kColsFirst});
   expect_shape(op, "A", A, {-1, -1});
   const int64_t r = A.shape[0], in = A.shape[1];
   expect_shape(op, "B", B, {-1, r});

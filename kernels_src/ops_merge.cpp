@@ -40,7 +40,8 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
   const int64_t bm_default = gpu ? std::clamp<int64_t>(8192 / r_pad, 16, 64) : 16;
   const int64_t bm = config.block_m ? config.block_m : bm_default;
   const int64_t bk = config.block_k ? config.block_k : (gpu ? 128 : 64);
-  int64_t split = config.split_k;
+  // More slices than steps would only start programs with nothing to do.
+  int64_t split = std::min(config.split_k, std::max<int64_t>(1, cdiv(in, bk)));
   if (split == 0) {
     const int64_t blocks = cdiv(out, bm) * G;
     split = split_for(blocks, programs, cdiv(in, bk));
@@ -55,7 +56,7 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
   pass_meta(config, p.meta, {"EVICT", "WARPS_N"});
   add_codegen_hints(config, p.meta);
-  p.grid = Grid{uint32_t(cdiv(out, bm)), uint32_t(split), uint32_t(G)};
+  p.grid = row_slice_grid(cdiv(out, bm), split, G, config, p.meta);
   return p;
 }
 
@@ -93,8 +94,8 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
                                       parallelism(W3.device), {1, 2, 4, 8, 16, 0});
   bool scale_after = false;
   const DType product = merge_dot_dtype(W3.dtype, A3.dtype, B3.dtype, &scale_after);
-  q.finalist_variants = with_wgmma_variant(
-      with_l2_prefetch_variants(with_warps_n_variants(evict_variants(), product)), product, W3.device);
+  q.finalist_variants = with_cols_first_variants(with_wgmma_variant(
+      with_l2_prefetch_variants(with_warps_n_variants(evict_variants(), product)), product, W3.device));
   q.extent_m = out;
   q.extent_k = in;
   q.kernels = [&](const Config& c) {
@@ -116,7 +117,7 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
 // caller's Config or else the autotuner's (remembered per call signature).
 void launch_merge(const char* op, const TensorView& W3, const TensorView& A3, const TensorView& B3, double s,
                   void* stream, const Config& config) {
-  expect_meta(op, config, {{"EVICT", 0, 2}, kWarpsN, kL2Prefetch, kWgmma});
+  expect_meta(op, config, {{"EVICT", 0, 2}, kWarpsN, kL2Prefetch, kWgmma, kColsFirst});
   if (has_config(config))
     return run_merge(W3, A3, B3, s, stream, config);
   static PlanMemo<Config> tuned;

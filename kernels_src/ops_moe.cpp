@@ -40,7 +40,7 @@ MoePlan plan_moe(const TensorView& W, int64_t r, bool gpu, const Config& config)
   // Column slices per row block (grid axis 1): 1 unless the config asks for more.
   const int64_t split =
       std::clamp<int64_t>(config.split_k, 1, std::clamp<int64_t>(cdiv(W.shape[2], bk), 1, 65535));
-  p.grid = Grid{uint32_t(cdiv(N, bn)), uint32_t(split), uint32_t(E)};
+  p.grid = row_slice_grid(cdiv(N, bn), split, E, config, p.meta);
   return p;
 }
 
@@ -89,7 +89,7 @@ void run_moe_lora_materialize(const TensorView& W, const TensorView& A, const Te
                               const TensorView& W_eff, void* stream, const Config& config,
                               const std::string& layout) {
   const char* op = "moe_lora_materialize";
-  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, kWarpsN, kL2Prefetch, kWgmma});
+  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, kWarpsN, kL2Prefetch, kWgmma, kColsFirst});
   expect_shape(op, "W", W, {-1, -1, -1});
   const int64_t E = W.shape[0], N = W.shape[1], K = W.shape[2];
   expect_shape(op, "A", A, {E, -1, K});

@@ -117,6 +117,18 @@ std::vector<autotune::Config> with_wgmma_tiles(std::vector<autotune::Config> can
   return candidates;
 }
 
+std::vector<autotune::Config> with_cols_first_variants(std::vector<autotune::Config> variants) {
+  std::vector<autotune::Config> added = {{{"COLS_FIRST", 1}}};
+  for (const autotune::Config& v : variants)
+    if (v.count("WGMMA")) {
+      autotune::Config both = v;
+      both["COLS_FIRST"] = 1;
+      added.push_back(std::move(both));
+    }
+  variants.insert(variants.end(), added.begin(), added.end());
+  return variants;
+}
+
 Config config_of(const TuneRequest& q, const autotune::Config& c) {
   return config_from(c, q.block_m_name, q.block_k_name);
 }

@@ -16,12 +16,25 @@ namespace kerf::kernels {
 inline dsl::Evict streamed_hint(int64_t evict) { return evict >= 1 ? dsl::Evict::first : dsl::Evict::normal; }
 inline dsl::Evict reused_hint(int64_t evict) { return evict >= 2 ? dsl::Evict::last : dsl::Evict::normal; }
 
-// [lo, hi) of [0, n): program_id(1)'s share of num_programs(1) slices, in whole `step`s.
-inline std::pair<dsl::Value, dsl::Value> split_range(const dsl::Value& n, int64_t step) {
+// [lo, hi) of [0, n): program_id(axis)'s share of num_programs(axis) slices, in whole `step`s.
+inline std::pair<dsl::Value, dsl::Value> split_range(const dsl::Value& n, int64_t step, int axis = 1) {
   using namespace kerf::dsl;
-  const Value per_split = cdiv(cdiv(n, literal(step)), num_programs(1)) * step;
-  const Value lo = program_id(1) * per_split;
+  const Value per_split = cdiv(cdiv(n, literal(step)), num_programs(axis)) * step;
+  const Value lo = program_id(axis) * per_split;
   return {lo, minimum(n, lo + per_split)};
+}
+
+// The grid axes of a kernel whose programs each own a row block and a slice of
+// its columns. By default row blocks are axis 0, so the programs the GPU starts
+// together hold many row blocks at the same column positions; with the
+// COLS_FIRST meta-parameter the slices are axis 0, so that they hold a few row
+// blocks across all of their columns: one compact stretch of memory at a time.
+struct RowSliceAxes {
+  int rows = 0;
+  int slices = 1;
+};
+inline RowSliceAxes row_slice_axes(int64_t cols_first) {
+  return cols_first ? RowSliceAxes{1, 0} : RowSliceAxes{0, 1};
 }
 
 // Where the iteration at `k0` of for_range(lo, hi, step) goes when a program

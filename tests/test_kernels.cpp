@@ -38,11 +38,12 @@ struct DoraCase {
   int64_t l2_prefetch = 0;  // Config.meta L2_PREFETCH: an L2 prefetch size hint (the same answer)
   int64_t block_k = 0;
   bool wgmma = false;  // Config.meta WGMMA: Hopper's warpgroup dots (sm_90a; elsewhere the same kernel)
+  bool cols_first = false;  // Config.meta COLS_FIRST: column slices on grid axis 0 (the same answer)
 };
 
 void check_dora(const DoraCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.out, c.in, c.r, dtype_name(c.w), dtype_name(c.ab), c.split, c.cast_a, c.block_m, c.warps, c.warps_n, seed,
-          dev.str(), c.block_k, c.wgmma);
+          dev.str(), c.block_k, c.wgmma, c.cols_first);
   std::mt19937_64 rng(seed);
   TestTensor W(c.w, {c.out, c.in}, dev), A(c.ab, {c.r, c.in}, dev), B(c.ab, {c.out, c.r}, dev);
   TestTensor m(DType::f32, {c.out}, dev), norm(DType::f32, {c.out}, dev), scale(DType::f32, {c.out}, dev);
@@ -63,6 +64,7 @@ void check_dora(const DoraCase& c, Device dev, uint64_t seed) {
   if (c.l2_prefetch) cfg.meta["L2_PREFETCH"] = c.l2_prefetch;
   cfg.block_k = c.block_k;
   if (c.wgmma) cfg.meta["WGMMA"] = 1;
+  if (c.cols_first) cfg.meta["COLS_FIRST"] = 1;
   ops::dora_norm(W.view(), A.view(), B.view(), m.view(), s, norm.view(), scale.view(), eps, nullptr, cfg);
   if (dev.is_cuda()) cuda::device_synchronize(dev.index);
   norm.download();
@@ -113,6 +115,12 @@ void run_dora_cases(Device dev) {
       {1000, 1500, 7, DType::bf16, DType::f32, 2, 3, 0, 128, 8, 0, 0, 64, true},
       {257, 333, 32, DType::f16, DType::f16, 1, 2, 0, 64, 8, 2, 0, 64, true},
       {96, 2000, 16, DType::bf16, DType::bf16, 3, 3, 0, 64, 4, 0, 0, 64, true},
+      // Rows of 1000 and 1544 elements (multiples of 8, not 16); column slices on grid axis 0
+      // (COLS_FIRST), with the split's last program finishing each row block.
+      {300, 1000, 16, DType::bf16, DType::bf16, 0},
+      {300, 1544, 16, DType::bf16, DType::f32, 3, 3, 0, 0, 0, 0, 0, 0, false, true},
+      {257, 1000, 32, DType::f32, DType::f32, 2, 2, 0, 64, 4, 0, 0, 0, false, true},
+      {300, 700, 64, DType::bf16, DType::bf16, 4, 3, 0, 64, 4, 0, 0, 64, true, true},
   };
   uint64_t seed = 1234;
   for (const DoraCase& c : cases) check_dora(c, dev, seed++);
@@ -197,6 +205,12 @@ void run_moe_cases(Device dev) {
       {3, 100, 130, 5, DType::bf16, false, ops::Config{64, 64, 0, 4, 3, {{"WGMMA", 1}}}},
       {2, 200, 300, 64, DType::f16, true, ops::Config{128, 128, 0, 8, 3, {{"WGMMA", 1}}}, DType::f32},
       {2, 130, 200, 16, DType::bf16, false, ops::Config{128, 64, 2, 8, 2, {{"WGMMA", 1}, {"WARPS_N", 2}}}},
+      // Rows of 200 and 264 columns (multiples of 8, not 16: 16-byte vectors on 8-element
+      // facts), and column slices on grid axis 0 (COLS_FIRST).
+      {3, 100, 200, 5, DType::bf16, false},
+      {2, 72, 264, 16, DType::f32, true, ops::Config{0, 64, 0, 0, 0}, DType::bf16},
+      {3, 100, 200, 5, DType::bf16, false, ops::Config{0, 64, 2, 0, 0, {{"COLS_FIRST", 1}}}},
+      {2, 72, 264, 16, DType::f16, true, ops::Config{64, 128, 3, 4, 3, {{"COLS_FIRST", 1}}}, DType::f32},
   };
   uint64_t seed = 99;
   for (const MoeCase& c : cases) check_moe(c, dev, seed++);

@@ -32,11 +32,12 @@ struct MergeCase {
   int64_t evict = 0;  // Config.meta EVICT (an L2 hint: the same answer)
   int64_t warps_n = 0, block_m = 0, warps = 0;  // Config.meta WARPS_N and the tile it splits (the same answer)
   bool wgmma = false;  // Config.meta WGMMA: Hopper's warpgroup dots (sm_90a; elsewhere the same kernel)
+  int64_t split = 0, cols_first = 0;  // Config split_k and meta COLS_FIRST (the same answer)
 };
 
 void check_merge(const MergeCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.out, c.in, c.r, dtype_name(c.w), dtype_name(c.a), dtype_name(c.b), c.transposed,
-          c.offset, c.evict, c.warps_n, c.block_m, c.warps, seed, dev.str(), c.wgmma);
+          c.offset, c.evict, c.warps_n, c.block_m, c.warps, seed, dev.str(), c.wgmma, c.split, c.cols_first);
   std::mt19937_64 rng(seed);
   TestTensor Wbuf(c.w, {c.out * c.in + c.offset}, dev), A(c.a, {c.r, c.in}, dev),
       B(c.b, {c.out, c.r}, dev);
@@ -57,6 +58,8 @@ void check_merge(const MergeCase& c, Device dev, uint64_t seed) {
   if (c.warps_n) cfg.meta["WARPS_N"] = c.warps_n;
   cfg.block_m = c.block_m;
   cfg.num_warps = c.warps;
+  cfg.split_k = c.split;
+  if (c.cols_first) cfg.meta["COLS_FIRST"] = c.cols_first;
   if (c.wgmma) {
     cfg.block_k = 64;
     cfg.meta["WGMMA"] = 1;
@@ -111,6 +114,11 @@ void run_merge_cases(Device dev) {
   // Warpgroup dots (WGMMA): 64 and 128 rows per program, 1 and 2 warpgroups.
   cases.push_back({300, 200, 64, DType::bf16, DType::bf16, DType::bf16, false, 0, 1.5, 0, 0, 64, 4, true});
   cases.push_back({130, 333, 16, DType::f16, DType::f32, DType::f32, true, 0, -0.5, 0, 0, 128, 8, true});
+  // Rows of 200 and 136 elements (multiples of 8, not 16); column slices on grid axis 0 (COLS_FIRST).
+  cases.push_back({130, 200, 16, DType::bf16, DType::bf16, DType::bf16});
+  cases.push_back({67, 136, 5, DType::f32, DType::f32, DType::f32});
+  cases.push_back({130, 200, 16, DType::bf16, DType::bf16, DType::bf16, false, 0, 1.5, 0, 0, 0, 0, false, 2, 1});
+  cases.push_back({67, 136, 5, DType::f16, DType::f32, DType::f32, true, 0, -0.5, 0, 0, 32, 4, false, 3, 1});
   uint64_t seed = 4100;
   for (const MergeCase& c : cases) check_merge(c, dev, seed++);
 }

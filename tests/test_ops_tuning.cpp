@@ -161,3 +161,16 @@ TEST_CASE("WGMMA tiles join the candidates on an sm_90a GPU and nowhere else", "
   CHECK(got[1] == autotune::Config{{"BLOCK_M", 64}, {"WGMMA", 1}});
   CHECK(got[2] == autotune::Config{{"BLOCK_M", 128}, {"WGMMA", 1}});
 }
+
+TEST_CASE("COLS_FIRST joins the finalist variants alone and beside each WGMMA variant", "[autotune][cpu]") {
+  using ops::detail::with_cols_first_variants;
+  const std::vector<autotune::Config> none = with_cols_first_variants({});
+  CHECK(none == std::vector<autotune::Config>{{{"COLS_FIRST", 1}}});
+  const std::vector<autotune::Config> got =
+      with_cols_first_variants({{{"EVICT", 1}}, {{"WGMMA", 1}}, {{"L2_PREFETCH", 128}}});
+  CHECK(got == std::vector<autotune::Config>{{{"EVICT", 1}},
+                                             {{"WGMMA", 1}},
+                                             {{"L2_PREFETCH", 128}},
+                                             {{"COLS_FIRST", 1}},
+                                             {{"WGMMA", 1}, {"COLS_FIRST", 1}}});
+}

@@ -244,7 +244,10 @@ TEST_CASE("an op refuses Config.meta names it does not take and values out of ra
   rotate.meta["ROTATE"] = 1;
   CHECK_REJECTS(InvalidArgument, ops::dora_norm(W, A, B, m, 1.0, norm, scale, 0.0, nullptr, rotate),
                 "dora_norm: Config.meta names 'ROTATE', which this op does not take (it takes EVICT, CAST_A, "
-                "WARPS_N, L2_PREFETCH, WGMMA)");
+                "WARPS_N, L2_PREFETCH, WGMMA, COLS_FIRST)");
+  ops::Config cols2;
+  cols2.meta["COLS_FIRST"] = 2;
+  CHECK_REJECTS(InvalidArgument, ops::lora_merge(W, A, B, 1.0, nullptr, cols2), "COLS_FIRST");
   CHECK_REJECTS(InvalidArgument,
                 ops::dora_norm_partial(W, A, B, 1.0, t({8}, DType::f32, 12400), nullptr, rotate),
                 "dora_norm_partial: Config.meta names 'ROTATE', which this op does not take (it takes none)");
