@@ -81,28 +81,30 @@ void register_errors(py::module_& m) {
                 "Work stopped on request (an autotuning pass); a Ctrl-C raises the signal handler's "
                 "own exception instead, KeyboardInterrupt by default.");
 
-  py::register_exception_translator([](std::exception_ptr p) {
-    try {
-      if (p) std::rethrow_exception(p);
-    } catch (const CompileError& e) {
-      raise(error_types().by_kind[size_t(e.kind())], e.what(),
-            {{"log", PyUnicode_DecodeUTF8(e.log().data(), Py_ssize_t(e.log().size()), "replace")},
-             {"source",
-              PyUnicode_DecodeUTF8(e.source().data(), Py_ssize_t(e.source().size()), "replace")}});
-    } catch (const Interrupted& e) {
-      // Stopped by a signal handler that raised: its exception is already pending.
-      if (!PyErr_Occurred()) raise(error_types().by_kind[size_t(e.kind())], e.what());
-    } catch (const CudaError& e) {
-      raise(error_types().by_kind[size_t(e.kind())], e.what(),
-            {{"code", PyLong_FromLong(e.code())}});
-    } catch (const HostOutOfMemory& e) {
-      PyErr_SetString(PyExc_MemoryError, e.what());
-    } catch (const Error& e) {
-      const size_t k = size_t(e.kind());
-      PyObject* type = k < error_types().by_kind.size() ? error_types().by_kind[k] : nullptr;
-      raise(type ? type : PyExc_RuntimeError, e.what());
-    }
-  });
+  py::register_exception_translator(&translate_error);
+}
+
+void translate_error(std::exception_ptr p) {
+  try {
+    if (p) std::rethrow_exception(p);
+  } catch (const CompileError& e) {
+    raise(error_types().by_kind[size_t(e.kind())], e.what(),
+          {{"log", PyUnicode_DecodeUTF8(e.log().data(), Py_ssize_t(e.log().size()), "replace")},
+           {"source",
+            PyUnicode_DecodeUTF8(e.source().data(), Py_ssize_t(e.source().size()), "replace")}});
+  } catch (const Interrupted& e) {
+    // Stopped by a signal handler that raised: its exception is already pending.
+    if (!PyErr_Occurred()) raise(error_types().by_kind[size_t(e.kind())], e.what());
+  } catch (const CudaError& e) {
+    raise(error_types().by_kind[size_t(e.kind())], e.what(),
+          {{"code", PyLong_FromLong(e.code())}});
+  } catch (const HostOutOfMemory& e) {
+    PyErr_SetString(PyExc_MemoryError, e.what());
+  } catch (const Error& e) {
+    const size_t k = size_t(e.kind());
+    PyObject* type = k < error_types().by_kind.size() ? error_types().by_kind[k] : nullptr;
+    raise(type ? type : PyExc_RuntimeError, e.what());
+  }
 }
 
 }  // namespace kerf::python

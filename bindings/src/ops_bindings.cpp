@@ -1,7 +1,8 @@
 // kerf.ops in C++. Each op converts its tensors in the order it reads them
 // (tensor_bridge.h), allocates the outputs it was not given in the caller's
-// library, and runs the C++ op without the GIL. Binding a new op is one m.def
-// here, one function in kerf/ops.py and its line in kerf/_kerf.pyi.
+// library, and runs the C++ op without the GIL. Binding a new op is one def_fast
+// here (m.def's arguments; fast_call.h says why not m.def), one function in
+// kerf/ops.py and its line in kerf/_kerf.pyi.
 #include <pybind11/stl.h>
 
 #include <map>
@@ -11,6 +12,7 @@
 
 #include "kerf/error.h"
 #include "kerf/ops/ops.h"
+#include "fast_call.h"
 #include "module.h"
 #include "tensor_bridge.h"
 
@@ -177,8 +179,8 @@ std::vector<int64_t> dims(const TensorView& t) {
 template <class Op>
 void bind_in_place(py::module_& m, const char* name, Op* op, const char* w_name, const char* a_name,
                    const char* b_name) {
-  m.def(
-      name,
+  def_fast(
+      m, name,
       [name, op, w_name, a_name, b_name](py::handle W, py::handle A, py::handle B, double s,
                                          py::handle stream, py::handle config) {
         Call call(name, stream);
@@ -197,7 +199,8 @@ void bind_in_place(py::module_& m, const char* name, Op* op, const char* w_name,
 void bind_ops(py::module_& m) {
   bind_config(m);
 
-  m.def(
+  def_fast(
+      m,
       "dora_norm",
       [](py::handle W, py::handle A, py::handle B, py::handle m, double s, py::handle norm,
          py::handle scale, double eps, py::handle stream, py::handle config,
@@ -225,10 +228,12 @@ void bind_ops(py::module_& m) {
       py::arg("stream").none(true), py::arg("config").none(true),
       py::arg("layout").none(true) = py::none(), "ops::dora_norm; see kerf.ops.dora_norm.");
 
-  m.def(
+  def_fast(
+      m,
       "nf4_code", [] { return std::vector<float>(ops::nf4_code().begin(), ops::nf4_code().end()); },
       "The 16 values of QLoRA's NF4 codes (ops::nf4_code).");
-  m.def(
+  def_fast(
+      m,
       "dora_norm_4bit",
       [](py::handle packed, py::handle absmax, py::handle code, int64_t blocksize, py::handle A, py::handle B,
          py::handle m, double s, py::handle norm, py::handle scale, double eps, py::handle stream,
@@ -252,7 +257,8 @@ void bind_ops(py::module_& m) {
       py::arg("eps"), py::arg("stream").none(true), py::arg("config").none(true),
       "ops::dora_norm_4bit; see kerf.ops.dora_norm_4bit.");
 
-  m.def(
+  def_fast(
+      m,
       "moe_lora_materialize",
       [](py::handle W, py::handle A, py::handle B, double s, py::handle out, py::handle stream,
          py::handle config, py::handle layout) {
@@ -275,7 +281,8 @@ void bind_ops(py::module_& m) {
       py::arg("layout").none(true) = py::none(),
       "ops::moe_lora_materialize; see kerf.ops.moe_lora_materialize.");
 
-  m.def(
+  def_fast(
+      m,
       "dora_norm_partial",
       [](py::handle W, py::handle A, py::handle B, double s, py::handle sumsq, py::handle stream,
          py::handle config, py::handle layout) {
@@ -290,7 +297,8 @@ void bind_ops(py::module_& m) {
       py::arg("W"), py::arg("A"), py::arg("B"), py::arg("s"), py::arg("sumsq").none(true),
       py::arg("stream").none(true), py::arg("config").none(true), py::arg("layout").none(true));
 
-  m.def(
+  def_fast(
+      m,
       "dora_norm_finish",
       [](py::handle sumsq, py::handle m, double eps, py::handle norm, py::handle scale,
          py::handle stream, py::handle layout) {
@@ -306,7 +314,8 @@ void bind_ops(py::module_& m) {
       py::arg("sumsq"), py::arg("m"), py::arg("eps"), py::arg("norm").none(true),
       py::arg("scale").none(true), py::arg("stream").none(true), py::arg("layout").none(true));
 
-  m.def(
+  def_fast(
+      m,
       "dora_norm_backward",
       [](py::handle norm, py::handle grad_scale, py::handle grad_m, py::handle stream,
          py::handle layout) {
@@ -325,7 +334,8 @@ void bind_ops(py::module_& m) {
   bind_in_place(m, "lora_merge_flax", &ops::lora_merge_flax, "kernel", "lora_a", "lora_b");
   bind_in_place(m, "lora_unmerge_flax", &ops::lora_unmerge_flax, "kernel", "lora_a", "lora_b");
 
-  m.def(
+  def_fast(
+      m,
       "moe_lora_materialize_backward",
       [](py::handle dW, py::handle A, py::handle B, double s, py::handle dA, py::handle dB,
          py::handle stream, py::handle config, py::handle layout) {
@@ -346,7 +356,8 @@ void bind_ops(py::module_& m) {
       py::arg("dB").none(true), py::arg("stream").none(true), py::arg("config").none(true),
       py::arg("layout").none(true));
 
-  m.def(
+  def_fast(
+      m,
       "lora_embedding",
       [](py::handle x, py::handle weight, py::handle A, py::handle B, double s, py::handle out,
          py::handle padding_idx, bool scale_grad_by_freq, py::handle stream,
@@ -369,7 +380,8 @@ void bind_ops(py::module_& m) {
       py::arg("out").none(true), py::arg("padding_idx").none(true), py::arg("scale_grad_by_freq"),
       py::arg("stream").none(true), py::arg("config").none(true), py::arg("layout").none(true));
 
-  m.def(
+  def_fast(
+      m,
       "lora_embedding_backward",
       [](py::handle x, py::handle A, py::handle B, py::handle grad_out, double s, py::handle grad_A,
          py::handle grad_B, py::handle padding_idx, bool scale_grad_by_freq, py::handle stream,

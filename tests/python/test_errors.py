@@ -130,3 +130,42 @@ def test_a_stream_that_is_not_one_is_refused_even_on_the_cpu(stream, error, mess
     W, A, B, m = dora_inputs()
     with pytest.raises(error, match=message):
         kerf.ops.dora_norm(W, A, B, m, 1.0, stream=stream)
+
+
+def test_core_functions_take_arguments_like_python_functions_and_say_what_is_wrong():
+    # kerf._kerf's ops parse their own arguments (METH_FASTCALL): positional or by
+    # name, with the signature inspect and help() show, and Python's own messages.
+    import inspect
+
+    core = kerf._kerf
+    sig = inspect.signature(core.dora_norm)
+    assert list(sig.parameters) == ["W", "A", "B", "m", "s", "norm", "scale", "eps", "stream", "config", "layout"]
+    assert sig.parameters["layout"].default is None
+    assert sig.parameters["W"].default is inspect.Parameter.empty
+    assert "kerf.ops.dora_norm" in core.dora_norm.__doc__
+    with pytest.raises(TypeError, match=r"dora_norm\(\) missing required argument 'A'"):
+        core.dora_norm(1)
+    with pytest.raises(TypeError, match=r"dora_norm\(\) got an unexpected keyword argument 'bogus'"):
+        core.dora_norm(1, 2, 3, 4, 0.5, None, None, 0.0, None, None, bogus=1)
+    with pytest.raises(TypeError, match=r"dora_norm\(\) got multiple values for argument 'W'"):
+        core.dora_norm(1, W=1)
+    with pytest.raises(TypeError, match=r"dora_norm\(\) takes at most 11 arguments \(12 given\)"):
+        core.dora_norm(*range(12))
+    W, A, B, m = dora_inputs()
+    with pytest.raises(TypeError, match=r"dora_norm\(\): s must be a float, got str"):
+        core.dora_norm(W, A, B, m, "0.5", None, None, 0.0, None, None)
+    with pytest.raises(TypeError, match=r"dora_norm_4bit\(\): blocksize must be an int, got float"):
+        core.dora_norm_4bit(W, A, None, 64.0, A, B, m, 0.5, None, None, 0.0, None, None)
+
+
+def test_core_functions_take_keywords_in_any_order(kerf_cpu):
+    W, A, B, m = dora_inputs()
+    by_position = kerf_cpu._kerf.dora_norm(W, A, B, m, 0.5, None, None, 0.0, None, None)
+    by_name = kerf_cpu._kerf.dora_norm(layout=None, config=None, stream=None, eps=0.0, scale=None, norm=None,
+                                       s=0.5, m=m, B=B, A=A, W=W)
+    np.testing.assert_array_equal(np.asarray(by_position[0]), np.asarray(by_name[0]))
+    np.testing.assert_array_equal(np.asarray(by_position[1]), np.asarray(by_name[1]))
+    # A kerf error from inside still arrives as its own class.
+    with pytest.raises(ValueError, match=r"dora_norm: A must have shape") as e:
+        kerf_cpu._kerf.dora_norm(W, A[:, :15], B, m, 0.5, None, None, 0.0, None, None)
+    assert isinstance(e.value, kerf.InvalidArgumentError)

@@ -1,0 +1,125 @@
+// Module functions called through CPython's vectorcall protocol (METH_FASTCALL)
+// instead of pybind11's generic dispatcher.
+//
+// kerf's ops are launch-bound from Python: every 100 ns of host time per call
+// shows. pybind11's dispatcher builds an argument vector, runs a type caster per
+// argument and tries overloads; for an op of 11 arguments that is about 0.15 us.
+// def_fast() binds a lambda whose parameters are py::handle, double, int64_t or
+// bool (the types kerf's op bindings take) with the same py::arg list and
+// docstring m.def() takes, and parses positional and keyword arguments itself.
+// Errors are raised as pybind11 would: kerf errors through translate_error(),
+// pybind11's own exceptions as theirs, anything else as RuntimeError.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "kerf/error.h"
+#include "module.h"
+#include "tensor_bridge.h"
+
+namespace kerf::python {
+
+namespace fast_call {
+
+// One bound function: its parameter names, how many are required (the rest
+// default to their py::arg_v values), and the call on the parsed arguments.
+struct Function {
+  std::string name;
+  std::string doc;
+  std::vector<std::string> params;
+  std::vector<py::object> defaults;  // one per parameter; null: required
+  std::function<PyObject*(PyObject* const* args)> call;
+  PyMethodDef def{};
+};
+
+PyObject* entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames);
+
+// Argument conversions, with pybind11's rules for the same C++ types (float and
+// int for double; int for int64_t; bool and anything with a truth value for bool).
+inline py::handle convert(PyObject* o, py::handle*, const Function&, size_t) { return o; }
+
+inline double convert(PyObject* o, double*, const Function& f, size_t i) {
+  if (PyFloat_CheckExact(o)) return PyFloat_AS_DOUBLE(o);
+  const double v = PyFloat_AsDouble(o);
+  if (v == -1.0 && PyErr_Occurred()) {
+    PyErr_Clear();
+    throw TypeError(f.name + "(): " + f.params[i] + " must be a float, got " + type_name(o));
+  }
+  return v;
+}
+
+inline int64_t convert(PyObject* o, int64_t*, const Function& f, size_t i) {
+  if (!PyLong_Check(o) || PyBool_Check(o))
+    throw TypeError(f.name + "(): " + f.params[i] + " must be an int, got " + type_name(o));
+  const long long v = PyLong_AsLongLong(o);
+  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+  return int64_t(v);
+}
+
+inline bool convert(PyObject* o, bool*, const Function&, size_t) {
+  if (o == Py_True) return true;
+  if (o == Py_False) return false;
+  const int v = PyObject_IsTrue(o);
+  if (v < 0) throw py::error_already_set();
+  return v == 1;
+}
+
+template <class T>
+PyObject* to_python(T&& result) {
+  if constexpr (std::is_base_of_v<py::handle, std::decay_t<T>>)
+    return py::object(std::forward<T>(result)).release().ptr();
+  else
+    return py::cast(std::forward<T>(result)).release().ptr();
+}
+
+template <class F>
+struct Signature : Signature<decltype(&F::operator())> {};
+template <class C, class R, class... A>
+struct Signature<R (C::*)(A...) const> {
+  using Args = std::tuple<std::decay_t<A>...>;
+};
+
+template <class F, class Args, size_t... I>
+PyObject* invoke(const F& f, const Function& fn, PyObject* const* args, std::index_sequence<I...>) {
+  return to_python(f(convert(args[I], static_cast<std::tuple_element_t<I, Args>*>(nullptr), fn, I)...));
+}
+
+inline void add_extra(Function& fn, const py::arg_v& a) {
+  fn.params.emplace_back(a.name);
+  fn.defaults.push_back(a.value);
+}
+inline void add_extra(Function& fn, const py::arg& a) {
+  fn.params.emplace_back(a.name);
+  fn.defaults.emplace_back();
+}
+inline void add_extra(Function& fn, const char* doc) { fn.doc = doc; }
+
+void add_to_module(py::module_& m, Function* fn);
+
+}  // namespace fast_call
+
+// Binds `f` as m.def(name, f, extras...) would, for the argument types above.
+template <class F, class... Extra>
+void def_fast(py::module_& m, const char* name, F f, const Extra&... extra) {
+  using Args = typename fast_call::Signature<F>::Args;
+  auto* fn = new fast_call::Function;  // lives as long as the module's function objects
+  fn->name = name;
+  (fast_call::add_extra(*fn, extra), ...);
+  if (fn->params.size() != std::tuple_size_v<Args>)
+    throw InternalError(std::string("def_fast(") + name + "): " + std::to_string(fn->params.size()) +
+                        " names for " + std::to_string(std::tuple_size_v<Args>) + " parameters");
+  fn->call = [f, fn](PyObject* const* args) {
+    return fast_call::invoke<F, Args>(f, *fn, args, std::make_index_sequence<std::tuple_size_v<Args>>{});
+  };
+  fast_call::add_to_module(m, fn);
+}
+
+}  // namespace kerf::python
