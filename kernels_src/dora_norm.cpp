@@ -17,9 +17,6 @@ namespace {
 
 using namespace kerf::dsl;
 
-// The grid axes of this kernel's row blocks and column slices (COLS_FIRST swaps them).
-RowSliceAxes axes_of(Builder& k) { return row_slice_axes(k.meta("COLS_FIRST", 0)); }
-
 // Sum over this program's columns of (W + s*B@A)^2, for its BLOCK_M rows.
 // With `split`, the in-features are shared among the programs of a row block
 // (the slices' grid axis), in whole BLOCK_K steps.
@@ -39,7 +36,7 @@ Value row_sum_of_squares(Builder& k, const Tensor& W, const Tensor& A, const Ten
 
   // This split's range of columns, in whole blocks.
   Value lo = literal(int64_t(0)), hi = n_in;
-  if (split) std::tie(lo, hi) = split_range(n_in, BK, axes_of(k).slices);
+  if (split) std::tie(lo, hi) = split_range(n_in, BK, row_slice_axes(k).slices);
   const Value acc = for_range(lo, hi, BK, zeros({BM, BK}), [&](const Value& k0, const Value& acc) {
     const Value cols = k0 + arange(BK);
     const Value col_ok = cols.row() < n_in;
@@ -85,7 +82,7 @@ Value row_sum_of_squares_4bit(Builder& k, const Tensor& packed, const Tensor& ab
   const Value codes = load(code, {c16}, c16 < code.dim(0));  // [16]
 
   Value lo = literal(int64_t(0)), hi = n_half;
-  if (split) std::tie(lo, hi) = split_range(n_half, BH, axes_of(k).slices);
+  if (split) std::tie(lo, hi) = split_range(n_half, BH, row_slice_axes(k).slices);
   const Value acc = for_range(lo, hi, BH, zeros({BM, BK}), [&](const Value& h0, const Value& acc) {
     const Value h = h0 + arange(BH);  // byte columns
     const Value ok = row_ok & (h.row() < n_half);
@@ -123,7 +120,7 @@ void add_and_finish_last(Builder& k, const Tensor& norm, const Tensor& scale, co
   atomic_add(sumsq, {rows}, partial, ok);
   const Value ticket =
       atomic_add(tickets, {block}, literal(int64_t(1)), Value(), MemoryOrder::acq_rel);
-  const Value last = ticket == num_programs(axes_of(k).slices) - 1;
+  const Value last = ticket == num_programs(row_slice_axes(k).slices) - 1;
   const Value mine = ok & last;
   const Value total = atomic_add(sumsq, {rows}, zeros({BM}), mine);  // a coherent read
   store_norm_and_scale(norm, scale, m, rows, total, eps, mine);
@@ -154,7 +151,7 @@ const dsl::Kernel& dora_norm_split() {
     const Tensor norm = k.tensor("norm", 1, DType::f32), scale = k.tensor("scale", 1, DType::f32);
     const Tensor sumsq = k.tensor("sumsq", 1, DType::f32),
                  tickets = k.tensor("tickets", 1, DType::i32);
-    const Value block = program_id(axes_of(k).rows);
+    const Value block = program_id(row_slice_axes(k).rows);
     const Value rows = block * k.meta("BLOCK_M") + arange(k.meta("BLOCK_M"));
     add_and_finish_last(k, norm, scale, m, sumsq, tickets, block, rows,
                         row_sum_of_squares(k, W, A, B, s, rows, true), eps, rows < W.dim(0));
@@ -192,7 +189,7 @@ const dsl::Kernel& dora_norm_4bit_split() {
   static const Kernel k("dora_norm_4bit_split", [](Builder& k) {
     const Args4bit a = args_4bit(k);
     const Tensor sumsq = k.tensor("sumsq", 1, DType::f32), tickets = k.tensor("tickets", 1, DType::i32);
-    const Value block = program_id(axes_of(k).rows);
+    const Value block = program_id(row_slice_axes(k).rows);
     const Value rows = block * k.meta("BLOCK_M") + arange(k.meta("BLOCK_M"));
     add_and_finish_last(k, a.norm, a.scale, a.m, sumsq, tickets, block, rows,
                         row_sum_of_squares_4bit(k, a.packed, a.absmax, a.code, a.shift, a.A, a.B, a.s, rows, true),
@@ -206,7 +203,7 @@ const dsl::Kernel& dora_norm_partial() {
     const Tensor W = k.tensor("W", 2), A = k.tensor("A", 2), B = k.tensor("B", 2);
     const Value s = k.scalar("s");
     const Tensor sumsq = k.tensor("sumsq", 1, DType::f32);
-    const Value rows = program_id(axes_of(k).rows) * k.meta("BLOCK_M") + arange(k.meta("BLOCK_M"));
+    const Value rows = program_id(row_slice_axes(k).rows) * k.meta("BLOCK_M") + arange(k.meta("BLOCK_M"));
     atomic_add(sumsq, {rows}, row_sum_of_squares(k, W, A, B, s, rows, true), rows < W.dim(0));
   });
   return k;

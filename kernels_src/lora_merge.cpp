@@ -27,7 +27,7 @@ const dsl::Kernel& lora_merge() {
     const Value g = program_id(2);
     const Value n_out = W.dim(1), n_in = W.dim(2), rank = A.dim(1);
 
-    const RowSliceAxes axes = row_slice_axes(k.meta("COLS_FIRST", 0));
+    const RowSliceAxes axes = row_slice_axes(k);
     const Value rows = program_id(axes.rows) * BM + arange(BM);
     const Value rk = arange(R);
     const Value row_ok = rows.col() < n_out;

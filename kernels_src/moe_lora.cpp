@@ -25,7 +25,7 @@ const dsl::Kernel& moe_lora_materialize() {
     const Value e = program_id(2);
     const Value n_rows = W.dim(1), n_cols = W.dim(2), rank = A.dim(1);
 
-    const RowSliceAxes axes = row_slice_axes(k.meta("COLS_FIRST", 0));
+    const RowSliceAxes axes = row_slice_axes(k);
     const Value rows = program_id(axes.rows) * BN + arange(BN);
     const Value rk = arange(R);
     const Value row_ok = rows.col() < n_rows;

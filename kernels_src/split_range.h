@@ -33,8 +33,8 @@ struct RowSliceAxes {
   int rows = 0;
   int slices = 1;
 };
-inline RowSliceAxes row_slice_axes(int64_t cols_first) {
-  return cols_first ? RowSliceAxes{1, 0} : RowSliceAxes{0, 1};
+inline RowSliceAxes row_slice_axes(dsl::Builder& k) {
+  return k.meta("COLS_FIRST", 0) ? RowSliceAxes{1, 0} : RowSliceAxes{0, 1};
 }
 
 // Where the iteration at `k0` of for_range(lo, hi, step) goes when a program

@@ -119,6 +119,10 @@ void run_4bit_cases(Device dev) {
     c.meta["WARPS_N"] = wn;
     return c;
   };
+  auto cols_first = [](ops::Config c) {
+    c.meta["COLS_FIRST"] = 1;
+    return c;
+  };
   const std::vector<Case4> cases = {
       {77, 130, 5, 64, DType::f32, DType::f32, {}},             // partial blocks, rows and steps
       {64, 256, 16, 64, DType::bf16, DType::bf16, {}},          // whole tiles
@@ -131,6 +135,8 @@ void run_4bit_cases(Device dev) {
       {96, 512, 16, 64, DType::f32, DType::bf16, cast_a(cfg(32, 64, 3))},  // the same beside a split's sums
       {200, 322, 33, 128, DType::bf16, DType::f32, warps_n(cfg(128, 64, 2), 8, 2)},  // warps sharing columns
       {77, 130, 5, 64, DType::f16, DType::f32, warps_n(cfg(64, 0, 0), 8, 4)},
+      {50, 1000, 33, 64, DType::f32, DType::bf16, cols_first(cfg(16, 64, 3))},  // slices on grid axis 0
+      {96, 512, 16, 128, DType::bf16, DType::f32, cols_first(cfg(32, 64, 2))},
   };
   uint64_t seed = 9100;
   for (const Case4& c : cases) check_4bit(c, dev, seed++);
