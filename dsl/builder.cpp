@@ -194,6 +194,12 @@ ir::Function Kernel::trace(const std::vector<ArgSpec>& args, const MetaMap& meta
     if (on != 0 && on != 1)
       throw DefinitionError("kernel '" + s.fn.name + "': wgmma must be 0 or 1, got " + std::to_string(on));
   }
+  // cluster_size: consecutive programs along grid axis 0 that cluster_atomic_add sums over.
+  if (meta.count("cluster_size")) {
+    const int64_t c = b.meta("cluster_size");
+    if (c < 1 || c > 8)
+      throw DefinitionError("kernel '" + s.fn.name + "': cluster_size must be in 1..8, got " + std::to_string(c));
+  }
   {
     TraceScope scope(&b);
     state_->body(b);

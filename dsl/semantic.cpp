@@ -244,7 +244,8 @@ Access make_access(Builder::Impl& s, const char* opname, const Tensor& t,
 }
 
 Value store_like(OpKind k, const char* opname, const Tensor& t, const std::vector<Value>& idx,
-                 const Value& value, const Value& mask, bool acq_rel, Evict evict = Evict::normal) {
+                 const Value& value, const Value& mask, bool acq_rel, Evict evict = Evict::normal,
+                 bool cluster_sum = false) {
   Builder::Impl& s = t.builder().impl();
   s.check_usable(value, opname);
   const std::string& tname = s.fn.params[size_t(t.param())].name;
@@ -254,11 +255,17 @@ Value store_like(OpKind k, const char* opname, const Tensor& t, const std::vecto
                        dtype_name(t.dtype()) + ")");
   if (k == OpKind::AtomicAdd && (t.dtype() == DType::i1 || t.dtype() == DType::u8))
     s.fail(opname, std::string("atomic_add does not apply to ") + dtype_name(t.dtype()) + " tensors");
+  if (cluster_sum && t.dtype() != DType::f32)
+    s.fail(opname, "tensor '" + tname + "' holds " + dtype_name(t.dtype()) +
+                       "; cluster_atomic_add adds into f32 tensors (accumulate there, then convert)");
   Access a = make_access(s, opname, t, idx, mask, &value);
+  if (cluster_sum && a.shape.empty())
+    s.fail(opname, "the indices are scalars; cluster_atomic_add adds tiles (use atomic_add for one element)");
   Value v = to_shape(s, value, a.shape, opname);
   ir::Operation op(k);
   op.attrs.param = t.param();
   op.attrs.acq_rel = acq_rel;
+  op.attrs.cluster_sum = cluster_sum;
   op.attrs.evict = uint8_t(evict);
   for (const Value& i : a.idx) op.operands.push_back(i.id());
   op.operands.push_back(v.id());
@@ -266,7 +273,7 @@ Value store_like(OpKind k, const char* opname, const Tensor& t, const std::vecto
     op.operands.push_back(a.mask.id());
     op.attrs.has_mask = true;
   }
-  if (k == OpKind::Store) {
+  if (k == OpKind::Store || cluster_sum) {
     s.emit(std::move(op), nullptr);
     return Value();
   }
@@ -656,6 +663,11 @@ void store(const Tensor& t, const std::vector<Value>& idx, const Value& value, c
 Value atomic_add(const Tensor& t, const std::vector<Value>& idx, const Value& value, const Value& mask,
                  MemoryOrder order) {
   return store_like(OpKind::AtomicAdd, "atomic_add", t, idx, value, mask, order == MemoryOrder::acq_rel);
+}
+
+void cluster_atomic_add(const Tensor& t, const std::vector<Value>& idx, const Value& value, const Value& mask) {
+  t.builder().meta("cluster_size", 1);  // part of the specialization: the codegen reads it
+  store_like(OpKind::AtomicAdd, "cluster_atomic_add", t, idx, value, mask, false, Evict::normal, true);
 }
 
 void wait_prior_grid() {

@@ -45,6 +45,8 @@ struct Compiled {
   int threads = 0;
   int smem_bytes = 0;
   bool can_overlap = false;  // waits for the prior grid, on sm_90+: overlap_prior is honoured
+  unsigned cluster = 1;        // thread-block cluster size along x the launch asks for (sm_90+)
+  unsigned grid_multiple = 1;  // meta cluster_size: grid x must be a multiple of it (every backend)
   std::string backend;
   KernelSource source = KernelSource::compiled;
 };
@@ -337,6 +339,7 @@ std::shared_ptr<Compiled> build_cpu(const ir::Function& fn, std::string_view lay
   c->params = fn.params;
   c->num_slots = jit::slot_count(fn.params);
   c->cpu = std::move(loaded.kernel);
+  c->grid_multiple = unsigned(fn.meta_value("cluster_size", 1));
   c->backend = "cpu";
   c->source = loaded.source;
   return c;
@@ -364,6 +367,9 @@ std::shared_ptr<Compiled> build_cuda(const ir::Function& fn, int device, std::st
   c->threads = bin.threads;
   c->smem_bytes = bin.smem_bytes;
   c->can_overlap = may_overlap(fn, device);
+  c->grid_multiple = unsigned(fn.meta_value("cluster_size", 1));
+  // Clusters from sm_90; before it the kernel's cluster sums are plain atomics (the codegen's choice).
+  if (cuda::device_info(device).cc_major >= 9) c->cluster = c->grid_multiple;
   if (bin.smem_bytes > 48 * 1024) {
     const int limit = cuda::device_info(device).max_smem_per_block_optin;
     if (limit > 0 && bin.smem_bytes > limit)
@@ -490,6 +496,9 @@ LaunchInfo launch(const dsl::Kernel& kernel, const std::vector<Arg>& args, Grid 
     slots = heap_slots.data();
   }
   jit::pack_args(c->params, args, slots);
+  if (grid.x % c->grid_multiple != 0)
+    throw InvalidArgument("kernel '" + kernel.name() + "': grid x (" + std::to_string(grid.x) +
+                          ") must be a multiple of its cluster_size " + std::to_string(c->grid_multiple));
   if (dev.is_cuda()) {
     if (grid.y > 65535 || grid.z > 65535)
       throw InvalidArgument("kernel '" + kernel.name() +
@@ -498,7 +507,7 @@ LaunchInfo launch(const dsl::Kernel& kernel, const std::vector<Arg>& args, Grid 
                             std::to_string(grid.z) + ")");
     void* params[] = {slots};
     cuda::launch(c->function, grid, c->threads, c->smem_bytes, options.stream, params,
-                 options.overlap_prior && c->can_overlap);
+                 options.overlap_prior && c->can_overlap, c->cluster);
   } else {
     jit::cpu::run_grid(*c->cpu, grid, slots);
   }

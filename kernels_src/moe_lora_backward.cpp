@@ -14,7 +14,11 @@
 // the row blocks of an expert, which add into the same dA columns, are not all at the same
 // columns at once. With WAIT_PRIOR (both kernels) every write comes after a wait for the grid
 // launched before, the zero-fill of the gradients, which the kernel may then overlap: each
-// step's loads read only inputs and go ahead of it.
+// step's loads read only inputs and go ahead of it. With cluster_size C > 1 (both kernels) the
+// C programs of a cluster, neighbours on grid axis 0 (the same expert and column or row slice),
+// sum the per-step gradient share on chip (cluster_atomic_add) and add it to memory once, not C
+// times; they then take their steps in the same order (ROTATE by cluster), and the grid's axis 0
+// is a multiple of C, its programs past the end masked off.
 #include "kerf/kernels/kernels.h"
 #include "split_range.h"
 
@@ -32,6 +36,7 @@ const dsl::Kernel& moe_lora_backward() {
     const bool db_atomic = k.meta("DB_ATOMIC", 0) != 0;
     const bool rotate = k.meta("ROTATE", 0) != 0;
     const bool wait_fill = k.meta("WAIT_PRIOR", 0) != 0;
+    const int64_t cluster = k.meta("cluster_size", 1);
     const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
     const Value e = program_id(2);
     const Value n_rows = dW.dim(1), n_cols = dW.dim(2), rank = A.dim(1);
@@ -46,13 +51,16 @@ const dsl::Kernel& moe_lora_backward() {
 
     const auto [lo, hi] = split_range(n_cols, BK);
     const Value acc = for_range(lo, hi, BK, zeros({BN, R}), [&](const Value& iv, const Value& acc) {
-      const Value k0 = rotate ? rotated_step(iv, lo, hi, BK, program_id(0)) : iv;
+      const Value k0 = rotate ? rotated_step(iv, lo, hi, BK, program_id(0) / cluster) : iv;
       const Value cols = k0 + arange(BK);
       const Value col_ok = cols.row() < n_cols;
       const Value g = load(dW, {e, rows.col(), cols.row()}, row_ok & col_ok).to(dot_t);  // [BN, BK]
       const Value a = load(A, {e, rk.col(), cols.row()}, rank_ok & col_ok).to(dot_t);    // [R, BK]
       if (wait_fill) wait_prior_grid();
-      atomic_add(dA, {e, rk.col(), cols.row()}, dot(bt, g) * s, rank_ok & col_ok);
+      if (cluster > 1)
+        cluster_atomic_add(dA, {e, rk.col(), cols.row()}, dot(bt, g) * s, rank_ok & col_ok);
+      else
+        atomic_add(dA, {e, rk.col(), cols.row()}, dot(bt, g) * s, rank_ok & col_ok);
       return dot(g, trans(a), acc);  // [BN, R]
     });
     const Value db_ok = row_ok & (rk.row() < rank);
@@ -84,6 +92,7 @@ const dsl::Kernel& moe_lora_backward_by_columns() {
     const bool da_atomic = k.meta("DA_ATOMIC", 0) != 0;
     const bool rotate = k.meta("ROTATE", 0) != 0;
     const bool wait_fill = k.meta("WAIT_PRIOR", 0) != 0;
+    const int64_t cluster = k.meta("cluster_size", 1);
     const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
     const Value e = program_id(2);
     const Value n_rows = dW.dim(1), n_cols = dW.dim(2), rank = A.dim(1);
@@ -97,13 +106,16 @@ const dsl::Kernel& moe_lora_backward_by_columns() {
 
     const auto [lo, hi] = split_range(n_rows, BN);
     const Value acc = for_range(lo, hi, BN, zeros({R, BK}), [&](const Value& iv, const Value& acc) {
-      const Value n0 = rotate ? rotated_step(iv, lo, hi, BN, program_id(0)) : iv;
+      const Value n0 = rotate ? rotated_step(iv, lo, hi, BN, program_id(0) / cluster) : iv;
       const Value rows = n0 + arange(BN);
       const Value row_ok = rows.col() < n_rows;                                           // [BN, 1]
       const Value g = load(dW, {e, rows.col(), cols.row()}, row_ok & col_ok).to(dot_t);  // [BN, BK]
       const Value b = load(B, {e, rows.col(), rk.row()}, row_ok & rank_ok).to(dot_t);     // [BN, R]
       if (wait_fill) wait_prior_grid();
-      atomic_add(dB, {e, rows.col(), rk.row()}, dot(g, at) * s, row_ok & rank_ok);
+      if (cluster > 1)
+        cluster_atomic_add(dB, {e, rows.col(), rk.row()}, dot(g, at) * s, row_ok & rank_ok);
+      else
+        atomic_add(dB, {e, rows.col(), rk.row()}, dot(g, at) * s, row_ok & rank_ok);
       return dot(trans(b), g, acc);  // [R, BK]
     });
     const Value da_ok = (rk.col() < rank) & col_ok;

@@ -87,6 +87,10 @@ inline constexpr MetaRange kWarpsN{"WARPS_N", 0, 32, zero_or_pow2, "0 (kerf choo
 inline constexpr MetaRange kL2Prefetch{"L2_PREFETCH", 0, 256, dsl::is_l2_prefetch_size, "0, 64, 128 or 256 (bytes)"};
 // Config.meta WGMMA (0 or 1), for ops whose tensor-core dots may run on Hopper's warpgroup instructions.
 inline constexpr MetaRange kWgmma{"WGMMA", 0, 1};
+// Config.meta CLUSTER (1..8), for ops whose per-step atomics may be summed over
+// thread-block clusters of that many neighbouring programs first (kernel meta
+// cluster_size; sm_90 and later, plain atomics elsewhere).
+inline constexpr MetaRange kCluster{"CLUSTER", 1, 8};
 // Config.meta COLS_FIRST (0 or 1): the column slices of each row block on grid axis 0 (split_range.h).
 inline constexpr MetaRange kColsFirst{"COLS_FIRST", 0, 1};
 // The grid of a kernel whose programs own (row block, column slice) pairs, `batch`

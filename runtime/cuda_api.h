@@ -84,13 +84,17 @@ inline constexpr unsigned CU_EVENT_DEFAULT = 0;
 inline constexpr unsigned long long CU_GET_PROC_ADDRESS_LEGACY_STREAM = 1;
 
 // cuLaunchKernelEx's configuration, laid out as cuda.h lays it out (checked in
-// tests/test_cuda_runtime.cpp), for the one launch attribute kerf sets.
+// tests/test_cuda_runtime.cpp), for the launch attributes kerf sets.
+inline constexpr int CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4;
 inline constexpr int CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6;
 struct CUlaunchAttribute {
   int id = 0;
   char pad[4] = {};
   union Value {
     alignas(8) char bytes[64];
+    struct {
+      unsigned x, y, z;
+    } cluster_dim;
     int programmatic_stream_serialization_allowed;
   } value = {};
 };

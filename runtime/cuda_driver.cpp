@@ -482,7 +482,7 @@ FunctionAttributes function_attributes(void* function) {
 }
 
 void launch(void* function, Grid grid, int block_threads, int dynamic_smem_bytes,
-            StreamHandle stream, void** params, bool overlap_prior) {
+            StreamHandle stream, void** params, bool overlap_prior, unsigned cluster_x) {
   if (!function) throw InvalidArgument("cuda::launch: the function is null");
   if (grid.x == 0 || grid.y == 0 || grid.z == 0)
     throw InvalidArgument("cuda::launch: grid (" + std::to_string(grid.x) + ", " +
@@ -494,12 +494,22 @@ void launch(void* function, Grid grid, int block_threads, int dynamic_smem_bytes
   if (dynamic_smem_bytes < 0)
     throw InvalidArgument("cuda::launch: dynamic_smem_bytes must be >= 0, got " +
                           std::to_string(dynamic_smem_bytes));
+  if (cluster_x == 0 || grid.x % cluster_x != 0)
+    throw InvalidArgument("cuda::launch: grid x (" + std::to_string(grid.x) +
+                          ") must be a positive multiple of the cluster size " + std::to_string(cluster_x));
   ensure_context(stream);
   CUresult code;
-  if (overlap_prior) {
-    CUlaunchAttribute attr;
-    attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attr.value.programmatic_stream_serialization_allowed = 1;
+  if (overlap_prior || cluster_x > 1) {
+    CUlaunchAttribute attrs[2];
+    unsigned n = 0;
+    if (overlap_prior) {
+      attrs[n].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+      attrs[n++].value.programmatic_stream_serialization_allowed = 1;
+    }
+    if (cluster_x > 1) {
+      attrs[n].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+      attrs[n++].value.cluster_dim = {cluster_x, 1, 1};
+    }
     CUlaunchConfig config;
     config.grid_x = grid.x;
     config.grid_y = grid.y;
@@ -507,8 +517,8 @@ void launch(void* function, Grid grid, int block_threads, int dynamic_smem_bytes
     config.block_x = unsigned(block_threads);
     config.dynamic_smem_bytes = unsigned(dynamic_smem_bytes);
     config.stream = static_cast<CUstream>(stream);
-    config.attrs = &attr;
-    config.num_attrs = 1;
+    config.attrs = attrs;
+    config.num_attrs = n;
     code = api().LaunchKernelEx(&config, static_cast<CUfunction>(function), params, nullptr);
   } else {
     code = api().LaunchKernel(static_cast<CUfunction>(function), grid.x, grid.y, grid.z,
@@ -521,6 +531,7 @@ void launch(void* function, Grid grid, int block_threads, int dynamic_smem_bytes
                  std::to_string(grid.y) + ", " + std::to_string(grid.z) + "), " +
                  std::to_string(block_threads) + " threads per block and " +
                  std::to_string(dynamic_smem_bytes) + " bytes of dynamic shared memory" +
+                 (cluster_x > 1 ? ", in clusters of " + std::to_string(cluster_x) : std::string()) +
                  (overlap_prior ? ", overlapping the previous kernel" : "");
         });
 }

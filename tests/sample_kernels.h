@@ -89,6 +89,28 @@ inline const Kernel& column_sum_atomic_kernel() {
   return k;
 }
 
+// Column sums and sums of squares of x [M, N] over clusters: program i owns rows
+// [i*BM, (i+1)*BM) and walks the columns BN at a time, adding each step's column
+// sums with cluster_atomic_add (the cluster's programs sum on chip first), then
+// its rows' total of squares once (a second cluster sum, outside the loop).
+inline const Kernel& cluster_sum_kernel() {
+  static const Kernel k("cluster_sum", [](Builder& b) {
+    auto x = b.tensor("x", 2), out = b.tensor("out", 1, DType::f32), sq = b.tensor("sq", 1, DType::f32);
+    const int64_t BM = b.meta("BM"), BN = b.meta("BN");
+    auto rows = program_id(0) * BM + arange(BM);
+    auto row_ok = rows.col() < x.dim(0);
+    auto total = for_range(literal(int64_t(0)), x.dim(1), BN, zeros({BM}), [&](const Value& c0, const Value& acc) {
+      auto cols = c0 + arange(BN);
+      auto m = row_ok & (cols.row() < x.dim(1));
+      auto tile = load(x, {rows.col(), cols.row()}, m).to(DType::f32);
+      cluster_atomic_add(out, {cols}, sum(tile, 0), cols < x.dim(1));
+      return acc + sum(tile * tile, 1);
+    });
+    cluster_atomic_add(sq, {arange(BM) % 4}, total, rows < x.dim(0));
+  });
+  return k;
+}
+
 // A grab bag of elementwise ops, casts and selects over one tile.
 inline const Kernel& elementwise_kernel() {
   static const Kernel k("elementwise_mix", [](Builder& b) {

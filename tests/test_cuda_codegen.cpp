@@ -107,6 +107,23 @@ std::vector<Case> all_cases() {
                      {{"BM", 16}, {"BN", 128}, {"WAIT", wait}, {"num_stages", 3}}, "overlap_consumer"});
   cases.push_back({&test::overlap_producer_kernel(), {t(DType::f32, 2), t(DType::f32, 2)},
                    {{"BM", 16}, {"BN", 128}, {"REPEAT", 2}, {"RELEASE", 1}}, "overlap_producer"});
+  for (int64_t cluster : {1, 2, 4})
+    cases.push_back({&test::cluster_sum_kernel(), {t(DType::bf16, 2), t(DType::f32, 1), t(DType::f32, 1)},
+                     {{"BM", 32}, {"BN", 64}, {"cluster_size", cluster}, {"num_stages", 2}}, "cluster_sum"});
+  // The MoE backward's step atomics summed over clusters, mma.sync and warpgroup dots.
+  for (int64_t wgmma : {0, 1})
+    cases.push_back({&kernels::moe_lora_backward(),
+                     {t(DType::bf16, 3), t(DType::bf16, 3), t(DType::bf16, 3), ArgSpec::scalar(), t(DType::f32, 3),
+                      t(DType::bf16, 3)},
+                     {{"BLOCK_N", 128}, {"BLOCK_K", 64}, {"R_PAD", 64}, {"DOT", int64_t(DType::bf16)},
+                      {"ROTATE", 1}, {"cluster_size", 2}, {"num_warps", 8}, {"num_stages", 3}, {"wgmma", wgmma}},
+                     "moe_lora_backward"});
+  cases.push_back({&kernels::moe_lora_backward_by_columns(),
+                   {t(DType::bf16, 3), t(DType::bf16, 3), t(DType::bf16, 3), ArgSpec::scalar(), t(DType::bf16, 3),
+                    t(DType::f32, 3)},
+                   {{"BLOCK_N", 32}, {"BLOCK_K", 256}, {"R_PAD", 16}, {"DOT", int64_t(DType::bf16)},
+                    {"cluster_size", 4}, {"num_warps", 8}, {"num_stages", 2}},
+                   "moe_lora_backward_by_columns"});
   cases.push_back({&test::ticket_kernel(), {t(DType::i32, 1), t(DType::i32, 1), t(DType::f32, 1), t(DType::f32, 1)},
                    {{"BLOCK", 64}}, "ticket"});
   return cases;
@@ -259,6 +276,44 @@ TEST_CASE("interleave into a dot's accumulator picks registers, over lanes it pi
   CHECK(src.find("= (((r) >> 0) & 1) ? ") != std::string::npos);
   // The 1-D pair of 64 spreads over lanes: lane bit 0 chooses.
   CHECK(src.find("= ((lane >> 0) & 1) ? ") != std::string::npos);
+}
+
+TEST_CASE("cluster_atomic_add sums over the cluster in distributed shared memory on sm_90, atomics elsewhere",
+          "[cuda][codegen]") {
+  const std::vector<ArgSpec> args = {t(DType::bf16, 2), t(DType::f32, 1), t(DType::f32, 1)};
+  const auto source = [&](int64_t cluster, const char* arch) {
+    const ir::Function fn =
+        test::cluster_sum_kernel().trace(args, {{"BM", 32}, {"BN", 64}, {"cluster_size", cluster}});
+    return jit::cuda::generate(fn, arch).source;
+  };
+  const std::string two = source(2, "sm_90a");
+  INFO(two);
+  CHECK(two.find("summed over clusters of 2 programs first") != std::string::npos);
+  CHECK(two.find("kerf_dev::ld_cluster<") != std::string::npos);
+  CHECK(two.find("kerf_cphase1") != std::string::npos);  // one double buffer per cluster sum
+  // Each sum arrives at a cluster barrier and waits at the end of its block (the
+  // loop body, or the kernel), and the kernel ends with one more, so that no
+  // program leaves while its cluster still reads its shared memory.
+  const auto count = [&](const std::string& what) {
+    size_t k = 0;
+    for (size_t at = two.find(what); at != std::string::npos; at = two.find(what, at + 1)) ++k;
+    return k;
+  };
+  CHECK(count("kerf_dev::cluster_arrive();") == 3);
+  CHECK(count("kerf_dev::cluster_wait();") == 3);
+  const size_t last = two.rfind("kerf_dev::cluster_wait();");
+  CHECK(two.find("kerf_dev::red_add<", last) == std::string::npos);
+  // In the loop, the column sums' wait comes after the work that follows the add
+  // (the sum of squares), and before the carried value is updated.
+  const size_t arrive = two.find("kerf_dev::cluster_arrive();"), wait = two.find("kerf_dev::cluster_wait();");
+  CHECK(arrive < wait);
+  CHECK(two.find("__shfl_xor_sync", arrive) < wait);
+  // Without clusters (size 1, or before sm_90) it is a plain atomic.
+  for (const std::string& plain : {source(1, "sm_90a"), source(4, "sm_80")}) {
+    CHECK(plain.find("cluster_wait") == std::string::npos);
+    CHECK(plain.find("ld_cluster") == std::string::npos);
+    CHECK(plain.find("atomic_add @out") != std::string::npos);
+  }
 }
 
 TEST_CASE("a wait for the prior grid is griddepcontrol on sm_90, and nothing after it is issued ahead",

@@ -314,6 +314,34 @@ TEST_CASE("the IR text does not depend on the order the kernel's operands were t
   CHECK(ir::print(a).find("const 3") == std::string::npos);  // the dead value is gone
 }
 
+TEST_CASE("cluster_atomic_add adds f32 tiles, and cluster_size is 1..8 and part of the specialization",
+          "[dsl][errors]") {
+  const std::vector<ArgSpec> args = {ArgSpec::tensor(DType::f32, 1), ArgSpec::tensor(DType::bf16, 1)};
+  const auto kernel = [](const char* name, int what) {
+    return Kernel(name, [what](Builder& b) {
+      auto x = b.tensor("x", 1), h = b.tensor("h", 1);
+      auto i = arange(16);
+      if (what == 0) cluster_atomic_add(x, {i}, load(x, {i}), i < x.dim(0));
+      if (what == 1) cluster_atomic_add(h, {i}, load(h, {i}));
+      if (what == 2) cluster_atomic_add(x, {literal(int64_t(0))}, literal(1.0f));
+    });
+  };
+  const Kernel ok = kernel("cluster_ok", 0);
+  const std::string two = ir::print(ok.trace(args, {{"cluster_size", 2}}));
+  INFO(two);
+  CHECK(two.find("cluster_sum") != std::string::npos);
+  CHECK(two.find("cluster_size=2") != std::string::npos);
+  // The default size is recorded too, and sizes give different kernels.
+  CHECK(ir::print(ok.trace(args, {})).find("cluster_size=1") != std::string::npos);
+  CHECK(ir::hash(ok.trace(args, {{"cluster_size", 2}})) != ir::hash(ok.trace(args, {{"cluster_size", 4}})));
+  expect_definition_error([&] { ok.trace(args, {{"cluster_size", 9}}); }, {"cluster_ok", "cluster_size must be in 1..8, got 9"});
+  expect_definition_error([&] { ok.trace(args, {{"cluster_size", 0}}); }, {"cluster_size must be in 1..8, got 0"});
+  expect_definition_error([&] { kernel("cluster_bf16", 1).trace(args, {}); },
+                          {"cluster_bf16", "cluster_atomic_add", "'h' holds bf16", "f32 tensors"});
+  expect_definition_error([&] { kernel("cluster_scalar", 2).trace(args, {}); },
+                          {"cluster_scalar", "cluster_atomic_add adds tiles"});
+}
+
 TEST_CASE("u8 is a storage type: integers meet it as i32, arithmetic on it alone is refused", "[dsl][errors]") {
   const std::vector<ArgSpec> bytes = {ArgSpec::tensor(DType::u8, 1), ArgSpec::tensor(DType::i32, 1),
                                       ArgSpec::tensor(DType::u8, 1)};

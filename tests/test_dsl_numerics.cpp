@@ -115,6 +115,42 @@ void column_sums(Device dev, int64_t rows, int64_t cols, uint64_t seed) {
   CHECK(test::max_relative_error(got, ref, 1.0) <= 1e-5);
 }
 
+// cluster_atomic_add: clusters of 1, 2, 3 and 4 programs, the grid's row blocks
+// padded to whole clusters (the programs past the rows add nothing).
+void cluster_sums(Device dev, DType d, int64_t rows, int64_t cols, int64_t cluster, int64_t warps, uint64_t seed) {
+  CAPTURE(dev.str(), dtype_name(d), rows, cols, cluster, warps, seed);
+  std::mt19937_64 rng(seed);
+  TestTensor x(d, {rows, cols}, dev), out(DType::f32, {cols}, dev), sq(DType::f32, {4}, dev);
+  x.randomize(rng);
+  for (int64_t j = 0; j < cols; ++j) out.set(j, 0.0);
+  for (int64_t j = 0; j < 4; ++j) sq.set(j, 0.0);
+  out.upload();
+  sq.upload();
+  const uint32_t blocks = uint32_t(cdiv(cdiv(rows, 32), cluster) * cluster);
+  launch(test::cluster_sum_kernel(), {x.view(), out.view(), sq.view()}, Grid{blocks},
+         {{"BM", 32}, {"BN", 64}, {"cluster_size", cluster}, {"num_warps", warps}, {"num_stages", 2}});
+  sync(dev);
+  out.download();
+  sq.download();
+  std::vector<double> got, ref, got_sq, ref_sq(4, 0.0);
+  for (int64_t j = 0; j < cols; ++j) {
+    double s = 0;
+    for (int64_t i = 0; i < rows; ++i) s += x.get(i * cols + j);
+    ref.push_back(s);
+    got.push_back(out.get(j));
+  }
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) ref_sq[size_t(i % 4)] += x.get(i * cols + j) * x.get(i * cols + j);
+  for (int64_t j = 0; j < 4; ++j) got_sq.push_back(sq.get(j));
+  CHECK(test::max_relative_error(got, ref, 1.0) <= 1e-5);
+  CHECK(test::max_relative_error(got_sq, ref_sq, 1.0) <= 1e-5);
+  // A grid that is not whole clusters is refused before the launch.
+  if (cluster > 1)
+    CHECK_THROWS_WITH(launch(test::cluster_sum_kernel(), {x.view(), out.view(), sq.view()}, Grid{blocks + 1},
+                             {{"BM", 32}, {"BN", 64}, {"cluster_size", cluster}}),
+                      Catch::Contains("must be a multiple of its cluster_size " + std::to_string(cluster)));
+}
+
 void elementwise(Device dev, DType d, int64_t n, uint64_t seed) {
   CAPTURE(dev.str(), dtype_name(d), n, seed);
   std::mt19937_64 rng(seed);
@@ -346,6 +382,11 @@ void run_all(Device dev) {
     }
   column_sums(dev, 300, 100, seed++);
   column_sums(dev, 1000, 64, seed++);
+  cluster_sums(dev, DType::f32, 300, 100, 1, 4, seed++);
+  cluster_sums(dev, DType::f32, 300, 100, 2, 4, seed++);
+  cluster_sums(dev, DType::bf16, 1000, 200, 4, 8, seed++);
+  cluster_sums(dev, DType::f32, 70, 130, 3, 2, seed++);
+  cluster_sums(dev, DType::f16, 257, 64, 8, 4, seed++);
   for (DType d : {DType::f32, DType::bf16}) elementwise(dev, d, 1000, seed++);
   corners(dev, DType::f32, 4, 8, 16, seed++);
   corners(dev, DType::bf16, 3, 7, 13, seed++);

@@ -47,11 +47,13 @@ struct BackwardCase {
   bool by_columns = false;  // Config.meta BY_COLUMNS: the column-owning kernel (split: of the rows)
   int64_t l2_prefetch = 0;  // Config.meta L2_PREFETCH (a hint: the same answer)
   bool wgmma = false;  // Config.meta WGMMA: Hopper's warpgroup dots, 128-row blocks of 8 warps
+  int64_t cluster = 0;  // Config.meta CLUSTER: each step's atomics summed over clusters of blocks first
 };
 
 void check_backward(const BackwardCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.E, c.d1, c.d2, c.r, dtype_name(c.w), dtype_name(c.ab), dtype_name(c.grads),
-          layout_name(c.layout), c.split, seed, dev.str(), c.rotate, c.by_columns, c.l2_prefetch, c.wgmma);
+          layout_name(c.layout), c.split, seed, dev.str(), c.rotate, c.by_columns, c.l2_prefetch, c.wgmma,
+          c.cluster);
   std::mt19937_64 rng(seed);
   const int64_t E = c.E, d1 = c.d1, d2 = c.d2, r = c.r;
   TestTensor dW(c.w, {E, d1, d2}, dev);
@@ -99,6 +101,13 @@ void check_backward(const BackwardCase& c, Device dev, uint64_t seed) {
     cfg.num_warps = 8;
     cfg.num_stages = 3;
     cfg.meta["WGMMA"] = 1;
+  }
+  if (c.cluster) {
+    cfg.meta["CLUSTER"] = c.cluster;
+    if (!c.wgmma && !c.rotate && !c.by_columns) {
+      cfg.block_m = 16;  // several row blocks per expert, the last cluster part past the rows
+      cfg.block_k = 32;
+    }
   }
   ops::moe_lora_materialize_backward(dW.view(), a, b, s, da, db, nullptr, cfg);
   test::sync(dev);
@@ -185,6 +194,16 @@ void run_backward_cases(Device dev) {
       {2, 300, 200, 64, DType::bf16, DType::bf16, DType::f32, MoeLayout::plain, 0, true, false, 0, true},
       {3, 150, 130, 5, DType::bf16, DType::f32, DType::bf16, MoeLayout::peft, 2, true, false, 0, true},
       {2, 130, 64, 32, DType::f16, DType::f16, DType::f16, MoeLayout::peft_transposed, 1, false, false, 0, true},
+      // Atomics summed over clusters of 2-4 blocks first (7 row blocks of 16 in 2s and 4s,
+      // 3 of 128 with WGMMA in 2s, 5 column blocks of 32 in 3s), gradients in place or
+      // through the workspace, rotated by cluster or not.
+      {3, 100, 130, 5, DType::f32, DType::f32, DType::f32, MoeLayout::plain, 1, false, false, 0, false, 2},
+      {3, 100, 130, 5, DType::bf16, DType::f32, DType::bf16, MoeLayout::peft, 2, false, false, 0, false, 4},
+      {2, 64, 300, 16, DType::bf16, DType::bf16, DType::bf16, MoeLayout::plain, 3, true, false, 0, false, 2},
+      {2, 300, 200, 64, DType::bf16, DType::bf16, DType::f32, MoeLayout::plain, 0, true, false, 0, true, 2},
+      {3, 150, 130, 5, DType::bf16, DType::f32, DType::bf16, MoeLayout::peft, 2, false, false, 0, true, 4},
+      {3, 100, 130, 5, DType::bf16, DType::f32, DType::bf16, MoeLayout::peft, 1, true, true, 0, false, 3},
+      {2, 90, 150, 33, DType::f16, DType::f32, DType::f32, MoeLayout::peft_transposed, 2, false, true, 0, false, 2},
   };
   uint64_t seed = 5100;
   for (const BackwardCase& c : cases) check_backward(c, dev, seed++);

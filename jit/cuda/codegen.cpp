@@ -24,6 +24,8 @@ Codegen::Codegen(const ir::Function& f, const std::string& arch) : f_(f), arch_(
   sm_ = parse_sm(arch);
   // wgmma needs the architecture-specific target (sm_90a); elsewhere the meta is ignored.
   wgmma_ = f.meta_value("wgmma", 0) != 0 && sm_ == 90 && !arch.empty() && arch.back() == 'a';
+  // Thread-block clusters exist from sm_90; before it a cluster sum is a plain atomic.
+  cluster_ = sm_ >= 90 ? int(f.meta_value("cluster_size", 1)) : 1;
 }
 
 KernelCode Codegen::run() {
@@ -39,6 +41,7 @@ KernelCode Codegen::run() {
   frames_.assign(1, Frame{});
   active_.assign(1, 0);
   emit_block(f_.body);
+  flush_cluster(0);
 
   KernelCode out;
   out.threads = 32 * num_warps_;
@@ -54,6 +57,7 @@ KernelCode Codegen::run() {
   src << device_library_source();
   if (!wgmma_sizes_.empty()) src << wgmma_helpers_source();
   for (int n : wgmma_sizes_) src << wgmma_wrapper_source(n);
+  if (!cluster_phases_.empty()) src << cluster_helpers_source();
   src << "\nextern \"C\" __global__ void __launch_bounds__(" << out.threads << ") " << out.entry
       << "(const __grid_constant__ kerf_dev::Args<" << std::max(1, out.num_slots) << "> args) {\n";
   src << "  extern __shared__ __align__(16) unsigned char kerf_smem[];\n";
@@ -61,7 +65,13 @@ KernelCode Codegen::run() {
   src << "  const int warp = threadIdx.x >> 5;\n";
   src << "  (void)lane; (void)warp;\n";
   src << prologue();
+  if (!cluster_phases_.empty()) {
+    src << "  const unsigned kerf_crank = kerf_dev::cluster_rank();\n";
+    for (const std::string& phase : cluster_phases_) src << "  unsigned " << phase << " = 0;\n";
+  }
   src << frames_[0].code;
+  // No program leaves while another of its cluster may still read its shared memory.
+  if (!cluster_phases_.empty()) src << "  kerf_dev::cluster_arrive();\n  kerf_dev::cluster_wait();\n";
   src << "}\n";
   out.source = src.str();
   return out;
@@ -571,6 +581,7 @@ void Codegen::emit_for(const Operation& op, int lv) {
     line(inner, "for (int r = 0; r < " + S(nr) + "; ++r) " + tmp + "[r] = " + elem(tn, "r") + ";");
     assigns.push_back({carried[i], tmp, nr});
   }
+  flush_cluster(inner);  // cluster sums complete after the body's work, the carried values included
   for (const Assign& a : assigns) {
     if (a.regs == 0) {
       line(inner, a.dst + " = " + a.src + ";");

@@ -444,6 +444,11 @@ class Codegen {
   void emit_store(const Operation& op, int level);
 
   std::string store_stmt(DType t, bool atomic, const std::string& addr, const std::string& val);
+  // An f32 atomic_add summed over the cluster first (cluster_ > 1): see codegen_memory.cpp.
+  void emit_cluster_add(const Operation& op, int level, int l, const std::vector<Tile>& idx, const Tile& val,
+                        const Tile& mask, int w);
+  // Emits the pending second half of a cluster sum at `level` (the end of its block, or before the next).
+  void flush_cluster(int level);
 
   // ---- dot (codegen_dot.cpp)
 
@@ -473,6 +478,9 @@ class Codegen {
   int l2_prefetch_ = 0;  // meta l2_prefetch: the L2 prefetch size hint of cp.async copies (bytes)
   bool wgmma_ = false;        // meta wgmma=1 on an sm_90a target
   std::set<int> wgmma_sizes_;  // N of the wgmma instructions emitted (their wrappers go in the source)
+  int cluster_ = 1;            // meta cluster_size on sm_90+ (1 elsewhere: cluster sums are plain atomics)
+  std::vector<std::string> cluster_phases_;  // a double-buffer phase per cluster-summed atomic emitted
+  std::map<int, std::vector<std::string>> cluster_pending_;  // level -> the second half of a cluster sum
   std::map<ValueId, std::vector<std::pair<const Operation*, int>>> users_;  // value -> (op, operand index)
   std::vector<ir::AxisInfo> axis_;
   std::vector<int> uses_;

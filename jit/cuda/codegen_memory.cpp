@@ -218,6 +218,10 @@ void Codegen::emit_store(const Operation& op, int level) {
   if (op.attrs.has_mask) mask = get(op.operands[size_t(p.rank) + 1], l);
   const int w = !atomic ? vector_width(op, l) : vector_red ? std::min(4, vector_width(op, l)) : 1;
   const int n = L.num_regs();
+  if (atomic && op.attrs.cluster_sum && cluster_ > 1) {
+    emit_cluster_add(op, level, l, idx, val, mask, w);
+    return;
+  }
   const std::string own = owner_predicate(l);
   const std::string old_name = old >= 0 ? "atom" + S(old) + "_" + S(l) : "";
   if (old >= 0) {
@@ -272,6 +276,95 @@ void Codegen::emit_store(const Operation& op, int level) {
   }
   home_[old] = l;
   frame(level_of_[size_t(old)]).memo[std::make_pair(old, l)] = result;
+}
+
+// The programs of a cluster (cluster_ of them, the same code and layouts) each
+// write their registers of the value to a shared-memory buffer, indexed by
+// (register group, thread) so that every thread finds its own elements at the
+// same place in each program, and arrive at a cluster barrier. The rest waits
+// until the end of the enclosing block (a loop body: after the work that
+// follows the add in it), or the next cluster sum, whichever comes first: there
+// the program waits for its cluster, and the program of rank q adds register
+// groups q, q + C, ... : its own values plus the other programs' (distributed
+// shared memory), with one vector reduction per group.
+// With a mask, a program's masked-off values count as zero and its mask bytes
+// go beside the values: an element is added where any program's mask is on (at
+// the adding program's indices, which must agree with the others' there).
+// The buffer is double: a program writes the other half the next time, after
+// a wait that every program of its cluster arrived at after its reads of this
+// one (their values are used by the reductions issued before the arrival).
+void Codegen::emit_cluster_add(const Operation& op, int level, int l, const std::vector<Tile>& idx,
+                               const Tile& val, const Tile& mask, int w) {
+  flush_cluster(level);  // a program arrives at most once before it waits
+  const ir::Param& p = tensor_of(op);
+  const Layout& L = layouts_[size_t(l)];
+  const int n = L.num_regs(), threads = 32 * num_warps_, groups = n / w;
+  const bool masked = op.attrs.has_mask;
+  const std::string ptr = pointer_expr(op);
+  const std::string own = owner_predicate(l);
+  const int64_t half = int64_t(n) * threads;  // floats in one half of the buffer
+  const int off = alloc_smem(2 * half * 4);
+  const int moff = masked ? alloc_smem(2 * int64_t(groups) * threads) : 0;
+  const std::string phase = "kerf_cphase" + S(int64_t(cluster_phases_.size()));
+  cluster_phases_.push_back(phase);
+  const std::string at = "(q * " + S(threads) + " + threadIdx.x)";
+  const std::string slot = "cbuf + " + at + " * " + S(w);
+  const std::string pack = "kerf_dev::Pack<float, " + S(w) + ">";
+  const std::string on = masked ? elem(mask, "r") : "true";
+  const std::string value = masked ? "(" + on + ") ? " + elem(val, "r + j") + " : 0.0f" : elem(val, "r + j");
+  const std::string cbuf =
+      "  float* cbuf = reinterpret_cast<float*>(kerf_smem + " + S(off) + ") + " + phase + " * " + S(half) + ";";
+  const std::string mbuf = "  unsigned char* mbuf = kerf_smem + " + S(moff) + " + " + phase + " * " +
+                           S(int64_t(groups) * threads) + ";";
+  line(level, "// atomic_add @" + p.name + " from " + L.key() + ", " + S(w) + "-wide, summed over clusters of " +
+                  S(cluster_) + " programs first (the sums at the end of the block)");
+  line(level, "{");
+  line(level, cbuf);
+  if (masked) line(level, mbuf);
+  line(level, "  #pragma unroll");
+  line(level, "  for (int q = 0; q < " + S(groups) + "; ++q) {");
+  line(level, "    const int r = q * " + S(w) + ";");
+  line(level, "    " + pack + " pk; for (int j = 0; j < " + S(w) + "; ++j) pk.v[j] = " + value +
+                  "; kerf_dev::st<float, " + S(w) + ">(" + slot + ", pk);");
+  if (masked) line(level, "    mbuf[" + at + "] = (" + on + ") ? 1 : 0;");
+  line(level, "  }");
+  line(level, "  kerf_dev::cluster_arrive();");
+  line(level, "}");
+
+  std::vector<std::string>& rest = cluster_pending_[level];
+  rest.push_back("// the cluster's sums of the atomic_add @" + p.name + " above");
+  rest.push_back("{");
+  rest.push_back("  kerf_dev::cluster_wait();");
+  rest.push_back(cbuf);
+  if (masked) rest.push_back(mbuf);
+  rest.push_back("  if (" + (own.empty() ? std::string("true") : own) + ") {");
+  rest.push_back("  #pragma unroll");
+  rest.push_back("  for (int q = 0; q < " + S(groups) + "; ++q) {");
+  rest.push_back("    if (q % " + S(cluster_) + " != int(kerf_crank)) continue;");
+  rest.push_back("    const int r = q * " + S(w) + ";");
+  rest.push_back("    " + pack + " pk; for (int j = 0; j < " + S(w) + "; ++j) pk.v[j] = " + value + ";");
+  rest.push_back("    bool any = " + on + ";");
+  rest.push_back("    for (unsigned c = 1; c < " + S(cluster_) + "; ++c) {");
+  rest.push_back("      const unsigned from = (kerf_crank + c) % " + S(cluster_) + "u;");
+  rest.push_back("      const " + pack + " o = kerf_dev::ld_cluster<" + S(w) + ">(" + slot + ", from);");
+  rest.push_back("      for (int j = 0; j < " + S(w) + "; ++j) pk.v[j] += o.v[j];");
+  if (masked) rest.push_back("      any |= kerf_dev::ld_cluster_u8(mbuf + " + at + ", from) != 0;");
+  rest.push_back("    }");
+  rest.push_back("    if (any) {");
+  rest.push_back("      const long long off = " + offset_expr(op, idx, "r") + ";");
+  rest.push_back("      kerf_dev::red_add<" + S(w) + ">(" + ptr + " + off, pk);");
+  rest.push_back("    }");
+  rest.push_back("  }");
+  rest.push_back("  }");
+  rest.push_back("  " + phase + " ^= 1u;");
+  rest.push_back("}");
+}
+
+void Codegen::flush_cluster(int level) {
+  auto it = cluster_pending_.find(level);
+  if (it == cluster_pending_.end()) return;
+  for (const std::string& s : it->second) line(level, s);
+  cluster_pending_.erase(it);
 }
 
 std::string Codegen::store_stmt(DType t, bool atomic, const std::string& addr,

@@ -301,6 +301,53 @@ __device__ __forceinline__ int sw128(int r, int c, int rows) {
 )KERF";
 }
 
+// Thread-block clusters (sm_90+): this program's rank in its cluster, the two
+// halves of a barrier of the whole cluster (this program's shared-memory writes
+// before its arrival are seen by the cluster's programs after their wait; the
+// release is restricted to shared memory, so that it does not wait for the
+// program's global writes and reductions to complete, which a full release at
+// cluster scope does), and W-wide f32 (and byte) loads
+// from the shared memory of program `rank` of the cluster at the offset `local`
+// has here.
+const char* cluster_helpers_source() {
+  return R"KERF(
+namespace kerf_dev {
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("fence.release.sync_restrict::shared::cta.cluster;\n\t"
+               "barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
+template <int W> __device__ __forceinline__ Pack<float, W> ld_cluster(const float* local, unsigned rank) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(local);
+  unsigned ra;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
+  Pack<float, W> v;
+  if constexpr (W == 4)
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.v[0]), "=f"(v.v[1]), "=f"(v.v[2]), "=f"(v.v[3]) : "r"(ra) : "memory");
+  else if constexpr (W == 2)
+    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.v[0]), "=f"(v.v[1]) : "r"(ra) : "memory");
+  else
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v.v[0]) : "r"(ra) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned ld_cluster_u8(const unsigned char* local, unsigned rank) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(local);
+  unsigned ra;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
+  unsigned short v;
+  asm volatile("ld.shared::cluster.u8 %0, [%1];" : "=h"(v) : "r"(ra) : "memory");
+  return v;
+}
+}  // namespace kerf_dev
+)KERF";
+}
+
 const char* wgmma_helpers_source() {
   // A shared-memory descriptor of a 128-byte-swizzled operand (8-row groups
   // 1024 bytes apart), and the warpgroup's ordering steps.

@@ -13,4 +13,8 @@ const char* device_library_source();
 const char* wgmma_helpers_source();
 std::string wgmma_wrapper_source(int n);
 
+// Cluster rank, cluster barrier and distributed shared-memory loads (sm_90+),
+// for the kernels whose cluster_atomic_add sums over clusters.
+const char* cluster_helpers_source();
+
 }  // namespace kerf::jit::cuda

@@ -237,6 +237,10 @@ class Verifier {
           else
             expect(op.results.empty() || (op.results.size() == 1 && t(op.results[0]) == val), op,
                    "the old values have the added value's type");
+          if (a.cluster_sum)
+            expect(op.kind == OpKind::AtomicAdd && op.results.empty() && !a.acq_rel && p.dtype == DType::f32 &&
+                       !val.shape.empty(),
+                   op, "cluster_sum adds an f32 tile, relaxed, with no old values");
         }
         for (size_t i = 0; i < rank; ++i) {
           const Type& it = t(op.operands[i]);

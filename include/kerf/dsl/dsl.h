@@ -137,8 +137,9 @@ class Kernel {
   // Runs the body for one specialization and returns verified IR.
   // `meta` may set num_warps (default 4), num_stages (default 1),
   // l2_prefetch (the L2 prefetch size of pipelined copies: is_l2_prefetch_size)
-  // and wgmma (0 or 1: tensor-core dots on Hopper's warpgroup instructions,
-  // on sm_90a targets; see the CUDA back end).
+  // wgmma (0 or 1: tensor-core dots on Hopper's warpgroup instructions,
+  // on sm_90a targets; see the CUDA back end) and cluster_size (1..8: the
+  // programs along grid axis 0 that cluster_atomic_add sums over).
   ir::Function trace(const std::vector<ArgSpec>& args, const MetaMap& meta) const;
 
  private:
@@ -231,6 +232,21 @@ enum class MemoryOrder { relaxed, acq_rel };
 // Adds `value` and returns the old values (0 where masked off).
 Value atomic_add(const Tensor& t, const std::vector<Value>& idx, const Value& value,
                  const Value& mask = {}, MemoryOrder order = MemoryOrder::relaxed);
+
+// Adds the sum of `value` over the programs of this program's cluster: the
+// meta-parameter cluster_size (1..8, default 1) groups that many consecutive
+// programs along grid axis 0, and the grid's first axis must be a multiple of
+// it. On sm_90 and later the cluster's programs run together and sum their
+// values on chip (distributed shared memory), so each element is added to
+// memory once per cluster instead of once per program. Every program of a
+// cluster must reach each cluster_atomic_add equally often (programs wait
+// there for each other) with the same indices wherever their masks are on;
+// masks may differ: a program's masked-off elements count as zero, and an
+// element is added where any program's mask is on. Relaxed, f32 tensors, no
+// old values. Where there are no clusters (cluster_size 1, targets before
+// sm_90, the CPU) it is atomic_add.
+void cluster_atomic_add(const Tensor& t, const std::vector<Value>& idx, const Value& value,
+                        const Value& mask = {});
 
 // Programmatic dependent launch (CUDA, sm_90 and later). A kernel launched with
 // LaunchOptions::overlap_prior may start while the kernel launched just before it

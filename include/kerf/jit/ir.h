@@ -69,6 +69,8 @@ enum class OpKind : uint8_t {
   AtomicAdd,    // operands: idx..., value, [mask]; optional result: the old values
                 // (0 where masked off). Device scope; attrs.acq_rel orders it
                 // after every earlier write of the program and before every later read.
+                // attrs.cluster_sum: the value is first summed over the programs of the
+                // program's cluster (meta cluster_size), one of which adds each element.
   // ---- grid dependencies (programmatic dependent launch; no operands, no results)
   GridWait,     // what the grid launched before this one on the stream wrote is visible
                 // from here on (it may still be running before this point); nothing
@@ -96,6 +98,7 @@ struct Attrs {
   bool has_mask = false;   // Load/Store/AtomicAdd
   bool has_other = false;  // Load
   bool acq_rel = false;    // AtomicAdd: acquire-release instead of relaxed
+  bool cluster_sum = false;  // AtomicAdd: summed over the cluster's programs first (dsl::cluster_atomic_add)
   uint8_t evict = 0;       // Load/Store: L2 eviction hint (0 normal, 1 evict first, 2 evict last)
 };
 

@@ -84,9 +84,11 @@ FunctionAttributes function_attributes(void* function);
 // `overlap_prior` (cuLaunchKernelEx with programmatic stream serialization) the
 // grid may start before the kernel launched ahead of it on `stream` has finished;
 // the kernel must wait for it (griddepcontrol.wait) before it touches what that
-// kernel writes. Only for kernels that do; sm_90 and later.
+// kernel writes. Only for kernels that do; sm_90 and later. `cluster_x` > 1
+// launches thread-block clusters of that many blocks along x (sm_90 and later;
+// grid.x must be a multiple of it).
 void launch(void* function, Grid grid, int block_threads, int dynamic_smem_bytes,
-            StreamHandle stream, void** params, bool overlap_prior = false);
+            StreamHandle stream, void** params, bool overlap_prior = false, unsigned cluster_x = 1);
 
 // Device memory owned by this object (cuMemAlloc / cuMemFree).
 class DeviceBuffer {
