@@ -339,7 +339,6 @@ std::shared_ptr<Compiled> build_cpu(const ir::Function& fn, std::string_view lay
   c->params = fn.params;
   c->num_slots = jit::slot_count(fn.params);
   c->cpu = std::move(loaded.kernel);
-  c->grid_multiple = unsigned(fn.meta_value("cluster_size", 1));
   c->backend = "cpu";
   c->source = loaded.source;
   return c;
@@ -367,9 +366,6 @@ std::shared_ptr<Compiled> build_cuda(const ir::Function& fn, int device, std::st
   c->threads = bin.threads;
   c->smem_bytes = bin.smem_bytes;
   c->can_overlap = may_overlap(fn, device);
-  c->grid_multiple = unsigned(fn.meta_value("cluster_size", 1));
-  // Clusters from sm_90; before it the kernel's cluster sums are plain atomics (the codegen's choice).
-  if (cuda::device_info(device).cc_major >= 9) c->cluster = c->grid_multiple;
   if (bin.smem_bytes > 48 * 1024) {
     const int limit = cuda::device_info(device).max_smem_per_block_optin;
     if (limit > 0 && bin.smem_bytes > limit)
@@ -415,11 +411,17 @@ std::shared_ptr<Compiled> resolve(const dsl::Kernel& kernel, const std::vector<A
       [&]() -> std::shared_ptr<Compiled> {
         t0 = Clock::now();
         const ir::Function fn = kernel.trace(arg_specs(args), meta);
+        std::shared_ptr<Compiled> built_c;
         if (dev.is_cuda()) {
           cuda::require_device(dev.index);
-          return build_cuda(fn, dev.index, layout);
+          built_c = build_cuda(fn, dev.index, layout);
+        } else {
+          built_c = build_cpu(fn, layout);
         }
-        return build_cpu(fn, layout);
+        built_c->grid_multiple = unsigned(fn.meta_value("cluster_size", 1));
+        // Clusters from sm_90; before it the kernel's cluster sums are plain atomics (the codegen's choice).
+        if (dev.is_cuda() && cuda::device_info(dev.index).cc_major >= 9) built_c->cluster = built_c->grid_multiple;
+        return built_c;
       },
       &built);
   if (built) {

@@ -57,10 +57,7 @@ const dsl::Kernel& moe_lora_backward() {
       const Value g = load(dW, {e, rows.col(), cols.row()}, row_ok & col_ok).to(dot_t);  // [BN, BK]
       const Value a = load(A, {e, rk.col(), cols.row()}, rank_ok & col_ok).to(dot_t);    // [R, BK]
       if (wait_fill) wait_prior_grid();
-      if (cluster > 1)
-        cluster_atomic_add(dA, {e, rk.col(), cols.row()}, dot(bt, g) * s, rank_ok & col_ok);
-      else
-        atomic_add(dA, {e, rk.col(), cols.row()}, dot(bt, g) * s, rank_ok & col_ok);
+      cluster_atomic_add(dA, {e, rk.col(), cols.row()}, dot(bt, g) * s, rank_ok & col_ok);
       return dot(g, trans(a), acc);  // [BN, R]
     });
     const Value db_ok = row_ok & (rk.row() < rank);
@@ -112,10 +109,7 @@ const dsl::Kernel& moe_lora_backward_by_columns() {
       const Value g = load(dW, {e, rows.col(), cols.row()}, row_ok & col_ok).to(dot_t);  // [BN, BK]
       const Value b = load(B, {e, rows.col(), rk.row()}, row_ok & rank_ok).to(dot_t);     // [BN, R]
       if (wait_fill) wait_prior_grid();
-      if (cluster > 1)
-        cluster_atomic_add(dB, {e, rows.col(), rk.row()}, dot(g, at) * s, row_ok & rank_ok);
-      else
-        atomic_add(dB, {e, rows.col(), rk.row()}, dot(g, at) * s, row_ok & rank_ok);
+      cluster_atomic_add(dB, {e, rows.col(), rk.row()}, dot(g, at) * s, row_ok & rank_ok);
       return dot(trans(b), g, acc);  // [R, BK]
     });
     const Value da_ok = (rk.col() < rank) & col_ok;

@@ -39,7 +39,6 @@ MoeBackwardPlan plan_moe_backward(const TensorView& dW, int64_t r, bool gpu, int
   // CLUSTER: programs of neighbouring blocks sum each step's atomics on chip first. Not
   // among the tuner's candidates: on an H100 (r=64, 64x2816x2048, 256x64 WGMMA tiles) it
   // was slower than the plain atomics (516.7 us in clusters of 2 against 458.8 us).
-
   const int64_t cluster = meta_or(config, "CLUSTER", 1);
   const auto clustered = [cluster](MoeBackwardPlan& p, int64_t blocks) {
     if (cluster > 1) p.meta["cluster_size"] = cluster;

@@ -322,10 +322,15 @@ __device__ __forceinline__ void cluster_arrive() {
                "barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
 }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
-template <int W> __device__ __forceinline__ Pack<float, W> ld_cluster(const float* local, unsigned rank) {
+// The shared::cluster address of `local`'s place in the shared memory of program `rank`.
+__device__ __forceinline__ unsigned cluster_addr(const void* local, unsigned rank) {
   const unsigned a = (unsigned)__cvta_generic_to_shared(local);
   unsigned ra;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
+  return ra;
+}
+template <int W> __device__ __forceinline__ Pack<float, W> ld_cluster(const float* local, unsigned rank) {
+  const unsigned ra = cluster_addr(local, rank);
   Pack<float, W> v;
   if constexpr (W == 4)
     asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
@@ -337,11 +342,8 @@ template <int W> __device__ __forceinline__ Pack<float, W> ld_cluster(const floa
   return v;
 }
 __device__ __forceinline__ unsigned ld_cluster_u8(const unsigned char* local, unsigned rank) {
-  const unsigned a = (unsigned)__cvta_generic_to_shared(local);
-  unsigned ra;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
   unsigned short v;
-  asm volatile("ld.shared::cluster.u8 %0, [%1];" : "=h"(v) : "r"(ra) : "memory");
+  asm volatile("ld.shared::cluster.u8 %0, [%1];" : "=h"(v) : "r"(cluster_addr(local, rank)) : "memory");
   return v;
 }
 }  // namespace kerf_dev
