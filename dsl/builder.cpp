@@ -194,6 +194,14 @@ ir::Function Kernel::trace(const std::vector<ArgSpec>& args, const MetaMap& meta
     if (on != 0 && on != 1)
       throw DefinitionError("kernel '" + s.fn.name + "': wgmma must be 0 or 1, got " + std::to_string(on));
   }
+  // acc_col_run: a tensor-core dot's accumulator gives each thread runs of this many
+  // consecutive columns (loads and stores of it as vectors, no shared memory).
+  if (meta.count("acc_col_run")) {
+    const int64_t run = b.meta("acc_col_run");
+    if (run < 0 || run > 16 || (run > 0 && !is_pow2(run)))
+      throw DefinitionError("kernel '" + s.fn.name + "': acc_col_run must be 0 or a power of two <= 16, got " +
+                            std::to_string(run));
+  }
   // cluster_size: consecutive programs along grid axis 0 that cluster_atomic_add sums over.
   if (meta.count("cluster_size")) {
     const int64_t c = b.meta("cluster_size");

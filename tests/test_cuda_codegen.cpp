@@ -77,6 +77,21 @@ std::vector<Case> all_cases() {
                        "moe_lora_materialize"});
     }
   }
+  // The merge with its accumulator in runs of 16 bytes per thread (STREAM), both product forms.
+  for (DType w : {DType::bf16, DType::f16, DType::f32})
+    for (int64_t scale_after : {0, 1})
+      cases.push_back({&kernels::lora_merge(),
+                       {t(w, 3), t(is_half(w) ? w : DType::bf16, 3), t(is_half(w) ? w : DType::bf16, 3),
+                        ArgSpec::scalar()},
+                       {{"BLOCK_M", 64}, {"BLOCK_K", 128}, {"R_PAD", 16},
+                        {"DOT", int64_t(is_half(w) ? w : DType::bf16)}, {"SCALE_AFTER", scale_after},
+                        {"COLS_FIRST", 1}, {"acc_col_run", 16 / dtype_size_bytes(w)}},
+                       "lora_merge acc_col_run"});
+  for (int64_t stages : {1, 3})
+    cases.push_back({&test::matmul_kernel(), {t(DType::bf16, 2), t(DType::bf16, 2), t(DType::bf16, 2)},
+                     {{"BM", 64}, {"BN", 128}, {"BK", 32}, {"num_stages", stages}, {"num_warps", 8},
+                      {"acc_col_run", 8}},
+                     "matmul acc_col_run"});
   cases.push_back({&kernels::dora_norm_finish(),
                    {t(DType::f32, 1), t(DType::bf16, 1), ArgSpec::scalar(), t(DType::f32, 1), t(DType::f32, 1)},
                    {{"BLOCK", 1024}}, "dora_norm_finish"});
@@ -221,6 +236,42 @@ TEST_CASE("in-place updates are pipelined only when iterations touch disjoint ti
   const std::string shifted = jit::cuda::generate(
       test::inplace_kernel().trace(args, {{"BM", 16}, {"BN", 64}, {"SHIFT", 1}, {"num_stages", 3}}), "sm_90a").source;
   CHECK(shifted.find("kerf_dev::cp_async<") == std::string::npos);
+}
+
+TEST_CASE("a dot's accumulator in runs of columns moves W in 16-byte vectors with no shared-memory round trip",
+          "[cuda][codegen]") {
+  // The merge's step: W read into the product's accumulator, W + s*B@A written from it.
+  const auto merge_src = [](DType w, int64_t run, int64_t scale_after) {
+    const DType dot = is_half(w) ? w : DType::bf16;
+    return jit::cuda::generate(
+               kernels::lora_merge().trace({t(w, 3), t(dot, 3), t(dot, 3), ArgSpec::scalar()},
+                                           {{"BLOCK_M", 64}, {"BLOCK_K", 128}, {"R_PAD", 16}, {"DOT", int64_t(dot)},
+                                            {"SCALE_AFTER", scale_after}, {"acc_col_run", run}}),
+               "sm_90a")
+        .source;
+  };
+  for (int64_t scale_after : {0, 1}) {
+    CAPTURE(scale_after);
+    const std::string src = merge_src(DType::bf16, 8, scale_after);
+    INFO(src);
+    // Both in the accumulator's runs layout, 8 bf16 at a time; no conversion of W's tile.
+    const size_t load = src.find("load @W in [64,128]{r:1:1,1:2,1:4,");
+    CHECK(load != std::string::npos);
+    CHECK(src.find("8-wide", load) == src.find('\n', load) - 6);
+    CHECK(src.find("store @W from [64,128]{r:1:1,1:2,1:4,") != std::string::npos);
+    CHECK(src.find("// %") == std::string::npos);  // layout conversions through shared memory
+    CHECK(src.find("kerf_dev::cp_async") == std::string::npos);
+    CHECK(src.find("kerf_dev::mma_bf16_16816(") != std::string::npos);
+    // Without the meta: W through shared memory as before.
+    const std::string plain = merge_src(DType::bf16, 0, scale_after);
+    CHECK(plain.find("// %") != std::string::npos);
+  }
+  // fp32 W: runs of 4.
+  const std::string f32 = merge_src(DType::f32, 4, 1);
+  CHECK(f32.find("load @W in [64,128]{r:1:1,1:2,0:8,") != std::string::npos);
+  CHECK(f32.find("// %") == std::string::npos);
+  // The meta is checked.
+  CHECK_THROWS_WITH(merge_src(DType::bf16, 3, 1), Catch::Contains("acc_col_run must be 0 or a power of two <= 16"));
 }
 
 TEST_CASE("fp32 dots use fp32 FMA, not tensor cores", "[cuda][codegen]") {

@@ -374,6 +374,17 @@ void run_all(Device dev) {
   matmul(dev, DType::bf16, 128, 128, 256, {{"BM", 64}, {"BN", 64}, {"BK", 32}, {"num_stages", 3}, {"num_warps", 8}},
          seed++);
   matmul(dev, DType::f16, 50, 40, 96, {{"BM", 32}, {"BN", 64}, {"BK", 32}}, seed++);
+  // The accumulator in runs of consecutive columns per thread (acc_col_run): a
+  // carried accumulator, B staged in the instructions' column order (not
+  // pipelined), warps along the columns; an fp32 dot (FMA) and a transposed B
+  // (staged as it is) keep their usual layouts; the same answers.
+  matmul(dev, DType::bf16, 100, 72, 130, {{"BM", 64}, {"BN", 64}, {"BK", 32}, {"num_stages", 3}, {"acc_col_run", 8}},
+         seed++);
+  matmul(dev, DType::f16, 70, 200, 96,
+         {{"BM", 32}, {"BN", 128}, {"BK", 32}, {"num_warps", 8}, {"acc_col_run", 4}}, seed++);
+  matmul(dev, DType::bf16, 64, 64, 48, {{"BM", 64}, {"BN", 32}, {"BK", 16}, {"acc_col_run", 16}}, seed++);
+  matmul(dev, DType::f32, 77, 45, 130, {{"BM", 32}, {"BN", 32}, {"BK", 16}, {"acc_col_run", 8}}, seed++);
+  matmul(dev, DType::bf16, 77, 45, 130, {{"BM", 32}, {"BN", 32}, {"BK", 32}, {"acc_col_run", 8}}, seed++, true);
   for (DType d : {DType::f32, DType::bf16, DType::f16})
     for (int64_t stages : {1, 3}) {
       matmul(dev, d, 77, 45, 130, {{"BM", 32}, {"BN", 32}, {"BK", 32}, {"num_stages", stages}}, seed++, true);

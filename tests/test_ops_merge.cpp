@@ -33,11 +33,14 @@ struct MergeCase {
   int64_t warps_n = 0, block_m = 0, warps = 0;  // Config.meta WARPS_N and the tile it splits (the same answer)
   bool wgmma = false;  // Config.meta WGMMA: Hopper's warpgroup dots (sm_90a; elsewhere the same kernel)
   int64_t split = 0, cols_first = 0;  // Config split_k and meta COLS_FIRST (the same answer)
+  int64_t block_k = 0;
+  bool stream = false;  // Config.meta STREAM: one tile per program, W moved through the accumulator's registers
 };
 
 void check_merge(const MergeCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.out, c.in, c.r, dtype_name(c.w), dtype_name(c.a), dtype_name(c.b), c.transposed,
-          c.offset, c.evict, c.warps_n, c.block_m, c.warps, seed, dev.str(), c.wgmma, c.split, c.cols_first);
+          c.offset, c.evict, c.warps_n, c.block_m, c.warps, seed, dev.str(), c.wgmma, c.split, c.cols_first,
+          c.block_k, c.stream);
   std::mt19937_64 rng(seed);
   TestTensor Wbuf(c.w, {c.out * c.in + c.offset}, dev), A(c.a, {c.r, c.in}, dev),
       B(c.b, {c.out, c.r}, dev);
@@ -60,6 +63,8 @@ void check_merge(const MergeCase& c, Device dev, uint64_t seed) {
   cfg.num_warps = c.warps;
   cfg.split_k = c.split;
   if (c.cols_first) cfg.meta["COLS_FIRST"] = c.cols_first;
+  cfg.block_k = c.block_k;
+  if (c.stream) cfg.meta["STREAM"] = 1;
   if (c.wgmma) {
     cfg.block_k = 64;
     cfg.meta["WGMMA"] = 1;
@@ -119,6 +124,23 @@ void run_merge_cases(Device dev) {
   cases.push_back({67, 136, 5, DType::f32, DType::f32, DType::f32});
   cases.push_back({130, 200, 16, DType::bf16, DType::bf16, DType::bf16, false, 0, 1.5, 0, 0, 0, 0, false, 2, 1});
   cases.push_back({67, 136, 5, DType::f16, DType::f32, DType::f32, true, 0, -0.5, 0, 0, 32, 4, false, 3, 1});
+  // STREAM: bf16 W with bf16 adapters (s applied after the product), f16 W with
+  // f32 adapters (the product onto W), f32 W (runs of 4), partial tiles, a large
+  // rank, warps along the columns, fan_in_fan_out and misaligned W (no vectors).
+  const auto streamed = [](MergeCase c, int64_t bm, int64_t bk, int64_t warps_n = 0) {
+    c.stream = true;
+    c.block_m = bm;
+    c.block_k = bk;
+    c.warps_n = warps_n;
+    return c;
+  };
+  cases.push_back(streamed({130, 200, 16, DType::bf16, DType::bf16, DType::bf16}, 64, 128));
+  cases.push_back(streamed({67, 300, 5, DType::f16, DType::f32, DType::f32, false, 0, -0.5}, 32, 256));
+  cases.push_back(streamed({96, 136, 16, DType::f32, DType::bf16, DType::bf16}, 32, 64));
+  cases.push_back(streamed({300, 200, 64, DType::bf16, DType::bf16, DType::bf16}, 128, 64));
+  cases.push_back(streamed({130, 333, 16, DType::bf16, DType::f32, DType::bf16}, 64, 128, 2));
+  cases.push_back(streamed({40, 72, 8, DType::bf16, DType::f32, DType::f32, true}, 32, 64));
+  cases.push_back(streamed({64, 128, 16, DType::bf16, DType::bf16, DType::bf16, false, 1}, 64, 64));
   uint64_t seed = 4100;
   for (const MergeCase& c : cases) check_merge(c, dev, seed++);
 }

@@ -14,6 +14,8 @@
 // atomics stay where the kernel put them, in program order.
 #include "codegen_impl.h"
 
+#include <functional>
+
 namespace kerf::jit::cuda {
 namespace detail {
 
@@ -25,6 +27,7 @@ Codegen::Codegen(const ir::Function& f, const std::string& arch) : f_(f), arch_(
   // wgmma needs the architecture-specific target (sm_90a); elsewhere the meta is ignored.
   wgmma_ = f.meta_value("wgmma", 0) != 0 && sm_ == 90 && !arch.empty() && arch.back() == 'a';
   // Thread-block clusters exist from sm_90; before it a cluster sum is a plain atomic.
+  acc_col_run_ = int(f.meta_value("acc_col_run", 0));
   cluster_ = sm_ >= 90 ? int(f.meta_value("cluster_size", 1)) : 1;
 }
 
@@ -37,6 +40,7 @@ KernelCode Codegen::run() {
   scan_block(f_.body, 0);
   choose_blocked_vectors(f_.body);
   compute_prefs(f_.body);
+  prefer_runs_for_acc_inputs();
 
   frames_.assign(1, Frame{});
   active_.assign(1, 0);
@@ -196,12 +200,67 @@ int Codegen::acc_layout(const Operation& op) {
   } else if (mma_eligible(op)) {
     int wm, wn;
     mma_warp_split(shape, num_warps_, int(op.attrs.axis), &wm, &wn);
-    l = intern(mma_acc_layout(shape, num_warps_, wm, wn));
+    if (runs_eligible(op)) {
+      const RunAcc ra = mma_acc_layout_runs(shape, num_warps_, wm, wn, acc_col_run_);
+      l = intern(ra.layout);
+      run_kept_[l] = ra.kept;
+      std::vector<int> to_hw(ra.hw_to_logical.size());
+      for (size_t i = 0; i < to_hw.size(); ++i) to_hw[size_t(ra.hw_to_logical[i])] = int(i);
+      staged_cols_[op.operands[1]] = to_hw;
+      if (std::find(run_dots_.begin(), run_dots_.end(), &op) == run_dots_.end()) run_dots_.push_back(&op);
+    } else {
+      l = intern(mma_acc_layout(shape, num_warps_, wm, wn));
+    }
   } else {
     l = intern(blocked_layout(shape, num_warps_, 4));
   }
   acc_layouts_.insert(l);
   return l;
+}
+
+bool Codegen::runs_eligible(const Operation& op) const {
+  if (acc_col_run_ < 2) return false;
+  const ValueId b = op.operands[1];
+  bool transposed = false;
+  dot_source(b, &transposed);
+  if (transposed) return false;
+  auto it = users_.find(b);
+  if (it == users_.end()) return false;
+  for (const auto& [user, index] : it->second)
+    if (user != &op || index != 1) return false;
+  return true;
+}
+
+void Codegen::prefer_runs_for_acc_inputs() {
+  if (run_dots_.empty()) return;
+  // v (used once) and the values it is computed from elementwise take layout l;
+  // the loads among them are then read straight into it.
+  std::function<void(ValueId, int)> pull = [&](ValueId v, int l) {
+    const Operation* d = def_op_[size_t(v)];
+    if (!d || type(v).is_scalar() || pref_[size_t(v)] == l || uses_[size_t(v)] != 1) return;
+    if (d->kind == OpKind::Load) {
+      pref_[size_t(v)] = l;
+    } else if (ir::is_elementwise_unary(d->kind) || ir::is_elementwise_binary(d->kind) ||
+               d->kind == OpKind::Select || d->kind == OpKind::Cast) {
+      if (type(d->operands[0]).shape != type(v).shape) return;
+      pref_[size_t(v)] = l;
+      for (ValueId o : d->operands) pull(o, l);
+    }
+  };
+  for (const Operation* op : run_dots_)
+    if (op->operands.size() == 3) pull(op->operands[2], pref_[size_t(op->results[0])]);
+  // Values combined elementwise with such a dot's result (W + s * B@A).
+  std::function<void(const ir::Block&)> walk = [&](const ir::Block& b) {
+    for (const Operation& op : b.ops) {
+      if (op.body) walk(*op.body);
+      if (op.results.size() != 1) continue;
+      const int l = pref_[size_t(op.results[0])];
+      if (l < 0 || !run_kept_.count(l)) continue;
+      if (ir::is_elementwise_binary(op.kind) || op.kind == OpKind::Select)
+        for (ValueId o : op.operands) pull(o, l);
+    }
+  };
+  walk(f_.body);
 }
 
 int Codegen::merge_prefs(const std::vector<int>& ls) const {

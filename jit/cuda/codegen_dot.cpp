@@ -7,8 +7,11 @@ namespace kerf::jit::cuda::detail {
 Staged Codegen::stage(ValueId v) {
   auto it = staged_.find(v);
   if (it != staged_.end()) return it->second;
-  if (auto a = async_.find(v); a != async_.end())
+  const auto cols = staged_cols_.find(v);
+  if (auto a = async_.find(v); a != async_.end()) {
+    if (cols != staged_cols_.end()) throw InternalError("CUDA codegen: a pipelined B operand in runs order");
     return Staged{async_slot_offset(a->second), a->second.pitch[0], false, a->second.sw_rows};
+  }
   // trans(x): x's tile in shared memory, read transposed (no second copy).
   bool transposed = false;
   if (const ValueId src = dot_source(v, &transposed); transposed) {
@@ -37,7 +40,10 @@ Staged Codegen::stage(ValueId v) {
   line(lv, "__syncthreads();");
   line(lv, "{");
   line(lv, st + "* " + buf + " = reinterpret_cast<" + st + "*>(kerf_smem + " + where + ");");
-  write_smem(lv, t, l, dt, buf, pitch, sw_rows);
+  // The B operand of a dot whose accumulator is in runs of columns: each column
+  // where the mma instructions read the column that the runs layout puts there.
+  const int lw = cols == staged_cols_.end() ? l : intern(map_dim_bits(layouts_[size_t(l)], 1, cols->second));
+  write_smem(lv, t, lw, dt, buf, pitch, sw_rows);
   line(lv, "}");
   if (sw_rows) line(lv, "asm volatile(\"fence.proxy.async.shared::cta;\" ::: \"memory\");");
   line(lv, "__syncthreads();");
@@ -63,12 +69,16 @@ Tile Codegen::emit_dot(const Operation& op, int h) {
     acc = get(op.operands[2], h);
     init = elem(acc, "r");
   }
+  // In a runs layout the instructions still write mma's register order: the
+  // tile's storage is that order and `kept` maps the layout's registers to it.
+  const auto runs = run_kept_.find(h);
+  const Tile out = runs == run_kept_.end() ? Tile{name, false, {}, true} : Tile{name, false, runs->second, false};
   const Staged sa = stage(a), sb = stage(b);
   const std::string at = storage_type(ta.dtype);
   line(lv, "float " + name + "[" + S(n) + "];  // dot " + ir::to_string(ta) + " @ " +
                ir::to_string(tb));
   line(lv, "#pragma unroll");
-  line(lv, "for (int r = 0; r < " + S(n) + "; ++r) " + name + "[r] = " + init + ";");
+  line(lv, "for (int r = 0; r < " + S(n) + "; ++r) " + elem(out, "r") + " = " + init + ";");
   line(lv, "{");
   line(lv, "const " + at + "* sa = reinterpret_cast<const " + at + "*>(kerf_smem + (" + sa.offset +
                "));");
@@ -210,7 +220,7 @@ Tile Codegen::emit_dot(const Operation& op, int h) {
     line(lv, "}");
   }
   line(lv, "}");
-  return Tile{name, false, {}, true};
+  return out;
 }
 
 std::string Codegen::to_compute_float(DType t, const std::string& x) {

@@ -191,6 +191,12 @@ class Codegen {
   bool sw128_candidate(ValueId v) const;
 
   int acc_layout(const Operation& op);
+  // Whether the dot may use mma_acc_layout_runs (meta acc_col_run): mma.sync
+  // (not wgmma), B staged row-major from a value no other dot reads.
+  bool runs_eligible(const Operation& op) const;
+  // Gives the loads (through casts) that a dot in a runs layout accumulates
+  // onto that layout as their preference: read straight into its registers.
+  void prefer_runs_for_acc_inputs();
 
   int merge_prefs(const std::vector<int>& ls) const;
 
@@ -478,6 +484,12 @@ class Codegen {
   int l2_prefetch_ = 0;  // meta l2_prefetch: the L2 prefetch size hint of cp.async copies (bytes)
   bool wgmma_ = false;        // meta wgmma=1 on an sm_90a target
   std::set<int> wgmma_sizes_;  // N of the wgmma instructions emitted (their wrappers go in the source)
+  int acc_col_run_ = 0;        // meta acc_col_run: columns per thread run of a dot's accumulator (0: mma's order)
+  // Layouts from mma_acc_layout_runs: the kept map of the dot tiles in them (storage in mma's order).
+  std::map<int, std::vector<int>> run_kept_;
+  std::vector<const Operation*> run_dots_;
+  // B operands of dots in a runs layout: logical column bit -> the bit mma reads it at.
+  std::map<ValueId, std::vector<int>> staged_cols_;
   int cluster_ = 1;            // meta cluster_size on sm_90+ (1 elsewhere: cluster sums are plain atomics)
   std::vector<std::string> cluster_phases_;  // a double-buffer phase per cluster-summed atomic emitted
   std::map<int, std::vector<std::string>> cluster_pending_;  // level -> the second half of a cluster sum

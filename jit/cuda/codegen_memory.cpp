@@ -150,6 +150,8 @@ int Codegen::store_layout(ValueId value) {
   const Shape& shape = type(value).shape;
   const int p = pref_[size_t(value)];
   if (p >= 0 && shape.size() == 1) return p;  // reduction results: write in place
+  // A dot's accumulator in runs of columns: written from its registers.
+  if (p >= 0 && run_kept_.count(p)) return p;
   return blocked(shape);
 }
 

@@ -108,6 +108,8 @@ std::vector<const Operation*> Codegen::pipelinable_loads(const Operation& loop, 
                  (op.body && ir::contains(*op.body, OpKind::GridWait));
     if (after_wait) break;
     if (op.kind != OpKind::Load || op.attrs.has_other || type(op.results[0]).is_scalar()) continue;
+    // A B operand staged in the column order of a runs accumulator is written by the threads.
+    if (staged_cols_.count(op.results[0])) continue;
     // A prefetch must not overtake a store to what it reads.
     if (written.count(op.attrs.param) && !disjoint_in_place(op, loop)) continue;
     std::set<ValueId> seen;

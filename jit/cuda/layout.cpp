@@ -216,6 +216,53 @@ Layout mma_acc_layout(const ir::Shape& shape, int num_warps, int warps_m, int wa
   return l;
 }
 
+RunAcc mma_acc_layout_runs(const ir::Shape& shape, int num_warps, int warps_m, int warps_n, int run) {
+  const Layout hw = mma_acc_layout(shape, num_warps, warps_m, warps_n);
+  const int bits = log2i(shape[1]);
+  RunAcc out;
+  out.hw_to_logical.assign(size_t(bits), -1);
+  int next = 0;
+  const auto number = [&](const Basis& b) { out.hw_to_logical[size_t(log2i(b.value))] = next++; };
+  // The column bits of the registers (the pair, then the n tiles), in mma's order.
+  std::vector<size_t> reg_cols;
+  for (size_t i = 0; i < hw.reg.size(); ++i)
+    if (hw.reg[i].dim == 1) reg_cols.push_back(i);
+  const size_t first = std::min(reg_cols.size(), size_t(log2i(std::max(run, 1))));
+  for (size_t k = 0; k < first; ++k) number(hw.reg[reg_cols[k]]);
+  for (const Basis& b : hw.lane)
+    if (b.dim == 1) number(b);
+  for (size_t k = first; k < reg_cols.size(); ++k) number(hw.reg[reg_cols[k]]);
+  for (const Basis& b : hw.warp)
+    if (b.dim == 1) number(b);
+  if (next != bits) throw InternalError("mma_acc_layout_runs: the columns of " + hw.key() + " are not all covered");
+  // Registers: the run's column bits first, then the others in mma's order.
+  std::vector<size_t> order(reg_cols.begin(), reg_cols.begin() + std::ptrdiff_t(first));
+  for (size_t i = 0; i < hw.reg.size(); ++i)
+    if (std::find(order.begin(), order.end(), i) == order.end()) order.push_back(i);
+  const Layout renamed = map_dim_bits(hw, 1, out.hw_to_logical);
+  out.layout = renamed;
+  out.kept.assign(order.size(), 0);
+  for (size_t j = 0; j < order.size(); ++j) {
+    out.layout.reg[j] = renamed.reg[order[j]];
+    out.kept[order[j]] = int(j);
+  }
+  out.layout.check();
+  return out;
+}
+
+Layout map_dim_bits(const Layout& l, int dim, const std::vector<int>& bit_map) {
+  const auto map = [&](Basis b) {
+    if (b.dim == dim) b.value = int64_t(1) << bit_map.at(size_t(log2i(b.value)));
+    return b;
+  };
+  Layout out = l;
+  for (Basis& b : out.reg) b = map(b);
+  for (Basis& b : out.lane) b = map(b);
+  for (Basis& b : out.warp) b = map(b);
+  out.check();
+  return out;
+}
+
 Derived slice_layout(const Layout& l, int axis) {
   Derived out;
   out.layout.shape = l.shape;

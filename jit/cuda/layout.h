@@ -61,6 +61,27 @@ Layout mma_acc_layout(const ir::Shape& shape, int num_warps, int warps_m, int wa
 // warpgroup holds 64 consecutive rows), but each warp's columns are one range
 // of N / warps_n, as one wgmma instruction writes them.
 Layout wgmma_acc_layout(const ir::Shape& shape, int num_warps, int warps_m, int warps_n);
+// mma_acc_layout with its columns numbered differently: each thread's first
+// registers hold `run` consecutive columns (then its lanes' columns, then its
+// other n tiles, then the warps' ranges), so that a tile in this layout is
+// read and written straight from registers in `run`-element vectors. The
+// instructions still write the accumulator in mma_acc_layout's register
+// order; a dot in this layout multiplies by a B operand whose columns were
+// put in the instructions' order (see `hw_to_logical`).
+struct RunAcc {
+  Layout layout;
+  // Storage register bit j (mma_acc_layout's order) <- bit kept[j] of the layout's
+  // registers (Tile::kept).
+  std::vector<int> kept;
+  // Bit i of a column as mma numbers it (mma_acc_layout) is bit hw_to_logical[i]
+  // of the column in this layout.
+  std::vector<int> hw_to_logical;
+};
+RunAcc mma_acc_layout_runs(const ir::Shape& shape, int num_warps, int warps_m, int warps_n, int run);
+// `l` with the coordinates along `dim` renumbered bit by bit: a basis of value
+// 2^i becomes 2^bit_map[i] (a permutation of that dimension's bits).
+Layout map_dim_bits(const Layout& l, int dim, const std::vector<int>& bit_map);
+
 // Chooses warps_m x warps_n for an [M, N] accumulator: rows first, or with
 // want_warps_n > 0 up to that many warps on columns first (more where the rows
 // run out, rather than warps that copy others' work).

@@ -705,6 +705,10 @@ int main(int argc, char** argv) {
     if (!quick)
       for (int64_t wn : {2, 4})
         for (int64_t bm : {64, 128}) merge_cfgs.push_back(ops::Config{bm, 128, 0, 8, 3, {{"WARPS_N", wn}}});
+    // One tile per program, W moved through the product's accumulator registers (STREAM).
+    if (!quick)
+      for (auto [bm, bk] : std::vector<std::pair<int64_t, int64_t>>{{32, 128}, {32, 256}, {64, 128}})
+        merge_cfgs.push_back(ops::Config{bm, bk, 0, 4, 1, {{"STREAM", 1}}});
     for (auto [o, i] : std::vector<std::pair<int64_t, int64_t>>{{4096, 4096}, {8192, 8192}, {14336, 4096}})
       if (family("lora_merge")) run_case(make_merge(o, i, 16), merge_cfgs);
     std::vector<ops::Config> dora4_cfgs = {ops::Config{}};
