@@ -93,6 +93,17 @@ inline constexpr MetaRange kWgmma{"WGMMA", 0, 1};
 inline constexpr MetaRange kCluster{"CLUSTER", 1, 8};
 // Config.meta COLS_FIRST (0 or 1): the column slices of each row block on grid axis 0 (split_range.h).
 inline constexpr MetaRange kColsFirst{"COLS_FIRST", 0, 1};
+// Config.meta STREAM (0 or 1), for ops whose programs walk a weight's columns
+// adding a tensor-core product to each tile: one tile per program, read into the
+// product's accumulator and written from it (kernel meta acc_col_run), no pipelining.
+inline constexpr MetaRange kStream{"STREAM", 0, 1};
+struct StreamPlan {
+  bool on = false;
+  Config order;  // the caller's config with COLS_FIRST on when streaming
+};
+// Whether `config` streams; if so sets the kernel meta of a weight of dtype `w`
+// (after add_codegen_hints: no l2_prefetch, one stage) and `split` to `steps`.
+StreamPlan stream_plan(const Config& config, DType w, int64_t steps, dsl::MetaMap& meta, int64_t* split);
 // The grid of a kernel whose programs own (row block, column slice) pairs, `batch`
 // on axis 2, in the order config's COLS_FIRST asks for; sets the kernel's
 // COLS_FIRST meta to match. Where the row blocks would not fit grid axis 1

@@ -36,16 +36,13 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
   bool scale_after = false;
   const DType dot = merge_dot_dtype(W3.dtype, A3.dtype, B3.dtype, &scale_after);
   const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
-  // STREAM: one tile per program, W read into the product's accumulator and written
-  // back from it (runs of 16 bytes per thread), the programs of a row block first.
-  const bool stream = meta_or(config, "STREAM", 0) != 0;
   // B's rows stay in registers: fewer rows per program at large ranks.
   const int64_t bm_default = gpu ? std::clamp<int64_t>(8192 / r_pad, 16, 64) : 16;
   const int64_t bm = config.block_m ? config.block_m : bm_default;
   const int64_t bk = config.block_k ? config.block_k : (gpu ? 128 : 64);
   const int64_t steps = std::max<int64_t>(1, cdiv(in, bk));
   // More slices than steps would only start programs with nothing to do.
-  int64_t split = stream ? steps : std::min(config.split_k, steps);
+  int64_t split = std::min(config.split_k, steps);
   if (split == 0) {
     const int64_t blocks = cdiv(out, bm) * G;
     split = split_for(blocks, programs, steps);
@@ -57,16 +54,11 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
             {"DOT", int64_t(dot)},
             {"SCALE_AFTER", scale_after ? 1 : 0},
             {"num_warps", config.num_warps ? config.num_warps : 4},
-            {"num_stages", stream ? 1 : config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
+            {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
   pass_meta(config, p.meta, {"EVICT", "WARPS_N"});
   add_codegen_hints(config, p.meta);
-  if (stream) {
-    p.meta["acc_col_run"] = 16 / int64_t(dtype_size_bytes(W3.dtype));
-    p.meta.erase("l2_prefetch");  // a hint of pipelined copies: there are none
-  }
-  Config order = config;
-  if (stream) order.meta["COLS_FIRST"] = 1;
-  p.grid = row_slice_grid(cdiv(out, bm), split, G, order, p.meta);
+  const StreamPlan stream = stream_plan(config, W3.dtype, steps, p.meta, &split);
+  p.grid = row_slice_grid(cdiv(out, bm), split, G, stream.order, p.meta);
   return p;
 }
 
@@ -79,15 +71,6 @@ void run_merge(const TensorView& W3, const TensorView& A3, const TensorView& B3,
 std::vector<autotune::Config> merge_gpu_candidates() {
   return autotune::product(
       {{"BLOCK_M", {32, 64, 128}}, {"BLOCK_K", {64, 128}}, {"num_warps", {4, 8}}, {"num_stages", {2, 3}}});
-}
-
-// STREAM tiles (one per program; their split and stages are fixed), for a tensor-core
-// product: up to 64 accumulator registers per thread with 4 warps.
-std::vector<autotune::Config> merge_stream_candidates() {
-  std::vector<autotune::Config> c;
-  for (auto [bm, bk] : {std::pair<int64_t, int64_t>{32, 64}, {32, 128}, {32, 256}, {64, 64}, {64, 128}, {128, 64}})
-    c.push_back({{"BLOCK_M", bm}, {"BLOCK_K", bk}, {"num_warps", 4}, {"STREAM", 1}});
-  return c;
 }
 
 TensorView as_batch_of_one(const TensorView& t) {
@@ -113,8 +96,7 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
                                       parallelism(W3.device), {1, 2, 4, 8, 16, 0});
   bool scale_after = false;
   const DType product = merge_dot_dtype(W3.dtype, A3.dtype, B3.dtype, &scale_after);
-  if (is_half(product))
-    for (autotune::Config& c : merge_stream_candidates()) q.gpu_candidates.push_back(std::move(c));
+  q.gpu_candidates = with_stream_tiles(q.gpu_candidates, "BLOCK_M", "BLOCK_K", product);
   q.finalist_variants = with_cols_first_variants(with_wgmma_variant(
       with_l2_prefetch_variants(with_warps_n_variants(evict_variants(), product)), product, W3.device));
   q.extent_m = out;
@@ -138,7 +120,7 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
 // caller's Config or else the autotuner's (remembered per call signature).
 void launch_merge(const char* op, const TensorView& W3, const TensorView& A3, const TensorView& B3, double s,
                   void* stream, const Config& config) {
-  expect_meta(op, config, {{"EVICT", 0, 2}, {"STREAM", 0, 1}, kWarpsN, kL2Prefetch, kWgmma, kColsFirst});
+  expect_meta(op, config, {{"EVICT", 0, 2}, kStream, kWarpsN, kL2Prefetch, kWgmma, kColsFirst});
   if (has_config(config))
     return run_merge(W3, A3, B3, s, stream, config);
   static PlanMemo<Config> tuned;

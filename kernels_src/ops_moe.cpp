@@ -38,9 +38,10 @@ MoePlan plan_moe(const TensorView& W, int64_t r, bool gpu, const Config& config)
   add_codegen_hints(config, p.meta);
   p.cast_a = cast_a_dtype(config, dot);
   // Column slices per row block (grid axis 1): 1 unless the config asks for more.
-  const int64_t split =
-      std::clamp<int64_t>(config.split_k, 1, std::clamp<int64_t>(cdiv(W.shape[2], bk), 1, 65535));
-  p.grid = row_slice_grid(cdiv(N, bn), split, E, config, p.meta);
+  const int64_t steps = std::clamp<int64_t>(cdiv(W.shape[2], bk), 1, 65535);
+  int64_t split = std::clamp<int64_t>(config.split_k, 1, steps);
+  const StreamPlan stream = stream_plan(config, W.dtype, steps, p.meta, &split);
+  p.grid = row_slice_grid(cdiv(N, bn), split, E, stream.order, p.meta);
   return p;
 }
 
@@ -89,7 +90,7 @@ void run_moe_lora_materialize(const TensorView& W, const TensorView& A, const Te
                               const TensorView& W_eff, void* stream, const Config& config,
                               const std::string& layout) {
   const char* op = "moe_lora_materialize";
-  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, kWarpsN, kL2Prefetch, kWgmma, kColsFirst});
+  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, kStream, kWarpsN, kL2Prefetch, kWgmma, kColsFirst});
   expect_shape(op, "W", W, {-1, -1, -1});
   const int64_t E = W.shape[0], N = W.shape[1], K = W.shape[2];
   expect_shape(op, "A", A, {E, -1, K});
@@ -159,7 +160,8 @@ Config tuned_moe_config(const TensorView& W, const TensorView& A, const TensorVi
   q.block_m_name = "BLOCK_N";
   q.block_k_name = "BLOCK_K";
   const DType product = is_half(W.dtype) ? W.dtype : DType::f32;
-  q.gpu_candidates = with_wgmma_tiles(moe_gpu_candidates(), moe_wgmma_tiles(), product, W.device);
+  q.gpu_candidates = with_stream_tiles(with_wgmma_tiles(moe_gpu_candidates(), moe_wgmma_tiles(), product, W.device),
+                                       "BLOCK_N", "BLOCK_K", product);
   q.finalist_variants = with_wgmma_variant(
       with_l2_prefetch_variants(with_warps_n_variants(evict_and_cast_variants(A, product), product)), product,
       W.device);

@@ -117,6 +117,15 @@ std::vector<autotune::Config> with_wgmma_tiles(std::vector<autotune::Config> can
   return candidates;
 }
 
+std::vector<autotune::Config> with_stream_tiles(std::vector<autotune::Config> candidates,
+                                                const std::string& block_m_name, const std::string& block_k_name,
+                                                DType product) {
+  if (!is_half(product)) return candidates;
+  for (auto [bm, bk] : {std::pair<int64_t, int64_t>{32, 64}, {32, 128}, {32, 256}, {64, 64}, {64, 128}, {128, 64}})
+    candidates.push_back({{block_m_name, bm}, {block_k_name, bk}, {"num_warps", 4}, {"STREAM", 1}});
+  return candidates;
+}
+
 std::vector<autotune::Config> with_cols_first_variants(std::vector<autotune::Config> variants) {
   std::vector<autotune::Config> added = {{{"COLS_FIRST", 1}}};
   for (const autotune::Config& v : variants)

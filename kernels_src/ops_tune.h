@@ -119,6 +119,13 @@ std::vector<autotune::Config> with_wgmma_tiles(std::vector<autotune::Config> can
                                                const std::vector<autotune::Config>& tiles, DType product,
                                                const Device& device);
 
+// `candidates` and, when `product` runs on tensor cores, STREAM tiles of their own
+// (one tile per program; split and stages fixed by the plan): 32x64, 32x128,
+// 32x256, 64x64, 64x128 and 128x64 with 4 warps (up to 64 accumulator registers per thread).
+std::vector<autotune::Config> with_stream_tiles(std::vector<autotune::Config> candidates,
+                                                const std::string& block_m_name, const std::string& block_k_name,
+                                                DType product);
+
 // The autotuner's choice for `request` (its defaults, all zero, when tuning is off
 // for the device). On the CPU back end only two tile sizes of each are tried.
 Config tuned_config(const TuneRequest& request);

@@ -211,6 +211,12 @@ void run_moe_cases(Device dev) {
       {2, 72, 264, 16, DType::f32, true, ops::Config{0, 64, 0, 0, 0}, DType::bf16},
       {3, 100, 200, 5, DType::bf16, false, ops::Config{0, 64, 2, 0, 0, {{"COLS_FIRST", 1}}}},
       {2, 72, 264, 16, DType::f16, true, ops::Config{64, 128, 3, 4, 3, {{"COLS_FIRST", 1}}}, DType::f32},
+      // One tile per program through the accumulator's registers (STREAM): PEFT's strided
+      // adapters and the plain layout, fp32 adapters cast once, r=64, warps on columns, fp32 W.
+      {3, 100, 200, 5, DType::bf16, true, ops::Config{64, 128, 0, 4, 0, {{"STREAM", 1}}}},
+      {2, 72, 264, 16, DType::f16, false, ops::Config{32, 256, 0, 4, 0, {{"STREAM", 1}, {"CAST_A", 1}}}, DType::f32},
+      {2, 130, 136, 64, DType::bf16, false, ops::Config{128, 64, 0, 4, 0, {{"STREAM", 1}, {"WARPS_N", 2}}}},
+      {2, 64, 256, 16, DType::f32, true, ops::Config{32, 64, 0, 4, 0, {{"STREAM", 1}}}, DType::bf16},
   };
   uint64_t seed = 99;
   for (const MoeCase& c : cases) check_moe(c, dev, seed++);

@@ -670,6 +670,9 @@ int main(int argc, char** argv) {
       for (int64_t bn : {128, 256}) moe_cfgs.push_back(ops::Config{bn, 64, 0, 8, 3, {{"WARPS_N", wn}}});
     for (ops::Config& c : wgmma_tiles({{64, 4}, {128, 4}, {128, 8}, {256, 8}}, {64, 128}, {2, 3, 4}))
       moe_cfgs.push_back(std::move(c));
+    // One tile per program through the accumulator's registers (STREAM).
+    for (auto [bn, bk] : std::vector<std::pair<int64_t, int64_t>>{{32, 128}, {32, 256}, {64, 128}})
+      moe_cfgs.push_back(ops::Config{bn, bk, 0, 4, 1, {{"STREAM", 1}}});
     if (quick) moe_cfgs = {ops::Config{64, 64, 0, 8, 3}, ops::Config{32, 128, 0, 4, 3}, ops::Config{64, 128, 0, 4, 2}};
     struct MoeCase {
       int64_t E, N, K, r;
