@@ -2,6 +2,7 @@
 // the argument, and the choices that depend on the device.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <initializer_list>
 #include <memory>
@@ -93,6 +94,11 @@ inline constexpr MetaRange kWgmma{"WGMMA", 0, 1};
 inline constexpr MetaRange kCluster{"CLUSTER", 1, 8};
 // Config.meta COLS_FIRST (0 or 1): the column slices of each row block on grid axis 0 (split_range.h).
 inline constexpr MetaRange kColsFirst{"COLS_FIRST", 0, 1};
+// Config.split_k held to the column steps (more slices would only start programs
+// with nothing to do) and to grid axis 1 (65535); 0 stays 0 (the op's default).
+inline int64_t slices_within(int64_t asked, int64_t steps) {
+  return std::min(asked, std::clamp<int64_t>(steps, 1, 65535));
+}
 // Config.meta STREAM (0 or 1), for ops whose programs walk a weight's columns
 // adding a tensor-core product to each tile: one tile per program, read into the
 // product's accumulator and written from it (kernel meta acc_col_run), no pipelining.

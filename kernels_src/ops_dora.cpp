@@ -57,7 +57,7 @@ DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, DType w_dtype, bool gpu, 
   DoraPlan p;
   p.blocks_m = cdiv(out, bm);
   const int64_t steps = cdiv(in, bk);
-  p.split = config.split_k;
+  p.split = slices_within(config.split_k, steps);
   if (p.split == 0)
     p.split = wide ? split_for_waves(p.blocks_m, programs, steps, 2) : split_for(p.blocks_m, programs, steps);
   p.meta = {{"BLOCK_M", bm}, {"BLOCK_K", bk}, {"R_PAD", r_pad}, {"DOT", int64_t(dot)}, {"num_warps", warps}};

@@ -41,8 +41,7 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
   const int64_t bm = config.block_m ? config.block_m : bm_default;
   const int64_t bk = config.block_k ? config.block_k : (gpu ? 128 : 64);
   const int64_t steps = std::max<int64_t>(1, cdiv(in, bk));
-  // More slices than steps would only start programs with nothing to do.
-  int64_t split = std::min(config.split_k, steps);
+  int64_t split = slices_within(config.split_k, steps);
   if (split == 0) {
     const int64_t blocks = cdiv(out, bm) * G;
     split = split_for(blocks, programs, steps);
