@@ -203,17 +203,15 @@ void add_codegen_hints(const Config& config, dsl::MetaMap& meta) {
   if (meta_or(config, "WGMMA", 0)) meta["wgmma"] = 1;
 }
 
-StreamPlan stream_plan(const Config& config, DType w, int64_t steps, dsl::MetaMap& meta, int64_t* split) {
-  StreamPlan p;
-  p.order = config;
-  p.on = meta_or(config, "STREAM", 0) != 0;
-  if (!p.on) return p;
+Config stream_plan(const Config& config, DType w, int64_t steps, dsl::MetaMap& meta, int64_t* split) {
+  Config order = config;
+  if (!meta_or(config, "STREAM", 0)) return order;
   *split = std::clamp<int64_t>(steps, 1, 65535);
   meta["num_stages"] = 1;
   meta["acc_col_run"] = 16 / int64_t(dtype_size_bytes(w));
   meta.erase("l2_prefetch");  // a hint of pipelined copies: there are none
-  p.order.meta["COLS_FIRST"] = 1;
-  return p;
+  order.meta["COLS_FIRST"] = 1;
+  return order;
 }
 
 Grid row_slice_grid(int64_t row_blocks, int64_t slices, int64_t batch, const Config& config, dsl::MetaMap& meta) {

@@ -103,13 +103,10 @@ inline int64_t slices_within(int64_t asked, int64_t steps) {
 // adding a tensor-core product to each tile: one tile per program, read into the
 // product's accumulator and written from it (kernel meta acc_col_run), no pipelining.
 inline constexpr MetaRange kStream{"STREAM", 0, 1};
-struct StreamPlan {
-  bool on = false;
-  Config order;  // the caller's config with COLS_FIRST on when streaming
-};
-// Whether `config` streams; if so sets the kernel meta of a weight of dtype `w`
-// (after add_codegen_hints: no l2_prefetch, one stage) and `split` to `steps`.
-StreamPlan stream_plan(const Config& config, DType w, int64_t steps, dsl::MetaMap& meta, int64_t* split);
+// When `config` streams, sets the kernel meta of a weight of dtype `w` (after
+// add_codegen_hints: no l2_prefetch, one stage) and `split` to `steps`. Returns the
+// config to order the grid by (row_slice_grid): `config`, with COLS_FIRST on when streaming.
+Config stream_plan(const Config& config, DType w, int64_t steps, dsl::MetaMap& meta, int64_t* split);
 // The grid of a kernel whose programs own (row block, column slice) pairs, `batch`
 // on axis 2, in the order config's COLS_FIRST asks for; sets the kernel's
 // COLS_FIRST meta to match. Where the row blocks would not fit grid axis 1

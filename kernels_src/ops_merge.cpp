@@ -56,8 +56,8 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
   pass_meta(config, p.meta, {"EVICT", "WARPS_N"});
   add_codegen_hints(config, p.meta);
-  const StreamPlan stream = stream_plan(config, W3.dtype, steps, p.meta, &split);
-  p.grid = row_slice_grid(cdiv(out, bm), split, G, stream.order, p.meta);
+  const Config order = stream_plan(config, W3.dtype, steps, p.meta, &split);
+  p.grid = row_slice_grid(cdiv(out, bm), split, G, order, p.meta);
   return p;
 }
 

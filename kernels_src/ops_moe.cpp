@@ -40,8 +40,8 @@ MoePlan plan_moe(const TensorView& W, int64_t r, bool gpu, const Config& config)
   // Column slices per row block (grid axis 1): 1 unless the config asks for more.
   const int64_t steps = cdiv(W.shape[2], bk);
   int64_t split = std::max<int64_t>(1, slices_within(config.split_k, steps));
-  const StreamPlan stream = stream_plan(config, W.dtype, steps, p.meta, &split);
-  p.grid = row_slice_grid(cdiv(N, bn), split, E, stream.order, p.meta);
+  const Config order = stream_plan(config, W.dtype, steps, p.meta, &split);
+  p.grid = row_slice_grid(cdiv(N, bn), split, E, order, p.meta);
   return p;
 }
 

@@ -194,8 +194,9 @@ class Codegen {
   // Whether the dot may use mma_acc_layout_runs (meta acc_col_run): mma.sync
   // (not wgmma), B staged row-major from a value no other dot reads.
   bool runs_eligible(const Operation& op) const;
-  // Gives the loads (through casts) that a dot in a runs layout accumulates
-  // onto that layout as their preference: read straight into its registers.
+  // Gives the values (used once) that a dot in a runs layout accumulates onto,
+  // or that are combined elementwise with its result, and the casts and loads
+  // they come from, that layout as their preference: loads read straight into it.
   void prefer_runs_for_acc_inputs();
 
   int merge_prefs(const std::vector<int>& ls) const;
