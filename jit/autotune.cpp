@@ -278,13 +278,16 @@ Choice choose(const Problem& p, const std::vector<Config>& candidates, const Con
 
   const auto t0 = Clock::now();
   std::vector<Config> kept;
-  for (const Config& cand : candidates) {
+  const auto canonical = [&](const Config& x) { return hooks.canonical ? hooks.canonical(x) : x; };
+  for (const Config& given : candidates) {
+    const Config cand = canonical(given);
+    if (std::find(kept.begin(), kept.end(), cand) != kept.end()) continue;  // runs as one already kept
     if (!hooks.keep || hooks.keep(cand))
       kept.push_back(cand);
     else
       ++c.pruned;
   }
-  c.candidates = int(candidates.size());
+  c.candidates = int(kept.size()) + c.pruned;  // distinct forms
   const int threads = o.compile_threads > 0
                           ? o.compile_threads
                           : int(std::max(1u, std::thread::hardware_concurrency()));
@@ -331,6 +334,7 @@ Choice choose(const Problem& p, const std::vector<Config>& candidates, const Con
       for (const Config& v : o.finalist_variants) {
         Config m = kept[timed[f].second];
         for (const auto& [name, value] : v) m[name] = value;
+        m = canonical(m);
         if (std::find(kept.begin(), kept.end(), m) != kept.end() ||
             std::find(variants.begin(), variants.end(), m) != variants.end())
           continue;

@@ -126,6 +126,12 @@ std::vector<autotune::Config> with_stream_tiles(std::vector<autotune::Config> ca
   return candidates;
 }
 
+autotune::Config stream_canonical(autotune::Config c) {
+  if (autotune::value_or_zero(c, "STREAM") == 0) return c;
+  for (const char* name : {"split_k", "num_stages", "L2_PREFETCH", "COLS_FIRST"}) c.erase(name);
+  return c;
+}
+
 std::vector<autotune::Config> with_cols_first_variants(std::vector<autotune::Config> variants) {
   std::vector<autotune::Config> added = {{{"COLS_FIRST", 1}}};
   for (const autotune::Config& v : variants)
@@ -187,6 +193,7 @@ Config tuned_config(const TuneRequest& q) {
       if (autotune::shared_memory_bytes(*k.kernel, k.args, k.meta, arch) > limit) return false;
     return true;
   };
+  hooks.canonical = stream_canonical;
   hooks.compile = [&](const autotune::Config& c) {
     for (const autotune::KernelCall& k : q.kernels(config_of(q, c))) prepare(*k.kernel, k.args, k.meta);
   };

@@ -126,6 +126,11 @@ std::vector<autotune::Config> with_stream_tiles(std::vector<autotune::Config> ca
                                                 const std::string& block_m_name, const std::string& block_k_name,
                                                 DType product);
 
+// `c` as it runs: with STREAM, without the entries stream_plan overrides or drops
+// (split_k, num_stages, L2_PREFETCH, COLS_FIRST). The tuner's Hooks::canonical, so a
+// finalist variant that only sets one of them is not compiled and timed again.
+autotune::Config stream_canonical(autotune::Config c);
+
 // The autotuner's choice for `request` (its defaults, all zero, when tuning is off
 // for the device). On the CPU back end only two tile sizes of each are tried.
 Config tuned_config(const TuneRequest& request);

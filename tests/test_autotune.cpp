@@ -180,6 +180,46 @@ TEST_CASE("the tuner tries its finalist variants on the finalists only, and keep
     if (autotune::value_or_zero(c, "V") == 1) CHECK((c.at("BLOCK") == 64 || c.at("BLOCK") == 256 || c.at("BLOCK") == 32));
 }
 
+TEST_CASE("candidates and variants that run as one are compiled and timed once", "[autotune]") {
+  VariantTimer timer;
+  std::mutex mu;
+  std::vector<autotune::Config> compiled;
+  std::map<autotune::Config, int> timed;
+  autotune::Hooks h;
+  h.compile = [&](const autotune::Config& c) {
+    std::lock_guard<std::mutex> lock(mu);
+    compiled.push_back(c);
+  };
+  h.run = [&](const autotune::Config& c) {
+    ++timed[c];
+    timer.current = c.at("BLOCK");
+    timer.variant = autotune::value_or_zero(c, "V") == 1;
+  };
+  // IGNORED is an entry the fake op overrides: a config runs as the one without it.
+  h.canonical = [](autotune::Config c) {
+    c.erase("IGNORED");
+    return c;
+  };
+  autotune::Options o = options_with(&timer);
+  o.persist = false;
+  o.finalist_variants = {{{"IGNORED", 2}}, {{"V", 1}, {"IGNORED", 3}}};
+  std::vector<autotune::Config> candidates = kCandidates;
+  autotune::Config twin = cand(64, 4);
+  twin["IGNORED"] = 1;
+  candidates.push_back(twin);  // runs as cand(64, 4)
+  test::ScopedEnv env({{"KERF_AUTOTUNE", "1"}});
+  const autotune::Choice c = autotune::choose(fake_problem("canonical_op"), candidates, cand(32, 4), h, o);
+  autotune::Config want = cand(64, 4);
+  want["V"] = 1;
+  CHECK(c.config == want);  // in its canonical form
+  // The 5 distinct candidates, and V=1 on the finalists 64, 256 and 32: the IGNORED-only
+  // variant and the twin candidate are the finalists and candidates themselves.
+  CHECK(compiled.size() == 8);
+  CHECK(c.candidates == 8);
+  for (const autotune::Config& k : compiled) CHECK(k.count("IGNORED") == 0);
+  CHECK(timed.size() == 8);
+}
+
 TEST_CASE("an interrupt check stops a tuning pass, and nothing is stored", "[autotune]") {
   test::TempDir dir;
   test::ScopedEnv env({{"KERF_CACHE_DIR", dir.path()}, {"KERF_AUTOTUNE", "1"}});

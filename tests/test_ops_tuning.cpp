@@ -174,3 +174,33 @@ TEST_CASE("COLS_FIRST joins the finalist variants alone and beside each WGMMA va
                                              {{"COLS_FIRST", 1}},
                                              {{"WGMMA", 1}, {"COLS_FIRST", 1}}});
 }
+
+TEST_CASE("a STREAM config runs as one without the entries its plan overrides", "[autotune][cpu]") {
+  using ops::detail::stream_canonical;
+  const autotune::Config tiled = {{"BLOCK_M", 64}, {"BLOCK_K", 128}, {"num_stages", 3}, {"split_k", 4},
+                                  {"L2_PREFETCH", 128}, {"COLS_FIRST", 1}, {"EVICT", 1}};
+  CHECK(stream_canonical(tiled) == tiled);  // not streaming: every entry counts
+  autotune::Config streamed = tiled;
+  streamed["STREAM"] = 1;
+  CHECK(stream_canonical(streamed) ==
+        autotune::Config{{"BLOCK_M", 64}, {"BLOCK_K", 128}, {"EVICT", 1}, {"STREAM", 1}});
+  // What the canonical form drops is what the plan sets itself: the same meta and grid.
+  for (const char* name : {"split_k", "num_stages", "L2_PREFETCH", "COLS_FIRST"}) {
+    CAPTURE(name);
+    autotune::Config plain = {{"BLOCK_M", 64}, {"BLOCK_K", 128}, {"STREAM", 1}};
+    autotune::Config with = plain;
+    with[name] = name == std::string("L2_PREFETCH") ? 128 : name == std::string("COLS_FIRST") ? 1 : 2;
+    const auto plan = [](const autotune::Config& c) {
+      const ops::Config cfg = ops::detail::config_from(c, "BLOCK_M", "BLOCK_K");
+      dsl::MetaMap meta;
+      if (cfg.num_stages) meta["num_stages"] = cfg.num_stages;
+      ops::detail::add_codegen_hints(cfg, meta);
+      int64_t split = cfg.split_k;
+      const ops::Config order = ops::detail::stream_plan(cfg, DType::bf16, 9, meta, &split);
+      const Grid g = ops::detail::row_slice_grid(5, split, 1, order, meta);
+      return std::make_tuple(meta, split, g.x, g.y, g.z);
+    };
+    CHECK(plan(with) == plan(plain));
+    CHECK(stream_canonical(with) == plain);
+  }
+}

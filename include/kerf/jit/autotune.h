@@ -49,6 +49,10 @@ std::unique_ptr<Timer> wall_clock_timer();  // for the CPU back end (synchronous
 
 struct Hooks {
   std::function<bool(const Config&)> keep;  // the pruning rule; empty keeps every candidate
+  // The form a config runs as, where the op ignores or overrides some of its entries
+  // (may be empty: every config as it is). Candidates and finalist variants are taken in
+  // this form, and one whose form another already has is not compiled or timed again.
+  std::function<Config(const Config&)> canonical;
   std::function<void(const Config&)>
       compile;  // readies a candidate (called from several threads); throws to drop it
   std::function<void(const Config&)> run;  // launches a ready candidate once
@@ -79,7 +83,7 @@ struct Choice {
   From from = From::defaults;
   double best_ms = 0.0;  // the winner's median (tuned only)
   double tune_ms = 0.0;  // compile + timing (tuned only)
-  int candidates = 0, pruned = 0, failed = 0;
+  int candidates = 0, pruned = 0, failed = 0;  // candidates: distinct forms (Hooks::canonical), variants included
 };
 const char* from_name(Choice::From f);
 
