@@ -277,17 +277,18 @@ Choice choose(const Problem& p, const std::vector<Config>& candidates, const Con
   }
 
   const auto t0 = Clock::now();
-  std::vector<Config> kept;
+  std::vector<Config> kept, seen;  // seen: every distinct form, kept or pruned
   const auto canonical = [&](const Config& x) { return hooks.canonical ? hooks.canonical(x) : x; };
   for (const Config& given : candidates) {
     const Config cand = canonical(given);
-    if (std::find(kept.begin(), kept.end(), cand) != kept.end()) continue;  // runs as one already kept
+    if (std::find(seen.begin(), seen.end(), cand) != seen.end()) continue;  // runs as one already taken
+    seen.push_back(cand);
     if (!hooks.keep || hooks.keep(cand))
       kept.push_back(cand);
     else
       ++c.pruned;
   }
-  c.candidates = int(kept.size()) + c.pruned;  // distinct forms
+  c.candidates = int(seen.size());
   const int threads = o.compile_threads > 0
                           ? o.compile_threads
                           : int(std::max(1u, std::thread::hardware_concurrency()));

@@ -200,6 +200,7 @@ TEST_CASE("candidates and variants that run as one are compiled and timed once",
     c.erase("IGNORED");
     return c;
   };
+  h.keep = [](const autotune::Config& c) { return c.at("BLOCK") != 16; };
   autotune::Options o = options_with(&timer);
   o.persist = false;
   o.finalist_variants = {{{"IGNORED", 2}}, {{"V", 1}, {"IGNORED", 3}}};
@@ -207,17 +208,22 @@ TEST_CASE("candidates and variants that run as one are compiled and timed once",
   autotune::Config twin = cand(64, 4);
   twin["IGNORED"] = 1;
   candidates.push_back(twin);  // runs as cand(64, 4)
+  autotune::Config pruned_twin = cand(16, 4);
+  pruned_twin["IGNORED"] = 1;
+  candidates.push_back(pruned_twin);  // runs as cand(16, 4), which the pruning rule drops
   test::ScopedEnv env({{"KERF_AUTOTUNE", "1"}});
   const autotune::Choice c = autotune::choose(fake_problem("canonical_op"), candidates, cand(32, 4), h, o);
   autotune::Config want = cand(64, 4);
   want["V"] = 1;
   CHECK(c.config == want);  // in its canonical form
-  // The 5 distinct candidates, and V=1 on the finalists 64, 256 and 32: the IGNORED-only
-  // variant and the twin candidate are the finalists and candidates themselves.
-  CHECK(compiled.size() == 8);
+  // The 4 distinct candidates kept (16 is pruned, once), and V=1 on the finalists 64, 256
+  // and 32: the IGNORED-only variant and the twin candidates are the finalists and
+  // candidates themselves.
+  CHECK(compiled.size() == 7);
+  CHECK(c.pruned == 1);
   CHECK(c.candidates == 8);
   for (const autotune::Config& k : compiled) CHECK(k.count("IGNORED") == 0);
-  CHECK(timed.size() == 8);
+  CHECK(timed.size() == 7);
 }
 
 TEST_CASE("an interrupt check stops a tuning pass, and nothing is stored", "[autotune]") {
