@@ -17,11 +17,31 @@ namespace {
 
 using namespace kerf::dsl;
 
-// Sum over this program's columns of (W + s*B@A)^2, for its BLOCK_M rows.
-// With `split`, the in-features are shared among the programs of a row block
-// (the slices' grid axis), in whole BLOCK_K steps.
-Value row_sum_of_squares(Builder& k, const Tensor& W, const Tensor& A, const Tensor& B,
-                         const Value& s, const Value& rows, bool split) {
+// The columns a program sums over: for_range(lo, hi, step) gives each step's
+// iteration value, and a step's first column is that value times `scale`.
+struct ColumnSteps {
+  Value lo, hi, step;
+  int64_t scale = 1;
+};
+
+// This program's columns of [0, n_in) in whole BLOCK_K blocks: all of them; with
+// `split`, a slice for each program of the slices' grid axis, either one range or,
+// with INTERLEAVE, every split-th block (the splits of a row block then read
+// neighbouring blocks of each row at a time).
+ColumnSteps column_steps(Builder& k, const Value& n_in, bool split) {
+  const int64_t BK = k.meta("BLOCK_K");
+  if (split && k.meta("INTERLEAVE", 0)) {
+    const int axis = row_slice_axes(k).slices;
+    return {program_id(axis), cdiv(n_in, literal(BK)), num_programs(axis), BK};
+  }
+  if (!split) return {literal(int64_t(0)), n_in, literal(BK), 1};
+  const auto [lo, hi] = split_range(n_in, BK, row_slice_axes(k).slices);
+  return {lo, hi, literal(BK), 1};
+}
+
+// Sum over this program's columns (`range`) of (W + s*B@A)^2, for its BLOCK_M rows.
+Value row_sum_of_squares(Builder& k, const Tensor& W, const Tensor& A, const Tensor& B, const Value& s,
+                         const Value& rows, const ColumnSteps& range) {
   const int64_t BM = k.meta("BLOCK_M"), BK = k.meta("BLOCK_K"), R = k.meta("R_PAD");
   const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
   const int64_t evict = k.meta("EVICT", 0);
@@ -34,10 +54,8 @@ Value row_sum_of_squares(Builder& k, const Tensor& W, const Tensor& A, const Ten
   const Value bs =
       (load(B, {rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(DType::f32) * s).to(dot_t);
 
-  // This split's range of columns, in whole blocks.
-  Value lo = literal(int64_t(0)), hi = n_in;
-  if (split) std::tie(lo, hi) = split_range(n_in, BK, row_slice_axes(k).slices);
-  const Value acc = for_range(lo, hi, BK, zeros({BM, BK}), [&](const Value& k0, const Value& acc) {
+  const Value acc = for_range(range.lo, range.hi, range.step, zeros({BM, BK}), [&](const Value& it, const Value& acc) {
+    const Value k0 = range.scale == 1 ? it : it * range.scale;
     const Value cols = k0 + arange(BK);
     const Value col_ok = cols.row() < n_in;
     const Value a = load(A, {rk.col(), cols.row()}, (rk.col() < rank) & col_ok, reused_hint(evict)).to(dot_t);
@@ -137,8 +155,8 @@ const dsl::Kernel& dora_norm_fused() {
     const Value s = k.scalar("s"), eps = k.scalar("eps");
     const Tensor norm = k.tensor("norm", 1, DType::f32), scale = k.tensor("scale", 1, DType::f32);
     const Value rows = program_id(0) * k.meta("BLOCK_M") + arange(k.meta("BLOCK_M"));
-    store_norm_and_scale(norm, scale, m, rows, row_sum_of_squares(k, W, A, B, s, rows, false), eps,
-                         rows < W.dim(0));
+    store_norm_and_scale(norm, scale, m, rows, row_sum_of_squares(k, W, A, B, s, rows, column_steps(k, W.dim(1), false)),
+                         eps, rows < W.dim(0));
   });
   return k;
 }
@@ -154,7 +172,8 @@ const dsl::Kernel& dora_norm_split() {
     const Value block = program_id(row_slice_axes(k).rows);
     const Value rows = block * k.meta("BLOCK_M") + arange(k.meta("BLOCK_M"));
     add_and_finish_last(k, norm, scale, m, sumsq, tickets, block, rows,
-                        row_sum_of_squares(k, W, A, B, s, rows, true), eps, rows < W.dim(0));
+                        row_sum_of_squares(k, W, A, B, s, rows, column_steps(k, W.dim(1), true)), eps,
+                        rows < W.dim(0));
   });
   return k;
 }
@@ -204,7 +223,8 @@ const dsl::Kernel& dora_norm_partial() {
     const Value s = k.scalar("s");
     const Tensor sumsq = k.tensor("sumsq", 1, DType::f32);
     const Value rows = program_id(row_slice_axes(k).rows) * k.meta("BLOCK_M") + arange(k.meta("BLOCK_M"));
-    atomic_add(sumsq, {rows}, row_sum_of_squares(k, W, A, B, s, rows, true), rows < W.dim(0));
+    atomic_add(sumsq, {rows}, row_sum_of_squares(k, W, A, B, s, rows, column_steps(k, W.dim(1), true)),
+               rows < W.dim(0));
   });
   return k;
 }

@@ -76,6 +76,7 @@ DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, DType w_dtype, bool gpu, 
   // One launch: the splits add partial sums into a zeroed workspace and the
   // last split of each row block finishes it (and zeroes it again).
   p.kernel = four_bit ? &kernels::dora_norm_4bit_split() : &kernels::dora_norm_split();
+  if (!four_bit) pass_meta(config, p.meta, {"INTERLEAVE"});
   p.grid = row_slice_grid(p.blocks_m, p.split, 1, config, p.meta);
   p.ws_floats = (out + 3) / 4 * 4;
   return p;
@@ -133,7 +134,8 @@ void run_dora_norm(const TensorView& W, const TensorView& A, const TensorView& B
                    const TensorView& norm, const TensorView& scale, double eps, void* stream, const Config& config,
                    const std::string& layout) {
   const char* op = "dora_norm";
-  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, kWarpsN, kL2Prefetch, kWgmma, kColsFirst});
+  expect_meta(op, config,
+              {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"INTERLEAVE", 0, 1}, kWarpsN, kL2Prefetch, kWgmma, kColsFirst});
   expect_shape(op, "W", W, {-1, -1});
   const int64_t out = W.shape[0], in = W.shape[1];
   expect_shape(op, "A", A, {-1, in});
@@ -197,14 +199,16 @@ std::vector<autotune::Config> dora_gpu_candidates() {
   return c;
 }
 
-// `tiles` (dora_gpu_candidates by default), each also with split-K set to one and
-// to two full waves of programs on `programs` multiprocessors (the default split
-// aims at about three). Fewer, longer programs pay the B tile and the finish once
-// per more columns: at r=64 on 4096x4096, one wave (split 4 at BLOCK_M=128) ran
-// 21.6 us against 25.6 us for the default split of 13 on an H100.
+// `tiles` (dora_gpu_candidates by default), each also with split-K set to one,
+// two and four full waves of programs on `programs` multiprocessors (the default
+// split aims at about three). Fewer, longer programs pay the B tile and the finish
+// once per more columns: at r=64 on 4096x4096, one wave (split 4 at BLOCK_M=128)
+// ran 21.6 us against 25.6 us for the default split of 13 on an H100. Four: where
+// four small programs share a multiprocessor (64x64 on 4 warps, 2 stages), that
+// is one wave of them; with INTERLEAVE it took r=64 at 4096x14336 to 50.0 us.
 std::vector<autotune::Config> dora_gpu_candidates(int64_t out, int64_t in, int64_t programs,
                                                   const std::vector<autotune::Config>& tiles = dora_gpu_candidates()) {
-  return with_wave_splits(tiles, "BLOCK_M", out, "BLOCK_K", in, 1, programs, {1, 2});
+  return with_wave_splits(tiles, "BLOCK_M", out, "BLOCK_K", in, 1, programs, {1, 2, 4});
 }
 
 // The tiles that won with WGMMA on an H100 (bf16, r=32 and 64, the four benchmark
@@ -216,7 +220,32 @@ std::vector<autotune::Config> dora_wgmma_tiles() {
   for (autotune::Config& t :
        autotune::product({{"BLOCK_M", {128}}, {"BLOCK_K", {64, 128}}, {"num_warps", {8}}, {"num_stages", {3}}}))
     c.push_back(std::move(t));
+  // Each also with a row block's splits interleaved and adjacent in launch order
+  // (INTERLEAVE, COLS_FIRST): the programs running together then read neighbouring
+  // column blocks of the same rows. At fixed configs on an H100 (r=64) it took
+  // 4096x14336 from 52.6 to 52.2 us (128x128, split 4) and 64x64 split 8 to 50.0
+  // us, 8192x8192 from 57.9 to 55.8 us (64x64, split 4), 14336x4096 from 53.1 to
+  // 52.1 us (64x64, split 2).
+  const size_t n = c.size();
+  for (size_t i = 0; i < n; ++i) {
+    autotune::Config t = c[i];
+    t["INTERLEAVE"] = 1;
+    t["COLS_FIRST"] = 1;
+    c.push_back(std::move(t));
+  }
   return c;
+}
+
+// `variants` and, for each that sets COLS_FIRST, the same with INTERLEAVE.
+std::vector<autotune::Config> with_interleave_variants(std::vector<autotune::Config> variants) {
+  const size_t n = variants.size();
+  for (size_t i = 0; i < n; ++i)
+    if (autotune::value_or_zero(variants[i], "COLS_FIRST")) {
+      autotune::Config v = variants[i];
+      v["INTERLEAVE"] = 1;
+      variants.push_back(std::move(v));
+    }
+  return variants;
 }
 
 Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& m,
@@ -235,9 +264,17 @@ Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorV
   const DType product = is_half(W.dtype) ? W.dtype : DType::f32;
   q.gpu_candidates =
       dora_gpu_candidates(out, in, programs, with_wgmma_tiles(dora_gpu_candidates(), dora_wgmma_tiles(), product, W.device));
-  q.finalist_variants = with_cols_first_variants(with_wgmma_variant(
+  q.finalist_variants = with_interleave_variants(with_cols_first_variants(with_wgmma_variant(
       with_l2_prefetch_variants(with_warps_n_variants(evict_and_cast_variants(A, product), product)), product,
-      W.device));
+      W.device)));
+  // One program per row block: no slices to order or interleave.
+  q.canonical = [&](autotune::Config c) {
+    if (plan_dora(out, in, r, W.dtype, gpu, programs, config_from(c, "BLOCK_M", "BLOCK_K")).split == 1) {
+      c.erase("INTERLEAVE");
+      c.erase("COLS_FIRST");
+    }
+    return c;
+  };
   q.extent_m = out;
   q.extent_k = in;
   q.kernels = [&](const Config& c) {

@@ -193,7 +193,10 @@ Config tuned_config(const TuneRequest& q) {
       if (autotune::shared_memory_bytes(*k.kernel, k.args, k.meta, arch) > limit) return false;
     return true;
   };
-  hooks.canonical = stream_canonical;
+  hooks.canonical = [&q](autotune::Config c) {
+    c = stream_canonical(std::move(c));
+    return q.canonical ? q.canonical(std::move(c)) : c;
+  };
   hooks.compile = [&](const autotune::Config& c) {
     for (const autotune::KernelCall& k : q.kernels(config_of(q, c))) prepare(*k.kernel, k.args, k.meta);
   };

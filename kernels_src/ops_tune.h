@@ -31,6 +31,8 @@ struct TuneRequest {
   std::function<void()> restore;
   // Meta overrides tried on the first round's finalists (autotune::Options::finalist_variants).
   std::vector<autotune::Config> finalist_variants;
+  // The form a candidate runs as, after stream_canonical (Hooks::canonical); empty: that alone.
+  std::function<autotune::Config(autotune::Config)> canonical;
   void* stream = nullptr;
 };
 

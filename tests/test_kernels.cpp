@@ -39,11 +39,12 @@ struct DoraCase {
   int64_t block_k = 0;
   bool wgmma = false;  // Config.meta WGMMA: Hopper's warpgroup dots (sm_90a; elsewhere the same kernel)
   bool cols_first = false;  // Config.meta COLS_FIRST: column slices on grid axis 0 (the same answer)
+  bool interleave = false;  // Config.meta INTERLEAVE: every split-th column block per split
 };
 
 void check_dora(const DoraCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.out, c.in, c.r, dtype_name(c.w), dtype_name(c.ab), c.split, c.cast_a, c.block_m, c.warps, c.warps_n, seed,
-          dev.str(), c.block_k, c.wgmma, c.cols_first);
+          dev.str(), c.block_k, c.wgmma, c.cols_first, c.interleave);
   std::mt19937_64 rng(seed);
   TestTensor W(c.w, {c.out, c.in}, dev), A(c.ab, {c.r, c.in}, dev), B(c.ab, {c.out, c.r}, dev);
   TestTensor m(DType::f32, {c.out}, dev), norm(DType::f32, {c.out}, dev), scale(DType::f32, {c.out}, dev);
@@ -65,6 +66,7 @@ void check_dora(const DoraCase& c, Device dev, uint64_t seed) {
   cfg.block_k = c.block_k;
   if (c.wgmma) cfg.meta["WGMMA"] = 1;
   if (c.cols_first) cfg.meta["COLS_FIRST"] = 1;
+  if (c.interleave) cfg.meta["INTERLEAVE"] = 1;
   ops::dora_norm(W.view(), A.view(), B.view(), m.view(), s, norm.view(), scale.view(), eps, nullptr, cfg);
   if (dev.is_cuda()) cuda::device_synchronize(dev.index);
   norm.download();
@@ -121,6 +123,12 @@ void run_dora_cases(Device dev) {
       {300, 1544, 16, DType::bf16, DType::f32, 3, 3, 0, 0, 0, 0, 0, 0, false, true},
       {257, 1000, 32, DType::f32, DType::f32, 2, 2, 0, 64, 4, 0, 0, 0, false, true},
       {300, 700, 64, DType::bf16, DType::bf16, 4, 3, 0, 64, 4, 0, 0, 64, true, true},
+      // Interleaved column blocks (INTERLEAVE): splits that divide the steps and splits that do
+      // not (24 steps in 5), with the slices on either grid axis, an f32 A rounded per step.
+      {1000, 1500, 7, DType::bf16, DType::bf16, 5, 3, 0, 64, 4, 0, 0, 64, false, false, true},
+      {300, 1544, 16, DType::bf16, DType::f32, 3, 3, 0, 0, 0, 0, 0, 0, false, true, true},
+      {300, 700, 64, DType::bf16, DType::bf16, 4, 3, 0, 128, 8, 0, 0, 128, true, false, true},
+      {257, 1000, 32, DType::f32, DType::f32, 2, 2, 0, 64, 4, 0, 0, 0, false, false, true},
   };
   uint64_t seed = 1234;
   for (const DoraCase& c : cases) check_dora(c, dev, seed++);

@@ -244,7 +244,11 @@ TEST_CASE("an op refuses Config.meta names it does not take and values out of ra
   rotate.meta["ROTATE"] = 1;
   CHECK_REJECTS(InvalidArgument, ops::dora_norm(W, A, B, m, 1.0, norm, scale, 0.0, nullptr, rotate),
                 "dora_norm: Config.meta names 'ROTATE', which this op does not take (it takes EVICT, CAST_A, "
-                "WARPS_N, L2_PREFETCH, WGMMA, COLS_FIRST)");
+                "INTERLEAVE, WARPS_N, L2_PREFETCH, WGMMA, COLS_FIRST)");
+  ops::Config interleave2;
+  interleave2.meta["INTERLEAVE"] = 2;
+  CHECK_REJECTS(InvalidArgument, ops::dora_norm(W, A, B, m, 1.0, norm, scale, 0.0, nullptr, interleave2),
+                "dora_norm: Config.meta INTERLEAVE must be in [0, 1], got 2");
   ops::Config cols2;
   cols2.meta["COLS_FIRST"] = 2;
   CHECK_REJECTS(InvalidArgument, ops::lora_merge(W, A, B, 1.0, nullptr, cols2), "COLS_FIRST");

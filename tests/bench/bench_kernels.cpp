@@ -407,6 +407,10 @@ void tuned_vs_default(Result& best, F run_with_config) {
   cache::reload_settings();
   Result tuned = run_with_config(ops::Config{});  // the warm-up call tunes
   t.tuned_us = tuned.median_us;
+  if (t.op.empty()) {  // nothing swept (--tuned-only): the case's names come from its runs
+    t.op = tuned.op;
+    t.shape = tuned.shape;
+  }
   unsetenv("KERF_AUTOTUNE");
   cache::reload_settings();
   if (best.median_us == 0 || tuned.median_us < best.median_us) {
