@@ -17,11 +17,9 @@ namespace {
 
 using namespace kerf::dsl;
 
-// The columns a program sums over: for_range(lo, hi, step) gives each step's
-// iteration value, and a step's first column is that value times `scale`.
+// The columns a program sums over: for_range(lo, hi, step) gives each step's first column.
 struct ColumnSteps {
   Value lo, hi, step;
-  int64_t scale = 1;
 };
 
 // This program's columns of [0, n_in) in whole BLOCK_K blocks: all of them; with
@@ -32,11 +30,11 @@ ColumnSteps column_steps(Builder& k, const Value& n_in, bool split) {
   const int64_t BK = k.meta("BLOCK_K");
   if (split && k.meta("INTERLEAVE", 0)) {
     const int axis = row_slice_axes(k).slices;
-    return {program_id(axis), cdiv(n_in, literal(BK)), num_programs(axis), BK};
+    return {program_id(axis) * BK, n_in, num_programs(axis) * BK};
   }
-  if (!split) return {literal(int64_t(0)), n_in, literal(BK), 1};
+  if (!split) return {literal(int64_t(0)), n_in, literal(BK)};
   const auto [lo, hi] = split_range(n_in, BK, row_slice_axes(k).slices);
-  return {lo, hi, literal(BK), 1};
+  return {lo, hi, literal(BK)};
 }
 
 // Sum over this program's columns (`range`) of (W + s*B@A)^2, for its BLOCK_M rows.
@@ -54,8 +52,7 @@ Value row_sum_of_squares(Builder& k, const Tensor& W, const Tensor& A, const Ten
   const Value bs =
       (load(B, {rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(DType::f32) * s).to(dot_t);
 
-  const Value acc = for_range(range.lo, range.hi, range.step, zeros({BM, BK}), [&](const Value& it, const Value& acc) {
-    const Value k0 = range.scale == 1 ? it : it * range.scale;
+  const Value acc = for_range(range.lo, range.hi, range.step, zeros({BM, BK}), [&](const Value& k0, const Value& acc) {
     const Value cols = k0 + arange(BK);
     const Value col_ok = cols.row() < n_in;
     const Value a = load(A, {rk.col(), cols.row()}, (rk.col() < rank) & col_ok, reused_hint(evict)).to(dot_t);
