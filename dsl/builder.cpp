@@ -194,6 +194,13 @@ ir::Function Kernel::trace(const std::vector<ArgSpec>& args, const MetaMap& meta
     if (on != 0 && on != 1)
       throw DefinitionError("kernel '" + s.fn.name + "': wgmma must be 0 or 1, got " + std::to_string(on));
   }
+  // staged_adds=1: f32 atomic adds of a dot's accumulator go out through shared memory, as
+  // whole-row vectors, instead of from the accumulator's registers.
+  if (meta.count("staged_adds")) {
+    const int64_t on = b.meta("staged_adds");
+    if (on != 0 && on != 1)
+      throw DefinitionError("kernel '" + s.fn.name + "': staged_adds must be 0 or 1, got " + std::to_string(on));
+  }
   // acc_col_run: a tensor-core dot's accumulator gives each thread runs of this many
   // consecutive columns (loads and stores of it as vectors, no shared memory).
   if (meta.count("acc_col_run")) {

@@ -451,3 +451,30 @@ TEST_CASE("wgmma=1 puts both MoE backward dots on warpgroup instructions for sm_
   meta["wgmma"] = 2;
   CHECK_THROWS_WITH(kernels::moe_lora_backward().trace(args, meta), Catch::Contains("wgmma must be 0 or 1"));
 }
+
+TEST_CASE("staged_adds sends an accumulator's f32 atomics through shared memory as whole-line vectors",
+          "[cuda][codegen][ops]") {
+  const std::vector<ArgSpec> args = {T(DType::bf16, 3), T(DType::bf16, 3), T(DType::bf16, 3), S,
+                                     T(DType::bf16, 3), T(DType::f32, 3)};
+  MetaMap meta = {{"BLOCK_N", 64},  {"BLOCK_K", 256},   {"R_PAD", 64},     {"DOT", int64_t(DType::bf16)},
+                  {"ROTATE", 0},    {"num_warps", 8},   {"num_stages", 3}, {"wgmma", 1}};
+  const std::string direct = jit::cuda::generate(kernels::moe_lora_backward_by_columns().trace(args, meta), "sm_90a").source;
+  // Without it dB's per-step share goes out of the accumulator's registers, pairs of columns.
+  CHECK(direct.find("kerf_dev::red_add<2>(") != std::string::npos);
+  CHECK(direct.find("kerf_dev::red_add<4>(") == std::string::npos);
+  meta["staged_adds"] = 1;
+  const std::string src = jit::cuda::generate(kernels::moe_lora_backward_by_columns().trace(args, meta), "sm_90a").source;
+  INFO(src);
+  // With it: 16 threads per 64-column row, 4 floats each, so one instruction adds whole 128-byte lines.
+  CHECK(src.find("kerf_dev::red_add<4>(") != std::string::npos);
+  CHECK(src.find("kerf_dev::red_add<2>(") == std::string::npos);
+  CHECK(src.find("// atomic_add @dB from [64,64]{r:1:1,1:2,0:16,0:32 l:1:4,1:8,1:16,1:32,0:1") != std::string::npos);
+  if (nvrtc::available()) {
+    nvrtc::Output out;
+    REQUIRE_NOTHROW(out = nvrtc::compile(src, "moe_backward_staged.cu", "sm_90a"));
+    CHECK(!out.image.empty());
+  }
+  meta["staged_adds"] = 2;
+  CHECK_THROWS_WITH(kernels::moe_lora_backward_by_columns().trace(args, meta),
+                    Catch::Contains("staged_adds must be 0 or 1"));
+}

@@ -48,12 +48,13 @@ struct BackwardCase {
   int64_t l2_prefetch = 0;  // Config.meta L2_PREFETCH (a hint: the same answer)
   bool wgmma = false;  // Config.meta WGMMA: Hopper's warpgroup dots, 128-row blocks of 8 warps
   int64_t cluster = 0;  // Config.meta CLUSTER: each step's atomics summed over clusters of blocks first
+  bool staged = false;  // Config.meta STAGED_ADDS: each step's atomics through shared memory, whole rows
 };
 
 void check_backward(const BackwardCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.E, c.d1, c.d2, c.r, dtype_name(c.w), dtype_name(c.ab), dtype_name(c.grads),
           layout_name(c.layout), c.split, seed, dev.str(), c.rotate, c.by_columns, c.l2_prefetch, c.wgmma,
-          c.cluster);
+          c.cluster, c.staged);
   std::mt19937_64 rng(seed);
   const int64_t E = c.E, d1 = c.d1, d2 = c.d2, r = c.r;
   TestTensor dW(c.w, {E, d1, d2}, dev);
@@ -96,12 +97,13 @@ void check_backward(const BackwardCase& c, Device dev, uint64_t seed) {
   }
   if (c.l2_prefetch) cfg.meta["L2_PREFETCH"] = c.l2_prefetch;
   if (c.wgmma) {
-    cfg.block_m = 128;
-    cfg.block_k = 64;
+    cfg.block_m = c.by_columns ? 64 : 128;  // the column-owning kernel: 64 rows per step, 256 columns
+    cfg.block_k = c.by_columns ? 256 : 64;
     cfg.num_warps = 8;
     cfg.num_stages = 3;
     cfg.meta["WGMMA"] = 1;
   }
+  if (c.staged) cfg.meta["STAGED_ADDS"] = 1;
   if (c.cluster) {
     cfg.meta["CLUSTER"] = c.cluster;
     if (!c.wgmma && !c.rotate && !c.by_columns) {
@@ -204,6 +206,16 @@ void run_backward_cases(Device dev) {
       {3, 150, 130, 5, DType::bf16, DType::f32, DType::bf16, MoeLayout::peft, 2, false, false, 0, true, 4},
       {3, 100, 130, 5, DType::bf16, DType::f32, DType::bf16, MoeLayout::peft, 1, true, true, 0, false, 3},
       {2, 90, 150, 33, DType::f16, DType::f32, DType::f32, MoeLayout::peft_transposed, 2, false, true, 0, false, 2},
+      // Each step's atomics staged through shared memory: the column-owning kernel's 64x256
+      // WGMMA tile (rows and columns not multiples of it, rank 64 and 33, rotated or not, dB
+      // in place or through the workspace, rows split), without WGMMA (mma.sync, fp32 dots),
+      // and the row-owning kernel's dA share.
+      {2, 300, 600, 64, DType::bf16, DType::bf16, DType::f32, MoeLayout::plain, 0, false, true, 0, true, 0, true},
+      {2, 90, 300, 33, DType::f16, DType::f32, DType::f16, MoeLayout::peft_transposed, 2, true, true, 0, true, 0, true},
+      {3, 100, 130, 5, DType::bf16, DType::bf16, DType::bf16, MoeLayout::peft, 1, false, true, 0, false, 0, true},
+      {3, 100, 130, 5, DType::f32, DType::f32, DType::f32, MoeLayout::plain, 1, true, true, 0, false, 0, true},
+      {3, 150, 130, 5, DType::bf16, DType::f32, DType::bf16, MoeLayout::peft, 2, false, false, 0, true, 0, true},
+      {2, 64, 300, 16, DType::bf16, DType::bf16, DType::f32, MoeLayout::plain, 3, true, false, 0, false, 0, true},
   };
   uint64_t seed = 5100;
   for (const BackwardCase& c : cases) check_backward(c, dev, seed++);

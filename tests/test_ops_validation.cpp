@@ -263,11 +263,15 @@ TEST_CASE("an op refuses Config.meta names it does not take and values out of ra
   typo.meta["ROTATED"] = 1;
   CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize_backward(dW, mA, mB, 1.0, dA, dB, nullptr, typo),
                 "moe_lora_materialize_backward: Config.meta names 'ROTATED', which this op does not take (it "
-                "takes ROTATE, BY_COLUMNS, L2_PREFETCH, WGMMA, CLUSTER)");
+                "takes ROTATE, BY_COLUMNS, L2_PREFETCH, WGMMA, CLUSTER, STAGED_ADDS)");
   ops::Config nine;
   nine.meta["CLUSTER"] = 9;
   CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize_backward(dW, mA, mB, 1.0, dA, dB, nullptr, nine),
                 "moe_lora_materialize_backward: Config.meta CLUSTER must be in [1, 8], got 9");
+  ops::Config staged;
+  staged.meta["STAGED_ADDS"] = 2;
+  CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize_backward(dW, mA, mB, 1.0, dA, dB, nullptr, staged),
+                "moe_lora_materialize_backward: Config.meta STAGED_ADDS must be in [0, 1], got 2");
   ops::Config two;
   two.meta["ROTATE"] = 2;
   CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize_backward(dW, mA, mB, 1.0, dA, dB, nullptr, two),

@@ -27,6 +27,7 @@ Codegen::Codegen(const ir::Function& f, const std::string& arch) : f_(f), arch_(
   // wgmma needs the architecture-specific target (sm_90a); elsewhere the meta is ignored.
   wgmma_ = f.meta_value("wgmma", 0) != 0 && sm_ == 90 && !arch.empty() && arch.back() == 'a';
   acc_col_run_ = int(f.meta_value("acc_col_run", 0));
+  staged_adds_ = f.meta_value("staged_adds", 0) != 0;
   // Thread-block clusters exist from sm_90; before it a cluster sum is a plain atomic.
   cluster_ = sm_ >= 90 ? int(f.meta_value("cluster_size", 1)) : 1;
 }

@@ -211,7 +211,12 @@ void Codegen::emit_store(const Operation& op, int level) {
   // columns, 2 wide) when its layout allows, with no shared-memory round trip.
   const int pv = pref_[size_t(value)];
   const bool from_acc = pv >= 0 && acc_layouts_.count(pv);
-  const int l = vector_red && from_acc && vector_width(op, pv) >= 2 ? pv : store_layout(value);
+  // With staged_adds they go out in a blocked layout of 4-wide vectors, a warp's
+  // threads covering whole rows: whole 128-byte lines per instruction.
+  const bool staged = vector_red && from_acc && staged_adds_ && type(value).shape.size() == 2;
+  const int l = staged ? intern(blocked_layout(type(value).shape, num_warps_, 4))
+                : vector_red && from_acc && vector_width(op, pv) >= 2 ? pv
+                                                                      : store_layout(value);
   const Layout& L = layouts_[size_t(l)];
   std::vector<Tile> idx;
   for (int d = 0; d < p.rank; ++d) idx.push_back(get(op.operands[size_t(d)], l));
