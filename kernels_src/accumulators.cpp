@@ -66,6 +66,8 @@ const dsl::Kernel& fill_pair() {
 const dsl::Kernel& flush_accumulator() {
   static const Kernel k("flush_accumulator", [](Builder& k) {
     const Tensor acc = k.tensor("acc", 3, DType::f32), out = k.tensor("out", 3);
+    // WAIT_PRIOR: launched to overlap the end of the kernel that adds into acc.
+    if (k.meta("WAIT_PRIOR", 0)) wait_prior_grid();
     const Tile3 t = tile_of(k, out);
     const Value v = load(acc, {t.i, t.rows, t.cols}, t.ok);
     store(out, {t.i, t.rows, t.cols}, v.to(out.dtype()), t.ok);

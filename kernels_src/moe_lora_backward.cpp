@@ -14,7 +14,9 @@
 // the row blocks of an expert, which add into the same dA columns, are not all at the same
 // columns at once. With WAIT_PRIOR (both kernels) every write comes after a wait for the grid
 // launched before, the zero-fill of the gradients, which the kernel may then overlap: each
-// step's loads read only inputs and go ahead of it. With cluster_size C > 1 (both kernels) the
+// step's loads read only inputs and go ahead of it. With RELEASE_END (both kernels) a
+// program lets the launch after it start once it has written everything (the flushes of
+// the fp32 accumulators, which still wait for the whole grid). With cluster_size C > 1 (both kernels) the
 // C programs of a cluster, neighbours on grid axis 0 (the same expert and column or row slice),
 // sum the per-step gradient share on chip (cluster_atomic_add) and add it to memory once, not C
 // times; they then take their steps in the same order (ROTATE by cluster), and the grid's axis 0
@@ -65,6 +67,7 @@ const dsl::Kernel& moe_lora_backward() {
       atomic_add(dB, {e, rows.col(), rk.row()}, acc * s, db_ok);
     else
       store(dB, {e, rows.col(), rk.row()}, (acc * s).to(dB.dtype()), db_ok);
+    if (k.meta("RELEASE_END", 0)) release_dependents();  // a flush waits for the whole grid
   });
   return k;
 }
@@ -117,6 +120,7 @@ const dsl::Kernel& moe_lora_backward_by_columns() {
       atomic_add(dA, {e, rk.col(), cols.row()}, acc * s, da_ok);
     else
       store(dA, {e, rk.col(), cols.row()}, (acc * s).to(dA.dtype()), da_ok);
+    if (k.meta("RELEASE_END", 0)) release_dependents();  // a flush waits for the whole grid
   });
   return k;
 }

@@ -51,11 +51,17 @@ bool zero_fills(const TensorView& a, bool zero_a, const TensorView& b, bool zero
   return false;
 }
 
-void flush_accumulator(const TensorView& acc, const TensorView& out, const LaunchOptions& options) {
+void flush_accumulator(const TensorView& acc, const TensorView& out, const LaunchOptions& options,
+                       bool overlap) {
   if (out.numel() == 0) return;
   Grid grid;
-  const dsl::MetaMap meta = tile_meta(out, &grid);
-  launch(kernels::flush_accumulator(), {acc, out}, grid, meta, options);
+  dsl::MetaMap meta = tile_meta(out, &grid);
+  LaunchOptions o = options;
+  if (overlap && out.device.is_cuda()) {
+    meta["WAIT_PRIOR"] = 1;
+    o.overlap_prior = true;
+  }
+  launch(kernels::flush_accumulator(), {acc, out}, grid, meta, o);
 }
 
 size_t carved_bytes(int64_t d0, int64_t d1, int64_t d2) {

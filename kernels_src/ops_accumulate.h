@@ -23,7 +23,10 @@ bool fill_pair_3d(const TensorView& a, const TensorView& b, double value, const 
 bool zero_fills(const TensorView& a, bool zero_a, const TensorView& b, bool zero_b, const LaunchOptions& options,
                 bool release = false);
 // out = acc rounded to out's dtype, then acc = 0; both rank 3 with one shape.
-void flush_accumulator(const TensorView& acc, const TensorView& out, const LaunchOptions& options);
+// With overlap (GPUs), the flush is launched to overlap the end of the kernel before
+// it (LaunchOptions::overlap_prior) and waits for it before reading.
+void flush_accumulator(const TensorView& acc, const TensorView& out, const LaunchOptions& options,
+                       bool overlap = false);
 
 // A contiguous f32 [d0, d1, d2] view at `*cursor` in a workspace, which moves
 // past it (16-byte aligned).

@@ -30,8 +30,7 @@ struct MoeBackwardPlan {
   bool da_atomic = true, db_atomic = false;  // which gradient the kernel adds atomically
 };
 
-MoeBackwardPlan plan_moe_backward(const TensorView& dW, int64_t r, bool gpu, int64_t programs,
-                                  const Config& config) {
+MoeBackwardPlan plan_launch(const TensorView& dW, int64_t r, bool gpu, int64_t programs, const Config& config) {
   const int64_t E = dW.shape[0], N = dW.shape[1], K = dW.shape[2];
   const DType dot = is_half(dW.dtype) ? dW.dtype : DType::f32;
   const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
@@ -90,6 +89,16 @@ MoeBackwardPlan plan_moe_backward(const TensorView& dW, int64_t r, bool gpu, int
   return p;
 }
 
+// The launch for gradients of these dtypes: on GPUs, a kernel followed by a flush of an
+// fp32 accumulator lets the flush's launch start before its own end (RELEASE_END).
+MoeBackwardPlan plan_moe_backward(const TensorView& dW, int64_t r, bool gpu, int64_t programs, const Config& config,
+                                  DType da_dtype, DType db_dtype) {
+  MoeBackwardPlan p = plan_launch(dW, r, gpu, programs, config);
+  if (gpu && ((p.da_atomic && da_dtype != DType::f32) || (p.db_atomic && db_dtype != DType::f32)))
+    p.meta["RELEASE_END"] = 1;
+  return p;
+}
+
 const std::vector<OperandDims>& backward_operands() {
   static const std::vector<OperandDims> o = {{"dW_eff", {"E", "N", "K"}},
                                              {"A", {"E", "r", "K"}},
@@ -110,7 +119,7 @@ void run_moe_backward(const TensorView& dW, const TensorView& A, const TensorVie
                       const Config& config, bool db_is_zero) {
   const int64_t E = dW.shape[0], N = dW.shape[1], K = dW.shape[2], r = A.shape[1];
   const bool gpu = dW.device.is_cuda();
-  const MoeBackwardPlan p = plan_moe_backward(dW, r, gpu, parallelism(dW.device), config);
+  const MoeBackwardPlan p = plan_moe_backward(dW, r, gpu, parallelism(dW.device), config, dA.dtype, dB.dtype);
   // A gradient the kernel adds to atomically is accumulated in fp32: in the
   // gradient itself when it is f32 (zeroed first), else in a zero workspace
   // that is then flushed into it. One the kernel stores is written directly.
@@ -128,8 +137,10 @@ void run_moe_backward(const TensorView& dW, const TensorView& A, const TensorVie
   LaunchOptions main = options;
   main.overlap_prior = filled;  // taken where the kernel waits for the fill (WAIT_PRIOR, GPUs)
   launch(*p.kernel, {dW, A, B, Scalar(s), da_acc, db_acc}, p.grid, p.meta, main);
-  if (!da_direct) flush_accumulator(da_acc, dA, options);
-  if (!db_direct) flush_accumulator(db_acc, dB, options);
+  // A flush right after the kernel is launched while its last programs run (RELEASE_END), and
+  // waits for the whole grid before it reads.
+  if (!da_direct) flush_accumulator(da_acc, dA, options, gpu);
+  if (!db_direct) flush_accumulator(db_acc, dB, options, gpu && da_direct);
 }
 
 // The kernel a call with `config` launches; dA/dB stand for the f32 accumulators when
@@ -138,7 +149,7 @@ autotune::KernelCall moe_backward_kernel(const TensorView& dW, const TensorView&
                                          const TensorView& dA, const TensorView& dB, int64_t programs,
                                          const Config& config) {
   const int64_t E = dW.shape[0], N = dW.shape[1], K = dW.shape[2], r = A.shape[1];
-  const MoeBackwardPlan p = plan_moe_backward(dW, r, true, programs, config);
+  const MoeBackwardPlan p = plan_moe_backward(dW, r, true, programs, config, dA.dtype, dB.dtype);
   void* const stand_in = reinterpret_cast<void*>(uintptr_t(1) << 16);
   const TensorView da_acc = !p.da_atomic || dA.dtype == DType::f32
                                 ? dA
