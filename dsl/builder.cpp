@@ -188,19 +188,18 @@ ir::Function Kernel::trace(const std::vector<ArgSpec>& args, const MetaMap& meta
       throw DefinitionError("kernel '" + s.fn.name + "': l2_prefetch must be 0, 64, 128 or 256 (bytes), got " +
                             std::to_string(bytes));
   }
-  // wgmma=1: tensor-core dots may use Hopper's warpgroup instructions (on sm_90a).
-  if (meta.count("wgmma")) {
-    const int64_t on = b.meta("wgmma");
+  // Code generation switches, 0 or 1 when given.
+  const auto expect_flag = [&](const char* name) {
+    if (!meta.count(name)) return;
+    const int64_t on = b.meta(name);
     if (on != 0 && on != 1)
-      throw DefinitionError("kernel '" + s.fn.name + "': wgmma must be 0 or 1, got " + std::to_string(on));
-  }
+      throw DefinitionError("kernel '" + s.fn.name + "': " + name + " must be 0 or 1, got " + std::to_string(on));
+  };
+  // wgmma=1: tensor-core dots may use Hopper's warpgroup instructions (on sm_90a).
+  expect_flag("wgmma");
   // staged_adds=1: f32 atomic adds of a dot's accumulator go out through shared memory, as
   // whole-row vectors, instead of from the accumulator's registers.
-  if (meta.count("staged_adds")) {
-    const int64_t on = b.meta("staged_adds");
-    if (on != 0 && on != 1)
-      throw DefinitionError("kernel '" + s.fn.name + "': staged_adds must be 0 or 1, got " + std::to_string(on));
-  }
+  expect_flag("staged_adds");
   // acc_col_run: a tensor-core dot's accumulator gives each thread runs of this many
   // consecutive columns (loads and stores of it as vectors, no shared memory).
   if (meta.count("acc_col_run")) {

@@ -92,6 +92,8 @@ inline constexpr MetaRange kWgmma{"WGMMA", 0, 1};
 // thread-block clusters of that many neighbouring programs first (kernel meta
 // cluster_size; sm_90 and later, plain atomics elsewhere).
 inline constexpr MetaRange kCluster{"CLUSTER", 1, 8};
+// Config.meta STAGED_ADDS (0 or 1): a dot accumulator's per-step fp32 atomics go
+// through shared memory as whole-line vectors (kernel meta staged_adds).
 inline constexpr MetaRange kStagedAdds{"STAGED_ADDS", 0, 1};
 // Config.meta COLS_FIRST (0 or 1): the column slices of each row block on grid axis 0 (split_range.h).
 inline constexpr MetaRange kColsFirst{"COLS_FIRST", 0, 1};

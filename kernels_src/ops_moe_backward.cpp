@@ -28,6 +28,9 @@ struct MoeBackwardPlan {
   int64_t split = 1;
   bool by_columns = false;
   bool da_atomic = true, db_atomic = false;  // which gradient the kernel adds atomically
+  // Which gradient is added to in an fp32 workspace and flushed into it after the kernel
+  // (one added atomically that is not f32 itself); the other is the kernel's output directly.
+  bool flush_da = false, flush_db = false;
 };
 
 MoeBackwardPlan plan_launch(const TensorView& dW, int64_t r, bool gpu, int64_t programs, const Config& config) {
@@ -94,8 +97,9 @@ MoeBackwardPlan plan_launch(const TensorView& dW, int64_t r, bool gpu, int64_t p
 MoeBackwardPlan plan_moe_backward(const TensorView& dW, int64_t r, bool gpu, int64_t programs, const Config& config,
                                   DType da_dtype, DType db_dtype) {
   MoeBackwardPlan p = plan_launch(dW, r, gpu, programs, config);
-  if (gpu && ((p.da_atomic && da_dtype != DType::f32) || (p.db_atomic && db_dtype != DType::f32)))
-    p.meta["RELEASE_END"] = 1;
+  p.flush_da = p.da_atomic && da_dtype != DType::f32;
+  p.flush_db = p.db_atomic && db_dtype != DType::f32;
+  if (gpu && (p.flush_da || p.flush_db)) p.meta["RELEASE_END"] = 1;
   return p;
 }
 
@@ -123,8 +127,7 @@ void run_moe_backward(const TensorView& dW, const TensorView& A, const TensorVie
   // A gradient the kernel adds to atomically is accumulated in fp32: in the
   // gradient itself when it is f32 (zeroed first), else in a zero workspace
   // that is then flushed into it. One the kernel stores is written directly.
-  const bool da_direct = !p.da_atomic || dA.dtype == DType::f32;
-  const bool db_direct = !p.db_atomic || dB.dtype == DType::f32;
+  const bool da_direct = !p.flush_da, db_direct = !p.flush_db;
   size_t ws_bytes = 0;
   if (!da_direct) ws_bytes += carved_bytes(E, r, K);
   if (!db_direct) ws_bytes += carved_bytes(E, N, r);
@@ -139,8 +142,8 @@ void run_moe_backward(const TensorView& dW, const TensorView& A, const TensorVie
   launch(*p.kernel, {dW, A, B, Scalar(s), da_acc, db_acc}, p.grid, p.meta, main);
   // A flush right after the kernel is launched while its last programs run (RELEASE_END), and
   // waits for the whole grid before it reads.
-  if (!da_direct) flush_accumulator(da_acc, dA, options, gpu);
-  if (!db_direct) flush_accumulator(db_acc, dB, options, gpu && da_direct);
+  if (p.flush_da) flush_accumulator(da_acc, dA, options, true);
+  if (p.flush_db) flush_accumulator(db_acc, dB, options, !p.flush_da);
 }
 
 // The kernel a call with `config` launches; dA/dB stand for the f32 accumulators when
@@ -151,12 +154,10 @@ autotune::KernelCall moe_backward_kernel(const TensorView& dW, const TensorView&
   const int64_t E = dW.shape[0], N = dW.shape[1], K = dW.shape[2], r = A.shape[1];
   const MoeBackwardPlan p = plan_moe_backward(dW, r, true, programs, config, dA.dtype, dB.dtype);
   void* const stand_in = reinterpret_cast<void*>(uintptr_t(1) << 16);
-  const TensorView da_acc = !p.da_atomic || dA.dtype == DType::f32
-                                ? dA
-                                : TensorView::contiguous(stand_in, DType::f32, {E, r, K}, dW.device);
-  const TensorView db_acc = !p.db_atomic || dB.dtype == DType::f32
-                                ? dB
-                                : TensorView::contiguous(stand_in, DType::f32, {E, N, r}, dW.device);
+  const TensorView da_acc =
+      p.flush_da ? TensorView::contiguous(stand_in, DType::f32, {E, r, K}, dW.device) : dA;
+  const TensorView db_acc =
+      p.flush_db ? TensorView::contiguous(stand_in, DType::f32, {E, N, r}, dW.device) : dB;
   return {p.kernel, {dW, A, B, Scalar(s), da_acc, db_acc}, p.meta};
 }
 
