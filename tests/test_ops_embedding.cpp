@@ -115,11 +115,14 @@ struct BackCase {
   bool rotate = false;  // Config.meta ROTATE: token blocks start their steps over D apart
   bool gather = false;  // Config.meta GATHER: gather, a one-pass product by column blocks, scatter
   int64_t l2_prefetch = 0;  // Config.meta L2_PREFETCH (a hint: the same answer)
+  bool staged = false;  // Config.meta STAGED_ADDS: dB's per-step atomics as whole-row 4-wide vectors
+  int64_t block_t = 0, block_d = 0;  // the tile (0: kerf's, or 16x32 with ROTATE or GATHER)
 };
 
 void check_backward(const BackCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.T, c.V, c.D, c.r, dtype_name(c.g), dtype_name(c.ab), dtype_name(c.grads),
-          c.padding.value_or(-999), c.by_freq, c.split, c.rotate, c.gather, c.l2_prefetch, seed, dev.str());
+          c.padding.value_or(-999), c.by_freq, c.split, c.rotate, c.gather, c.l2_prefetch, c.staged, c.block_t, c.block_d, seed,
+          dev.str());
   std::mt19937_64 rng(seed);
   TestTensor X(DType::i64, {c.T}, dev), A(c.ab, {c.r, c.V}, dev), B(c.ab, {c.D, c.r}, dev);
   TestTensor G(c.g, {c.T, c.D}, dev), dA(c.grads, {c.r, c.V}, dev), dB(c.grads, {c.D, c.r}, dev);
@@ -142,8 +145,11 @@ void check_backward(const BackCase& c, Device dev, uint64_t seed) {
     cfg.block_m = 16;
     cfg.block_k = 32;
   }
+  if (c.block_t) cfg.block_m = c.block_t;
+  if (c.block_d) cfg.block_k = c.block_d;
   if (c.rotate) cfg.meta["ROTATE"] = 1;
   if (c.gather) cfg.meta["GATHER"] = 1;
+  if (c.staged) cfg.meta["STAGED_ADDS"] = 1;
   if (c.l2_prefetch) cfg.meta["L2_PREFETCH"] = c.l2_prefetch;
   const double s = 2.0;
   ops::lora_embedding_backward(X.view(), A.view(), B.view(), G.view(), s, dA.view(), dB.view(), o,
@@ -191,6 +197,13 @@ void run_backward_cases(Device dev) {
       {200, 300, 70, 40, DType::f16, DType::f32, DType::bf16, 299, true, 2, false, true},
       {37, 50, 40, 3, DType::f32, DType::bf16, DType::f32, 7, true, 1, false, true},
       {200, 300, 200, 8, DType::bf16, DType::bf16, DType::f32, 3, false, 2, true, false, 128},
+      // STAGED_ADDS: dB's share of each step through shared memory, rows of r floats (16 and 64
+      // wide, and r=5 padded to 16) as 4-wide reductions; D not a multiple of the step.
+      {300, 1000, 200, 16, DType::bf16, DType::bf16, DType::f32, 0, false, 2, false, false, 0, true, 64, 64},
+      {300, 1000, 200, 16, DType::bf16, DType::bf16, DType::bf16, std::nullopt, true, 0, true, false, 0, true, 128,
+       128},
+      {111, 1000, 130, 5, DType::f32, DType::f32, DType::f32, std::nullopt, false, 3, false, false, 0, true, 32, 64},
+      {200, 300, 330, 64, DType::f16, DType::f16, DType::f32, 7, false, 2, false, false, 0, true, 64, 128},
   };
   uint64_t seed = 6200;
   for (const BackCase& c : cases) check_backward(c, dev, seed++);
