@@ -152,8 +152,8 @@ const dsl::Kernel& dora_norm_fused() {
     const Value s = k.scalar("s"), eps = k.scalar("eps");
     const Tensor norm = k.tensor("norm", 1, DType::f32), scale = k.tensor("scale", 1, DType::f32);
     const Value rows = program_id(0) * k.meta("BLOCK_M") + arange(k.meta("BLOCK_M"));
-    store_norm_and_scale(norm, scale, m, rows, row_sum_of_squares(k, W, A, B, s, rows, column_steps(k, W.dim(1), false)),
-                         eps, rows < W.dim(0));
+    const Value sumsq = row_sum_of_squares(k, W, A, B, s, rows, column_steps(k, W.dim(1), false));
+    store_norm_and_scale(norm, scale, m, rows, sumsq, eps, rows < W.dim(0));
   });
   return k;
 }

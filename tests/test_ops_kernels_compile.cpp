@@ -458,12 +458,12 @@ TEST_CASE("staged_adds sends an accumulator's f32 atomics through shared memory 
                                      T(DType::bf16, 3), T(DType::f32, 3)};
   MetaMap meta = {{"BLOCK_N", 64},  {"BLOCK_K", 256},   {"R_PAD", 64},     {"DOT", int64_t(DType::bf16)},
                   {"ROTATE", 0},    {"num_warps", 8},   {"num_stages", 3}, {"wgmma", 1}};
-  const std::string direct = jit::cuda::generate(kernels::moe_lora_backward_by_columns().trace(args, meta), "sm_90a").source;
+  const std::string direct = source_of(kernels::moe_lora_backward_by_columns(), args, meta);
   // Without it dB's per-step share goes out of the accumulator's registers, pairs of columns.
   CHECK(direct.find("kerf_dev::red_add<2>(") != std::string::npos);
   CHECK(direct.find("kerf_dev::red_add<4>(") == std::string::npos);
   meta["staged_adds"] = 1;
-  const std::string src = jit::cuda::generate(kernels::moe_lora_backward_by_columns().trace(args, meta), "sm_90a").source;
+  const std::string src = source_of(kernels::moe_lora_backward_by_columns(), args, meta);
   INFO(src);
   // With it: 16 threads per 64-column row, 4 floats each, so one instruction adds whole 128-byte lines.
   CHECK(src.find("kerf_dev::red_add<4>(") != std::string::npos);
