@@ -191,6 +191,14 @@ std::string source_of(const Kernel& k, const std::vector<ArgSpec>& args, const M
   return jit::cuda::generate(k.trace(args, meta), "sm_90a").source;
 }
 
+// Where NVRTC can be loaded, `src` compiles for sm_90a into a non-empty image.
+void check_compiles_for_sm90a_if_nvrtc(const std::string& src, const std::string& name) {
+  if (!nvrtc::available()) return;
+  nvrtc::Output out;
+  REQUIRE_NOTHROW(out = nvrtc::compile(src, name, "sm_90a"));
+  CHECK(!out.image.empty());
+}
+
 }  // namespace
 
 TEST_CASE("every LoRA op kernel compiles with NVRTC for sm_80 and sm_90a", "[cuda][codegen][ops]") {
@@ -437,11 +445,7 @@ TEST_CASE("wgmma=1 puts both MoE backward dots on warpgroup instructions for sm_
   // Both rings swizzled and 1024-aligned; the copies made visible to the async proxy.
   CHECK(src.find("kerf_dev::cp_async<16>(ring + kerf_dev::sw128(") != std::string::npos);
   CHECK(src.find("fence.proxy.async.shared::cta") != std::string::npos);
-  if (nvrtc::available()) {
-    nvrtc::Output out;
-    REQUIRE_NOTHROW(out = nvrtc::compile(src, "moe_backward_wgmma.cu", "sm_90a"));
-    CHECK(!out.image.empty());
-  }
+  check_compiles_for_sm90a_if_nvrtc(src, "moe_backward_wgmma.cu");
   // Without the architecture-specific target (sm_90, sm_80) the same meta keeps mma.sync.
   for (const char* arch : {"sm_90", "sm_80"}) {
     const std::string plain = jit::cuda::generate(fn, arch).source;
@@ -469,11 +473,7 @@ TEST_CASE("staged_adds sends an accumulator's f32 atomics through shared memory 
   CHECK(src.find("kerf_dev::red_add<4>(") != std::string::npos);
   CHECK(src.find("kerf_dev::red_add<2>(") == std::string::npos);
   CHECK(src.find("// atomic_add @dB from [64,64]{r:1:1,1:2,0:16,0:32 l:1:4,1:8,1:16,1:32,0:1") != std::string::npos);
-  if (nvrtc::available()) {
-    nvrtc::Output out;
-    REQUIRE_NOTHROW(out = nvrtc::compile(src, "moe_backward_staged.cu", "sm_90a"));
-    CHECK(!out.image.empty());
-  }
+  check_compiles_for_sm90a_if_nvrtc(src, "moe_backward_staged.cu");
   meta["staged_adds"] = 2;
   CHECK_THROWS_WITH(kernels::moe_lora_backward_by_columns().trace(args, meta),
                     Catch::Contains("staged_adds must be 0 or 1"));
