@@ -670,6 +670,20 @@ void cluster_atomic_add(const Tensor& t, const std::vector<Value>& idx, const Va
   store_like(OpKind::AtomicAdd, "cluster_atomic_add", t, idx, value, mask, false, Evict::normal, true);
 }
 
+void l2_evict_normal(const Tensor& t, const std::vector<Value>& idx, const Value& mask) {
+  Builder::Impl& s = t.builder().impl();
+  const Access a = make_access(s, "l2_evict_normal", t, idx, mask, nullptr);
+  if (a.shape.empty()) s.fail("l2_evict_normal", "the indices are scalars; give tiles of indices");
+  ir::Operation op(OpKind::L2EvictNormal);
+  op.attrs.param = t.param();
+  for (const Value& i : a.idx) op.operands.push_back(i.id());
+  if (a.mask.valid()) {
+    op.operands.push_back(a.mask.id());
+    op.attrs.has_mask = true;
+  }
+  s.emit(std::move(op), nullptr);
+}
+
 void wait_prior_grid() {
   current_builder("wait_prior_grid").impl().emit(ir::Operation(OpKind::GridWait), nullptr);
 }

@@ -21,6 +21,12 @@ using namespace kerf::dsl;
 
 namespace {
 
+int64_t next_pow2_meta(int64_t n) {
+  int64_t p = 1;
+  while (p < n) p *= 2;
+  return p;
+}
+
 // This program's tokens and what their ids allow.
 struct Tokens {
   Value tok, tok_ok, id, local, in_shard;
@@ -133,6 +139,30 @@ const dsl::Kernel& lora_embedding_backward() {
       w = w / maximum(load(counts, {t.local}, t.in_shard, 1.0).to(DType::f32), literal(1.0));
     const Value gets = t.in_shard & (t.id != padding);
     atomic_add(dA, {rk.row(), t.local.col()}, gB * w.col(), gets.col() & rk_ok);
+    // L2_KEEP: the fill wrote dA and dB evict-last, so that the zeros met by the atomics
+    // above were still in L2 after the stream of g; this program's share of their lines
+    // goes back to normal priority (one element per 128-byte line; stride 1 along dim 1).
+    if (k.meta("L2_KEEP", 0)) {
+      const Value prog = program_id(0) * num_programs(1) + program_id(1);
+      const Value progs = num_programs(0) * num_programs(1);
+      const int64_t BL = 64, per_line = 32;  // f32 elements in a line
+      const Value v_share = cdiv(dA.dim(1), progs);
+      const Value c_lo = minimum(dA.dim(1), prog * v_share), c_hi = minimum(dA.dim(1), c_lo + v_share);
+      for_range(c_lo, c_hi, BL * per_line, [&](const Value& c0) {
+        const Value c = c0 + arange(BL) * per_line;
+        l2_evict_normal(dA, {rk.col(), c.row()}, (rk.col() < rank) & (c.row() < c_hi));
+      });
+      // Each row's last column: its line may lie past the last step of per_line.
+      l2_evict_normal(dA, {rk, broadcast_to(c_hi - 1, {R})}, (rk < rank) & (c_hi > c_lo));
+      const Value d_share = cdiv(dB.dim(0), progs);
+      const Value d_lo = minimum(dB.dim(0), prog * d_share), d_hi = minimum(dB.dim(0), d_lo + d_share);
+      const int64_t CB = next_pow2_meta(R / per_line + 2);
+      const Value cols = minimum(arange(CB) * per_line, rank - 1);  // a row's lines: 0, 32, ..., r - 1
+      for_range(d_lo, d_hi, 64, [&](const Value& d0) {
+        const Value dd = d0 + arange(64);
+        l2_evict_normal(dB, {dd.col(), cols.row()}, dd.col() < d_hi);
+      });
+    }
   });
   return k;
 }

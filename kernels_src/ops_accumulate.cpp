@@ -20,34 +20,36 @@ dsl::MetaMap tile_meta(const TensorView& t, Grid* grid) {
 
 }  // namespace
 
-bool fill_3d(const TensorView& t, double value, const LaunchOptions& options, bool release) {
+bool fill_3d(const TensorView& t, double value, const LaunchOptions& options, bool release, bool keep_in_l2) {
   if (t.numel() == 0) return false;
   Grid grid;
   dsl::MetaMap meta = tile_meta(t, &grid);
   if (release) meta["RELEASE"] = 1;
+  if (keep_in_l2) meta["EVICT_LAST"] = 1;
   launch(kernels::fill_3d(), {t, Scalar(value)}, grid, meta, options);
   return true;
 }
 
 bool fill_pair_3d(const TensorView& a, const TensorView& b, double value, const LaunchOptions& options,
-                  bool release) {
-  if (a.numel() == 0) return fill_3d(b, value, options, release);
-  if (b.numel() == 0) return fill_3d(a, value, options, release);
+                  bool release, bool keep_in_l2) {
+  if (a.numel() == 0) return fill_3d(b, value, options, release, keep_in_l2);
+  if (b.numel() == 0) return fill_3d(a, value, options, release, keep_in_l2);
   Grid ga, gb;
   const dsl::MetaMap ma = tile_meta(a, &ga), mb = tile_meta(b, &gb);
   const int64_t tiles = int64_t(ga.x) * ga.y * ga.z + int64_t(gb.x) * gb.y * gb.z;
   dsl::MetaMap meta = {{"BLOCK_M0", ma.at("BLOCK_M")}, {"BLOCK_K0", ma.at("BLOCK_K")},
                        {"BLOCK_M1", mb.at("BLOCK_M")}, {"BLOCK_K1", mb.at("BLOCK_K")}};
   if (release) meta["RELEASE"] = 1;
+  if (keep_in_l2) meta["EVICT_LAST"] = 1;
   launch(kernels::fill_pair(), {a, b, Scalar(value)}, Grid{uint32_t(tiles), 1, 1}, meta, options);
   return true;
 }
 
 bool zero_fills(const TensorView& a, bool zero_a, const TensorView& b, bool zero_b, const LaunchOptions& options,
-                bool release) {
-  if (zero_a && zero_b) return fill_pair_3d(a, b, 0.0, options, release);
-  if (zero_a) return fill_3d(a, 0.0, options, release);
-  if (zero_b) return fill_3d(b, 0.0, options, release);
+                bool release, bool keep_in_l2) {
+  if (zero_a && zero_b) return fill_pair_3d(a, b, 0.0, options, release, keep_in_l2);
+  if (zero_a) return fill_3d(a, 0.0, options, release, keep_in_l2);
+  if (zero_b) return fill_3d(b, 0.0, options, release, keep_in_l2);
   return false;
 }
 

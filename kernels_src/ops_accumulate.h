@@ -13,15 +13,18 @@ namespace kerf::ops::detail {
 
 // t (rank 3, any strides) = value. Each returns whether it launched a kernel (nothing
 // to fill: no launch); with `release` that kernel lets the next one start early
-// (kernels.h, RELEASE), for a launch with LaunchOptions::overlap_prior.
-bool fill_3d(const TensorView& t, double value, const LaunchOptions& options, bool release = false);
+// (kernels.h, RELEASE), for a launch with LaunchOptions::overlap_prior. With
+// `keep_in_l2` the fill's lines are written evict-last (kernels.h, EVICT_LAST): the
+// kernel after it must put them back to normal priority (dsl::l2_evict_normal).
+bool fill_3d(const TensorView& t, double value, const LaunchOptions& options, bool release = false,
+             bool keep_in_l2 = false);
 // a = value and b = value in one launch (both rank 3, any shapes and strides).
 bool fill_pair_3d(const TensorView& a, const TensorView& b, double value, const LaunchOptions& options,
-                  bool release = false);
+                  bool release = false, bool keep_in_l2 = false);
 // Zeroes a when `zero_a` and b when `zero_b` (before atomics add into them), in one
 // launch when both.
 bool zero_fills(const TensorView& a, bool zero_a, const TensorView& b, bool zero_b, const LaunchOptions& options,
-                bool release = false);
+                bool release = false, bool keep_in_l2 = false);
 // out = acc rounded to out's dtype, then acc = 0; both rank 3 with one shape.
 // With overlap (GPUs), the flush is launched to overlap the end of the kernel before
 // it (LaunchOptions::overlap_prior) and waits for it before reading.

@@ -257,6 +257,22 @@ inline const Kernel& gather_kernel() {
   return k;
 }
 
+// y = 2x + 1 stored evict-last, then the lines of this program's y put back to
+// normal priority, one element per 128-byte line (BLOCK a multiple of 32): the
+// hints change no value.   x [N] f32, y [N] f32
+inline const Kernel& l2_keep_kernel() {
+  static const Kernel k("l2_keep", [](Builder& b) {
+    auto x = b.tensor("x", 1), y = b.tensor("y", 1);
+    const int64_t BLOCK = b.meta("BLOCK");
+    auto i = program_id(0) * BLOCK + arange(BLOCK);
+    auto ok = i < x.dim(0);
+    store(y, {i}, load(x, {i}, ok) * 2.0 + 1.0, ok, Evict::last);
+    auto line = program_id(0) * BLOCK + arange(BLOCK / 32) * 32;
+    l2_evict_normal(y, {line}, line < y.dim(0));
+  });
+  return k;
+}
+
 // A pair for programmatic dependent launch. The producer's programs each own BM
 // rows of y and, after REPEAT passes over their rows of x (work that keeps it
 // running), store y = 2x + 1 (RELEASE: its dependents may start as it begins).

@@ -122,6 +122,7 @@ std::vector<Case> all_cases() {
                      {{"BM", 16}, {"BN", 128}, {"WAIT", wait}, {"num_stages", 3}}, "overlap_consumer"});
   cases.push_back({&test::overlap_producer_kernel(), {t(DType::f32, 2), t(DType::f32, 2)},
                    {{"BM", 16}, {"BN", 128}, {"REPEAT", 2}, {"RELEASE", 1}}, "overlap_producer"});
+  cases.push_back({&test::l2_keep_kernel(), {t(DType::f32, 1), t(DType::f32, 1)}, {{"BLOCK", 64}}, "l2_keep"});
   for (int64_t cluster : {1, 2, 4})
     cases.push_back({&test::cluster_sum_kernel(), {t(DType::bf16, 2), t(DType::f32, 1), t(DType::f32, 1)},
                      {{"BM", 32}, {"BN", 64}, {"cluster_size", cluster}, {"num_stages", 2}}, "cluster_sum"});
@@ -365,6 +366,20 @@ TEST_CASE("cluster_atomic_add sums over the cluster in distributed shared memory
     CHECK(plain.find("ld_cluster") == std::string::npos);
     CHECK(plain.find("atomic_add @out") != std::string::npos);
   }
+}
+
+TEST_CASE("l2_evict_normal is one applypriority per element held, from sm_80", "[cuda][codegen]") {
+  const ir::Function fn = test::l2_keep_kernel().trace({t(DType::f32, 1), t(DType::f32, 1)}, {{"BLOCK", 128}});
+  const std::string src = jit::cuda::generate(fn, "sm_90a").source;
+  INFO(src);
+  const std::string hint = "applypriority.global.L2::evict_normal";
+  const size_t at = src.find(hint);
+  REQUIRE(at != std::string::npos);
+  CHECK(src.find(hint, at + 1) == std::string::npos);  // one statement, in a loop over the elements held
+  CHECK(src.find("// l2_evict_normal @y in [4]") != std::string::npos);
+  CHECK(src.find("st_hint") < at);  // after the evict-last store
+  CHECK(jit::cuda::generate(fn, "sm_80").source.find(hint) != std::string::npos);
+  CHECK(jit::cuda::generate(fn, "sm_75").source.find(hint) == std::string::npos);
 }
 
 TEST_CASE("a wait for the prior grid is griddepcontrol on sm_90, and nothing after it is issued ahead",

@@ -4,6 +4,7 @@
 #include "catch.h"
 #include "kerf/dsl/dsl.h"
 #include "kerf/error.h"
+#include "sample_kernels.h"
 
 using namespace kerf;
 using namespace kerf::dsl;
@@ -272,6 +273,47 @@ TEST_CASE("grid dependency ops keep their place among a kernel's effects", "[dsl
   // The verifier holds them to no operands and no results.
   for (auto& op : f.body.ops)
     if (op.kind == ir::OpKind::GridWait) op.operands.push_back(op.operands.empty() ? 0 : op.operands[0]);
+  CHECK_THROWS_AS(ir::verify(f), InternalError);
+}
+
+TEST_CASE("l2_evict_normal is an effect on a tensor's elements, checked like an access", "[dsl][ir]") {
+  const std::vector<ArgSpec> args = {ArgSpec::tensor(DType::f32, 1), ArgSpec::tensor(DType::f32, 1)};
+  ir::Function f = test::l2_keep_kernel().trace(args, {{"BLOCK", 64}});
+  ir::verify(f);
+  const std::string text = ir::print(f);
+  INFO(text);
+  const size_t at_store = text.find("store @y"), at_hint = text.find("l2_evict_normal @y");
+  REQUIRE(at_store != std::string::npos);
+  REQUIRE(at_hint != std::string::npos);
+  CHECK(at_store < at_hint);
+  CHECK(text.find("evict_last") != std::string::npos);
+  // Kept though it has no result, and part of the kernel's hash.
+  Kernel plain("l2_keep", [](Builder& b) {
+    auto x = b.tensor("x", 1), y = b.tensor("y", 1);
+    auto i = program_id(0) * 64 + arange(64);
+    store(y, {i}, load(x, {i}, i < x.dim(0)) * 2.0 + 1.0, i < x.dim(0), Evict::last);
+  });
+  CHECK(ir::hash(plain.trace(args, {})) != ir::hash(f));
+  // One index per dimension, tiles not scalars.
+  expect_definition_error(
+      [] {
+        Kernel("bad", [](Builder& b) {
+          auto y = b.tensor("y", 2);
+          l2_evict_normal(y, {arange(16)});
+        }).trace({ArgSpec::tensor(DType::f32, 2)}, {});
+      },
+      {"l2_evict_normal", "rank 2", "1 indices"});
+  expect_definition_error(
+      [] {
+        Kernel("bad", [](Builder& b) {
+          auto y = b.tensor("y", 1);
+          l2_evict_normal(y, {program_id(0)});
+        }).trace({ArgSpec::tensor(DType::f32, 1)}, {});
+      },
+      {"l2_evict_normal", "scalars"});
+  // The verifier holds it to its indices and mask.
+  for (auto& op : f.body.ops)
+    if (op.kind == ir::OpKind::L2EvictNormal) op.operands.pop_back();
   CHECK_THROWS_AS(ir::verify(f), InternalError);
 }
 

@@ -216,6 +216,19 @@ void tickets(Device dev, int64_t n, uint64_t seed) {
   }
 }
 
+// Eviction hints (evict-last stores, then l2_evict_normal) change no value.
+void l2_keep(Device dev, int64_t n, uint64_t seed) {
+  CAPTURE(dev.str(), n, seed);
+  std::mt19937_64 rng(seed);
+  TestTensor x(DType::f32, {n}, dev), y(DType::f32, {n}, dev);
+  x.randomize(rng);
+  y.poison();
+  launch(test::l2_keep_kernel(), {x.view(), y.view()}, Grid{uint32_t((n + 63) / 64)}, {{"BLOCK", 64}});
+  sync(dev);
+  y.download();
+  for (int64_t i = 0; i < n; ++i) CHECK(y.get(i) == double(float(x.get(i) * 2.0 + 1.0)));
+}
+
 // x <- 2x + 1 in place (pipelined on the GPU), and the shifted variant whose
 // loads must see the data before the store of the same iteration.
 void inplace(Device dev, DType d, int64_t rows, int64_t cols, int64_t shift, uint64_t seed) {
@@ -408,6 +421,7 @@ void run_all(Device dev) {
     inplace(dev, DType::bf16, 64, 4096, shift, seed++);
   }
   tickets(dev, 64 * 300, seed++);
+  l2_keep(dev, 1000, seed++);
   nibbles(dev, 13, 100, seed++);
   nibbles(dev, 16, 128, seed++);
   gather(dev, DType::f32, 16, 37, 150, 4, seed++);

@@ -117,6 +117,7 @@ std::vector<Case> op_kernel_cases() {
           {"BY_FREQ", flag},
           {"ROTATE", 1 - flag},
           {"WAIT_PRIOR", 1 - flag},
+          {"L2_KEEP", 1 - flag},
           {"num_stages", stages}},
          "lora_embedding_backward",
          v.arch});
@@ -158,12 +159,12 @@ std::vector<Case> op_kernel_cases() {
                  v.arch});
     c.push_back({&kernels::fill_3d(),
                  {T(w, 3, fast), S},
-                 {{"BLOCK_M", 16}, {"BLOCK_K", 128}, {"RELEASE", flag}},
+                 {{"BLOCK_M", 16}, {"BLOCK_K", 128}, {"RELEASE", flag}, {"EVICT_LAST", 1 - flag}},
                  "fill_3d",
                  v.arch});
     c.push_back({&kernels::fill_pair(),
                  {T(w, 3, fast), T(DType::f32, 3), S},
-                 {{"BLOCK_M0", 8}, {"BLOCK_K0", 256}, {"BLOCK_M1", 128}, {"BLOCK_K1", 16}, {"RELEASE", 1 - flag}},
+                 {{"BLOCK_M0", 8}, {"BLOCK_K0", 256}, {"BLOCK_M1", 128}, {"BLOCK_K1", 16}, {"RELEASE", 1 - flag}, {"EVICT_LAST", flag}},
                  "fill_pair",
                  v.arch});
     c.push_back({&kernels::lora_embedding_gather(),
@@ -312,6 +313,34 @@ TEST_CASE("rotated column steps still run their loads ahead", "[cuda][codegen][o
                                      {{"BLOCK_T", 128}, {"BLOCK_D", 64}, {"R_PAD", 16}, {"DOT", int64_t(DType::bf16)},
                                       {"ROTATE", 1}, {"num_stages", 3}});
   CHECK(esrc.find("prefetch @g") != std::string::npos);
+}
+
+TEST_CASE("the embedding backward with L2_KEEP puts its share of dA and dB back to normal L2 priority",
+          "[cuda][codegen][ops]") {
+  const std::vector<ArgSpec> emb = {T(DType::i64, 1), T(DType::bf16, 2), T(DType::bf16, 2), T(DType::bf16, 2), S,
+                                    T(DType::f32, 2), T(DType::f32, 2), T(DType::i32, 1), T(DType::i64, 1), S, S, S};
+  MetaMap meta = {{"BLOCK_T", 128}, {"BLOCK_D", 128}, {"R_PAD", 16}, {"DOT", int64_t(DType::bf16)},
+                  {"ROTATE", 1},    {"WAIT_PRIOR", 1}, {"num_warps", 4}, {"num_stages", 3}};
+  const std::string plain = source_of(kernels::lora_embedding_backward(), emb, meta);
+  CHECK(plain.find("applypriority") == std::string::npos);
+  meta["L2_KEEP"] = 1;
+  const std::string src = source_of(kernels::lora_embedding_backward(), emb, meta);
+  INFO(src);
+  // dA by lines of its rows (and each row's last column), dB by its rows' lines, after the dA atomics.
+  const size_t last_add = src.rfind("atomic_add @dA");
+  REQUIRE(last_add != std::string::npos);
+  CHECK(src.find("// l2_evict_normal @dA in [16,64]", last_add) != std::string::npos);
+  CHECK(src.find("// l2_evict_normal @dA in [16]", last_add) != std::string::npos);
+  CHECK(src.find("// l2_evict_normal @dB in [64,2]", last_add) != std::string::npos);
+  check_compiles_for_sm90a_if_nvrtc(src, "embedding_backward_l2_keep.cu");
+  // The fill before it writes evict-last when asked, and only then.
+  const std::vector<ArgSpec> fill = {T(DType::f32, 3), S};
+  const MetaMap fmeta = {{"BLOCK_M", 8}, {"BLOCK_K", 256}};
+  MetaMap kept = fmeta;
+  kept["EVICT_LAST"] = 1;
+  CHECK(source_of(kernels::fill_3d(), fill, fmeta).find("kerf_pol_last") == std::string::npos);
+  CHECK(source_of(kernels::fill_3d(), fill, kept).find("st_hint<float, 4>(p0 + off, pk, kerf_pol_last)") !=
+        std::string::npos);
 }
 
 TEST_CASE("L2 hints reach the loads, stores and cp.async copies they are given, and nothing else",

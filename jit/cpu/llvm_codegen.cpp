@@ -840,6 +840,8 @@ class KernelEmitter {
       case OpKind::GridWait:
       case OpKind::GridRelease:
         return;  // CPU launches run one after another: nothing overlaps
+      case OpKind::L2EvictNormal:
+        return;  // an L2 eviction hint of the GPU: nothing to do on the CPU
       case OpKind::Store:
       case OpKind::AtomicAdd:
         emit_store_like(op);

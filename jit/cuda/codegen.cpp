@@ -91,7 +91,7 @@ int Codegen::parse_sm(const std::string& arch) {
 
 bool Codegen::is_pure(OpKind k) const {
   return k != OpKind::Load && k != OpKind::Store && k != OpKind::AtomicAdd && k != OpKind::For &&
-         k != OpKind::Yield && k != OpKind::GridWait && k != OpKind::GridRelease;
+         k != OpKind::Yield && k != OpKind::GridWait && k != OpKind::GridRelease && k != OpKind::L2EvictNormal;
 }
 
 // Records each value's defining op and placement level.
@@ -517,6 +517,9 @@ void Codegen::emit_block(const ir::Block& b) {
         // Programmatic dependent launch (sm_90+): wait for the grid launched before this one
         // and see its writes. Without such a launch there is nothing to wait for.
         if (sm_ >= 90) line(lv, "asm volatile(\"griddepcontrol.wait;\" ::: \"memory\");");
+        break;
+      case OpKind::L2EvictNormal:
+        emit_l2_evict_normal(op, lv);
         break;
       case OpKind::GridRelease:
         if (sm_ >= 90) line(lv, "asm volatile(\"griddepcontrol.launch_dependents;\" ::: \"memory\");");

@@ -449,6 +449,7 @@ class Codegen {
   int store_layout(ValueId value);
 
   void emit_store(const Operation& op, int level);
+  void emit_l2_evict_normal(const Operation& op, int level);
 
   std::string store_stmt(DType t, bool atomic, const std::string& addr, const std::string& val);
   // An f32 atomic_add summed over the cluster first (cluster_ > 1): see codegen_memory.cpp.

@@ -285,6 +285,31 @@ void Codegen::emit_store(const Operation& op, int level) {
   frame(level_of_[size_t(old)]).memo[std::make_pair(old, l)] = result;
 }
 
+// One applypriority per element held (the kernel picks one element per line);
+// before sm_80 there is no such hint and nothing is emitted.
+void Codegen::emit_l2_evict_normal(const Operation& op, int level) {
+  if (sm_ < 80) return;
+  const ir::Param& p = tensor_of(op);
+  const int l = blocked(type(op.operands[0]).shape);
+  const Layout& L = layouts_[size_t(l)];
+  std::vector<Tile> idx;
+  for (int d = 0; d < p.rank; ++d) idx.push_back(get(op.operands[size_t(d)], l));
+  Tile mask;
+  if (op.attrs.has_mask) mask = get(op.operands[size_t(p.rank)], l);
+  const std::string ptr = pointer_expr(op);
+  const std::string own = owner_predicate(l);
+  line(level, "// l2_evict_normal @" + p.name + " in " + L.key());
+  line(level, "if (" + (own.empty() ? std::string("true") : own) + ") {");
+  line(level, "#pragma unroll");
+  line(level, "for (int r = 0; r < " + S(L.num_regs()) + "; ++r) {");
+  line(level, "  const long long off = " + offset_expr(op, idx, "r") + ";");
+  const std::string guard = op.attrs.has_mask ? "if (" + elem(mask, "r") + ") " : "";
+  line(level, "  " + guard + "asm volatile(\"applypriority.global.L2::evict_normal [%0], 128;\" :: \"l\"(" + ptr +
+                  " + off) : \"memory\");");
+  line(level, "}");
+  line(level, "}");
+}
+
 // The programs of a cluster (cluster_ of them, the same code and layouts) each
 // write their registers of the value to a shared-memory buffer, indexed by
 // (register group, thread) so that every thread finds its own elements at the

@@ -74,6 +74,7 @@ const char* op_name(OpKind k) {
     case OpKind::Load: return "load";
     case OpKind::Store: return "store";
     case OpKind::AtomicAdd: return "atomic_add";
+    case OpKind::L2EvictNormal: return "l2_evict_normal";
     case OpKind::GridWait: return "wait_prior_grid";
     case OpKind::GridRelease: return "release_dependents";
     case OpKind::For: return "for";

@@ -137,6 +137,12 @@ class Printer {
         if (a.evict == 2) out_ += " evict_last";
         break;
       }
+      case OpKind::L2EvictNormal: {
+        const size_t rank = size_t(f_.params.at(size_t(a.param)).rank);
+        out_ += " " + tensor_name(a) + "[" + operand_list(op, 0, rank) + "]";
+        if (a.has_mask) out_ += " mask " + v(op.operands[rank]);
+        break;
+      }
       case OpKind::For: {
         out_ += " " + v(op.operands[0]) + " to " + v(op.operands[1]) + " step " +
                 v(op.operands[2]) + " iter(";

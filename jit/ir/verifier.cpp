@@ -287,6 +287,22 @@ class Verifier {
         break;
       }
       case OpKind::Yield: break;
+      case OpKind::L2EvictNormal: {
+        const Param& p = tensor_param(op);
+        const size_t rank = size_t(p.rank);
+        expect(n == rank + (a.has_mask ? 1 : 0) && op.results.empty() && !a.has_other, op,
+               "takes one index per tensor dimension and an optional mask, and has no result");
+        if (n != rank + (a.has_mask ? 1 : 0)) break;
+        const Shape& shape = t(op.operands[0]).shape;
+        for (size_t i = 0; i < rank; ++i) {
+          const Type& it = t(op.operands[i]);
+          expect((it.dtype == DType::i32 || it.dtype == DType::i64) && it.shape == shape, op,
+                 "index " + std::to_string(i) + " must be an integer tile of shape " + shape_string(shape));
+        }
+        if (a.has_mask)
+          expect(t(op.operands[rank]) == Type{DType::i1, shape}, op, "mask must be i1 of shape " + shape_string(shape));
+        break;
+      }
       case OpKind::GridWait:
       case OpKind::GridRelease:
         expect(n == 0 && op.results.empty(), op, "takes no operands and has no result");

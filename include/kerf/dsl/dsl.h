@@ -223,6 +223,12 @@ enum class Evict : uint8_t { normal, first, last };
 Value load(const Tensor& t, const std::vector<Value>& idx, const Value& mask, Evict evict);
 Value load(const Tensor& t, const std::vector<Value>& idx, const Value& mask, const Value& other, Evict evict);
 void store(const Tensor& t, const std::vector<Value>& idx, const Value& value, const Value& mask, Evict evict);
+// The L2 lines that hold t[idx] (where mask is on) go back to normal eviction
+// priority, for memory written or read with Evict::last that the rest of the
+// program no longer needs kept: no data moves, no result changes. One element
+// per 128-byte line is enough (applypriority on sm_80 and later; other targets
+// and the CPU back end ignore it).
+void l2_evict_normal(const Tensor& t, const std::vector<Value>& idx, const Value& mask = Value());
 // Memory ordering of an atomic: relaxed, or acquire-release (the atomic comes
 // after every earlier write of the program and before every later read, so a
 // program that sees a counter reach its final value sees the writes that came

@@ -79,6 +79,11 @@ enum class OpKind : uint8_t {
   // ---- control
   For,          // operands: lo, hi, step, init...; body args: iv, carried...; results: carried
   Yield,        // terminator of a For body: the next carried values
+  // ---- memory hints (last, so that the kinds before keep their numbers: IR hashes of
+  //      existing kernels, and the caches and bundles keyed by them, stay valid)
+  L2EvictNormal,  // operands: idx..., [mask]; no result. The L2 lines holding these elements
+                  // go back to normal eviction priority (after an evict-last access); no
+                  // data moves and no result changes
 };
 
 const char* op_name(OpKind k);

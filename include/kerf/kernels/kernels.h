@@ -112,7 +112,10 @@ const dsl::Kernel& lora_embedding();
 // Grid (cdiv(T, BLOCK_T), splits), sharing D as above. Meta: BLOCK_T,
 // BLOCK_D, R_PAD, DOT, BY_FREQ, ROTATE, WAIT_PRIOR (every atomic waits for the
 // grid launched before it: the zero-fill of dA and dB, which it may overlap
-// when launched with LaunchOptions::overlap_prior).
+// when launched with LaunchOptions::overlap_prior), L2_KEEP (dA and dB were
+// zeroed with EVICT_LAST: once its atomics are issued, each program puts the
+// L2 lines of its share of dA and dB back to normal priority; dA's and dB's
+// last dimension must have stride 1).
 // Args: x, A, B, g, s, dA, dB, counts, err, start, total, padding (-1: none).
 const dsl::Kernel& lora_embedding_backward();
 
@@ -137,7 +140,10 @@ const dsl::Kernel& embedding_count_ids();
 // Grid (cdiv(d2, BLOCK_K), cdiv(d1, BLOCK_M), d0). Args: out, value. With the
 // meta-parameter RELEASE (fill_pair too) each program first lets the kernel
 // launched after it start (dsl::release_dependents), for a kernel launched with
-// LaunchOptions::overlap_prior that waits for the fill before its atomics.
+// LaunchOptions::overlap_prior that waits for the fill before its atomics. With
+// EVICT_LAST the stores ask L2 to keep their lines (dsl::Evict::last), for
+// atomics that follow a long stream of other reads: the kernel after the fill
+// puts them back to normal priority (dsl::l2_evict_normal).
 const dsl::Kernel& fill_3d();
 // Two rank-3 views set to value in one launch: grid (n0 + n1), n_i the number of
 // [BLOCK_Mi, BLOCK_Ki] tiles of out_i (d0 * row blocks * column blocks).
