@@ -25,6 +25,9 @@ Tile3 tile_of(Builder& k, const Tensor& t) {
   return x;
 }
 
+// The fills' stores: evict-last with EVICT_LAST (kernels.h), else no hint.
+Evict fill_evict(Builder& k) { return k.meta("EVICT_LAST", 0) ? Evict::last : Evict::normal; }
+
 }  // namespace
 
 const dsl::Kernel& fill_3d() {
@@ -34,7 +37,7 @@ const dsl::Kernel& fill_3d() {
     if (k.meta("RELEASE", 0)) release_dependents();
     const Tile3 t = tile_of(k, out);
     const Value v = broadcast_to(value.to(out.dtype()), {k.meta("BLOCK_M"), k.meta("BLOCK_K")});
-    store(out, {t.i, t.rows, t.cols}, v, t.ok, k.meta("EVICT_LAST", 0) ? Evict::last : Evict::normal);
+    store(out, {t.i, t.rows, t.cols}, v, t.ok, fill_evict(k));
   });
   return k;
 }
@@ -53,8 +56,7 @@ const dsl::Kernel& fill_pair() {
       const Value rows = ((rest % row_blocks) * BM + arange(BM)).col();
       const Value cols = (cb * BK + arange(BK)).row();
       const Value ok = mine & (rows < t.dim(1)) & (cols < t.dim(2));
-      store(t, {rest / row_blocks, rows, cols}, broadcast_to(value.to(t.dtype()), {BM, BK}), ok,
-            k.meta("EVICT_LAST", 0) ? Evict::last : Evict::normal);
+      store(t, {rest / row_blocks, rows, cols}, broadcast_to(value.to(t.dtype()), {BM, BK}), ok, fill_evict(k));
     };
     const int64_t BM0 = k.meta("BLOCK_M0"), BK0 = k.meta("BLOCK_K0");
     const Value n0 = t0.dim(0) * cdiv(t0.dim(1), literal(BM0)) * cdiv(t0.dim(2), literal(BK0));

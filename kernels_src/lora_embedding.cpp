@@ -12,6 +12,9 @@
 // answer); an id outside [0, total) is also recorded in `err` (i64 [4]:
 // count, then the position and value of the first one seen, and total),
 // which the op checks. No lane ever reads or writes at an id it has not checked.
+#include <bit>
+#include <cstdint>
+
 #include "kerf/kernels/kernels.h"
 #include "split_range.h"
 
@@ -20,12 +23,6 @@ namespace kerf::kernels {
 using namespace kerf::dsl;
 
 namespace {
-
-int64_t next_pow2_meta(int64_t n) {
-  int64_t p = 1;
-  while (p < n) p *= 2;
-  return p;
-}
 
 // This program's tokens and what their ids allow.
 struct Tokens {
@@ -156,7 +153,7 @@ const dsl::Kernel& lora_embedding_backward() {
       l2_evict_normal(dA, {rk, broadcast_to(c_hi - 1, {R})}, (rk < rank) & (c_hi > c_lo));
       const Value d_share = cdiv(dB.dim(0), progs);
       const Value d_lo = minimum(dB.dim(0), prog * d_share), d_hi = minimum(dB.dim(0), d_lo + d_share);
-      const int64_t CB = next_pow2_meta(R / per_line + 2);
+      const int64_t CB = int64_t(std::bit_ceil(uint64_t(R / per_line + 2)));
       const Value cols = minimum(arange(CB) * per_line, rank - 1);  // a row's lines: 0, 32, ..., r - 1
       for_range(d_lo, d_hi, 64, [&](const Value& d0) {
         const Value dd = d0 + arange(64);

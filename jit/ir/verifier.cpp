@@ -73,6 +73,15 @@ class Verifier {
     return p;
   }
 
+  // The indices of a memory access (operands 0..rank-1): integer tiles of its shape.
+  void expect_indices(const Operation& op, size_t rank, const Shape& shape) const {
+    for (size_t i = 0; i < rank; ++i) {
+      const Type& it = t(op.operands[i]);
+      expect((it.dtype == DType::i32 || it.dtype == DType::i64) && it.shape == shape, op,
+             "index " + std::to_string(i) + " must be an integer tile of shape " + shape_string(shape));
+    }
+  }
+
   void block(const Block& b, std::vector<std::set<ValueId>>& scopes, bool in_loop) {
     for (size_t i = 0; i < b.ops.size(); ++i) {
       const Operation& op = b.ops[i];
@@ -242,12 +251,7 @@ class Verifier {
                        !val.shape.empty(),
                    op, "cluster_sum adds an f32 tile, relaxed, with no old values");
         }
-        for (size_t i = 0; i < rank; ++i) {
-          const Type& it = t(op.operands[i]);
-          expect((it.dtype == DType::i32 || it.dtype == DType::i64) && it.shape == shape, op,
-                 "index " + std::to_string(i) + " must be an integer tile of shape " +
-                     shape_string(shape));
-        }
+        expect_indices(op, rank, shape);
         size_t i = rank + (is_load ? 0 : 1);
         if (a.has_mask) {
           const Type& m = t(op.operands[i++]);
@@ -294,13 +298,9 @@ class Verifier {
                "takes one index per tensor dimension and an optional mask, and has no result");
         if (n != rank + (a.has_mask ? 1 : 0)) break;
         const Shape& shape = t(op.operands[0]).shape;
-        for (size_t i = 0; i < rank; ++i) {
-          const Type& it = t(op.operands[i]);
-          expect((it.dtype == DType::i32 || it.dtype == DType::i64) && it.shape == shape, op,
-                 "index " + std::to_string(i) + " must be an integer tile of shape " + shape_string(shape));
-        }
+        expect_indices(op, rank, shape);
         if (a.has_mask)
-          expect(t(op.operands[rank]) == Type{DType::i1, shape}, op, "mask must be i1 of shape " + shape_string(shape));
+          expect(t(op.operands[rank]) == Type{DType::i1, shape}, op, "mask must be i1 of the access shape");
         break;
       }
       case OpKind::GridWait:
