@@ -3,6 +3,7 @@
 #include <array>
 #include <climits>
 #include <cstdint>
+#include <tuple>
 #include <utility>
 
 #include "ops_common.h"
@@ -64,6 +65,21 @@ void expect_disjoint(const char* op, const char* out_name, const TensorView& out
   throw InvalidArgument(std::string(op) + ": output " + out_name + " overlaps " + in_name +
                         " in memory (" + out_name + " " + out.describe() + ", " + in_name + " " +
                         in.describe() + "); give it memory of its own");
+}
+
+NamedSpan::NamedSpan(const char* n, const TensorView& v) : name(n), t(&v) {
+  if (v.numel() > 0) std::tie(lo, hi) = byte_span(v);
+}
+
+void expect_disjoint(const char* op, const NamedSpan* outs, size_t n_outs, const NamedSpan* ins, size_t n_ins) {
+  // The spans decide; the message is expect_disjoint's. Views on different devices never overlap.
+  const auto check = [&](const NamedSpan& o, const NamedSpan& i) {
+    if (o.lo < i.hi && i.lo < o.hi && o.t->device == i.t->device) expect_disjoint(op, o.name, *o.t, i.name, *i.t);
+  };
+  for (size_t k = 0; k < n_outs; ++k)
+    for (size_t i = 0; i < n_ins; ++i) check(outs[k], ins[i]);
+  for (size_t k = 0; k < n_outs; ++k)
+    for (size_t j = k + 1; j < n_outs; ++j) check(outs[j], outs[k]);
 }
 
 void expect_int32_dims(const char* op, const char* name, const TensorView& t) {

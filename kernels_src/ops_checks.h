@@ -34,6 +34,18 @@ bool may_overlap(const TensorView& a, const TensorView& b);
 void expect_disjoint(const char* op, const char* out_name, const TensorView& out,
                      const char* in_name, const TensorView& in);
 
+// A view and the bytes it may touch, found once for the checks of several pairs.
+struct NamedSpan {
+  const char* name = nullptr;
+  const TensorView* t = nullptr;
+  intptr_t lo = 0, hi = 0;  // [lo, hi); empty (lo == hi) for a view with no elements
+  NamedSpan() = default;
+  NamedSpan(const char* n, const TensorView& v);
+};
+// expect_disjoint for every output of `outs` and every view of `ins`, and for
+// every two of `outs`.
+void expect_disjoint(const char* op, const NamedSpan* outs, size_t n_outs, const NamedSpan* ins, size_t n_ins);
+
 // Throws InvalidArgument unless every element count and stride fits the
 // kernels' 32-bit sizes (dims < 2^31).
 void expect_int32_dims(const char* op, const char* name, const TensorView& t);

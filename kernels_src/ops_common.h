@@ -191,6 +191,36 @@ struct CallKey {
   CallKey& add(const Config& c);  // every field, meta as one hash
   bool operator==(const CallKey& o) const { return n == o.n && words == o.words; }
 };
+// What an op's checks of shapes, strides, dtypes and devices read from a call,
+// as words compared exactly: every field of each view but its data pointer, of
+// which the low four bits (its alignment, up to 16 bytes) stand in. A call with
+// the fingerprint of one that passed those checks passes them too, and its plan
+// and kernel specialization are the same; what depends on where the memory lies
+// (an output overlapping an input) must be checked again. Past kWords words a
+// fingerprint equals nothing.
+class CallFingerprint {
+ public:
+  static constexpr size_t kWords = 64;
+  CallFingerprint& add(uint64_t v) {
+    if (n_ < kWords) words_[n_] = v;
+    ++n_;
+    return *this;
+  }
+  CallFingerprint& add(const TensorView& t) {
+    add(uint64_t(t.dtype) | uint64_t(uint32_t(t.rank)) << 8 | uint64_t(t.device.kind) << 16 |
+        uint64_t(uint32_t(t.device.index)) << 24 | uint64_t(reinterpret_cast<uintptr_t>(t.data) & 15) << 56);
+    for (int d = 0; d < t.rank; ++d) add(uint64_t(t.shape[size_t(d)])).add(uint64_t(t.strides[size_t(d)]));
+    return *this;
+  }
+  bool operator==(const CallFingerprint& o) const {
+    return n_ == o.n_ && n_ <= kWords && std::equal(words_.begin(), words_.begin() + n_, o.words_.begin());
+  }
+
+ private:
+  std::array<uint64_t, kWords> words_;  // the first n_ are set
+  size_t n_ = 0;
+};
+
 struct CallKeyHash {
   size_t operator()(const CallKey& k) const;
 };

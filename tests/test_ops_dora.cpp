@@ -4,11 +4,13 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <string>
 
 #include "catch.h"
 #include "cpu_test_util.h"
 #include "device_tensor.h"
 #include "gpu_test_util.h"
+#include "kerf/error.h"
 #include "kerf/ops/ops.h"
 
 using namespace kerf;
@@ -213,4 +215,94 @@ TEST_CASE("dora_norm's eps decides what a zero row gives, as documented, on the 
           "[gpu][ops][dora]") {
   KERF_REQUIRE_GPU();
   check_eps(Device::cuda(0));
+}
+
+namespace {
+
+// The message of the InvalidArgument that f throws ("<no error>" or "<other: ...>" otherwise).
+template <class F>
+std::string invalid_argument_of(F f) {
+  try {
+    f();
+  } catch (const InvalidArgument& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("<other: ") + e.what() + ">";
+  }
+  return "<no error>";
+}
+
+#define CHECK_INVALID(call, text)                                        \
+  do {                                                                   \
+    const std::string message = invalid_argument_of([&] { call; });      \
+    CAPTURE(message);                                                    \
+    CHECK(message.find(text) != std::string::npos);                      \
+  } while (0)
+
+// A call repeating the last one's shapes, strides, dtypes and alignment takes the
+// op's short path: it must still compute from the data it is given, and still
+// refuse outputs that overlap an input or each other; a call that changes
+// anything the checks read is checked in full.
+void check_repeated_calls(Device dev) {
+  CAPTURE(dev.str());
+  std::mt19937_64 rng(71);
+  const int64_t out = 37, in = 45, r = 3;  // neither a multiple of any block size
+  TestTensor W(DType::f32, {out, in}, dev), A(DType::f32, {r, in}, dev), B(DType::f32, {out, r}, dev);
+  // m, norm and scale in one buffer, 64 floats apart (every view 16-byte aligned).
+  TestTensor pool(DType::f32, {4 * 64}, dev);
+  pool.randomize(rng, 0.5, 1.5);
+  const auto slot = [&](int64_t k) {
+    return TensorView::contiguous(static_cast<float*>(pool.data()) + k * 64, DType::f32, {out}, dev);
+  };
+  const TensorView m = slot(0), norm = slot(1), scale = slot(2);
+  const double s = 0.75;
+  for (int call = 0; call < 3; ++call) {
+    CAPTURE(call);
+    W.randomize(rng);  // fresh data in the same memory each call
+    A.randomize(rng, -0.5, 0.5);
+    B.randomize(rng, -0.5, 0.5);
+    ops::dora_norm(W.view(), A.view(), B.view(), m, s, norm, scale, 0.0, nullptr);
+    test::sync(dev);
+    pool.download();
+    const std::vector<double> ss = ref_sumsq(W, A, B, s, 0, in);
+    for (int64_t i = 0; i < out; ++i) {
+      const double want = std::sqrt(ss[size_t(i)]), got = pool.get(64 + i);
+      CHECK(std::abs(got - want) <= 1e-5 * want);
+      CHECK(std::abs(pool.get(128 + i) - pool.get(i) / want) <= 1e-5 * std::abs(pool.get(i) / want));
+    }
+  }
+  // The same fingerprint with memory that overlaps: refused, and nothing is written.
+  CHECK_INVALID(ops::dora_norm(W.view(), A.view(), B.view(), m, s, m, scale, 0.0, nullptr),
+                "dora_norm: output norm overlaps m in memory");
+  CHECK_INVALID(ops::dora_norm(W.view(), A.view(), B.view(), m, s, norm, norm, 0.0, nullptr),
+                "dora_norm: output scale overlaps norm in memory");
+  CHECK_INVALID(ops::dora_norm(W.view(), A.view(), B.view(), m, s, norm, scale, -1.0, nullptr),
+                "dora_norm: eps must be >= 0, got -1");
+  CHECK_INVALID(ops::dora_norm(W.view(), A.view(), B.view({out, r - 1}, {r, 1}), m, s, norm, scale, 0.0, nullptr),
+                "dora_norm: B must have shape [37, 3], got [37, 2]");
+  // Another alignment (4 bytes past the pool's 16) is a new specialization, still right.
+  const TensorView norm4 =
+      TensorView::contiguous(static_cast<float*>(pool.data()) + 3 * 64 + 1, DType::f32, {out}, dev);
+  ops::dora_norm(W.view(), A.view(), B.view(), m, s, norm4, scale, 0.0, nullptr);
+  test::sync(dev);
+  pool.download();
+  const std::vector<double> ss = ref_sumsq(W, A, B, s, 0, in);
+  for (int64_t i = 0; i < out; ++i) {
+    const double want = std::sqrt(ss[size_t(i)]);
+    CHECK(std::abs(pool.get(3 * 64 + 1 + i) - want) <= 1e-5 * want);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("a repeated dora_norm call computes from its new data and rechecks its memory on the CPU",
+          "[cpu][ops][dora]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  check_repeated_calls(Device::cpu());
+}
+
+TEST_CASE("a repeated dora_norm call computes from its new data and rechecks its memory on the GPU",
+          "[gpu][ops][dora]") {
+  KERF_REQUIRE_GPU();
+  check_repeated_calls(Device::cuda(0));
 }
