@@ -9,6 +9,7 @@
 #include "catch.h"
 #include "cpu_test_util.h"
 #include "device_tensor.h"
+#include "error_test_util.h"
 #include "gpu_test_util.h"
 #include "kerf/error.h"
 #include "kerf/ops/ops.h"
@@ -219,25 +220,8 @@ TEST_CASE("dora_norm's eps decides what a zero row gives, as documented, on the 
 
 namespace {
 
-// The message of the InvalidArgument that f throws ("<no error>" or "<other: ...>" otherwise).
-template <class F>
-std::string invalid_argument_of(F f) {
-  try {
-    f();
-  } catch (const InvalidArgument& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    return std::string("<other: ") + e.what() + ">";
-  }
-  return "<no error>";
-}
-
-#define CHECK_INVALID(call, text)                                        \
-  do {                                                                   \
-    const std::string message = invalid_argument_of([&] { call; });      \
-    CAPTURE(message);                                                    \
-    CHECK(message.find(text) != std::string::npos);                      \
-  } while (0)
+#define CHECK_INVALID(call, text) \
+  CHECK_THAT(kerf::test::thrown<InvalidArgument>([&] { call; }), Catch::Contains(text))
 
 // A call repeating the last one's shapes, strides, dtypes and alignment takes the
 // op's short path: it must still compute from the data it is given, and still

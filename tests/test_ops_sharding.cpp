@@ -10,6 +10,7 @@
 #include "catch.h"
 #include "cpu_test_util.h"
 #include "device_tensor.h"
+#include "error_test_util.h"
 #include "gpu_test_util.h"
 #include "kerf/error.h"
 #include "kerf/ops/ops.h"
@@ -336,17 +337,6 @@ void check_embedding_layouts(Device dev) {
   }
 }
 
-// The message of the InvalidArgument `f` throws ("" when it throws nothing).
-template <class F>
-std::string rejection(F f) {
-  try {
-    f();
-  } catch (const InvalidArgument& e) {
-    return e.what();
-  }
-  return "";
-}
-
 }  // namespace
 
 TEST_CASE("Layout::canonical is the same for layouts that mean the same thing", "[ops][sharding]") {
@@ -400,13 +390,13 @@ TEST_CASE("layouts that cannot work together are rejected before any launch, nam
   TestTensor m(DType::f32, {8}, cpu), norm(DType::f32, {8}, cpu), scale(DType::f32, {8}, cpu);
   norm.poison();
   const auto dora = [&](const ops::Layout& l) {
-    return rejection([&] {
+    return kerf::test::thrown<InvalidArgument>([&] {
       ops::dora_norm(W.view(), A.view(), B.view(), m.view(), 1.0, norm.view(), scale.view(), 0.0,
                      nullptr, {}, l);
     });
   };
   const auto partial = [&](const ops::Layout& l) {
-    return rejection([&] {
+    return kerf::test::thrown<InvalidArgument>([&] {
       ops::dora_norm_partial(W.view(), A.view(), B.view(), 1.0, norm.view(), nullptr, {}, l);
     });
   };
@@ -447,14 +437,14 @@ TEST_CASE("layouts that cannot work together are rejected before any launch, nam
   // MoE: B split on experts, A not.
   TestTensor Wm(DType::f32, {2, 4, 4}, cpu), Am(DType::f32, {2, 2, 4}, cpu),
       Bm(DType::f32, {2, 4, 2}, cpu);
-  msg = rejection([&] {
+  msg = kerf::test::thrown<InvalidArgument>([&] {
     ops::moe_lora_materialize(
         Wm.view(), Am.view(), Bm.view(), 1.0, Wm.view(), nullptr, {},
         layout_of({{"ep", 2}}, {{"W", {"ep"}}, {"B", {"ep"}}, {"W_eff", {"ep"}}}));
   });
   CHECK_THAT(msg,
              Catch::Contains("A P()") && Catch::Contains("W P('ep')") && Catch::Contains("'E'"));
-  msg = rejection([&] {
+  msg = kerf::test::thrown<InvalidArgument>([&] {
     ops::moe_lora_materialize_backward(Wm.view(), Am.view(), Bm.view(), 1.0, Am.view(), Bm.view(),
                                        nullptr, {}, layout_of({{"ep", 2}}, {{"dA", {"ep"}}}));
   });
@@ -463,24 +453,24 @@ TEST_CASE("layouts that cannot work together are rejected before any launch, nam
   // Embedding: vocab split needs this device's coordinates; A split differently from the weight.
   TestTensor X(DType::i64, {3}, cpu), Wt(DType::f32, {10, 4}, cpu), Ae(DType::f32, {2, 10}, cpu),
       Be(DType::f32, {4, 2}, cpu), out(DType::f32, {3, 4}, cpu);
-  msg = rejection([&] {
+  msg = kerf::test::thrown<InvalidArgument>([&] {
     ops::lora_embedding(X.view(), Wt.view(), Ae.view(), Be.view(), 1.0, out.view(), {}, nullptr, {},
                         layout_of({{"vp", 2}}, {{"weight", {"vp"}}, {"A", {"", "vp"}}}));
   });
   CHECK_THAT(msg, Catch::Contains("this device's coordinates are needed"));
-  msg = rejection([&] {
+  msg = kerf::test::thrown<InvalidArgument>([&] {
     ops::lora_embedding(X.view(), Wt.view(), Ae.view(), Be.view(), 1.0, out.view(), {}, nullptr, {},
                         layout_of({{"vp", 2}}, {{"weight", {"vp"}}}, {0}));
   });
   CHECK_THAT(msg, Catch::Contains("A P()") && Catch::Contains("weight P('vp')") &&
                       Catch::Contains("'vocab'"));
-  msg = rejection([&] {
+  msg = kerf::test::thrown<InvalidArgument>([&] {
     ops::lora_embedding(X.view(), Wt.view(), Ae.view(), Be.view(), 1.0, out.view(), {}, nullptr, {},
                         layout_of({{"vp", 2}}, {{"weight", {"vp"}}, {"A", {"", "vp"}}}, {2}));
   });
   CHECK_THAT(msg, Catch::Contains("coordinate 2 on mesh axis 'vp' is outside [0, 2)"));
   // Tokens and vocab over one axis: a shard's tokens would miss the other shards' ids.
-  msg = rejection([&] {
+  msg = kerf::test::thrown<InvalidArgument>([&] {
     ops::lora_embedding(
         X.view(), Wt.view(), Ae.view(), Be.view(), 1.0, out.view(), {}, nullptr, {},
         layout_of({{"tp", 2}},

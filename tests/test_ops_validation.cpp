@@ -8,6 +8,7 @@
 #include "catch.h"
 #include "cpu_test_util.h"
 #include "device_tensor.h"
+#include "error_test_util.h"
 #include "gpu_test_util.h"
 #include "kerf/error.h"
 #include "kerf/ops/ops.h"
@@ -32,18 +33,7 @@ TensorView on_gpu(TensorView v) {
   return v;
 }
 
-// The message of the exception of type Ex that f throws ("<no error>" or "<other: ...>" otherwise).
-template <class Ex, class F>
-std::string thrown(F f) {
-  try {
-    f();
-  } catch (const Ex& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    return std::string("<other: ") + e.what() + ">";
-  }
-  return "<no error>";
-}
+using kerf::test::thrown;
 
 #define CHECK_REJECTS(kind, call, text) \
   CHECK_THAT(thrown<kind>([&] { call; }), Catch::Contains(text))
