@@ -52,11 +52,21 @@ std::pair<intptr_t, intptr_t> byte_span(const TensorView& t) {
   return {base + intptr_t(lo * es), base + intptr_t((hi + 1) * es)};
 }
 
+NamedSpan::NamedSpan(const char* n, const TensorView& v) : name(n), t(&v) {
+  if (v.numel() > 0) std::tie(lo, hi) = byte_span(v);
+}
+
+namespace {
+
+// Views on different devices, or with no elements, never overlap.
+bool spans_overlap(const NamedSpan& a, const NamedSpan& b) {
+  return a.lo != a.hi && b.lo != b.hi && a.lo < b.hi && b.lo < a.hi && a.t->device == b.t->device;
+}
+
+}  // namespace
+
 bool may_overlap(const TensorView& a, const TensorView& b) {
-  if (a.numel() == 0 || b.numel() == 0 || a.device != b.device) return false;
-  const auto [a0, a1] = byte_span(a);
-  const auto [b0, b1] = byte_span(b);
-  return a0 < b1 && b0 < a1;
+  return spans_overlap(NamedSpan(nullptr, a), NamedSpan(nullptr, b));
 }
 
 void expect_disjoint(const char* op, const char* out_name, const TensorView& out,
@@ -67,14 +77,10 @@ void expect_disjoint(const char* op, const char* out_name, const TensorView& out
                         in.describe() + "); give it memory of its own");
 }
 
-NamedSpan::NamedSpan(const char* n, const TensorView& v) : name(n), t(&v) {
-  if (v.numel() > 0) std::tie(lo, hi) = byte_span(v);
-}
-
 void expect_disjoint(const char* op, const NamedSpan* outs, size_t n_outs, const NamedSpan* ins, size_t n_ins) {
-  // The spans decide; the message is expect_disjoint's. Views on different devices never overlap.
+  // The spans decide; the message is expect_disjoint's.
   const auto check = [&](const NamedSpan& o, const NamedSpan& i) {
-    if (o.lo < i.hi && i.lo < o.hi && o.t->device == i.t->device) expect_disjoint(op, o.name, *o.t, i.name, *i.t);
+    if (spans_overlap(o, i)) expect_disjoint(op, o.name, *o.t, i.name, *i.t);
   };
   for (size_t k = 0; k < n_outs; ++k)
     for (size_t i = 0; i < n_ins; ++i) check(outs[k], ins[i]);

@@ -95,8 +95,6 @@ std::vector<autotune::KernelCall> with_cast_a(const DoraPlan& p, const TensorVie
   return calls;
 }
 
-// The plan's arguments; `ws` is the workspace when the plan splits (workspace_bytes
-// of it); `A` the one the kernel reads (compiled_a / run_a).
 // A contiguous vector view (no allocation: every call makes its workspace views).
 TensorView vector_view(void* data, DType dtype, int64_t n, const Device& dev) {
   TensorView t;
@@ -109,6 +107,8 @@ TensorView vector_view(void* data, DType dtype, int64_t n, const Device& dev) {
   return t;
 }
 
+// The plan's arguments, into `args`; `ws` is the workspace when the plan splits
+// (workspace_bytes of it); `A` the one the kernel reads (compiled_a / run_a).
 void dora_args(const DoraPlan& p, const TensorView& W, const TensorView& A, const TensorView& B,
                const TensorView& m, double s, double eps, const TensorView& norm, const TensorView& scale,
                void* ws, std::vector<Arg>& args) {
@@ -124,6 +124,7 @@ void dora_args(const DoraPlan& p, const TensorView& W, const TensorView& A, cons
   args.emplace_back(vector_view(f + p.ws_floats, DType::i32, p.blocks_m, W.device));
 }
 
+// The same, as a new vector.
 std::vector<Arg> dora_args(const DoraPlan& p, const TensorView& W, const TensorView& A, const TensorView& B,
                            const TensorView& m, double s, double eps, const TensorView& norm,
                            const TensorView& scale, void* ws) {
@@ -139,10 +140,8 @@ Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorV
 
 namespace {
 
-// The DoRA norms' memory checks: inputs element-aligned with int32 dims; norm
-// and scale written where nothing is read, nor into each other.
-// The part of them that depends on where the memory lies: norm and scale
-// disjoint from the inputs and from each other.
+// The part of the DoRA norms' memory checks that depends on where the memory
+// lies: norm and scale disjoint from the inputs and from each other.
 void expect_norm_outputs_disjoint(const char* op,
                                   std::initializer_list<std::pair<const char*, const TensorView*>> inputs,
                                   const TensorView& norm, const TensorView& scale) {
@@ -154,6 +153,8 @@ void expect_norm_outputs_disjoint(const char* op,
   expect_disjoint(op, outs, 2, ins.data(), n);
 }
 
+// The DoRA norms' memory checks: inputs element-aligned with int32 dims; norm
+// and scale written where nothing is read, nor into each other.
 void expect_norm_memory(const char* op, std::initializer_list<std::pair<const char*, const TensorView*>> inputs,
                         const TensorView& norm, const TensorView& scale) {
   for (const auto& [name, t] : inputs) {
