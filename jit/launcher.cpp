@@ -25,16 +25,10 @@
 #include "kerf/runtime/cuda.h"
 
 namespace kerf {
-namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double ms_since(Clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-}
 
 // A loaded specialization, ready to launch.
-struct Compiled {
+struct CompiledKernel {
+  std::string name;  // the kernel's, for messages
   std::vector<ir::Param> params;
   size_t num_slots = 0;
   // CPU
@@ -50,6 +44,16 @@ struct Compiled {
   std::string backend;
   KernelSource source = KernelSource::compiled;
 };
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+using Compiled = CompiledKernel;
 
 // ---------------------------------------------------------------- the in-memory key
 // Mixing for the L1 hash (not a cache key: entries are compared in full).
@@ -292,6 +296,34 @@ LaunchMemo& LaunchMemo::operator=(const LaunchMemo& o) {
   return *this;
 }
 
+// ---------------------------------------------------------------- ResolvedKernel
+struct ResolvedAccess {
+  static void set(ResolvedKernel& r, std::shared_ptr<const Compiled> c, uint64_t epoch) {
+    r.compiled_ = std::move(c);
+    r.epoch_ = epoch;
+  }
+  static const Compiled& get(const ResolvedKernel& r) {
+    if (!r.compiled_) throw InvalidArgument("launch: the ResolvedKernel holds no kernel");
+    if (!r.usable())
+      throw InvalidArgument("launch: the ResolvedKernel's kernel was dropped by clear_kernel_cache()");
+    return *r.compiled_;
+  }
+};
+
+ResolvedKernel::ResolvedKernel() = default;
+ResolvedKernel::~ResolvedKernel() = default;
+ResolvedKernel::ResolvedKernel(const ResolvedKernel&) = default;
+ResolvedKernel& ResolvedKernel::operator=(const ResolvedKernel&) = default;
+
+bool ResolvedKernel::usable() const {
+  return compiled_ && epoch_ == cache_epoch.load(std::memory_order_acquire);
+}
+
+void ResolvedKernel::reset() {
+  compiled_.reset();
+  epoch_ = 0;
+}
+
 namespace {
 
 // ---------------------------------------------------------------- checks
@@ -336,6 +368,7 @@ void check_tensor(const TensorView& t, size_t index, const std::string& kernel_n
 std::shared_ptr<Compiled> build_cpu(const ir::Function& fn, std::string_view layout) {
   cache::CpuLoaded loaded = cache::cpu_kernel(fn, layout);
   auto c = std::make_shared<Compiled>();
+  c->name = fn.name;
   c->params = fn.params;
   c->num_slots = jit::slot_count(fn.params);
   c->cpu = std::move(loaded.kernel);
@@ -359,6 +392,7 @@ std::shared_ptr<Compiled> build_cuda(const ir::Function& fn, int device, std::st
   const std::string arch = device_arch(device);
   cache::CudaBinary bin = cache::cuda_binary(fn, arch, layout);
   auto c = std::make_shared<Compiled>();
+  c->name = fn.name;
   c->params = fn.params;
   c->num_slots = jit::slot_count(fn.params);
   c->module = cuda::Module(bin.image.data(), device);
@@ -382,8 +416,10 @@ std::shared_ptr<Compiled> build_cuda(const ir::Function& fn, int device, std::st
 
 // Checks the call, finds (or builds) its kernel; fills `info`. Null when the grid is empty.
 std::shared_ptr<Compiled> resolve(const dsl::Kernel& kernel, const std::vector<Arg>& args,
-                                  Grid grid, const dsl::MetaMap& meta, std::string_view layout,
-                                  LaunchMemo* memo, Device* dev_out, LaunchInfo& info) {
+                                  Grid grid, const dsl::MetaMap& meta, const LaunchOptions& options,
+                                  Device* dev_out, LaunchInfo& info) {
+  const std::string_view layout = options.layout;
+  LaunchMemo* const memo = options.memo;
   for (size_t i = 0; i < args.size(); ++i)
     if (const TensorView* t = std::get_if<TensorView>(&args[i])) check_tensor(*t, i, kernel.name());
   const Device dev = common_device(args, kernel.name());
@@ -399,6 +435,7 @@ std::shared_ptr<Compiled> resolve(const dsl::Kernel& kernel, const std::vector<A
     if (std::shared_ptr<Compiled> c =
             memo->impl().find(kernel.id(), &meta, device_word(dev), layout, specs, args.size())) {
       info.backend = c->backend;
+      if (options.resolved) ResolvedAccess::set(*options.resolved, c, epoch);
       return c;
     }
   }
@@ -432,7 +469,35 @@ std::shared_ptr<Compiled> resolve(const dsl::Kernel& kernel, const std::vector<A
   info.backend = c->backend;
   if (use_memo)
     memo->impl().remember(kernel.id(), &meta, device_word(dev), layout, specs, args.size(), c, epoch);
+  if (options.resolved) ResolvedAccess::set(*options.resolved, c, epoch);
   return c;
+}
+
+// Packs `args` and runs `c` over `grid` (not empty) on `options.stream`.
+void run(const Compiled& c, const std::vector<Arg>& args, Grid grid, const LaunchOptions& options) {
+  constexpr size_t kInlineSlots = 64;
+  jit::Slot inline_slots[kInlineSlots];
+  std::vector<jit::Slot> heap_slots;
+  jit::Slot* slots = inline_slots;
+  if (c.num_slots > kInlineSlots) {
+    heap_slots.resize(c.num_slots);
+    slots = heap_slots.data();
+  }
+  jit::pack_args(c.params, args, slots);
+  if (grid.x % c.grid_multiple != 0)
+    throw InvalidArgument("kernel '" + c.name + "': grid x (" + std::to_string(grid.x) +
+                          ") must be a multiple of its cluster_size " + std::to_string(c.grid_multiple));
+  if (c.function) {
+    if (grid.y > 65535 || grid.z > 65535)
+      throw InvalidArgument("kernel '" + c.name + "': grid y and z must be at most 65535, got (" +
+                            std::to_string(grid.x) + ", " + std::to_string(grid.y) + ", " +
+                            std::to_string(grid.z) + ")");
+    void* params[] = {slots};
+    cuda::launch_in(c.module.context(), c.function, grid, c.threads, c.smem_bytes, options.stream, params,
+                    options.overlap_prior && c.can_overlap, c.cluster);
+  } else {
+    jit::cpu::run_grid(*c.cpu, grid, slots);
+  }
 }
 
 }  // namespace
@@ -485,34 +550,29 @@ LaunchInfo launch(const dsl::Kernel& kernel, const std::vector<Arg>& args, Grid 
                   const dsl::MetaMap& meta, const LaunchOptions& options) {
   LaunchInfo info;
   Device dev;
-  const std::shared_ptr<Compiled> c =
-      resolve(kernel, args, grid, meta, options.layout, options.memo, &dev, info);
-  if (!c) return info;
+  const std::shared_ptr<Compiled> c = resolve(kernel, args, grid, meta, options, &dev, info);
+  if (c) run(*c, args, grid, options);
+  return info;
+}
 
-  constexpr size_t kInlineSlots = 64;
-  jit::Slot inline_slots[kInlineSlots];
-  std::vector<jit::Slot> heap_slots;
-  jit::Slot* slots = inline_slots;
-  if (c->num_slots > kInlineSlots) {
-    heap_slots.resize(c->num_slots);
-    slots = heap_slots.data();
+LaunchInfo launch(const ResolvedKernel& kernel, const std::vector<Arg>& args, Grid grid,
+                  const LaunchOptions& options) {
+  const Compiled& c = ResolvedAccess::get(kernel);
+  if (args.size() != c.params.size())
+    throw InvalidArgument("kernel '" + c.name + "' takes " + std::to_string(c.params.size()) +
+                          " arguments, got " + std::to_string(args.size()));
+  for (size_t i = 0; i < args.size(); ++i) {
+    const TensorView* t = std::get_if<TensorView>(&args[i]);
+    if ((t != nullptr) != (c.params[i].kind == ir::ParamKind::Tensor))
+      throw InvalidArgument("kernel '" + c.name + "': argument " + std::to_string(i) + " must be a " +
+                            (t ? "scalar" : "tensor"));
+    if (t && t->data == nullptr && t->numel() > 0)
+      throw InvalidArgument("kernel '" + c.name + "': argument " + std::to_string(i) + " has a null data pointer");
   }
-  jit::pack_args(c->params, args, slots);
-  if (grid.x % c->grid_multiple != 0)
-    throw InvalidArgument("kernel '" + kernel.name() + "': grid x (" + std::to_string(grid.x) +
-                          ") must be a multiple of its cluster_size " + std::to_string(c->grid_multiple));
-  if (dev.is_cuda()) {
-    if (grid.y > 65535 || grid.z > 65535)
-      throw InvalidArgument("kernel '" + kernel.name() +
-                            "': grid y and z must be at most 65535, got (" +
-                            std::to_string(grid.x) + ", " + std::to_string(grid.y) + ", " +
-                            std::to_string(grid.z) + ")");
-    void* params[] = {slots};
-    cuda::launch(c->function, grid, c->threads, c->smem_bytes, options.stream, params,
-                 options.overlap_prior && c->can_overlap, c->cluster);
-  } else {
-    jit::cpu::run_grid(*c->cpu, grid, slots);
-  }
+  LaunchInfo info;
+  info.backend = c.backend;
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return info;
+  run(c, args, grid, options);
   return info;
 }
 
@@ -520,7 +580,7 @@ LaunchInfo prepare(const dsl::Kernel& kernel, const std::vector<Arg>& args,
                    const dsl::MetaMap& meta, const LaunchOptions& options) {
   LaunchInfo info;
   Device dev;
-  resolve(kernel, args, Grid{1, 1, 1}, meta, options.layout, options.memo, &dev, info);
+  resolve(kernel, args, Grid{1, 1, 1}, meta, options, &dev, info);
   return info;
 }
 

@@ -424,6 +424,7 @@ Module::Module(const void* image, int device) : device_(device) {
            "; was it compiled for this architecture?)";
   });
   handle_ = module;
+  context_ = primary_context(device);
 }
 
 Module::~Module() {
@@ -431,12 +432,13 @@ Module::~Module() {
 }
 
 Module::Module(Module&& o) noexcept
-    : handle_(std::exchange(o.handle_, nullptr)), device_(o.device_) {}
+    : handle_(std::exchange(o.handle_, nullptr)), context_(std::exchange(o.context_, nullptr)), device_(o.device_) {}
 
 Module& Module::operator=(Module&& o) noexcept {
   if (this != &o) {
     unload_module(handle_, device_);
     handle_ = std::exchange(o.handle_, nullptr);
+    context_ = std::exchange(o.context_, nullptr);
     device_ = o.device_;
   }
   return *this;
@@ -481,8 +483,11 @@ FunctionAttributes function_attributes(void* function) {
   return attrs;
 }
 
-void launch(void* function, Grid grid, int block_threads, int dynamic_smem_bytes,
-            StreamHandle stream, void** params, bool overlap_prior, unsigned cluster_x) {
+namespace {
+
+// launch()'s argument checks and the launch itself, in whatever context is current.
+void launch_current(void* function, Grid grid, int block_threads, int dynamic_smem_bytes, StreamHandle stream,
+                    void** params, bool overlap_prior, unsigned cluster_x) {
   if (!function) throw InvalidArgument("cuda::launch: the function is null");
   if (grid.x == 0 || grid.y == 0 || grid.z == 0)
     throw InvalidArgument("cuda::launch: grid (" + std::to_string(grid.x) + ", " +
@@ -497,7 +502,6 @@ void launch(void* function, Grid grid, int block_threads, int dynamic_smem_bytes
   if (cluster_x == 0 || grid.x % cluster_x != 0)
     throw InvalidArgument("cuda::launch: grid x (" + std::to_string(grid.x) +
                           ") must be a positive multiple of the cluster size " + std::to_string(cluster_x));
-  ensure_context(stream);
   CUresult code;
   if (overlap_prior || cluster_x > 1) {
     CUlaunchAttribute attrs[2];
@@ -534,6 +538,21 @@ void launch(void* function, Grid grid, int block_threads, int dynamic_smem_bytes
                  (cluster_x > 1 ? ", in clusters of " + std::to_string(cluster_x) : std::string()) +
                  (overlap_prior ? ", overlapping the previous kernel" : "");
         });
+}
+
+}  // namespace
+
+void launch(void* function, Grid grid, int block_threads, int dynamic_smem_bytes,
+            StreamHandle stream, void** params, bool overlap_prior, unsigned cluster_x) {
+  ensure_context(stream);
+  launch_current(function, grid, block_threads, dynamic_smem_bytes, stream, params, overlap_prior, cluster_x);
+}
+
+void launch_in(void* context, void* function, Grid grid, int block_threads, int dynamic_smem_bytes,
+               StreamHandle stream, void** params, bool overlap_prior, unsigned cluster_x) {
+  if (!context) throw InvalidArgument("cuda::launch_in: the context is null");
+  make_current(static_cast<CUcontext>(context));
+  launch_current(function, grid, block_threads, dynamic_smem_bytes, stream, params, overlap_prior, cluster_x);
 }
 
 // ---------------------------------------------------------------- DeviceBuffer

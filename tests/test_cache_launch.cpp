@@ -5,10 +5,12 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <random>
 #include <thread>
 
 #include "catch.h"
 #include "cpu_test_util.h"
+#include "error_test_util.h"
 #include "gpu_test_util.h"
 #include "kerf/cache/bundle.h"
 #include "kerf/cache/cuda_binary.h"
@@ -316,6 +318,104 @@ TEST_CASE("a launch memo keeps kernels apart by specialization and layout and fo
   memo = LaunchMemo(memo);
   CHECK(run(DType::f64, "") == KernelSource::memory);
   CHECK(run(DType::f64, "") == KernelSource::memory);
+}
+
+namespace {
+
+// A kernel kept from one launch (ResolvedKernel), launched again on other data:
+// right answers from the new data, its argument checks, and lapsing on a cache clear.
+void check_resolved_kernel(const Device& dev) {
+  const int64_t n = 300;
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+  // Two inputs and two outputs: the second launch reads and writes other memory.
+  std::vector<std::vector<float>> host(4, std::vector<float>(size_t(n)));
+  for (auto& v : host)
+    for (float& x : v) x = u(rng);
+  std::vector<cuda::DeviceBuffer> buffers;
+  std::vector<TensorView> views;
+  for (auto& v : host) {
+    void* data = v.data();
+    if (dev.is_cuda()) {
+      buffers.emplace_back(size_t(n) * 4, dev.index);
+      buffers.back().copy_from_host(v.data(), size_t(n) * 4);
+      data = buffers.back().data();
+    }
+    views.push_back(TensorView::contiguous(data, DType::f32, {n}, dev));
+  }
+  const auto output = [&](size_t i) {
+    std::vector<float> out = host[i];
+    if (dev.is_cuda()) {
+      cuda::device_synchronize(dev.index);
+      buffers[i].copy_to_host(out.data(), size_t(n) * 4);
+    }
+    return out;
+  };
+  const auto expect_axpb = [&](size_t in, size_t out, double a, double b) {
+    const std::vector<float> got = output(out);
+    for (int64_t i = 0; i < n; ++i) {
+      const double want = a * double(host[in][size_t(i)]) + b;
+      if (std::abs(double(got[size_t(i)]) - want) > 1e-5 * (1.0 + std::abs(want)))
+        FAIL("element " << i << " is " << got[size_t(i)] << ", want " << want);
+    }
+  };
+  const dsl::MetaMap meta = {{"BLOCK", 64}};
+  const Grid grid{uint32_t((n + 63) / 64)};
+  ResolvedKernel rk;
+  CHECK_FALSE(rk.usable());
+  CHECK_THAT(test::thrown<InvalidArgument>([&] { launch(rk, {views[0], views[2], Scalar(1.0), Scalar(0.0)}, grid, {}); }),
+             Catch::Contains("holds no kernel"));
+  LaunchOptions options;
+  options.resolved = &rk;
+  launch(axpb_kernel(), {views[0], views[2], Scalar(3.0), Scalar(-1.0)}, grid, meta, options);
+  REQUIRE(rk.usable());
+  expect_axpb(0, 2, 3.0, -1.0);
+  // Other memory, other scalars, the same specialization.
+  const LaunchInfo info = launch(rk, {views[1], views[3], Scalar(-0.5), Scalar(2.0)}, grid, {});
+  CHECK(info.backend == (dev.is_cuda() ? device_arch(dev.index) : "cpu"));
+  expect_axpb(1, 3, -0.5, 2.0);
+  // An empty grid runs nothing.
+  launch(rk, {views[0], views[3], Scalar(7.0), Scalar(7.0)}, Grid{0}, {});
+  expect_axpb(1, 3, -0.5, 2.0);
+  // Its checks.
+  CHECK_THAT(test::thrown<InvalidArgument>([&] { launch(rk, {views[0], views[2], Scalar(1.0)}, grid, {}); }),
+             Catch::Contains("takes 4 arguments, got 3"));
+  CHECK_THAT(test::thrown<InvalidArgument>(
+                 [&] { launch(rk, {views[0], Scalar(1.0), Scalar(1.0), Scalar(0.0)}, grid, {}); }),
+             Catch::Contains("argument 1 must be a tensor"));
+  CHECK_THAT(test::thrown<InvalidArgument>([&] { launch(rk, {views[0], views[2], views[1], Scalar(0.0)}, grid, {}); }),
+             Catch::Contains("argument 2 must be a scalar"));
+  TensorView null_out = views[2];
+  null_out.data = nullptr;
+  CHECK_THAT(test::thrown<InvalidArgument>([&] { launch(rk, {views[0], null_out, Scalar(1.0), Scalar(0.0)}, grid, {}); }),
+             Catch::Contains("argument 1 has a null data pointer"));
+  // A cache clear drops it.
+  clear_kernel_cache();
+  CHECK_FALSE(rk.usable());
+  CHECK_THAT(test::thrown<InvalidArgument>([&] { launch(rk, {views[0], views[2], Scalar(1.0), Scalar(0.0)}, grid, {}); }),
+             Catch::Contains("clear_kernel_cache"));
+  launch(axpb_kernel(), {views[1], views[2], Scalar(2.0), Scalar(0.25)}, grid, meta, options);
+  CHECK(rk.usable());
+  expect_axpb(1, 2, 2.0, 0.25);
+  rk.reset();
+  CHECK_FALSE(rk.usable());
+}
+
+}  // namespace
+
+TEST_CASE("a resolved kernel launches again on new data, checks its arguments and lapses on a cache clear",
+          "[cache][cpu]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  test::TempDir dir;
+  test::ScopedEnv env({{"KERF_CACHE_DIR", dir.path()}});
+  check_resolved_kernel(Device::cpu());
+}
+
+TEST_CASE("a resolved kernel launches again on new data on the GPU", "[cache][gpu]") {
+  KERF_REQUIRE_GPU();
+  test::TempDir dir;
+  test::ScopedEnv env({{"KERF_CACHE_DIR", dir.path()}});
+  check_resolved_kernel(Device::cuda(0));
 }
 
 // ---------------------------------------------------------------- on a GPU

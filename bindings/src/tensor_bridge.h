@@ -17,6 +17,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <utility>
 #include <vector>
@@ -44,6 +45,12 @@ class Call {
   // `shape` and `dtype`, made by the library of the call's first tensor on its device.
   std::pair<py::object, TensorView> output_or_new(py::handle obj, const char* name,
                                                   const std::vector<int64_t>& shape, DType dtype);
+  // The same for a shape written out at the call: no vector is made when `obj` is given.
+  std::pair<py::object, TensorView> output_or_new(py::handle obj, const char* name,
+                                                  std::initializer_list<int64_t> shape, DType dtype) {
+    if (obj && !obj.is_none()) return {py::reinterpret_borrow<py::object>(obj), output(obj, name)};
+    return output_or_new(obj, name, std::vector<int64_t>(shape), dtype);
+  }
 
   // The CUstream the op runs on (nullptr: the legacy default stream, and always on the CPU).
   void* stream() const { return stream_; }

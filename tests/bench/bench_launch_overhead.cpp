@@ -163,6 +163,15 @@ bool bench_gpu() {
       [&] { cuda::launch(function, grid, bin.threads, bin.smem_bytes, stream.handle(), params); },
       sync);
   const bool ok = report("gpu", kerf_ns, bare_ns);
+  // The bare launch above asks the driver for the stream's context first; kerf's launches
+  // make the module's context current instead (one query when it already is).
+  const double bare_in_ns = ns_per_call(
+      per_batch,
+      [&] {
+        cuda::launch_in(module.context(), function, grid, bin.threads, bin.smem_bytes, stream.handle(), params);
+      },
+      sync);
+  std::printf("gpu   bare launch in the module's context (no stream lookup) %8.1f ns\n", bare_in_ns);
   const double legacy_ns = ns_per_call(
       per_batch, [&] { cuda::launch(function, grid, bin.threads, bin.smem_bytes, nullptr, params); },
       [] { cuda::device_synchronize(0); });

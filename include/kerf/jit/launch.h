@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -59,6 +60,32 @@ class LaunchMemo {
   Impl* impl_;
 };
 
+struct CompiledKernel;  // a loaded specialization (jit/launcher.cpp)
+
+// The kernel one launch resolved to, kept by a caller that knows its later
+// launches share that launch's kernel, meta-parameters, layout, device and
+// specialization facts (dtypes, ranks, 16-byte alignment, which sizes and
+// strides are multiples of 8 and 16, unit last strides): an op that compares
+// each call's shapes, strides, dtypes, devices and the low four bits of its
+// pointers with those of the call that resolved it. launch() given it skips the
+// kernel lookup. It lapses when clear_kernel_cache() runs; launching a lapsed
+// one throws.
+class ResolvedKernel {
+ public:
+  ResolvedKernel();
+  ~ResolvedKernel();
+  ResolvedKernel(const ResolvedKernel&);
+  ResolvedKernel& operator=(const ResolvedKernel&);
+  // Set, and clear_kernel_cache() has not run since.
+  bool usable() const;
+  void reset();
+
+ private:
+  friend struct ResolvedAccess;
+  std::shared_ptr<const CompiledKernel> compiled_;
+  uint64_t epoch_ = 0;
+};
+
 // Optional parts of a launch.
 struct LaunchOptions {
   void* stream = nullptr;  // a CUstream (nullptr: the default stream)
@@ -73,6 +100,9 @@ struct LaunchOptions {
   bool overlap_prior = false;
   // Where to remember the kernel this launch resolves to (see LaunchMemo); null: none.
   LaunchMemo* memo = nullptr;
+  // Where to put the kernel this launch resolves to, for launches of it later
+  // (see ResolvedKernel); null: nowhere. Left as it was when the grid is empty.
+  ResolvedKernel* resolved = nullptr;
 };
 
 // Runs `kernel` over `grid` with `args` (tensors and scalars in the order the
@@ -83,6 +113,12 @@ LaunchInfo launch(const dsl::Kernel& kernel, const std::vector<Arg>& args, Grid 
                   const dsl::MetaMap& meta = {}, void* stream = nullptr);
 LaunchInfo launch(const dsl::Kernel& kernel, const std::vector<Arg>& args, Grid grid,
                   const dsl::MetaMap& meta, const LaunchOptions& options);
+
+// Runs the kernel `kernel` holds (see ResolvedKernel) over `grid` with `args`,
+// which must match its specialization; options.layout, memo and resolved are
+// not read. Its checks: the argument count and kinds, tensor data pointers, the grid.
+LaunchInfo launch(const ResolvedKernel& kernel, const std::vector<Arg>& args, Grid grid,
+                  const LaunchOptions& options);
 
 // Makes the kernel for such a call ready (from memory, a bundle, the disk tier, or
 // compiled) without running it: the autotuner compiles candidates with it.

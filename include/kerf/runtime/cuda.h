@@ -63,9 +63,11 @@ class Module {
 
   void* function(const std::string& name) const;  // a CUfunction; throws when missing
   bool loaded() const { return handle_ != nullptr; }
+  void* context() const { return context_; }  // the CUcontext it is loaded in (null when none is)
 
  private:
   void* handle_ = nullptr;
+  void* context_ = nullptr;
   int device_ = 0;
 };
 
@@ -89,6 +91,12 @@ FunctionAttributes function_attributes(void* function);
 // grid.x must be a multiple of it).
 void launch(void* function, Grid grid, int block_threads, int dynamic_smem_bytes,
             StreamHandle stream, void** params, bool overlap_prior = false, unsigned cluster_x = 1);
+// The same for a function of a module loaded in `context` (Module::context()):
+// that context is made current unless it already is (one query), where launch()
+// first asks the driver for the stream's. `stream` must belong to `context`
+// (the driver refuses the launch otherwise).
+void launch_in(void* context, void* function, Grid grid, int block_threads, int dynamic_smem_bytes,
+               StreamHandle stream, void** params, bool overlap_prior = false, unsigned cluster_x = 1);
 
 // Device memory owned by this object (cuMemAlloc / cuMemFree).
 class DeviceBuffer {
