@@ -208,8 +208,7 @@ void bind_ops(py::module_& m) {
         Call call("dora_norm", stream);
         const TensorView w = call.input(W, "W"), a = call.input(A, "A"), b = call.input(B, "B"),
                          mag = call.input(m, "m");
-        const auto n = call.output_or_new(norm, "norm", {w.shape[0]}, DType::f32);
-        const auto sc = call.output_or_new(scale, "scale", {w.shape[0]}, DType::f32);
+        const auto [n, sc] = call.output_pair_or_new(norm, "norm", scale, "scale", {w.shape[0]}, DType::f32);
         const ops::Config cfg = config_of(config);
         if (layout.is_none()) {
           call.run([&] {
@@ -246,8 +245,7 @@ void bind_ops(py::module_& m) {
         w.blocksize = blocksize;
         const TensorView a = call.input(A, "A"), b = call.input(B, "B"), mag = call.input(m, "m");
         const int64_t out = b.rank >= 1 ? b.shape[0] : 0;
-        const auto n = call.output_or_new(norm, "norm", {out}, DType::f32);
-        const auto sc = call.output_or_new(scale, "scale", {out}, DType::f32);
+        const auto [n, sc] = call.output_pair_or_new(norm, "norm", scale, "scale", {out}, DType::f32);
         const ops::Config cfg = config_of(config);
         call.run([&] { ops::dora_norm_4bit(w, a, b, mag, s, n.second, sc.second, eps, call.stream(), cfg); });
         return py::make_tuple(n.first, sc.first);
@@ -304,8 +302,7 @@ void bind_ops(py::module_& m) {
          py::handle stream, py::handle layout) {
         Call call("dora_norm_finish", stream);
         const TensorView ss = call.input(sumsq, "sumsq"), mag = call.input(m, "m");
-        const auto n = call.output_or_new(norm, "norm", {ss.shape[0]}, DType::f32);
-        const auto sc = call.output_or_new(scale, "scale", {ss.shape[0]}, DType::f32);
+        const auto [n, sc] = call.output_pair_or_new(norm, "norm", scale, "scale", {ss.shape[0]}, DType::f32);
         const ops::Layout lay = layout_of(layout);
         call.run(
             [&] { ops::dora_norm_finish(ss, mag, eps, n.second, sc.second, call.stream(), lay); });

@@ -817,6 +817,42 @@ std::pair<py::object, TensorView> Call::output_or_new(py::handle obj, const char
   return {py::cast(std::move(b)), v};
 }
 
+std::array<std::pair<py::object, TensorView>, 2> Call::output_pair_or_new(py::handle a, const char* a_name,
+                                                                          py::handle b, const char* b_name,
+                                                                          std::initializer_list<int64_t> shape,
+                                                                          DType dtype) {
+  const bool a_new = !a || a.is_none(), b_new = !b || b.is_none();
+  if (a_new && b_new && have_first_ && first_framework_ == Framework::torch && first_device_.is_cuda() &&
+      shape.size() <= size_t(kMaxRank)) {
+    if (const KerfTorchBridge* bridge = torch_bridge(torch_api())) {
+      PyObject* made[2] = {nullptr, nullptr};
+      void* data[2] = {nullptr, nullptr};
+      if (bridge->empty_many(shape.begin(), int32_t(shape.size()), int32_t(dtype), first_device_.index, 2, made,
+                             data) == 1) {
+        std::array<std::pair<py::object, TensorView>, 2> out;
+        TensorView v;
+        v.dtype = dtype;
+        v.device = first_device_;
+        v.rank = int(shape.size());
+        int64_t stride = 1;
+        for (int d = v.rank - 1; d >= 0; --d) {
+          v.shape[size_t(d)] = shape.begin()[d];
+          v.strides[size_t(d)] = stride;
+          stride *= v.shape[size_t(d)];
+        }
+        for (int i = 0; i < 2; ++i) {
+          out[size_t(i)].first = steal(made[i]);
+          out[size_t(i)].second = v;
+          out[size_t(i)].second.data = data[i];
+        }
+        return out;
+      }
+    }
+  }
+  auto first = output_or_new(a, a_name, shape, dtype);
+  return {std::move(first), output_or_new(b, b_name, shape, dtype)};
+}
+
 TensorView view_of(py::handle obj, py::handle stream) {
   Call call("kerf", stream);
   return call.input(obj, "tensor");

@@ -16,6 +16,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include <array>
 #include <cstdint>
 #include <initializer_list>
 #include <string>
@@ -51,6 +52,14 @@ class Call {
     if (obj && !obj.is_none()) return {py::reinterpret_borrow<py::object>(obj), output(obj, name)};
     return output_or_new(obj, name, std::vector<int64_t>(shape), dtype);
   }
+
+  // Two outputs of one shape and dtype (`a` and `b` as output_or_new). When both are
+  // None and the call's tensors are torch tensors on a GPU, both are made in one
+  // allocation through kerf._torch_bridge (neither a view of the other).
+  std::array<std::pair<py::object, TensorView>, 2> output_pair_or_new(py::handle a, const char* a_name,
+                                                                      py::handle b, const char* b_name,
+                                                                      std::initializer_list<int64_t> shape,
+                                                                      DType dtype);
 
   // The CUstream the op runs on (nullptr: the legacy default stream, and always on the CPU).
   void* stream() const { return stream_; }

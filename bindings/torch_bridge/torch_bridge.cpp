@@ -5,11 +5,18 @@
 // torch version (kerf then reads tensors through Python attributes).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/core/ScalarType.h>
+#include <c10/core/ScalarTypeToTypeMeta.h>
+#include <c10/core/Storage.h>
+#include <c10/core/TensorImpl.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstring>
+#include <optional>
 #include <string>
 
 #include "../src/torch_bridge_abi.h"
@@ -96,8 +103,56 @@ PyObject* empty(const int64_t* shape, int32_t rank, int32_t dtype, int32_t devic
   }
 }
 
+int32_t empty_many(const int64_t* shape, int32_t rank, int32_t dtype, int32_t device_index, int32_t count,
+                   PyObject** tensors, void** data) {
+  c10::ScalarType st;
+  if (rank < 0 || rank > KERF_TORCH_BRIDGE_MAX_RANK || count < 1 || count > 8 || !scalar_type_of(dtype, &st))
+    return 0;
+  int32_t made = 0;
+  try {
+    int64_t numel = 1;
+    for (int32_t d = 0; d < rank; ++d) {
+      if (shape[d] < 0 || (shape[d] > 0 && numel > (int64_t(1) << 40) / shape[d])) return 0;
+      numel *= shape[d];
+    }
+    const caffe2::TypeMeta meta = c10::scalarTypeToTypeMeta(st);
+    const int64_t item = int64_t(meta.itemsize());
+    // Each tensor on a 256-byte boundary (as the allocator's own blocks): kernels
+    // specialize on 16-byte alignment.
+    const int64_t span = (numel * item + 255) / 256 * 256;
+    std::optional<c10::cuda::CUDAGuard> guard;
+    c10::Allocator* allocator = nullptr;
+    c10::DispatchKeySet keys;
+    if (device_index < 0) {
+      allocator = c10::GetCPUAllocator();
+      keys = c10::DispatchKeySet(c10::DispatchKey::CPU);
+    } else {
+      guard.emplace(c10::DeviceIndex(device_index));  // the caching allocator serves the current device
+      allocator = c10::cuda::CUDACachingAllocator::get();
+      keys = c10::DispatchKeySet(c10::DispatchKey::CUDA);
+    }
+    const c10::Storage storage(c10::Storage::use_byte_size_t(), span * count, allocator, /*resizable=*/true);
+    for (; made < count; ++made) {
+      at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(storage), keys, meta);
+      c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+      impl->set_storage_offset(made * (span / item));
+      impl->set_sizes_contiguous(c10::IntArrayRef(shape, size_t(rank)));
+      data[made] = t.mutable_data_ptr();
+      tensors[made] = THPVariable_Wrap(std::move(t));
+      if (!tensors[made]) {
+        PyErr_Clear();
+        break;
+      }
+    }
+  } catch (...) {
+  }
+  if (made == count) return 1;
+  for (int32_t i = 0; i < made; ++i) Py_DECREF(tensors[i]);
+  return 0;
+}
+
 const KerfTorchBridge api = {KERF_TORCH_BRIDGE_ABI, sizeof(KerfTorchBridge), KERF_TORCH_VERSION,
-                             &view, &current_stream, &empty};
+                             &view, &current_stream, &empty, &empty_many};
 
 // The torch.__version__ of this process, or "" when torch is not imported.
 std::string running_torch_version() {

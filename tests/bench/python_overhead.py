@@ -88,6 +88,8 @@ def main():
     cases["kerf dora_norm, outputs given, on a torch.cuda.Stream()"] = cases["kerf dora_norm, outputs given"]
     cases[BAREST] = lambda: torch.cuda._sleep(1)
     cases["torch.add(x, y, out=z)"] = lambda: torch.add(x, y, out=z)
+    cases["2x torch.empty(rows, device='cuda') (no launch)"] = lambda: (torch.empty(R, device=dev),
+                                                                         torch.empty(R, device=dev))
     cases["torch.linalg.vector_norm(W, dim=1)"] = lambda: torch.linalg.vector_norm(W, dim=1)
 
     try:

@@ -150,6 +150,39 @@ def test_ops_allocate_torch_outputs_on_the_inputs_device(device, torch_path):
     torch.testing.assert_close(out_n, norm)
 
 
+@CUDA_ONLY
+@pytest.mark.parametrize("rows", [1, 48, 64])
+def test_cuda_outputs_made_together_are_independent_tensors(rows, torch_path):
+    # norm and scale may come from one allocation (kerf._torch_bridge): each must
+    # still be a tensor of its own, aligned, apart in memory, with its own version.
+    W = torch.randn(rows, 64, device="cuda")
+    A = torch.randn(4, 64, device="cuda") / 8
+    B = torch.randn(rows, 4, device="cuda")
+    m = torch.rand(rows, device="cuda") + 0.5
+    norm, scale = kerf.ops.dora_norm(W, A, B, m, 0.5)
+    ref_norm, ref_scale = dora_ref(W, A, B, m, 0.5)
+    for t in (norm, scale):
+        assert t.shape == (rows,) and t.is_contiguous() and t._base is None
+        assert t.data_ptr() % 256 == 0
+    lo, hi = sorted((norm.data_ptr(), scale.data_ptr()))
+    assert hi - lo >= rows * 4
+    version = norm._version
+    scale.add_(1.0)
+    assert norm._version == version
+    torch.testing.assert_close(norm.double(), ref_norm, rtol=2e-5, atol=0)
+    del norm
+    torch.cuda.synchronize()
+    torch.testing.assert_close(scale.double() - 1.0, ref_scale, rtol=2e-5, atol=1e-6)
+    # Saved by autograd and the other changed in place: no false version conflict.
+    Bp = B.clone().requires_grad_(True)
+    mp = m.clone().requires_grad_(True)
+    out = ka.dora_scale(W, A, Bp, mp, 0.5)
+    out.add_(0.0)  # scale changed in place; the norm it was made with is saved for backward
+    (out * torch.arange(rows, device="cuda")).sum().backward()
+    torch.testing.assert_close(mp.grad.double(), torch.arange(rows, device="cuda").double() / ref_norm,
+                               rtol=2e-5, atol=0)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_moe_on_peft_layout_views_matches_torch(device):
     E, N, K, r = 4, 32, 48, 4
