@@ -35,6 +35,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised on machines without torch
     raise ImportError("kerf.autograd needs PyTorch (kerf.ops works without it)") from e
 
+from . import _kerf
 from . import ops as _ops
 
 __all__ = [
@@ -52,9 +53,18 @@ __all__ = [
 Tensor = torch.Tensor
 
 
+# Tensors kerf reads in place as they are: it records no autograd history, so a plain
+# tensor that requires grad needs no detach() (a dispatcher call and a new tensor each).
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def _for_kerf(t: Tensor) -> Tensor:
-    """The tensor kerf reads: float64 becomes float32 (kerf has no float64 kernels)."""
-    return t.detach().float() if t.dtype == torch.float64 else t.detach()
+    """The tensor kerf reads: float64 becomes float32 (kerf has no float64 kernels);
+    subclasses are detached (they cross through DLPack, whose export refuses a
+    tensor that requires grad)."""
+    if t.dtype == torch.float64:
+        return t.detach().float()
+    return t if type(t) in _PLAIN_TENSORS else t.detach()
 
 
 def _dense_grad(g: Tensor) -> Tensor:
@@ -66,10 +76,12 @@ def _dense_grad(g: Tensor) -> Tensor:
 def _dora_norm_and_scale(W: Tensor, A: Tensor, B: Tensor, m: Tensor, s: float, eps: float):
     """kerf's (norm, m / norm) for a dense W, or for a bitsandbytes 4-bit weight
     (a Params4bit with its quant_state: QLoRA), dequantized in registers."""
-    if getattr(W, "quant_state", None) is not None:
+    if getattr(W, "quant_state", None) is not None:  # any tensor may carry one, not only Params4bit
         return _ops.dora_norm_4bit(A=_for_kerf(A), B=_for_kerf(B), m=_for_kerf(m), s=float(s), eps=float(eps),
                                    **_ops.bnb_weight4bit(W))
-    return _ops.dora_norm(_for_kerf(W), _for_kerf(A), _for_kerf(B), _for_kerf(m), float(s), eps=float(eps))
+    # kerf.ops.dora_norm's binding itself: this runs on every forward.
+    return _kerf.dora_norm(_for_kerf(W), _for_kerf(A), _for_kerf(B), _for_kerf(m), float(s), None, None, float(eps),
+                           None, None, None)
 
 
 def dora_weight_norm(W: Tensor, A: Tensor, B: Tensor, s: float, eps: float = 0.0) -> Tensor:
