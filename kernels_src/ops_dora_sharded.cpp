@@ -161,8 +161,13 @@ void dora_norm_backward(const TensorView& norm, const TensorView& grad_scale,
   LaunchOptions options;
   options.stream = stream;
   options.layout = text;
-  launch(kernels::dora_norm_backward(), {norm, grad_scale, grad_m},
-         Grid{uint32_t(cdiv(out, 1024)), 1, 1}, {{"BLOCK", 1024}}, options);
+  // It runs in every backward pass of a DoRA layer: one meta map and memo for all
+  // calls, so a repeated launch finds its kernel without the process-wide lookup.
+  static const dsl::MetaMap meta = {{"BLOCK", 1024}};
+  static LaunchMemo memo;
+  options.memo = &memo;
+  launch(kernels::dora_norm_backward(), {norm, grad_scale, grad_m}, Grid{uint32_t(cdiv(out, 1024)), 1, 1}, meta,
+         options);
 }
 
 }  // namespace kerf::ops
