@@ -127,8 +127,12 @@ class DoraScale(torch.autograd.Function):
             if grad_scale.dtype == torch.float64:  # gradcheck: exact in float64
                 grad_m = grad_scale / norm.double()
             else:  # kerf's ops::dora_norm_backward: grad_m = grad_scale / norm
-                grad_m = torch.empty(norm.shape, dtype=ctx.m_dtype, device=norm.device)
-                _ops.dora_norm_backward(norm, _dense_grad(grad_scale), grad_m=grad_m)
+                g = _dense_grad(grad_scale)
+                if g.dtype == ctx.m_dtype:  # grad_m allocated by the binding, in g's dtype
+                    grad_m = _kerf.dora_norm_backward(norm, g, None, None, None)
+                else:
+                    grad_m = torch.empty(norm.shape, dtype=ctx.m_dtype, device=norm.device)
+                    _kerf.dora_norm_backward(norm, g, grad_m, None, None)
         # No gradient reaches W, A or B through the detached norm (DoRA section 4.3).
         return None, None, None, grad_m, None, None
 
