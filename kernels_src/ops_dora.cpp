@@ -107,6 +107,16 @@ TensorView vector_view(void* data, DType dtype, int64_t n, const Device& dev) {
   return t;
 }
 
+// A row-major [rows, cols] view, made as vector_view is.
+TensorView matrix_view(void* data, DType dtype, int64_t rows, int64_t cols, const Device& dev) {
+  TensorView t = vector_view(data, dtype, rows, dev);
+  t.rank = 2;
+  t.shape[1] = cols;
+  t.strides[0] = cols;
+  t.strides[1] = 1;
+  return t;
+}
+
 // The plan's arguments, into `args`; `ws` is the workspace when the plan splits
 // (workspace_bytes of it); `A` the one the kernel reads (compiled_a / run_a).
 void dora_args(const DoraPlan& p, const TensorView& W, const TensorView& A, const TensorView& B,
@@ -165,6 +175,46 @@ void expect_norm_memory(const char* op, std::initializer_list<std::pair<const ch
   expect_norm_outputs_disjoint(op, inputs, norm, scale);
 }
 
+// This thread's last call of one DoRA op: what its checks read (a fingerprint), its
+// plan and the kernel its launch resolved to. A call with the same fingerprint, no
+// Config meta and no layout (whose checks read more) has passed every check but
+// those of where its outputs lie, and reuses the plan and the kernel.
+struct LastDoraCall {
+  CallFingerprint print;
+  std::shared_ptr<const DoraPlan> plan;
+  ResolvedKernel kernel;
+
+  // The plan of a call with fingerprint `p`, when it repeats this one; else null.
+  std::shared_ptr<const DoraPlan> repeated(const CallFingerprint& p) const {
+    return plan && p == print ? plan : nullptr;
+  }
+  void remember(const CallFingerprint& p, std::shared_ptr<const DoraPlan> made) {
+    print = p;
+    plan = std::move(made);
+    kernel.reset();
+  }
+};
+
+// The fingerprint's words for what a DoRA call's checks and plan read besides its tensors.
+void add_call_options(CallFingerprint& print, const Config& config, double eps) {
+  print.add(uint64_t(config.block_m)).add(uint64_t(config.block_k)).add(uint64_t(config.split_k));
+  print.add(uint64_t(config.num_warps)).add(uint64_t(config.num_stages));
+  print.add(uint64_t(eps < 0)).add(autotune::generation());
+}
+
+// Launches plan `p` with `args`: straight to the kernel `last` holds when `p` is its
+// plan, else through the kernel lookup, keeping the kernel in `last` when `repeatable`.
+void launch_dora(LastDoraCall& last, bool repeatable, const std::shared_ptr<const DoraPlan>& p,
+                 const std::vector<Arg>& args, LaunchOptions options) {
+  if (repeatable && last.plan == p && last.kernel.usable()) {
+    launch(last.kernel, args, p->grid, options);
+    return;
+  }
+  options.memo = &p->memo;
+  if (repeatable && last.plan == p) options.resolved = &last.kernel;
+  launch(*p->kernel, args, p->grid, p->meta, options);
+}
+
 // Every check of a dora_norm call, then its plan (null: nothing to run, W has no rows).
 std::shared_ptr<const DoraPlan> checked_dora_plan(const TensorView& W, const TensorView& A, const TensorView& B,
                                                   const TensorView& m, const TensorView& norm,
@@ -211,49 +261,31 @@ std::shared_ptr<const DoraPlan> checked_dora_plan(const TensorView& W, const Ten
 void run_dora_norm(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& m, double s,
                    const TensorView& norm, const TensorView& scale, double eps, void* stream, const Config& config,
                    const std::string& layout) {
-  // A repeated call (this thread's last call's shapes, strides, dtypes, devices,
-  // alignment and options, no Config meta) has passed every check but those of
-  // where its outputs lie, and has its plan and the kernel its launch resolved
-  // to: its host path is those checks and the launch. Unsharded calls only (a
-  // layout's checks read more).
-  struct Last {
-    CallFingerprint print;
-    std::shared_ptr<const DoraPlan> plan;
-    ResolvedKernel kernel;
-  };
-  thread_local Last last;
+  // A repeated call (the same shapes, strides, dtypes, devices, alignment and
+  // options as this thread's last one) runs only the checks of where its outputs lie.
+  thread_local LastDoraCall last;
   const bool repeatable = layout.empty() && config.meta.empty();
   CallFingerprint print;
   std::shared_ptr<const DoraPlan> p;
   if (repeatable) {
     for (const TensorView* t : {&W, &A, &B, &m, &norm, &scale}) print.add(*t);
-    print.add(uint64_t(config.block_m)).add(uint64_t(config.block_k)).add(uint64_t(config.split_k));
-    print.add(uint64_t(config.num_warps)).add(uint64_t(config.num_stages));
-    print.add(uint64_t(eps < 0)).add(autotune::generation());
-    if (last.plan && print == last.print) {
+    add_call_options(print, config, eps);
+    if ((p = last.repeated(print)))
       expect_norm_outputs_disjoint("dora_norm", {{"W", &W}, {"A", &A}, {"B", &B}, {"m", &m}}, norm, scale);
-      p = last.plan;
-    }
   }
   if (!p) {
     p = checked_dora_plan(W, A, B, m, norm, scale, eps, stream, config);
     if (!p) return;
-    if (repeatable) last = Last{print, p};
+    if (repeatable) last.remember(print, p);
   }
   const WorkspaceLease ws = p->split > 1 ? lease_workspace(W.device, stream, workspace_bytes(*p)) : WorkspaceLease{};
   LaunchOptions options;
   options.stream = stream;
   options.layout = layout;
   const RunA a = run_a(A, p->cast_a, options);
-  options.memo = &p->memo;
   thread_local std::vector<Arg> args;  // kept: its capacity spares a repeated call the allocation
   dora_args(*p, W, a.a, B, m, s, eps, norm, scale, ws.data, args);
-  if (repeatable && last.plan == p && last.kernel.usable()) {
-    launch(last.kernel, args, p->grid, options);
-    return;
-  }
-  if (repeatable) options.resolved = &last.kernel;
-  launch(*p->kernel, args, p->grid, p->meta, options);
+  launch_dora(last, repeatable, p, args, options);
 }
 
 }  // namespace
@@ -549,8 +581,13 @@ TensorView checked_packed(const char* op, const Weight4bit& W, int64_t out, int6
 
 }  // namespace
 
-void dora_norm_4bit(const Weight4bit& W, const TensorView& A, const TensorView& B, const TensorView& m, double s,
-                    const TensorView& norm, const TensorView& scale, double eps, void* stream, const Config& config) {
+namespace {
+
+// Every check of a dora_norm_4bit call, then its plan (null: nothing to run).
+std::shared_ptr<const DoraPlan> checked_dora_4bit_plan(const Weight4bit& W, const TensorView& A, const TensorView& B,
+                                                       const TensorView& m, const TensorView& norm,
+                                                       const TensorView& scale, double eps, void* stream,
+                                                       const Config& config) {
   const char* op = "dora_norm_4bit";
   expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, kWarpsN, kL2Prefetch, kColsFirst});
   expect_shape(op, "A", A, {-1, -1});
@@ -573,24 +610,51 @@ void dora_norm_4bit(const Weight4bit& W, const TensorView& A, const TensorView& 
   expect_norm_memory(
       op, {{"packed", &W.packed}, {"absmax", &W.absmax}, {"code", &W.code}, {"A", &A}, {"B", &B}, {"m", &m}},
       norm, scale);
-  if (out == 0) return;
+  if (out == 0) return nullptr;
 
   static PlanMemo<DoraPlan> plans;
   CallKey key;
   key.add(packed2).add(W.absmax).add(W.code).add(A).add(B.dtype).add(m.dtype).add(W.blocksize);
   key.add(config);
-  const std::shared_ptr<const DoraPlan> p = plans.get(key, [&] {
+  return plans.get(key, [&] {
     const Config cfg = has_config(config) ? config
                                           : tuned_dora_4bit_config(packed2, W, A, B, m, norm, scale, stream);
     return plan_dora(out, in, r, dot_4bit(A, B), packed2.device.is_cuda(), parallelism(packed2.device), cfg, W.blocksize);
   });
+}
+
+}  // namespace
+
+void dora_norm_4bit(const Weight4bit& W, const TensorView& A, const TensorView& B, const TensorView& m, double s,
+                    const TensorView& norm, const TensorView& scale, double eps, void* stream, const Config& config) {
+  // A repeated call runs only the checks of where its outputs lie (see dora_norm).
+  thread_local LastDoraCall last;
+  const bool repeatable = config.meta.empty();
+  CallFingerprint print;
+  std::shared_ptr<const DoraPlan> p;
+  if (repeatable) {
+    for (const TensorView* t : {&W.packed, &W.absmax, &W.code, &A, &B, &m, &norm, &scale}) print.add(*t);
+    print.add(uint64_t(W.blocksize));
+    add_call_options(print, config, eps);
+    if ((p = last.repeated(print)))
+      expect_norm_outputs_disjoint(
+          "dora_norm_4bit",
+          {{"packed", &W.packed}, {"absmax", &W.absmax}, {"code", &W.code}, {"A", &A}, {"B", &B}, {"m", &m}}, norm,
+          scale);
+  }
+  if (!p) {
+    p = checked_dora_4bit_plan(W, A, B, m, norm, scale, eps, stream, config);
+    if (!p) return;
+    if (repeatable) last.remember(print, p);
+  }
+  // packed as [out, in/2], as checked_packed views it (packed is contiguous).
+  const TensorView packed2 = matrix_view(W.packed.data, DType::u8, B.shape[0], A.shape[1] / 2, W.packed.device);
   const WorkspaceLease ws =
       p->split > 1 ? lease_workspace(packed2.device, stream, workspace_bytes(*p)) : WorkspaceLease{};
   LaunchOptions options;
   options.stream = stream;
   const RunA a = run_a(A, p->cast_a, options);
-  options.memo = &p->memo;
-  launch(*p->kernel, dora_4bit_args(*p, packed2, W, a.a, B, m, s, eps, norm, scale, ws.data), p->grid, p->meta, options);
+  launch_dora(last, repeatable, p, dora_4bit_args(*p, packed2, W, a.a, B, m, s, eps, norm, scale, ws.data), options);
 }
 
 namespace {

@@ -11,6 +11,7 @@
 #include "catch.h"
 #include "cpu_test_util.h"
 #include "device_tensor.h"
+#include "error_test_util.h"
 #include "gpu_test_util.h"
 #include "kerf/error.h"
 #include "kerf/jit/autotune.h"
@@ -57,6 +58,33 @@ struct Quantized {
   }
 };
 
+// Two references for the norms: the exact math, and the one the kernel promises
+// (s*B and A rounded once to the product's dtype, everything else exact).
+struct Norms {
+  std::vector<double> exact, promised;
+};
+Norms reference_norms(const Quantized& W, const TestTensor& A, const TestTensor& B, double s, double eps,
+                      int64_t out, int64_t in, int64_t r, int64_t blocksize) {
+  const DType dot = A.dtype() == DType::f16 ? DType::f16 : DType::bf16;
+  Norms n;
+  for (int64_t i = 0; i < out; ++i) {
+    double ss = 0, ss_rounded = 0;
+    for (int64_t j = 0; j < in; ++j) {
+      double ba = 0, ba_rounded = 0;
+      for (int64_t k = 0; k < r; ++k) {
+        ba += B.get(i * r + k) * A.get(k * in + j);
+        ba_rounded += round_to(dot, float(B.get(i * r + k)) * float(s)) * round_to(dot, A.get(k * in + j));
+      }
+      const double w = W.w(i * in + j, blocksize);
+      ss += (w + s * ba) * (w + s * ba);
+      ss_rounded += (w + ba_rounded) * (w + ba_rounded);
+    }
+    n.exact.push_back(std::sqrt(ss + eps));
+    n.promised.push_back(std::sqrt(ss_rounded + eps));
+  }
+  return n;
+}
+
 void check_4bit(const Case4& c, Device dev, uint64_t seed) {
   CAPTURE(c.out, c.in, c.r, c.blocksize, dtype_name(c.ab), dtype_name(c.m), c.config.split_k, c.config.block_m,
           c.config.block_k, c.config.num_warps, c.config.meta.count("WARPS_N"), seed, dev.str());
@@ -75,28 +103,15 @@ void check_4bit(const Case4& c, Device dev, uint64_t seed) {
   test::sync(dev);
   norm.download();
   scale.download();
-  // Two references: the exact math, and the one the kernel promises (s*B and A
-  // rounded once to the product's dtype, everything else exact).
-  const DType dot = c.ab == DType::f16 ? DType::f16 : DType::bf16;
-  std::vector<double> got_n, got_s, exact_n, exact_s, promised_n;
+  const Norms ref = reference_norms(W, A, B, s, eps, c.out, c.in, c.r, c.blocksize);
+  std::vector<double> got_n, got_s, exact_s;
   for (int64_t i = 0; i < c.out; ++i) {
-    double ss = 0, ss_rounded = 0;
-    for (int64_t j = 0; j < c.in; ++j) {
-      double ba = 0, ba_rounded = 0;
-      for (int64_t k = 0; k < c.r; ++k) {
-        ba += B.get(i * c.r + k) * A.get(k * c.in + j);
-        ba_rounded += round_to(dot, float(B.get(i * c.r + k)) * float(s)) * round_to(dot, A.get(k * c.in + j));
-      }
-      const double w = W.w(i * c.in + j, c.blocksize);
-      ss += (w + s * ba) * (w + s * ba);
-      ss_rounded += (w + ba_rounded) * (w + ba_rounded);
-    }
     got_n.push_back(norm.get(i));
     got_s.push_back(scale.get(i));
-    exact_n.push_back(std::sqrt(ss + eps));
-    exact_s.push_back(m.get(i) / exact_n.back());
-    promised_n.push_back(std::sqrt(ss_rounded + eps));
+    exact_s.push_back(m.get(i) / ref.exact[size_t(i)]);
   }
+  const std::vector<double>& exact_n = ref.exact;
+  const std::vector<double>& promised_n = ref.promised;
   CHECK(test::max_relative_error(got_n, promised_n) <= 1e-5);
   CHECK(test::max_relative_error(got_n, exact_n) <= 1e-2);
   CHECK(test::max_relative_error(got_s, exact_s) <= 1e-2);
@@ -163,6 +178,73 @@ TEST_CASE("dora_norm_4bit matches float64 references on the CPU", "[cpu][ops][do
 TEST_CASE("dora_norm_4bit matches float64 references on the GPU", "[gpu][ops][dora][4bit]") {
   KERF_REQUIRE_GPU();
   run_4bit_cases(Device::cuda(0));
+}
+
+namespace {
+
+#define CHECK_INVALID(call, text) \
+  CHECK_THAT(kerf::test::thrown<InvalidArgument>([&] { call; }), Catch::Contains(text))
+
+// A call repeating the last one's shapes, strides, dtypes and alignment takes the
+// op's short path (the plan and kernel kept, only the memory checks run again):
+// it must compute from the codes, scales and adapters it is given now, and still
+// refuse outputs that overlap an input or each other.
+void check_4bit_repeated(Device dev) {
+  CAPTURE(dev.str());
+  std::mt19937_64 rng(4242);
+  const int64_t out = 21, in = 46, r = 3, bs = 64;  // partial scale blocks, no multiple of a tile
+  Quantized W(out, in, bs, dev, rng);
+  TestTensor A(DType::f32, {r, in}, dev), B(DType::f32, {out, r}, dev);
+  TestTensor pool(DType::f32, {3 * 64}, dev);  // m, norm, scale, 64 floats apart
+  pool.randomize(rng, 0.5, 1.5);
+  const auto slot = [&](int64_t k) {
+    return TensorView::contiguous(static_cast<float*>(pool.data()) + k * 64, DType::f32, {out}, dev);
+  };
+  const TensorView m = slot(0), norm = slot(1), scale = slot(2);
+  const double s = 0.5, eps = 0.0;
+  for (int call = 0; call < 4; ++call) {
+    CAPTURE(call);
+    if (call == 2) clear_kernel_cache();  // the kept kernel lapses: resolved again, then reused
+    for (int64_t i = 0; i < W.packed.numel(); ++i) W.packed.set(i, double(rng() & 255));
+    W.packed.upload();
+    W.absmax.randomize(rng, 0.5, 2.0);
+    A.randomize(rng, -0.5, 0.5);
+    B.randomize(rng, -0.5, 0.5);
+    ops::dora_norm_4bit(W.view(bs), A.view(), B.view(), m, s, norm, scale, eps, nullptr);
+    test::sync(dev);
+    pool.download();
+    const Norms ref = reference_norms(W, A, B, s, eps, out, in, r, bs);
+    std::vector<double> got_n, got_s, want_s;
+    for (int64_t i = 0; i < out; ++i) {
+      got_n.push_back(pool.get(64 + i));
+      got_s.push_back(pool.get(128 + i));
+      want_s.push_back(pool.get(i) / ref.promised[size_t(i)]);
+    }
+    CHECK(test::max_relative_error(got_n, ref.promised) <= 1e-5);
+    CHECK(test::max_relative_error(got_s, want_s) <= 1e-5);
+  }
+  CHECK_INVALID(ops::dora_norm_4bit(W.view(bs), A.view(), B.view(), m, s, m, scale, eps, nullptr),
+                "dora_norm_4bit: output norm overlaps m in memory");
+  CHECK_INVALID(ops::dora_norm_4bit(W.view(bs), A.view(), B.view(), m, s, norm, norm, eps, nullptr),
+                "dora_norm_4bit: output scale overlaps norm in memory");
+  CHECK_INVALID(ops::dora_norm_4bit(W.view(bs), A.view(), B.view(), m, s, norm, scale, -1.0, nullptr),
+                "dora_norm_4bit: eps must be >= 0");
+  CHECK_INVALID(ops::dora_norm_4bit(W.view(32), A.view(), B.view(), m, s, norm, scale, eps, nullptr),
+                "absmax must hold cdiv(out*in, blocksize)");
+}
+
+}  // namespace
+
+TEST_CASE("a repeated dora_norm_4bit call computes from its new data and rechecks its memory on the CPU",
+          "[cpu][ops][dora][4bit]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  check_4bit_repeated(Device::cpu());
+}
+
+TEST_CASE("a repeated dora_norm_4bit call computes from its new data and rechecks its memory on the GPU",
+          "[gpu][ops][dora][4bit]") {
+  KERF_REQUIRE_GPU();
+  check_4bit_repeated(Device::cuda(0));
 }
 
 TEST_CASE("dora_norm_4bit refuses arrays that do not fit W, with messages saying which", "[ops][dora][4bit][errors]") {
