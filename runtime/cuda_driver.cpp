@@ -551,7 +551,21 @@ void launch(void* function, Grid grid, int block_threads, int dynamic_smem_bytes
 void launch_in(void* context, void* function, Grid grid, int block_threads, int dynamic_smem_bytes,
                StreamHandle stream, void** params, bool overlap_prior, unsigned cluster_x) {
   if (!context) throw InvalidArgument("cuda::launch_in: the context is null");
-  make_current(static_cast<CUcontext>(context));
+  CUcontext current = nullptr;
+  check(api().CtxGetCurrent(&current), "querying this thread's current CUDA context");
+  if (current == context) {
+    launch_current(function, grid, block_threads, dynamic_smem_bytes, stream, params, overlap_prior, cluster_x);
+    return;
+  }
+  check(api().CtxSetCurrent(static_cast<CUcontext>(context)), "making a CUDA context current on this thread");
+  // A context the caller had made current is theirs: it is current again after the
+  // launch. (A thread with none keeps the module's, as the CUDA runtime would.)
+  struct Restore {
+    CUcontext previous;
+    ~Restore() {
+      if (previous) api().CtxSetCurrent(previous);
+    }
+  } restore{current};
   launch_current(function, grid, block_threads, dynamic_smem_bytes, stream, params, overlap_prior, cluster_x);
 }
 

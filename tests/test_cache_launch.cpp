@@ -1,7 +1,10 @@
 // kerf::launch with the cache tiers: a kernel compiled in one process loads in
 // the next, eight processes warming the same keys, failed compiles never
 // cached, the in-memory hot path touching nothing, layouts in the key.
+#include <dlfcn.h>
+
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -416,6 +419,49 @@ TEST_CASE("a resolved kernel launches again on new data on the GPU", "[cache][gp
   test::TempDir dir;
   test::ScopedEnv env({{"KERF_CACHE_DIR", dir.path()}});
   check_resolved_kernel(Device::cuda(0));
+}
+
+TEST_CASE("a launch leaves a context the caller made current as it was", "[cache][gpu]") {
+  KERF_REQUIRE_GPU();
+  // The driver's own entry points, to make and inspect a context kerf does not own.
+  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  REQUIRE(lib != nullptr);
+  const auto get_current = reinterpret_cast<int (*)(void**)>(dlsym(lib, "cuCtxGetCurrent"));
+  const auto device_get = reinterpret_cast<int (*)(int*, int)>(dlsym(lib, "cuDeviceGet"));
+  const auto create = reinterpret_cast<int (*)(void**, unsigned, int)>(dlsym(lib, "cuCtxCreate_v2"));
+  const auto destroy = reinterpret_cast<int (*)(void*)>(dlsym(lib, "cuCtxDestroy_v2"));
+  REQUIRE((get_current && device_get && create && destroy));
+  test::TempDir dir;
+  test::ScopedEnv env({{"KERF_CACHE_DIR", dir.path()}});
+  const int64_t n = 1000;
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> x(static_cast<size_t>(n)), out(static_cast<size_t>(n));
+  for (float& v : x) v = u(rng);
+  cuda::DeviceBuffer dx(size_t(n) * 4), dout(size_t(n) * 4);
+  dx.copy_from_host(x.data(), size_t(n) * 4);
+  const auto run = [&](double a) {
+    launch(axpb_kernel(),
+           {TensorView::contiguous(dx.data(), DType::f32, {n}, Device::cuda(0)),
+            TensorView::contiguous(dout.data(), DType::f32, {n}, Device::cuda(0)), Scalar(a), Scalar(0.5)},
+           Grid{uint32_t((n + 255) / 256)}, {{"BLOCK", 256}});
+  };
+  run(1.0);  // compiled and loaded in device 0's primary context
+  cuda::device_synchronize(0);
+  int device = 0;
+  REQUIRE(device_get(&device, 0) == 0);
+  void* mine = nullptr;
+  REQUIRE(create(&mine, 0, device) == 0);  // made current on this thread
+  run(-2.0);
+  void* after = nullptr;
+  REQUIRE(get_current(&after) == 0);
+  CHECK(after == mine);
+  cuda::device_synchronize(0);
+  dout.copy_to_host(out.data(), size_t(n) * 4);
+  for (int64_t i = 0; i < n; ++i)
+    if (std::abs(out[size_t(i)] - (-2.0f * x[size_t(i)] + 0.5f)) > 1e-6f)
+      FAIL("element " << i << " is " << out[size_t(i)] << ", want " << -2.0f * x[size_t(i)] + 0.5f);
+  CHECK(destroy(mine) == 0);
 }
 
 // ---------------------------------------------------------------- on a GPU

@@ -92,9 +92,10 @@ FunctionAttributes function_attributes(void* function);
 void launch(void* function, Grid grid, int block_threads, int dynamic_smem_bytes,
             StreamHandle stream, void** params, bool overlap_prior = false, unsigned cluster_x = 1);
 // The same for a function of a module loaded in `context` (Module::context()):
-// that context is made current unless it already is (one query), where launch()
-// first asks the driver for the stream's. `stream` must belong to `context`
-// (the driver refuses the launch otherwise).
+// that context is made current for the launch unless it already is (one query),
+// where launch() first asks the driver for the stream's; another context the
+// thread had current is made current again afterwards. `stream` must belong to
+// `context` (the driver refuses the launch otherwise).
 void launch_in(void* context, void* function, Grid grid, int block_threads, int dynamic_smem_bytes,
                StreamHandle stream, void** params, bool overlap_prior = false, unsigned cluster_x = 1);
 
