@@ -44,6 +44,7 @@ LayoutLike = Optional[Dict[str, Any]]
 __all__ = [
     "Config",
     "bnb_weight4bit",
+    "check_embedding_ids",
     "dora_norm",
     "dora_norm_4bit",
     "dora_norm_backward",
@@ -277,26 +278,42 @@ def moe_lora_materialize_backward(dW_eff: TensorLike, A: TensorLike, B: TensorLi
 def lora_embedding(x: TensorLike, weight: TensorLike, A: TensorLike, B: TensorLike, s: float, *,
                    out: Optional[TensorLike] = None, padding_idx: Optional[int] = None,
                    scale_grad_by_freq: bool = False, stream: StreamLike = None,
-                   config: Optional[Config] = None, layout: LayoutLike = None) -> TensorLike:
+                   config: Optional[Config] = None, layout: LayoutLike = None,
+                   id_check: str = "sync") -> TensorLike:
     """``out[t] = weight[x[t]] + s * A[:, x[t]] @ B^T`` (PEFT's layout).
 
     x int32/int64 ids (any shape); weight [vocab, dim]; A = lora_embedding_A
     [r, vocab]; B = lora_embedding_B [dim, r]; out [*x.shape, dim] (allocated in
     the inputs' dtype when they agree, else float32). An id outside [0, vocab)
-    raises ValueError. padding_idx / scale_grad_by_freq only matter to the backward.
+    raises ValueError and is never read (its row of out is zeros). On CUDA,
+    ``id_check="sync"`` (the default) waits for the kernel to say so at once;
+    ``"deferred"`` returns as soon as the work is queued and leaves the report
+    to :func:`check_embedding_ids`. padding_idx / scale_grad_by_freq only
+    matter to the backward.
     """
     return _kerf.lora_embedding(x, weight, A, B, s, out, padding_idx, scale_grad_by_freq, stream, config,
-                                   layout)
+                                   layout, id_check)
 
 
 def lora_embedding_backward(x: TensorLike, A: TensorLike, B: TensorLike, grad_out: TensorLike, s: float, *,
                             grad_A: Optional[TensorLike] = None, grad_B: Optional[TensorLike] = None,
                             padding_idx: Optional[int] = None, scale_grad_by_freq: bool = False,
                             stream: StreamLike = None, config: Optional[Config] = None,
-                            layout: LayoutLike = None) -> Tuple[TensorLike, TensorLike]:
+                            layout: LayoutLike = None, id_check: str = "sync") -> Tuple[TensorLike, TensorLike]:
     """Gradients of A and B for :func:`lora_embedding` given grad_out [*x.shape, dim]
     (the base weight gets none): ``grad_A[:, v] = s * sum_{x[t]=v} grad_out[t] @ B``
     (none at padding_idx; divided by v's count with scale_grad_by_freq),
-    ``grad_B = s * sum_t grad_out[t]^T A[:, x[t]]^T``; allocated in A's and B's dtypes."""
+    ``grad_B = s * sum_t grad_out[t]^T A[:, x[t]]^T``; allocated in A's and B's dtypes.
+    id_check as in :func:`lora_embedding`."""
     return _kerf.lora_embedding_backward(x, A, B, grad_out, s, grad_A, grad_B, padding_idx,
-                                            scale_grad_by_freq, stream, config, layout)
+                                            scale_grad_by_freq, stream, config, layout, id_check)
+
+
+def check_embedding_ids(tensor: TensorLike, *, stream: StreamLike = None) -> None:
+    """Raises ValueError when a CUDA :func:`lora_embedding` or
+    :func:`lora_embedding_backward` call with ``id_check="deferred"`` on
+    ``tensor``'s device and ``stream`` (by default the current one, as for the
+    ops) met an id outside the vocabulary since the last check, then clears
+    that record. Waits for the stream. Does nothing for CPU tensors, whose ids
+    are checked before each call."""
+    _kerf.check_embedding_ids(tensor, stream)

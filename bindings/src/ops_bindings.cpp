@@ -157,10 +157,21 @@ ops::Layout layout_of(py::handle obj) {
   return layout;
 }
 
-ops::EmbeddingOptions embedding_options(py::handle padding_idx, bool scale_grad_by_freq) {
+// id_check: None or "sync" (wait and raise at once), "deferred" (check_embedding_ids raises later).
+ops::EmbeddingOptions embedding_options(const char* op, py::handle padding_idx, bool scale_grad_by_freq,
+                                        py::handle id_check) {
   ops::EmbeddingOptions o;
   if (padding_idx && !padding_idx.is_none()) o.padding_idx = padding_idx.cast<int64_t>();
   o.scale_grad_by_freq = scale_grad_by_freq;
+  if (id_check && !id_check.is_none()) {
+    if (!PyUnicode_Check(id_check.ptr()))
+      throw TypeError(std::string(op) + "(): id_check must be \"sync\" or \"deferred\", got " + type_name(id_check));
+    const std::string v = id_check.cast<std::string>();
+    if (v == "deferred")
+      o.id_check = ops::IdCheck::deferred;
+    else if (v != "sync")
+      throw InvalidArgument(std::string(op) + "(): id_check must be \"sync\" or \"deferred\", got \"" + v + "\"");
+  }
   return o;
 }
 
@@ -358,7 +369,7 @@ void bind_ops(py::module_& m) {
       "lora_embedding",
       [](py::handle x, py::handle weight, py::handle A, py::handle B, double s, py::handle out,
          py::handle padding_idx, bool scale_grad_by_freq, py::handle stream,
-         py::handle config, py::handle layout) {
+         py::handle config, py::handle layout, py::handle id_check) {
         Call call("lora_embedding", stream);
         const TensorView ids = call.input(x, "x"), w = call.input(weight, "weight"),
                          a = call.input(A, "A"), b = call.input(B, "B");
@@ -366,7 +377,7 @@ void bind_ops(py::module_& m) {
         shape.push_back(w.shape[1]);
         const auto o =
             call.output_or_new(out, "out", shape, common_float({w.dtype, a.dtype, b.dtype}));
-        const ops::EmbeddingOptions opt = embedding_options(padding_idx, scale_grad_by_freq);
+        const ops::EmbeddingOptions opt = embedding_options("lora_embedding", padding_idx, scale_grad_by_freq, id_check);
         const ops::Config cfg = config_of(config);
         const ops::Layout lay = layout_of(layout);
         call.run(
@@ -375,20 +386,22 @@ void bind_ops(py::module_& m) {
       },
       py::arg("x"), py::arg("weight"), py::arg("A"), py::arg("B"), py::arg("s"),
       py::arg("out").none(true), py::arg("padding_idx").none(true), py::arg("scale_grad_by_freq"),
-      py::arg("stream").none(true), py::arg("config").none(true), py::arg("layout").none(true));
+      py::arg("stream").none(true), py::arg("config").none(true), py::arg("layout").none(true),
+      py::arg("id_check").none(true) = py::none());
 
   def_fast(
       m,
       "lora_embedding_backward",
       [](py::handle x, py::handle A, py::handle B, py::handle grad_out, double s, py::handle grad_A,
          py::handle grad_B, py::handle padding_idx, bool scale_grad_by_freq, py::handle stream,
-         py::handle config, py::handle layout) {
+         py::handle config, py::handle layout, py::handle id_check) {
         Call call("lora_embedding_backward", stream);
         const TensorView ids = call.input(x, "x"), a = call.input(A, "A"), b = call.input(B, "B"),
                          g = call.input(grad_out, "grad_out");
         const auto ga = call.output_or_new(grad_A, "grad_A", dims(a), a.dtype);
         const auto gb = call.output_or_new(grad_B, "grad_B", dims(b), b.dtype);
-        const ops::EmbeddingOptions opt = embedding_options(padding_idx, scale_grad_by_freq);
+        const ops::EmbeddingOptions opt =
+            embedding_options("lora_embedding_backward", padding_idx, scale_grad_by_freq, id_check);
         const ops::Config cfg = config_of(config);
         const ops::Layout lay = layout_of(layout);
         call.run([&] {
@@ -400,7 +413,19 @@ void bind_ops(py::module_& m) {
       py::arg("x"), py::arg("A"), py::arg("B"), py::arg("grad_out"), py::arg("s"),
       py::arg("grad_A").none(true), py::arg("grad_B").none(true), py::arg("padding_idx").none(true),
       py::arg("scale_grad_by_freq"), py::arg("stream").none(true), py::arg("config").none(true),
-      py::arg("layout").none(true));
+      py::arg("layout").none(true), py::arg("id_check").none(true) = py::none());
+
+  def_fast(
+      m,
+      "check_embedding_ids",
+      [](py::handle tensor, py::handle stream) {
+        Call call("check_embedding_ids", stream);
+        const TensorView t = call.input(tensor, "tensor");
+        call.run([&] { ops::check_embedding_ids(t.device, call.stream()); });
+        return py::none();
+      },
+      py::arg("tensor"), py::arg("stream").none(true) = py::none(),
+      "ops::check_embedding_ids on the device of `tensor`; see kerf.ops.check_embedding_ids.");
 
   // ---------------------------------------------------------------- introspection
   m.def("_torch_bridge_status", &torch_bridge_status,

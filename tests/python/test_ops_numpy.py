@@ -291,6 +291,25 @@ def test_lora_embedding_forward_and_backward_match_float64(kerf_cpu):
 
 
 
+def test_lora_embedding_id_check_options_on_the_cpu(kerf_cpu):
+    # CPU ids are checked before every call: "deferred" still raises at once, and
+    # check_embedding_ids has nothing to report.
+    V, H, r = 10, 8, 2
+    W = rng.standard_normal((V, H)).astype(np.float32)
+    A = rng.standard_normal((r, V)).astype(np.float32)
+    B = rng.standard_normal((H, r)).astype(np.float32)
+    x = np.array([3, V + 2], np.int64)
+    with pytest.raises(ValueError, match="outside"):
+        kerf_cpu.ops.lora_embedding(x, W, A, B, 0.5, id_check="deferred")
+    assert kerf_cpu.ops.check_embedding_ids(W) is None
+    with pytest.raises(ValueError, match='id_check must be "sync" or "deferred", got "later"'):
+        kerf_cpu.ops.lora_embedding(x[:1], W, A, B, 0.5, id_check="later")
+    with pytest.raises(TypeError, match="id_check must be"):
+        kerf_cpu.ops.lora_embedding_backward(x[:1], A, B, np.ones((1, H), np.float32), 0.5, id_check=1)
+    out = kerf_cpu.ops.lora_embedding(x[:1], W, A, B, 0.5, id_check="deferred")
+    np.testing.assert_allclose(out[0], W[3] + 0.5 * A[:, 3] @ B.T, rtol=1e-5, atol=1e-6)
+
+
 def test_read_only_arrays_are_inputs_but_never_outputs(kerf_cpu):
     # NumPy before 2.1 exports no read-only array through DLPack (np.broadcast_to,
     # np.frombuffer and read-only memory maps give such arrays): kerf reads them

@@ -183,6 +183,31 @@ def test_cuda_outputs_made_together_are_independent_tensors(rows, torch_path):
                                rtol=2e-5, atol=0)
 
 
+@CUDA_ONLY
+def test_cuda_lora_embedding_defers_its_id_report_when_asked():
+    V, H, r = 50, 32, 4
+    W = torch.randn(V, H, device="cuda")
+    A = torch.randn(r, V, device="cuda")
+    B = torch.randn(H, r, device="cuda")
+    x = torch.tensor([1, V + 5, 7], device="cuda")
+    out = kerf.ops.lora_embedding(x, W, A, B, 0.5, id_check="deferred")  # queued; nothing raised yet
+    torch.cuda.synchronize()
+    keep = torch.tensor([1, 7], device="cuda")
+    ref = W.double()[keep] + 0.5 * (A.double().T[keep] @ B.double().T)
+    torch.testing.assert_close(out[[0, 2]].double(), ref, rtol=1e-5, atol=1e-5)
+    assert torch.count_nonzero(out[1]) == 0  # the bad id's row: zeros, never read
+    with pytest.raises(ValueError, match=r"x\[1\] = 55 is outside the vocabulary \[0, 50\)"):
+        kerf.ops.check_embedding_ids(x)
+    kerf.ops.check_embedding_ids(x)  # reported once: the record is clear again
+    g = torch.randn(3, H, device="cuda")
+    kerf.ops.lora_embedding_backward(x, A, B, g, 0.5, id_check="deferred")
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        kerf.ops.check_embedding_ids(W)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        kerf.ops.lora_embedding(x, W, A, B, 0.5)  # the default waits and raises at once
+    kerf.ops.check_embedding_ids(W)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_moe_on_peft_layout_views_matches_torch(device):
     E, N, K, r = 4, 32, 48, 4
