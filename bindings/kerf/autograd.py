@@ -320,14 +320,15 @@ class LoraEmbedding(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, W: Tensor, A: Tensor, B: Tensor, s: float, padding_idx: Optional[int],
-                m: Optional[Tensor]) -> Tensor:
+                m: Optional[Tensor], id_check: str = "sync") -> Tensor:
         same_half = W.dtype == A.dtype == B.dtype and W.dtype in (torch.float16, torch.bfloat16)
         dt = W.dtype if same_half else torch.promote_types(torch.promote_types(W.dtype, A.dtype), torch.float32)
-        ctx.s, ctx.padding_idx, ctx.vocab = float(s), padding_idx, W.shape[0]
+        ctx.s, ctx.padding_idx, ctx.vocab, ctx.id_check = float(s), padding_idx, W.shape[0], id_check
         ctx.dtypes = (W.dtype, A.dtype, B.dtype, None if m is None else m.dtype)
         out = torch.empty(*x.shape, W.shape[1], dtype=torch.float32 if dt == torch.float64 else dt,
                           device=W.device)
-        pre = _ops.lora_embedding(x.detach(), _for_kerf(W), _for_kerf(A), _for_kerf(B), float(s), out=out).to(dt)
+        pre = _ops.lora_embedding(x.detach(), _for_kerf(W), _for_kerf(A), _for_kerf(B), float(s), out=out,
+                                  id_check=id_check).to(dt)
         if m is None:
             ctx.save_for_backward(x, A, B)
             return pre
@@ -352,7 +353,8 @@ class LoraEmbedding(torch.autograd.Function):
             g = g * ms.to(dt)
         if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
             gA, gB = _ops.lora_embedding_backward(x.detach(), _for_kerf(A), _for_kerf(B),
-                                                  _for_kerf(g).reshape(*x.shape, H), s, padding_idx=ctx.padding_idx)
+                                                  _for_kerf(g).reshape(*x.shape, H), s, padding_idx=ctx.padding_idx,
+                                                  id_check=ctx.id_check)
             dA = gA.to(a_dtype) if ctx.needs_input_grad[2] else None
             dB = gB.to(b_dtype) if ctx.needs_input_grad[3] else None
         if ctx.needs_input_grad[1]:  # a trainable base weight (PEFT freezes it)
@@ -360,7 +362,7 @@ class LoraEmbedding(torch.autograd.Function):
             if ctx.padding_idx is not None:
                 g = g.masked_fill((xf == ctx.padding_idx % ctx.vocab)[:, None], 0)
             dW = torch.zeros(ctx.vocab, H, dtype=dt, device=g.device).index_add_(0, xf, g).to(w_dtype)
-        return None, dW, dA, dB, None, None, dm
+        return None, dW, dA, dB, None, None, dm, None
 
 
 def lora_embedding(
@@ -372,10 +374,14 @@ def lora_embedding(
     *,
     padding_idx: Optional[int] = None,
     magnitude: Optional[Tensor] = None,
+    id_check: str = "sync",
 ) -> Tensor:
     """LoRA embedding lookup ``W[x] + s * A^T[x] @ B^T`` (float32 at least), DoRA-scaled by
     ``magnitude / ||W^T + s * B @ A||`` when a magnitude [H] is given (PEFT's DoraEmbedding).
 
     x int [...]; W [V, H]; A = lora_embedding_A [r, V]; B = lora_embedding_B [H, r].
+    An id outside [0, V) raises ValueError; on CUDA, ``id_check="deferred"`` keeps
+    the forward and backward asynchronous and leaves the report to
+    :func:`kerf.ops.check_embedding_ids` (e.g. once per training step).
     """
-    return LoraEmbedding.apply(x, W, A, B, float(s), padding_idx, magnitude)
+    return LoraEmbedding.apply(x, W, A, B, float(s), padding_idx, magnitude, id_check)

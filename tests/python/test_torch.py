@@ -206,6 +206,12 @@ def test_cuda_lora_embedding_defers_its_id_report_when_asked():
     with pytest.raises(ValueError, match="outside the vocabulary"):
         kerf.ops.lora_embedding(x, W, A, B, 0.5)  # the default waits and raises at once
     kerf.ops.check_embedding_ids(W)
+    # Through autograd: forward and backward queued, the report at the check.
+    Ap, Bp = A.clone().requires_grad_(True), B.clone().requires_grad_(True)
+    ka.lora_embedding(x, W, Ap, Bp, 0.5, id_check="deferred").sum().backward()
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        kerf.ops.check_embedding_ids(W)
+    assert torch.count_nonzero(Ap.grad[:, 1]) > 0 and torch.count_nonzero(Ap.grad[:, 2]) == 0
 
 
 @pytest.mark.parametrize("device", DEVICES)
