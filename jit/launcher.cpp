@@ -417,13 +417,12 @@ std::shared_ptr<Compiled> build_cuda(const ir::Function& fn, int device, std::st
 // Checks the call, finds (or builds) its kernel; fills `info`. Null when the grid is empty.
 std::shared_ptr<Compiled> resolve(const dsl::Kernel& kernel, const std::vector<Arg>& args,
                                   Grid grid, const dsl::MetaMap& meta, const LaunchOptions& options,
-                                  Device* dev_out, LaunchInfo& info) {
+                                  LaunchInfo& info) {
   const std::string_view layout = options.layout;
   LaunchMemo* const memo = options.memo;
   for (size_t i = 0; i < args.size(); ++i)
     if (const TensorView* t = std::get_if<TensorView>(&args[i])) check_tensor(*t, i, kernel.name());
   const Device dev = common_device(args, kernel.name());
-  *dev_out = dev;
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return nullptr;  // nothing to run
 
   // The caller's memo first: the specialization words alone, no meta hashing, no global lock.
@@ -549,8 +548,7 @@ LaunchInfo launch(const dsl::Kernel& kernel, const std::vector<Arg>& args, Grid 
 LaunchInfo launch(const dsl::Kernel& kernel, const std::vector<Arg>& args, Grid grid,
                   const dsl::MetaMap& meta, const LaunchOptions& options) {
   LaunchInfo info;
-  Device dev;
-  const std::shared_ptr<Compiled> c = resolve(kernel, args, grid, meta, options, &dev, info);
+  const std::shared_ptr<Compiled> c = resolve(kernel, args, grid, meta, options, info);
   if (c) run(*c, args, grid, options);
   return info;
 }
@@ -579,8 +577,7 @@ LaunchInfo launch(const ResolvedKernel& kernel, const std::vector<Arg>& args, Gr
 LaunchInfo prepare(const dsl::Kernel& kernel, const std::vector<Arg>& args,
                    const dsl::MetaMap& meta, const LaunchOptions& options) {
   LaunchInfo info;
-  Device dev;
-  resolve(kernel, args, Grid{1, 1, 1}, meta, options, &dev, info);
+  resolve(kernel, args, Grid{1, 1, 1}, meta, options, info);
   return info;
 }
 

@@ -576,7 +576,7 @@ TensorView checked_packed(const char* op, const Weight4bit& W, int64_t out, int6
   if (W.code.numel() != 16)
     throw InvalidArgument(std::string(op) + ": code must hold the 16 values of the 4-bit codes, got " +
                           std::to_string(W.code.numel()));
-  return detail::restride(W.packed, {out, in / 2}, {in / 2, 1});
+  return matrix_view(W.packed.data, DType::u8, out, in / 2, W.packed.device);
 }
 
 }  // namespace
@@ -647,7 +647,7 @@ void dora_norm_4bit(const Weight4bit& W, const TensorView& A, const TensorView& 
     if (!p) return;
     if (repeatable) last.remember(print, p);
   }
-  // packed as [out, in/2], as checked_packed views it (packed is contiguous).
+  // packed as [out, in/2], as checked_packed views it (packed is contiguous u8).
   const TensorView packed2 = matrix_view(W.packed.data, DType::u8, B.shape[0], A.shape[1] / 2, W.packed.device);
   const WorkspaceLease ws =
       p->split > 1 ? lease_workspace(packed2.device, stream, workspace_bytes(*p)) : WorkspaceLease{};
@@ -677,7 +677,7 @@ const bool dora_4bit_registered = [] {
   op.kernels = [](const std::vector<TensorView>& v, const autotune::Config& c, int sm_count) {
     const int64_t out = v[4].shape[0], in = v[3].shape[1], r = v[3].shape[0];
     const Weight4bit W{v[0], v[1], v[2], 64};
-    const TensorView packed2 = detail::restride(v[0], {out, in / 2}, {in / 2, 1});
+    const TensorView packed2 = matrix_view(v[0].data, DType::u8, out, in / 2, v[0].device);
     const DoraPlan p = plan_dora(out, in, r, dot_4bit(v[3], v[4]), true, sm_count, config_from(c, "BLOCK_M", "BLOCK_K"),
                                  64);
     return with_cast_a(p, v[3], [&](const TensorView& a) {

@@ -1,4 +1,5 @@
-// The message of an exception a test expects, for CHECK_THAT(..., Catch::Contains(...)).
+// The message of an exception a test expects, for CHECK_THAT(..., Catch::Contains(...)),
+// and CHECK_INVALID for the common case of kerf::InvalidArgument.
 #pragma once
 
 #include <exception>
@@ -20,3 +21,8 @@ std::string thrown(F f) {
 }
 
 }  // namespace kerf::test
+
+// Checks that `call` throws kerf::InvalidArgument with a message containing `text`
+// (for Catch test cases; `call` is a statement, run inside a lambda capturing by reference).
+#define CHECK_INVALID(call, text) \
+  CHECK_THAT(kerf::test::thrown<kerf::InvalidArgument>([&] { call; }), Catch::Contains(text))

@@ -220,9 +220,6 @@ TEST_CASE("dora_norm's eps decides what a zero row gives, as documented, on the 
 
 namespace {
 
-#define CHECK_INVALID(call, text) \
-  CHECK_THAT(kerf::test::thrown<InvalidArgument>([&] { call; }), Catch::Contains(text))
-
 // A call repeating the last one's shapes, strides, dtypes and alignment takes the
 // op's short path: it must still compute from the data it is given, and still
 // refuse outputs that overlap an input or each other; a call that changes

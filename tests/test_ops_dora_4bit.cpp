@@ -182,9 +182,6 @@ TEST_CASE("dora_norm_4bit matches float64 references on the GPU", "[gpu][ops][do
 
 namespace {
 
-#define CHECK_INVALID(call, text) \
-  CHECK_THAT(kerf::test::thrown<InvalidArgument>([&] { call; }), Catch::Contains(text))
-
 // A call repeating the last one's shapes, strides, dtypes and alignment takes the
 // op's short path (the plan and kernel kept, only the memory checks run again):
 // it must compute from the codes, scales and adapters it is given now, and still

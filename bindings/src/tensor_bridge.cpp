@@ -829,22 +829,10 @@ std::array<std::pair<py::object, TensorView>, 2> Call::output_pair_or_new(py::ha
       void* data[2] = {nullptr, nullptr};
       if (bridge->empty_many(shape.begin(), int32_t(shape.size()), int32_t(dtype), first_device_.index, 2, made,
                              data) == 1) {
+        const std::vector<int64_t> dims(shape);
         std::array<std::pair<py::object, TensorView>, 2> out;
-        TensorView v;
-        v.dtype = dtype;
-        v.device = first_device_;
-        v.rank = int(shape.size());
-        int64_t stride = 1;
-        for (int d = v.rank - 1; d >= 0; --d) {
-          v.shape[size_t(d)] = shape.begin()[d];
-          v.strides[size_t(d)] = stride;
-          stride *= v.shape[size_t(d)];
-        }
-        for (int i = 0; i < 2; ++i) {
-          out[size_t(i)].first = steal(made[i]);
-          out[size_t(i)].second = v;
-          out[size_t(i)].second.data = data[i];
-        }
+        for (size_t i = 0; i < 2; ++i)
+          out[i] = {steal(made[i]), TensorView::contiguous(data[i], dtype, dims, first_device_)};
         return out;
       }
     }
