@@ -28,7 +28,7 @@ torch.autograd.Function objects.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
 from . import _kerf
 from ._kerf import Config
@@ -61,7 +61,24 @@ __all__ = [
     "nf4_code",
 ]
 
+_F = TypeVar("_F", bound=Callable[..., Any])
 
+
+def _bound(core: Callable[..., Any]) -> Callable[[_F], _F]:
+    """The op is ``core``, its binding in kerf._kerf, under the decorated
+    function's signature (parameter order, defaults, keyword-only marker),
+    name, docstring and module: a call reaches C++ with no Python frame in
+    between, which a launch-bound call would notice. The decorated functions
+    have no body of their own; importing kerf fails if one's parameters and
+    its binding's differ."""
+
+    def bind(python_function: _F) -> _F:
+        return _kerf._with_signature(core, python_function)
+
+    return bind
+
+
+@_bound(_kerf.dora_norm)
 def dora_norm(
     W: TensorLike,
     A: TensorLike,
@@ -98,9 +115,9 @@ def dora_norm(
     Returns:
         ``(norm, scale)``: the given outputs, or new ones.
     """
-    return _kerf.dora_norm(W, A, B, m, s, norm, scale, eps, stream, config, layout)
 
 
+@_bound(_kerf.dora_norm_4bit)
 def dora_norm_4bit(
     packed: TensorLike,
     absmax: TensorLike,
@@ -142,7 +159,6 @@ def dora_norm_4bit(
     Returns:
         ``(norm, scale)``: the given outputs, or new ones (float32 [out]).
     """
-    return _kerf.dora_norm_4bit(packed, absmax, code, blocksize, A, B, m, s, norm, scale, eps, stream, config)
 
 
 def nf4_code() -> List[float]:
@@ -176,6 +192,7 @@ def bnb_weight4bit(weight: Any) -> Dict[str, Any]:
             "blocksize": int(state.blocksize)}
 
 
+@_bound(_kerf.moe_lora_materialize)
 def moe_lora_materialize(
     W: TensorLike,
     A: TensorLike,
@@ -205,9 +222,9 @@ def moe_lora_materialize(
     Returns:
         W_eff: ``out``, or a new tensor.
     """
-    return _kerf.moe_lora_materialize(W, A, B, s, out, stream, config, layout)
 
 
+@_bound(_kerf.dora_norm_partial)
 def dora_norm_partial(W: TensorLike, A: TensorLike, B: TensorLike, s: float, *, sumsq: Optional[TensorLike] = None,
                       stream: StreamLike = None, config: Optional[Config] = None,
                       layout: LayoutLike = None) -> TensorLike:
@@ -217,52 +234,52 @@ def dora_norm_partial(W: TensorLike, A: TensorLike, B: TensorLike, s: float, *, 
     With W and A split on "in", sum ``sumsq`` over that mesh axis (all-reduce),
     then :func:`dora_norm_finish`. Unsharded it is the whole row's sum.
     """
-    return _kerf.dora_norm_partial(W, A, B, s, sumsq, stream, config, layout)
 
 
+@_bound(_kerf.dora_norm_finish)
 def dora_norm_finish(sumsq: TensorLike, m: TensorLike, *, eps: float = 0.0, norm: Optional[TensorLike] = None,
                      scale: Optional[TensorLike] = None, stream: StreamLike = None,
                      layout: LayoutLike = None) -> Tuple[TensorLike, TensorLike]:
     """``norm = sqrt(sumsq + eps)``, ``scale = m / norm`` (float32 [out] each)."""
-    return _kerf.dora_norm_finish(sumsq, m, eps, norm, scale, stream, layout)
 
 
+@_bound(_kerf.dora_norm_backward)
 def dora_norm_backward(norm: TensorLike, grad_scale: TensorLike, *, grad_m: Optional[TensorLike] = None,
                        stream: StreamLike = None, layout: LayoutLike = None) -> TensorLike:
     """Backward of ``scale = m / norm`` with the norm a constant (DoRA detaches it):
     ``grad_m = grad_scale / norm`` (grad_m allocated in grad_scale's dtype)."""
-    return _kerf.dora_norm_backward(norm, grad_scale, grad_m, stream, layout)
 
 
+@_bound(_kerf.lora_merge)
 def lora_merge(W: TensorLike, A: TensorLike, B: TensorLike, s: float, *, stream: StreamLike = None,
                config: Optional[Config] = None) -> TensorLike:
     """In place ``W <- W + s * B @ A`` (one pass, the sum formed in float32 and rounded
     once); returns W. W [out, in], A [r, in], B [out, r], any strides (PEFT's
     fan_in_fan_out weight is the view ``W.T``); A and B must not overlap W."""
-    return _kerf.lora_merge(W, A, B, s, stream, config)
 
 
+@_bound(_kerf.lora_unmerge)
 def lora_unmerge(W: TensorLike, A: TensorLike, B: TensorLike, s: float, *, stream: StreamLike = None,
                  config: Optional[Config] = None) -> TensorLike:
     """In place ``W <- W - s * B @ A``; returns W. Merge then unmerge gives W back
     within rounding of its dtype."""
-    return _kerf.lora_unmerge(W, A, B, s, stream, config)
 
 
+@_bound(_kerf.lora_merge_flax)
 def lora_merge_flax(kernel: TensorLike, lora_a: TensorLike, lora_b: TensorLike, s: float, *,
                     stream: StreamLike = None, config: Optional[Config] = None) -> TensorLike:
     """MaxText/Flax layout, in place: ``kernel <- kernel + s * einsum("i...r,ro...->i...o...", lora_a, lora_b)``.
 
     kernel [in..., out...], lora_a [in..., r], lora_b [r, out...]; returns kernel."""
-    return _kerf.lora_merge_flax(kernel, lora_a, lora_b, s, stream, config)
 
 
+@_bound(_kerf.lora_unmerge_flax)
 def lora_unmerge_flax(kernel: TensorLike, lora_a: TensorLike, lora_b: TensorLike, s: float, *,
                       stream: StreamLike = None, config: Optional[Config] = None) -> TensorLike:
     """The inverse of :func:`lora_merge_flax` (subtracts); returns kernel."""
-    return _kerf.lora_unmerge_flax(kernel, lora_a, lora_b, s, stream, config)
 
 
+@_bound(_kerf.moe_lora_materialize_backward)
 def moe_lora_materialize_backward(dW_eff: TensorLike, A: TensorLike, B: TensorLike, s: float, *,
                                   dA: Optional[TensorLike] = None, dB: Optional[TensorLike] = None,
                                   stream: StreamLike = None, config: Optional[Config] = None,
@@ -272,9 +289,9 @@ def moe_lora_materialize_backward(dW_eff: TensorLike, A: TensorLike, B: TensorLi
 
     dA and dB (allocated in A's and B's dtypes when None) are overwritten and may
     be strided views (PEFT's flat layouts); they must not overlap the inputs."""
-    return _kerf.moe_lora_materialize_backward(dW_eff, A, B, s, dA, dB, stream, config, layout)
 
 
+@_bound(_kerf.lora_embedding)
 def lora_embedding(x: TensorLike, weight: TensorLike, A: TensorLike, B: TensorLike, s: float, *,
                    out: Optional[TensorLike] = None, padding_idx: Optional[int] = None,
                    scale_grad_by_freq: bool = False, stream: StreamLike = None,
@@ -291,10 +308,9 @@ def lora_embedding(x: TensorLike, weight: TensorLike, A: TensorLike, B: TensorLi
     to :func:`check_embedding_ids`. padding_idx / scale_grad_by_freq only
     matter to the backward.
     """
-    return _kerf.lora_embedding(x, weight, A, B, s, out, padding_idx, scale_grad_by_freq, stream, config,
-                                   layout, id_check)
 
 
+@_bound(_kerf.lora_embedding_backward)
 def lora_embedding_backward(x: TensorLike, A: TensorLike, B: TensorLike, grad_out: TensorLike, s: float, *,
                             grad_A: Optional[TensorLike] = None, grad_B: Optional[TensorLike] = None,
                             padding_idx: Optional[int] = None, scale_grad_by_freq: bool = False,
@@ -305,10 +321,9 @@ def lora_embedding_backward(x: TensorLike, A: TensorLike, B: TensorLike, grad_ou
     (none at padding_idx; divided by v's count with scale_grad_by_freq),
     ``grad_B = s * sum_t grad_out[t]^T A[:, x[t]]^T``; allocated in A's and B's dtypes.
     id_check as in :func:`lora_embedding`."""
-    return _kerf.lora_embedding_backward(x, A, B, grad_out, s, grad_A, grad_B, padding_idx,
-                                            scale_grad_by_freq, stream, config, layout, id_check)
 
 
+@_bound(_kerf.check_embedding_ids)
 def check_embedding_ids(tensor: TensorLike, *, stream: StreamLike = None) -> None:
     """Raises ValueError when a CUDA :func:`lora_embedding` or
     :func:`lora_embedding_backward` call with ``id_check="deferred"`` on
@@ -316,4 +331,3 @@ def check_embedding_ids(tensor: TensorLike, *, stream: StreamLike = None) -> Non
     ops) met an id outside the vocabulary since the last check, then clears
     that record. Waits for the stream. Does nothing for CPU tensors, whose ids
     are checked before each call."""
-    _kerf.check_embedding_ids(tensor, stream)

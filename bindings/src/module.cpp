@@ -2,6 +2,8 @@
 // is the other half and the one users import).
 #include "module.h"
 
+#include "fast_call.h"
+
 #include <string>
 
 #include "kerf/jit/autotune.h"
@@ -25,6 +27,7 @@ PYBIND11_MODULE(_kerf, m) {
   python::register_errors(m);
   python::bind_buffer(m);
   python::bind_ops(m);
+  python::fast_call::bind_with_signature(m);
   // A Ctrl-C stops a long autotuning pass: the tuner asks between candidates,
   // and Python's signal handlers run then (their exception is what the call
   // raises, KeyboardInterrupt by default).

@@ -1,8 +1,9 @@
 // kerf.ops in C++. Each op converts its tensors in the order it reads them
 // (tensor_bridge.h), allocates the outputs it was not given in the caller's
 // library, and runs the C++ op without the GIL. Binding a new op is one def_fast
-// here (m.def's arguments; fast_call.h says why not m.def), one function in
-// kerf/ops.py and its line in kerf/_kerf.pyi.
+// here (m.def's arguments; fast_call.h says why not m.def), its documented
+// declaration in kerf/ops.py (decorated @_bound: kerf.ops' function is this
+// binding under that signature) and its line in kerf/_kerf.pyi.
 #include <pybind11/stl.h>
 
 #include <map>

@@ -3,9 +3,10 @@
 // kerf._torch_bridge is a small extension module built against the installed
 // PyTorch's C++ headers (only where they exist). It reads a torch.Tensor's
 // data pointer, dtype, device, sizes and strides straight from the at::Tensor
-// behind it, asks c10 for the current CUDA stream and allocates outputs with
-// at::empty (several outputs of one call in one allocation), each for a few tens of nanoseconds instead of the microseconds
-// that Python attribute reads cost. kerf._kerf imports it when torch has been
+// behind it, asks c10 for the current CUDA stream and allocates outputs from
+// PyTorch's caching allocator (several outputs of one call in one allocation),
+// each for a few tens of nanoseconds instead of the microseconds that Python
+// attribute reads cost (or, for outputs, that at::empty's dispatch costs). kerf._kerf imports it when torch has been
 // imported and falls back to the attribute path when it is missing, built for
 // another torch, or disabled with KERF_TORCH_BRIDGE=0.
 //

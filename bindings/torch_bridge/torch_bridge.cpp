@@ -4,7 +4,6 @@
 // PyTorch's own headers; it refuses to import into a process running another
 // torch version (kerf then reads tensors through Python attributes).
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/ScalarType.h>
 #include <c10/core/ScalarTypeToTypeMeta.h>
@@ -84,25 +83,6 @@ int32_t current_stream(int32_t device, void** stream) {
   }
 }
 
-PyObject* empty(const int64_t* shape, int32_t rank, int32_t dtype, int32_t device_index,
-                void** data) {
-  c10::ScalarType st;
-  if (rank < 0 || rank > KERF_TORCH_BRIDGE_MAX_RANK || !scalar_type_of(dtype, &st)) return nullptr;
-  try {
-    const c10::Device dev = device_index < 0
-                                ? c10::Device(c10::kCPU)
-                                : c10::Device(c10::kCUDA, c10::DeviceIndex(device_index));
-    at::Tensor t = at::empty(c10::IntArrayRef(shape, size_t(rank)),
-                             at::TensorOptions().dtype(st).device(dev));
-    *data = t.mutable_data_ptr();
-    PyObject* wrapped = THPVariable_Wrap(std::move(t));
-    if (!wrapped) PyErr_Clear();
-    return wrapped;
-  } catch (...) {
-    return nullptr;
-  }
-}
-
 int32_t empty_many(const int64_t* shape, int32_t rank, int32_t dtype, int32_t device_index, int32_t count,
                    PyObject** tensors, void** data) {
   c10::ScalarType st;
@@ -149,6 +129,14 @@ int32_t empty_many(const int64_t* shape, int32_t rank, int32_t dtype, int32_t de
   if (made == count) return 1;
   for (int32_t i = 0; i < made; ++i) Py_DECREF(tensors[i]);
   return 0;
+}
+
+// One new tensor: empty_many's single case (the tensor at::empty would make,
+// without going through the dispatcher).
+PyObject* empty(const int64_t* shape, int32_t rank, int32_t dtype, int32_t device_index,
+                void** data) {
+  PyObject* tensor = nullptr;
+  return empty_many(shape, rank, dtype, device_index, 1, &tensor, data) ? tensor : nullptr;
 }
 
 const KerfTorchBridge api = {KERF_TORCH_BRIDGE_ABI, sizeof(KerfTorchBridge), KERF_TORCH_VERSION,

@@ -77,6 +77,10 @@ def main():
     cases["kerf.autograd.dora_scale (m trainable)"] = lambda: kerf.autograd.dora_scale(W, A, B, m_param, 0.5)
     cases["kerf._kerf.dora_norm (no Python wrapper)"] = lambda: core.dora_norm(W, A, B, m, 0.5, norm, scale, 0.0,
                                                                               None, None)
+    # One output: the op on DoRA's backward path, its grad_m given or left to kerf.
+    grad_scale, grad_m = torch.randn(R, device=dev), torch.empty(R, device=dev)
+    cases["kerf dora_norm_backward, grad_m given"] = lambda: ops.dora_norm_backward(norm, grad_scale, grad_m=grad_m)
+    cases["kerf dora_norm_backward, grad_m allocated"] = lambda: ops.dora_norm_backward(norm, grad_scale)
     # The whole call but the launch: an op on zero rows returns after its checks.
     W0, B0, m0 = W[:0], B[:0], m[:0]
     norm0, scale0 = norm[:0], scale[:0]
@@ -97,6 +101,7 @@ def main():
     cases["kerf dora_norm, outputs given, on a torch.cuda.Stream()"] = cases[GOAL]
     cases[BAREST] = lambda: torch.cuda._sleep(1)
     cases["torch.add(x, y, out=z)"] = lambda: torch.add(x, y, out=z)
+    cases["torch.empty(rows, device='cuda') (no launch)"] = lambda: torch.empty(R, device=dev)
     cases["2x torch.empty(rows, device='cuda') (no launch)"] = lambda: (torch.empty(R, device=dev),
                                                                          torch.empty(R, device=dev))
     cases["torch.linalg.vector_norm(W, dim=1)"] = lambda: torch.linalg.vector_norm(W, dim=1)

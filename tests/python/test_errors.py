@@ -169,3 +169,59 @@ def test_core_functions_take_keywords_in_any_order(kerf_cpu):
     with pytest.raises(ValueError, match=r"dora_norm: A must have shape") as e:
         kerf_cpu._kerf.dora_norm(W, A[:, :15], B, m, 0.5, None, None, 0.0, None, None)
     assert isinstance(e.value, kerf.InvalidArgumentError)
+
+
+def test_ops_are_their_bindings_under_the_documented_signatures():
+    # kerf.ops' functions are kerf._kerf's bindings called with the Python
+    # declarations' signatures: keyword-only parameters refuse positions, the
+    # docstring and module are the declaration's, and they pickle by name.
+    import inspect
+    import pickle
+
+    f = kerf.ops.dora_norm
+    assert repr(f) == "<built-in function dora_norm>"
+    assert f.__module__ == "kerf.ops"
+    assert "DoRA weight norm" in f.__doc__
+    sig = inspect.signature(f)
+    assert list(sig.parameters)[:6] == ["W", "A", "B", "m", "s", "eps"]
+    assert sig.parameters["eps"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert sig.parameters["eps"].default == 0.0
+    assert sig.parameters["s"].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    assert pickle.loads(pickle.dumps(f)) is f
+    W, A, B, m = dora_inputs()
+    with pytest.raises(TypeError, match=r"dora_norm\(\) takes at most 5 positional arguments \(6 given\)"):
+        f(W, A, B, m, 0.5, 1e-6)
+    with pytest.raises(TypeError, match=r"dora_norm\(\) missing required argument 's'"):
+        f(W, A, B, m, eps=1e-6)
+    for name in set(kerf.ops.__all__) - {"Config"}:
+        assert getattr(kerf.ops, name).__module__ == "kerf.ops", name
+
+
+def test_a_declaration_that_does_not_match_its_binding_is_refused():
+    core = kerf._kerf
+
+    def lora_merge(W, A, B, t, *, stream=None, config=None):
+        """declares t where the binding takes s"""
+
+    with pytest.raises(ValueError, match=r"lora_merge declares 't', which lora_merge does not take"):
+        core._with_signature(core.lora_merge, lora_merge)
+
+    def short(W, A, B, s, *, stream=None):
+        """leaves out config"""
+
+    with pytest.raises(ValueError, match=r"short does not declare 'config', which lora_merge takes"):
+        core._with_signature(core.lora_merge, short)
+
+    def variadic(W, A, B, s, *args, stream=None, config=None):
+        """*args has no binding parameter"""
+
+    with pytest.raises(ValueError, match=r"parameter 'args' must be positional-or-keyword or keyword-only"):
+        core._with_signature(core.lora_merge, variadic)
+    with pytest.raises(TypeError, match=r"core must be a function of kerf._kerf"):
+        core._with_signature(print, short)
+
+    def reordered(B, A, W, s, *, config=None, stream=None):
+        """the binding's parameters in another order"""
+
+    merge = core._with_signature(core.lora_merge, reordered)
+    assert merge.__name__ == "reordered" and merge.__doc__.endswith("the binding's parameters in another order")
