@@ -7,8 +7,12 @@
 //   CPU back end: kerf::launch vs jit::cpu::run_grid of the same compiled
 //       kernel (one program, run on the calling thread), i.e. kerf's dispatch.
 //
-// Each figure is the median over batches of the mean time per call in a batch.
-// Exit status 1 when a difference is 1 us or more.
+// Each figure is the median over batches of the mean time per call in a batch;
+// on the GPU the two launches are timed in alternating batches and their
+// difference is the median of the per-batch differences. Exit status 1 when a
+// difference is 1 us or more. KERF_BENCH_BREAKDOWN=1 adds a whole op's host
+// time, its parts, and the driver's launch of empty kernels by parameter
+// bytes, threads and shared memory.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -24,6 +28,7 @@
 #include "kerf/jit/abi.h"
 #include "kerf/jit/cpu_backend.h"
 #include "kerf/jit/launch.h"
+#include "kerf/jit/nvrtc.h"
 #include "kerf/kernels/kernels.h"
 #include "kerf/ops/ops.h"
 #include "kerf/runtime/cuda.h"
@@ -62,8 +67,35 @@ double ns_per_call(int per_batch, const std::function<void()>& call,
   return ns[ns.size() / 2];
 }
 
-bool report(const char* what, double kerf_ns, double bare_ns) {
-  const double diff = kerf_ns - bare_ns;
+// Two calls timed in alternating batches: the medians of each and of the
+// per-batch differences (on a VM whose launch cost drifts by a microsecond
+// within a process, the paired difference moves far less than either).
+struct Paired {
+  double a_ns, b_ns, diff_ns;
+};
+Paired ns_per_call_paired(int per_batch, const std::function<void()>& a, const std::function<void()>& b,
+                          const std::function<void()>& after_batch) {
+  std::vector<double> na, nb, nd;
+  const auto batch = [&](const std::function<void()>& call) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < per_batch; ++i) call();
+    const auto t1 = std::chrono::steady_clock::now();
+    if (after_batch) after_batch();
+    return std::chrono::duration<double, std::nano>(t1 - t0).count() / per_batch;
+  };
+  for (int i = 0; i < kBatches; ++i) {
+    na.push_back(batch(a));
+    nb.push_back(batch(b));
+    nd.push_back(na.back() - nb.back());
+  }
+  const auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  return {median(na), median(nb), median(nd)};
+}
+
+bool report(const char* what, double kerf_ns, double bare_ns, double diff) {
   std::printf("%-4s  kerf::launch %8.1f ns   bare %8.1f ns   difference %7.1f ns   %s\n", what,
               kerf_ns, bare_ns, diff, diff < 1000.0 ? "ok (< 1 us)" : "TOO SLOW (>= 1 us)");
   return diff < 1000.0;
@@ -92,7 +124,7 @@ bool bench_cpu() {
       ns_per_call(20000, [&] { jit::cpu::run_grid(*k, Grid{1}, slots.data()); }, {});
   const double prepare_ns = ns_per_call(20000, [&] { prepare(axpb(), args, meta); }, {});
   std::printf("cpu   kerf::prepare (the lookup alone) %.1f ns\n", prepare_ns);
-  const bool ok = report("cpu", kerf_ns, bare_ns);
+  const bool ok = report("cpu", kerf_ns, bare_ns, kerf_ns - bare_ns);
 
   // A whole op next to the one launch it makes: what the op adds (checks, plan
   // lookup, arguments) is the same host code on the GPU.
@@ -156,13 +188,10 @@ bool bench_gpu() {
 
   const auto sync = [&] { stream.synchronize(); };
   const int per_batch = 500;  // well under the launch queue's depth
-  const double kerf_ns = ns_per_call(
-      per_batch, [&] { launch(axpb(), args, grid, meta, options); }, sync);
-  const double bare_ns = ns_per_call(
-      per_batch,
-      [&] { cuda::launch(function, grid, bin.threads, bin.smem_bytes, stream.handle(), params); },
-      sync);
-  const bool ok = report("gpu", kerf_ns, bare_ns);
+  const Paired lb = ns_per_call_paired(
+      per_batch, [&] { launch(axpb(), args, grid, meta, options); },
+      [&] { cuda::launch(function, grid, bin.threads, bin.smem_bytes, stream.handle(), params); }, sync);
+  const bool ok = report("gpu", lb.a_ns, lb.b_ns, lb.diff_ns);
   // The bare launch above asks the driver for the stream's context first; kerf's launches
   // make the module's context current instead (one query when it already is).
   const double bare_in_ns = ns_per_call(
@@ -261,6 +290,34 @@ bool bench_gpu() {
     };
     std::printf("gpu   bare launch of dora_norm_split (%zu param bytes, %d smem): %8.1f ns\n",
                 dslots.size() * 8, dbin.smem_bytes, ns_per_call(per_batch, bare2, sync));
+    // What the driver's launch costs by what the kernel takes: the same empty
+    // kernel with 8 to 512 bytes of parameters, one block of 32 or 128 threads,
+    // with and without 85 KB of dynamic shared memory.
+    const std::string src = R"(
+template <int N> struct P { unsigned long long v[N]; };
+template <int N> __device__ void body(const P<N>& p) { if (p.v[N - 1] == 12345) asm volatile("trap;"); }
+extern "C" __global__ void k1(const __grid_constant__ P<1> p) { body(p); }
+extern "C" __global__ void k8(const __grid_constant__ P<8> p) { body(p); }
+extern "C" __global__ void k32(const __grid_constant__ P<32> p) { body(p); }
+extern "C" __global__ void k64(const __grid_constant__ P<64> p) { body(p); }
+extern "C" __global__ void k32s(const __grid_constant__ P<32> p) { extern __shared__ char sm[]; body(p); if (p.v[0] == 7) sm[threadIdx.x] = 1; }
+)";
+    const nvrtc::Output probe = nvrtc::compile(src, "launch_probe.cu", device_arch(0));
+    cuda::Module pm(probe.image.data(), 0);
+    std::vector<unsigned long long> pbuf(64, 0);
+    void* pparams[] = {pbuf.data()};
+    struct Probe { const char* name; int bytes, threads, smem; };
+    for (const Probe& pr : {Probe{"k1", 8, 32, 0}, Probe{"k8", 64, 32, 0}, Probe{"k32", 256, 32, 0},
+                            Probe{"k64", 512, 32, 0}, Probe{"k32", 256, 128, 0}, Probe{"k32s", 256, 128, 85 * 1024}}) {
+      void* pf = pm.function(pr.name);
+      if (pr.smem > 48 * 1024) cuda::set_max_dynamic_smem(pf, pr.smem);
+      const auto go = [&] {
+        cuda::launch_in(pm.context(), pf, Grid{1, 1, 1}, pr.threads, pr.smem, stream.handle(), pparams);
+      };
+      go();
+      std::printf("gpu   bare launch of an empty kernel, %3d param bytes, %3d threads, %5d smem: %8.1f ns\n",
+                  pr.bytes, pr.threads, pr.smem, ns_per_call(per_batch, go, sync));
+    }
     std::printf("gpu   kerf::prepare(dora_norm_split): %8.1f ns\n",
                 ns_per_call(per_batch, [&] { prepare(kernels::dora_norm_split(), dargs, dmeta, options); }, {}));
   }
