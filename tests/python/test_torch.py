@@ -151,6 +151,37 @@ def test_ops_allocate_torch_outputs_on_the_inputs_device(device, torch_path):
 
 
 @CUDA_ONLY
+def test_single_cuda_outputs_are_ordinary_torch_tensors(torch_path):
+    # One output left to kerf: with kerf._torch_bridge it comes from PyTorch's caching
+    # allocator without torch.empty; it must behave as torch.empty's tensor would.
+    norm = torch.rand(40, device="cuda") + 0.5
+    g = torch.randn(40, device="cuda", dtype=torch.bfloat16)
+    grad_m = kerf.ops.dora_norm_backward(norm, g)
+    W = torch.randn(3, 24, 16, device="cuda")
+    A, B = torch.randn(3, 4, 16, device="cuda") / 4, torch.randn(3, 24, 4, device="cuda")
+    W_eff = kerf.ops.moe_lora_materialize(W, A, B, 0.5)
+    empty = kerf.ops.moe_lora_materialize(W[:0], A[:0], B[:0], 0.5)
+    for t, shape, dtype in ((grad_m, (40,), torch.bfloat16), (W_eff, (3, 24, 16), torch.float32),
+                            (empty, (0, 24, 16), torch.float32)):
+        assert type(t) is torch.Tensor and t.device == norm.device and t.dtype == dtype
+        assert t.shape == shape and t.is_contiguous() and t._base is None and t.storage_offset() == 0
+        assert not t.requires_grad and t.grad_fn is None
+        assert t.data_ptr() % 256 == 0 or t.numel() == 0
+    torch.testing.assert_close(grad_m.double(), (g.double() / norm.double()), rtol=1e-2, atol=0)
+    torch.testing.assert_close(W_eff.double(), W.double() + 0.5 * (B.double() @ A.double()), rtol=1e-5, atol=1e-5)
+    # An ordinary tensor: in-place ops bump its own version, its storage resizes, autograd takes it.
+    v = W_eff._version
+    W_eff.mul_(2.0)
+    assert W_eff._version == v + 1
+    grad_m.resize_(1000)  # past its allocation: the storage grows as a torch.empty tensor's would
+    grad_m.fill_(1.0)
+    assert grad_m.shape == (1000,) and float(grad_m.float().sum()) == 1000.0
+    leaf = W_eff.requires_grad_(True)
+    (leaf * 3.0).sum().backward()
+    torch.testing.assert_close(leaf.grad, torch.full_like(leaf, 3.0))
+
+
+@CUDA_ONLY
 @pytest.mark.parametrize("rows", [1, 48, 64])
 def test_cuda_outputs_made_together_are_independent_tensors(rows, torch_path):
     # norm and scale may come from one allocation (kerf._torch_bridge): each must
