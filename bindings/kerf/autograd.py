@@ -35,7 +35,6 @@ try:
 except ImportError as e:  # pragma: no cover - exercised on machines without torch
     raise ImportError("kerf.autograd needs PyTorch (kerf.ops works without it)") from e
 
-from . import _kerf
 from . import ops as _ops
 
 __all__ = [
@@ -79,9 +78,7 @@ def _dora_norm_and_scale(W: Tensor, A: Tensor, B: Tensor, m: Tensor, s: float, e
     if getattr(W, "quant_state", None) is not None:  # any tensor may carry one, not only Params4bit
         return _ops.dora_norm_4bit(A=_for_kerf(A), B=_for_kerf(B), m=_for_kerf(m), s=float(s), eps=float(eps),
                                    **_ops.bnb_weight4bit(W))
-    # kerf.ops.dora_norm's binding itself: this runs on every forward.
-    return _kerf.dora_norm(_for_kerf(W), _for_kerf(A), _for_kerf(B), _for_kerf(m), float(s), None, None, float(eps),
-                           None, None, None)
+    return _ops.dora_norm(_for_kerf(W), _for_kerf(A), _for_kerf(B), _for_kerf(m), float(s), eps=float(eps))
 
 
 def dora_weight_norm(W: Tensor, A: Tensor, B: Tensor, s: float, eps: float = 0.0) -> Tensor:
@@ -129,10 +126,10 @@ class DoraScale(torch.autograd.Function):
             else:  # kerf's ops::dora_norm_backward: grad_m = grad_scale / norm
                 g = _dense_grad(grad_scale)
                 if g.dtype == ctx.m_dtype:  # grad_m allocated by the binding, in g's dtype
-                    grad_m = _kerf.dora_norm_backward(norm, g, None, None, None)
+                    grad_m = _ops.dora_norm_backward(norm, g)
                 else:
                     grad_m = torch.empty(norm.shape, dtype=ctx.m_dtype, device=norm.device)
-                    _kerf.dora_norm_backward(norm, g, grad_m, None, None)
+                    _ops.dora_norm_backward(norm, g, grad_m=grad_m)
         # No gradient reaches W, A or B through the detached norm (DoRA section 4.3).
         return None, None, None, grad_m, None, None
 

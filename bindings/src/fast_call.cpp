@@ -68,12 +68,10 @@ PyObject* entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObjec
   const Function* fn = function_in(self);
   const size_t n = fn->params.size();
   PyObject* slots[kMaxParams] = {};
-  if (size_t(nargs) > n || size_t(nargs) > fn->positional) {
-    if (fn->positional < n)
-      PyErr_Format(PyExc_TypeError, "%s() takes at most %zu positional arguments (%zd given)", fn->name.c_str(),
-                   fn->positional, nargs);
-    else
-      PyErr_Format(PyExc_TypeError, "%s() takes at most %zu arguments (%zd given)", fn->name.c_str(), n, nargs);
+  const size_t positional = std::min(n, fn->positional);
+  if (size_t(nargs) > positional) {
+    PyErr_Format(PyExc_TypeError, "%s() takes at most %zu %sarguments (%zd given)", fn->name.c_str(), positional,
+                 positional < n ? "positional " : "", nargs);
     return nullptr;
   }
   for (Py_ssize_t i = 0; i < nargs; ++i) slots[i] = args[i];
@@ -126,7 +124,6 @@ py::object make_function(Function* fn, const py::object& module_name) {
   if (fn->params.size() > kMaxParams)
     throw InternalError("def_fast(" + fn->name + "): more than " + std::to_string(kMaxParams) + " parameters");
   fn->doc = doc_with_signature(*fn);
-  fn->interned.clear();
   for (const std::string& p : fn->params) {
     PyObject* name = PyUnicode_InternFromString(p.c_str());
     if (!name) throw py::error_already_set();

@@ -75,8 +75,9 @@ def main():
     import kerf.autograd
     m_param = torch.nn.Parameter(m.clone())
     cases["kerf.autograd.dora_scale (m trainable)"] = lambda: kerf.autograd.dora_scale(W, A, B, m_param, 0.5)
-    cases["kerf._kerf.dora_norm (no Python wrapper)"] = lambda: core.dora_norm(W, A, B, m, 0.5, norm, scale, 0.0,
-                                                                              None, None)
+    # kerf.ops.dora_norm is this binding; here every argument comes by position, in the binding's order.
+    cases["kerf._kerf.dora_norm, all positional (no keyword matching)"] = lambda: core.dora_norm(
+        W, A, B, m, 0.5, norm, scale, 0.0, None, None)
     # One output: the op on DoRA's backward path, its grad_m given or left to kerf.
     grad_scale, grad_m = torch.randn(R, device=dev), torch.empty(R, device=dev)
     cases["kerf dora_norm_backward, grad_m given"] = lambda: ops.dora_norm_backward(norm, grad_scale, grad_m=grad_m)
