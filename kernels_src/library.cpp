@@ -144,6 +144,7 @@ const std::vector<LibraryEntry>& library() {
                                                     tensor(DType::f32, 2),
                                                     tensor(DType::f32, 2),
                                                     tensor(DType::i32, 1),
+                                                    tensor(DType::i32, 1),
                                                     tensor(DType::i64, 1),
                                                     scalar,
                                                     scalar,
@@ -176,6 +177,24 @@ const std::vector<LibraryEntry>& library() {
                  },
                  [](DType) {
                    return dsl::MetaMap{{"BLOCK_T", 128}, {"R_PAD", 16}, {"BY_FREQ", 1}};
+                 }});
+    e.push_back({"lora_embedding_group", lora_embedding_group,
+                 [=](DType) {
+                   return std::vector<dsl::ArgSpec>{tensor(DType::i64, 1), tensor(DType::i32, 1),
+                                                    tensor(DType::i32, 1), tensor(DType::f32, 2), scalar};
+                 },
+                 [](DType) {
+                   return dsl::MetaMap{{"BLOCK_T", 256}, {"BLOCK_M", 128}, {"BLOCK_K", 16}, {"FILL_B", 1}};
+                 }});
+    e.push_back({"lora_embedding_dense_a", lora_embedding_dense_a,
+                 [=](DType t) {
+                   return std::vector<dsl::ArgSpec>{tensor(DType::i32, 1), tensor(DType::i32, 1),
+                                                    tensor(DType::f32, 2), tensor(t, 2),
+                                                    tensor(DType::f32, 2), tensor(t, 2)};
+                 },
+                 [](DType) {
+                   return dsl::MetaMap{{"BLOCK_V", 128}, {"R_PAD", 16}, {"FLUSH_B", 1},
+                                       {"BLOCK_M", 128}, {"BLOCK_K", 16}};
                  }});
     e.push_back(
         {"embedding_count_ids", embedding_count_ids,

@@ -97,11 +97,15 @@ const dsl::Kernel& lora_embedding_backward() {
                  g = k.tensor("g", 2);
     const Value s = k.scalar("s");
     const Tensor dA = k.tensor("dA", 2, DType::f32), dB = k.tensor("dB", 2, DType::f32);
-    const Tensor counts = k.tensor("counts", 1, DType::i32), err = k.tensor("err", 1, DType::i64);
+    const Tensor counts = k.tensor("counts", 1, DType::i32), first = k.tensor("first", 1, DType::i32);
+    const Tensor err = k.tensor("err", 1, DType::i64);
     const Value start = k.scalar("start", DType::i64), total = k.scalar("total", DType::i64);
     const Value padding = k.scalar("padding", DType::i64);
     const int64_t BT = k.meta("BLOCK_T"), BD = k.meta("BLOCK_D"), R = k.meta("R_PAD");
     const bool by_freq = k.meta("BY_FREQ", 0) != 0;
+    // GROUP_BY_ID: dA is the [T, r] sums by id, row first[v] - 1 for id v (from
+    // lora_embedding_group, complete once the prior grid is); else dA itself.
+    const bool grouped = k.meta("GROUP_BY_ID", 0) != 0;
     // ROTATE: each token block starts its steps over D at a different step, so the token
     // blocks sharing a slice of D do not all add into the same rows of dB at once.
     const bool rotate = k.meta("ROTATE", 0) != 0;
@@ -131,26 +135,38 @@ const dsl::Kernel& lora_embedding_backward() {
       atomic_add(dB, {d.col(), rk.row()}, dot(trans(gt), act) * s, d_ok & rk_ok);
       return dot(gt, b, acc);
     });
+    // Programs whose share of D is empty met no wait in the loop.
+    if (grouped && wait_fill) wait_prior_grid();
     Value w = broadcast_to(s, {BT});
     if (by_freq)
       w = w / maximum(load(counts, {t.local}, t.in_shard, 1.0).to(DType::f32), literal(1.0));
     const Value gets = t.in_shard & (t.id != padding);
-    atomic_add(dA, {rk.row(), t.local.col()}, gB * w.col(), gets.col() & rk_ok);
-    // L2_KEEP: the fill wrote dA and dB evict-last, so that the zeros met by the atomics
-    // above were still in L2 after the stream of g; this program's share of their lines
-    // goes back to normal priority (one element per 128-byte line; stride 1 along dim 1).
+    if (grouped) {
+      // Every token of an id adds into the row of the id's first token: a token's r sums
+      // are one run of r floats, and dA's columns are written once, by lora_embedding_dense_a.
+      const Value row = load(first, {t.local}, t.in_shard).to(DType::i64) - 1;
+      atomic_add(dA, {row.col(), rk.row()}, gB * w.col(), (gets & (row >= 0)).col() & rk_ok);
+    } else {
+      atomic_add(dA, {rk.row(), t.local.col()}, gB * w.col(), gets.col() & rk_ok);
+    }
+    // L2_KEEP: the fill wrote dA (unless grouped) and dB evict-last, so that the zeros met
+    // by the atomics above were still in L2 after the stream of g; this program's share of
+    // their lines goes back to normal priority (one element per 128-byte line; stride 1
+    // along dim 1).
     if (k.meta("L2_KEEP", 0)) {
       const Value prog = program_id(0) * num_programs(1) + program_id(1);
       const Value progs = num_programs(0) * num_programs(1);
       const int64_t BL = 64, per_line = 32;  // f32 elements in a line
-      const Value v_share = cdiv(dA.dim(1), progs);
-      const Value c_lo = minimum(dA.dim(1), prog * v_share), c_hi = minimum(dA.dim(1), c_lo + v_share);
-      for_range(c_lo, c_hi, BL * per_line, [&](const Value& c0) {
-        const Value c = c0 + arange(BL) * per_line;
-        l2_evict_normal(dA, {rk.col(), c.row()}, (rk.col() < rank) & (c.row() < c_hi));
-      });
-      // Each row's last column: its line may lie past the last step of per_line.
-      l2_evict_normal(dA, {rk, broadcast_to(c_hi - 1, {R})}, (rk < rank) & (c_hi > c_lo));
+      if (!grouped) {
+        const Value v_share = cdiv(dA.dim(1), progs);
+        const Value c_lo = minimum(dA.dim(1), prog * v_share), c_hi = minimum(dA.dim(1), c_lo + v_share);
+        for_range(c_lo, c_hi, BL * per_line, [&](const Value& c0) {
+          const Value c = c0 + arange(BL) * per_line;
+          l2_evict_normal(dA, {rk.col(), c.row()}, (rk.col() < rank) & (c.row() < c_hi));
+        });
+        // Each row's last column: its line may lie past the last step of per_line.
+        l2_evict_normal(dA, {rk, broadcast_to(c_hi - 1, {R})}, (rk < rank) & (c_hi > c_lo));
+      }
       const Value d_share = cdiv(dB.dim(0), progs);
       const Value d_lo = minimum(dB.dim(0), prog * d_share), d_hi = minimum(dB.dim(0), d_lo + d_share);
       const int64_t CB = int64_t(std::bit_ceil(uint64_t(R / per_line + 2)));
@@ -195,6 +211,68 @@ const dsl::Kernel& lora_embedding_scatter() {
     atomic_add(dA, {rk.row(), t.local.col()}, g * w.col(), (t.in_shard & (t.id != padding)).col() & rk_ok);
     store(gB, {t.tok.col(), rk.row()}, zeros({BT, R}), mine);
     store(act, {t.tok.col(), rk.row()}, zeros({BT, R}, act.dtype()), mine);
+  });
+  return k;
+}
+
+const dsl::Kernel& lora_embedding_group() {
+  static const Kernel k("lora_embedding_group", [](Builder& k) {
+    const Tensor x = k.tensor("x", 1), counts = k.tensor("counts", 1, DType::i32);
+    const Tensor first = k.tensor("first", 1, DType::i32), dB = k.tensor("dB", 2, DType::f32);
+    const Value start = k.scalar("start", DType::i64);
+    const int64_t BT = k.meta("BLOCK_T"), BM = k.meta("BLOCK_M"), BK = k.meta("BLOCK_K");
+    if (k.meta("RELEASE", 0)) release_dependents();
+    // Programs [0, cdiv(T, BLOCK_T)): tokens. The token that finds its id's count at 0
+    // leaves its position + 1 as the id's first.
+    const Tokens t = read_tokens(k, x, start, counts.dim(0));
+    const Value old = atomic_add(counts, {t.local}, full({BT}, 1.0, DType::i32), t.in_shard);
+    store(first, {t.local}, (t.tok + 1).to(DType::i32), t.in_shard & (old == 0));
+    // The programs after them: a [BLOCK_M, BLOCK_K] tile of dB each, zeroed (FILL_B).
+    if (k.meta("FILL_B", 0)) {
+      const Value q = program_id(0) - cdiv(x.dim(0), literal(BT));
+      const Value col_blocks = cdiv(dB.dim(1), literal(BK));
+      const Value rows = ((q / col_blocks) * BM + arange(BM)).col();
+      const Value cols = ((q % col_blocks) * BK + arange(BK)).row();
+      const Value ok = (q >= 0) & (rows < dB.dim(0)) & (cols < dB.dim(1));
+      store(dB, {rows, cols}, zeros({BM, BK}), ok, k.meta("EVICT_LAST", 0) ? Evict::last : Evict::normal);
+    }
+  });
+  return k;
+}
+
+const dsl::Kernel& lora_embedding_dense_a() {
+  static const Kernel k("lora_embedding_dense_a", [](Builder& k) {
+    const Tensor first = k.tensor("first", 1, DType::i32), counts = k.tensor("counts", 1, DType::i32);
+    const Tensor sums = k.tensor("sums", 2, DType::f32), dA = k.tensor("dA", 2);
+    const Tensor db_acc = k.tensor("db_acc", 2, DType::f32), dB = k.tensor("dB", 2);
+    const int64_t BV = k.meta("BLOCK_V"), R = k.meta("R_PAD");
+    if (k.meta("WAIT_PRIOR", 0)) wait_prior_grid();
+    // FLUSH_B: the programs after dA's column blocks turn a [BLOCK_M, BLOCK_K] tile of
+    // dB's f32 accumulator each into dB, and zero it again.
+    if (k.meta("FLUSH_B", 0)) {
+      const int64_t BM = k.meta("BLOCK_M"), BK = k.meta("BLOCK_K");
+      const Value q = program_id(0) - cdiv(dA.dim(1), literal(BV));
+      const Value col_blocks = cdiv(dB.dim(1), literal(BK));
+      const Value rows = ((q / col_blocks) * BM + arange(BM)).col();
+      const Value cols = ((q % col_blocks) * BK + arange(BK)).row();
+      const Value ok = (q >= 0) & (rows < dB.dim(0)) & (cols < dB.dim(1));
+      store(dB, {rows, cols}, load(db_acc, {rows, cols}, ok).to(dB.dtype()), ok);
+      store(db_acc, {rows, cols}, zeros({BM, BK}), ok);
+    }
+    const Value v = program_id(0) * BV + arange(BV);
+    const Value v_ok = v < dA.dim(1);
+    const Value rk = arange(R);
+    const Value rk_ok = rk.col() < dA.dim(0);  // [R, 1]
+    const Value f = load(first, {v}, v_ok);
+    const Value has = f > 0;
+    const Value row = f.to(DType::i64) - 1;
+    const Value mine = has.row() & rk_ok;  // [R, BV]
+    const Value a = load(sums, {row.row(), rk.col()}, mine);
+    store(dA, {rk.col(), v.row()}, a.to(dA.dtype()), v_ok.row() & rk_ok);
+    // The workspace goes back to zero: the sums read, each id's first and count.
+    store(sums, {row.row(), rk.col()}, zeros({R, BV}), mine);
+    store(first, {v}, zeros({BV}, DType::i32), has);
+    store(counts, {v}, zeros({BV}, DType::i32), has);
   });
   return k;
 }

@@ -117,12 +117,15 @@ struct BackCase {
   int64_t l2_prefetch = 0;  // Config.meta L2_PREFETCH (a hint: the same answer)
   bool staged = false;  // Config.meta STAGED_ADDS: dB's per-step atomics as whole-row 4-wide vectors
   int64_t block_t = 0, block_d = 0;  // the tile (0: kerf's, or 16x32 with ROTATE or GATHER)
+  // Config.meta GROUP_BY_ID (-1: kerf's choice): each id's sums in one row of a
+  // workspace, dA written whole by a kernel of its own.
+  int group = -1;
 };
 
 void check_backward(const BackCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.T, c.V, c.D, c.r, dtype_name(c.g), dtype_name(c.ab), dtype_name(c.grads),
           c.padding.value_or(-999), c.by_freq, c.split, c.rotate, c.gather, c.l2_prefetch, c.staged, c.block_t,
-          c.block_d, seed, dev.str());
+          c.block_d, c.group, seed, dev.str());
   std::mt19937_64 rng(seed);
   TestTensor X(DType::i64, {c.T}, dev), A(c.ab, {c.r, c.V}, dev), B(c.ab, {c.D, c.r}, dev);
   TestTensor G(c.g, {c.T, c.D}, dev), dA(c.grads, {c.r, c.V}, dev), dB(c.grads, {c.D, c.r}, dev);
@@ -151,9 +154,18 @@ void check_backward(const BackCase& c, Device dev, uint64_t seed) {
   if (c.gather) cfg.meta["GATHER"] = 1;
   if (c.staged) cfg.meta["STAGED_ADDS"] = 1;
   if (c.l2_prefetch) cfg.meta["L2_PREFETCH"] = c.l2_prefetch;
+  if (c.group >= 0) cfg.meta["GROUP_BY_ID"] = c.group;
   const double s = 2.0;
   ops::lora_embedding_backward(X.view(), A.view(), B.view(), G.view(), s, dA.view(), dB.view(), o,
                                nullptr, cfg);
+  if (!c.gather) {
+    // Again into fresh garbage: the first call must have left its workspace as it found it.
+    test::sync(dev);
+    dA.poison();
+    dB.poison();
+    ops::lora_embedding_backward(X.view(), A.view(), B.view(), G.view(), s, dA.view(), dB.view(), o,
+                                 nullptr, cfg);
+  }
   test::sync(dev);
   dA.download();
   dB.download();
@@ -207,6 +219,16 @@ void run_backward_cases(Device dev) {
   };
   uint64_t seed = 6200;
   for (const BackCase& c : cases) check_backward(c, dev, seed++);
+  // Each case but GATHER's also with GROUP_BY_ID named: on (kerf's choice on a GPU only
+  // where dA is not f32) and, on a GPU, off.
+  for (BackCase c : cases) {
+    if (c.gather) continue;
+    for (const int group : {1, 0}) {
+      if (group == 0 && !dev.is_cuda()) continue;  // the CPU's default, run above
+      c.group = group;
+      check_backward(c, dev, seed++);
+    }
+  }
 }
 
 // axolotl's regression tests: TestEmbeddingPaddingIdxGrad and TestEmbeddingScaleGradByFreq.

@@ -109,7 +109,7 @@ std::vector<Case> op_kernel_cases() {
     c.push_back(
         {&kernels::lora_embedding_backward(),
          {T(ids, 1, fast), T(ad, 2, fast), T(ad, 2, fast), T(w, 2, fast), S, T(DType::f32, 2, fast),
-          T(DType::f32, 2, fast), T(DType::i32, 1), T(DType::i64, 1), S, S, S},
+          T(DType::f32, 2, fast), T(DType::i32, 1), T(DType::i32, 1), T(DType::i64, 1), S, S, S},
          {{"BLOCK_T", 64},
           {"BLOCK_D", 64},
           {"R_PAD", 16},
@@ -118,9 +118,24 @@ std::vector<Case> op_kernel_cases() {
           {"ROTATE", 1 - flag},
           {"WAIT_PRIOR", 1 - flag},
           {"L2_KEEP", 1 - flag},
+          {"GROUP_BY_ID", flag},
           {"num_stages", stages}},
          "lora_embedding_backward",
          v.arch});
+    c.push_back({&kernels::lora_embedding_group(),
+                 {T(ids, 1, fast), T(DType::i32, 1), T(DType::i32, 1), T(DType::f32, 2, fast), S},
+                 flag ? MetaMap{{"BLOCK_T", 256}, {"BLOCK_M", 128}, {"BLOCK_K", 16}}
+                      : MetaMap{{"BLOCK_T", 256}, {"BLOCK_M", 128}, {"BLOCK_K", 16}, {"FILL_B", 1},
+                                {"RELEASE", 1}, {"EVICT_LAST", 1}},
+                 "lora_embedding_group",
+                 v.arch});
+    c.push_back({&kernels::lora_embedding_dense_a(),
+                 {T(DType::i32, 1), T(DType::i32, 1), T(DType::f32, 2, fast), T(w, 2, fast),
+                  T(DType::f32, 2, fast), T(w, 2, fast)},
+                 flag ? MetaMap{{"BLOCK_V", 128}, {"R_PAD", 16}, {"FLUSH_B", 1}, {"BLOCK_M", 128}, {"BLOCK_K", 16}}
+                      : MetaMap{{"BLOCK_V", 64}, {"R_PAD", 16}, {"WAIT_PRIOR", 1}},
+                 "lora_embedding_dense_a",
+                 v.arch});
     c.push_back({&kernels::embedding_count_ids(),
                  {T(ids, 1, fast), T(DType::i32, 1), S},
                  {{"BLOCK_T", 64}, {"CLEAR", flag}},
@@ -308,7 +323,7 @@ TEST_CASE("rotated column steps still run their loads ahead", "[cuda][codegen][o
   CHECK(src.find("prefetch @A") != std::string::npos);
   CHECK(src.find("kerf_dev::cp_async<16>") != std::string::npos);  // still whole 16-byte rows
   const std::vector<ArgSpec> emb = {T(DType::i64, 1), T(DType::bf16, 2), T(DType::bf16, 2), T(DType::bf16, 2), S,
-                                    T(DType::f32, 2), T(DType::f32, 2), T(DType::i32, 1), T(DType::i64, 1), S, S, S};
+                                    T(DType::f32, 2), T(DType::f32, 2), T(DType::i32, 1), T(DType::i32, 1), T(DType::i64, 1), S, S, S};
   const std::string esrc = source_of(kernels::lora_embedding_backward(), emb,
                                      {{"BLOCK_T", 128}, {"BLOCK_D", 64}, {"R_PAD", 16}, {"DOT", int64_t(DType::bf16)},
                                       {"ROTATE", 1}, {"num_stages", 3}});
@@ -318,7 +333,7 @@ TEST_CASE("rotated column steps still run their loads ahead", "[cuda][codegen][o
 TEST_CASE("the embedding backward with L2_KEEP puts its share of dA and dB back to normal L2 priority",
           "[cuda][codegen][ops]") {
   const std::vector<ArgSpec> emb = {T(DType::i64, 1), T(DType::bf16, 2), T(DType::bf16, 2), T(DType::bf16, 2), S,
-                                    T(DType::f32, 2), T(DType::f32, 2), T(DType::i32, 1), T(DType::i64, 1), S, S, S};
+                                    T(DType::f32, 2), T(DType::f32, 2), T(DType::i32, 1), T(DType::i32, 1), T(DType::i64, 1), S, S, S};
   MetaMap meta = {{"BLOCK_T", 128}, {"BLOCK_D", 128}, {"R_PAD", 16}, {"DOT", int64_t(DType::bf16)},
                   {"ROTATE", 1},    {"WAIT_PRIOR", 1}, {"num_warps", 4}, {"num_stages", 3}};
   const std::string plain = source_of(kernels::lora_embedding_backward(), emb, meta);

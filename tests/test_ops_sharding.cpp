@@ -249,13 +249,16 @@ void check_embedding_layouts(Device dev) {
   const std::vector<double> ref_out = values(out), ref_a = values(dA), ref_b = values(dB);
 
   // Vocab split over "vp" (3 shards of 40 ids): forward outputs and grad_B are partial sums.
-  // The backward both as one kernel and as gather, product, scatter (Config.meta GATHER).
-  ops::Config gathered;
+  // The backward both as one kernel and as gather, product, scatter (Config.meta GATHER),
+  // and with the ids grouped (GROUP_BY_ID: each shard's columns of grad_A, strided views
+  // of one tensor, written whole).
+  ops::Config gathered, grouped;
   gathered.block_m = 16;
   gathered.block_k = 32;
   gathered.meta["GATHER"] = 1;
-  for (const ops::Config& cfg : {ops::Config{}, gathered}) {
-  CAPTURE(cfg.meta.size());
+  grouped.meta["GROUP_BY_ID"] = 1;
+  for (const ops::Config& cfg : {ops::Config{}, gathered, grouped}) {
+  CAPTURE(cfg.meta);
   std::vector<double> out_sum(size_t(T * D), 0.0), b_sum(size_t(D * r), 0.0);
   TestTensor gA(DType::f32, {r, V}, dev);
   gA.poison();

@@ -346,13 +346,16 @@ cuda::DeviceBuffer random_ids(int64_t T, int64_t V, uint64_t seed) {
 }
 
 // out[t] = E[x[t]] + s A[:, x[t]] @ B^T, bf16 table and adapters; one table, ids rotated.
-OpCase make_embedding(int64_t T, int64_t V, int64_t D, int64_t r, bool backward) {
+// Backward: gradients of A and B in `grads` (f32, or bf16 as the adapters).
+OpCase make_embedding(int64_t T, int64_t V, int64_t D, int64_t r, bool backward, DType grads = DType::f32) {
   const Device dev = Device::cuda(0);
   OpCase c;
   c.op = std::string(backward ? "embedding_backward" : "embedding") + " r=" + std::to_string(r);
+  if (backward && grads != DType::f32) c.op += std::string(" ") + dtype_name(grads) + " grads";
   c.shape = shape_str({T, V, D});
-  // forward: ids, gathered rows and LoRA columns, B, out; backward: ids, g, gathered A, B, dA and dB (f32).
-  c.bytes = backward ? double(T) * 8 + double(T * D + T * r + D * r) * 2 + double(r * V + D * r) * 4
+  const double gb = double(dtype_size_bytes(grads));
+  // forward: ids, gathered rows and LoRA columns, B, out; backward: ids, g, gathered A, B, dA and dB.
+  c.bytes = backward ? double(T) * 8 + double(T * D + T * r + D * r) * 2 + double(r * V + D * r) * gb
                      : double(T) * 8 + double(T * D + T * r + D * r + T * D) * 2;
   auto table = std::make_shared<cuda::DeviceBuffer>(random_buffer(DType::bf16, size_t(V * D), 301));
   auto A = std::make_shared<cuda::DeviceBuffer>(random_buffer(DType::bf16, size_t(r * V), 303, 0.1f));
@@ -364,8 +367,8 @@ OpCase make_embedding(int64_t T, int64_t V, int64_t D, int64_t r, bool backward)
     if (backward) {
       fill_random(b.back(), DType::bf16, size_t(T * D), 313 + i);
       // Gradients rotate with the inputs: a call never finds the last call's dA and dB in L2.
-      b.emplace_back(size_t(r * V) * 4);
-      b.emplace_back(size_t(D * r) * 4);
+      b.emplace_back(size_t(r * V) * size_t(gb));
+      b.emplace_back(size_t(D * r) * size_t(gb));
     }
     c.sets.push_back(std::move(b));
   }
@@ -377,8 +380,8 @@ OpCase make_embedding(int64_t T, int64_t V, int64_t D, int64_t r, bool backward)
     const TensorView bb = TensorView::contiguous(B->data(), DType::bf16, {D, r}, dev);
     const TensorView y = TensorView::contiguous(b[1].data(), DType::bf16, {T, D}, dev);
     if (backward)
-      ops::lora_embedding_backward(x, a, bb, y, 2.0, TensorView::contiguous(b[2].data(), DType::f32, {r, V}, dev),
-                                   TensorView::contiguous(b[3].data(), DType::f32, {D, r}, dev), o, stream, cfg);
+      ops::lora_embedding_backward(x, a, bb, y, 2.0, TensorView::contiguous(b[2].data(), grads, {r, V}, dev),
+                                   TensorView::contiguous(b[3].data(), grads, {D, r}, dev), o, stream, cfg);
     else
       ops::lora_embedding(x, TensorView::contiguous(table->data(), DType::bf16, {V, D}, dev), a, bb, 2.0, y, o,
                           stream, cfg);
@@ -773,7 +776,10 @@ int main(int argc, char** argv) {
       emb_bwd_cfgs.push_back(ops::Config{32, 256, 0, 8, 2, {{"GATHER", 1}}});
     }
     if (family("embedding r=")) run_case(make_embedding(8192, 128256, 4096, 16, false), emb_cfgs);
-    if (family("embedding_backward")) run_case(make_embedding(8192, 128256, 4096, 16, true), emb_bwd_cfgs);
+    if (family("embedding_backward")) {
+      run_case(make_embedding(8192, 128256, 4096, 16, true), emb_bwd_cfgs);
+      run_case(make_embedding(8192, 128256, 4096, 16, true, DType::bf16), emb_bwd_cfgs);
+    }
 
     write_json();
   } catch (const kerf::Error& e) {

@@ -115,9 +115,31 @@ const dsl::Kernel& lora_embedding();
 // when launched with LaunchOptions::overlap_prior), L2_KEEP (dA and dB were
 // zeroed with EVICT_LAST: once its atomics are issued, each program puts the
 // L2 lines of its share of dA and dB back to normal priority; dA's and dB's
-// last dimension must have stride 1).
-// Args: x, A, B, g, s, dA, dB, counts, err, start, total, padding (-1: none).
+// last dimension must have stride 1), GROUP_BY_ID (dA is instead the [T, r]
+// f32 sums by id: each token adds into row first[x[t] - start] - 1, first [V]
+// i32 from lora_embedding_group, whose grid is the one before it (WAIT_PRIOR)
+// or complete before it starts; counts come from there too).
+// Args: x, A, B, g, s, dA, dB, counts, first, err, start, total, padding (-1: none).
 const dsl::Kernel& lora_embedding_backward();
+
+// The backward with GROUP_BY_ID, around lora_embedding_backward:
+// lora_embedding_group counts the ids inside [start, start + V) (counts [V]
+// i32, zero on entry) and leaves in first[v] (i32 [V], zero on entry) the
+// position + 1 of a token of id v, the one that found its count at 0; with
+// FILL_B, the programs after cdiv(T, BLOCK_T) zero dB [D, r] in [BLOCK_M,
+// BLOCK_K] tiles (EVICT_LAST: evict-last stores); RELEASE as fill_3d's. Then
+// lora_embedding_dense_a writes every column of dA [r, V] (any float dtype):
+// sums[first[v] - 1, :] where first[v] > 0, else zeros, and sets the sums it
+// read, first and counts back to zero (WAIT_PRIOR: launched to overlap the
+// kernel before it, it waits for that grid first); with FLUSH_B, the programs
+// after its column blocks write dB [D, r] (any float dtype) from its f32
+// accumulator db_acc in [BLOCK_M, BLOCK_K] tiles and zero db_acc again.
+// Grids: cdiv(T, BLOCK_T) (+ dB's tiles) and cdiv(V, BLOCK_V) (+ dB's
+// tiles). Meta: BLOCK_T, BLOCK_M, BLOCK_K / BLOCK_V, R_PAD, BLOCK_M, BLOCK_K.
+// Args: x, counts, first, dB, start / first, counts, sums (f32 [T, r]), dA,
+// db_acc, dB.
+const dsl::Kernel& lora_embedding_group();
+const dsl::Kernel& lora_embedding_dense_a();
 
 // The backward in three launches, for when grad_out is best read by column
 // blocks (ops: Config.meta GATHER): lora_embedding_gather writes each token's
