@@ -374,6 +374,33 @@ def test_lora_embedding_with_dora_matches_peft_semantics_under_torch_autograd(de
         torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-5)
 
 
+@CUDA_ONLY
+@pytest.mark.parametrize("adapters", [torch.bfloat16, torch.float32])
+def test_cuda_lora_embedding_gradients_in_the_adapters_dtype_match_float64(adapters):
+    """bf16 adapters get bf16 gradients (kerf then groups the ids and writes grad_A once);
+    fp32 adapters fp32 ones (added into at scattered ids): both against float64 autograd."""
+    torch.manual_seed(9)
+    V, H, r, s = 300, 64, 16, 2.0
+    x = torch.randint(0, V, (4, 50), device="cuda")
+    x[:, ::7] = 5  # an id many tokens share
+    x[0, 1] = 1    # padding
+    W = torch.randn(V, H, device="cuda").to(adapters)
+    A = (0.3 * torch.randn(r, V, device="cuda")).to(adapters).requires_grad_()
+    B = (0.3 * torch.randn(H, r, device="cuda")).to(adapters).requires_grad_()
+    out = ka.lora_embedding(x, W, A, B, s, padding_idx=1)
+    g = torch.randn(out.shape, device="cuda").to(out.dtype)
+    out.backward(g)
+    assert A.grad.dtype == adapters and B.grad.dtype == adapters
+    Ar, Br = (t.detach().double().requires_grad_() for t in (A, B))
+    ref = F.embedding(x, W.double(), padding_idx=1) + s * (F.embedding(x, Ar.t(), padding_idx=1) @ Br.t())
+    ref.backward(g.double())
+    tol = 1e-2 if adapters == torch.bfloat16 else 1e-5
+    for got, want in ((A.grad, Ar.grad), (B.grad, Br.grad)):
+        err = (got.double() - want).abs().max() / want.abs().max()
+        assert err <= tol, (got.dtype, err.item())
+    assert torch.count_nonzero(A.grad[:, 1]) == 0  # no gradient at padding_idx
+
+
 # ---------------------------------------------------------------- DoRA norm cache
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fused", [False, True])
