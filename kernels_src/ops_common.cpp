@@ -50,7 +50,39 @@ void expect_device(const char* op, const NamedTensor* ts, size_t count) {
 
 namespace {
 
-// Buffer `slot` (0: the zeroed workspace, 1: scratch) of `stream` on `dev`.
+// A stream's buffer `slot` (0: the zeroed workspace, 1: scratch) on a device, and the
+// mutex held from asking for it until the last launch using it is queued. The buffer
+// only changes (grows) under the mutex.
+struct StreamBuffer {
+  std::mutex mu;
+  cuda::DeviceBuffer buf;
+};
+
+// The entry of (slot, device, stream). Entries are never removed (a node map: each
+// stays put), so each thread keeps the last one it found per slot and a repeated
+// call takes no global lock and does no lookup.
+StreamBuffer& stream_entry(int slot, const Device& dev, void* stream) {
+  struct Seen {
+    int device = -1;
+    void* stream = nullptr;
+    StreamBuffer* entry = nullptr;
+  };
+  thread_local Seen seen[2];
+  Seen& s = seen[slot];
+  if (s.entry && s.device == dev.index && s.stream == stream) return *s.entry;
+  static std::mutex mu;
+  static std::map<std::tuple<int, int, void*>, StreamBuffer> entries;
+  {
+    std::lock_guard<std::mutex> guard(mu);
+    s.entry = &entries[{slot, dev.index, stream}];
+  }
+  s.device = dev.index;
+  s.stream = stream;
+  return *s.entry;
+}
+
+// Buffer `slot` of `stream` on `dev`, at least `bytes`; on a GPU the caller holds its
+// stream_lock.
 void* stream_buffer(int slot, const Device& dev, void* stream, size_t bytes) {
   if (!dev.is_cuda()) {
     // CPU calls are synchronous, so one buffer per thread is never shared.
@@ -58,10 +90,7 @@ void* stream_buffer(int slot, const Device& dev, void* stream, size_t bytes) {
     if (host[slot].size() * 8 < bytes) host[slot].assign((bytes + 7) / 8, 0);
     return host[slot].data();
   }
-  static std::mutex mu;
-  static std::map<std::tuple<int, int, void*>, cuda::DeviceBuffer> buffers;
-  std::lock_guard<std::mutex> lock(mu);
-  cuda::DeviceBuffer& buf = buffers[{slot, dev.index, stream}];
+  cuda::DeviceBuffer& buf = stream_entry(slot, dev, stream).buf;
   if (buf.bytes() < bytes) {
     // Kernels queued on this stream may still use the old buffer.
     if (buf.bytes()) cuda::stream_synchronize(stream);
@@ -72,18 +101,10 @@ void* stream_buffer(int slot, const Device& dev, void* stream, size_t bytes) {
 }
 
 // Held from asking for a stream's buffer `slot` until the last launch using it is
-// queued. One mutex per (slot, device, stream); none on the CPU, whose calls are
-// synchronous and whose buffers are per thread.
+// queued. None on the CPU, whose calls are synchronous and whose buffers are per thread.
 std::unique_lock<std::mutex> stream_lock(int slot, const Device& dev, void* stream) {
   if (!dev.is_cuda()) return {};
-  static std::mutex mu;
-  static std::map<std::tuple<int, int, void*>, std::mutex> locks;  // a node map: each mutex stays put
-  std::mutex* m;
-  {
-    std::lock_guard<std::mutex> guard(mu);
-    m = &locks[{slot, dev.index, stream}];
-  }
-  return std::unique_lock<std::mutex>(*m);
+  return std::unique_lock<std::mutex>(stream_entry(slot, dev, stream).mu);
 }
 
 }  // namespace
