@@ -353,13 +353,15 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
                         : gpu          ? split_for_waves(blocks, programs, steps, 1)
                                        : split_for(blocks, programs, steps);
   EmbeddingBackwardPlan p;
-  // Grouped by default where dA is not f32 (on a GPU): dA is then written once in its
+  // Grouped by default (on a GPU) where dA is not f32: dA is then written once in its
   // dtype, where the scattered atomics need an f32 workspace flushed into dA after the
-  // kernel. On an H100 at 8192x128256x4096, r=16, bf16 dA and dB: 52.2-52.6 -> 45.4-45.5 us;
-  // with f32 dA, whose atomics add into dA itself: 42.3-42.7 against 47.1-47.4 us. Only
-  // with no more tokens than ids: its [T, r] workspace is then no larger than the f32
-  // copy of dA it replaces.
-  const bool group_default = gpu && c.dA3.dtype != DType::f32 && T <= c.A.shape[1];
+  // kernel; and with scale_grad_by_freq, whose counts the grouping makes, where the
+  // scattered form counts in a launch before the fill and clears in one after. On an
+  // H100 at 8192x128256x4096, r=16: bf16 dA and dB 52.2-52.6 -> 45.4-45.5 us, f32 with
+  // scale_grad_by_freq 49.2-49.9 -> 47.6-47.8 us; plain f32 dA, whose atomics add into dA
+  // itself, 42.3-42.7 against 47.1-47.4 us. Only with no more tokens than ids: its
+  // [T, r] workspace is then no larger than the f32 copy of dA it replaces.
+  const bool group_default = gpu && (c.dA3.dtype != DType::f32 || c.by_freq) && T <= c.A.shape[1];
   p.grouped = meta_or(config, "GROUP_BY_ID", group_default ? 1 : 0) != 0;
   p.meta = {{"BLOCK_T", bt},
             {"BLOCK_D", bd},

@@ -346,12 +346,15 @@ cuda::DeviceBuffer random_ids(int64_t T, int64_t V, uint64_t seed) {
 }
 
 // out[t] = E[x[t]] + s A[:, x[t]] @ B^T, bf16 table and adapters; one table, ids rotated.
-// Backward: gradients of A and B in `grads` (f32, or bf16 as the adapters).
-OpCase make_embedding(int64_t T, int64_t V, int64_t D, int64_t r, bool backward, DType grads = DType::f32) {
+// Backward: gradients of A and B in `grads` (f32, or bf16 as the adapters); with
+// `by_freq`, scale_grad_by_freq.
+OpCase make_embedding(int64_t T, int64_t V, int64_t D, int64_t r, bool backward, DType grads = DType::f32,
+                      bool by_freq = false) {
   const Device dev = Device::cuda(0);
   OpCase c;
   c.op = std::string(backward ? "embedding_backward" : "embedding") + " r=" + std::to_string(r);
   if (backward && grads != DType::f32) c.op += std::string(" ") + dtype_name(grads) + " grads";
+  if (backward && by_freq) c.op += " by_freq";
   c.shape = shape_str({T, V, D});
   const double gb = double(dtype_size_bytes(grads));
   // forward: ids, gathered rows and LoRA columns, B, out; backward: ids, g, gathered A, B, dA and dB.
@@ -375,6 +378,7 @@ OpCase make_embedding(int64_t T, int64_t V, int64_t D, int64_t r, bool backward,
   c.run = [=](std::vector<cuda::DeviceBuffer>& b, const ops::Config& cfg, cuda::StreamHandle stream) {
     ops::EmbeddingOptions o;
     o.id_check = ops::IdCheck::deferred;  // no host wait per call (the ids are valid)
+    o.scale_grad_by_freq = by_freq;
     const TensorView x = TensorView::contiguous(b[0].data(), DType::i64, {T}, dev);
     const TensorView a = TensorView::contiguous(A->data(), DType::bf16, {r, V}, dev);
     const TensorView bb = TensorView::contiguous(B->data(), DType::bf16, {D, r}, dev);
@@ -779,6 +783,7 @@ int main(int argc, char** argv) {
     if (family("embedding_backward")) {
       run_case(make_embedding(8192, 128256, 4096, 16, true), emb_bwd_cfgs);
       run_case(make_embedding(8192, 128256, 4096, 16, true, DType::bf16), emb_bwd_cfgs);
+      run_case(make_embedding(8192, 128256, 4096, 16, true, DType::f32, true), emb_bwd_cfgs);
     }
 
     write_json();

@@ -286,10 +286,11 @@ def bench_moe_backward(E, N, K, r, results):
                         median_us=us, bytes=nbytes, gbps=nbytes / (us * 1e3), copy_gbps=copy_gbps(nbytes)))
 
 
-def bench_embedding(T, V, D, r, results, grads=torch.float32):
+def bench_embedding(T, V, D, r, results, grads=torch.float32, by_freq=False):
     """PEFT's LoRA embedding: forward F.embedding + (F.embedding(x, A^T) @ B^T) * s; backward with
     index_add_ for dA and a matmul for dB (what autograd runs), bf16 table/adapters, fp32 grads
-    (with grads=torch.bfloat16: the backward only, its grads in bf16 as the adapters')."""
+    (with grads=torch.bfloat16: the backward only, its grads in bf16 as the adapters'; with by_freq:
+    the backward only, scale_grad_by_freq)."""
     dt = torch.bfloat16
     F = torch.nn.functional
     table = torch.randn(V, D, device="cuda", dtype=dt)
@@ -299,14 +300,17 @@ def bench_embedding(T, V, D, r, results, grads=torch.float32):
     sets = [dict(x=torch.randint(0, V, (T,), device="cuda"),
                  g=torch.randn(T, D, device="cuda", dtype=dt)) for _ in range(nsets)]
     s = 2.0
-    if grads == torch.float32:
+    if grads == torch.float32 and not by_freq:
         fwd_bytes = T * 8 + (T * D + T * r + D * r + T * D) * 2
         us = median_us(lambda z: F.embedding(z["x"], table) + (F.embedding(z["x"], A.T) @ B.T) * s, sets, 50)
         results.append(dict(impl="torch eager", op=f"embedding r={r}", shape=f"{T}x{V}x{D}", median_us=us,
                             bytes=fwd_bytes, gbps=fwd_bytes / (us * 1e3), copy_gbps=copy_gbps(fwd_bytes)))
 
     def backward(z):
-        gB = ((z["g"] @ B).float() * s).to(grads)  # [T, r]
+        gB = (z["g"] @ B).float() * s  # [T, r]
+        if by_freq:  # what F.embedding's backward does with scale_grad_by_freq
+            gB = gB / torch.bincount(z["x"], minlength=V)[z["x"]].float()[:, None]
+        gB = gB.to(grads)
         dA = torch.zeros(r, V, device="cuda", dtype=grads)
         dA.index_add_(1, z["x"], gB.T)
         dB = ((z["g"].T @ F.embedding(z["x"], A.T)).float() * s).to(grads)
@@ -315,7 +319,8 @@ def bench_embedding(T, V, D, r, results, grads=torch.float32):
     gsize = torch.empty((), dtype=grads).element_size()
     bwd_bytes = T * 8 + (T * D + T * r + D * r) * 2 + (r * V + D * r) * gsize
     us = median_us(backward, sets, 50)
-    name = f"embedding_backward r={r}" + ("" if grads == torch.float32 else " bf16 grads")
+    name = f"embedding_backward r={r}" + ("" if grads == torch.float32 else " bf16 grads") + \
+        (" by_freq" if by_freq else "")
     results.append(dict(impl="torch eager", op=name, shape=f"{T}x{V}x{D}", median_us=us,
                         bytes=bwd_bytes, gbps=bwd_bytes / (us * 1e3), copy_gbps=copy_gbps(bwd_bytes)))
 
@@ -364,6 +369,8 @@ def main():
         run(f"moe_backward r={r} bf16 grads", bench_moe_backward, E, N, K, r)
     run("embedding r=16 embedding_backward r=16", bench_embedding, 8192, 128256, 4096, 16)
     run("embedding_backward r=16 bf16 grads", functools.partial(bench_embedding, grads=torch.bfloat16),
+        8192, 128256, 4096, 16)
+    run("embedding_backward r=16 by_freq", functools.partial(bench_embedding, by_freq=True),
         8192, 128256, 4096, 16)
 
 
