@@ -135,7 +135,8 @@ const dsl::Kernel& lora_embedding_backward();
 // after its column blocks write dB [D, r] (any float dtype) from its f32
 // accumulator db_acc in [BLOCK_M, BLOCK_K] tiles and zero db_acc again.
 // Grids: cdiv(T, BLOCK_T) (+ dB's tiles) and cdiv(V, BLOCK_V) (+ dB's
-// tiles). Meta: BLOCK_T, BLOCK_M, BLOCK_K / BLOCK_V, R_PAD, BLOCK_M, BLOCK_K.
+// tiles). Meta: BLOCK_T, BLOCK_M, BLOCK_K, FILL_B, EVICT_LAST, RELEASE /
+// BLOCK_V, R_PAD, WAIT_PRIOR, FLUSH_B (and then BLOCK_M, BLOCK_K).
 // Args: x, counts, first, dB, start / first, counts, sums (f32 [T, r]), dA,
 // db_acc, dB.
 const dsl::Kernel& lora_embedding_group();
