@@ -56,6 +56,23 @@ Tokens load_tokens(Builder& k, const Tensor& x, const Tensor& err, const Value& 
   return t;
 }
 
+// A [BLOCK_M, BLOCK_K] tile of t [M, K] for the programs after the first `before`:
+// program before + q takes tile q, numbered column block fastest.
+struct TileAfter {
+  Value rows, cols, ok;
+};
+
+TileAfter tile_after(Builder& k, const Value& before, const Tensor& t) {
+  const int64_t BM = k.meta("BLOCK_M"), BK = k.meta("BLOCK_K");
+  const Value q = program_id(0) - before;
+  const Value col_blocks = cdiv(t.dim(1), literal(BK));
+  TileAfter a;
+  a.rows = ((q / col_blocks) * BM + arange(BM)).col();
+  a.cols = ((q % col_blocks) * BK + arange(BK)).row();
+  a.ok = (q >= 0) & (a.rows < t.dim(0)) & (a.cols < t.dim(1));
+  return a;
+}
+
 }  // namespace
 
 const dsl::Kernel& lora_embedding() {
@@ -229,12 +246,8 @@ const dsl::Kernel& lora_embedding_group() {
     store(first, {t.local}, (t.tok + 1).to(DType::i32), t.in_shard & (old == 0));
     // The programs after them: a [BLOCK_M, BLOCK_K] tile of dB each, zeroed (FILL_B).
     if (k.meta("FILL_B", 0)) {
-      const Value q = program_id(0) - cdiv(x.dim(0), literal(BT));
-      const Value col_blocks = cdiv(dB.dim(1), literal(BK));
-      const Value rows = ((q / col_blocks) * BM + arange(BM)).col();
-      const Value cols = ((q % col_blocks) * BK + arange(BK)).row();
-      const Value ok = (q >= 0) & (rows < dB.dim(0)) & (cols < dB.dim(1));
-      store(dB, {rows, cols}, zeros({BM, BK}), ok, k.meta("EVICT_LAST", 0) ? Evict::last : Evict::normal);
+      const TileAfter b = tile_after(k, cdiv(x.dim(0), literal(BT)), dB);
+      store(dB, {b.rows, b.cols}, zeros({BM, BK}), b.ok, k.meta("EVICT_LAST", 0) ? Evict::last : Evict::normal);
     }
   });
   return k;
@@ -250,14 +263,9 @@ const dsl::Kernel& lora_embedding_dense_a() {
     // FLUSH_B: the programs after dA's column blocks turn a [BLOCK_M, BLOCK_K] tile of
     // dB's f32 accumulator each into dB, and zero it again.
     if (k.meta("FLUSH_B", 0)) {
-      const int64_t BM = k.meta("BLOCK_M"), BK = k.meta("BLOCK_K");
-      const Value q = program_id(0) - cdiv(dA.dim(1), literal(BV));
-      const Value col_blocks = cdiv(dB.dim(1), literal(BK));
-      const Value rows = ((q / col_blocks) * BM + arange(BM)).col();
-      const Value cols = ((q % col_blocks) * BK + arange(BK)).row();
-      const Value ok = (q >= 0) & (rows < dB.dim(0)) & (cols < dB.dim(1));
-      store(dB, {rows, cols}, load(db_acc, {rows, cols}, ok).to(dB.dtype()), ok);
-      store(db_acc, {rows, cols}, zeros({BM, BK}), ok);
+      const TileAfter b = tile_after(k, cdiv(dA.dim(1), literal(BV)), dB);
+      store(dB, {b.rows, b.cols}, load(db_acc, {b.rows, b.cols}, b.ok).to(dB.dtype()), b.ok);
+      store(db_acc, {b.rows, b.cols}, zeros({k.meta("BLOCK_M"), k.meta("BLOCK_K")}), b.ok);
     }
     const Value v = program_id(0) * BV + arange(BV);
     const Value v_ok = v < dA.dim(1);

@@ -393,7 +393,11 @@ TensorView as_2d(const TensorView& t3) {
   return restride(t3, {t3.shape[1], t3.shape[2]}, {t3.strides[1], t3.strides[2]});
 }
 
+// The i32 [V] counts (or firsts) tensor of a call without one, and one carved from a workspace.
 TensorView no_ids(const Device& dev) { return TensorView::contiguous(nullptr, DType::i32, {0}, dev); }
+TensorView carve_ids(char** cursor, int64_t V, const Device& dev) {
+  return TensorView::contiguous(carve_f32(cursor, 1, 1, V, dev).data, DType::i32, {V}, dev);
+}
 
 // `da` is dA [1, r, V] f32, or with GROUP_BY_ID the sums [1, T, r].
 std::vector<Arg> embedding_backward_args(const EmbeddingBackward& c, const TensorView& da,
@@ -420,8 +424,8 @@ GroupedViews grouped_views(const EmbeddingBackward& c, char* ws) {
   const Device& dev = c.x1.device;
   GroupedViews g;
   char* cursor = ws;
-  g.counts = TensorView::contiguous(carve_f32(&cursor, 1, 1, V, dev).data, DType::i32, {V}, dev);
-  g.first = TensorView::contiguous(carve_f32(&cursor, 1, 1, V, dev).data, DType::i32, {V}, dev);
+  g.counts = carve_ids(&cursor, V, dev);
+  g.first = carve_ids(&cursor, V, dev);
   g.sums = carve_f32(&cursor, 1, T, r, dev);
   g.db_acc = c.dB3.dtype == DType::f32 ? c.dB3 : carve_f32(&cursor, 1, D, r, dev);
   return g;
@@ -439,18 +443,17 @@ GroupedLaunches plan_grouped(const EmbeddingBackward& c, const EmbeddingBackward
   const int64_t r_pad = p.meta.at("R_PAD");
   const bool gpu = c.x1.device.is_cuda(), fill_b = c.dB3.dtype == DType::f32;
   const int64_t bt = 256, bk = std::clamp<int64_t>(r_pad, 16, 256), bm = std::max<int64_t>(1, 2048 / bk);
-  const int64_t b_tiles = fill_b ? cdiv(D, bm) * cdiv(c.dB3.shape[2], bk) : 0;
+  // dB's tiles: zeroed by the first launch when dB is f32, else flushed by the last.
+  const int64_t b_tiles = cdiv(D, bm) * cdiv(c.dB3.shape[2], bk);
   GroupedLaunches g;
-  g.group_grid = Grid{uint32_t(cdiv(T, bt) + b_tiles), 1, 1};
+  g.group_grid = Grid{uint32_t(cdiv(T, bt) + (fill_b ? b_tiles : 0)), 1, 1};
   g.group_meta = {{"BLOCK_T", bt}, {"BLOCK_M", bm}, {"BLOCK_K", bk}, {"FILL_B", fill_b ? 1 : 0}};
   if (p.release_early) g.group_meta["RELEASE"] = 1;
   if (p.keep_in_l2) g.group_meta["EVICT_LAST"] = 1;
   // 1024 elements of dA a program: at 8192x128256x4096, r=16 on an H100 6.3 us against
   // 7.4 us for 4096 (ncu).
   const int64_t bv = std::max<int64_t>(16, 1024 / r_pad);
-  // dB's flush, when dB is not f32, by the programs after dA's columns.
-  const int64_t flush_tiles = fill_b ? 0 : cdiv(D, bm) * cdiv(c.dB3.shape[2], bk);
-  g.dense_grid = Grid{uint32_t(cdiv(V, bv) + flush_tiles), 1, 1};
+  g.dense_grid = Grid{uint32_t(cdiv(V, bv) + (fill_b ? 0 : b_tiles)), 1, 1};
   g.dense_meta = {{"BLOCK_V", bv}, {"R_PAD", r_pad}};
   if (!fill_b) g.dense_meta.insert({{"FLUSH_B", 1}, {"BLOCK_M", bm}, {"BLOCK_K", bk}});
   if (gpu) g.dense_meta["WAIT_PRIOR"] = 1;
@@ -473,15 +476,16 @@ void run_grouped_backward(const EmbeddingBackward& c, const EmbeddingBackwardPla
   const GroupedViews v = grouped_views(c, ws.data);
   const GroupedLaunches g = plan_grouped(c, p);
   const std::vector<Arg> main_args = embedding_backward_args(c, v.sums, v.db_acc, v.counts, v.first, record);
+  const std::vector<Arg> last_args = dense_args(c, v);
   // The later kernels made ready first: a compile error (or an interrupt) between the
   // launches would leave the workspace no longer zero.
   prepare(kernels::lora_embedding_backward(), main_args, p.meta, c.lo);
-  if (g.dense_grid.x > 0) prepare(kernels::lora_embedding_dense_a(), dense_args(c, v), g.dense_meta, c.lo);
+  if (g.dense_grid.x > 0) prepare(kernels::lora_embedding_dense_a(), last_args, g.dense_meta, c.lo);
   launch(kernels::lora_embedding_group(), group_args(c, v), g.group_grid, g.group_meta, c.lo);
   LaunchOptions after = c.lo;
   after.overlap_prior = dev.is_cuda();  // both wait for the grid before them (WAIT_PRIOR)
   launch(kernels::lora_embedding_backward(), main_args, p.grid, p.meta, after);
-  if (g.dense_grid.x > 0) launch(kernels::lora_embedding_dense_a(), dense_args(c, v), g.dense_grid, g.dense_meta, after);
+  if (g.dense_grid.x > 0) launch(kernels::lora_embedding_dense_a(), last_args, g.dense_grid, g.dense_meta, after);
 }
 
 // Config.meta GATHER: the backward as gather, the MoE backward's one pass over
@@ -514,8 +518,7 @@ GatheredBackward plan_gathered(const EmbeddingBackward& c, const Config& config,
   char* cursor = ws;
   p.da_acc = c.dA3.dtype == DType::f32 ? c.dA3 : carve_f32(&cursor, 1, r, V, dev);
   p.db_acc = c.dB3.dtype == DType::f32 ? c.dB3 : carve_f32(&cursor, 1, D, r, dev);
-  p.counts = c.by_freq ? TensorView::contiguous(carve_f32(&cursor, 1, 1, V, dev).data, DType::i32, {V}, dev)
-                       : TensorView::contiguous(nullptr, DType::i32, {0}, dev);
+  p.counts = c.by_freq ? carve_ids(&cursor, V, dev) : no_ids(dev);
   p.gB = carve_f32(&cursor, 1, T, r, dev);
   p.act = TensorView::contiguous(cursor, act_t, {1, T, r}, dev);
   p.dW = as_3d(c.g2);
@@ -592,8 +595,8 @@ void run_embedding_backward(const EmbeddingBackward& c, const Config& config, co
   char* cursor = ws.data;
   const TensorView da_acc = da_direct ? c.dA3 : carve_f32(&cursor, 1, r, V, dev);
   const TensorView db_acc = db_direct ? c.dB3 : carve_f32(&cursor, 1, D, r, dev);
-  TensorView counts = TensorView::contiguous(nullptr, DType::i32, {0}, dev);
-  if (c.by_freq) counts = TensorView::contiguous(carve_f32(&cursor, 1, 1, V, dev).data, DType::i32, {V}, dev);
+  TensorView counts = no_ids(dev);
+  if (c.by_freq) counts = carve_ids(&cursor, V, dev);
   const Grid tokens{p.grid.x, 1, 1};
   if (c.by_freq)
     launch(kernels::embedding_count_ids(), {c.x1, counts, Scalar(c.vr.start)}, tokens, {{"BLOCK_T", p.block_t}},
@@ -626,7 +629,7 @@ std::vector<autotune::KernelCall> embedding_backward_kernels(const EmbeddingBack
              embedding_backward_args(c, v.sums, v.db_acc, v.counts, v.first, stand_in_record(dev)), p.meta},
             {&kernels::lora_embedding_dense_a(), dense_args(c, v), g.dense_meta}};
   }
-  void* const stand_in = reinterpret_cast<void*>(uintptr_t(1) << 16);
+  void* const stand_in = unused_memory();
   const TensorView da_acc = TensorView::contiguous(stand_in, DType::f32, {1, r, V}, dev);
   const TensorView db_acc = TensorView::contiguous(stand_in, DType::f32, {1, D, r}, dev);
   const TensorView counts = c.by_freq ? TensorView::contiguous(stand_in, DType::i32, {V}, dev) : no_ids(dev);
