@@ -220,7 +220,7 @@ void run_backward_cases(Device dev) {
   uint64_t seed = 6200;
   for (const BackCase& c : cases) check_backward(c, dev, seed++);
   // Each case but GATHER's also with GROUP_BY_ID named: on (kerf's choice on a GPU only
-  // where dA is not f32) and, on a GPU, off.
+  // in some cases, docs/ops.md) and, on a GPU, off.
   for (BackCase c : cases) {
     if (c.gather) continue;
     for (const int group : {1, 0}) {
