@@ -3,7 +3,10 @@
 - :func:`dora_scale` / :class:`DoraScale`: ``scale = m / ||W + s * B @ A||_row``
   with the norm detached as in PEFT (DoRA paper section 4.3): the gradient
   reaches ``m`` only (``grad_m = grad_scale / norm``); W, A and B get none
-  through the norm.
+  through the norm. Where kerf._torch_bridge is built, :func:`dora_scale`
+  records that gradient as a graph node written in C++
+  (``kerf::DoraScale``) rather than through :class:`DoraScale`, whose
+  Python forward and context cost about ten microseconds per call.
 - :class:`DoraNormCache`: reuses norms between optimizer steps and drops them
   on every step (an ``Optimizer.register_step_post_hook``), so it never serves
   a stale norm, fused AdamW included.
@@ -15,8 +18,9 @@
   optionally DoRA-scaled (PEFT's embedding DoRA: the norm over the vocabulary).
 
 Backward passes are kerf's backward ops (moe_lora_materialize_backward,
-lora_embedding_backward); only the DoRA magnitude gradient (one division) and
-a trainable base weight's gradient are PyTorch code.
+lora_embedding_backward, dora_norm_backward in :class:`DoraScale`); the DoRA
+magnitude gradient of the C++ node (one division) and a trainable base
+weight's gradient are PyTorch code.
 
 kerf's kernels compute in float32 at most: float64 tensors (``gradcheck``)
 are given to kerf as float32 and the results cast back, so forward and
@@ -27,6 +31,7 @@ the norm kerf computed.
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any, Dict, Optional, Tuple
 
@@ -153,7 +158,28 @@ def dora_scale(
     """
     if cache is not None:
         return cache.scale(W, A, B, m, s, eps)
+    if _scale_with_grad is not None and type(m) in _PLAIN_TENSORS and m.dtype in _HALF_OR_FLOAT:
+        # The same function, its history recorded by kerf._torch_bridge's C++ node
+        # (kerf::DoraScale) instead of DoraScale's Python one.
+        norm, scale = _dora_norm_and_scale(W, A, B, m, s, eps)
+        return _scale_with_grad(m, norm, scale)
     return DoraScale.apply(W, A, B, m, float(s), float(eps))
+
+
+def _load_scale_with_grad():
+    """kerf._torch_bridge's dora_scale_with_grad, or None (not built, built for another
+    torch, or turned off with KERF_TORCH_BRIDGE=0)."""
+    if os.environ.get("KERF_TORCH_BRIDGE") == "0":
+        return None
+    try:
+        from . import _torch_bridge
+    except ImportError:
+        return None
+    return getattr(_torch_bridge, "dora_scale_with_grad", None)
+
+
+_scale_with_grad = _load_scale_with_grad()
+_HALF_OR_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _fingerprint(t: Tensor) -> Tuple[Any, ...]:

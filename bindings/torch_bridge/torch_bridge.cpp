@@ -1,4 +1,5 @@
-// kerf._torch_bridge: torch.Tensor objects read in C++ (see ../src/torch_bridge_abi.h).
+// kerf._torch_bridge: torch.Tensor objects read in C++ (see ../src/torch_bridge_abi.h),
+// and the graph node of kerf.autograd.dora_scale (dora_scale_with_grad).
 //
 // Built only against the PyTorch the package's interpreter has, with that
 // PyTorch's own headers; it refuses to import into a process running another
@@ -12,9 +13,13 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstring>
+#include <exception>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -139,6 +144,93 @@ PyObject* empty(const int64_t* shape, int32_t rank, int32_t dtype, int32_t devic
   return empty_many(shape, rank, dtype, device_index, 1, &tensor, data) ? tensor : nullptr;
 }
 
+// ---------------------------------------------------------------- DoRA's scale in autograd
+}  // namespace
+
+namespace kerf {
+
+// The forward's results, made by kerf before the graph node is: not inputs of the node.
+struct DoraScaleMade {
+  at::Tensor norm, scale;
+};
+
+// scale = m / norm with the norm a constant (DoRA detaches it): grad_m = grad_scale /
+// norm, formed in float32 and rounded once to m's dtype. A PyTorch custom function
+// written in C++ (its graph node's name is "kerf::DoraScale"), so that
+// kerf.autograd.dora_scale records its history without a torch.autograd.Function,
+// whose Python forward and context cost about ten microseconds per call. Compiled
+// autograd runs its backward as an opaque call.
+struct DoraScale : torch::autograd::Function<DoraScale> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& m,
+                            const DoraScaleMade& made) {
+    ctx->save_for_backward({made.norm});
+    ctx->saved_data["m_type"] = static_cast<int64_t>(m.scalar_type());
+    return made.scale;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor norm = ctx->get_saved_variables()[0];
+    const auto m_type = static_cast<c10::ScalarType>(ctx->saved_data["m_type"].toInt());
+    at::Tensor g;
+    if (grads[0].defined()) {
+      g = grads[0].div(norm);  // mixed dtypes promote inside one kernel: a bf16 gradient is read as such
+      if (g.scalar_type() != m_type) g = g.to(m_type);
+    }
+    return {g, at::Tensor()};
+  }
+};
+
+}  // namespace kerf
+
+namespace {
+
+// kerf._torch_bridge.dora_scale_with_grad(m, norm, scale): `scale` (kerf's
+// float32 m / norm, fresh from the call) in m's dtype, with the history that
+// makes it differentiable in m when grad mode is on and m requires a gradient.
+PyObject* dora_scale_with_grad(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_Format(PyExc_TypeError, "dora_scale_with_grad() takes 3 arguments (m, norm, scale), got %zd",
+                 nargs);
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < 3; ++i)
+    if (!THPVariable_Check(args[i])) {
+      PyErr_SetString(PyExc_TypeError, "dora_scale_with_grad(): m, norm and scale must be torch tensors");
+      return nullptr;
+    }
+  try {
+    const at::Tensor& m = THPVariable_Unpack(args[0]);
+    const at::Tensor& norm = THPVariable_Unpack(args[1]);
+    const at::Tensor& kerf_scale = THPVariable_Unpack(args[2]);
+    TORCH_CHECK(norm.scalar_type() == at::kFloat && kerf_scale.scalar_type() == at::kFloat,
+                "dora_scale_with_grad(): norm and scale must be float32");
+    TORCH_CHECK(m.scalar_type() != at::kDouble, "dora_scale_with_grad(): m must not be float64");
+    TORCH_CHECK(!kerf_scale.requires_grad(), "dora_scale_with_grad(): scale must be a fresh kerf output");
+    const bool same = m.scalar_type() == at::kFloat;
+    at::Tensor scale = same ? kerf_scale : kerf_scale.to(m.scalar_type());
+    if (c10::GradMode::is_enabled() && m.requires_grad())
+      return THPVariable_Wrap(kerf::DoraScale::apply(m, kerf::DoraScaleMade{norm, scale}));
+    if (same) {
+      Py_INCREF(args[2]);
+      return args[2];
+    }
+    return THPVariable_Wrap(std::move(scale));
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
+
+PyMethodDef methods[] = {
+    {"dora_scale_with_grad", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&dora_scale_with_grad)),
+     METH_FASTCALL,
+     "dora_scale_with_grad(m, norm, scale): kerf's float32 scale in m's dtype, differentiable in m "
+     "(grad_m = grad / norm) when m requires a gradient; used by kerf.autograd.dora_scale."},
+    {nullptr, nullptr, 0, nullptr}};
+
 const KerfTorchBridge api = {KERF_TORCH_BRIDGE_ABI, sizeof(KerfTorchBridge), KERF_TORCH_VERSION,
                              &view, &current_stream, &empty, &empty_many};
 
@@ -161,9 +253,9 @@ std::string running_torch_version() {
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT,
                           "_torch_bridge",
                           "kerf's reader of torch.Tensor objects (PyTorch " KERF_TORCH_VERSION
-                          "); used by kerf._kerf, not by users.",
+                          "); used by kerf._kerf and kerf.autograd, not by users.",
                           -1,
-                          nullptr,
+                          methods,
                           nullptr,
                           nullptr,
                           nullptr,

@@ -75,6 +75,18 @@ def main():
     import kerf.autograd
     m_param = torch.nn.Parameter(m.clone())
     cases["kerf.autograd.dora_scale (m trainable)"] = lambda: kerf.autograd.dora_scale(W, A, B, m_param, 0.5)
+    # The same through the torch.autograd.Function (a Python graph node; dora_scale uses the
+    # C++ node of kerf._torch_bridge where that is built).
+    cases["kerf.autograd.DoraScale.apply (m trainable; Python graph node)"] = lambda: kerf.autograd.DoraScale.apply(
+        W, A, B, m_param, 0.5, 0.0)
+    grad_out = torch.randn(R, device=dev)
+    cases["kerf.autograd.dora_scale forward + backward"] = lambda: kerf.autograd.dora_scale(
+        W, A, B, m_param, 0.5).backward(grad_out)
+    cases["kerf.autograd.DoraScale.apply forward + backward"] = lambda: kerf.autograd.DoraScale.apply(
+        W, A, B, m_param, 0.5, 0.0).backward(grad_out)
+    # PEFT's own computation of the same scale (five ATen ops and their graph nodes).
+    cases["PEFT-style eager DoRA scale (m trainable)"] = lambda: m_param / torch.linalg.vector_norm(
+        W + 0.5 * (B @ A), dim=1).detach()
     # kerf.ops.dora_norm is this binding; here every argument comes by position, in the binding's order.
     cases["kerf._kerf.dora_norm, all positional (no keyword matching)"] = lambda: core.dora_norm(
         W, A, B, m, 0.5, norm, scale, 0.0, None, None)

@@ -502,6 +502,70 @@ def test_cuda_dora_scale_matches_torch_autograd(dtype):
     torch.testing.assert_close(m.grad, m_ref.grad, rtol=tol, atol=0)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA_ONLY)])
+@pytest.mark.parametrize("mtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dora_scale_graph_node_of_the_bridge(device, mtype):
+    """kerf._torch_bridge's C++ node (where built) gives what DoraScale's Python one
+    gives: the scale in m's dtype, grad_m = grad / norm, none without grad mode."""
+    if ka._scale_with_grad is None:
+        pytest.skip("kerf._torch_bridge with dora_scale_with_grad was not built for this torch")
+    if device == "cpu" and not kerf.cpu_available():
+        pytest.skip("kerf was built without its CPU back end")
+    torch.manual_seed(8)
+    W = torch.randn(40, 72, device=device)
+    A = torch.randn(4, 72, device=device) / 8
+    B = torch.randn(40, 4, device=device)
+    m = (torch.rand(40, device=device) + 0.5).to(mtype).requires_grad_()
+    scale = ka.dora_scale(W, A, B, m, 0.5)
+    assert "kerf::DoraScale" in scale.grad_fn.name() and scale.dtype == mtype  # CppNode<kerf::DoraScale>
+    m_py = m.detach().clone().requires_grad_()
+    ref = ka.DoraScale.apply(W, A, B, m_py, 0.5, 0.0)  # the Python node
+    assert ref.grad_fn.name() == "DoraScaleBackward"
+    torch.testing.assert_close(scale, ref, rtol=0, atol=0)  # one kernel's result, cast alike
+    g = torch.randn(40, device=device).to(mtype)
+    scale.backward(g, retain_graph=True)
+    ref.backward(g)  # kerf's dora_norm_backward there, ATen's division here: one rounding each
+    same = dict(rtol=2e-6, atol=0) if mtype == torch.float32 else dict(rtol=8e-3, atol=0)
+    torch.testing.assert_close(m.grad, m_py.grad, **same)
+    norm, _ = dora_ref(W, A, B, m, 0.5)
+    tol = 2e-5 if mtype == torch.float32 else 1e-2
+    torch.testing.assert_close(m.grad.double(), g.double() / norm, rtol=tol, atol=0)
+    scale.backward(g)  # retained once: a second backward adds the same again
+    torch.testing.assert_close(m.grad, 2 * m_py.grad, rtol=tol, atol=0)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        scale.backward(g)
+    with torch.no_grad():
+        assert ka.dora_scale(W, A, B, m, 0.5).grad_fn is None
+    assert ka.dora_scale(W, A, B, m.detach(), 0.5).grad_fn is None
+    # In a larger graph, with the gradient of a use downstream.
+    m.grad = None
+    ka.dora_scale(W, A, B, m, 0.5).float().pow(2).sum().backward()
+    s64 = m.detach().double() / norm
+    torch.testing.assert_close(m.grad.double(), 2 * s64.to(mtype).double() / norm, rtol=tol, atol=0)
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("wrapper", ["dora_scale", "DoraScale.apply"])
+def test_cuda_dora_scale_under_compiled_autograd(wrapper):
+    """torch._dynamo's compiled autograd traces the backward of either graph node."""
+    compiled_autograd = pytest.importorskip("torch._dynamo.compiled_autograd")
+    enable = getattr(compiled_autograd, "_enable", None)
+    if enable is None:
+        pytest.skip("this torch has no torch._dynamo.compiled_autograd._enable")
+    torch.manual_seed(9)
+    W = torch.randn(64, 96, device="cuda")
+    A = torch.randn(4, 96, device="cuda") / 8
+    B = torch.randn(64, 4, device="cuda")
+    m = (torch.rand(64, device="cuda") + 0.5).requires_grad_()
+    fn = ka.dora_scale if wrapper == "dora_scale" else (lambda *a: ka.DoraScale.apply(*a, 0.0))
+    w = torch.randn(64, device="cuda")
+    loss = (fn(W, A, B, m, 0.5) * w).sum()
+    with enable(torch.compile(backend="eager")):
+        loss.backward()
+    norm, _ = dora_ref(W, A, B, m, 0.5)
+    torch.testing.assert_close(m.grad.double(), w.double() / norm, rtol=2e-5, atol=0)
+
+
 @CUDA_ONLY
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_moe_materialize_matches_torch_autograd(dtype):
