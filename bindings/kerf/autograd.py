@@ -31,7 +31,6 @@ the norm kerf computed.
 
 from __future__ import annotations
 
-import os
 import weakref
 from typing import Any, Dict, Optional, Tuple
 
@@ -40,6 +39,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised on machines without torch
     raise ImportError("kerf.autograd needs PyTorch (kerf.ops works without it)") from e
 
+from . import _kerf
 from . import ops as _ops
 
 __all__ = [
@@ -167,14 +167,13 @@ def dora_scale(
 
 
 def _load_scale_with_grad():
-    """kerf._torch_bridge's dora_scale_with_grad, or None (not built, built for another
-    torch, or turned off with KERF_TORCH_BRIDGE=0)."""
-    if os.environ.get("KERF_TORCH_BRIDGE") == "0":
+    """kerf._torch_bridge's dora_scale_with_grad where kerf._kerf uses the bridge, else None
+    (not built, built for another torch or kerf, or turned off with KERF_TORCH_BRIDGE=0:
+    kerf._kerf._torch_bridge_status() says which)."""
+    if not _kerf._torch_bridge_status().startswith("active"):
         return None
-    try:
-        from . import _torch_bridge
-    except ImportError:
-        return None
+    from . import _torch_bridge
+
     return getattr(_torch_bridge, "dora_scale_with_grad", None)
 
 

@@ -6,6 +6,7 @@
 // torch version (kerf then reads tensors through Python attributes).
 #include <ATen/core/Tensor.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/ScalarType.h>
 #include <c10/core/ScalarTypeToTypeMeta.h>
 #include <c10/core/Storage.h>
@@ -13,13 +14,11 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstring>
 #include <exception>
-#include <memory>
 #include <optional>
 #include <string>
 

@@ -507,8 +507,9 @@ def test_cuda_dora_scale_matches_torch_autograd(dtype):
 def test_dora_scale_graph_node_of_the_bridge(device, mtype):
     """kerf._torch_bridge's C++ node (where built) gives what DoraScale's Python one
     gives: the scale in m's dtype, grad_m = grad / norm, none without grad mode."""
-    if ka._scale_with_grad is None:
-        pytest.skip("kerf._torch_bridge with dora_scale_with_grad was not built for this torch")
+    if not bridge_built():
+        pytest.skip(f"kerf._torch_bridge was not built for this torch ({kerf._kerf._torch_bridge_status()})")
+    assert ka._scale_with_grad is not None, kerf._kerf._torch_bridge_status()
     if device == "cpu" and not kerf.cpu_available():
         pytest.skip("kerf was built without its CPU back end")
     torch.manual_seed(8)
