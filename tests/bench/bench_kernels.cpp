@@ -7,6 +7,8 @@
 // device-to-device copy of the same number of bytes (read + written), timed in
 // the same run. Results go to stdout as a table and, with --json FILE, as JSON
 // for tools/bench_table.py.
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <map>
 #include <array>
@@ -463,11 +465,35 @@ Result best_of(const std::vector<ops::Config>& configs, F run_one) {
 
 }  // namespace
 
+// --l2-persist-mb N: sets the current context's L2 set-aside for persisting accesses
+// (CU_LIMIT_PERSISTING_L2_CACHE_SIZE, where evict-last lines are kept) before the
+// cases run, and prints it before and after. The driver is the one kerf loaded.
+static bool set_l2_persisting(long long mib) {
+  using SetLimit = int (*)(int, size_t);
+  using GetLimit = int (*)(size_t*, int);
+  constexpr int kPersistingL2 = 0x06;  // CU_LIMIT_PERSISTING_L2_CACHE_SIZE
+  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  const auto set = lib ? reinterpret_cast<SetLimit>(dlsym(lib, "cuCtxSetLimit")) : nullptr;
+  const auto get = lib ? reinterpret_cast<GetLimit>(dlsym(lib, "cuCtxGetLimit")) : nullptr;
+  if (!set || !get) {
+    std::fprintf(stderr, "--l2-persist-mb: the CUDA driver's cuCtxSetLimit is not available\n");
+    return false;
+  }
+  size_t before = 0, after = 0;
+  get(&before, kPersistingL2);
+  const int rc = set(kPersistingL2, size_t(mib) << 20);
+  get(&after, kPersistingL2);
+  std::printf("L2 set-aside for persisting accesses: %zu -> %zu bytes\n", before, after);
+  if (rc != 0) std::fprintf(stderr, "--l2-persist-mb: cuCtxSetLimit failed (CUresult %d)\n", rc);
+  return rc == 0;
+}
+
 int main(int argc, char** argv) {
   std::string json_path, only, op_filter, with_meta;
   std::optional<ops::Config> forced;
   std::map<std::string, int64_t> meta;
   bool quick = false, tuned_only = false;
+  long long l2_persist_mib = -1;  // --l2-persist-mb: left as the driver set it when negative
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json_path = argv[++i];
     if (!std::strcmp(argv[i], "--quick")) quick = true;
@@ -493,6 +519,8 @@ int main(int argc, char** argv) {
     // --tuned-only: no sweep; each case's figure is the autotuner's choice (what a
     // call without a Config gets), timed beside the op's default config.
     if (!std::strcmp(argv[i], "--tuned-only")) tuned_only = true;
+    // --l2-persist-mb N: the L2 set-aside for persisting (evict-last) lines, in MiB, for this run.
+    if (!std::strcmp(argv[i], "--l2-persist-mb") && i + 1 < argc) l2_persist_mib = std::atoll(argv[++i]);
     // --meta NAME=V[,NAME=V...]: Config.meta for --only and --config (e.g. WARPS_N=2).
     if (!std::strcmp(argv[i], "--meta") && i + 1 < argc) {
       for (const std::string& item : comma_items(argv[++i])) {
@@ -530,6 +558,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     cuda::set_current_device(0);
+    if (l2_persist_mib >= 0 && !set_l2_persisting(l2_persist_mib)) return 1;
     cuda::Stream stream(0);
     DoraSets sets = make_dora(v[0], v[1], v[2], DType::bf16, DType::bf16);
     const Result r = bench_dora(sets, ops::Config{v[3], v[4], v[5], v[6], v[7], meta}, stream.handle());
@@ -542,6 +571,7 @@ int main(int argc, char** argv) {
     std::printf("device: %s (%s, %d SMs)\n", info.name.c_str(),
                 cuda::arch_name(info.cc_major, info.cc_minor).c_str(), info.sm_count);
     cuda::set_current_device(0);
+    if (l2_persist_mib >= 0 && !set_l2_persisting(l2_persist_mib)) return 1;
     cuda::Stream stream(0);
     std::vector<Result> results;
     // Rewritten after every case, so that a run stopped part way keeps what it measured.
