@@ -286,11 +286,11 @@ def bench_moe_backward(E, N, K, r, results):
                         median_us=us, bytes=nbytes, gbps=nbytes / (us * 1e3), copy_gbps=copy_gbps(nbytes)))
 
 
-def bench_embedding(T, V, D, r, results, grads=torch.float32, by_freq=False):
-    """PEFT's LoRA embedding: forward F.embedding + (F.embedding(x, A^T) @ B^T) * s; backward with
-    index_add_ for dA and a matmul for dB (what autograd runs), bf16 table/adapters, fp32 grads
-    (with grads=torch.bfloat16: the backward only, its grads in bf16 as the adapters'; with by_freq:
-    the backward only, scale_grad_by_freq)."""
+def bench_embedding(T, V, D, r, results, grads=torch.float32, by_freq=False, forward=False):
+    """PEFT's LoRA embedding: forward F.embedding + (F.embedding(x, A^T) @ B^T) * s (with
+    forward=True, instead of the backward); backward with index_add_ for dA and a matmul for dB
+    (what autograd runs), bf16 table/adapters, fp32 grads (grads=torch.bfloat16: in bf16 as the
+    adapters'; by_freq: scale_grad_by_freq)."""
     dt = torch.bfloat16
     F = torch.nn.functional
     table = torch.randn(V, D, device="cuda", dtype=dt)
@@ -300,11 +300,12 @@ def bench_embedding(T, V, D, r, results, grads=torch.float32, by_freq=False):
     sets = [dict(x=torch.randint(0, V, (T,), device="cuda"),
                  g=torch.randn(T, D, device="cuda", dtype=dt)) for _ in range(nsets)]
     s = 2.0
-    if grads == torch.float32 and not by_freq:
+    if forward:
         fwd_bytes = T * 8 + (T * D + T * r + D * r + T * D) * 2
         us = median_us(lambda z: F.embedding(z["x"], table) + (F.embedding(z["x"], A.T) @ B.T) * s, sets, 50)
         results.append(dict(impl="torch eager", op=f"embedding r={r}", shape=f"{T}x{V}x{D}", median_us=us,
                             bytes=fwd_bytes, gbps=fwd_bytes / (us * 1e3), copy_gbps=copy_gbps(fwd_bytes)))
+        return
 
     def backward(z):
         gB = (z["g"] @ B).float() * s  # [T, r]
@@ -367,7 +368,8 @@ def main():
         run("dora_norm_4bit r=16", bench_dora_4bit, out, inn, 16)
     for E, N, K, r in [(128, 1536, 2048, 16), (128, 2048, 768, 16), (64, 2816, 2048, 64)]:
         run(f"moe_backward r={r} bf16 grads", bench_moe_backward, E, N, K, r)
-    run("embedding r=16 embedding_backward r=16", bench_embedding, 8192, 128256, 4096, 16)
+    run("embedding r=16", functools.partial(bench_embedding, forward=True), 8192, 128256, 4096, 16)
+    run("embedding_backward r=16", bench_embedding, 8192, 128256, 4096, 16)
     run("embedding_backward r=16 bf16 grads", functools.partial(bench_embedding, grads=torch.bfloat16),
         8192, 128256, 4096, 16)
     run("embedding_backward r=16 by_freq", functools.partial(bench_embedding, by_freq=True),
