@@ -164,16 +164,15 @@ void check_backward(const BackwardCase& c, Device dev, uint64_t seed) {
     dA.download();
     dB.download();
     CHECK(dW.bytes() == dw_before);  // no gradient for W: dW_eff is only read
-    // The results in the order of the references above.
+    // The results in the order of the references above: dA's own order in both
+    // layouts ([E, r, d2], or lora_A's expert-major rows), dB's unless it is PEFT's
+    // rank-major lora_B.
     ga.clear();
     gb.clear();
+    for (int64_t i = 0; i < dA.numel(); ++i) ga.push_back(dA.get(i));
     if (!flat) {
-      for (int64_t i = 0; i < dA.numel(); ++i) ga.push_back(dA.get(i));
       for (int64_t i = 0; i < dB.numel(); ++i) gb.push_back(dB.get(i));
     } else {
-      for (int64_t e = 0; e < E; ++e)
-        for (int64_t k = 0; k < r; ++k)
-          for (int64_t x = 0; x < in; ++x) ga.push_back(dA.get((e * r + k) * in + x));
       for (int64_t e = 0; e < E; ++e)
         for (int64_t o = 0; o < out; ++o)
           for (int64_t k = 0; k < r; ++k) gb.push_back(dB.get(o * r * E + k * E + e));
