@@ -130,8 +130,9 @@ const dsl::Kernel& lora_embedding_backward();
 // BLOCK_K] tiles (EVICT_LAST: evict-last stores); RELEASE as fill_3d's. Then
 // lora_embedding_dense_a writes every column of dA [r, V] (any float dtype):
 // sums[first[v] - 1, :] where first[v] > 0, else zeros, and sets the sums it
-// read, first and counts back to zero (WAIT_PRIOR: launched to overlap the
-// kernel before it, it waits for that grid first); with FLUSH_B, the programs
+// read, and first and counts of every id of its block, back to zero
+// (WAIT_PRIOR: launched to overlap the kernel before it, it waits for that
+// grid first); with FLUSH_B, the programs
 // after its column blocks write dB [D, r] (any float dtype) from its f32
 // accumulator db_acc in [BLOCK_M, BLOCK_K] tiles and zero db_acc again.
 // Grids: cdiv(T, BLOCK_T) (+ dB's tiles) and cdiv(V, BLOCK_V) (+ dB's
