@@ -275,6 +275,43 @@ TEST_CASE("a dot's accumulator in runs of columns moves W in 16-byte vectors wit
   CHECK_THROWS_WITH(merge_src(DType::bf16, 3, 1), Catch::Contains("acc_col_run must be 0 or a power of two <= 16"));
 }
 
+TEST_CASE("the grouped embedding backward writes grad_A in 16-byte vectors and adds in 4-wide ones",
+          "[cuda][codegen]") {
+  // A store or add whose mask changes from element to element goes out one element at
+  // a time; these masks are the tiles' bounds only (docs/cuda-backend.md, vector_width).
+  const auto width_of = [](const std::string& src, const std::string& what) {
+    const size_t at = src.find(what);
+    REQUIRE(at != std::string::npos);
+    const size_t eol = src.find('\n', at);
+    const size_t comma = src.rfind(", ", eol);
+    return std::stoi(src.substr(comma + 2, eol - comma - 2));
+  };
+  const std::string dense =
+      jit::cuda::generate(kernels::lora_embedding_dense_a().trace(
+                              {t(DType::i32, 1), t(DType::i32, 1), t(DType::f32, 2), t(DType::bf16, 2),
+                               t(DType::f32, 2), t(DType::bf16, 2)},
+                              {{"BLOCK_V", 64}, {"R_PAD", 16}, {"FLUSH_B", 1}, {"BLOCK_M", 128}, {"BLOCK_K", 16}}),
+                          "sm_90a")
+          .source;
+  INFO(dense);
+  CHECK(width_of(dense, "// store @dA from") == 8);
+  CHECK(width_of(dense, "// store @dB from") == 8);
+  const std::string main_src =
+      jit::cuda::generate(kernels::lora_embedding_backward().trace(
+                              {t(DType::i64, 1), t(DType::bf16, 2), t(DType::bf16, 2), t(DType::bf16, 2),
+                               ArgSpec::scalar(), t(DType::f32, 2), t(DType::f32, 2), t(DType::i32, 1),
+                               t(DType::i32, 1), t(DType::i64, 1), ArgSpec::scalar(), ArgSpec::scalar(),
+                               ArgSpec::scalar()},
+                              {{"BLOCK_T", 128}, {"BLOCK_D", 128}, {"R_PAD", 16}, {"DOT", int64_t(DType::bf16)},
+                               {"GROUP_BY_ID", 1}, {"ROTATE", 1}, {"WAIT_PRIOR", 1}, {"staged_adds", 1},
+                               {"num_warps", 4}, {"num_stages", 3}}),
+                          "sm_90a")
+          .source;
+  INFO(main_src);
+  CHECK(width_of(main_src, "// atomic_add @dA from") == 4);  // each token's sums, a run of r floats
+  CHECK(width_of(main_src, "// atomic_add @dB from") == 4);
+}
+
 TEST_CASE("fp32 dots use fp32 FMA, not tensor cores", "[cuda][codegen]") {
   const ir::Function fn = test::matmul_kernel().trace(
       {t(DType::f32, 2), t(DType::f32, 2), t(DType::f32, 2)}, {{"BM", 32}, {"BN", 32}, {"BK", 16}});
