@@ -9,6 +9,7 @@
 #include "kerf/jit/launch.h"
 #include "kerf/jit/nvrtc.h"
 #include "kerf/kernels/kernels.h"
+#include "kerf/kernels/library.h"
 #include "sample_kernels.h"
 
 using namespace kerf;
@@ -27,6 +28,17 @@ ir::TensorFacts fast_facts(int rank) {
 
 ArgSpec t(DType d, int rank, bool fast = true) {
   return ArgSpec::tensor(d, rank, fast ? fast_facts(rank) : ir::TensorFacts{});
+}
+
+// The vector width of the first access in generated code whose comment starts with
+// `what` ("load @A in ", "// store @dA from"): the N of its "N-wide".
+int access_width(const std::string& src, const std::string& what) {
+  const size_t at = src.find(what);
+  REQUIRE(at != std::string::npos);
+  const size_t end = src.find("-wide", at);
+  REQUIRE(end != std::string::npos);
+  const size_t start = src.rfind(' ', end) + 1;
+  return std::stoi(src.substr(start, end - start));
 }
 
 struct Case {
@@ -188,11 +200,7 @@ TEST_CASE("rows whose length is a multiple of 8 but not 16 still move in 16-byte
   };
   // The vector width of the first load of `tensor` in the generated code.
   const auto width = [](const std::string& src, const std::string& tensor) {
-    const size_t at = src.find("load @" + tensor + " in ");
-    REQUIRE(at != std::string::npos);
-    const size_t end = src.find("-wide", at);
-    const size_t start = src.rfind(' ', end) + 1;
-    return std::stoi(src.substr(start, end - start));
+    return access_width(src, "load @" + tensor + " in ");
   };
   const auto matmul_src = [&](int64_t K) {
     return jit::cuda::generate(test::matmul_kernel().trace(matmul_args(K), {{"BM", 64}, {"BN", 64}, {"BK", 32}}),
@@ -279,37 +287,24 @@ TEST_CASE("the grouped embedding backward writes grad_A in 16-byte vectors and a
           "[cuda][codegen]") {
   // A store or add whose mask changes from element to element goes out one element at
   // a time; these masks are the tiles' bounds only (docs/cuda-backend.md, vector_width).
-  const auto width_of = [](const std::string& src, const std::string& what) {
-    const size_t at = src.find(what);
-    REQUIRE(at != std::string::npos);
-    const size_t eol = src.find('\n', at);
-    const size_t comma = src.rfind(", ", eol);
-    return std::stoi(src.substr(comma + 2, eol - comma - 2));
+  // bf16 gradients: the library's example arguments, the 128x128 tile of docs/performance.md.
+  const auto source = [](const std::string& name, const MetaMap& meta) {
+    const kernels::LibraryEntry* e = kernels::find_in_library(name);
+    REQUIRE(e != nullptr);
+    return jit::cuda::generate(e->kernel().trace(e->example_args(DType::bf16), meta), "sm_90a").source;
   };
-  const std::string dense =
-      jit::cuda::generate(kernels::lora_embedding_dense_a().trace(
-                              {t(DType::i32, 1), t(DType::i32, 1), t(DType::f32, 2), t(DType::bf16, 2),
-                               t(DType::f32, 2), t(DType::bf16, 2)},
-                              {{"BLOCK_V", 64}, {"R_PAD", 16}, {"FLUSH_B", 1}, {"BLOCK_M", 128}, {"BLOCK_K", 16}}),
-                          "sm_90a")
-          .source;
+  const std::string dense = source(
+      "lora_embedding_dense_a", {{"BLOCK_V", 64}, {"R_PAD", 16}, {"FLUSH_B", 1}, {"BLOCK_M", 128}, {"BLOCK_K", 16}});
   INFO(dense);
-  CHECK(width_of(dense, "// store @dA from") == 8);
-  CHECK(width_of(dense, "// store @dB from") == 8);
+  CHECK(access_width(dense, "// store @dA from") == 8);
+  CHECK(access_width(dense, "// store @dB from") == 8);
   const std::string main_src =
-      jit::cuda::generate(kernels::lora_embedding_backward().trace(
-                              {t(DType::i64, 1), t(DType::bf16, 2), t(DType::bf16, 2), t(DType::bf16, 2),
-                               ArgSpec::scalar(), t(DType::f32, 2), t(DType::f32, 2), t(DType::i32, 1),
-                               t(DType::i32, 1), t(DType::i64, 1), ArgSpec::scalar(), ArgSpec::scalar(),
-                               ArgSpec::scalar()},
-                              {{"BLOCK_T", 128}, {"BLOCK_D", 128}, {"R_PAD", 16}, {"DOT", int64_t(DType::bf16)},
-                               {"GROUP_BY_ID", 1}, {"ROTATE", 1}, {"WAIT_PRIOR", 1}, {"staged_adds", 1},
-                               {"num_warps", 4}, {"num_stages", 3}}),
-                          "sm_90a")
-          .source;
+      source("lora_embedding_backward",
+             {{"BLOCK_T", 128}, {"BLOCK_D", 128}, {"R_PAD", 16}, {"DOT", int64_t(DType::bf16)}, {"GROUP_BY_ID", 1},
+              {"ROTATE", 1}, {"WAIT_PRIOR", 1}, {"staged_adds", 1}, {"num_warps", 4}, {"num_stages", 3}});
   INFO(main_src);
-  CHECK(width_of(main_src, "// atomic_add @dA from") == 4);  // each token's sums, a run of r floats
-  CHECK(width_of(main_src, "// atomic_add @dB from") == 4);
+  CHECK(access_width(main_src, "// atomic_add @dA from") == 4);  // each token's sums, a run of r floats
+  CHECK(access_width(main_src, "// atomic_add @dB from") == 4);
 }
 
 TEST_CASE("fp32 dots use fp32 FMA, not tensor cores", "[cuda][codegen]") {
