@@ -237,6 +237,30 @@ TEST_CASE("rows whose length is a multiple of 8 but not 16 still move in 16-byte
   CHECK(text.find("sdiv8=") != std::string::npos);
 }
 
+TEST_CASE("a bound that is the minimum of two multiples of 16 still lets accesses under it be vectors",
+          "[cuda][codegen]") {
+  // Each program zeroes its share of a row's columns, a slice [lo, hi) with hi = min(n, lo + share):
+  // a minimum of two values divisible by 16 is divisible by 16, so `col < hi` is constant over
+  // runs of 16 columns starting at multiples of 16.
+  static const Kernel share("zero_share", [](Builder& b) {
+    auto y = b.tensor("y", 2);
+    const int64_t BC = 256;
+    const Value per = cdiv(cdiv(y.dim(1), literal(BC)), num_programs(0)) * BC;
+    const Value lo = minimum(y.dim(1), program_id(0) * per), hi = minimum(y.dim(1), lo + per);
+    const Value rows = arange(16);
+    for_range(lo, hi, BC, [&](const Value& c0) {
+      const Value cols = c0 + arange(BC);
+      store(y, {rows.col(), cols.row()}, zeros({16, BC}, y.dtype()), (rows.col() < y.dim(0)) & (cols.row() < hi));
+    });
+  });
+  const std::string src = jit::cuda::generate(share.trace({t(DType::bf16, 2)}, {}), "sm_90a").source;
+  INFO(src);
+  CHECK(access_width(src, "// store @y from") == 8);  // 16 bytes
+  // Without the dims' divisibility the minimum is known to be divisible by nothing.
+  const std::string plain = jit::cuda::generate(share.trace({t(DType::bf16, 2, false)}, {}), "sm_90a").source;
+  CHECK(access_width(plain, "// store @y from") == 1);
+}
+
 TEST_CASE("in-place updates are pipelined only when iterations touch disjoint tiles", "[cuda][codegen]") {
   const std::vector<ArgSpec> args = {t(DType::f32, 2)};
   const std::string same = jit::cuda::generate(

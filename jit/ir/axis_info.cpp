@@ -149,6 +149,25 @@ class Analysis {
         }
         break;
       }
+      case OpKind::Min:
+      case OpKind::Max: {
+        // The result is one of the operands, element by element: divisible by whatever
+        // divides both (powers of two: the smaller), equal where both are.
+        if (!is_int(t.dtype) || t.dtype == DType::i1) break;
+        const AxisInfo& x = in(op.operands[0]);
+        const AxisInfo& y = in(op.operands[1]);
+        if (r == 0) {
+          out.scalar_div = std::min(x.scalar_div, y.scalar_div);
+          break;
+        }
+        for (size_t d = 0; d < r; ++d) {
+          out.constancy[d] = std::min(x.constancy[d], y.constancy[d]);
+          const int64_t dx = x.contiguity[d] > 1 ? 1 : x.divisibility[d];
+          const int64_t dy = y.contiguity[d] > 1 ? 1 : y.divisibility[d];
+          out.divisibility[d] = std::min(dx, dy);
+        }
+        break;
+      }
       case OpKind::Lt:
       case OpKind::Le:
       case OpKind::Gt:
