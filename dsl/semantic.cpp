@@ -688,6 +688,15 @@ void wait_prior_grid() {
   current_builder("wait_prior_grid").impl().emit(ir::Operation(OpKind::GridWait), nullptr);
 }
 
+void grid_sync(const Tensor& counter) {
+  Builder::Impl& s = counter.builder().impl();
+  if (counter.dtype() != DType::i32)
+    s.fail("grid_sync", "the counter must be an i32 tensor, got " + std::string(dtype_name(counter.dtype())));
+  ir::Operation op(OpKind::GridSync);
+  op.attrs.param = counter.param();
+  s.emit(std::move(op), nullptr);
+}
+
 void release_dependents() {
   current_builder("release_dependents").impl().emit(ir::Operation(OpKind::GridRelease), nullptr);
 }

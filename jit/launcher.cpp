@@ -40,6 +40,7 @@ struct CompiledKernel {
   int smem_bytes = 0;
   bool can_overlap = false;  // waits for the prior grid, on sm_90+: overlap_prior is honoured
   unsigned cluster = 1;        // thread-block cluster size along x the launch asks for (sm_90+)
+  bool cooperative = false;    // has grid_sync: every block resident at once
   unsigned grid_multiple = 1;  // meta cluster_size: grid x must be a multiple of it (every backend)
   std::string backend;
   KernelSource source = KernelSource::compiled;
@@ -400,6 +401,7 @@ std::shared_ptr<Compiled> build_cuda(const ir::Function& fn, int device, std::st
   c->threads = bin.threads;
   c->smem_bytes = bin.smem_bytes;
   c->can_overlap = may_overlap(fn, device);
+  c->cooperative = ir::contains(fn.body, ir::OpKind::GridSync);
   if (bin.smem_bytes > 48 * 1024) {
     const int limit = cuda::device_info(device).max_smem_per_block_optin;
     if (limit > 0 && bin.smem_bytes > limit)
@@ -493,7 +495,7 @@ void run(const Compiled& c, const std::vector<Arg>& args, Grid grid, const Launc
                             std::to_string(grid.z) + ")");
     void* params[] = {slots};
     cuda::launch_in(c.module.context(), c.function, grid, c.threads, c.smem_bytes, options.stream, params,
-                    options.overlap_prior && c.can_overlap, c.cluster);
+                    options.overlap_prior && c.can_overlap, c.cluster, c.cooperative);
   } else {
     jit::cpu::run_grid(*c.cpu, grid, slots);
   }

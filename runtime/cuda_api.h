@@ -85,6 +85,7 @@ inline constexpr unsigned long long CU_GET_PROC_ADDRESS_LEGACY_STREAM = 1;
 
 // cuLaunchKernelEx's configuration, laid out as cuda.h lays it out (checked in
 // tests/test_cuda_runtime.cpp), for the launch attributes kerf sets.
+inline constexpr int CU_LAUNCH_ATTRIBUTE_COOPERATIVE = 2;
 inline constexpr int CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4;
 inline constexpr int CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6;
 struct CUlaunchAttribute {
@@ -96,6 +97,7 @@ struct CUlaunchAttribute {
       unsigned x, y, z;
     } cluster_dim;
     int programmatic_stream_serialization_allowed;
+    int cooperative;
   } value = {};
 };
 struct CUlaunchConfig {

@@ -487,7 +487,7 @@ namespace {
 
 // launch()'s argument checks and the launch itself, in whatever context is current.
 void launch_current(void* function, Grid grid, int block_threads, int dynamic_smem_bytes, StreamHandle stream,
-                    void** params, bool overlap_prior, unsigned cluster_x) {
+                    void** params, bool overlap_prior, unsigned cluster_x, bool cooperative) {
   if (!function) throw InvalidArgument("cuda::launch: the function is null");
   if (grid.x == 0 || grid.y == 0 || grid.z == 0)
     throw InvalidArgument("cuda::launch: grid (" + std::to_string(grid.x) + ", " +
@@ -503,8 +503,8 @@ void launch_current(void* function, Grid grid, int block_threads, int dynamic_sm
     throw InvalidArgument("cuda::launch: grid x (" + std::to_string(grid.x) +
                           ") must be a positive multiple of the cluster size " + std::to_string(cluster_x));
   CUresult code;
-  if (overlap_prior || cluster_x > 1) {
-    CUlaunchAttribute attrs[2];
+  if (overlap_prior || cluster_x > 1 || cooperative) {
+    CUlaunchAttribute attrs[3];
     unsigned n = 0;
     if (overlap_prior) {
       attrs[n].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
@@ -513,6 +513,10 @@ void launch_current(void* function, Grid grid, int block_threads, int dynamic_sm
     if (cluster_x > 1) {
       attrs[n].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
       attrs[n++].value.cluster_dim = {cluster_x, 1, 1};
+    }
+    if (cooperative) {
+      attrs[n].id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+      attrs[n++].value.cooperative = 1;
     }
     CUlaunchConfig config;
     config.grid_x = grid.x;
@@ -536,25 +540,28 @@ void launch_current(void* function, Grid grid, int block_threads, int dynamic_sm
                  std::to_string(block_threads) + " threads per block and " +
                  std::to_string(dynamic_smem_bytes) + " bytes of dynamic shared memory" +
                  (cluster_x > 1 ? ", in clusters of " + std::to_string(cluster_x) : std::string()) +
-                 (overlap_prior ? ", overlapping the previous kernel" : "");
+                 (overlap_prior ? ", overlapping the previous kernel" : "") +
+                 (cooperative ? ", cooperatively (every block resident at once)" : "");
         });
 }
 
 }  // namespace
 
 void launch(void* function, Grid grid, int block_threads, int dynamic_smem_bytes,
-            StreamHandle stream, void** params, bool overlap_prior, unsigned cluster_x) {
+            StreamHandle stream, void** params, bool overlap_prior, unsigned cluster_x, bool cooperative) {
   ensure_context(stream);
-  launch_current(function, grid, block_threads, dynamic_smem_bytes, stream, params, overlap_prior, cluster_x);
+  launch_current(function, grid, block_threads, dynamic_smem_bytes, stream, params, overlap_prior, cluster_x,
+                 cooperative);
 }
 
 void launch_in(void* context, void* function, Grid grid, int block_threads, int dynamic_smem_bytes,
-               StreamHandle stream, void** params, bool overlap_prior, unsigned cluster_x) {
+               StreamHandle stream, void** params, bool overlap_prior, unsigned cluster_x, bool cooperative) {
   if (!context) throw InvalidArgument("cuda::launch_in: the context is null");
   CUcontext current = nullptr;
   check(api().CtxGetCurrent(&current), "querying this thread's current CUDA context");
   if (current == context) {
-    launch_current(function, grid, block_threads, dynamic_smem_bytes, stream, params, overlap_prior, cluster_x);
+    launch_current(function, grid, block_threads, dynamic_smem_bytes, stream, params, overlap_prior, cluster_x,
+                   cooperative);
     return;
   }
   check(api().CtxSetCurrent(static_cast<CUcontext>(context)), "making a CUDA context current on this thread");
@@ -566,7 +573,8 @@ void launch_in(void* context, void* function, Grid grid, int block_threads, int 
       if (previous) api().CtxSetCurrent(previous);
     }
   } restore{current};
-  launch_current(function, grid, block_threads, dynamic_smem_bytes, stream, params, overlap_prior, cluster_x);
+  launch_current(function, grid, block_threads, dynamic_smem_bytes, stream, params, overlap_prior, cluster_x,
+                 cooperative);
 }
 
 // ---------------------------------------------------------------- DeviceBuffer

@@ -448,6 +448,23 @@ TEST_CASE("reductions over either axis; half types accumulate in f32 and round o
   }
 }
 
+TEST_CASE("a kernel with grid_sync is refused by the CPU back end with its name", "[cpu]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  Kernel k("phased", [](Builder& b) {
+    auto x = b.tensor("x", 1), sync = b.tensor("sync", 1, DType::i32);
+    auto i = program_id(0) * 16 + arange(16);
+    store(x, {i}, zeros({16}), i < x.dim(0));
+    grid_sync(sync);
+  });
+  std::vector<float> x(40, 1.f);
+  std::vector<int32_t> sync(1, 0);
+  const TensorView s = TensorView::contiguous(sync.data(), DType::i32, {1});
+  CHECK_THROWS_WITH(run_on_cpu(k, {view(x, {40}), s}, {}, Grid{3, 1, 1}),
+                    Catch::Matchers::Contains("'phased' uses grid_sync") &&
+                        Catch::Matchers::Contains("CPU back end does not run"));
+  CHECK(x[0] == 1.f);  // nothing ran
+}
+
 TEST_CASE("atomic_add sums contributions from many programs running in parallel", "[cpu]") {
   KERF_REQUIRE_CPU_BACKEND();
   const uint32_t seed = fresh_seed();

@@ -261,6 +261,29 @@ TEST_CASE("a bound that is the minimum of two multiples of 16 still lets accesse
   CHECK(access_width(plain, "// store @y from") == 1);
 }
 
+TEST_CASE("grid_sync waits for every program's arrivals and the kernel's end resets its counter",
+          "[cuda][codegen]") {
+  static const Kernel k("phased", [](Builder& b) {
+    auto x = b.tensor("x", 1), sync = b.tensor("sync", 1, DType::i32);
+    auto i = program_id(0) * 128 + arange(128);
+    atomic_add(x, {i}, full({128}, 1.0, DType::f32), i < x.dim(0));
+    grid_sync(sync);
+    store(x, {i}, load(x, {i}, i < x.dim(0)) * 2.0, i < x.dim(0));
+    grid_sync(sync);
+  });
+  const std::string src = jit::cuda::generate(k.trace({t(DType::f32, 1), t(DType::i32, 1)}, {}), "sm_90a").source;
+  INFO(src);
+  const size_t first = src.find("kerf_dev::grid_sync(p1, 1);"), second = src.find("kerf_dev::grid_sync(p1, 2);"),
+               exit = src.find("kerf_dev::grid_sync_exit(p1, 3);");
+  REQUIRE(first != std::string::npos);
+  REQUIRE(second != std::string::npos);
+  REQUIRE(exit != std::string::npos);
+  CHECK(src.find("atomic_add @x") < first);
+  CHECK(first < src.find("load @x"));  // the read comes after the first barrier
+  CHECK(second < exit);
+  CHECK(src.find("ld.acquire.gpu") != std::string::npos);
+}
+
 TEST_CASE("in-place updates are pipelined only when iterations touch disjoint tiles", "[cuda][codegen]") {
   const std::vector<ArgSpec> args = {t(DType::f32, 2)};
   const std::string same = jit::cuda::generate(

@@ -238,6 +238,8 @@ TEST_CASE("kerf's declarations of the driver and NVRTC APIs match cuda.h and nvr
   // cuLaunchKernelEx's configuration, as kerf lays it out.
   STATIC_REQUIRE(d::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION ==
                  int(::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION));
+  STATIC_REQUIRE(d::CU_LAUNCH_ATTRIBUTE_COOPERATIVE == int(::CU_LAUNCH_ATTRIBUTE_COOPERATIVE));
+  STATIC_REQUIRE(d::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION == int(::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION));
   STATIC_REQUIRE(sizeof(d::CUlaunchAttribute) == sizeof(::CUlaunchAttribute));
   STATIC_REQUIRE(alignof(d::CUlaunchAttribute) == alignof(::CUlaunchAttribute));
   STATIC_REQUIRE(offsetof(d::CUlaunchAttribute, value) == offsetof(::CUlaunchAttribute, value));

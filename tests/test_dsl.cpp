@@ -236,6 +236,46 @@ TEST_CASE("the verifier rejects ill-typed IR", "[ir][verifier]") {
   CHECK_THROWS_AS(ir::verify(g), InternalError);
 }
 
+TEST_CASE("grid_sync is a barrier at the kernel's top level on one i32 counter", "[dsl][ir]") {
+  const std::vector<ArgSpec> args = {ArgSpec::tensor(DType::f32, 1), ArgSpec::tensor(DType::i32, 1),
+                                     ArgSpec::tensor(DType::i32, 1)};
+  Kernel k("two_phases", [](Builder& b) {
+    auto x = b.tensor("x", 1), sync = b.tensor("sync", 1);
+    b.tensor("other", 1);
+    auto i = program_id(0) * 16 + arange(16);
+    atomic_add(x, {i}, full({16}, 1.0, DType::f32), i < x.dim(0));
+    grid_sync(sync);
+    store(x, {i}, zeros({16}), i < x.dim(0));
+    grid_sync(sync);
+  });
+  ir::Function f = k.trace(args, {});
+  ir::verify(f);
+  const std::string text = ir::print(f);
+  INFO(text);
+  const size_t add = text.find("atomic_add @x"), sync1 = text.find("grid_sync @sync"),
+               store = text.find("store @x"), sync2 = text.find("grid_sync @sync", sync1 + 1);
+  REQUIRE(sync2 != std::string::npos);
+  CHECK(add < sync1);
+  CHECK(sync1 < store);  // kept in place and not merged: both barriers stay
+  CHECK(store < sync2);
+  // Inside a loop, on an f32 counter, or on two counters: refused.
+  Kernel in_loop("in_loop", [](Builder& b) {
+    auto sync = b.tensor("sync", 1, DType::i32);
+    for_range(0, 2, 1, [&](const Value&) { grid_sync(sync); });
+  });
+  CHECK_THROWS_WITH(in_loop.trace({ArgSpec::tensor(DType::i32, 1)}, {}),
+                    Catch::Matchers::Contains("top level"));
+  Kernel f32_counter("f32_counter", [](Builder& b) { grid_sync(b.tensor("sync", 1)); });
+  CHECK_THROWS_WITH(f32_counter.trace({ArgSpec::tensor(DType::f32, 1)}, {}), Catch::Matchers::Contains("i32"));
+  Kernel two("two_counters", [](Builder& b) {
+    auto a = b.tensor("a", 1), c = b.tensor("c", 1);
+    grid_sync(a);
+    grid_sync(c);
+  });
+  CHECK_THROWS_WITH(two.trace({ArgSpec::tensor(DType::i32, 1), ArgSpec::tensor(DType::i32, 1)}, {}),
+                    Catch::Matchers::Contains("same tensor"));
+}
+
 TEST_CASE("grid dependency ops keep their place among a kernel's effects", "[dsl][ir]") {
   Kernel k("overlap", [](Builder& b) {
     auto x = b.tensor("x", 1), out = b.tensor("out", 1);

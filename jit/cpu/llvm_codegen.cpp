@@ -840,6 +840,10 @@ class KernelEmitter {
       case OpKind::GridWait:
       case OpKind::GridRelease:
         return;  // CPU launches run one after another: nothing overlaps
+      case OpKind::GridSync:
+        throw InvalidArgument("kernel '" + f_.name +
+                              "' uses grid_sync (all programs waiting for each other), which the CPU back end "
+                              "does not run: its programs run one after another");
       case OpKind::L2EvictNormal:
         return;  // an L2 eviction hint of the GPU: nothing to do on the CPU
       case OpKind::Store:

@@ -47,6 +47,8 @@ KernelCode Codegen::run() {
   active_.assign(1, 0);
   emit_block(f_.body);
   flush_cluster(0);
+  // The last program to end the kernel sets the barriers' counter back to zero.
+  if (grid_syncs_ > 0) line(0, "kerf_dev::grid_sync_exit(" + grid_sync_ptr_ + ", " + S(grid_syncs_ + 1) + ");");
 
   KernelCode out;
   out.threads = 32 * num_warps_;
@@ -91,7 +93,8 @@ int Codegen::parse_sm(const std::string& arch) {
 
 bool Codegen::is_pure(OpKind k) const {
   return k != OpKind::Load && k != OpKind::Store && k != OpKind::AtomicAdd && k != OpKind::For &&
-         k != OpKind::Yield && k != OpKind::GridWait && k != OpKind::GridRelease && k != OpKind::L2EvictNormal;
+         k != OpKind::Yield && k != OpKind::GridWait && k != OpKind::GridRelease && k != OpKind::GridSync &&
+         k != OpKind::L2EvictNormal;
 }
 
 // Records each value's defining op and placement level.
@@ -523,6 +526,13 @@ void Codegen::emit_block(const ir::Block& b) {
         break;
       case OpKind::GridRelease:
         if (sm_ >= 90) line(lv, "asm volatile(\"griddepcontrol.launch_dependents;\" ::: \"memory\");");
+        break;
+      case OpKind::GridSync:
+        // The k-th barrier waits for k arrivals of every program (the launch is cooperative).
+        grid_sync_ptr_ = pointer_expr(op);
+        ++grid_syncs_;
+        line(lv, "// grid_sync " + S(grid_syncs_) + " @" + tensor_of(op).name);
+        line(lv, "kerf_dev::grid_sync(" + grid_sync_ptr_ + ", " + S(grid_syncs_) + ");");
         break;
       default:
         break;  // pure values are emitted where they are used

@@ -161,6 +161,35 @@ __device__ __forceinline__ unsigned char shfl_idx(unsigned char v, int src) {
 }
 __device__ __forceinline__ bool shfl_idx(bool v, int src) { return __shfl_sync(0xffffffffu, (int)v, src) != 0; }
 
+// A barrier of the whole grid (dsl::grid_sync; the launch is cooperative, so every
+// program is resident). Thread 0 of each program makes the program's writes, ordered
+// before it by the block barrier, visible at device scope, counts the arrival, and
+// waits until every program has arrived `phase` times; the second block barrier holds
+// the other threads until then. The last program to arrive at the kernel's end (after
+// the last barrier) sets the counter back to zero for the next launch.
+__device__ __forceinline__ void grid_sync(int* counter, int phase) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int target = phase * int(gridDim.x * gridDim.y * gridDim.z);
+    __threadfence();
+    atomicAdd(counter, 1);
+    for (;;) {
+      int seen;
+      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+      if (seen >= target) break;
+      __nanosleep(64);
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+__device__ __forceinline__ void grid_sync_exit(int* counter, int arrivals) {
+  if (threadIdx.x == 0) {
+    const int total = arrivals * int(gridDim.x * gridDim.y * gridDim.z);
+    if (atomicAdd(counter, 1) == total - 1) atomicExch(counter, 0);
+  }
+}
+
 // Atomics (relaxed, device scope). 16-bit floats use a compare-and-swap loop
 // on the aligned 32-bit word that holds them.
 __device__ __forceinline__ float atomic_add(float* p, float v) { return atomicAdd(p, v); }

@@ -17,7 +17,8 @@ namespace {
 
 bool has_effects(OpKind k) {
   return k == OpKind::Load || k == OpKind::Store || k == OpKind::AtomicAdd || k == OpKind::For ||
-         k == OpKind::Yield || k == OpKind::GridWait || k == OpKind::GridRelease || k == OpKind::L2EvictNormal;
+         k == OpKind::Yield || k == OpKind::GridWait || k == OpKind::GridRelease || k == OpKind::GridSync ||
+         k == OpKind::L2EvictNormal;
 }
 
 using OpKey = std::tuple<int, std::vector<ValueId>, int64_t, int64_t, int64_t, int64_t, int64_t, uint64_t,

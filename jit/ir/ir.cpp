@@ -77,6 +77,7 @@ const char* op_name(OpKind k) {
     case OpKind::L2EvictNormal: return "l2_evict_normal";
     case OpKind::GridWait: return "wait_prior_grid";
     case OpKind::GridRelease: return "release_dependents";
+    case OpKind::GridSync: return "grid_sync";
     case OpKind::For: return "for";
     case OpKind::Yield: return "yield";
   }

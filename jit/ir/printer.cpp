@@ -137,6 +137,9 @@ class Printer {
         if (a.evict == 2) out_ += " evict_last";
         break;
       }
+      case OpKind::GridSync:
+        out_ += " " + tensor_name(a);
+        break;
       case OpKind::L2EvictNormal: {
         const size_t rank = size_t(f_.params.at(size_t(a.param)).rank);
         out_ += " " + tensor_name(a) + "[" + operand_list(op, 0, rank) + "]";

@@ -65,6 +65,8 @@ class Verifier {
     scopes.back().insert(v);
   }
 
+  int64_t grid_sync_counter_ = -1;  // the tensor parameter every grid_sync counts in
+
   const Param& tensor_param(const Operation& op) const {
     expect(op.attrs.param >= 0 && size_t(op.attrs.param) < f_.params.size(), op,
            "parameter index out of range");
@@ -90,6 +92,12 @@ class Verifier {
           fail(op, "operand %" + std::to_string(v) + " is not defined before its use");
       if (op.kind == OpKind::Yield) {
         expect(in_loop && i + 1 == b.ops.size(), op, "yield must end a loop body");
+      }
+      if (op.kind == OpKind::GridSync) {
+        expect(!in_loop, op, "grid_sync must be at the kernel's top level, not inside a loop");
+        expect(grid_sync_counter_ < 0 || grid_sync_counter_ == op.attrs.param, op,
+               "every grid_sync of a kernel must count in the same tensor");
+        grid_sync_counter_ = op.attrs.param;
       }
       check(op, scopes);
       for (ValueId r : op.results) define(r, scopes, &op);
@@ -307,6 +315,12 @@ class Verifier {
       case OpKind::GridRelease:
         expect(n == 0 && op.results.empty(), op, "takes no operands and has no result");
         break;
+      case OpKind::GridSync: {
+        const Param& p = tensor_param(op);
+        expect(n == 0 && op.results.empty(), op, "takes no operands and has no result");
+        expect(p.dtype == DType::i32, op, "its counter @" + p.name + " must be an i32 tensor");
+        break;
+      }
       default:
         if (is_elementwise_unary(op.kind) || is_elementwise_binary(op.kind))
           expect(n >= 1 && t(op.operands[0]).dtype != DType::u8, op,

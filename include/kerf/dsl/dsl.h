@@ -270,6 +270,20 @@ void cluster_atomic_add(const Tensor& t, const std::vector<Value>& idx, const Va
 void wait_prior_grid();
 void release_dependents();
 
+// A barrier of the whole grid: every program waits here until all programs have
+// reached it, and what any program wrote before it (stores and atomics) is
+// visible to every program after it. `counter` is an i32 tensor (one element is
+// used) that is zero when the kernel starts; the programs count their arrivals
+// there and the last one to end the kernel sets it back to zero, so the same
+// memory serves the next launch. Every grid_sync of a kernel takes the same
+// counter and stands at the kernel's top level (not in a for_range). A kernel
+// with one is launched cooperatively: the driver starts it only if all its
+// programs fit on the GPU at once (else the launch fails with the driver's
+// message), so the grid must be sized to the GPU (one program per
+// multiprocessor always fits). The CPU back end, whose programs run one after
+// another, refuses such a kernel.
+void grid_sync(const Tensor& counter);
+
 // An integer scalar operand: a Value or a C++ integer (a constant of the trace).
 class IntArg {
  public:

@@ -76,6 +76,10 @@ enum class OpKind : uint8_t {
                 // from here on (it may still be running before this point); nothing
                 // after it in program order is moved ahead of it
   GridRelease,  // a grid launched after this one may start before this one ends
+  GridSync,     // every program of the grid waits here for all the others (attrs.param: an i32
+                // counter tensor, zero on entry, left zero); writes before it are visible after
+                // it in every program. Top level of the kernel only; the kernel is launched
+                // cooperatively (all programs resident at once)
   // ---- control
   For,          // operands: lo, hi, step, init...; body args: iv, carried...; results: carried
   Yield,        // terminator of a For body: the next carried values

@@ -88,16 +88,20 @@ FunctionAttributes function_attributes(void* function);
 // the kernel must wait for it (griddepcontrol.wait) before it touches what that
 // kernel writes. Only for kernels that do; sm_90 and later. `cluster_x` > 1
 // launches thread-block clusters of that many blocks along x (sm_90 and later;
-// grid.x must be a multiple of it).
+// grid.x must be a multiple of it). `cooperative`: all blocks resident at once
+// (CU_LAUNCH_ATTRIBUTE_COOPERATIVE; the driver refuses a grid that cannot be),
+// for kernels whose blocks wait for each other (dsl::grid_sync).
 void launch(void* function, Grid grid, int block_threads, int dynamic_smem_bytes,
-            StreamHandle stream, void** params, bool overlap_prior = false, unsigned cluster_x = 1);
+            StreamHandle stream, void** params, bool overlap_prior = false, unsigned cluster_x = 1,
+            bool cooperative = false);
 // The same for a function of a module loaded in `context` (Module::context()):
 // that context is made current for the launch unless it already is (one query),
 // where launch() first asks the driver for the stream's; another context the
 // thread had current is made current again afterwards. `stream` must belong to
 // `context` (the driver refuses the launch otherwise).
 void launch_in(void* context, void* function, Grid grid, int block_threads, int dynamic_smem_bytes,
-               StreamHandle stream, void** params, bool overlap_prior = false, unsigned cluster_x = 1);
+               StreamHandle stream, void** params, bool overlap_prior = false, unsigned cluster_x = 1,
+               bool cooperative = false);
 
 // Device memory owned by this object (cuMemAlloc / cuMemFree).
 class DeviceBuffer {
