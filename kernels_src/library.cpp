@@ -178,6 +178,19 @@ const std::vector<LibraryEntry>& library() {
                  [](DType) {
                    return dsl::MetaMap{{"BLOCK_T", 128}, {"R_PAD", 16}, {"BY_FREQ", 1}};
                  }});
+    e.push_back({"lora_embedding_backward_fused", lora_embedding_backward_fused,
+                 [=](DType t) {
+                   return std::vector<dsl::ArgSpec>{
+                       tensor(DType::i64, 1), tensor(t, 2),          tensor(t, 2),          tensor(t, 2),
+                       scalar,                tensor(DType::f32, 2), tensor(DType::f32, 2), tensor(DType::i32, 1),
+                       tensor(DType::i32, 1), tensor(DType::i64, 1), scalar,                scalar,
+                       scalar,                tensor(t, 2),          tensor(t, 2),          tensor(DType::i32, 1)};
+                 },
+                 [](DType t) {
+                   return dsl::MetaMap{{"BLOCK_T", 128}, {"BLOCK_D", 128}, {"R_PAD", 16}, {"DOT", dot_code(t)},
+                                       {"BLOCK_V", 64},  {"BLOCK_M", 64},  {"ROTATE", 1}, {"num_warps", 4},
+                                       {"num_stages", 3}};
+                 }});
     e.push_back({"lora_embedding_group", lora_embedding_group,
                  [=](DType) {
                    return std::vector<dsl::ArgSpec>{tensor(DType::i64, 1), tensor(DType::i32, 1),

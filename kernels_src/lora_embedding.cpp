@@ -73,6 +73,55 @@ TileAfter tile_after(Builder& k, const Value& before, const Tensor& t) {
   return a;
 }
 
+// The backward's pass over g for the tokens `t`, this program's slice of D: returns
+// gB = g[t, :] @ B over the slice [BT, R] (f32), and adds dB's rows of the slice,
+// s * g^T A, into dB (f32) step by step. ROTATE: each token block starts its steps at
+// a different step, so that the token blocks sharing a slice of D do not all add into
+// the same rows of dB at once. WAIT_PRIOR: each step's add waits for the grid before.
+Value backward_pass(Builder& k, const Tokens& t, const Tensor& A, const Tensor& B, const Tensor& g, const Value& s,
+                    const Tensor& dB, bool wait_fill) {
+  const int64_t BT = k.meta("BLOCK_T"), BD = k.meta("BLOCK_D"), R = k.meta("R_PAD");
+  const bool rotate = k.meta("ROTATE", 0) != 0;
+  const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
+  const Value n_dim = g.dim(1);
+  const Value rk = arange(R);
+  const Value rk_ok = rk.row() < A.dim(0);  // [1, R]
+  // The LoRA activations of these tokens (zero outside the shard): dB's right factor.
+  const Value act = load(A, {rk.row(), t.local.col()}, t.in_shard.col() & rk_ok).to(dot_t);  // [BT, R]
+  const auto [lo, hi] = split_range(n_dim, BD);
+  return for_range(lo, hi, BD, zeros({BT, R}), [&](const Value& iv, const Value& acc) {
+    const Value d0 = rotate ? rotated_step(iv, lo, hi, BD, program_id(0)) : iv;
+    const Value d = d0 + arange(BD);
+    const Value d_ok = d.col() < n_dim;  // [BD, 1]
+    const Value gt =
+        load(g, {t.tok.col(), d.row()}, t.tok_ok.col() & (d.row() < n_dim)).to(dot_t);  // [BT, BD]
+    const Value b = load(B, {d.col(), rk.row()}, d_ok & rk_ok).to(dot_t);               // [BD, R]
+    if (wait_fill) wait_prior_grid();
+    atomic_add(dB, {d.col(), rk.row()}, dot(trans(gt), act) * s, d_ok & rk_ok);
+    return dot(gt, b, acc);
+  });
+}
+
+// Columns [v0, v0 + BV) of dA [r, V] (any float dtype) from the sums by id: sums[first[v]
+// - 1, :] where first[v] > 0, else zeros; then the sums read, and first and counts of every
+// id of the block, back to zero (one store masked by the tile's bounds for dA, so that it
+// goes out in 16-byte vectors; first and counts in whole lines).
+void write_columns(const Value& v0, int64_t BV, int64_t R, const Tensor& first, const Tensor& counts,
+                   const Tensor& sums, const Tensor& dA) {
+  const Value v = v0 + arange(BV);
+  const Value v_ok = v < dA.dim(1);
+  const Value rk = arange(R);
+  const Value rk_ok = rk.col() < dA.dim(0);  // [R, 1]
+  const Value f = load(first, {v}, v_ok);
+  const Value row = f.to(DType::i64) - 1;
+  const Value mine = (f > 0).row() & rk_ok;  // [R, BV]
+  const Value a = load(sums, {row.row(), rk.col()}, mine);
+  store(dA, {rk.col(), v.row()}, a.to(dA.dtype()), v_ok.row() & rk_ok);
+  store(sums, {row.row(), rk.col()}, zeros({R, BV}), mine);
+  store(first, {v}, zeros({BV}, DType::i32), v_ok);
+  store(counts, {v}, zeros({BV}, DType::i32), v_ok);
+}
+
 }  // namespace
 
 const dsl::Kernel& lora_embedding() {
@@ -118,40 +167,21 @@ const dsl::Kernel& lora_embedding_backward() {
     const Tensor err = k.tensor("err", 1, DType::i64);
     const Value start = k.scalar("start", DType::i64), total = k.scalar("total", DType::i64);
     const Value padding = k.scalar("padding", DType::i64);
-    const int64_t BT = k.meta("BLOCK_T"), BD = k.meta("BLOCK_D"), R = k.meta("R_PAD");
+    const int64_t BT = k.meta("BLOCK_T"), R = k.meta("R_PAD");
     const bool by_freq = k.meta("BY_FREQ", 0) != 0;
     // GROUP_BY_ID: dA is the [T, r] sums by id, row first[v] - 1 for id v (from
     // lora_embedding_group, complete once the prior grid is); else dA itself.
     const bool grouped = k.meta("GROUP_BY_ID", 0) != 0;
-    // ROTATE: each token block starts its steps over D at a different step, so the token
-    // blocks sharing a slice of D do not all add into the same rows of dB at once.
-    const bool rotate = k.meta("ROTATE", 0) != 0;
     // WAIT_PRIOR: launched to overlap the zero-fill of dA and dB before it, so every
     // atomic comes after a wait for that fill; the loads before it read only inputs.
     const bool wait_fill = k.meta("WAIT_PRIOR", 0) != 0;
-    const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
-    const Value n_dim = g.dim(1), rank = A.dim(0);
+    const Value rank = A.dim(0);
 
     const Tokens t = load_tokens(k, x, err, start, total, A.dim(1));
     const Value rk = arange(R);
     const Value rk_ok = rk.row() < rank;  // [1, R]
-    // The LoRA activations of these tokens (zero outside the shard): dB's right factor.
-    const Value act =
-        load(A, {rk.row(), t.local.col()}, t.in_shard.col() & rk_ok).to(dot_t);  // [BT, R]
-
-    const auto [lo, hi] = split_range(n_dim, BD);
     // gB[t, :] = g[t, :] @ B over this program's slice of D; dB's rows of the slice on the way.
-    const Value gB = for_range(lo, hi, BD, zeros({BT, R}), [&](const Value& iv, const Value& acc) {
-      const Value d0 = rotate ? rotated_step(iv, lo, hi, BD, program_id(0)) : iv;
-      const Value d = d0 + arange(BD);
-      const Value d_ok = d.col() < n_dim;  // [BD, 1]
-      const Value gt = load(g, {t.tok.col(), d.row()}, t.tok_ok.col() & (d.row() < n_dim))
-                           .to(dot_t);                                       // [BT, BD]
-      const Value b = load(B, {d.col(), rk.row()}, d_ok & rk_ok).to(dot_t);  // [BD, R]
-      if (wait_fill) wait_prior_grid();
-      atomic_add(dB, {d.col(), rk.row()}, dot(trans(gt), act) * s, d_ok & rk_ok);
-      return dot(gt, b, acc);
-    });
+    const Value gB = backward_pass(k, t, A, B, g, s, dB, wait_fill);
     // Programs whose share of D is empty met no wait in the loop.
     if (grouped && wait_fill) wait_prior_grid();
     Value w = broadcast_to(s, {BT});
@@ -193,6 +223,58 @@ const dsl::Kernel& lora_embedding_backward() {
         l2_evict_normal(dB, {dd.col(), cols.row()}, dd.col() < d_hi);
       });
     }
+  });
+  return k;
+}
+
+const dsl::Kernel& lora_embedding_backward_fused() {
+  static const Kernel k("lora_embedding_backward_fused", [](Builder& k) {
+    const Tensor x = k.tensor("x", 1), A = k.tensor("A", 2), B = k.tensor("B", 2),
+                 g = k.tensor("g", 2);
+    const Value s = k.scalar("s");
+    const Tensor sums = k.tensor("sums", 2, DType::f32), db_acc = k.tensor("db_acc", 2, DType::f32);
+    const Tensor counts = k.tensor("counts", 1, DType::i32), first = k.tensor("first", 1, DType::i32);
+    const Tensor err = k.tensor("err", 1, DType::i64);
+    const Value start = k.scalar("start", DType::i64), total = k.scalar("total", DType::i64);
+    const Value padding = k.scalar("padding", DType::i64);
+    const Tensor dA = k.tensor("dA", 2), dB = k.tensor("dB", 2), sync = k.tensor("sync", 1, DType::i32);
+    const int64_t BT = k.meta("BLOCK_T"), R = k.meta("R_PAD"), BV = k.meta("BLOCK_V"), BM = k.meta("BLOCK_M");
+    const Value rk = arange(R);
+    const Value rk_ok = rk.row() < A.dim(0);  // [1, R]
+
+    // 1. The programs of the first slice of D group their tokens by id, as
+    //    lora_embedding_group does; nothing reads it before the first grid_sync.
+    const Tokens t = load_tokens(k, x, err, start, total, A.dim(1));
+    const Value counting = t.in_shard & (program_id(1) == 0);
+    const Value old = atomic_add(counts, {t.local}, full({BT}, 1.0, DType::i32), counting);
+    store(first, {t.local}, (t.tok + 1).to(DType::i32), counting & (old == 0));
+    // 2. The pass over g; dB's shares into its f32 accumulator.
+    const Value gB = backward_pass(k, t, A, B, g, s, db_acc, false);
+    grid_sync(sync);
+    // 3. Each token's sums into its id's row (counts and first are complete).
+    Value w = broadcast_to(s, {BT});
+    if (k.meta("BY_FREQ", 0))
+      w = w / maximum(load(counts, {t.local}, t.in_shard, 1.0).to(DType::f32), literal(1.0));
+    const Value row = load(first, {t.local}, t.in_shard).to(DType::i64) - 1;
+    const Value gets = t.in_shard & (t.id != padding) & (row >= 0);
+    atomic_add(sums, {row.col(), rk.row()}, gB * w.col(), gets.col() & rk_ok);
+    grid_sync(sync);
+    // 4. Every sum is in: this program's share of dA's columns (and the workspace back to
+    //    zero), then its share of dB's rows from the accumulator (zeroed again).
+    const Value prog = program_id(0) * num_programs(1) + program_id(1);
+    const Value progs = num_programs(0) * num_programs(1);
+    const Value v_per = cdiv(cdiv(dA.dim(1), literal(BV)), progs) * BV;
+    const Value v_lo = minimum(dA.dim(1), prog * v_per);
+    for_range(v_lo, minimum(dA.dim(1), v_lo + v_per), BV,
+              [&](const Value& v0) { write_columns(v0, BV, R, first, counts, sums, dA); });
+    const Value d_per = cdiv(cdiv(dB.dim(0), literal(BM)), progs) * BM;
+    const Value d_lo = minimum(dB.dim(0), prog * d_per), d_hi = minimum(dB.dim(0), d_lo + d_per);
+    for_range(d_lo, d_hi, BM, [&](const Value& d0) {
+      const Value d = d0 + arange(BM);
+      const Value ok = (d.col() < d_hi) & (rk.row() < dB.dim(1));
+      store(dB, {d.col(), rk.row()}, load(db_acc, {d.col(), rk.row()}, ok).to(dB.dtype()), ok);
+      store(db_acc, {d.col(), rk.row()}, zeros({BM, R}), ok);
+    });
   });
   return k;
 }
@@ -267,23 +349,7 @@ const dsl::Kernel& lora_embedding_dense_a() {
       store(dB, {b.rows, b.cols}, load(db_acc, {b.rows, b.cols}, b.ok).to(dB.dtype()), b.ok);
       store(db_acc, {b.rows, b.cols}, zeros({k.meta("BLOCK_M"), k.meta("BLOCK_K")}), b.ok);
     }
-    const Value v = program_id(0) * BV + arange(BV);
-    const Value v_ok = v < dA.dim(1);
-    const Value rk = arange(R);
-    const Value rk_ok = rk.col() < dA.dim(0);  // [R, 1]
-    const Value f = load(first, {v}, v_ok);
-    const Value has = f > 0;
-    const Value row = f.to(DType::i64) - 1;
-    const Value mine = has.row() & rk_ok;  // [R, BV]
-    const Value a = load(sums, {row.row(), rk.col()}, mine);
-    store(dA, {rk.col(), v.row()}, a.to(dA.dtype()), v_ok.row() & rk_ok);
-    // The workspace goes back to zero: the sums read, and first and counts of every id of
-    // the block, so that a warp's stores cover whole lines (masked by `has`, they were
-    // scattered 4-byte stores, each a partial sector; on an H100 at 8192x128256x4096 with
-    // bf16 gradients 45.5 -> 44.8 us).
-    store(sums, {row.row(), rk.col()}, zeros({R, BV}), mine);
-    store(first, {v}, zeros({BV}, DType::i32), v_ok);
-    store(counts, {v}, zeros({BV}, DType::i32), v_ok);
+    write_columns(program_id(0) * BV, BV, R, first, counts, sums, dA);
   });
   return k;
 }

@@ -331,6 +331,9 @@ struct EmbeddingBackwardPlan {
   // GROUP_BY_ID: the tokens of an id add into one row of a [T, r] workspace, and a kernel
   // of its own writes each column of dA once (no zero-fill of dA, no scattered atomics).
   bool grouped = false;
+  // FUSED (grouped, GPU): those launches as one cooperative kernel whose programs wait for
+  // each other (lora_embedding_backward_fused), where the grid fits on the GPU at once.
+  bool fused = false;
 };
 
 EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const Config& config, int64_t programs) {
@@ -386,6 +389,7 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
   p.keep_in_l2 = gpu && unit && (fills_a || fills_b) && meta_or(config, "L2_KEEP", 1) != 0;
   if (p.keep_in_l2) p.meta["L2_KEEP"] = 1;
   if (p.grouped) p.meta["GROUP_BY_ID"] = 1;
+  p.fused = p.grouped && gpu && meta_or(config, "FUSED", 0) != 0 && blocks * split <= programs;
   return p;
 }
 
@@ -409,17 +413,18 @@ std::vector<Arg> embedding_backward_args(const EmbeddingBackward& c, const Tenso
 
 // The GROUP_BY_ID launches' workspace views: counts and first [V] i32, sums [1, T, r]
 // f32, and dB's f32 accumulator when dB is not f32 itself (zero on entry, left zero).
+// FUSED: dB's accumulator is always the workspace's, and `sync` the barriers' i32 counter.
 struct GroupedViews {
-  TensorView counts, first, sums, db_acc;
+  TensorView counts, first, sums, db_acc, sync;
 };
 
-size_t grouped_workspace_bytes(const EmbeddingBackward& c) {
+size_t grouped_workspace_bytes(const EmbeddingBackward& c, bool fused) {
   const int64_t T = c.x1.shape[0], D = c.B.shape[0], r = c.A.shape[0], V = c.A.shape[1];
   return 2 * carved_bytes(1, 1, V) + carved_bytes(1, T, r) +
-         (c.dB3.dtype == DType::f32 ? 0 : carved_bytes(1, D, r));
+         (c.dB3.dtype == DType::f32 && !fused ? 0 : carved_bytes(1, D, r)) + (fused ? carved_bytes(1, 1, 1) : 0);
 }
 
-GroupedViews grouped_views(const EmbeddingBackward& c, char* ws) {
+GroupedViews grouped_views(const EmbeddingBackward& c, char* ws, bool fused) {
   const int64_t T = c.x1.shape[0], D = c.B.shape[0], r = c.A.shape[0], V = c.A.shape[1];
   const Device& dev = c.x1.device;
   GroupedViews g;
@@ -427,8 +432,24 @@ GroupedViews grouped_views(const EmbeddingBackward& c, char* ws) {
   g.counts = carve_ids(&cursor, V, dev);
   g.first = carve_ids(&cursor, V, dev);
   g.sums = carve_f32(&cursor, 1, T, r, dev);
-  g.db_acc = c.dB3.dtype == DType::f32 ? c.dB3 : carve_f32(&cursor, 1, D, r, dev);
+  g.db_acc = c.dB3.dtype == DType::f32 && !fused ? c.dB3 : carve_f32(&cursor, 1, D, r, dev);
+  if (fused) g.sync = carve_ids(&cursor, 1, dev);
   return g;
+}
+
+// The fused kernel's metas: the main kernel's tile, dA's columns and dB's rows a step.
+dsl::MetaMap fused_meta(const EmbeddingBackwardPlan& p) {
+  dsl::MetaMap m = p.meta;
+  for (const char* launch_only : {"WAIT_PRIOR", "L2_KEEP", "GROUP_BY_ID"}) m.erase(launch_only);
+  m["BLOCK_V"] = std::max<int64_t>(16, 1024 / p.meta.at("R_PAD"));
+  m["BLOCK_M"] = 64;
+  return m;
+}
+
+std::vector<Arg> fused_args(const EmbeddingBackward& c, const GroupedViews& v, const TensorView& record) {
+  return {c.x1,    c.A,     c.B,      c.g2,   Scalar(c.s),        as_2d(v.sums),      as_2d(v.db_acc),
+          v.counts, v.first, record, Scalar(c.vr.start), Scalar(c.vr.total), Scalar(c.padding), as_2d(c.dA3),
+          as_2d(c.dB3), v.sync};
 }
 
 // The grouped calls around the main kernel: its grid (tokens, then dB's tiles when
@@ -472,8 +493,12 @@ std::vector<Arg> dense_args(const EmbeddingBackward& c, const GroupedViews& v) {
 // kernel adding into the sums, dA written whole (and dB flushed when not f32).
 void run_grouped_backward(const EmbeddingBackward& c, const EmbeddingBackwardPlan& p, const TensorView& record) {
   const Device& dev = c.x1.device;
-  const WorkspaceLease ws = lease_workspace(dev, c.lo.stream, grouped_workspace_bytes(c));
-  const GroupedViews v = grouped_views(c, ws.data);
+  const WorkspaceLease ws = lease_workspace(dev, c.lo.stream, grouped_workspace_bytes(c, p.fused));
+  const GroupedViews v = grouped_views(c, ws.data, p.fused);
+  if (p.fused) {
+    launch(kernels::lora_embedding_backward_fused(), fused_args(c, v, record), p.grid, fused_meta(p), c.lo);
+    return;
+  }
   const GroupedLaunches g = plan_grouped(c, p);
   const std::vector<Arg> main_args = embedding_backward_args(c, v.sums, v.db_acc, v.counts, v.first, record);
   const std::vector<Arg> last_args = dense_args(c, v);
@@ -621,8 +646,12 @@ std::vector<autotune::KernelCall> embedding_backward_kernels(const EmbeddingBack
   const int64_t V = c.A.shape[1], D = c.B.shape[0], r = c.A.shape[0];
   const Device& dev = c.x1.device;
   const EmbeddingBackwardPlan p = plan_embedding_backward(c, config, programs);
+  if (p.fused) {
+    const GroupedViews v = grouped_views(c, static_cast<char*>(unused_memory()), true);
+    return {{&kernels::lora_embedding_backward_fused(), fused_args(c, v, stand_in_record(dev)), fused_meta(p)}};
+  }
   if (p.grouped) {
-    const GroupedViews v = grouped_views(c, static_cast<char*>(unused_memory()));
+    const GroupedViews v = grouped_views(c, static_cast<char*>(unused_memory()), false);
     const GroupedLaunches g = plan_grouped(c, p);
     return {{&kernels::lora_embedding_group(), group_args(c, v), g.group_meta},
             {&kernels::lora_embedding_backward(),
@@ -778,7 +807,7 @@ void lora_embedding_backward(const TensorView& x, const TensorView& A, const Ten
                              const TensorView& grad_B, const EmbeddingOptions& options,
                              void* stream, const Config& config, const Layout& layout) {
   const char* op = "lora_embedding_backward";
-  expect_meta(op, config, {{"ROTATE", 0, 1}, {"GATHER", 0, 1}, {"GROUP_BY_ID", 0, 1}, {"L2_KEEP", 0, 1}, kL2Prefetch, kStagedAdds});
+  expect_meta(op, config, {{"ROTATE", 0, 1}, {"GATHER", 0, 1}, {"GROUP_BY_ID", 0, 1}, {"FUSED", 0, 1}, {"L2_KEEP", 0, 1}, kL2Prefetch, kStagedAdds});
   expect_ids(op, x);
   const LayoutSplits splits = check_layout(op, layout, [&] {
     return std::vector<OperandDims>{{"x", x_dims(x, false)},

@@ -8,7 +8,9 @@
 #include "cpu_test_util.h"
 #include "device_tensor.h"
 #include "gpu_test_util.h"
+#include "kerf/cache/store.h"
 #include "kerf/error.h"
+#include "kerf/jit/launch.h"
 #include "kerf/ops/ops.h"
 
 using namespace kerf;
@@ -120,12 +122,14 @@ struct BackCase {
   // Config.meta GROUP_BY_ID (-1: kerf's choice): each id's sums in one row of a
   // workspace, dA written whole by a kernel of its own.
   int group = -1;
+  // Config.meta FUSED (-1: kerf's choice): grouped, one cooperative kernel on a GPU.
+  int fused = -1;
 };
 
 void check_backward(const BackCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.T, c.V, c.D, c.r, dtype_name(c.g), dtype_name(c.ab), dtype_name(c.grads),
           c.padding.value_or(-999), c.by_freq, c.split, c.rotate, c.gather, c.l2_prefetch, c.staged, c.block_t,
-          c.block_d, c.group, seed, dev.str());
+          c.block_d, c.group, c.fused, seed, dev.str());
   std::mt19937_64 rng(seed);
   TestTensor X(DType::i64, {c.T}, dev), A(c.ab, {c.r, c.V}, dev), B(c.ab, {c.D, c.r}, dev);
   TestTensor G(c.g, {c.T, c.D}, dev), dA(c.grads, {c.r, c.V}, dev), dB(c.grads, {c.D, c.r}, dev);
@@ -155,6 +159,7 @@ void check_backward(const BackCase& c, Device dev, uint64_t seed) {
   if (c.staged) cfg.meta["STAGED_ADDS"] = 1;
   if (c.l2_prefetch) cfg.meta["L2_PREFETCH"] = c.l2_prefetch;
   if (c.group >= 0) cfg.meta["GROUP_BY_ID"] = c.group;
+  if (c.fused >= 0) cfg.meta["FUSED"] = c.fused;
   const double s = 2.0;
   ops::lora_embedding_backward(X.view(), A.view(), B.view(), G.view(), s, dA.view(), dB.view(), o,
                                nullptr, cfg);
@@ -227,6 +232,11 @@ void run_backward_cases(Device dev) {
       if (group == 0 && !dev.is_cuda()) continue;  // the CPU's default, run above
       c.group = group;
       check_backward(c, dev, seed++);
+      if (group == 1 && dev.is_cuda()) {  // and as the one cooperative kernel
+        c.fused = 1;
+        check_backward(c, dev, seed++);
+        c.fused = -1;
+      }
     }
   }
 }
@@ -329,6 +339,38 @@ TEST_CASE(
     "[gpu][ops][embedding]") {
   KERF_REQUIRE_GPU();
   run_backward_cases(Device::cuda(0));
+}
+
+TEST_CASE("lora_embedding_backward with FUSED runs one kernel where the grouped form runs three",
+          "[gpu][ops][embedding]") {
+  KERF_REQUIRE_GPU();
+  const Device dev = Device::cuda(0);
+  const int64_t T = 300, V = 1000, D = 200, r = 16;
+  std::mt19937_64 rng(6350);
+  TestTensor X(DType::i64, {T}, dev), A(DType::bf16, {r, V}, dev), B(DType::bf16, {D, r}, dev);
+  TestTensor G(DType::bf16, {T, D}, dev), dA(DType::bf16, {r, V}, dev), dB(DType::bf16, {D, r}, dev);
+  fill_ids(X, T, 1, V, rng);
+  X.upload();
+  A.randomize(rng, -0.5, 0.5);
+  B.randomize(rng, -0.5, 0.5);
+  G.randomize(rng);
+  // Kernels looked up by a first call with the kernel cache emptied: one per launch.
+  const auto lookups = [&](int fused) {
+    ops::Config cfg;
+    cfg.meta["GROUP_BY_ID"] = 1;
+    cfg.meta["FUSED"] = fused;
+    clear_kernel_cache();
+    cache::reset_stats();
+    ops::lora_embedding_backward(X.view(), A.view(), B.view(), G.view(), 2.0, dA.view(), dB.view(), {}, nullptr,
+                                 cfg);
+    test::sync(dev);
+    const cache::Stats st = cache::stats();
+    return st.bundle_hits + st.disk_hits + st.misses;
+  };
+  lookups(0);  // anything made once per process (the id-error record) is made here
+  const uint64_t fused = lookups(1), three = lookups(0);
+  CAPTURE(fused, three);
+  CHECK(three == fused + 2);  // the id launch, the kernel and the column writes against one
 }
 
 TEST_CASE(

@@ -122,6 +122,21 @@ std::vector<Case> op_kernel_cases() {
           {"num_stages", stages}},
          "lora_embedding_backward",
          v.arch});
+    c.push_back({&kernels::lora_embedding_backward_fused(),
+                 {T(ids, 1, fast), T(ad, 2, fast), T(ad, 2, fast), T(w, 2, fast), S, T(DType::f32, 2, fast),
+                  T(DType::f32, 2, fast), T(DType::i32, 1), T(DType::i32, 1), T(DType::i64, 1), S, S, S,
+                  T(w, 2, fast), T(w, 2, fast), T(DType::i32, 1)},
+                 {{"BLOCK_T", 64},
+                  {"BLOCK_D", 64},
+                  {"R_PAD", 16},
+                  {"DOT", int64_t(dot)},
+                  {"BY_FREQ", flag},
+                  {"ROTATE", 1 - flag},
+                  {"BLOCK_V", 64},
+                  {"BLOCK_M", 64},
+                  {"num_stages", stages}},
+                 "lora_embedding_backward_fused",
+                 v.arch});
     c.push_back({&kernels::lora_embedding_group(),
                  {T(ids, 1, fast), T(DType::i32, 1), T(DType::i32, 1), T(DType::f32, 2, fast), S},
                  flag ? MetaMap{{"BLOCK_T", 256}, {"BLOCK_M", 128}, {"BLOCK_K", 16}}
