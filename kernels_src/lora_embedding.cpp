@@ -73,6 +73,25 @@ TileAfter tile_after(Builder& k, const Value& before, const Tensor& t) {
   return a;
 }
 
+// The parameters the backward's kernels begin with, declared in this order: x, A, B, g,
+// s, two f32 accumulators [*, r] (named `acc_a`, `acc_b`), counts, first, err, start,
+// total, padding.
+struct BackwardParams {
+  Tensor x, A, B, g;
+  Value s;
+  Tensor acc_a, acc_b, counts, first, err;
+  Value start, total, padding;
+};
+
+BackwardParams backward_params(Builder& k, const char* acc_a, const char* acc_b) {
+  BackwardParams p{k.tensor("x", 1), k.tensor("A", 2), k.tensor("B", 2), k.tensor("g", 2), k.scalar("s"),
+                   k.tensor(acc_a, 2, DType::f32), k.tensor(acc_b, 2, DType::f32),
+                   k.tensor("counts", 1, DType::i32), k.tensor("first", 1, DType::i32),
+                   k.tensor("err", 1, DType::i64), k.scalar("start", DType::i64),
+                   k.scalar("total", DType::i64), k.scalar("padding", DType::i64)};
+  return p;
+}
+
 // The backward's pass over g for the tokens `t`, this program's slice of D: returns
 // gB = g[t, :] @ B over the slice [BT, R] (f32), and adds dB's rows of the slice,
 // s * g^T A, into dB (f32) step by step. ROTATE: each token block starts its steps at
@@ -159,14 +178,10 @@ const dsl::Kernel& lora_embedding() {
 
 const dsl::Kernel& lora_embedding_backward() {
   static const Kernel k("lora_embedding_backward", [](Builder& k) {
-    const Tensor x = k.tensor("x", 1), A = k.tensor("A", 2), B = k.tensor("B", 2),
-                 g = k.tensor("g", 2);
-    const Value s = k.scalar("s");
-    const Tensor dA = k.tensor("dA", 2, DType::f32), dB = k.tensor("dB", 2, DType::f32);
-    const Tensor counts = k.tensor("counts", 1, DType::i32), first = k.tensor("first", 1, DType::i32);
-    const Tensor err = k.tensor("err", 1, DType::i64);
-    const Value start = k.scalar("start", DType::i64), total = k.scalar("total", DType::i64);
-    const Value padding = k.scalar("padding", DType::i64);
+    const BackwardParams p = backward_params(k, "dA", "dB");
+    const Tensor &x = p.x, &A = p.A, &B = p.B, &g = p.g, &dA = p.acc_a, &dB = p.acc_b;
+    const Tensor &counts = p.counts, &first = p.first, &err = p.err;
+    const Value &s = p.s, &start = p.start, &total = p.total, &padding = p.padding;
     const int64_t BT = k.meta("BLOCK_T"), R = k.meta("R_PAD");
     const bool by_freq = k.meta("BY_FREQ", 0) != 0;
     // GROUP_BY_ID: dA is the [T, r] sums by id, row first[v] - 1 for id v (from
@@ -229,14 +244,10 @@ const dsl::Kernel& lora_embedding_backward() {
 
 const dsl::Kernel& lora_embedding_backward_fused() {
   static const Kernel k("lora_embedding_backward_fused", [](Builder& k) {
-    const Tensor x = k.tensor("x", 1), A = k.tensor("A", 2), B = k.tensor("B", 2),
-                 g = k.tensor("g", 2);
-    const Value s = k.scalar("s");
-    const Tensor sums = k.tensor("sums", 2, DType::f32), db_acc = k.tensor("db_acc", 2, DType::f32);
-    const Tensor counts = k.tensor("counts", 1, DType::i32), first = k.tensor("first", 1, DType::i32);
-    const Tensor err = k.tensor("err", 1, DType::i64);
-    const Value start = k.scalar("start", DType::i64), total = k.scalar("total", DType::i64);
-    const Value padding = k.scalar("padding", DType::i64);
+    const BackwardParams p = backward_params(k, "sums", "db_acc");
+    const Tensor &x = p.x, &A = p.A, &B = p.B, &g = p.g, &sums = p.acc_a, &db_acc = p.acc_b;
+    const Tensor &counts = p.counts, &first = p.first, &err = p.err;
+    const Value &s = p.s, &start = p.start, &total = p.total, &padding = p.padding;
     const Tensor dA = k.tensor("dA", 2), dB = k.tensor("dB", 2), sync = k.tensor("sync", 1, DType::i32);
     const int64_t BT = k.meta("BLOCK_T"), R = k.meta("R_PAD"), BV = k.meta("BLOCK_V"), BM = k.meta("BLOCK_M");
     const Value rk = arange(R);
