@@ -175,9 +175,14 @@ __device__ __forceinline__ void grid_sync(int* counter, int phase) {
     atomicAdd(counter, 1);
     for (;;) {
       int seen;
+#if __CUDA_ARCH__ >= 700
       asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
       if (seen >= target) break;
       __nanosleep(64);
+#else
+      seen = *static_cast<volatile int*>(counter);
+      if (seen >= target) break;
+#endif
     }
     __threadfence();
   }
