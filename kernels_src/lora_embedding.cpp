@@ -141,6 +141,14 @@ void write_columns(const Value& v0, int64_t BV, int64_t R, const Tensor& first, 
   store(counts, {v}, zeros({BV}, DType::i32), v_ok);
 }
 
+// The [rows, cols] tile of dB (any float dtype) from its f32 accumulator `acc`, which
+// goes back to zero; `shape` is the tile's.
+void flush_tile(const Tensor& dB, const Tensor& acc, const Value& rows, const Value& cols, const Value& ok,
+                const ir::Shape& shape) {
+  store(dB, {rows, cols}, load(acc, {rows, cols}, ok).to(dB.dtype()), ok);
+  store(acc, {rows, cols}, zeros(shape), ok);
+}
+
 }  // namespace
 
 const dsl::Kernel& lora_embedding() {
@@ -274,17 +282,12 @@ const dsl::Kernel& lora_embedding_backward_fused() {
     //    zero), then its share of dB's rows from the accumulator (zeroed again).
     const Value prog = program_id(0) * num_programs(1) + program_id(1);
     const Value progs = num_programs(0) * num_programs(1);
-    const Value v_per = cdiv(cdiv(dA.dim(1), literal(BV)), progs) * BV;
-    const Value v_lo = minimum(dA.dim(1), prog * v_per);
-    for_range(v_lo, minimum(dA.dim(1), v_lo + v_per), BV,
-              [&](const Value& v0) { write_columns(v0, BV, R, first, counts, sums, dA); });
-    const Value d_per = cdiv(cdiv(dB.dim(0), literal(BM)), progs) * BM;
-    const Value d_lo = minimum(dB.dim(0), prog * d_per), d_hi = minimum(dB.dim(0), d_lo + d_per);
+    const auto [v_lo, v_hi] = split_range(dA.dim(1), BV, prog, progs);
+    for_range(v_lo, v_hi, BV, [&](const Value& v0) { write_columns(v0, BV, R, first, counts, sums, dA); });
+    const auto [d_lo, d_hi] = split_range(dB.dim(0), BM, prog, progs);
     for_range(d_lo, d_hi, BM, [&](const Value& d0) {
       const Value d = d0 + arange(BM);
-      const Value ok = (d.col() < d_hi) & (rk.row() < dB.dim(1));
-      store(dB, {d.col(), rk.row()}, load(db_acc, {d.col(), rk.row()}, ok).to(dB.dtype()), ok);
-      store(db_acc, {d.col(), rk.row()}, zeros({BM, R}), ok);
+      flush_tile(dB, db_acc, d.col(), rk.row(), (d.col() < d_hi) & (rk.row() < dB.dim(1)), {BM, R});
     });
   });
   return k;
@@ -357,8 +360,7 @@ const dsl::Kernel& lora_embedding_dense_a() {
     // dB's f32 accumulator each into dB, and zero it again.
     if (k.meta("FLUSH_B", 0)) {
       const TileAfter b = tile_after(k, cdiv(dA.dim(1), literal(BV)), dB);
-      store(dB, {b.rows, b.cols}, load(db_acc, {b.rows, b.cols}, b.ok).to(dB.dtype()), b.ok);
-      store(db_acc, {b.rows, b.cols}, zeros({k.meta("BLOCK_M"), k.meta("BLOCK_K")}), b.ok);
+      flush_tile(dB, db_acc, b.rows, b.cols, b.ok, {k.meta("BLOCK_M"), k.meta("BLOCK_K")});
     }
     write_columns(program_id(0) * BV, BV, R, first, counts, sums, dA);
   });

@@ -16,12 +16,20 @@ namespace kerf::kernels {
 inline dsl::Evict streamed_hint(int64_t evict) { return evict >= 1 ? dsl::Evict::first : dsl::Evict::normal; }
 inline dsl::Evict reused_hint(int64_t evict) { return evict >= 2 ? dsl::Evict::last : dsl::Evict::normal; }
 
+// [lo, hi) of [0, n): part `part`'s share of `parts` slices, in whole `step`s (lo may pass
+// n, leaving the slice empty).
+inline std::pair<dsl::Value, dsl::Value> split_range(const dsl::Value& n, int64_t step, const dsl::Value& part,
+                                                     const dsl::Value& parts) {
+  using namespace kerf::dsl;
+  const Value per_split = cdiv(cdiv(n, literal(step)), parts) * step;
+  const Value lo = part * per_split;
+  return {lo, minimum(n, lo + per_split)};
+}
+
 // [lo, hi) of [0, n): program_id(axis)'s share of num_programs(axis) slices, in whole `step`s.
 inline std::pair<dsl::Value, dsl::Value> split_range(const dsl::Value& n, int64_t step, int axis = 1) {
-  using namespace kerf::dsl;
-  const Value per_split = cdiv(cdiv(n, literal(step)), num_programs(axis)) * step;
-  const Value lo = program_id(axis) * per_split;
-  return {lo, minimum(n, lo + per_split)};
+  const dsl::Value parts = dsl::num_programs(axis);
+  return split_range(n, step, dsl::program_id(axis), parts);
 }
 
 // The grid axes of a kernel whose programs each own a row block and a slice of
