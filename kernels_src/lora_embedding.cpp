@@ -252,43 +252,56 @@ const dsl::Kernel& lora_embedding_backward() {
 
 const dsl::Kernel& lora_embedding_backward_fused() {
   static const Kernel k("lora_embedding_backward_fused", [](Builder& k) {
-    const BackwardParams p = backward_params(k, "sums", "db_acc");
-    const Tensor &x = p.x, &A = p.A, &B = p.B, &g = p.g, &sums = p.acc_a, &db_acc = p.acc_b;
-    const Tensor &counts = p.counts, &first = p.first, &err = p.err;
-    const Value &s = p.s, &start = p.start, &total = p.total, &padding = p.padding;
+    const Tensor x = k.tensor("x", 1), A = k.tensor("A", 2), B = k.tensor("B", 2), g = k.tensor("g", 2);
+    const Value s = k.scalar("s");
+    const Tensor sums = k.tensor("sums", 2, DType::f32), db_acc = k.tensor("db_acc", 2, DType::f32);
+    const Tensor counts = k.tensor("counts", 1, DType::i32), err = k.tensor("err", 1, DType::i64);
+    const Value start = k.scalar("start", DType::i64), total = k.scalar("total", DType::i64);
+    const Value padding = k.scalar("padding", DType::i64);
     const Tensor dA = k.tensor("dA", 2), dB = k.tensor("dB", 2), sync = k.tensor("sync", 1, DType::i32);
     const int64_t BT = k.meta("BLOCK_T"), R = k.meta("R_PAD"), BV = k.meta("BLOCK_V"), BM = k.meta("BLOCK_M");
+    const bool by_freq = k.meta("BY_FREQ", 0) != 0;
     const Value rk = arange(R);
     const Value rk_ok = rk.row() < A.dim(0);  // [1, R]
-
-    // 1. The programs of the first slice of D group their tokens by id, as
-    //    lora_embedding_group does; nothing reads it before the first grid_sync.
-    const Tokens t = load_tokens(k, x, err, start, total, A.dim(1));
-    const Value counting = t.in_shard & (program_id(1) == 0);
-    const Value old = atomic_add(counts, {t.local}, full({BT}, 1.0, DType::i32), counting);
-    store(first, {t.local}, (t.tok + 1).to(DType::i32), counting & (old == 0));
-    // 2. The pass over g; dB's shares into its f32 accumulator.
-    const Value gB = backward_pass(k, t, A, B, g, s, db_acc, false);
-    grid_sync(sync);
-    // 3. Each token's sums into its id's row (counts and first are complete).
-    Value w = broadcast_to(s, {BT});
-    if (k.meta("BY_FREQ", 0))
-      w = w / maximum(load(counts, {t.local}, t.in_shard, 1.0).to(DType::f32), literal(1.0));
-    const Value row = load(first, {t.local}, t.in_shard).to(DType::i64) - 1;
-    const Value gets = t.in_shard & (t.id != padding) & (row >= 0);
-    atomic_add(sums, {row.col(), rk.row()}, gB * w.col(), gets.col() & rk_ok);
-    grid_sync(sync);
-    // 4. Every sum is in: this program's share of dA's columns (and the workspace back to
-    //    zero), then its share of dB's rows from the accumulator (zeroed again).
     const Value prog = program_id(0) * num_programs(1) + program_id(1);
     const Value progs = num_programs(0) * num_programs(1);
+
+    // Each token is counted by id by one of the programs that share its block (by its
+    // position modulo the slices of D, so that the owners' writes below are spread over
+    // all programs); the token that finds its id's count at zero owns the id's column of
+    // dA. The old counts are only looked at after the pass, which hides the atomics' wait.
+    const Tokens t = load_tokens(k, x, err, start, total, A.dim(1));
+    const Value counting = t.in_shard & ((t.tok % num_programs(1)) == program_id(1));
+    const Value old = atomic_add(counts, {t.local}, full({BT}, 1.0, DType::i32), counting);
+    // The pass over g: dB's shares into its f32 accumulator, then each token's sums (over
+    // this slice of D) into its id's row of `sums`.
+    const Value gB = backward_pass(k, t, A, B, g, s, db_acc, false);
+    const Value gets = t.in_shard & (t.id != padding);
+    atomic_add(sums, {t.local.col(), rk.row()}, gB, gets.col() & rk_ok);
+    // This program's share of dA's columns to zero (only stores; the columns of the ids
+    // seen are written over after the grid_sync), while slower programs finish.
     const auto [v_lo, v_hi] = split_range(dA.dim(1), BV, prog, progs);
-    for_range(v_lo, v_hi, BV, [&](const Value& v0) { write_columns(v0, BV, R, first, counts, sums, dA); });
-    const auto [d_lo, d_hi] = split_range(dB.dim(0), BM, prog, progs);
-    for_range(d_lo, d_hi, BM, [&](const Value& d0) {
-      const Value d = d0 + arange(BM);
-      flush_tile(dB, db_acc, d.col(), rk.row(), (d.col() < d_hi) & (rk.row() < dB.dim(1)), {BM, R});
+    for_range(v_lo, v_hi, BV, [&](const Value& v0) {
+      const Value v = v0 + arange(BV);
+      store(dA, {rk.col(), v.row()}, zeros({R, BV}, dA.dtype()), (rk.col() < dA.dim(0)) & (v.row() < v_hi));
     });
+    grid_sync(sync);
+    // Every sum is in. Each id's owner reads its row (and count) and writes the column,
+    // setting the row and count back to zero; the loads of dB's rows go out beside them.
+    const Value owner = counting & (old == 0);
+    const Value own = owner.col() & rk_ok;  // [BT, R]
+    const Value a = load(sums, {t.local.col(), rk.row()}, own);
+    Value w = broadcast_to(s, {BT});
+    if (by_freq) w = w / maximum(load(counts, {t.local}, owner, 1.0).to(DType::f32), literal(1.0));
+    // This program's rows of dB from the accumulator (zeroed again); BLOCK_M * programs
+    // covers D, so the loop takes one step.
+    for_range(prog * BM, dB.dim(0), progs * BM, [&](const Value& d0) {
+      const Value d = d0 + arange(BM);
+      flush_tile(dB, db_acc, d.col(), rk.row(), (d.col() < dB.dim(0)) & (rk.row() < dB.dim(1)), {BM, R});
+    });
+    store(dA, {rk.row(), t.local.col()}, (a * w.col()).to(dA.dtype()), own);
+    store(sums, {t.local.col(), rk.row()}, zeros({BT, R}), own);
+    store(counts, {t.local}, zeros({BT}, DType::i32), owner);
   });
   return k;
 }

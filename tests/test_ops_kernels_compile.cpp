@@ -124,8 +124,8 @@ std::vector<Case> op_kernel_cases() {
          v.arch});
     c.push_back({&kernels::lora_embedding_backward_fused(),
                  {T(ids, 1, fast), T(ad, 2, fast), T(ad, 2, fast), T(w, 2, fast), S, T(DType::f32, 2, fast),
-                  T(DType::f32, 2, fast), T(DType::i32, 1), T(DType::i32, 1), T(DType::i64, 1), S, S, S,
-                  T(w, 2, fast), T(w, 2, fast), T(DType::i32, 1)},
+                  T(DType::f32, 2, fast), T(DType::i32, 1), T(DType::i64, 1), S, S, S, T(w, 2, fast),
+                  T(w, 2, fast), T(DType::i32, 1)},
                  {{"BLOCK_T", 64},
                   {"BLOCK_D", 64},
                   {"R_PAD", 16},

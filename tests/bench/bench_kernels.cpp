@@ -362,7 +362,8 @@ OpCase make_embedding(int64_t T, int64_t V, int64_t D, int64_t r, bool backward,
   // forward: ids, gathered rows and LoRA columns, B, out; backward: ids, g, gathered A, B, dA and dB.
   c.bytes = backward ? double(T) * 8 + double(T * D + T * r + D * r) * 2 + double(r * V + D * r) * gb
                      : double(T) * 8 + double(T * D + T * r + D * r + T * D) * 2;
-  auto table = std::make_shared<cuda::DeviceBuffer>(random_buffer(DType::bf16, size_t(V * D), 301));
+  // The table only for the forward (1 GB of random bf16 at 128256x4096, made on the host).
+  auto table = backward ? nullptr : std::make_shared<cuda::DeviceBuffer>(random_buffer(DType::bf16, size_t(V * D), 301));
   auto A = std::make_shared<cuda::DeviceBuffer>(random_buffer(DType::bf16, size_t(r * V), 303, 0.1f));
   auto B = std::make_shared<cuda::DeviceBuffer>(random_buffer(DType::bf16, size_t(D * r), 307, 0.1f));
   for (int i = 0; i < set_count(double(T * D) * 4); ++i) {

@@ -143,18 +143,21 @@ const dsl::Kernel& lora_embedding_backward();
 const dsl::Kernel& lora_embedding_group();
 const dsl::Kernel& lora_embedding_dense_a();
 
-// The three GROUP_BY_ID launches as one kernel whose programs wait for each other
+// The backward as one kernel whose programs wait for each other once
 // (dsl::grid_sync; a cooperative launch, so its grid must fit on the GPU at once;
-// CUDA only): the programs of grid axis 1 = 0 group their tokens' ids into counts
-// and first; every program makes its pass over g (as lora_embedding_backward's,
-// dB's shares into db_acc); after a grid_sync each token adds its sums into its
-// id's row of sums; after another, each program writes its share of dA's columns
-// (as lora_embedding_dense_a) and of dB's rows from db_acc. counts, first, sums,
-// db_acc and sync (i32 [1]) are zero on entry and left zero. Grid and D slices as
-// lora_embedding_backward's. Meta: BLOCK_T, BLOCK_D, R_PAD, DOT, BY_FREQ, ROTATE,
-// BLOCK_V (dA's columns a step), BLOCK_M (dB's rows a step).
-// Args: x, A, B, g, s, sums (f32 [T, r]), db_acc (f32 [D, r]), counts, first, err,
-// start, total, padding, dA, dB (any float dtype), sync.
+// CUDA only). Each token is counted by id in counts by one of the programs of its
+// block (the one whose grid axis 1 index is the token's position modulo the grid's
+// axis 1); the token that finds its id's count at zero owns the id. Every program makes its
+// pass over g (as lora_embedding_backward's: dB's shares into db_acc), adds each
+// token's sums over its slice of D into the id's row of sums (not for padding), and
+// zeroes its share of dA's columns. After the grid_sync each owner writes its id's
+// column of dA from the row (times 1 / count with BY_FREQ), each program its share
+// of dB's rows from db_acc. sums, counts, db_acc and sync (i32 [1]) are zero on
+// entry and left zero. Grid and D slices as lora_embedding_backward's. Meta:
+// BLOCK_T, BLOCK_D, R_PAD, DOT, BY_FREQ, ROTATE, BLOCK_V (dA's columns zeroed a step),
+// BLOCK_M (dB's rows a program: BLOCK_M * programs >= D).
+// Args: x, A, B, g, s, sums (f32 [V, r]), db_acc (f32 [D, r]), counts, err, start,
+// total, padding, dA, dB (any float dtype), sync.
 const dsl::Kernel& lora_embedding_backward_fused();
 
 // The backward in three launches, for when grad_out is best read by column
