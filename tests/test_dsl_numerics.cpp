@@ -448,3 +448,50 @@ TEST_CASE("DSL kernels match float64 references on the GPU", "[gpu][numerics]") 
   KERF_REQUIRE_GPU();
   run_all(Device::cuda(0));
 }
+
+// Each program writes its block of y, then reads the block another program wrote
+// (two blocks on, after one grid_sync; its neighbour's z after a second), in two
+// launches: the second finds the barrier's counter set back to zero by the first.
+TEST_CASE("grid_sync makes every program's writes visible to every program after it", "[gpu][numerics]") {
+  KERF_REQUIRE_GPU();
+  using namespace kerf::dsl;
+  static const Kernel k("rotate_blocks", [](Builder& b) {
+    const Tensor x = b.tensor("x", 1), y = b.tensor("y", 1), z = b.tensor("z", 1);
+    const Tensor sync = b.tensor("sync", 1, DType::i32);
+    const int64_t BLOCK = b.meta("BLOCK");
+    const Value n = x.dim(0), progs = num_programs(0);
+    const Value i = program_id(0) * BLOCK + arange(BLOCK);
+    store(y, {i}, load(x, {i}, i < n) * 2.0 + 1.0, i < n);
+    grid_sync(sync);
+    const Value j = ((program_id(0) + 2) % progs) * BLOCK + arange(BLOCK);
+    store(z, {i}, load(y, {j}, j < n), i < n);
+    grid_sync(sync);
+    const Value h = ((program_id(0) + 1) % progs) * BLOCK + arange(BLOCK);
+    store(y, {i}, load(z, {h}, h < n) - 1.0, i < n);
+  });
+  const Device dev = Device::cuda(0);
+  const int64_t block = 256, progs = 48, n = block * progs;
+  std::mt19937_64 rng(7100);
+  TestTensor x(DType::f32, {n}, dev), y(DType::f32, {n}, dev), z(DType::f32, {n}, dev), sync(DType::i32, {1}, dev);
+  sync.set(0, 0.0);
+  sync.upload();
+  for (int round = 0; round < 2; ++round) {
+    CAPTURE(round);
+    x.randomize(rng);
+    y.poison();
+    z.poison();
+    launch(k, {x.view(), y.view(), z.view(), sync.view()}, Grid{uint32_t(progs)}, {{"BLOCK", block}});
+    test::sync(dev);
+    y.download();
+    sync.download();
+    int64_t wrong = 0;
+    for (int64_t p = 0; p < progs; ++p)
+      for (int64_t e = 0; e < block; ++e) {
+        const int64_t src = ((p + 3) % progs) * block + e;  // z's block p + 1 holds y's block p + 3
+        const double want = double(float(float(x.get(src)) * 2.0f + 1.0f) - 1.0f);
+        wrong += y.get(p * block + e) != want;
+      }
+    CHECK(wrong == 0);
+    CHECK(sync.get(0) == 0.0);
+  }
+}
