@@ -266,6 +266,33 @@ const dsl::Kernel& lora_embedding_backward_fused() {
     const Value prog = program_id(0) * num_programs(1) + program_id(1);
     const Value progs = num_programs(0) * num_programs(1);
 
+    if (k.meta("DIRECT_A", 0)) {
+      // dA is f32: the tokens add into it directly. This program's share of it is zeroed
+      // and its tokens counted (BY_FREQ) before the pass, and the pass ends with a wait for
+      // every program's arrival after that, which has long happened by then.
+      const auto [v_lo, v_hi] = split_range(dA.dim(1), BV, prog, progs);
+      for_range(v_lo, v_hi, BV, [&](const Value& v0) {
+        const Value v = v0 + arange(BV);
+        store(dA, {rk.col(), v.row()}, zeros({R, BV}), (rk.col() < dA.dim(0)) & (v.row() < v_hi));
+      });
+      const Tokens t = load_tokens(k, x, err, start, total, A.dim(1));
+      const Value counting = t.in_shard & ((t.tok % num_programs(1)) == program_id(1));
+      if (by_freq) atomic_add(counts, {t.local}, full({BT}, 1.0, DType::i32), counting);
+      grid_arrive(sync);
+      const Value gB = backward_pass(k, t, A, B, g, s, db_acc, false);
+      grid_await(sync);
+      Value w = broadcast_to(s, {BT});
+      if (by_freq) w = w / maximum(load(counts, {t.local}, t.in_shard, 1.0).to(DType::f32), literal(1.0));
+      atomic_add(dA, {rk.row(), t.local.col()}, gB * w.col(), (t.in_shard & (t.id != padding)).col() & rk_ok);
+      grid_sync(sync);
+      // dB's accumulator is complete, and every count has been read.
+      for_range(prog * BM, dB.dim(0), progs * BM, [&](const Value& d0) {
+        const Value d = d0 + arange(BM);
+        flush_tile(dB, db_acc, d.col(), rk.row(), (d.col() < dB.dim(0)) & (rk.row() < dB.dim(1)), {BM, R});
+      });
+      if (by_freq) store(counts, {t.local}, zeros({BT}, DType::i32), counting);
+      return;
+    }
     // Each token is counted by id by one of the programs that share its block (by its
     // position modulo the slices of D, so that the owners' writes below are spread over
     // all programs); the token that finds its id's count at zero owns the id's column of

@@ -448,7 +448,7 @@ TEST_CASE("reductions over either axis; half types accumulate in f32 and round o
   }
 }
 
-TEST_CASE("a kernel with grid_sync is refused by the CPU back end with its name", "[cpu]") {
+TEST_CASE("a kernel with grid_sync or grid_arrive is refused by the CPU back end with its name", "[cpu]") {
   KERF_REQUIRE_CPU_BACKEND();
   Kernel k("phased", [](Builder& b) {
     auto x = b.tensor("x", 1), sync = b.tensor("sync", 1, DType::i32);
@@ -463,6 +463,16 @@ TEST_CASE("a kernel with grid_sync is refused by the CPU back end with its name"
                     Catch::Matchers::Contains("'phased' uses grid_sync") &&
                         Catch::Matchers::Contains("CPU back end does not run"));
   CHECK(x[0] == 1.f);  // nothing ran
+  Kernel split("split_phase", [](Builder& b) {
+    auto x = b.tensor("x", 1), sync = b.tensor("sync", 1, DType::i32);
+    auto i = program_id(0) * 16 + arange(16);
+    grid_arrive(sync);
+    store(x, {i}, zeros({16}), i < x.dim(0));
+    grid_await(sync);
+  });
+  CHECK_THROWS_WITH(run_on_cpu(split, {view(x, {40}), s}, {}, Grid{3, 1, 1}),
+                    Catch::Matchers::Contains("'split_phase' uses grid_arrive"));
+  CHECK(x[0] == 1.f);
 }
 
 TEST_CASE("atomic_add sums contributions from many programs running in parallel", "[cpu]") {

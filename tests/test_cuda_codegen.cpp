@@ -284,6 +284,35 @@ TEST_CASE("grid_sync waits for every program's arrivals and the kernel's end res
   CHECK(src.find("ld.acquire.gpu") != std::string::npos);
 }
 
+TEST_CASE("grid_arrive counts an arrival without waiting and grid_await waits for the arrivals so far",
+          "[cuda][codegen]") {
+  static const Kernel k("split_phase", [](Builder& b) {
+    auto x = b.tensor("x", 1), sync = b.tensor("sync", 1, DType::i32);
+    auto i = program_id(0) * 128 + arange(128);
+    store(x, {i}, zeros({128}), i < x.dim(0));
+    grid_arrive(sync);
+    grid_arrive(sync);
+    auto v = load(x, {i}, i < x.dim(0));
+    grid_await(sync);
+    store(x, {i}, v + 1.0, i < x.dim(0));
+    grid_sync(sync);
+  });
+  const std::string src = jit::cuda::generate(k.trace({t(DType::f32, 1), t(DType::i32, 1)}, {}), "sm_90a").source;
+  INFO(src);
+  const size_t arrive = src.find("kerf_dev::grid_arrive(p1);"), await = src.find("kerf_dev::grid_await(p1, 2);"),
+               sync = src.find("kerf_dev::grid_sync(p1, 3);"), exit = src.find("kerf_dev::grid_sync_exit(p1, 4);");
+  REQUIRE(arrive != std::string::npos);
+  REQUIRE(await != std::string::npos);
+  REQUIRE(sync != std::string::npos);
+  REQUIRE(exit != std::string::npos);
+  CHECK(src.find("store @x") < arrive);
+  CHECK(arrive < src.find("load @x"));
+  CHECK(src.find("load @x") < await);
+  CHECK(await < sync);
+  CHECK(src.find("red.release.gpu") != std::string::npos);
+  if (nvrtc::available()) CHECK_NOTHROW(nvrtc::compile(src, "split_phase.cu", "sm_90a"));
+}
+
 TEST_CASE("in-place updates are pipelined only when iterations touch disjoint tiles", "[cuda][codegen]") {
   const std::vector<ArgSpec> args = {t(DType::f32, 2)};
   const std::string same = jit::cuda::generate(

@@ -276,6 +276,51 @@ TEST_CASE("grid_sync is a barrier at the kernel's top level on one i32 counter",
                     Catch::Matchers::Contains("same tensor"));
 }
 
+TEST_CASE("grid_arrive and grid_await split a grid barrier and a wait needs an arrival before it", "[dsl][ir]") {
+  Kernel k("split_phase", [](Builder& b) {
+    auto x = b.tensor("x", 1), sync = b.tensor("sync", 1, DType::i32);
+    auto i = program_id(0) * 16 + arange(16);
+    store(x, {i}, zeros({16}), i < x.dim(0));
+    grid_arrive(sync);
+    auto v = load(x, {i}, i < x.dim(0));
+    grid_await(sync);
+    store(x, {i}, v + 1.0, i < x.dim(0));
+  });
+  const std::vector<ArgSpec> args = {ArgSpec::tensor(DType::f32, 1), ArgSpec::tensor(DType::i32, 1)};
+  ir::Function f = k.trace(args, {});
+  ir::verify(f);
+  const std::string text = ir::print(f);
+  INFO(text);
+  const size_t arrive = text.find("grid_sync @sync arrive"), await = text.find("grid_sync @sync await");
+  REQUIRE(arrive != std::string::npos);
+  REQUIRE(await != std::string::npos);
+  CHECK(arrive < text.find("load @x"));
+  CHECK(text.find("load @x") < await);
+  // A wait with no arrival before it that nothing has waited for: refused.
+  Kernel lone("lone_await", [](Builder& b) { grid_await(b.tensor("sync", 1, DType::i32)); });
+  CHECK_THROWS_WITH(lone.trace({ArgSpec::tensor(DType::i32, 1)}, {}), Catch::Matchers::Contains("grid_arrive before it"));
+  Kernel twice("await_twice", [](Builder& b) {
+    auto sync = b.tensor("sync", 1, DType::i32);
+    grid_arrive(sync);
+    grid_await(sync);
+    grid_await(sync);
+  });
+  CHECK_THROWS_WITH(twice.trace({ArgSpec::tensor(DType::i32, 1)}, {}), Catch::Matchers::Contains("grid_arrive before it"));
+  Kernel synced("arrive_then_sync", [](Builder& b) {
+    auto sync = b.tensor("sync", 1, DType::i32);
+    grid_arrive(sync);
+    grid_sync(sync);  // waits for both arrivals
+    grid_await(sync);
+  });
+  CHECK_THROWS_WITH(synced.trace({ArgSpec::tensor(DType::i32, 1)}, {}),
+                    Catch::Matchers::Contains("grid_arrive before it"));
+  Kernel looped("arrive_in_loop", [](Builder& b) {
+    auto sync = b.tensor("sync", 1, DType::i32);
+    for_range(0, 2, 1, [&](const Value&) { grid_arrive(sync); });
+  });
+  CHECK_THROWS_WITH(looped.trace({ArgSpec::tensor(DType::i32, 1)}, {}), Catch::Matchers::Contains("grid_arrive must be at the kernel's top level"));
+}
+
 TEST_CASE("grid dependency ops keep their place among a kernel's effects", "[dsl][ir]") {
   Kernel k("overlap", [](Builder& b) {
     auto x = b.tensor("x", 1), out = b.tensor("out", 1);

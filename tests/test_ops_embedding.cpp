@@ -232,7 +232,8 @@ void run_backward_cases(Device dev) {
       if (group == 0 && !dev.is_cuda()) continue;  // the CPU's default, run above
       c.group = group;
       check_backward(c, dev, seed++);
-      if (group == 1 && dev.is_cuda()) {  // and as the one cooperative kernel
+      // And as the one cooperative kernel: grouped, or (f32 grad_A) adding into grad_A itself.
+      if (dev.is_cuda() && (group == 1 || c.grads == DType::f32)) {
         c.fused = 1;
         check_backward(c, dev, seed++);
         c.fused = -1;

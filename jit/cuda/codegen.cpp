@@ -48,7 +48,8 @@ KernelCode Codegen::run() {
   emit_block(f_.body);
   flush_cluster(0);
   // The last program to end the kernel sets the barriers' counter back to zero.
-  if (grid_syncs_ > 0) line(0, "kerf_dev::grid_sync_exit(" + grid_sync_ptr_ + ", " + S(grid_syncs_ + 1) + ");");
+  if (grid_arrivals_ > 0)
+    line(0, "kerf_dev::grid_sync_exit(" + grid_sync_ptr_ + ", " + S(grid_arrivals_ + 1) + ");");
 
   KernelCode out;
   out.threads = 32 * num_warps_;
@@ -528,11 +529,20 @@ void Codegen::emit_block(const ir::Block& b) {
         if (sm_ >= 90) line(lv, "asm volatile(\"griddepcontrol.launch_dependents;\" ::: \"memory\");");
         break;
       case OpKind::GridSync:
-        // The k-th barrier waits for k arrivals of every program (the launch is cooperative).
+        // A wait after k arrivals waits for k arrivals of every program (the launch is
+        // cooperative).
         grid_sync_ptr_ = pointer_expr(op);
-        ++grid_syncs_;
-        line(lv, "// grid_sync " + S(grid_syncs_) + " @" + tensor_of(op).name);
-        line(lv, "kerf_dev::grid_sync(" + grid_sync_ptr_ + ", " + S(grid_syncs_) + ");");
+        if (op.attrs.axis != 2) ++grid_arrivals_;
+        if (op.attrs.axis == 0) {
+          line(lv, "// grid_sync " + S(grid_arrivals_) + " @" + tensor_of(op).name);
+          line(lv, "kerf_dev::grid_sync(" + grid_sync_ptr_ + ", " + S(grid_arrivals_) + ");");
+        } else if (op.attrs.axis == 1) {
+          line(lv, "// grid_arrive " + S(grid_arrivals_) + " @" + tensor_of(op).name);
+          line(lv, "kerf_dev::grid_arrive(" + grid_sync_ptr_ + ");");
+        } else {
+          line(lv, "// grid_await " + S(grid_arrivals_) + " @" + tensor_of(op).name);
+          line(lv, "kerf_dev::grid_await(" + grid_sync_ptr_ + ", " + S(grid_arrivals_) + ");");
+        }
         break;
       default:
         break;  // pure values are emitted where they are used

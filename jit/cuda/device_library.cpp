@@ -161,34 +161,47 @@ __device__ __forceinline__ unsigned char shfl_idx(unsigned char v, int src) {
 }
 __device__ __forceinline__ bool shfl_idx(bool v, int src) { return __shfl_sync(0xffffffffu, (int)v, src) != 0; }
 
-// A barrier of the whole grid (dsl::grid_sync; the launch is cooperative, so every
-// program is resident). Thread 0 of each program counts the arrival with a release
-// reduction (which publishes the program's writes, ordered before it by the block
-// barrier, at device scope) and spins with acquire loads until every program has
-// arrived `phase` times; the second block barrier holds the other threads until then.
-// (Against a fence, a relaxed add, a spin with 64 ns sleeps and a second fence: 0.3-0.8
-// us less per barrier in the embedding backward on an H100.) Before sm_70, fences. The last program to arrive at the kernel's end (after
-// the last barrier) sets the counter back to zero for the next launch.
-__device__ __forceinline__ void grid_sync(int* counter, int phase) {
+// Barriers of the whole grid (dsl::grid_sync, grid_arrive, grid_await; the launch is
+// cooperative, so every program is resident). An arrival: after a block barrier,
+// thread 0 adds one to the counter with a release reduction, which publishes the
+// program's writes (ordered before it by the block barrier) at device scope. A wait
+// after k arrivals: thread 0 spins with acquire loads until every program has arrived
+// k times, and a block barrier holds the other threads until then. (Against a fence,
+// a relaxed add, a spin with 64 ns sleeps and a second fence: 0.3-0.8 us less per
+// barrier in the embedding backward on an H100.) Before sm_70: fences around a relaxed
+// add and a volatile spin. The last program to end the kernel (grid_sync_exit) sets
+// the counter back to zero for the next launch.
+__device__ __forceinline__ void grid_arrive(int* counter) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    const int target = phase * int(gridDim.x * gridDim.y * gridDim.z);
 #if __CUDA_ARCH__ >= 700
     asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
+#else
+    __threadfence();
+    atomicAdd(counter, 1);
+#endif
+  }
+}
+__device__ __forceinline__ void grid_await(int* counter, int arrivals) {
+  if (threadIdx.x == 0) {
+    const int target = arrivals * int(gridDim.x * gridDim.y * gridDim.z);
+#if __CUDA_ARCH__ >= 700
     for (;;) {
       int seen;
       asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
       if (seen >= target) break;
     }
 #else
-    __threadfence();
-    atomicAdd(counter, 1);
     while (*static_cast<volatile int*>(counter) < target) {
     }
     __threadfence();
 #endif
   }
   __syncthreads();
+}
+__device__ __forceinline__ void grid_sync(int* counter, int arrivals) {
+  grid_arrive(counter);
+  grid_await(counter, arrivals);
 }
 __device__ __forceinline__ void grid_sync_exit(int* counter, int arrivals) {
   if (threadIdx.x == 0) {

@@ -66,6 +66,7 @@ class Verifier {
   }
 
   int64_t grid_sync_counter_ = -1;  // the tensor parameter every grid_sync counts in
+  bool unawaited_arrivals_ = false;  // a grid_arrive since the last wait (grid_await or grid_sync)
 
   const Param& tensor_param(const Operation& op) const {
     expect(op.attrs.param >= 0 && size_t(op.attrs.param) < f_.params.size(), op,
@@ -94,10 +95,14 @@ class Verifier {
         expect(in_loop && i + 1 == b.ops.size(), op, "yield must end a loop body");
       }
       if (op.kind == OpKind::GridSync) {
-        expect(!in_loop, op, "grid_sync must be at the kernel's top level, not inside a loop");
+        const char* what = op.attrs.axis == 1 ? "grid_arrive" : op.attrs.axis == 2 ? "grid_await" : "grid_sync";
+        expect(!in_loop, op, std::string(what) + " must be at the kernel's top level, not inside a loop");
         expect(grid_sync_counter_ < 0 || grid_sync_counter_ == op.attrs.param, op,
-               "every grid_sync of a kernel must count in the same tensor");
+               "every grid_sync, grid_arrive and grid_await of a kernel must count in the same tensor");
         grid_sync_counter_ = op.attrs.param;
+        if (op.attrs.axis == 2)
+          expect(unawaited_arrivals_, op, "grid_await needs a grid_arrive before it that nothing has waited for");
+        unawaited_arrivals_ = op.attrs.axis == 1;
       }
       check(op, scopes);
       for (ValueId r : op.results) define(r, scopes, &op);
@@ -319,6 +324,7 @@ class Verifier {
         const Param& p = tensor_param(op);
         expect(n == 0 && op.results.empty(), op, "takes no operands and has no result");
         expect(p.dtype == DType::i32, op, "its counter @" + p.name + " must be an i32 tensor");
+        expect(op.attrs.axis >= 0 && op.attrs.axis <= 2, op, "its part must be 0 (whole), 1 (arrive) or 2 (await)");
         break;
       }
       default:

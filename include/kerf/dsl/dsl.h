@@ -283,6 +283,14 @@ void release_dependents();
 // multiprocessor always fits). The CPU back end, whose programs run one after
 // another, refuses such a kernel.
 void grid_sync(const Tensor& counter);
+// grid_sync in two halves, with other work between them. grid_arrive counts this
+// program's arrival (what it wrote before is then visible to every program that
+// waits for it) and goes on; grid_await waits until every program has arrived as
+// many times as this one has so far (at grid_arrive or grid_sync). Same counter,
+// top level and launch as grid_sync; a grid_await needs an arrival before it that
+// no grid_await or grid_sync has waited for.
+void grid_arrive(const Tensor& counter);
+void grid_await(const Tensor& counter);
 
 // An integer scalar operand: a Value or a C++ integer (a constant of the trace).
 class IntArg {

@@ -79,7 +79,9 @@ enum class OpKind : uint8_t {
   GridSync,     // every program of the grid waits here for all the others (attrs.param: an i32
                 // counter tensor, zero on entry, left zero); writes before it are visible after
                 // it in every program. Top level of the kernel only; the kernel is launched
-                // cooperatively (all programs resident at once)
+                // cooperatively (all programs resident at once). attrs.axis: 0 the whole
+                // barrier, 1 only the arrival (dsl::grid_arrive), 2 only the wait for
+                // every program's arrivals so far (dsl::grid_await)
   // ---- control
   For,          // operands: lo, hi, step, init...; body args: iv, carried...; results: carried
   Yield,        // terminator of a For body: the next carried values

@@ -156,6 +156,10 @@ const dsl::Kernel& lora_embedding_dense_a();
 // entry and left zero. Grid and D slices as lora_embedding_backward's. Meta:
 // BLOCK_T, BLOCK_D, R_PAD, DOT, BY_FREQ, ROTATE, BLOCK_V (dA's columns zeroed a step),
 // BLOCK_M (dB's rows a program: BLOCK_M * programs >= D).
+// DIRECT_A (dA f32): no owners and no sums (the argument is not read); each program
+// zeroes its share of dA and counts its tokens (BY_FREQ) before the pass, arrives
+// (grid_arrive), and after the pass waits for every arrival (grid_await) and adds its
+// tokens' sums times s / count straight into dA; a grid_sync, then dB's rows.
 // Args: x, A, B, g, s, sums (f32 [V, r]), db_acc (f32 [D, r]), counts, err, start,
 // total, padding, dA, dB (any float dtype), sync.
 const dsl::Kernel& lora_embedding_backward_fused();
