@@ -251,13 +251,16 @@ void check_embedding_layouts(Device dev) {
   // Vocab split over "vp" (3 shards of 40 ids): forward outputs and grad_B are partial sums.
   // The backward both as one kernel and as gather, product, scatter (Config.meta GATHER),
   // and with the ids grouped (GROUP_BY_ID: each shard's columns of grad_A, strided views
-  // of one tensor, written whole).
-  ops::Config gathered, grouped;
+  // of one tensor, written whole); on a GPU also as one cooperative kernel (FUSED), grouped
+  // and adding into grad_A directly.
+  ops::Config gathered, grouped, fused_grouped, fused_direct;
   gathered.block_m = 16;
   gathered.block_k = 32;
   gathered.meta["GATHER"] = 1;
   grouped.meta["GROUP_BY_ID"] = 1;
-  for (const ops::Config& cfg : {ops::Config{}, gathered, grouped}) {
+  fused_grouped.meta = {{"GROUP_BY_ID", 1}, {"FUSED", 1}};
+  fused_direct.meta = {{"GROUP_BY_ID", 0}, {"FUSED", 1}};
+  for (const ops::Config& cfg : {ops::Config{}, gathered, grouped, fused_grouped, fused_direct}) {
   CAPTURE(cfg.meta);
   std::vector<double> out_sum(size_t(T * D), 0.0), b_sum(size_t(D * r), 0.0);
   TestTensor gA(DType::f32, {r, V}, dev);
