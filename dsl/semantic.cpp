@@ -690,22 +690,22 @@ void wait_prior_grid() {
 
 namespace {
 
-// part: 0 the whole barrier, 1 the arrival, 2 the wait (ir.h, OpKind::GridSync).
-void emit_grid_barrier(const char* what, const Tensor& counter, int64_t part) {
+// part: ir::kGridSyncWhole, kGridArrive or kGridAwait (ir.h, OpKind::GridSync).
+void emit_grid_barrier(const Tensor& counter, int64_t part) {
   Builder::Impl& s = counter.builder().impl();
-  if (counter.dtype() != DType::i32)
-    s.fail(what, "the counter must be an i32 tensor, got " + std::string(dtype_name(counter.dtype())));
   ir::Operation op(OpKind::GridSync);
   op.attrs.param = counter.param();
   op.attrs.axis = part;
+  if (counter.dtype() != DType::i32)
+    s.fail(ir::grid_barrier_name(op), "the counter must be an i32 tensor, got " + std::string(dtype_name(counter.dtype())));
   s.emit(std::move(op), nullptr);
 }
 
 }  // namespace
 
-void grid_sync(const Tensor& counter) { emit_grid_barrier("grid_sync", counter, 0); }
-void grid_arrive(const Tensor& counter) { emit_grid_barrier("grid_arrive", counter, 1); }
-void grid_await(const Tensor& counter) { emit_grid_barrier("grid_await", counter, 2); }
+void grid_sync(const Tensor& counter) { emit_grid_barrier(counter, ir::kGridSyncWhole); }
+void grid_arrive(const Tensor& counter) { emit_grid_barrier(counter, ir::kGridArrive); }
+void grid_await(const Tensor& counter) { emit_grid_barrier(counter, ir::kGridAwait); }
 
 void release_dependents() {
   current_builder("release_dependents").impl().emit(ir::Operation(OpKind::GridRelease), nullptr);

@@ -510,7 +510,8 @@ std::vector<Arg> dense_args(const EmbeddingBackward& c, const GroupedViews& v) {
 }
 
 // The launches of a GROUP_BY_ID call: the ids grouped (and dB zeroed), the main
-// kernel adding into the sums, dA written whole (and dB flushed when not f32).
+// kernel adding into the sums, dA written whole (and dB flushed when not f32); or, for
+// a FUSED call (grouped or DIRECT_A), the one cooperative kernel on its workspace.
 void run_grouped_backward(const EmbeddingBackward& c, const EmbeddingBackwardPlan& p, const TensorView& record) {
   const Device& dev = c.x1.device;
   const WorkspaceLease ws = lease_workspace(dev, c.lo.stream, grouped_workspace_bytes(c, p));

@@ -841,10 +841,7 @@ class KernelEmitter {
       case OpKind::GridRelease:
         return;  // CPU launches run one after another: nothing overlaps
       case OpKind::GridSync:
-        throw InvalidArgument("kernel '" + f_.name + "' uses " +
-                              (op.attrs.axis == 1   ? "grid_arrive"
-                               : op.attrs.axis == 2 ? "grid_await"
-                                                    : "grid_sync") +
+        throw InvalidArgument("kernel '" + f_.name + "' uses " + ir::grid_barrier_name(op) +
                               " (all programs waiting for each other), which the CPU back end does not run: its "
                               "programs run one after another");
       case OpKind::L2EvictNormal:

@@ -531,18 +531,12 @@ void Codegen::emit_block(const ir::Block& b) {
       case OpKind::GridSync:
         // A wait after k arrivals waits for k arrivals of every program (the launch is
         // cooperative).
+        // (An arrival alone passes no count.)
         grid_sync_ptr_ = pointer_expr(op);
-        if (op.attrs.axis != 2) ++grid_arrivals_;
-        if (op.attrs.axis == 0) {
-          line(lv, "// grid_sync " + S(grid_arrivals_) + " @" + tensor_of(op).name);
-          line(lv, "kerf_dev::grid_sync(" + grid_sync_ptr_ + ", " + S(grid_arrivals_) + ");");
-        } else if (op.attrs.axis == 1) {
-          line(lv, "// grid_arrive " + S(grid_arrivals_) + " @" + tensor_of(op).name);
-          line(lv, "kerf_dev::grid_arrive(" + grid_sync_ptr_ + ");");
-        } else {
-          line(lv, "// grid_await " + S(grid_arrivals_) + " @" + tensor_of(op).name);
-          line(lv, "kerf_dev::grid_await(" + grid_sync_ptr_ + ", " + S(grid_arrivals_) + ");");
-        }
+        if (op.attrs.axis != ir::kGridAwait) ++grid_arrivals_;
+        line(lv, std::string("// ") + ir::grid_barrier_name(op) + " " + S(grid_arrivals_) + " @" + tensor_of(op).name);
+        line(lv, std::string("kerf_dev::") + ir::grid_barrier_name(op) + "(" + grid_sync_ptr_ +
+                     (op.attrs.axis == ir::kGridArrive ? "" : ", " + S(grid_arrivals_)) + ");");
         break;
       default:
         break;  // pure values are emitted where they are used

@@ -12,6 +12,10 @@ int64_t pow2_dividing(int64_t v) {
   return d;
 }
 
+// What divides every element along axis d (divisibility speaks of a run's first
+// element; the elements of a contiguous run differ by one).
+int64_t element_divisibility(const AxisInfo& a, size_t d) { return a.contiguity[d] > 1 ? 1 : a.divisibility[d]; }
+
 AxisInfo conservative(const Type& t) {
   AxisInfo a;
   const size_t r = t.shape.size();
@@ -136,9 +140,7 @@ class Analysis {
         for (size_t d = 0; d < r; ++d) {
           out.constancy[d] = std::min(x.constancy[d], y.constancy[d]);
           if (op.kind == OpKind::Mul) {
-            const int64_t dx = x.contiguity[d] > 1 ? 1 : x.divisibility[d];
-            const int64_t dy = y.contiguity[d] > 1 ? 1 : y.divisibility[d];
-            out.divisibility[d] = std::min(kMaxDivisibility, dx * dy);
+            out.divisibility[d] = std::min(kMaxDivisibility, element_divisibility(x, d) * element_divisibility(y, d));
             out.contiguity[d] = 1;
           } else {
             out.divisibility[d] = std::min(x.divisibility[d], y.divisibility[d]);
@@ -162,9 +164,7 @@ class Analysis {
         }
         for (size_t d = 0; d < r; ++d) {
           out.constancy[d] = std::min(x.constancy[d], y.constancy[d]);
-          const int64_t dx = x.contiguity[d] > 1 ? 1 : x.divisibility[d];
-          const int64_t dy = y.contiguity[d] > 1 ? 1 : y.divisibility[d];
-          out.divisibility[d] = std::min(dx, dy);
+          out.divisibility[d] = std::min(element_divisibility(x, d), element_divisibility(y, d));
         }
         break;
       }
@@ -182,8 +182,7 @@ class Analysis {
           // multiple of the run's alignment gives the same answer along the run.
           const bool ordered = op.kind != OpKind::Eq && op.kind != OpKind::Ne;
           if (ordered) {
-            const int64_t ex = x.contiguity[d] > 1 ? 1 : x.divisibility[d];
-            const int64_t ey = y.contiguity[d] > 1 ? 1 : y.divisibility[d];
+            const int64_t ex = element_divisibility(x, d), ey = element_divisibility(y, d);
             c = std::max(c, std::min({x.contiguity[d], y.constancy[d], x.divisibility[d], ey}));
             c = std::max(c, std::min({y.contiguity[d], x.constancy[d], y.divisibility[d], ex}));
           }

@@ -25,6 +25,10 @@ std::string to_string(const Type& t) {
   return out;
 }
 
+const char* grid_barrier_name(const Operation& op) {
+  return op.attrs.axis == kGridArrive ? "grid_arrive" : op.attrs.axis == kGridAwait ? "grid_await" : "grid_sync";
+}
+
 const char* op_name(OpKind k) {
   switch (k) {
     case OpKind::Param: return "param";

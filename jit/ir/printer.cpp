@@ -139,8 +139,8 @@ class Printer {
       }
       case OpKind::GridSync:
         out_ += " " + tensor_name(a);
-        if (a.axis == 1) out_ += " arrive";
-        if (a.axis == 2) out_ += " await";
+        if (a.axis == kGridArrive) out_ += " arrive";
+        if (a.axis == kGridAwait) out_ += " await";
         break;
       case OpKind::L2EvictNormal: {
         const size_t rank = size_t(f_.params.at(size_t(a.param)).rank);

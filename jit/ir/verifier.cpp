@@ -95,14 +95,13 @@ class Verifier {
         expect(in_loop && i + 1 == b.ops.size(), op, "yield must end a loop body");
       }
       if (op.kind == OpKind::GridSync) {
-        const char* what = op.attrs.axis == 1 ? "grid_arrive" : op.attrs.axis == 2 ? "grid_await" : "grid_sync";
-        expect(!in_loop, op, std::string(what) + " must be at the kernel's top level, not inside a loop");
+        expect(!in_loop, op, std::string(grid_barrier_name(op)) + " must be at the kernel's top level, not inside a loop");
         expect(grid_sync_counter_ < 0 || grid_sync_counter_ == op.attrs.param, op,
                "every grid_sync, grid_arrive and grid_await of a kernel must count in the same tensor");
         grid_sync_counter_ = op.attrs.param;
-        if (op.attrs.axis == 2)
+        if (op.attrs.axis == kGridAwait)
           expect(unawaited_arrivals_, op, "grid_await needs a grid_arrive before it that nothing has waited for");
-        unawaited_arrivals_ = op.attrs.axis == 1;
+        unawaited_arrivals_ = op.attrs.axis == kGridArrive;
       }
       check(op, scopes);
       for (ValueId r : op.results) define(r, scopes, &op);
@@ -324,7 +323,8 @@ class Verifier {
         const Param& p = tensor_param(op);
         expect(n == 0 && op.results.empty(), op, "takes no operands and has no result");
         expect(p.dtype == DType::i32, op, "its counter @" + p.name + " must be an i32 tensor");
-        expect(op.attrs.axis >= 0 && op.attrs.axis <= 2, op, "its part must be 0 (whole), 1 (arrive) or 2 (await)");
+        expect(op.attrs.axis == kGridSyncWhole || op.attrs.axis == kGridArrive || op.attrs.axis == kGridAwait, op,
+               "its part must be 0 (whole), 1 (arrive) or 2 (await)");
         break;
       }
       default:

@@ -127,6 +127,12 @@ struct Operation {
   Operation& operator=(Operation&&) = default;
 };
 
+// OpKind::GridSync's part (attrs.axis): the whole barrier, only the arrival, only the wait.
+inline constexpr int64_t kGridSyncWhole = 0, kGridArrive = 1, kGridAwait = 2;
+// A GridSync op's name in the DSL: "grid_sync", "grid_arrive" or "grid_await" (the CUDA
+// device library's functions are named alike).
+const char* grid_barrier_name(const Operation& op);
+
 struct Block {
   std::vector<ValueId> args;
   std::vector<Operation> ops;
