@@ -130,7 +130,9 @@ std::vector<Case> op_kernel_cases() {
                   {"BLOCK_D", 64},
                   {"R_PAD", 16},
                   {"DOT", int64_t(dot)},
-                  {"BY_FREQ", flag},
+                  // The owners' form (bf16 with BY_FREQ, f16 without) and, f32 grad_A, DIRECT_A with it.
+                  {"BY_FREQ", w == DType::f16 ? 0 : 1},
+                  {"DIRECT_A", w == DType::f32 ? 1 : 0},
                   {"ROTATE", 1 - flag},
                   {"BLOCK_V", 64},
                   {"BLOCK_M", 64},
