@@ -264,24 +264,34 @@ TEST_CASE("a bound that is the minimum of two multiples of 16 still lets accesse
 TEST_CASE("grid_sync waits for every program's arrivals and the kernel's end resets its counter",
           "[cuda][codegen]") {
   static const Kernel k("phased", [](Builder& b) {
-    auto x = b.tensor("x", 1), sync = b.tensor("sync", 1, DType::i32);
+    auto x = b.tensor("x", 1), y = b.tensor("y", 1), sync = b.tensor("sync", 1, DType::i32);
     auto i = program_id(0) * 128 + arange(128);
     atomic_add(x, {i}, full({128}, 1.0, DType::f32), i < x.dim(0));
     grid_sync(sync);
     store(x, {i}, load(x, {i}, i < x.dim(0)) * 2.0, i < x.dim(0));
     grid_sync(sync);
+    store(y, {i}, load(x, {i}, i < x.dim(0)), i < x.dim(0));
   });
-  const std::string src = jit::cuda::generate(k.trace({t(DType::f32, 1), t(DType::i32, 1)}, {}), "sm_90a").source;
+  const std::string src =
+      jit::cuda::generate(k.trace({t(DType::f32, 1), t(DType::f32, 1), t(DType::i32, 1)}, {}), "sm_90a").source;
   INFO(src);
-  const size_t first = src.find("kerf_dev::grid_sync(p1, 1);"), second = src.find("kerf_dev::grid_sync(p1, 2);"),
-               exit = src.find("kerf_dev::grid_sync_exit(p1, 3);");
+  const size_t first = src.find("kerf_dev::grid_sync(p2, 1);"), second = src.find("kerf_dev::grid_sync(p2, 2);"),
+               count = src.find("kerf_grid_exit = kerf_dev::grid_exit_count(p2);"),
+               finish = src.find("kerf_dev::grid_exit_finish(p2, kerf_grid_exit, 3);");
   REQUIRE(first != std::string::npos);
   REQUIRE(second != std::string::npos);
-  REQUIRE(exit != std::string::npos);
+  REQUIRE(count != std::string::npos);
+  REQUIRE(finish != std::string::npos);
   CHECK(src.find("atomic_add @x") < first);
   CHECK(first < src.find("load @x"));  // the read comes after the first barrier
-  CHECK(second < exit);
+  // The exit is counted once, right after the last barrier (not at the end, where the
+  // add's round trip would follow the work after it), and the counter reset at the end.
+  CHECK(second < count);
+  CHECK(src.find("grid_exit_count(", src.find(';', count)) == std::string::npos);
+  CHECK(count < src.find("store @y"));
+  CHECK(src.find("store @y") < finish);
   CHECK(src.find("ld.acquire.gpu") != std::string::npos);
+  if (nvrtc::available()) CHECK_NOTHROW(nvrtc::compile(src, "phased.cu", "sm_90a"));
 }
 
 TEST_CASE("grid_arrive counts an arrival without waiting and grid_await waits for the arrivals so far",
@@ -300,7 +310,8 @@ TEST_CASE("grid_arrive counts an arrival without waiting and grid_await waits fo
   const std::string src = jit::cuda::generate(k.trace({t(DType::f32, 1), t(DType::i32, 1)}, {}), "sm_90a").source;
   INFO(src);
   const size_t arrive = src.find("kerf_dev::grid_arrive(p1);"), await = src.find("kerf_dev::grid_await(p1, 2);"),
-               sync = src.find("kerf_dev::grid_sync(p1, 3);"), exit = src.find("kerf_dev::grid_sync_exit(p1, 4);");
+               sync = src.find("kerf_dev::grid_sync(p1, 3);"),
+               exit = src.find("kerf_dev::grid_exit_finish(p1, kerf_grid_exit, 4);");
   REQUIRE(arrive != std::string::npos);
   REQUIRE(await != std::string::npos);
   REQUIRE(sync != std::string::npos);

@@ -45,11 +45,14 @@ KernelCode Codegen::run() {
 
   frames_.assign(1, Frame{});
   active_.assign(1, 0);
+  // Grid barriers stand at the top level (the verifier's rule).
+  for (const Operation& op : f_.body.ops) grid_barriers_ += op.kind == OpKind::GridSync ? 1 : 0;
   emit_block(f_.body);
   flush_cluster(0);
-  // The last program to end the kernel sets the barriers' counter back to zero.
+  // The program whose exit (counted after its last barrier) came last sets the barriers'
+  // counter back to zero.
   if (grid_arrivals_ > 0)
-    line(0, "kerf_dev::grid_sync_exit(" + grid_sync_ptr_ + ", " + S(grid_arrivals_ + 1) + ");");
+    line(0, "kerf_dev::grid_exit_finish(" + grid_sync_ptr_ + ", kerf_grid_exit, " + S(grid_arrivals_ + 1) + ");");
 
   KernelCode out;
   out.threads = 32 * num_warps_;
@@ -72,6 +75,7 @@ KernelCode Codegen::run() {
   src << "  const int lane = threadIdx.x & 31;\n";
   src << "  const int warp = threadIdx.x >> 5;\n";
   src << "  (void)lane; (void)warp;\n";
+  if (grid_arrivals_ > 0) src << "  int kerf_grid_exit = 0;  // thread 0: the barriers' count before its exit\n";
   src << prologue();
   if (!cluster_phases_.empty()) {
     src << "  const unsigned kerf_crank = kerf_dev::cluster_rank();\n";
@@ -537,6 +541,9 @@ void Codegen::emit_block(const ir::Block& b) {
         line(lv, std::string("// ") + ir::grid_barrier_name(op) + " " + S(grid_arrivals_) + " @" + tensor_of(op).name);
         line(lv, std::string("kerf_dev::") + ir::grid_barrier_name(op) + "(" + grid_sync_ptr_ +
                      (op.attrs.axis == ir::kGridArrive ? "" : ", " + S(grid_arrivals_)) + ");");
+        // After the kernel's last barrier: this program's exit.
+        if (++grid_barriers_done_ == grid_barriers_)
+          line(lv, "kerf_grid_exit = kerf_dev::grid_exit_count(" + grid_sync_ptr_ + ");");
         break;
       default:
         break;  // pure values are emitted where they are used

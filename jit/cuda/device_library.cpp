@@ -169,8 +169,12 @@ __device__ __forceinline__ bool shfl_idx(bool v, int src) { return __shfl_sync(0
 // k times, and a block barrier holds the other threads until then. (Against a fence,
 // a relaxed add, a spin with 64 ns sleeps and a second fence: 0.3-0.8 us less per
 // barrier in the embedding backward on an H100.) Before sm_70: fences around a relaxed
-// add and a volatile spin. The last program to end the kernel (grid_sync_exit) sets
-// the counter back to zero for the next launch.
+// add and a volatile spin. Right after its last barrier each program counts its exit
+// (grid_exit_count), and at the kernel's end the program whose exit came last
+// (grid_exit_finish) sets the counter back to zero for the next launch: no program
+// looks at the counter after its last barrier, and every one has passed it once all
+// have counted their exits. The add's round trip overlaps the work after the barrier
+// (at the kernel's end, in a program's last instructions, it added to the kernel's time).
 __device__ __forceinline__ void grid_arrive(int* counter) {
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -203,11 +207,11 @@ __device__ __forceinline__ void grid_sync(int* counter, int arrivals) {
   grid_arrive(counter);
   grid_await(counter, arrivals);
 }
-__device__ __forceinline__ void grid_sync_exit(int* counter, int arrivals) {
-  if (threadIdx.x == 0) {
-    const int total = arrivals * int(gridDim.x * gridDim.y * gridDim.z);
-    if (atomicAdd(counter, 1) == total - 1) atomicExch(counter, 0);
-  }
+__device__ __forceinline__ int grid_exit_count(int* counter) {
+  return threadIdx.x == 0 ? atomicAdd(counter, 1) : 0;
+}
+__device__ __forceinline__ void grid_exit_finish(int* counter, int old, int counts) {
+  if (threadIdx.x == 0 && old == counts * int(gridDim.x * gridDim.y * gridDim.z) - 1) atomicExch(counter, 0);
 }
 
 // Atomics (relaxed, device scope). 16-bit floats use a compare-and-swap loop
