@@ -57,6 +57,33 @@ inline const Kernel& matmul_kernel() {
   return k;
 }
 
+// C = sum over K blocks kb of A[:, block kb] @ Bs[kb % WAYS], with Bs = B0, B1, B2
+// ([BK, N] each; WAYS 2 or 3) loaded before the loop: the dot's B operand is chosen
+// among tiles defined outside the loop by a condition the same in every thread.
+inline const Kernel& alternating_matmul_kernel() {
+  static const Kernel k("alternating_matmul", [](Builder& b) {
+    auto A = b.tensor("A", 2), B0 = b.tensor("B0", 2), B1 = b.tensor("B1", 2), B2 = b.tensor("B2", 2);
+    auto C = b.tensor("C", 2);
+    const int64_t BM = b.meta("BM"), BN = b.meta("BN"), BK = b.meta("BK"), ways = b.meta("WAYS");
+    auto rm = program_id(0) * BM + arange(BM);
+    auto rn = program_id(1) * BN + arange(BN);
+    auto rb = arange(BK);
+    std::vector<Value> bs;
+    for (const Tensor& t : {B0, B1, B2})
+      bs.push_back(load(t, {rb.col(), rn.row()}, (rb.col() < t.dim(0)) & (rn.row() < t.dim(1))));
+    auto acc = for_range(0, A.dim(1), BK, zeros({BM, BN}), [&](const Value& k0, const Value& acc) {
+      auto rk = k0 + arange(BK);
+      auto a = load(A, {rm.col(), rk.row()}, (rm.col() < A.dim(0)) & (rk.row() < A.dim(1)));
+      auto way = (k0 / BK) % ways;
+      Value bb = bs[size_t(ways - 1)];
+      for (int64_t q = ways - 2; q >= 0; --q) bb = where(way == q, bs[size_t(q)], bb);
+      return dot(a, bb, acc);
+    });
+    store(C, {rm.col(), rn.row()}, acc.to(C.dtype()), (rm.col() < C.dim(0)) & (rn.row() < C.dim(1)));
+  });
+  return k;
+}
+
 // C = At^T @ Bt^T with At [K, M] and Bt [N, K]: both dot operands are transposes
 // of loaded tiles (read transposed from shared memory on the GPU).
 inline const Kernel& matmul_t_kernel() {

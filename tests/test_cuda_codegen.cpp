@@ -532,3 +532,26 @@ TEST_CASE("a wait for the prior grid is griddepcontrol on sm_90, and nothing aft
   CHECK(jit::cuda::generate(producer, "sm_90a").source.find("griddepcontrol.launch_dependents;") !=
         std::string::npos);
 }
+
+TEST_CASE("a dot operand chosen among tiles defined before its loop is staged once and not every iteration",
+          "[cuda][codegen]") {
+  const std::vector<ArgSpec> args(5, t(DType::bf16, 2));
+  for (const int64_t ways : {2, 3}) {
+    const std::string src =
+        jit::cuda::generate(test::alternating_matmul_kernel().trace(
+                                args, {{"BM", 64}, {"BN", 64}, {"BK", 32}, {"num_stages", 3}, {"WAYS", ways}}),
+                            "sm_90a")
+            .source;
+    INFO("WAYS=" << ways << "\n" << src);
+    const size_t loop = src.find("this iteration's copies have landed");  // the loop body's first line
+    REQUIRE(loop != std::string::npos);
+    // Each of the tiles that may be chosen is staged before the loop, and nothing in it.
+    size_t staged_before = 0;
+    for (size_t at = src.find("// stage %"); at != std::string::npos && at < loop; at = src.find("// stage %", at + 1))
+      ++staged_before;
+    CHECK(staged_before == size_t(ways));
+    CHECK(src.find("// stage %", loop) == std::string::npos);
+    CHECK(src.find(" ? (", loop) != std::string::npos);  // the dot reads the tile chosen
+    if (nvrtc::available()) CHECK_NOTHROW(nvrtc::compile(src, "alternating_matmul.cu", "sm_90a"));
+  }
+}

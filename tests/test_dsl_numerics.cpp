@@ -94,6 +94,33 @@ void matmul(Device dev, DType d, int64_t M, int64_t N, int64_t K, const dsl::Met
   CHECK(test::max_relative_error(got, ref, std::sqrt(double(K)) / 4) <= test::tolerance(d));
 }
 
+// alternating_matmul: K blocks multiplied by B0, B1 (, B2) in turn.
+void alternating_matmul(Device dev, DType d, int64_t M, int64_t N, int64_t K, int64_t ways, const dsl::MetaMap& meta,
+                        uint64_t seed) {
+  CAPTURE(dev.str(), dtype_name(d), M, N, K, ways, seed);
+  std::mt19937_64 rng(seed);
+  const int64_t BK = meta.at("BK");
+  TestTensor A(d, {M, K}, dev), B0(d, {BK, N}, dev), B1(d, {BK, N}, dev), B2(d, {BK, N}, dev), C(d, {M, N}, dev);
+  for (TestTensor* t : {&A, &B0, &B1, &B2}) t->randomize(rng);
+  C.poison();
+  dsl::MetaMap m = meta;
+  m["WAYS"] = ways;
+  launch(test::alternating_matmul_kernel(), {A.view(), B0.view(), B1.view(), B2.view(), C.view()},
+         Grid{cdiv(M, meta.at("BM")), cdiv(N, meta.at("BN"))}, m);
+  sync(dev);
+  C.download();
+  const TestTensor* bs[] = {&B0, &B1, &B2};
+  std::vector<double> got, ref;
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      double s = 0;
+      for (int64_t k = 0; k < K; ++k) s += A.get(i * K + k) * bs[(k / BK) % ways]->get((k % BK) * N + j);
+      ref.push_back(s);
+      got.push_back(C.get(i * N + j));
+    }
+  CHECK(test::max_relative_error(got, ref, std::sqrt(double(K)) / 4) <= test::tolerance(d));
+}
+
 void column_sums(Device dev, int64_t rows, int64_t cols, uint64_t seed) {
   CAPTURE(dev.str(), rows, cols, seed);
   std::mt19937_64 rng(seed);
@@ -404,6 +431,9 @@ void run_all(Device dev) {
       matmul(dev, d, 128, 96, 160, {{"BM", 64}, {"BN", 32}, {"BK", 32}, {"num_stages", stages}, {"num_warps", 8}},
              seed++, true);
     }
+  alternating_matmul(dev, DType::bf16, 100, 72, 200, 2, {{"BM", 64}, {"BN", 64}, {"BK", 32}, {"num_stages", 3}}, seed++);
+  alternating_matmul(dev, DType::f16, 64, 40, 96, 3, {{"BM", 32}, {"BN", 64}, {"BK", 32}}, seed++);
+  alternating_matmul(dev, DType::f32, 50, 30, 70, 3, {{"BM", 32}, {"BN", 32}, {"BK", 16}}, seed++);
   column_sums(dev, 300, 100, seed++);
   column_sums(dev, 1000, 64, seed++);
   cluster_sums(dev, DType::f32, 300, 100, 1, 4, seed++);

@@ -4,6 +4,16 @@
 
 namespace kerf::jit::cuda::detail {
 
+bool Codegen::invariant_choice(ValueId v, int lv) const {
+  const Operation* d = def_op_[size_t(v)];
+  if (!d || d->kind != OpKind::Select || level_of_[size_t(v)] != lv) return false;
+  const Operation* c = def_op_[size_t(d->operands[0])];
+  if (!c || c->kind != OpKind::Splat) return false;
+  for (const ValueId arm : {d->operands[1], d->operands[2]})
+    if (type(arm) != type(v) || (level_of_[size_t(arm)] >= lv && !invariant_choice(arm, lv))) return false;
+  return true;
+}
+
 Staged Codegen::stage(ValueId v) {
   auto it = staged_.find(v);
   if (it != staged_.end()) return it->second;
@@ -11,6 +21,21 @@ Staged Codegen::stage(ValueId v) {
   if (auto a = async_.find(v); a != async_.end()) {
     if (cols != staged_cols_.end()) throw InternalError("CUDA codegen: a pipelined B operand in runs order");
     return Staged{async_slot_offset(a->second), a->second.pitch[0], false, a->second.sw_rows};
+  }
+  // cond ? x : y for a condition the same in every thread (a splat scalar) and tiles
+  // defined before the loop that holds the choice (or such choices among them): each
+  // staged once, where it is defined, and the dot reads the one chosen (not a copy of
+  // it staged every iteration).
+  if (cols == staged_cols_.end() && invariant_choice(v, level_of_[size_t(v)])) {
+    const Operation* d = def_op_[size_t(v)];
+    const Staged sx = stage(d->operands[1]), sy = stage(d->operands[2]);
+    if (sx.pitch == sy.pitch && sx.sw_rows == sy.sw_rows && sx.transposed == sy.transposed) {
+      Staged s = sx;
+      s.offset = "(" + scalar(def_op_[size_t(d->operands[0])]->operands[0]) + " ? (" + sx.offset + ") : (" +
+                 sy.offset + "))";
+      staged_[v] = s;
+      return s;
+    }
   }
   // trans(x): x's tile in shared memory, read transposed (no second copy).
   bool transposed = false;

@@ -461,6 +461,9 @@ class Codegen {
   // ---- dot (codegen_dot.cpp)
 
   Staged stage(ValueId v);
+  // Whether v, at loop level lv, is a choice by a uniform condition among tiles defined
+  // outside that loop (or such choices): stage() then stages each of them once.
+  bool invariant_choice(ValueId v, int lv) const;
 
   Tile emit_dot(const Operation& op, int h);
 
