@@ -13,6 +13,11 @@
 #                                          # only the benchmark cases whose names contain one of these
 #   tools/gpu-check.sh --stages bench --bench-args --tuned-only
 #                                          # more kerf_bench options (here: the autotuner's choice only, no sweep)
+#   tools/gpu-check.sh --stages profile --profile-kernel lora_embedding_backward_fused \
+#       --profile-op "embedding_backward r=16 bf16 grads" \
+#       --bench-args "--config 128,128,0,4,3 --meta GROUP_BY_ID=1,FUSED=1"
+#                                          # Nsight Compute (ncu) on one launch of the kernels whose names
+#                                          # match, in kerf_bench's first case named so (tuner off)
 #
 # The benchmark logs and JSON are written to $OUT as they grow, so a run
 # stopped by a time limit still leaves every case it finished.
@@ -27,6 +32,8 @@ quick=""
 bench_op=""
 bench_args=()
 test_filter="[gpu]"
+profile_kernel=""
+profile_op=""
 while (($#)); do
   case "$1" in
     --stages) stages="$2"; shift 2 ;;
@@ -34,6 +41,8 @@ while (($#)); do
     --bench-op) bench_op="$2"; shift 2 ;;
     --bench-args) read -r -a bench_args <<< "$2"; shift 2 ;;
     --filter) test_filter="$2"; shift 2 ;;
+    --profile-kernel) profile_kernel="$2"; shift 2 ;;
+    --profile-op) profile_op="$2"; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -135,6 +144,25 @@ if [[ ,$stages, == *,python,* ]]; then
   tail -8 "$out/peft.log"
   note "PEFT example: exit $rc, $(tail -1 "$out/peft.log")"
   ((rc)) && status=1
+fi
+
+if [[ ,$stages, == *,profile,* ]]; then
+  echo "== Nsight Compute profile"
+  if ! command -v ncu > /dev/null; then
+    note "profile: ncu is not installed here"
+  else
+    t0=$SECONDS
+    # The clocks stay as the machine sets them (--clock-control none); the launches
+    # before the one profiled warm the caches and compile the kernel.
+    KERF_AUTOTUNE=0 ncu --clock-control none ${profile_kernel:+-k "regex:$profile_kernel"} --launch-skip 5 \
+      --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+      --section SchedulerStats --section LaunchStats "$build/tests/bench/kerf_bench" \
+      ${profile_op:+--op "$profile_op"} "${bench_args[@]}" \
+      > "$final/ncu.log" 2>&1
+    rc=$?
+    grep -vE "^==PROF==|^\s*$" "$final/ncu.log" | tail -80
+    note "profile: ncu exit $rc, report in ncu.log ($((SECONDS - t0)) s)"
+  fi
 fi
 
 if [[ ,$stages, == *,bench,* ]]; then
