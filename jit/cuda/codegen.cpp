@@ -46,7 +46,8 @@ KernelCode Codegen::run() {
   frames_.assign(1, Frame{});
   active_.assign(1, 0);
   // Grid barriers stand at the top level (the verifier's rule).
-  for (const Operation& op : f_.body.ops) grid_barriers_ += op.kind == OpKind::GridSync ? 1 : 0;
+  for (const Operation& op : f_.body.ops)
+    if (op.kind == OpKind::GridSync) last_grid_barrier_ = &op;
   emit_block(f_.body);
   flush_cluster(0);
   // The program whose exit (counted after its last barrier) came last sets the barriers'
@@ -534,15 +535,14 @@ void Codegen::emit_block(const ir::Block& b) {
         break;
       case OpKind::GridSync:
         // A wait after k arrivals waits for k arrivals of every program (the launch is
-        // cooperative).
-        // (An arrival alone passes no count.)
+        // cooperative); an arrival alone passes no count.
         grid_sync_ptr_ = pointer_expr(op);
         if (op.attrs.axis != ir::kGridAwait) ++grid_arrivals_;
         line(lv, std::string("// ") + ir::grid_barrier_name(op) + " " + S(grid_arrivals_) + " @" + tensor_of(op).name);
         line(lv, std::string("kerf_dev::") + ir::grid_barrier_name(op) + "(" + grid_sync_ptr_ +
                      (op.attrs.axis == ir::kGridArrive ? "" : ", " + S(grid_arrivals_)) + ");");
         // After the kernel's last barrier: this program's exit.
-        if (++grid_barriers_done_ == grid_barriers_)
+        if (&op == last_grid_barrier_)
           line(lv, "kerf_grid_exit = kerf_dev::grid_exit_count(" + grid_sync_ptr_ + ");");
         break;
       default:

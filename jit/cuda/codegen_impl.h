@@ -490,8 +490,7 @@ class Codegen {
   bool wgmma_ = false;        // meta wgmma=1 on an sm_90a target
   std::set<int> wgmma_sizes_;  // N of the wgmma instructions emitted (their wrappers go in the source)
   int grid_arrivals_ = 0;       // grid_sync and grid_arrive arrivals emitted so far
-  int grid_barriers_ = 0;       // the kernel's grid barrier ops (grid_sync, grid_arrive, grid_await)
-  int grid_barriers_done_ = 0;  // of them emitted so far
+  const Operation* last_grid_barrier_ = nullptr;  // the kernel's last grid_sync, grid_arrive or grid_await
   std::string grid_sync_ptr_;   // their counter's pointer
   bool staged_adds_ = false;   // meta staged_adds: accumulators' f32 atomic adds go through shared memory
   int acc_col_run_ = 0;        // meta acc_col_run: columns per thread run of a dot's accumulator (0: mma's order)
