@@ -49,12 +49,16 @@ inline RowSliceAxes row_slice_axes(dsl::Builder& k) {
 // walks its steps starting `rot` steps in, wrapping around: every step is still
 // taken once, in another order (programs whose rot differ add to different
 // places at a time). Depends only on k0 and loop-invariant values, so loads it
-// indexes still run ahead.
+// indexes still run ahead. The remainder by the step count is taken once, outside the
+// loop (an iteration wraps with a compare, not a division by a value known only at run
+// time, whose chain of dependent instructions each step and each prefetch would wait on).
 inline dsl::Value rotated_step(const dsl::Value& k0, const dsl::Value& lo, const dsl::Value& hi, int64_t step,
                                const dsl::Value& rot) {
   using namespace kerf::dsl;
   const Value steps = cdiv(hi - lo, literal(step));  // > 0 inside the loop
-  return lo + ((k0 - lo) / step + rot) % steps * step;
+  const Value first = rot % maximum(steps, literal(int64_t(1)));
+  const Value j = (k0 - lo) / step + first;  // < 2 steps inside the loop
+  return lo + where(j >= steps, j - steps, j) * step;
 }
 
 }  // namespace kerf::kernels

@@ -394,6 +394,34 @@ TEST_CASE("the grouped embedding backward writes grad_A in 16-byte vectors and a
   CHECK(access_width(main_src, "// atomic_add @dB from") == 4);
 }
 
+TEST_CASE("a dot's B operand defined before its loop has its fragments loaded once before the loop",
+          "[cuda][codegen]") {
+  // The embedding backward's activations [BLOCK_T, r] are dB's right factor at every
+  // step over D: 8 k steps x 2 n tiles x 2 registers = 32 registers a thread, loaded once.
+  const kernels::LibraryEntry* e = kernels::find_in_library("lora_embedding_backward");
+  REQUIRE(e != nullptr);
+  const std::string src =
+      jit::cuda::generate(e->kernel().trace(e->example_args(DType::bf16),
+                                            {{"BLOCK_T", 128}, {"BLOCK_D", 128}, {"R_PAD", 16},
+                                             {"DOT", int64_t(DType::bf16)}, {"ROTATE", 1}, {"staged_adds", 1},
+                                             {"num_warps", 4}, {"num_stages", 3}}),
+                          "sm_90a")
+          .source;
+  INFO(src);
+  const size_t frags = src.find("unsigned bfrag_");
+  const size_t loop_wait = src.find("kerf_dev::cp_async_wait<1>();  // this iteration's copies have landed");
+  REQUIRE(frags != std::string::npos);
+  REQUIRE(loop_wait != std::string::npos);
+  CHECK(frags < loop_wait);
+  const auto count = [&](const std::string& what) {
+    size_t n = 0;
+    for (size_t at = src.find(what, loop_wait); at != std::string::npos; at = src.find(what, at + 1)) ++n;
+    return n;
+  };
+  CHECK(count("const unsigned* bf = bfrag_") == 1);  // the dot with the activations
+  CHECK(count("kerf_dev::ldmatrix_x4_trans(bf, sb + ") == 1);  // g @ B still reads B's step tile
+}
+
 TEST_CASE("fp32 dots use fp32 FMA, not tensor cores", "[cuda][codegen]") {
   const ir::Function fn = test::matmul_kernel().trace(
       {t(DType::f32, 2), t(DType::f32, 2), t(DType::f32, 2)}, {{"BM", 32}, {"BN", 32}, {"BK", 16}});

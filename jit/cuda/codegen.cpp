@@ -691,6 +691,8 @@ void Codegen::emit_for(const Operation& op, int lv) {
     it2 = level_of_[size_t(it2->first)] > lv ? reduced_.erase(it2) : std::next(it2);
   for (auto it2 = afrags_.begin(); it2 != afrags_.end();)
     it2 = level_of_[size_t(it2->first.first)] > lv ? afrags_.erase(it2) : std::next(it2);
+  for (auto it2 = bfrags_.begin(); it2 != bfrags_.end();)
+    it2 = level_of_[size_t(it2->first.first)] > lv ? bfrags_.erase(it2) : std::next(it2);
   line(lv, "if (" + step + " > 0)");
   line(lv,
        "for (int " + iv + " = " + lo + "; " + iv + " < " + hi + "; " + iv + " += " + step + ") {");

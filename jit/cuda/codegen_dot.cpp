@@ -183,27 +183,59 @@ Tile Codegen::emit_dot(const Operation& op, int h) {
       line(lv, "kerf_dev::wgmma_commit();");
       line(lv, "kerf_dev::wgmma_wait();");
     } else {
+      // B fragments for two n-tiles per ldmatrix.x4 (lanes 16-31 address the second).
+      const int64_t per = NT >= 2 ? 2 : 1;
+      // The ldmatrix of B's fragments for k step `ki` and n tile `ni` into `dst` from `base`.
+      // `wnx` is the warp's n index (the name `wn` exists only inside the dot's block).
+      const auto load_b = [&](int level, const std::string& dst, const std::string& base, const std::string& wnx) {
+        if (sb.transposed) {
+          // Shared memory holds B^T [N, K]: each n's k's are contiguous, the layout
+          // mma wants for B, so ldmatrix needs no transpose.
+          const std::string n_of = per == 2 ? "(ni + (lane >> 4))" : "ni";
+          line(level, std::string("    kerf_dev::") + (per == 2 ? "ldmatrix_x4" : "ldmatrix_x2") + "(" + dst +
+                          ", " + base + " + " +
+                          at_rc(sb, wnx + " * 8 + " + n_of + " * " + S(8 * wn) + " + (lane & 7)",
+                                "ki * 16 + ((lane >> 3) & 1) * 8") +
+                          ");");
+        } else if (per == 2) {
+          line(level, "    kerf_dev::ldmatrix_x4_trans(" + dst + ", " + base + " + " +
+                          at_rc(sb, "ki * 16 + (lane & 15)", wnx + " * 8 + (ni + (lane >> 4)) * " + S(8 * wn)) +
+                          ");");
+        } else {
+          line(level, "    kerf_dev::ldmatrix_x2_trans(" + dst + ", " + base + " + " +
+                          at_rc(sb, "ki * 16 + (lane & 15)", wnx + " * 8 + ni * " + S(8 * wn)) + ");");
+        }
+      };
+      // B's fragments, like A's, loaded once where B is defined when the dot sits in a
+      // loop that B does not depend on (e.g. the embedding backward's activations),
+      // where they take few registers: the loop then reads no B from shared memory.
+      const int lb = level_of_[size_t(b)];
+      const int64_t b_regs = (K / 16) * NT * 2;
+      const auto bkey = std::make_pair(b, int64_t(wm) << 32 | int64_t(wn));
+      std::string bfr = bfrags_.count(bkey) ? bfrags_[bkey] : "";
+      if (bfr.empty() && lb < lv && b_regs <= kMaxHoistedBRegs) {
+        bfr = fresh("bfrag");
+        line(lb, "unsigned " + bfr + "[" + S(K / 16) + "][" + S(NT / per) + "][" + S(2 * per) +
+                     "];  // B fragments of %" + S(b));
+        line(lb, "#pragma unroll");
+        line(lb, "for (int ki = 0; ki < " + S(K / 16) + "; ++ki)");
+        line(lb, "  #pragma unroll");
+        line(lb, "  for (int ni = 0; ni < " + S(NT) + "; ni += " + S(per) + ")");
+        load_b(lb, bfr + "[ki][ni / " + S(per) + "]",
+               "reinterpret_cast<const " + at + "*>(kerf_smem + (" + sb.offset + "))",
+               "((warp >> " + S(log2i(wm)) + ") & " + S(wn - 1) + ")");
+        bfrags_[bkey] = bfr;
+      }
       line(lv, "#pragma unroll");
       line(lv, "for (int ki = 0; ki < " + S(K / 16) + "; ++ki) {");
       line(lv, "  #pragma unroll");
-      // B fragments for two n-tiles per ldmatrix.x4 (lanes 16-31 address the second).
-      const int64_t per = NT >= 2 ? 2 : 1;
       line(lv, "  for (int ni = 0; ni < " + S(NT) + "; ni += " + S(per) + ") {");
-      line(lv, "    unsigned bf[" + S(2 * per) + "];");
-      if (sb.transposed) {
-        // Shared memory holds B^T [N, K]: each n's k's are contiguous, the layout
-        // mma wants for B, so ldmatrix needs no transpose.
-        const std::string n_of = per == 2 ? "(ni + (lane >> 4))" : "ni";
-        line(lv, std::string("    kerf_dev::") + (per == 2 ? "ldmatrix_x4" : "ldmatrix_x2") + "(bf, sb + " +
-                     at_rc(sb, "wn * 8 + " + n_of + " * " + S(8 * wn) + " + (lane & 7)",
-                           "ki * 16 + ((lane >> 3) & 1) * 8") +
-                     ");");
-      } else if (per == 2) {
-        line(lv, "    kerf_dev::ldmatrix_x4_trans(bf, sb + " +
-                     at_rc(sb, "ki * 16 + (lane & 15)", "wn * 8 + (ni + (lane >> 4)) * " + S(8 * wn)) + ");");
+      if (bfr.empty()) {
+        line(lv, "    unsigned bf[" + S(2 * per) + "];");
+        load_b(lv, "bf", "sb", "wn");
       } else {
-        line(lv, "    kerf_dev::ldmatrix_x2_trans(bf, sb + " +
-                     at_rc(sb, "ki * 16 + (lane & 15)", "wn * 8 + ni * " + S(8 * wn)) + ");");
+        line(lv, "    const unsigned* bf = " + bfr + "[ki][ni / " + S(per) + "];");
+        line(lv, "    (void)sb;");
       }
       line(lv, "    #pragma unroll");
       line(lv, "    for (int h = 0; h < " + S(per) + "; ++h)");

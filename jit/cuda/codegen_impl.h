@@ -527,6 +527,9 @@ class Codegen {
   int transient_smem(int64_t bytes, bool* reused = nullptr);
   std::map<ValueId, std::string> reduced_;
   std::map<std::pair<ValueId, int64_t>, std::string> afrags_;  // (A, warp split) -> fragments
+  std::map<std::pair<ValueId, int64_t>, std::string> bfrags_;  // (B, warp split) -> fragments
+  // The most registers a thread gives to a loop-invariant B operand's fragments.
+  static constexpr int64_t kMaxHoistedBRegs = 32;
   std::set<std::string> pointers_;
   std::string pointer_lines_;
   int counter_ = 0;

@@ -5,6 +5,7 @@
 //   kerf-inspect KERNEL ... --hash                              the hash alone
 //   kerf-inspect KERNEL ... --cuda sm_90a                       the generated CUDA C++
 //   kerf-inspect KERNEL ... --compile sm_90a                    NVRTC compile; prints sizes and time
+//   kerf-inspect KERNEL ... --compile sm_90a --save k.cubin     and writes the image (for cuobjdump -sass)
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -18,7 +19,7 @@ using namespace kerf;
 
 int main(int argc, char** argv) {
   if (argc < 2 || !std::strcmp(argv[1], "--help")) {
-    std::printf("usage: kerf-inspect list | KERNEL [--dtype T] [--meta K=V]... [--hash] [--cuda ARCH] [--compile ARCH]\n");
+    std::printf("usage: kerf-inspect list | KERNEL [--dtype T] [--meta K=V]... [--hash] [--cuda ARCH] [--compile ARCH [--save FILE]]\n");
     return argc < 2 ? 2 : 0;
   }
   try {
@@ -31,7 +32,7 @@ int main(int argc, char** argv) {
     if (!entry) throw InvalidArgument("no library kernel named '" + name + "' (kerf-inspect list shows them)");
     DType dtype = DType::bf16;
     bool hash_only = false;
-    std::string cuda_arch, compile_arch;
+    std::string cuda_arch, compile_arch, save_path;
     dsl::MetaMap overrides;
     for (int i = 2; i < argc; ++i) {
       const std::string a = argv[i];
@@ -55,6 +56,8 @@ int main(int argc, char** argv) {
         cuda_arch = value();
       } else if (a == "--compile") {
         compile_arch = value();
+      } else if (a == "--save") {
+        save_path = value();
       } else {
         throw InvalidArgument("unknown option '" + a + "'");
       }
@@ -62,6 +65,7 @@ int main(int argc, char** argv) {
     dsl::MetaMap meta = entry->example_meta(dtype);
     for (const auto& [k, v] : overrides) meta[k] = v;
     const ir::Function fn = entry->kernel().trace(entry->example_args(dtype), meta);
+    if (!save_path.empty() && compile_arch.empty()) throw InvalidArgument("--save goes with --compile ARCH");
     if (hash_only) {
       std::printf("%s\n", ir::hash(fn).hex().c_str());
       return 0;
@@ -76,6 +80,14 @@ int main(int argc, char** argv) {
       std::printf("%s: %zu bytes of %s for %s in %.1f ms; %d threads, %d bytes of shared memory\n",
                   code.entry.c_str(), out.image.size(), out.is_cubin ? "cubin" : "PTX", compile_arch.c_str(),
                   out.compile_ms, code.threads, code.smem_bytes);
+      if (!save_path.empty()) {
+        std::FILE* f = std::fopen(save_path.c_str(), "wb");
+        if (!f) throw InvalidArgument("cannot open '" + save_path + "' for writing");
+        const size_t n = std::fwrite(out.image.data(), 1, out.image.size(), f);
+        const bool closed = std::fclose(f) == 0;
+        if (n != out.image.size() || !closed) throw InvalidArgument("cannot write '" + save_path + "'");
+        std::printf("written to %s\n", save_path.c_str());
+      }
       return 0;
     }
     std::fputs(ir::print(fn).c_str(), stdout);
