@@ -17,7 +17,8 @@
 #       --profile-op "embedding_backward r=16 bf16 grads" \
 #       --bench-args "--config 128,128,0,4,3 --meta GROUP_BY_ID=1,FUSED=1"
 #                                          # Nsight Compute (ncu) on one launch of the kernels whose names
-#                                          # match, in kerf_bench's first case named so (tuner off)
+#                                          # match, in kerf_bench's first case named so (tuner off): ncu.log,
+#                                          # and ncu-source.csv.gz (each SASS instruction's stall samples)
 #
 # The benchmark logs and JSON are written to $OUT as they grow, so a run
 # stopped by a time limit still leaves every case it finished.
@@ -154,14 +155,24 @@ if [[ ,$stages, == *,profile,* ]]; then
     t0=$SECONDS
     # The clocks stay as the machine sets them (--clock-control none); the launches
     # before the one profiled warm the caches and compile the kernel.
+    # The report is also kept and its source page (each SASS instruction with its
+    # warp stall samples by reason) written as CSV: where in the code the warps wait.
+    rep="$build/ncu-report"  # outside the logs folder that the archive takes
+    rm -f "$rep.ncu-rep"
     KERF_AUTOTUNE=0 ncu --clock-control none ${profile_kernel:+-k "regex:$profile_kernel"} --launch-skip 5 \
       --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
-      --section SchedulerStats --section LaunchStats "$build/tests/bench/kerf_bench" \
+      --section SchedulerStats --section LaunchStats --section SourceCounters \
+      -o "$rep" "$build/tests/bench/kerf_bench" \
       ${profile_op:+--op "$profile_op"} "${bench_args[@]}" \
-      > "$final/ncu.log" 2>&1
+      > "$out/ncu-run.log" 2>&1
     rc=$?
+    tail -5 "$out/ncu-run.log"
+    if [[ -f "$rep.ncu-rep" ]]; then
+      ncu -i "$rep.ncu-rep" --page details > "$final/ncu.log" 2>&1
+      ncu -i "$rep.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip -c > "$final/ncu-source.csv.gz"
+    fi
     grep -vE "^==PROF==|^\s*$" "$final/ncu.log" | tail -80
-    note "profile: ncu exit $rc, report in ncu.log ($((SECONDS - t0)) s)"
+    note "profile: ncu exit $rc, report in ncu.log, SASS with stall samples in ncu-source.csv.gz ($((SECONDS - t0)) s)"
   fi
 fi
 
