@@ -148,7 +148,8 @@ const std::vector<LibraryEntry>& library() {
                                                     tensor(DType::i64, 1),
                                                     scalar,
                                                     scalar,
-                                                    scalar};
+                                                    scalar,
+                                                    tensor(t, 2)};
                  },
                  [](DType t) {
                    return dsl::MetaMap{{"BLOCK_T", 64},
@@ -184,7 +185,8 @@ const std::vector<LibraryEntry>& library() {
                        tensor(DType::i64, 1), tensor(t, 2),          tensor(t, 2),          tensor(t, 2),
                        scalar,                tensor(DType::f32, 2), tensor(DType::f32, 2), tensor(DType::i32, 1),
                        tensor(DType::i64, 1), scalar,                scalar,                scalar,
-                       tensor(t, 2),          tensor(t, 2),          tensor(DType::i32, 1)};
+                       tensor(t, 2),          tensor(t, 2),          tensor(DType::i32, 1),
+                       tensor(t, 2)};
                  },
                  [](DType t) {
                    return dsl::MetaMap{{"BLOCK_T", 128}, {"BLOCK_D", 128}, {"R_PAD", 16}, {"DOT", dot_code(t)},

@@ -311,7 +311,15 @@ struct EmbeddingBackward {
   VocabRange vr;
   int64_t padding;
   LaunchOptions lo;
+  // EmbeddingOptions::after_a as [T, r] (saved_act), else nothing.
+  TensorView act = {};
+  bool saved_act = false;
 };
+
+// The kernels' `act` argument: the saved activations, or an empty stand-in.
+TensorView act_arg(const EmbeddingBackward& c) {
+  return c.saved_act ? c.act : TensorView::contiguous(nullptr, c.A.dtype, {0, c.A.shape[0]}, c.x1.device);
+}
 
 struct EmbeddingBackwardPlan {
   dsl::MetaMap meta;
@@ -398,6 +406,7 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
   p.keep_in_l2 = gpu && unit && (fills_a || fills_b) && meta_or(config, "L2_KEEP", 1) != 0;
   if (p.keep_in_l2) p.meta["L2_KEEP"] = 1;
   if (p.grouped) p.meta["GROUP_BY_ID"] = 1;
+  if (c.saved_act) p.meta["SAVED_ACT"] = 1;
   p.direct_a = !p.grouped && c.dA3.dtype == DType::f32;
   p.fused = (p.grouped || p.direct_a) && gpu && meta_or(config, "FUSED", 0) != 0 && blocks * split <= programs;
   return p;
@@ -418,7 +427,7 @@ std::vector<Arg> embedding_backward_args(const EmbeddingBackward& c, const Tenso
                                          const TensorView& db_acc, const TensorView& counts,
                                          const TensorView& first, const TensorView& record) {
   return {c.x1,     c.A,   c.B,    c.g2, Scalar(c.s), as_2d(da), as_2d(db_acc), counts, first, record,
-          Scalar(c.vr.start), Scalar(c.vr.total), Scalar(c.padding)};
+          Scalar(c.vr.start), Scalar(c.vr.total), Scalar(c.padding), act_arg(c)};
 }
 
 // The GROUP_BY_ID launches' workspace views: counts and first [V] i32, sums [1, T, r]
@@ -469,7 +478,7 @@ dsl::MetaMap fused_meta(const EmbeddingBackward& c, const EmbeddingBackwardPlan&
 std::vector<Arg> fused_args(const EmbeddingBackward& c, const GroupedViews& v, const TensorView& record) {
   return {c.x1,   c.A,    c.B,      c.g2,          Scalar(c.s),        as_2d(v.sums),      as_2d(v.db_acc),
           v.counts, record, Scalar(c.vr.start), Scalar(c.vr.total), Scalar(c.padding), as_2d(c.dA3), as_2d(c.dB3),
-          v.sync};
+          v.sync,   act_arg(c)};
 }
 
 // The grouped calls around the main kernel: its grid (tokens, then dB's tiles when
@@ -627,7 +636,7 @@ void run_gathered_backward(const EmbeddingBackward& c, const Config& config, con
 // when f32, zeroed; else workspace regions flushed into them), with
 // scale_grad_by_freq the id counts (counted first, cleared after), the kernel.
 void run_embedding_backward(const EmbeddingBackward& c, const Config& config, const TensorView& record) {
-  if (meta_or(config, "GATHER", 0)) return run_gathered_backward(c, config, record);
+  if (meta_or(config, "GATHER", 0) && !c.saved_act) return run_gathered_backward(c, config, record);
   const Device& dev = c.x1.device;
   const EmbeddingBackwardPlan p = plan_embedding_backward(c, config, parallelism(dev));
   if (p.grouped || p.fused) return run_grouped_backward(c, p, record);
@@ -691,7 +700,8 @@ Config tuned_embedding_backward_config(const EmbeddingBackward& c) {
   const int64_t T = c.x1.shape[0], V = c.A.shape[1], D = c.B.shape[0], r = c.A.shape[0];
   const Device& dev = c.x1.device;
   TuneRequest q;
-  q.problem = {c.by_freq ? "lora_embedding_backward_by_freq" : "lora_embedding_backward",
+  q.problem = {std::string(c.by_freq ? "lora_embedding_backward_by_freq" : "lora_embedding_backward") +
+                   (c.saved_act ? "_saved_act" : ""),
                {next_pow2(T), next_pow2(V), next_pow2(D), std::max<int64_t>(16, next_pow2(r))},
                {c.A.dtype, c.B.dtype, c.g2.dtype, c.dA3.dtype, c.dB3.dtype, c.x1.dtype},
                "",
@@ -712,7 +722,7 @@ Config tuned_embedding_backward_config(const EmbeddingBackward& c) {
   q.extent_m = T;
   q.extent_k = D;
   q.kernels = [&](const Config& config) {
-    if (meta_or(config, "GATHER", 0)) return gathered_kernels(c, config, parallelism(dev));
+    if (meta_or(config, "GATHER", 0) && !c.saved_act) return gathered_kernels(c, config, parallelism(dev));
     return embedding_backward_kernels(c, config, parallelism(dev));
   };
   const TuningRecord record(dev);
@@ -850,9 +860,17 @@ void lora_embedding_backward(const TensorView& x, const TensorView& A, const Ten
   expect_shape(op, "grad_out", grad_out, tokens_and(x, D));
   expect_shape(op, "grad_A", grad_A, {r, V});
   expect_shape(op, "grad_B", grad_B, {D, r});
-  const std::vector<std::pair<const char*, const TensorView*>> all = {
+  std::vector<std::pair<const char*, const TensorView*>> all = {
       {"x", &x},           {"A", &A},          {"B", &B}, {"grad_out", &grad_out},
       {"grad_A", &grad_A}, {"grad_B", &grad_B}};
+  if (options.after_a) {
+    if (layout.sharded())
+      throw InvalidArgument(std::string(op) + ": after_a (" + options.after_a->describe() +
+                            ") is not supported with a sharding layout yet (" + layout.canonical() +
+                            "); leave it out and A's columns are gathered by id");
+    expect_shape(op, "after_a", *options.after_a, tokens_and(x, r));
+    all.push_back({"after_a", &*options.after_a});
+  }
   for (const auto& [n, t] : all) {
     if (t != &x) expect_dtype(op, n, *t, float_dtypes());
     expect_element_aligned(op, n, *t);
@@ -886,11 +904,17 @@ void lora_embedding_backward(const TensorView& x, const TensorView& A, const Ten
   const int64_t T = x1.shape[0];
   if (!x.device.is_cuda()) check_host_ids(op, x1, vr.total);
 
-  const EmbeddingBackward call{x1, A, B, g2, s, dA3, dB3, options.scale_grad_by_freq, vr, padding, lo};
+  EmbeddingBackward call{x1, A, B, g2, s, dA3, dB3, options.scale_grad_by_freq, vr, padding, lo};
+  if (options.after_a) {
+    TensorView unused;
+    flatten_tokens(op, x, "after_a", *options.after_a, &unused, &call.act);
+    call.saved_act = true;
+  }
   static PlanMemo<Config> tuned;
   CallKey key;
   key.add(T).add(A).add(B).add(g2.dtype).add(grad_A.dtype).add(grad_B.dtype).add(x1.dtype);
   key.add(options.scale_grad_by_freq ? 1 : 0).add(x.device);
+  if (call.saved_act) key.add(call.act);
   run_embedding_backward(
       call, has_config(config) ? config : *tuned.get(key, [&] { return tuned_embedding_backward_config(call); }),
       error_record(x.device, stream));

@@ -124,12 +124,15 @@ struct BackCase {
   int group = -1;
   // Config.meta FUSED (-1: kerf's choice): grouped, one cooperative kernel on a GPU.
   int fused = -1;
+  // EmbeddingOptions::after_a: 0 not given; 1 the activations A[:, x[t]]^T; 2 twice them
+  // (grad_B doubles: the kernel reads them, not A).
+  int after_a = 0;
 };
 
 void check_backward(const BackCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.T, c.V, c.D, c.r, dtype_name(c.g), dtype_name(c.ab), dtype_name(c.grads),
           c.padding.value_or(-999), c.by_freq, c.split, c.rotate, c.gather, c.l2_prefetch, c.staged, c.block_t,
-          c.block_d, c.group, c.fused, seed, dev.str());
+          c.block_d, c.group, c.fused, c.after_a, seed, dev.str());
   std::mt19937_64 rng(seed);
   TestTensor X(DType::i64, {c.T}, dev), A(c.ab, {c.r, c.V}, dev), B(c.ab, {c.D, c.r}, dev);
   TestTensor G(c.g, {c.T, c.D}, dev), dA(c.grads, {c.r, c.V}, dev), dB(c.grads, {c.D, c.r}, dev);
@@ -160,6 +163,14 @@ void check_backward(const BackCase& c, Device dev, uint64_t seed) {
   if (c.l2_prefetch) cfg.meta["L2_PREFETCH"] = c.l2_prefetch;
   if (c.group >= 0) cfg.meta["GROUP_BY_ID"] = c.group;
   if (c.fused >= 0) cfg.meta["FUSED"] = c.fused;
+  const double act_scale = c.after_a == 2 ? 2.0 : 1.0;
+  TestTensor act(c.ab, {c.T, c.r}, dev);
+  if (c.after_a) {
+    for (int64_t t = 0; t < c.T; ++t)
+      for (int64_t k = 0; k < c.r; ++k) act.set(t * c.r + k, act_scale * A.get(k * c.V + int64_t(X.get(t))));
+    act.upload();
+    o.after_a = act.view();
+  }
   const double s = 2.0;
   ops::lora_embedding_backward(X.view(), A.view(), B.view(), G.view(), s, dA.view(), dB.view(), o,
                                nullptr, cfg);
@@ -185,7 +196,7 @@ void check_backward(const BackCase& c, Device dev, uint64_t seed) {
       for (int64_t d = 0; d < c.D; ++d) gb += G.get(t * c.D + d) * B.get(d * c.r + k);
       if (id != pad) ra[size_t(k * c.V + id)] += s * gb / (c.by_freq ? count[size_t(id)] : 1.0);
       for (int64_t d = 0; d < c.D; ++d)
-        rb[size_t(d * c.r + k)] += s * G.get(t * c.D + d) * A.get(k * c.V + id);
+        rb[size_t(d * c.r + k)] += s * G.get(t * c.D + d) * act_scale * A.get(k * c.V + id);
     }
   }
   std::vector<double> ga, gb;
@@ -224,6 +235,18 @@ void run_backward_cases(Device dev) {
   };
   uint64_t seed = 6200;
   for (const BackCase& c : cases) check_backward(c, dev, seed++);
+  // With the forward's activations given (after_a), and given doubled; on a GPU also as
+  // the one cooperative kernel.
+  for (BackCase c : cases) {
+    if (c.gather) continue;
+    c.after_a = c.T % 2 ? 2 : 1;
+    check_backward(c, dev, seed++);
+    if (dev.is_cuda()) {
+      c.group = 1;
+      c.fused = 1;
+      check_backward(c, dev, seed++);
+    }
+  }
   // Each case but GATHER's also with GROUP_BY_ID named: on (kerf's choice on a GPU only
   // in some cases, docs/ops.md) and, on a GPU, off.
   for (BackCase c : cases) {

@@ -109,12 +109,13 @@ std::vector<Case> op_kernel_cases() {
     c.push_back(
         {&kernels::lora_embedding_backward(),
          {T(ids, 1, fast), T(ad, 2, fast), T(ad, 2, fast), T(w, 2, fast), S, T(DType::f32, 2, fast),
-          T(DType::f32, 2, fast), T(DType::i32, 1), T(DType::i32, 1), T(DType::i64, 1), S, S, S},
+          T(DType::f32, 2, fast), T(DType::i32, 1), T(DType::i32, 1), T(DType::i64, 1), S, S, S, T(ad, 2, fast)},
          {{"BLOCK_T", 64},
           {"BLOCK_D", 64},
           {"R_PAD", 16},
           {"DOT", int64_t(dot)},
           {"BY_FREQ", flag},
+          {"SAVED_ACT", flag},  // the forward's activations read by token
           {"ROTATE", 1 - flag},
           {"WAIT_PRIOR", 1 - flag},
           {"L2_KEEP", 1 - flag},
@@ -125,7 +126,7 @@ std::vector<Case> op_kernel_cases() {
     c.push_back({&kernels::lora_embedding_backward_fused(),
                  {T(ids, 1, fast), T(ad, 2, fast), T(ad, 2, fast), T(w, 2, fast), S, T(DType::f32, 2, fast),
                   T(DType::f32, 2, fast), T(DType::i32, 1), T(DType::i64, 1), S, S, S, T(w, 2, fast),
-                  T(w, 2, fast), T(DType::i32, 1)},
+                  T(w, 2, fast), T(DType::i32, 1), T(ad, 2, fast)},
                  {{"BLOCK_T", 64},
                   {"BLOCK_D", 64},
                   {"R_PAD", 16},
@@ -134,6 +135,7 @@ std::vector<Case> op_kernel_cases() {
                   {"BY_FREQ", w == DType::f16 ? 0 : 1},
                   {"DIRECT_A", w == DType::f32 ? 1 : 0},
                   {"ROTATE", 1 - flag},
+                  {"SAVED_ACT", 1 - flag},
                   {"BLOCK_V", 64},
                   {"BLOCK_M", 64},
                   {"num_stages", stages}},
@@ -340,7 +342,8 @@ TEST_CASE("rotated column steps still run their loads ahead", "[cuda][codegen][o
   CHECK(src.find("prefetch @A") != std::string::npos);
   CHECK(src.find("kerf_dev::cp_async<16>") != std::string::npos);  // still whole 16-byte rows
   const std::vector<ArgSpec> emb = {T(DType::i64, 1), T(DType::bf16, 2), T(DType::bf16, 2), T(DType::bf16, 2), S,
-                                    T(DType::f32, 2), T(DType::f32, 2), T(DType::i32, 1), T(DType::i32, 1), T(DType::i64, 1), S, S, S};
+                                    T(DType::f32, 2), T(DType::f32, 2), T(DType::i32, 1), T(DType::i32, 1), T(DType::i64, 1), S, S, S,
+                                    T(DType::bf16, 2)};
   const std::string esrc = source_of(kernels::lora_embedding_backward(), emb,
                                      {{"BLOCK_T", 128}, {"BLOCK_D", 64}, {"R_PAD", 16}, {"DOT", int64_t(DType::bf16)},
                                       {"ROTATE", 1}, {"num_stages", 3}});
@@ -350,7 +353,8 @@ TEST_CASE("rotated column steps still run their loads ahead", "[cuda][codegen][o
 TEST_CASE("the embedding backward with L2_KEEP puts its share of dA and dB back to normal L2 priority",
           "[cuda][codegen][ops]") {
   const std::vector<ArgSpec> emb = {T(DType::i64, 1), T(DType::bf16, 2), T(DType::bf16, 2), T(DType::bf16, 2), S,
-                                    T(DType::f32, 2), T(DType::f32, 2), T(DType::i32, 1), T(DType::i32, 1), T(DType::i64, 1), S, S, S};
+                                    T(DType::f32, 2), T(DType::f32, 2), T(DType::i32, 1), T(DType::i32, 1), T(DType::i64, 1), S, S, S,
+                                    T(DType::bf16, 2)};
   MetaMap meta = {{"BLOCK_T", 128}, {"BLOCK_D", 128}, {"R_PAD", 16}, {"DOT", int64_t(DType::bf16)},
                   {"ROTATE", 1},    {"WAIT_PRIOR", 1}, {"num_warps", 4}, {"num_stages", 3}};
   const std::string plain = source_of(kernels::lora_embedding_backward(), emb, meta);

@@ -205,6 +205,28 @@ TEST_CASE("lora_embedding rejects bad ids, shapes, options and overlapping outpu
   CHECK_REJECTS(InvalidArgument,
                 ops::lora_embedding_backward(x, A, B, gout, 1.0, t({2, 10}, DType::f32, 8195), gB),
                 "lora_embedding_backward: output grad_A overlaps A in memory");
+  // The forward's activations (after_a): x's shape + r, an input the outputs must not overlap,
+  // and not yet with a sharding layout.
+  ops::EmbeddingOptions with_act;
+  with_act.after_a = t({6, 2}, DType::f32, 13000);
+  CHECK_REJECTS(InvalidArgument, ops::lora_embedding_backward(x, A, B, gout, 1.0, gA, gB, with_act),
+                "lora_embedding_backward: after_a must have shape [2, 3, 2], got [6, 2]");
+  with_act.after_a = t({2, 3, 2}, DType::i32, 13000);
+  CHECK_REJECTS(TypeError, ops::lora_embedding_backward(x, A, B, gout, 1.0, gA, gB, with_act),
+                "lora_embedding_backward: after_a must be one of");
+  with_act.after_a = t({2, 3, 2}, DType::f32, 11002);
+  CHECK_REJECTS(InvalidArgument, ops::lora_embedding_backward(x, A, B, gout, 1.0, gA, gB, with_act),
+                "lora_embedding_backward: output grad_A overlaps after_a in memory");
+  with_act.after_a = t({2, 3, 2}, DType::f32, 13000);
+  ops::Layout vocab_split;
+  vocab_split.mesh = {{"tp", 2}};
+  vocab_split.specs["A"] = ops::PartitionSpec{"", "tp"};
+  vocab_split.specs["grad_A"] = ops::PartitionSpec{"", "tp"};
+  vocab_split.coords = {0};
+  CHECK_REJECTS(InvalidArgument,
+                ops::lora_embedding_backward(x, A, B, gout, 1.0, gA, gB, with_act, nullptr, {}, vocab_split),
+                "lora_embedding_backward: after_a (f32[2,3,2] strides [6,2,1] on cpu) is not supported with a sharding "
+                "layout yet (mesh(tp=2) A[,tp] grad_A[,tp])");
 }
 
 TEST_CASE("misaligned and strided views take the general path and give the same answer on the CPU",

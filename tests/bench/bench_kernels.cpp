@@ -349,14 +349,16 @@ cuda::DeviceBuffer random_ids(int64_t T, int64_t V, uint64_t seed) {
 
 // out[t] = E[x[t]] + s A[:, x[t]] @ B^T, bf16 table and adapters; one table, ids rotated.
 // Backward: gradients of A and B in `grads` (f32, or bf16 as the adapters); with
-// `by_freq`, scale_grad_by_freq.
+// `by_freq`, scale_grad_by_freq; with `after_a`, the forward's activations given
+// (EmbeddingOptions::after_a, [T, r] bf16, read in place of the gather of A's columns).
 OpCase make_embedding(int64_t T, int64_t V, int64_t D, int64_t r, bool backward, DType grads = DType::f32,
-                      bool by_freq = false) {
+                      bool by_freq = false, bool after_a = false) {
   const Device dev = Device::cuda(0);
   OpCase c;
   c.op = std::string(backward ? "embedding_backward" : "embedding") + " r=" + std::to_string(r);
   if (backward && grads != DType::f32) c.op += std::string(" ") + dtype_name(grads) + " grads";
   if (backward && by_freq) c.op += " by_freq";
+  if (backward && after_a) c.op += " after_a";
   c.shape = shape_str({T, V, D});
   const double gb = double(dtype_size_bytes(grads));
   // forward: ids, gathered rows and LoRA columns, B, out; backward: ids, g, gathered A, B, dA and dB.
@@ -375,6 +377,10 @@ OpCase make_embedding(int64_t T, int64_t V, int64_t D, int64_t r, bool backward,
       // Gradients rotate with the inputs: a call never finds the last call's dA and dB in L2.
       b.emplace_back(size_t(r * V) * size_t(gb));
       b.emplace_back(size_t(D * r) * size_t(gb));
+      if (after_a) {  // the values do not change the time; random, as every input
+        b.emplace_back(size_t(T * r) * 2);
+        fill_random(b.back(), DType::bf16, size_t(T * r), 317 + i, 0.1f);
+      }
     }
     c.sets.push_back(std::move(b));
   }
@@ -382,6 +388,7 @@ OpCase make_embedding(int64_t T, int64_t V, int64_t D, int64_t r, bool backward,
     ops::EmbeddingOptions o;
     o.id_check = ops::IdCheck::deferred;  // no host wait per call (the ids are valid)
     o.scale_grad_by_freq = by_freq;
+    if (after_a) o.after_a = TensorView::contiguous(b[4].data(), DType::bf16, {T, r}, dev);
     const TensorView x = TensorView::contiguous(b[0].data(), DType::i64, {T}, dev);
     const TensorView a = TensorView::contiguous(A->data(), DType::bf16, {r, V}, dev);
     const TensorView bb = TensorView::contiguous(B->data(), DType::bf16, {D, r}, dev);
@@ -815,6 +822,9 @@ int main(int argc, char** argv) {
       run_case(make_embedding(8192, 128256, 4096, 16, true), emb_bwd_cfgs);
       run_case(make_embedding(8192, 128256, 4096, 16, true, DType::bf16), emb_bwd_cfgs);
       run_case(make_embedding(8192, 128256, 4096, 16, true, DType::f32, true), emb_bwd_cfgs);
+      // The forward's activations given: no gather of A's columns by id.
+      run_case(make_embedding(8192, 128256, 4096, 16, true, DType::bf16, false, true), emb_bwd_cfgs);
+      run_case(make_embedding(8192, 128256, 4096, 16, true, DType::f32, true, true), emb_bwd_cfgs);
     }
 
     write_json();
