@@ -125,7 +125,7 @@ const std::vector<LibraryEntry>& library() {
                    return std::vector<dsl::ArgSpec>{
                        tensor(DType::i64, 1), tensor(t, 2), tensor(t, 2),
                        tensor(t, 2),          scalar,       tensor(t, 2),
-                       tensor(DType::i64, 1), scalar,       scalar};
+                       tensor(DType::i64, 1), scalar,       scalar,       tensor(t, 2)};
                  },
                  [](DType t) {
                    return dsl::MetaMap{{"BLOCK_T", 32},

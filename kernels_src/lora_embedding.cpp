@@ -187,6 +187,7 @@ const dsl::Kernel& lora_embedding() {
     const Value s = k.scalar("s");
     const Tensor out = k.tensor("out", 2), err = k.tensor("err", 1, DType::i64);
     const Value start = k.scalar("start", DType::i64), total = k.scalar("total", DType::i64);
+    const Tensor act = k.tensor("act", 2);  // STORE_ACT: A[:, x[t]]^T [T, r] written (PEFT's after_A)
     const int64_t BD = k.meta("BLOCK_D"), R = k.meta("R_PAD");
     const bool scale_after = k.meta("SCALE_AFTER", 0) != 0;
     const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
@@ -198,6 +199,11 @@ const dsl::Kernel& lora_embedding() {
     const Value a_raw =
         load(A, {rk.row(), t.local.col()}, t.in_shard.col() & (rk.row() < rank)).to(DType::f32);
     const Value a = scale_after ? a_raw.to(dot_t) : (a_raw * s).to(dot_t);  // [BT, R]
+    // The activations for the backward, by the first program of the token block (zeros
+    // for ids outside the shard, as the sum over shards wants).
+    if (k.meta("STORE_ACT", 0))
+      store(act, {t.tok.col(), rk.row()}, a_raw.to(act.dtype()),
+            (t.tok_ok & broadcast_to(program_id(1) == 0, {k.meta("BLOCK_T")})).col() & (rk.row() < rank));
     const auto [lo, hi] = split_range(n_dim, BD);
     for_range(lo, hi, BD, [&](const Value& d0) {
       const Value d = d0 + arange(BD);

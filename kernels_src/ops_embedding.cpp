@@ -172,6 +172,9 @@ struct EmbeddingForward {
   TensorView out2;
   VocabRange vr;
   LaunchOptions lo;
+  // EmbeddingOptions::after_a as [T, r] (store_act), else nothing.
+  TensorView act = {};
+  bool store_act = false;
 };
 
 struct EmbeddingLaunch {
@@ -206,12 +209,15 @@ EmbeddingLaunch plan_embedding(const EmbeddingForward& c, const Config& config, 
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
   pass_meta(config, l.meta, {"WARPS_N"});
   add_codegen_hints(config, l.meta);
+  if (c.store_act) l.meta["STORE_ACT"] = 1;
   l.grid = Grid{uint32_t(blocks), uint32_t(split), 1};
   return l;
 }
 
 std::vector<Arg> embedding_args(const EmbeddingForward& c, const TensorView& record) {
-  return {c.x1, c.weight, c.A, c.B, Scalar(c.s), c.out2, record, Scalar(c.vr.start), Scalar(c.vr.total)};
+  const TensorView act =
+      c.store_act ? c.act : TensorView::contiguous(nullptr, c.A.dtype, {0, c.A.shape[0]}, c.x1.device);
+  return {c.x1, c.weight, c.A, c.B, Scalar(c.s), c.out2, record, Scalar(c.vr.start), Scalar(c.vr.total), act};
 }
 
 // `record`: where the kernel notes ids out of range (error_record, or a tuning's own).
@@ -798,8 +804,15 @@ void lora_embedding(const TensorView& x, const TensorView& weight, const TensorV
   const int64_t r = A.shape[0];
   expect_shape(op, "B", B, {D, r});
   expect_shape(op, "out", out, tokens_and(x, D));
-  const std::vector<std::pair<const char*, const TensorView*>> all = {
+  std::vector<std::pair<const char*, const TensorView*>> all = {
       {"x", &x}, {"weight", &weight}, {"A", &A}, {"B", &B}, {"out", &out}};
+  if (options.after_a) {
+    if (layout.sharded())
+      throw InvalidArgument(std::string(op) + ": after_a (" + options.after_a->describe() +
+                            ") is not supported with a sharding layout yet (" + layout.canonical() + ")");
+    expect_shape(op, "after_a", *options.after_a, tokens_and(x, r));
+    all.push_back({"after_a", &*options.after_a});
+  }
   for (const auto& [n, t] : all) {
     if (t != &x) expect_dtype(op, n, *t, float_dtypes());
     expect_element_aligned(op, n, *t);
@@ -809,11 +822,15 @@ void lora_embedding(const TensorView& x, const TensorView& weight, const TensorV
   if (r > 256)
     throw InvalidArgument(std::string(op) + ": rank " + std::to_string(r) +
                           " is above the supported 256");
-  expect_no_self_overlap(op, "out", out);
-  for (const auto& [n, t] : all)
-    if (t != &out) expect_disjoint(op, "out", out, n, *t);
+  // The outputs: out, and after_a when given.
+  for (const auto& [o_name, o] : all) {
+    if (o != &out && (!options.after_a || o != &*options.after_a)) continue;
+    expect_no_self_overlap(op, o_name, *o);
+    for (const auto& [n, t] : all)
+      if (t != o && (t != &out || o == &out)) expect_disjoint(op, o_name, *o, n, *t);
+  }
   const VocabRange vr = vocab_range(layout, splits, V);
-  if (x.numel() == 0 || D == 0) return;
+  if (x.numel() == 0 || (D == 0 && !options.after_a)) return;
   TensorView x1, out2;
   flatten_tokens(op, x, "out", out, &x1, &out2);
   const int64_t T = x1.shape[0];
@@ -823,11 +840,17 @@ void lora_embedding(const TensorView& x, const TensorView& weight, const TensorV
   LaunchOptions lo;
   lo.stream = stream;
   lo.layout = text;
-  const EmbeddingForward call{x1, weight, A, B, s, out2, vr, lo};
+  EmbeddingForward call{x1, weight, A, B, s, out2, vr, lo};
+  if (options.after_a) {
+    TensorView unused;
+    flatten_tokens(op, x, "after_a", *options.after_a, &unused, &call.act);
+    call.store_act = true;
+  }
   static PlanMemo<EmbeddingPlan> plans;
   CallKey key;
   key.add(T).add(weight).add(A).add(B.dtype).add(out.dtype).add(x1.dtype).add(x.device);
   key.add(config);
+  if (call.store_act) key.add(call.act);
   const std::shared_ptr<const EmbeddingPlan> p = plans.get(key, [&] {
     // A caller's Config wins; otherwise the autotuner's choice (its defaults when tuning is off).
     const Config cfg = has_config(config) ? config : tuned_embedding_config(call);

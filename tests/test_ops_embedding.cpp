@@ -76,6 +76,23 @@ void check_forward(const EmbCase& c, Device dev, uint64_t seed) {
                       c.config);
   test::sync(dev);
   out.download();
+  // Again with the activations written (after_a, in the adapters' dtype): the same out,
+  // and after_a[t, :] = A[:, x[t]] exactly.
+  std::vector<int64_t> act_shape = c.x_shape;
+  act_shape.push_back(c.r);
+  TestTensor out2(c.out, out_shape, dev), act(c.ab, act_shape, dev);
+  out2.poison();
+  act.poison();
+  ops::EmbeddingOptions with_act;
+  with_act.after_a = act.view();
+  ops::lora_embedding(X.view(c.x_shape, xstrides), Wt.view(), A.view(), B.view(), s, out2.view(), with_act,
+                      nullptr, c.config);
+  test::sync(dev);
+  out2.download();
+  act.download();
+  for (int64_t i = 0; i < out.numel(); ++i) CHECK(out2.get(i) == out.get(i));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = 0; k < c.r; ++k) CHECK(act.get(t * c.r + k) == A.get(k * c.V + int64_t(X.get(t * xs))));
   std::vector<double> got, ref;
   for (int64_t t = 0; t < T; ++t) {
     const auto id = int64_t(X.get(t * xs));

@@ -98,11 +98,12 @@ std::vector<Case> op_kernel_cases() {
                  v.arch});
     c.push_back({&kernels::lora_embedding(),
                  {T(ids, 1, fast), T(w, 2, fast), T(ad, 2, fast), T(ad, 2, fast), S, T(w, 2, fast),
-                  T(DType::i64, 1), S, S},
+                  T(DType::i64, 1), S, S, T(ad, 2, fast)},
                  {{"BLOCK_T", 32},
                   {"BLOCK_D", 128},
                   {"R_PAD", 16},
                   {"DOT", int64_t(dot)},
+                  {"STORE_ACT", flag},  // the activations written for the backward
                   {"num_stages", stages}},
                  "lora_embedding",
                  v.arch});

@@ -187,6 +187,17 @@ TEST_CASE("lora_embedding rejects bad ids, shapes, options and overlapping outpu
   CHECK_REJECTS(InvalidArgument,
                 ops::lora_embedding(at(0, {2, 3}, {1, 2}, DType::i64), W, A, B, 1.0, out),
                 "lora_embedding: the token dims of x");
+  // after_a in the forward is an output: x's shape + r, overlapping no operand.
+  ops::EmbeddingOptions fwd_act;
+  fwd_act.after_a = t({2, 3, 3}, DType::f32, 14000);
+  CHECK_REJECTS(InvalidArgument, ops::lora_embedding(x, W, A, B, 1.0, out, fwd_act),
+                "lora_embedding: after_a must have shape [2, 3, 2], got [2, 3, 3]");
+  fwd_act.after_a = t({2, 3, 2}, DType::f32, 10004);
+  CHECK_REJECTS(InvalidArgument, ops::lora_embedding(x, W, A, B, 1.0, out, fwd_act),
+                "lora_embedding: output out overlaps after_a in memory");
+  fwd_act.after_a = t({2, 3, 2}, DType::f32, 8200);
+  CHECK_REJECTS(InvalidArgument, ops::lora_embedding(x, W, A, B, 1.0, out, fwd_act),
+                "lora_embedding: output after_a overlaps A in memory");
   const TensorView gout = t({2, 3, 4}, DType::f32, 10000), gA = t({2, 10}, DType::f32, 11000);
   const TensorView gB = t({4, 2}, DType::f32, 12000);
   ops::EmbeddingOptions o;

@@ -349,8 +349,15 @@ class LoraEmbedding(torch.autograd.Function):
         ctx.dtypes = (W.dtype, A.dtype, B.dtype, None if m is None else m.dtype)
         out = torch.empty(*x.shape, W.shape[1], dtype=torch.float32 if dt == torch.float64 else dt,
                           device=W.device)
+        # B's gradient needs the activations A[:, x[t]]: written by the forward (PEFT keeps
+        # its after_A too) so that the backward reads them by token instead of gathering.
+        act = None
+        if ctx.needs_input_grad[3]:
+            a_kerf = _for_kerf(A)
+            act = torch.empty(*x.shape, A.shape[0], dtype=a_kerf.dtype, device=A.device)
         pre = _ops.lora_embedding(x.detach(), _for_kerf(W), _for_kerf(A), _for_kerf(B), float(s), out=out,
-                                  id_check=id_check).to(dt)
+                                  id_check=id_check, after_a=act).to(dt)
+        ctx.act = act
         if m is None:
             ctx.save_for_backward(x, A, B)
             return pre
@@ -376,7 +383,8 @@ class LoraEmbedding(torch.autograd.Function):
         if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
             gA, gB = _ops.lora_embedding_backward(x.detach(), _for_kerf(A), _for_kerf(B),
                                                   _for_kerf(g).reshape(*x.shape, H), s, padding_idx=ctx.padding_idx,
-                                                  id_check=ctx.id_check)
+                                                  id_check=ctx.id_check, after_a=ctx.act)
+            ctx.act = None
             dA = gA.to(a_dtype) if ctx.needs_input_grad[2] else None
             dB = gB.to(b_dtype) if ctx.needs_input_grad[3] else None
         if ctx.needs_input_grad[1]:  # a trainable base weight (PEFT freezes it)

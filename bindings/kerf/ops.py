@@ -296,7 +296,7 @@ def lora_embedding(x: TensorLike, weight: TensorLike, A: TensorLike, B: TensorLi
                    out: Optional[TensorLike] = None, padding_idx: Optional[int] = None,
                    scale_grad_by_freq: bool = False, stream: StreamLike = None,
                    config: Optional[Config] = None, layout: LayoutLike = None,
-                   id_check: str = "sync") -> TensorLike:
+                   id_check: str = "sync", after_a: Optional[TensorLike] = None) -> TensorLike:
     """``out[t] = weight[x[t]] + s * A[:, x[t]] @ B^T`` (PEFT's layout).
 
     x int32/int64 ids (any shape); weight [vocab, dim]; A = lora_embedding_A
@@ -306,7 +306,9 @@ def lora_embedding(x: TensorLike, weight: TensorLike, A: TensorLike, B: TensorLi
     ``id_check="sync"`` (the default) waits for the kernel to say so at once;
     ``"deferred"`` returns as soon as the work is queued and leaves the report
     to :func:`check_embedding_ids`. padding_idx / scale_grad_by_freq only
-    matter to the backward.
+    matter to the backward. ``after_a`` [*x.shape, r] (any float dtype), when
+    given, is written with the activations ``A[:, x[t]]`` (PEFT's ``after_A``)
+    for :func:`lora_embedding_backward`; not with a sharding layout yet.
     """
 
 
@@ -315,12 +317,15 @@ def lora_embedding_backward(x: TensorLike, A: TensorLike, B: TensorLike, grad_ou
                             grad_A: Optional[TensorLike] = None, grad_B: Optional[TensorLike] = None,
                             padding_idx: Optional[int] = None, scale_grad_by_freq: bool = False,
                             stream: StreamLike = None, config: Optional[Config] = None,
-                            layout: LayoutLike = None, id_check: str = "sync") -> Tuple[TensorLike, TensorLike]:
+                            layout: LayoutLike = None, id_check: str = "sync",
+                            after_a: Optional[TensorLike] = None) -> Tuple[TensorLike, TensorLike]:
     """Gradients of A and B for :func:`lora_embedding` given grad_out [*x.shape, dim]
     (the base weight gets none): ``grad_A[:, v] = s * sum_{x[t]=v} grad_out[t] @ B``
     (none at padding_idx; divided by v's count with scale_grad_by_freq),
     ``grad_B = s * sum_t grad_out[t]^T A[:, x[t]]^T``; allocated in A's and B's dtypes.
-    id_check as in :func:`lora_embedding`."""
+    id_check as in :func:`lora_embedding`. ``after_a``: the forward's activations
+    (written by :func:`lora_embedding`), read by token instead of gathered from A's
+    columns by id (faster on a GPU; they must be what A held at the forward)."""
 
 
 @_bound(_kerf.check_embedding_ids)

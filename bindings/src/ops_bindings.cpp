@@ -7,6 +7,7 @@
 #include <pybind11/stl.h>
 
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -370,7 +371,7 @@ void bind_ops(py::module_& m) {
       "lora_embedding",
       [](py::handle x, py::handle weight, py::handle A, py::handle B, double s, py::handle out,
          py::handle padding_idx, bool scale_grad_by_freq, py::handle stream,
-         py::handle config, py::handle layout, py::handle id_check) {
+         py::handle config, py::handle layout, py::handle id_check, py::handle after_a) {
         Call call("lora_embedding", stream);
         const TensorView ids = call.input(x, "x"), w = call.input(weight, "weight"),
                          a = call.input(A, "A"), b = call.input(B, "B");
@@ -378,7 +379,8 @@ void bind_ops(py::module_& m) {
         shape.push_back(w.shape[1]);
         const auto o =
             call.output_or_new(out, "out", shape, common_float({w.dtype, a.dtype, b.dtype}));
-        const ops::EmbeddingOptions opt = embedding_options("lora_embedding", padding_idx, scale_grad_by_freq, id_check);
+        ops::EmbeddingOptions opt = embedding_options("lora_embedding", padding_idx, scale_grad_by_freq, id_check);
+        if (after_a && !after_a.is_none()) opt.after_a = call.output(after_a, "after_a");
         const ops::Config cfg = config_of(config);
         const ops::Layout lay = layout_of(layout);
         call.run(
@@ -388,21 +390,24 @@ void bind_ops(py::module_& m) {
       py::arg("x"), py::arg("weight"), py::arg("A"), py::arg("B"), py::arg("s"),
       py::arg("out").none(true), py::arg("padding_idx").none(true), py::arg("scale_grad_by_freq"),
       py::arg("stream").none(true), py::arg("config").none(true), py::arg("layout").none(true),
-      py::arg("id_check").none(true) = py::none());
+      py::arg("id_check").none(true) = py::none(), py::arg("after_a").none(true) = py::none());
 
   def_fast(
       m,
       "lora_embedding_backward",
       [](py::handle x, py::handle A, py::handle B, py::handle grad_out, double s, py::handle grad_A,
          py::handle grad_B, py::handle padding_idx, bool scale_grad_by_freq, py::handle stream,
-         py::handle config, py::handle layout, py::handle id_check) {
+         py::handle config, py::handle layout, py::handle id_check, py::handle after_a) {
         Call call("lora_embedding_backward", stream);
         const TensorView ids = call.input(x, "x"), a = call.input(A, "A"), b = call.input(B, "B"),
                          g = call.input(grad_out, "grad_out");
+        std::optional<TensorView> act;
+        if (after_a && !after_a.is_none()) act = call.input(after_a, "after_a");
         const auto ga = call.output_or_new(grad_A, "grad_A", dims(a), a.dtype);
         const auto gb = call.output_or_new(grad_B, "grad_B", dims(b), b.dtype);
-        const ops::EmbeddingOptions opt =
+        ops::EmbeddingOptions opt =
             embedding_options("lora_embedding_backward", padding_idx, scale_grad_by_freq, id_check);
+        opt.after_a = act;
         const ops::Config cfg = config_of(config);
         const ops::Layout lay = layout_of(layout);
         call.run([&] {
@@ -414,7 +419,8 @@ void bind_ops(py::module_& m) {
       py::arg("x"), py::arg("A"), py::arg("B"), py::arg("grad_out"), py::arg("s"),
       py::arg("grad_A").none(true), py::arg("grad_B").none(true), py::arg("padding_idx").none(true),
       py::arg("scale_grad_by_freq"), py::arg("stream").none(true), py::arg("config").none(true),
-      py::arg("layout").none(true), py::arg("id_check").none(true) = py::none());
+      py::arg("layout").none(true), py::arg("id_check").none(true) = py::none(),
+      py::arg("after_a").none(true) = py::none());
 
   def_fast(
       m,

@@ -358,12 +358,13 @@ OpCase make_embedding(int64_t T, int64_t V, int64_t D, int64_t r, bool backward,
   c.op = std::string(backward ? "embedding_backward" : "embedding") + " r=" + std::to_string(r);
   if (backward && grads != DType::f32) c.op += std::string(" ") + dtype_name(grads) + " grads";
   if (backward && by_freq) c.op += " by_freq";
-  if (backward && after_a) c.op += " after_a";
+  if (after_a) c.op += " after_a";
   c.shape = shape_str({T, V, D});
   const double gb = double(dtype_size_bytes(grads));
   // forward: ids, gathered rows and LoRA columns, B, out; backward: ids, g, gathered A, B, dA and dB.
+  // (forward with after_a: the activations written as well, T * r more.)
   c.bytes = backward ? double(T) * 8 + double(T * D + T * r + D * r) * 2 + double(r * V + D * r) * gb
-                     : double(T) * 8 + double(T * D + T * r + D * r + T * D) * 2;
+                     : double(T) * 8 + double(T * D + T * r + D * r + T * D + (after_a ? T * r : 0)) * 2;
   // The table only for the forward (1 GB of random bf16 at 128256x4096, made on the host).
   auto table = backward ? nullptr : std::make_shared<cuda::DeviceBuffer>(random_buffer(DType::bf16, size_t(V * D), 301));
   auto A = std::make_shared<cuda::DeviceBuffer>(random_buffer(DType::bf16, size_t(r * V), 303, 0.1f));
@@ -381,6 +382,8 @@ OpCase make_embedding(int64_t T, int64_t V, int64_t D, int64_t r, bool backward,
         b.emplace_back(size_t(T * r) * 2);
         fill_random(b.back(), DType::bf16, size_t(T * r), 317 + i, 0.1f);
       }
+    } else if (after_a) {
+      b.emplace_back(size_t(T * r) * 2);  // written by the forward
     }
     c.sets.push_back(std::move(b));
   }
@@ -388,7 +391,8 @@ OpCase make_embedding(int64_t T, int64_t V, int64_t D, int64_t r, bool backward,
     ops::EmbeddingOptions o;
     o.id_check = ops::IdCheck::deferred;  // no host wait per call (the ids are valid)
     o.scale_grad_by_freq = by_freq;
-    if (after_a) o.after_a = TensorView::contiguous(b[4].data(), DType::bf16, {T, r}, dev);
+    if (after_a)
+      o.after_a = TensorView::contiguous(b[backward ? 4 : 2].data(), DType::bf16, {T, r}, dev);
     const TensorView x = TensorView::contiguous(b[0].data(), DType::i64, {T}, dev);
     const TensorView a = TensorView::contiguous(A->data(), DType::bf16, {r, V}, dev);
     const TensorView bb = TensorView::contiguous(B->data(), DType::bf16, {D, r}, dev);
@@ -817,7 +821,11 @@ int main(int argc, char** argv) {
       // Gather, the MoE backward's column-owning pass over grad_out, scatter (its best so far).
       emb_bwd_cfgs.push_back(ops::Config{32, 256, 0, 8, 2, {{"GATHER", 1}}});
     }
-    if (family("embedding r=")) run_case(make_embedding(8192, 128256, 4096, 16, false), emb_cfgs);
+    if (family("embedding r=")) {
+      run_case(make_embedding(8192, 128256, 4096, 16, false), emb_cfgs);
+      // Writing the activations for the backward as well.
+      run_case(make_embedding(8192, 128256, 4096, 16, false, DType::f32, false, true), emb_cfgs);
+    }
     if (family("embedding_backward")) {
       run_case(make_embedding(8192, 128256, 4096, 16, true), emb_bwd_cfgs);
       run_case(make_embedding(8192, 128256, 4096, 16, true, DType::bf16), emb_bwd_cfgs);

@@ -288,6 +288,17 @@ def test_lora_embedding_forward_and_backward_match_float64(kerf_cpu):
     np.testing.assert_allclose(gB, s * g64.T @ A.T[xf].astype(np.float64), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError):
         kerf_cpu.ops.lora_embedding(np.array([V]), W, A, B, s)
+    # The forward writes the activations A[:, x[t]] when given after_a; the backward reads
+    # them instead of A's columns (twice them: twice grad_B, the same grad_A).
+    act = np.full((2, 4, r), np.nan, np.float32)
+    out2 = kerf_cpu.ops.lora_embedding(x, W, A, B, s, after_a=act)
+    np.testing.assert_array_equal(out2, out)
+    np.testing.assert_array_equal(act, A.T[x])
+    gA2, gB2 = kerf_cpu.ops.lora_embedding_backward(x, A, B, g, s, padding_idx=0, after_a=2 * act)
+    np.testing.assert_allclose(gA2, gA, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(gB2, 2 * s * g64.T @ A.T[xf].astype(np.float64), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="after_a must have shape"):
+        kerf_cpu.ops.lora_embedding_backward(x, A, B, g, s, after_a=act[0])
 
 
 

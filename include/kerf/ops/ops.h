@@ -196,12 +196,12 @@ struct EmbeddingOptions {
   // Backward: each id's gradient divided by its number of occurrences in x.
   bool scale_grad_by_freq = false;
   IdCheck id_check = IdCheck::sync;
-  // Backward: the forward's LoRA activations A[:, x[t]]^T, [..., r] (x's shape + r,
-  // any float dtype; PEFT's `after_A`), read by token instead of gathered from A's
+  // The LoRA activations A[:, x[t]]^T, [..., r] (x's shape + r, any float dtype;
+  // PEFT's `after_A`). Forward: written too (an output; zeros for ids outside the
+  // shard or out of range). Backward: read by token instead of gathered from A's
   // columns by id (on an H100 that gather is ~2 us of a 40 us call at 8192 tokens:
-  // the ids' load and r scattered reads a token before the first step). They must
-  // be what A held at the forward; A is still read for nothing else but its shape.
-  // Not with a sharding layout yet.
+  // the ids' load and r scattered reads a token before the first step); they must
+  // be what A held at the forward. Not with a sharding layout yet.
   std::optional<TensorView> after_a;
 };
 
