@@ -200,6 +200,9 @@ ir::Function Kernel::trace(const std::vector<ArgSpec>& args, const MetaMap& meta
   // staged_adds=1: f32 atomic adds of a dot's accumulator go out through shared memory, as
   // whole-row vectors, instead of from the accumulator's registers.
   expect_flag("staged_adds");
+  // early_prologue=1: a pipelined loop's first copies go out as soon as the values they
+  // need exist (before loads and atomics they do not depend on), not where the loop begins.
+  expect_flag("early_prologue");
   // acc_col_run: a tensor-core dot's accumulator gives each thread runs of this many
   // consecutive columns (loads and stores of it as vectors, no shared memory).
   if (meta.count("acc_col_run")) {

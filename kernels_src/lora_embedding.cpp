@@ -100,10 +100,9 @@ BackwardParams backward_params(Builder& k, const char* acc_a, const char* acc_b)
 // s * g^T A, into dB (f32) step by step. ROTATE: each token block starts its steps at
 // a different step, so that the token blocks sharing a slice of D do not all add into
 // the same rows of dB at once. WAIT_PRIOR: each step's add waits for the grid before.
-// SAVED_ACT: the activations come from `saved` [T, r], rows by token (no wait for the
-// ids and then for a gather of r scattered elements a token before the first step).
+// `saved`: the activations read ahead (SAVED_ACT), else they are gathered from A here.
 Value backward_pass(Builder& k, const Tokens& t, const Tensor& A, const Tensor& B, const Tensor& g, const Value& s,
-                    const Tensor& dB, bool wait_fill, const Tensor& saved) {
+                    const Tensor& dB, bool wait_fill, const Value& saved) {
   const int64_t BT = k.meta("BLOCK_T"), BD = k.meta("BLOCK_D"), R = k.meta("R_PAD");
   const bool rotate = k.meta("ROTATE", 0) != 0;
   const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
@@ -111,9 +110,8 @@ Value backward_pass(Builder& k, const Tokens& t, const Tensor& A, const Tensor& 
   const Value rk = arange(R);
   const Value rk_ok = rk.row() < A.dim(0);  // [1, R]
   // The LoRA activations of these tokens (zero outside the shard): dB's right factor.
-  const Value act = (k.meta("SAVED_ACT", 0) ? load(saved, {t.tok.col(), rk.row()}, t.in_shard.col() & rk_ok)
-                                            : load(A, {rk.row(), t.local.col()}, t.in_shard.col() & rk_ok))
-                        .to(dot_t);  // [BT, R]
+  const Value act =
+      saved.valid() ? saved : load(A, {rk.row(), t.local.col()}, t.in_shard.col() & rk_ok).to(dot_t);  // [BT, R]
   const auto [lo, hi] = split_range(n_dim, BD);
   return for_range(lo, hi, BD, zeros({BT, R}), [&](const Value& iv, const Value& acc) {
     const Value d0 = rotate ? rotated_step(iv, lo, hi, BD, program_id(0)) : iv;
@@ -126,6 +124,20 @@ Value backward_pass(Builder& k, const Tokens& t, const Tensor& A, const Tensor& 
     atomic_add(dB, {d.col(), rk.row()}, dot(trans(gt), act) * s, d_ok & rk_ok);
     return dot(gt, b, acc);
   });
+}
+
+// SAVED_ACT: the activations from `saved` [T, r] (A[:, x[t]]^T, zeros where the forward
+// found an id outside the shard), rows by token, in the dots' dtype; read before the ids,
+// which they do not wait for (nor for a gather of r scattered elements a token), so that
+// they and the pass's first copies (the kernels' meta early_prologue) are on their way
+// together. Else nothing.
+Value saved_activations(Builder& k, const Tensor& x, const Tensor& A, const Tensor& saved) {
+  if (!k.meta("SAVED_ACT", 0)) return Value();
+  const int64_t BT = k.meta("BLOCK_T"), R = k.meta("R_PAD");
+  const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
+  const Value tok = program_id(0) * BT + arange(BT);
+  const Value rk = arange(R);
+  return load(saved, {tok.col(), rk.row()}, (tok < x.dim(0)).col() & (rk.row() < A.dim(0))).to(dot_t);
 }
 
 // Columns [v0, v0 + BV) of dA [r, V] (any float dtype) from the sums by id: sums[first[v]
@@ -235,12 +247,13 @@ const dsl::Kernel& lora_embedding_backward() {
     const bool wait_fill = k.meta("WAIT_PRIOR", 0) != 0;
     const Value rank = A.dim(0);
     const Tensor saved = k.tensor("act", 2);  // SAVED_ACT: A[:, x[t]]^T [T, r]
+    const Value act = saved_activations(k, x, A, saved);
 
     const Tokens t = load_tokens(k, x, err, start, total, A.dim(1));
     const Value rk = arange(R);
     const Value rk_ok = rk.row() < rank;  // [1, R]
     // gB[t, :] = g[t, :] @ B over this program's slice of D; dB's rows of the slice on the way.
-    const Value gB = backward_pass(k, t, A, B, g, s, dB, wait_fill, saved);
+    const Value gB = backward_pass(k, t, A, B, g, s, dB, wait_fill, act);
     // Programs whose share of D is empty met no wait in the loop.
     if (grouped && wait_fill) wait_prior_grid();
     Value w = broadcast_to(s, {BT});
@@ -296,6 +309,7 @@ const dsl::Kernel& lora_embedding_backward_fused() {
     const Value padding = k.scalar("padding", DType::i64);
     const Tensor dA = k.tensor("dA", 2), dB = k.tensor("dB", 2), sync = k.tensor("sync", 1, DType::i32);
     const Tensor saved = k.tensor("act", 2);  // SAVED_ACT: A[:, x[t]]^T [T, r]
+    const Value act = saved_activations(k, x, A, saved);
     const int64_t BT = k.meta("BLOCK_T"), R = k.meta("R_PAD"), BV = k.meta("BLOCK_V"), BM = k.meta("BLOCK_M");
     const bool by_freq = k.meta("BY_FREQ", 0) != 0;
     const Value rk = arange(R);
@@ -312,7 +326,7 @@ const dsl::Kernel& lora_embedding_backward_fused() {
       const Value counting = t.in_shard & ((t.tok % num_programs(1)) == program_id(1));
       if (by_freq) atomic_add(counts, {t.local}, full({BT}, 1.0, DType::i32), counting);
       grid_arrive(sync);
-      const Value gB = backward_pass(k, t, A, B, g, s, db_acc, false, saved);
+      const Value gB = backward_pass(k, t, A, B, g, s, db_acc, false, act);
       grid_await(sync);
       Value w = broadcast_to(s, {BT});
       if (by_freq) w = w / maximum(load(counts, {t.local}, t.in_shard, 1.0).to(DType::f32), literal(1.0));
@@ -332,7 +346,7 @@ const dsl::Kernel& lora_embedding_backward_fused() {
     const Value old = atomic_add(counts, {t.local}, full({BT}, 1.0, DType::i32), counting);
     // The pass over g: dB's shares into its f32 accumulator, then each token's sums (over
     // this slice of D) into its id's row of `sums`.
-    const Value gB = backward_pass(k, t, A, B, g, s, db_acc, false, saved);
+    const Value gB = backward_pass(k, t, A, B, g, s, db_acc, false, act);
     const Value gets = t.in_shard & (t.id != padding);
     atomic_add(sums, {t.local.col(), rk.row()}, gB, gets.col() & rk_ok);
     // This program's share of dA's columns to zero (only stores; the columns of the ids

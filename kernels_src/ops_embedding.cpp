@@ -412,7 +412,11 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
   p.keep_in_l2 = gpu && unit && (fills_a || fills_b) && meta_or(config, "L2_KEEP", 1) != 0;
   if (p.keep_in_l2) p.meta["L2_KEEP"] = 1;
   if (p.grouped) p.meta["GROUP_BY_ID"] = 1;
-  if (c.saved_act) p.meta["SAVED_ACT"] = 1;
+  if (c.saved_act) {
+    p.meta["SAVED_ACT"] = 1;
+    // The pass's first copies go out with the activations' load, before the ids'.
+    if (gpu) p.meta["early_prologue"] = 1;
+  }
   p.direct_a = !p.grouped && c.dA3.dtype == DType::f32;
   p.fused = (p.grouped || p.direct_a) && gpu && meta_or(config, "FUSED", 0) != 0 && blocks * split <= programs;
   return p;

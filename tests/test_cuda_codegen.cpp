@@ -422,6 +422,34 @@ TEST_CASE("a dot's B operand defined before its loop has its fragments loaded on
   CHECK(count("kerf_dev::ldmatrix_x4_trans(bf, sb + ") == 1);  // g @ B still reads B's step tile
 }
 
+TEST_CASE("with early_prologue a pipelined loop's first copies go out before loads they do not need",
+          "[cuda][codegen]") {
+  // The fused embedding backward with the forward's activations: the pass's copies of g and
+  // B depend on the token block and the steps, not on the ids, so they go out before the
+  // ids' load (and the activations' one), instead of after the atomics that wait for the ids.
+  const kernels::LibraryEntry* e = kernels::find_in_library("lora_embedding_backward_fused");
+  REQUIRE(e != nullptr);
+  MetaMap meta = e->example_meta(DType::bf16);
+  meta["SAVED_ACT"] = 1;
+  const auto source = [&](int64_t early) {
+    meta["early_prologue"] = early;
+    return jit::cuda::generate(e->kernel().trace(e->example_args(DType::bf16), meta), "sm_90a").source;
+  };
+  const std::string late = source(0), early = source(1);
+  INFO(early);
+  const auto at = [](const std::string& src, const std::string& what) {
+    const size_t p = src.find(what);
+    REQUIRE(p != std::string::npos);
+    return p;
+  };
+  CHECK(at(late, "// prefetch @g for iteration pf_iv_0") > at(late, "// load @x in"));
+  CHECK(at(early, "// prefetch @g for iteration pf_iv_0") < at(early, "// load @act in"));
+  CHECK(at(early, "// prefetch @B for iteration pf_iv_1") < at(early, "// load @x in"));
+  CHECK(at(early, "// load @x in") < at(early, "// atomic_add @counts"));  // loads and atomics keep their order
+  // Each of the first two iterations' copies once, and the loop's own later.
+  CHECK(early.find("// prefetch @g for iteration pf_iv_0", at(early, "// load @x in")) == std::string::npos);
+}
+
 TEST_CASE("fp32 dots use fp32 FMA, not tensor cores", "[cuda][codegen]") {
   const ir::Function fn = test::matmul_kernel().trace(
       {t(DType::f32, 2), t(DType::f32, 2), t(DType::f32, 2)}, {{"BM", 32}, {"BN", 32}, {"BK", 16}});

@@ -28,6 +28,7 @@ Codegen::Codegen(const ir::Function& f, const std::string& arch) : f_(f), arch_(
   wgmma_ = f.meta_value("wgmma", 0) != 0 && sm_ == 90 && !arch.empty() && arch.back() == 'a';
   acc_col_run_ = int(f.meta_value("acc_col_run", 0));
   staged_adds_ = f.meta_value("staged_adds", 0) != 0;
+  early_prologue_ = f.meta_value("early_prologue", 0) != 0;
   // Thread-block clusters exist from sm_90; before it a cluster sum is a plain atomic.
   cluster_ = sm_ >= 90 ? int(f.meta_value("cluster_size", 1)) : 1;
 }
@@ -503,8 +504,14 @@ Tile Codegen::compose(Tile inner, const Derived& d, int l) const {
 }
 
 void Codegen::emit_block(const ir::Block& b) {
-  for (const Operation& op : b.ops) {
+  std::map<size_t, std::vector<const Operation*>> prologues_before;
+  if (early_prologue_)
+    for (const auto& [loop, at] : early_prologues(b, depth() - 1)) prologues_before[at].push_back(loop);
+  for (size_t i = 0; i < b.ops.size(); ++i) {
+    const Operation& op = b.ops[i];
     const int lv = depth() - 1;
+    if (const auto early = prologues_before.find(i); early != prologues_before.end())
+      for (const Operation* loop : early->second) emit_prologue(*loop, lv);
     switch (op.kind) {
       case OpKind::Load:
         // Loads keep their place relative to stores (pipelined ones were issued ahead).
@@ -551,6 +558,110 @@ void Codegen::emit_block(const ir::Block& b) {
   }
 }
 
+// The pipelined loads' rings and the copies of the loop's first num_stages - 1
+// iterations, at level lv: where the loop is, or earlier (emit_block with
+// early_prologue), once the values they need exist.
+void Codegen::emit_prologue(const Operation& op, int lv) {
+  prologue_done_.insert(&op);
+  const ir::Block& body = *op.body;
+  const int inner = lv + 1;
+  const ValueId ivid = body.args[0];
+  const std::vector<const Operation*> pipelined = pipelinable_loads(op, inner);
+  if (pipelined.empty()) return;
+  const std::string lo = scalar(op.operands[0]), hi = scalar(op.operands[1]), step = scalar(op.operands[2]);
+  const int S_ = num_stages_;
+  const std::string it = "it" + S(ivid);
+  line(lv, "int " + it + " = 0;  // iteration count, selects the ring slot");
+  for (const Operation* ld : pipelined) {
+    const ir::Type& t = type(ld->results[0]);
+    AsyncLoad a;
+    a.pitch = smem_pitches(t.shape, dtype_size_bytes(t.dtype));
+    if (sw128_candidate(ld->results[0])) {
+      a.sw_rows = t.shape[0];
+      a.stage_bytes = t.shape[0] * t.shape[1] * dtype_size_bytes(t.dtype);
+      a.region_bytes = a.stage_bytes * S_ + 1024;
+      a.base = alloc_smem_1024(lv, a.stage_bytes * S_, &a.ring_offset);
+    } else {
+      a.stage_bytes = (smem_bytes_for(t.shape, dtype_size_bytes(t.dtype)) + 15) & ~int64_t(15);
+      a.region_bytes = a.stage_bytes * S_;
+      a.ring_offset = alloc_smem(a.region_bytes);
+      a.base = S(a.ring_offset);
+    }
+    a.stage = it + " % " + S(S_);
+    async_[ld->results[0]] = a;
+  }
+  for (int k = 0; k + 1 < S_; ++k) {
+    const std::string ivk = fresh("pf_iv");
+    line(lv, "const int " + ivk + " = " + lo + " + " + S(k) + " * " + step + ";");
+    for (const Operation* ld : pipelined)
+      emit_prefetch(*ld, lv, inner, ivid, ivk, S(k), ivk + " < " + hi + " && " + step + " > 0");
+    line(lv, "kerf_dev::cp_async_commit();");
+  }
+}
+
+// Where in block `b` the prologue of each pipelined loop may go at the earliest
+// (early_prologue): after the last op with effects that the copies depend on
+// (a load or an atomic's old values among their indices, masks and bounds), and
+// after the last op they must not pass (another loop, a grid wait or barrier, a
+// write to a tensor they read). Pure values are emitted where first used, so they
+// move with the prologue. Index of the op before which it goes, by loop.
+std::map<const Operation*, size_t> Codegen::early_prologues(const ir::Block& b, int lv) {
+  std::map<const Operation*, size_t> out;
+  std::map<ValueId, size_t> defined_at;
+  for (size_t i = 0; i < b.ops.size(); ++i)
+    for (const ValueId r : b.ops[i].results) defined_at[r] = i;
+  for (size_t f = 0; f < b.ops.size(); ++f) {
+    const Operation& loop = b.ops[f];
+    if (loop.kind != OpKind::For) continue;
+    const int inner = lv + 1;
+    const std::vector<const Operation*> pipelined = pipelinable_loads(loop, inner);
+    if (pipelined.empty()) continue;
+    std::set<int64_t> read;
+    for (const Operation* ld : pipelined) read.insert(ld->attrs.param);
+    size_t earliest = 0;
+    for (size_t i = 0; i < f; ++i) {
+      const Operation& o = b.ops[i];
+      const bool fence = o.kind == OpKind::For || o.body || o.kind == OpKind::GridWait ||
+                         o.kind == OpKind::GridSync || o.kind == OpKind::GridRelease ||
+                         ((o.kind == OpKind::Store || o.kind == OpKind::AtomicAdd) && read.count(o.attrs.param));
+      if (fence) earliest = i + 1;
+    }
+    // The values the copies and the loop bounds depend on, through pure ops (those the
+    // loop's body defines included: invariant ones are emitted outside it, where used).
+    std::set<ValueId> in_body;
+    std::vector<const ir::Block*> blocks{loop.body.get()};
+    while (!blocks.empty()) {
+      const ir::Block* blk = blocks.back();
+      blocks.pop_back();
+      for (const ValueId a : blk->args) in_body.insert(a);
+      for (const Operation& o : blk->ops) {
+        for (const ValueId r : o.results) in_body.insert(r);
+        if (o.body) blocks.push_back(o.body.get());
+      }
+    }
+    std::vector<ValueId> work(loop.operands.begin(), loop.operands.begin() + 3);
+    for (const Operation* ld : pipelined) work.insert(work.end(), ld->operands.begin(), ld->operands.end());
+    std::set<ValueId> seen;
+    while (!work.empty()) {
+      const ValueId v = work.back();
+      work.pop_back();
+      if (!seen.insert(v).second) continue;
+      const Operation* d = def_op_[size_t(v)];
+      if (!d) continue;  // a block argument (the loop's own) or a parameter
+      const auto at = defined_at.find(v);
+      const bool here = at != defined_at.end();
+      if (here && !is_pure(d->kind)) {
+        earliest = std::max(earliest, at->second + 1);
+        continue;
+      }
+      if (!here && !in_body.count(v)) continue;  // from an enclosing block: exists already
+      for (const ValueId o : d->operands) work.push_back(o);
+    }
+    if (earliest < f) out[&loop] = earliest;
+  }
+  return out;
+}
+
 void Codegen::emit_for(const Operation& op, int lv) {
   const ir::Block& body = *op.body;
   const size_t n = op.results.size();
@@ -586,40 +697,14 @@ void Codegen::emit_for(const Operation& op, int lv) {
   scalars_[ivid] = iv;
 
   // Software pipelining: loads that depend only on the induction variable are
-  // copied into shared memory num_stages - 1 iterations ahead.
+  // copied into shared memory num_stages - 1 iterations ahead (the first ones here,
+  // or earlier in the block: emit_prologue).
+  if (!prologue_done_.count(&op)) emit_prologue(op, lv);
   const std::vector<const Operation*> pipelined = pipelinable_loads(op, inner);
   const int S_ = num_stages_;
   const std::string it = "it" + S(ivid);
   bool swizzled_rings = false;
-  if (!pipelined.empty()) {
-    line(lv, "int " + it + " = 0;  // iteration count, selects the ring slot");
-    for (const Operation* ld : pipelined) {
-      const ir::Type& t = type(ld->results[0]);
-      AsyncLoad a;
-      a.pitch = smem_pitches(t.shape, dtype_size_bytes(t.dtype));
-      if (sw128_candidate(ld->results[0])) {
-        a.sw_rows = t.shape[0];
-        a.stage_bytes = t.shape[0] * t.shape[1] * dtype_size_bytes(t.dtype);
-        a.region_bytes = a.stage_bytes * S_ + 1024;
-        a.base = alloc_smem_1024(lv, a.stage_bytes * S_, &a.ring_offset);
-        swizzled_rings = true;
-      } else {
-        a.stage_bytes = (smem_bytes_for(t.shape, dtype_size_bytes(t.dtype)) + 15) & ~int64_t(15);
-        a.region_bytes = a.stage_bytes * S_;
-        a.ring_offset = alloc_smem(a.region_bytes);
-        a.base = S(a.ring_offset);
-      }
-      a.stage = it + " % " + S(S_);
-      async_[ld->results[0]] = a;
-    }
-    for (int k = 0; k + 1 < S_; ++k) {
-      const std::string ivk = fresh("pf_iv");
-      line(lv, "const int " + ivk + " = " + lo + " + " + S(k) + " * " + step + ";");
-      for (const Operation* ld : pipelined)
-        emit_prefetch(*ld, lv, inner, ivid, ivk, S(k), ivk + " < " + hi + " && " + step + " > 0");
-      line(lv, "kerf_dev::cp_async_commit();");
-    }
-  }
+  for (const Operation* ld : pipelined) swizzled_rings = swizzled_rings || async_.at(ld->results[0]).sw_rows != 0;
 
   open_frame(inner);
   for (size_t i = 0; i < n; ++i)

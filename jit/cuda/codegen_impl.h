@@ -415,6 +415,8 @@ class Codegen {
 
   // Loads of a loop body that can be issued iterations ahead as cp.async copies.
   std::vector<const Operation*> pipelinable_loads(const Operation& loop, int inner);
+  void emit_prologue(const Operation& loop, int lv);
+  std::map<const Operation*, size_t> early_prologues(const ir::Block& b, int lv);
 
   static void collect_written(const ir::Block& b, std::set<int64_t>& out);
 
@@ -493,6 +495,10 @@ class Codegen {
   const Operation* last_grid_barrier_ = nullptr;  // the kernel's last grid_sync, grid_arrive or grid_await
   std::string grid_sync_ptr_;   // their counter's pointer
   bool staged_adds_ = false;   // meta staged_adds: accumulators' f32 atomic adds go through shared memory
+  // meta early_prologue: a pipelined loop's first copies go out as soon as what they
+  // need exists (emit_block), not where the loop begins.
+  bool early_prologue_ = false;
+  std::set<const Operation*> prologue_done_;
   int acc_col_run_ = 0;        // meta acc_col_run: columns per thread run of a dot's accumulator (0: mma's order)
   // Layouts from mma_acc_layout_runs: the kept map of the dot tiles in them (storage in mma's order).
   std::map<int, std::vector<int>> run_kept_;
