@@ -337,7 +337,9 @@ class LoraEmbedding(torch.autograd.Function):
     (``g`` without DoRA); W gets ``index_add(x, g')`` only when it requires a gradient.
     The output is float32 unless W, A and B share a half dtype. The lookup, the A/B
     gradients (ops::lora_embedding, ops::lora_embedding_backward) and the norm
-    (dora_norm on the strided view W^T) are kerf's.
+    (dora_norm on the strided view W^T) are kerf's. When B needs a gradient the
+    forward also writes the activations ``A^T[x]`` (``after_a``, [*x.shape, r]) and
+    the backward reads them instead of gathering A's columns again.
     """
 
     @staticmethod
