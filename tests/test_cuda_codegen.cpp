@@ -450,6 +450,52 @@ TEST_CASE("with early_prologue a pipelined loop's first copies go out before loa
   CHECK(early.find("// prefetch @g for iteration pf_iv_0", at(early, "// load @x in")) == std::string::npos);
 }
 
+TEST_CASE("early_prologue moves a loop's first copies up to what they need and no further",
+          "[cuda][codegen]") {
+  // Row sums of a [N, K] over a loop of 64-column steps, after an atomic the loop does not
+  // need; MODE 1: the loop's bound is a scalar loaded from n; MODE 2: a wait for the
+  // prior grid comes before the loop.
+  static const Kernel k("early_rows", [](Builder& b) {
+    auto a = b.tensor("a", 2), o = b.tensor("o", 1), w = b.tensor("w", 1), n = b.tensor("n", 1, DType::i32);
+    const int64_t mode = b.meta("MODE", 0);
+    auto rows = program_id(0) * 32 + arange(32);
+    auto rows_ok = rows < a.dim(0);
+    auto old = atomic_add(w, {rows}, full({32}, 1.0, DType::f32), rows_ok);
+    Value hi = a.dim(1);
+    if (mode == 1) hi = minimum(hi, load(n, {literal(int64_t(0))}));
+    if (mode == 2) wait_prior_grid();
+    auto acc = for_range(literal(int64_t(0)), hi, 64, zeros({32}), [&](const Value& iv, const Value& acc) {
+      auto cols = iv + arange(64);
+      return acc + sum(load(a, {rows.col(), cols.row()}, rows_ok.col() & (cols.row() < hi)), 1);
+    });
+    store(o, {rows}, acc + old, rows_ok);
+  });
+  const auto source = [&](int64_t mode, int64_t early) {
+    return jit::cuda::generate(k.trace({t(DType::f32, 2), t(DType::f32, 1), t(DType::f32, 1), t(DType::i32, 1)},
+                                       {{"MODE", mode}, {"num_stages", 3}, {"early_prologue", early}}),
+                               "sm_90a")
+        .source;
+  };
+  const auto at = [](const std::string& src, const std::string& what) {
+    const size_t p = src.find(what);
+    REQUIRE(p != std::string::npos);
+    return p;
+  };
+  const std::string first = "// prefetch @a for iteration ";  // the prologue's first copies come first
+  for (const int64_t mode : {0, 1, 2}) {
+    const std::string late = source(mode, 0), early = source(mode, 1);
+    INFO("MODE=" << mode << "\n" << early);
+    CHECK(at(late, first) > at(late, "// atomic_add @w"));
+    if (mode == 0) CHECK(at(early, first) < at(early, "// atomic_add @w"));  // it needs nothing before
+    if (mode == 1) {  // after the bound's load, which keeps its place after the atomic
+      CHECK(at(early, first) > at(early, "= p3[(long long)"));
+      CHECK(at(early, "= p3[(long long)") > at(early, "// atomic_add @w"));
+    }
+    if (mode == 2) CHECK(at(early, first) > at(early, "griddepcontrol.wait"));  // never ahead of the wait
+    if (nvrtc::available()) CHECK_NOTHROW(nvrtc::compile(early, "early_rows.cu", "sm_90a"));
+  }
+}
+
 TEST_CASE("fp32 dots use fp32 FMA, not tensor cores", "[cuda][codegen]") {
   const ir::Function fn = test::matmul_kernel().trace(
       {t(DType::f32, 2), t(DType::f32, 2), t(DType::f32, 2)}, {{"BM", 32}, {"BN", 32}, {"BK", 16}});
