@@ -201,7 +201,8 @@ struct EmbeddingOptions {
   // shard or out of range). Backward: read by token instead of gathered from A's
   // columns by id (on an H100 that gather is ~2 us of a 40 us call at 8192 tokens:
   // the ids' load and r scattered reads a token before the first step); they must
-  // be what A held at the forward. Not with a sharding layout yet.
+  // be what A held at the forward (a token whose id is out of range, an error the
+  // call reports either way, still reads its row). Not with a sharding layout yet.
   std::optional<TensorView> after_a;
 };
 
