@@ -12,6 +12,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "kerf/jit/launch.h"
@@ -172,10 +173,13 @@ struct EmbeddingForward {
   TensorView out2;
   VocabRange vr;
   LaunchOptions lo;
-  // EmbeddingOptions::after_a as [T, r] (store_act), else nothing.
-  TensorView act = {};
-  bool store_act = false;
+  std::optional<TensorView> act;  // EmbeddingOptions::after_a as [T, r], written
 };
+
+// The kernels' `act` argument: the activations given as [T, r], or an empty stand-in.
+TensorView act_arg(const std::optional<TensorView>& act, const TensorView& A, const Device& dev) {
+  return act ? *act : TensorView::contiguous(nullptr, A.dtype, {0, A.shape[0]}, dev);
+}
 
 struct EmbeddingLaunch {
   dsl::MetaMap meta;
@@ -209,15 +213,14 @@ EmbeddingLaunch plan_embedding(const EmbeddingForward& c, const Config& config, 
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
   pass_meta(config, l.meta, {"WARPS_N"});
   add_codegen_hints(config, l.meta);
-  if (c.store_act) l.meta["STORE_ACT"] = 1;
+  if (c.act) l.meta["STORE_ACT"] = 1;
   l.grid = Grid{uint32_t(blocks), uint32_t(split), 1};
   return l;
 }
 
 std::vector<Arg> embedding_args(const EmbeddingForward& c, const TensorView& record) {
-  const TensorView act =
-      c.store_act ? c.act : TensorView::contiguous(nullptr, c.A.dtype, {0, c.A.shape[0]}, c.x1.device);
-  return {c.x1, c.weight, c.A, c.B, Scalar(c.s), c.out2, record, Scalar(c.vr.start), Scalar(c.vr.total), act};
+  return {c.x1,   c.weight, c.A, c.B, Scalar(c.s), c.out2, record, Scalar(c.vr.start), Scalar(c.vr.total),
+          act_arg(c.act, c.A, c.x1.device)};
 }
 
 // `record`: where the kernel notes ids out of range (error_record, or a tuning's own).
@@ -231,6 +234,27 @@ void run_embedding(const EmbeddingForward& c, const EmbeddingLaunch& l, const Te
 
 void run_embedding(const EmbeddingForward& c, const Config& config, const TensorView& record) {
   run_embedding(c, plan_embedding(c, config, parallelism(c.x1.device)), record);
+}
+
+// Checks EmbeddingOptions::after_a of a call on ids `x` with rank r (x's shape + r, not
+// with a sharding layout; `instead` says what a call without it does) and adds it to the
+// call's tensors `all`.
+void expect_after_a(const char* op, const EmbeddingOptions& options, const Layout& layout, const TensorView& x,
+                    int64_t r, const char* instead, std::vector<std::pair<const char*, const TensorView*>>& all) {
+  if (!options.after_a) return;
+  if (layout.sharded())
+    throw InvalidArgument(std::string(op) + ": after_a (" + options.after_a->describe() +
+                          ") is not supported with a sharding layout yet (" + layout.canonical() + ")" + instead);
+  expect_shape(op, "after_a", *options.after_a, tokens_and(x, r));
+  all.push_back({"after_a", &*options.after_a});
+}
+
+// after_a as [T, r] when given (its token dims flattened as x's).
+std::optional<TensorView> flat_after_a(const char* op, const EmbeddingOptions& options, const TensorView& x) {
+  if (!options.after_a) return std::nullopt;
+  TensorView x1, act;
+  flatten_tokens(op, x, "after_a", *options.after_a, &x1, &act);
+  return act;
 }
 
 // A forward call's launch as repeated calls reuse it: the plan and the kernel it resolved to.
@@ -317,15 +341,8 @@ struct EmbeddingBackward {
   VocabRange vr;
   int64_t padding;
   LaunchOptions lo;
-  // EmbeddingOptions::after_a as [T, r] (saved_act), else nothing.
-  TensorView act = {};
-  bool saved_act = false;
+  std::optional<TensorView> act;  // EmbeddingOptions::after_a as [T, r], read
 };
-
-// The kernels' `act` argument: the saved activations, or an empty stand-in.
-TensorView act_arg(const EmbeddingBackward& c) {
-  return c.saved_act ? c.act : TensorView::contiguous(nullptr, c.A.dtype, {0, c.A.shape[0]}, c.x1.device);
-}
 
 struct EmbeddingBackwardPlan {
   dsl::MetaMap meta;
@@ -412,7 +429,7 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
   p.keep_in_l2 = gpu && unit && (fills_a || fills_b) && meta_or(config, "L2_KEEP", 1) != 0;
   if (p.keep_in_l2) p.meta["L2_KEEP"] = 1;
   if (p.grouped) p.meta["GROUP_BY_ID"] = 1;
-  if (c.saved_act) {
+  if (c.act) {
     p.meta["SAVED_ACT"] = 1;
     // The pass's first copies go out with the activations' load, before the ids'.
     if (gpu) p.meta["early_prologue"] = 1;
@@ -437,7 +454,7 @@ std::vector<Arg> embedding_backward_args(const EmbeddingBackward& c, const Tenso
                                          const TensorView& db_acc, const TensorView& counts,
                                          const TensorView& first, const TensorView& record) {
   return {c.x1,     c.A,   c.B,    c.g2, Scalar(c.s), as_2d(da), as_2d(db_acc), counts, first, record,
-          Scalar(c.vr.start), Scalar(c.vr.total), Scalar(c.padding), act_arg(c)};
+          Scalar(c.vr.start), Scalar(c.vr.total), Scalar(c.padding), act_arg(c.act, c.A, c.x1.device)};
 }
 
 // The GROUP_BY_ID launches' workspace views: counts and first [V] i32, sums [1, T, r]
@@ -488,7 +505,7 @@ dsl::MetaMap fused_meta(const EmbeddingBackward& c, const EmbeddingBackwardPlan&
 std::vector<Arg> fused_args(const EmbeddingBackward& c, const GroupedViews& v, const TensorView& record) {
   return {c.x1,   c.A,    c.B,      c.g2,          Scalar(c.s),        as_2d(v.sums),      as_2d(v.db_acc),
           v.counts, record, Scalar(c.vr.start), Scalar(c.vr.total), Scalar(c.padding), as_2d(c.dA3), as_2d(c.dB3),
-          v.sync,   act_arg(c)};
+          v.sync,   act_arg(c.act, c.A, c.x1.device)};
 }
 
 // The grouped calls around the main kernel: its grid (tokens, then dB's tiles when
@@ -646,7 +663,7 @@ void run_gathered_backward(const EmbeddingBackward& c, const Config& config, con
 // when f32, zeroed; else workspace regions flushed into them), with
 // scale_grad_by_freq the id counts (counted first, cleared after), the kernel.
 void run_embedding_backward(const EmbeddingBackward& c, const Config& config, const TensorView& record) {
-  if (meta_or(config, "GATHER", 0) && !c.saved_act) return run_gathered_backward(c, config, record);
+  if (meta_or(config, "GATHER", 0) && !c.act) return run_gathered_backward(c, config, record);
   const Device& dev = c.x1.device;
   const EmbeddingBackwardPlan p = plan_embedding_backward(c, config, parallelism(dev));
   if (p.grouped || p.fused) return run_grouped_backward(c, p, record);
@@ -711,7 +728,7 @@ Config tuned_embedding_backward_config(const EmbeddingBackward& c) {
   const Device& dev = c.x1.device;
   TuneRequest q;
   q.problem = {std::string(c.by_freq ? "lora_embedding_backward_by_freq" : "lora_embedding_backward") +
-                   (c.saved_act ? "_saved_act" : ""),
+                   (c.act ? "_saved_act" : ""),
                {next_pow2(T), next_pow2(V), next_pow2(D), std::max<int64_t>(16, next_pow2(r))},
                {c.A.dtype, c.B.dtype, c.g2.dtype, c.dA3.dtype, c.dB3.dtype, c.x1.dtype},
                "",
@@ -732,7 +749,7 @@ Config tuned_embedding_backward_config(const EmbeddingBackward& c) {
   q.extent_m = T;
   q.extent_k = D;
   q.kernels = [&](const Config& config) {
-    if (meta_or(config, "GATHER", 0) && !c.saved_act) return gathered_kernels(c, config, parallelism(dev));
+    if (meta_or(config, "GATHER", 0) && !c.act) return gathered_kernels(c, config, parallelism(dev));
     return embedding_backward_kernels(c, config, parallelism(dev));
   };
   const TuningRecord record(dev);
@@ -810,13 +827,7 @@ void lora_embedding(const TensorView& x, const TensorView& weight, const TensorV
   expect_shape(op, "out", out, tokens_and(x, D));
   std::vector<std::pair<const char*, const TensorView*>> all = {
       {"x", &x}, {"weight", &weight}, {"A", &A}, {"B", &B}, {"out", &out}};
-  if (options.after_a) {
-    if (layout.sharded())
-      throw InvalidArgument(std::string(op) + ": after_a (" + options.after_a->describe() +
-                            ") is not supported with a sharding layout yet (" + layout.canonical() + ")");
-    expect_shape(op, "after_a", *options.after_a, tokens_and(x, r));
-    all.push_back({"after_a", &*options.after_a});
-  }
+  expect_after_a(op, options, layout, x, r, "", all);
   for (const auto& [n, t] : all) {
     if (t != &x) expect_dtype(op, n, *t, float_dtypes());
     expect_element_aligned(op, n, *t);
@@ -827,11 +838,12 @@ void lora_embedding(const TensorView& x, const TensorView& weight, const TensorV
     throw InvalidArgument(std::string(op) + ": rank " + std::to_string(r) +
                           " is above the supported 256");
   // The outputs: out, and after_a when given.
-  for (const auto& [o_name, o] : all) {
-    if (o != &out && (!options.after_a || o != &*options.after_a)) continue;
+  std::vector<std::pair<const char*, const TensorView*>> outputs = {{"out", &out}};
+  if (options.after_a) outputs.push_back({"after_a", &*options.after_a});
+  for (const auto& [o_name, o] : outputs) {
     expect_no_self_overlap(op, o_name, *o);
     for (const auto& [n, t] : all)
-      if (t != o && (t != &out || o == &out)) expect_disjoint(op, o_name, *o, n, *t);
+      if (t != o) expect_disjoint(op, o_name, *o, n, *t);
   }
   const VocabRange vr = vocab_range(layout, splits, V);
   if (x.numel() == 0 || (D == 0 && !options.after_a)) return;
@@ -844,17 +856,12 @@ void lora_embedding(const TensorView& x, const TensorView& weight, const TensorV
   LaunchOptions lo;
   lo.stream = stream;
   lo.layout = text;
-  EmbeddingForward call{x1, weight, A, B, s, out2, vr, lo};
-  if (options.after_a) {
-    TensorView unused;
-    flatten_tokens(op, x, "after_a", *options.after_a, &unused, &call.act);
-    call.store_act = true;
-  }
+  const EmbeddingForward call{x1, weight, A, B, s, out2, vr, lo, flat_after_a(op, options, x)};
   static PlanMemo<EmbeddingPlan> plans;
   CallKey key;
   key.add(T).add(weight).add(A).add(B.dtype).add(out.dtype).add(x1.dtype).add(x.device);
   key.add(config);
-  if (call.store_act) key.add(call.act);
+  if (call.act) key.add(*call.act);
   const std::shared_ptr<const EmbeddingPlan> p = plans.get(key, [&] {
     // A caller's Config wins; otherwise the autotuner's choice (its defaults when tuning is off).
     const Config cfg = has_config(config) ? config : tuned_embedding_config(call);
@@ -890,14 +897,7 @@ void lora_embedding_backward(const TensorView& x, const TensorView& A, const Ten
   std::vector<std::pair<const char*, const TensorView*>> all = {
       {"x", &x},           {"A", &A},          {"B", &B}, {"grad_out", &grad_out},
       {"grad_A", &grad_A}, {"grad_B", &grad_B}};
-  if (options.after_a) {
-    if (layout.sharded())
-      throw InvalidArgument(std::string(op) + ": after_a (" + options.after_a->describe() +
-                            ") is not supported with a sharding layout yet (" + layout.canonical() +
-                            "); leave it out and A's columns are gathered by id");
-    expect_shape(op, "after_a", *options.after_a, tokens_and(x, r));
-    all.push_back({"after_a", &*options.after_a});
-  }
+  expect_after_a(op, options, layout, x, r, "; leave it out and A's columns are gathered by id", all);
   for (const auto& [n, t] : all) {
     if (t != &x) expect_dtype(op, n, *t, float_dtypes());
     expect_element_aligned(op, n, *t);
@@ -931,17 +931,13 @@ void lora_embedding_backward(const TensorView& x, const TensorView& A, const Ten
   const int64_t T = x1.shape[0];
   if (!x.device.is_cuda()) check_host_ids(op, x1, vr.total);
 
-  EmbeddingBackward call{x1, A, B, g2, s, dA3, dB3, options.scale_grad_by_freq, vr, padding, lo};
-  if (options.after_a) {
-    TensorView unused;
-    flatten_tokens(op, x, "after_a", *options.after_a, &unused, &call.act);
-    call.saved_act = true;
-  }
+  const EmbeddingBackward call{x1, A, B, g2, s, dA3, dB3, options.scale_grad_by_freq, vr, padding, lo,
+                               flat_after_a(op, options, x)};
   static PlanMemo<Config> tuned;
   CallKey key;
   key.add(T).add(A).add(B).add(g2.dtype).add(grad_A.dtype).add(grad_B.dtype).add(x1.dtype);
   key.add(options.scale_grad_by_freq ? 1 : 0).add(x.device);
-  if (call.saved_act) key.add(call.act);
+  if (call.act) key.add(*call.act);
   run_embedding_backward(
       call, has_config(config) ? config : *tuned.get(key, [&] { return tuned_embedding_backward_config(call); }),
       error_record(x.device, stream));

@@ -226,6 +226,7 @@ Tile Codegen::emit_dot(const Operation& op, int h) {
                "((warp >> " + S(log2i(wm)) + ") & " + S(wn - 1) + ")");
         bfrags_[bkey] = bfr;
       }
+      if (!bfr.empty()) line(lv, "(void)sb;  // B's fragments are in registers");
       line(lv, "#pragma unroll");
       line(lv, "for (int ki = 0; ki < " + S(K / 16) + "; ++ki) {");
       line(lv, "  #pragma unroll");
@@ -235,7 +236,6 @@ Tile Codegen::emit_dot(const Operation& op, int h) {
         load_b(lv, "bf", "sb", "wn");
       } else {
         line(lv, "    const unsigned* bf = " + bfr + "[ki][ni / " + S(per) + "];");
-        line(lv, "    (void)sb;");
       }
       line(lv, "    #pragma unroll");
       line(lv, "    for (int h = 0; h < " + S(per) + "; ++h)");
