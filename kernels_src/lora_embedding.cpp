@@ -8,7 +8,8 @@
 //   B [D, r] (lora_embedding_B); g, out [T, D]; any strides.
 //
 // SAVED_ACT: the activations A[:, x[t]]^T are read from `act` [T, r] (the forward's,
-// as PEFT's after_A) instead of gathered from A's columns by id.
+// as PEFT's after_A) instead of gathered from A's columns by id; ACT_IN_SHARD (a vocab
+// shard): those of tokens whose ids lie outside the shard count as zeros.
 //
 // Ids are global; this shard holds ids [start, start + V). An id outside the
 // shard reads nothing and gives zeros (a sum over vocab shards is the whole
@@ -110,8 +111,11 @@ Value backward_pass(Builder& k, const Tokens& t, const Tensor& A, const Tensor& 
   const Value rk = arange(R);
   const Value rk_ok = rk.row() < A.dim(0);  // [1, R]
   // The LoRA activations of these tokens (zero outside the shard): dB's right factor.
-  const Value act =
-      saved.valid() ? saved : load(A, {rk.row(), t.local.col()}, t.in_shard.col() & rk_ok).to(dot_t);  // [BT, R]
+  // ACT_IN_SHARD: the saved ones of tokens outside a vocab shard are set to zero here (a
+  // shard's forward wrote zeros there, but a caller may pass every shard's sum).
+  Value act = saved.valid() ? saved : load(A, {rk.row(), t.local.col()}, t.in_shard.col() & rk_ok).to(dot_t);
+  const bool act_in_shard = k.meta("ACT_IN_SHARD", 0) != 0;
+  if (saved.valid() && act_in_shard) act = where(t.in_shard.col(), act, 0.0);  // [BT, R]
   const auto [lo, hi] = split_range(n_dim, BD);
   return for_range(lo, hi, BD, zeros({BT, R}), [&](const Value& iv, const Value& acc) {
     const Value d0 = rotate ? rotated_step(iv, lo, hi, BD, program_id(0)) : iv;
@@ -277,8 +281,7 @@ const dsl::Kernel& lora_embedding_backward() {
       const Value progs = num_programs(0) * num_programs(1);
       const int64_t BL = 64, per_line = 32;  // f32 elements in a line
       if (!grouped) {
-        const Value v_share = cdiv(dA.dim(1), progs);
-        const Value c_lo = minimum(dA.dim(1), prog * v_share), c_hi = minimum(dA.dim(1), c_lo + v_share);
+        const auto [c_lo, c_hi] = split_range(dA.dim(1), 1, prog, progs);
         for_range(c_lo, c_hi, BL * per_line, [&](const Value& c0) {
           const Value c = c0 + arange(BL) * per_line;
           l2_evict_normal(dA, {rk.col(), c.row()}, (rk.col() < rank) & (c.row() < c_hi));
@@ -286,8 +289,7 @@ const dsl::Kernel& lora_embedding_backward() {
         // Each row's last column: its line may lie past the last step of per_line.
         l2_evict_normal(dA, {rk, broadcast_to(c_hi - 1, {R})}, (rk < rank) & (c_hi > c_lo));
       }
-      const Value d_share = cdiv(dB.dim(0), progs);
-      const Value d_lo = minimum(dB.dim(0), prog * d_share), d_hi = minimum(dB.dim(0), d_lo + d_share);
+      const auto [d_lo, d_hi] = split_range(dB.dim(0), 1, prog, progs);
       const int64_t CB = int64_t(std::bit_ceil(uint64_t(R / per_line + 2)));
       const Value cols = minimum(arange(CB) * per_line, rank - 1);  // a row's lines: 0, 32, ..., r - 1
       for_range(d_lo, d_hi, 64, [&](const Value& d0) {

@@ -95,6 +95,9 @@ inline constexpr MetaRange kCluster{"CLUSTER", 1, 8};
 // Config.meta STAGED_ADDS (0 or 1): a dot accumulator's per-step fp32 atomics go
 // through shared memory as whole-line vectors (kernel meta staged_adds).
 inline constexpr MetaRange kStagedAdds{"STAGED_ADDS", 0, 1};
+// Config.meta EARLY_PROLOGUE (0 or 1): a pipelined loop's first copies go out as soon as
+// what they need exists, not where the loop begins (kernel meta early_prologue).
+inline constexpr MetaRange kEarlyPrologue{"EARLY_PROLOGUE", 0, 1};
 // Config.meta COLS_FIRST (0 or 1): the column slices of each row block on grid axis 0 (split_range.h).
 inline constexpr MetaRange kColsFirst{"COLS_FIRST", 0, 1};
 // Config.split_k held to the column steps (more slices would only start programs

@@ -144,12 +144,15 @@ struct BackCase {
   // EmbeddingOptions::after_a: 0 not given; 1 the activations A[:, x[t]]^T; 2 twice them
   // (grad_B doubles: the kernel reads them, not A).
   int after_a = 0;
+  // Config.meta EARLY_PROLOGUE (-1: kerf's choice, on for a GPU): the pass's first copies
+  // before the ids' load, or (0) where its loop begins.
+  int early = -1;
 };
 
 void check_backward(const BackCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.T, c.V, c.D, c.r, dtype_name(c.g), dtype_name(c.ab), dtype_name(c.grads),
           c.padding.value_or(-999), c.by_freq, c.split, c.rotate, c.gather, c.l2_prefetch, c.staged, c.block_t,
-          c.block_d, c.group, c.fused, c.after_a, seed, dev.str());
+          c.block_d, c.group, c.fused, c.after_a, c.early, seed, dev.str());
   std::mt19937_64 rng(seed);
   TestTensor X(DType::i64, {c.T}, dev), A(c.ab, {c.r, c.V}, dev), B(c.ab, {c.D, c.r}, dev);
   TestTensor G(c.g, {c.T, c.D}, dev), dA(c.grads, {c.r, c.V}, dev), dB(c.grads, {c.D, c.r}, dev);
@@ -180,6 +183,7 @@ void check_backward(const BackCase& c, Device dev, uint64_t seed) {
   if (c.l2_prefetch) cfg.meta["L2_PREFETCH"] = c.l2_prefetch;
   if (c.group >= 0) cfg.meta["GROUP_BY_ID"] = c.group;
   if (c.fused >= 0) cfg.meta["FUSED"] = c.fused;
+  if (c.early >= 0) cfg.meta["EARLY_PROLOGUE"] = c.early;
   const double act_scale = c.after_a == 2 ? 2.0 : 1.0;
   TestTensor act(c.ab, {c.T, c.r}, dev);
   if (c.after_a) {
@@ -280,6 +284,16 @@ void run_backward_cases(Device dev) {
       }
     }
   }
+  // On a GPU, with the pass's first copies where its loop begins (EARLY_PROLOGUE=0), as
+  // kerf's choice and fused, gathering and with after_a.
+  if (dev.is_cuda())
+    for (BackCase c : cases) {
+      if (c.gather) continue;
+      c.early = 0;
+      c.fused = int(c.T % 2);
+      c.after_a = c.r % 2 ? 0 : 1;
+      check_backward(c, dev, seed++);
+    }
 }
 
 // axolotl's regression tests: TestEmbeddingPaddingIdxGrad and TestEmbeddingScaleGradByFreq.

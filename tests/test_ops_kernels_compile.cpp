@@ -117,6 +117,7 @@ std::vector<Case> op_kernel_cases() {
           {"DOT", int64_t(dot)},
           {"BY_FREQ", flag},
           {"SAVED_ACT", flag},  // the forward's activations read by token
+          {"ACT_IN_SHARD", flag},  // and set to zero outside a vocab shard
           {"ROTATE", 1 - flag},
           {"WAIT_PRIOR", 1 - flag},
           {"L2_KEEP", 1 - flag},
@@ -137,6 +138,7 @@ std::vector<Case> op_kernel_cases() {
                   {"DIRECT_A", w == DType::f32 ? 1 : 0},
                   {"ROTATE", 1 - flag},
                   {"SAVED_ACT", 1 - flag},
+                  {"ACT_IN_SHARD", 1 - flag},
                   {"BLOCK_V", 64},
                   {"BLOCK_M", 64},
                   {"num_stages", stages}},

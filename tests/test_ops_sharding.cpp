@@ -260,31 +260,48 @@ void check_embedding_layouts(Device dev) {
   grouped.meta["GROUP_BY_ID"] = 1;
   fused_grouped.meta = {{"GROUP_BY_ID", 1}, {"FUSED", 1}};
   fused_direct.meta = {{"GROUP_BY_ID", 0}, {"FUSED", 1}};
-  for (const ops::Config& cfg : {ops::Config{}, gathered, grouped, fused_grouped, fused_direct}) {
-  CAPTURE(cfg.meta);
-  std::vector<double> out_sum(size_t(T * D), 0.0), b_sum(size_t(D * r), 0.0);
-  TestTensor gA(DType::f32, {r, V}, dev);
-  gA.poison();
-  for (int64_t c = 0; c < n; ++c) {
-    const ops::Layout fwd = layout_of({{"vp", n}}, {{"weight", {"vp"}}, {"A", {"", "vp"}}}, {c});
-    const ops::Layout bwd =
-        layout_of({{"vp", n}}, {{"A", {"", "vp"}}, {"grad_A", {"", "vp"}}}, {c});
-    TestTensor po(DType::f32, {T, D}, dev), pb(DType::f32, {D, r}, dev);
-    po.poison();
-    pb.poison();
-    ops::lora_embedding(X.view(), block(Wt, c * Vl, Vl, 0, D), block(A, 0, r, c * Vl, Vl), B.view(),
-                        s, po.view(), {}, nullptr, {}, fwd);
-    ops::lora_embedding_backward(X.view(), block(A, 0, r, c * Vl, Vl), B.view(), G.view(), s,
-                                 block(gA, 0, r, c * Vl, Vl), pb.view(), o, nullptr, cfg, bwd);
-    test::sync(dev);
-    const std::vector<double> a = values(po), b = values(pb);
-    for (size_t i = 0; i < a.size(); ++i) out_sum[i] += a[i];
-    for (size_t i = 0; i < b.size(); ++i) b_sum[i] += b[i];
-  }
-  CHECK(test::max_relative_error(out_sum, ref_out, 1.0) <= 1e-5);
-  CHECK(scaled_error(values(gA), ref_a) <= 1e-5);
-  CHECK(scaled_error(b_sum, ref_b) <= 1e-5);
-  }
+  //
+  // The forward's activations (after_a, replicated like x): each shard's forward writes
+  // those of its own ids and zeros elsewhere, and its backward reads either those
+  // (act 1) or every shard's sum (act 2): both give the same sums over shards.
+  TestTensor act_all(DType::f32, {T, r}, dev);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = 0; k < r; ++k) act_all.set(t * r + k, A.get(k * V + int64_t(X.get(t))));
+  act_all.upload();
+  for (const ops::Config& cfg : {ops::Config{}, gathered, grouped, fused_grouped, fused_direct})
+    for (const int act : {0, 1, 2}) {
+      CAPTURE(cfg.meta, act);
+      std::vector<double> out_sum(size_t(T * D), 0.0), b_sum(size_t(D * r), 0.0), act_sum(size_t(T * r), 0.0);
+      TestTensor gA(DType::f32, {r, V}, dev);
+      gA.poison();
+      for (int64_t c = 0; c < n; ++c) {
+        const ops::Layout fwd = layout_of({{"vp", n}}, {{"weight", {"vp"}}, {"A", {"", "vp"}}}, {c});
+        const ops::Layout bwd = layout_of({{"vp", n}}, {{"A", {"", "vp"}}, {"grad_A", {"", "vp"}}}, {c});
+        TestTensor po(DType::f32, {T, D}, dev), pb(DType::f32, {D, r}, dev), pact(DType::f32, {T, r}, dev);
+        po.poison();
+        pb.poison();
+        pact.poison();
+        ops::EmbeddingOptions fo, bo = o;
+        if (act) fo.after_a = pact.view();
+        if (act) bo.after_a = act == 1 ? pact.view() : act_all.view();
+        ops::lora_embedding(X.view(), block(Wt, c * Vl, Vl, 0, D), block(A, 0, r, c * Vl, Vl), B.view(), s,
+                            po.view(), fo, nullptr, {}, fwd);
+        ops::lora_embedding_backward(X.view(), block(A, 0, r, c * Vl, Vl), B.view(), G.view(), s,
+                                     block(gA, 0, r, c * Vl, Vl), pb.view(), bo, nullptr, cfg, bwd);
+        test::sync(dev);
+        const std::vector<double> a = values(po), b = values(pb);
+        for (size_t i = 0; i < a.size(); ++i) out_sum[i] += a[i];
+        for (size_t i = 0; i < b.size(); ++i) b_sum[i] += b[i];
+        if (act) {
+          const std::vector<double> pa = values(pact);
+          for (size_t i = 0; i < pa.size(); ++i) act_sum[i] += pa[i];
+        }
+      }
+      CHECK(test::max_relative_error(out_sum, ref_out, 1.0) <= 1e-5);
+      CHECK(scaled_error(values(gA), ref_a) <= 1e-5);
+      CHECK(scaled_error(b_sum, ref_b) <= 1e-5);
+      if (act) CHECK(act_sum == values(act_all));  // exactly: one shard wrote each, the others zeros
+    }
 
   // Tokens split over "dp" (3 shards of 19): outputs local; grad_A and grad_B partial. (Counts for
   // scale_grad_by_freq are per call, as PyTorch's are per batch: test it without.)
@@ -306,8 +323,16 @@ void check_embedding_layouts(Device dev) {
       const TensorView xc = range1(X, c * 19, 19);
       ops::lora_embedding(xc, Wt.view(), A.view(), B.view(), s, block(o2, c * 19, 19, 0, D), {},
                           nullptr, {}, dp_fwd);
-      ops::lora_embedding_backward(xc, A.view(), B.view(), block(G, c * 19, 19, 0, D), s, pa.view(),
-                                   pb.view(), plain, nullptr, {}, dp_bwd);
+      // The backward reads this shard's rows of the forward's activations (after_a split
+      // as x is).
+      ops::EmbeddingOptions with_act = plain;
+      with_act.after_a = block(act_all, c * 19, 19, 0, r);
+      ops::lora_embedding_backward(xc, A.view(), B.view(), block(G, c * 19, 19, 0, D), s, pa.view(), pb.view(),
+                                   c == 1 ? with_act : plain, nullptr, {},
+                                   c == 1 ? layout_of({{"dp", 3}}, {{"x", {"dp"}},
+                                                                    {"grad_out", {"dp"}},
+                                                                    {"after_a", {"dp"}}})
+                                          : dp_bwd);
       test::sync(dev);
       const std::vector<double> a = values(pa), b = values(pb);
       for (size_t i = 0; i < a.size(); ++i) a_sum[i] += a[i];

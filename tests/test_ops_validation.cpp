@@ -229,15 +229,21 @@ TEST_CASE("lora_embedding rejects bad ids, shapes, options and overlapping outpu
   CHECK_REJECTS(InvalidArgument, ops::lora_embedding_backward(x, A, B, gout, 1.0, gA, gB, with_act),
                 "lora_embedding_backward: output grad_A overlaps after_a in memory");
   with_act.after_a = t({2, 3, 2}, DType::f32, 13000);
-  ops::Layout vocab_split;
-  vocab_split.mesh = {{"tp", 2}};
-  vocab_split.specs["A"] = ops::PartitionSpec{"", "tp"};
-  vocab_split.specs["grad_A"] = ops::PartitionSpec{"", "tp"};
-  vocab_split.coords = {0};
+  // In a sharding layout after_a is split as x's token dims are (and never along r); a
+  // layout that names it on a call without it names no operand.
+  ops::Layout split_act;
+  split_act.mesh = {{"dp", 2}};
+  split_act.specs["after_a"] = ops::PartitionSpec{"dp"};
+  split_act.coords = {0};
   CHECK_REJECTS(InvalidArgument,
-                ops::lora_embedding_backward(x, A, B, gout, 1.0, gA, gB, with_act, nullptr, {}, vocab_split),
-                "lora_embedding_backward: after_a (f32[2,3,2] strides [6,2,1] on cpu) is not supported with a sharding "
-                "layout yet (mesh(tp=2) A[,tp] grad_A[,tp])");
+                ops::lora_embedding_backward(x, A, B, gout, 1.0, gA, gB, with_act, nullptr, {}, split_act),
+                "lora_embedding_backward: layout: after_a P('dp') and x P() split dimension 'x0' differently");
+  CHECK_REJECTS(InvalidArgument, ops::lora_embedding_backward(x, A, B, gout, 1.0, gA, gB, {}, nullptr, {}, split_act),
+                "lora_embedding_backward: layout: there is no operand 'after_a'");
+  split_act.specs["after_a"] = ops::PartitionSpec{"", "", "dp"};
+  CHECK_REJECTS(InvalidArgument,
+                ops::lora_embedding(x, W, A, B, 1.0, out, with_act, nullptr, {}, split_act),
+                "lora_embedding: layout: after_a P(None, None, 'dp')");
 }
 
 TEST_CASE("misaligned and strided views take the general path and give the same answer on the CPU",
@@ -291,6 +297,13 @@ TEST_CASE("an op refuses Config.meta names it does not take and values out of ra
   nine.meta["CLUSTER"] = 9;
   CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize_backward(dW, mA, mB, 1.0, dA, dB, nullptr, nine),
                 "moe_lora_materialize_backward: Config.meta CLUSTER must be in [1, 8], got 9");
+  ops::Config early2;
+  early2.meta["EARLY_PROLOGUE"] = 2;
+  CHECK_REJECTS(InvalidArgument,
+                ops::lora_embedding_backward(t({5}, DType::i64, 30000), t({2, 12}, DType::f32, 4096), t({8, 2}, DType::f32, 8192),
+                                             t({5, 8}, DType::f32, 31000), 1.0, t({2, 12}, DType::f32, 32000),
+                                             t({8, 2}, DType::f32, 33000), {}, nullptr, early2),
+                "lora_embedding_backward: Config.meta EARLY_PROLOGUE must be in [0, 1], got 2");
   ops::Config staged;
   staged.meta["STAGED_ADDS"] = 2;
   CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize_backward(dW, mA, mB, 1.0, dA, dB, nullptr, staged),

@@ -308,7 +308,7 @@ def lora_embedding(x: TensorLike, weight: TensorLike, A: TensorLike, B: TensorLi
     to :func:`check_embedding_ids`. padding_idx / scale_grad_by_freq only
     matter to the backward. ``after_a`` [*x.shape, r] (any float dtype), when
     given, is written with the activations ``A[:, x[t]]`` (PEFT's ``after_A``)
-    for :func:`lora_embedding_backward`; not with a sharding layout yet.
+    for :func:`lora_embedding_backward` (in a layout: operand "after_a", split as x).
     """
 
 
@@ -325,7 +325,9 @@ def lora_embedding_backward(x: TensorLike, A: TensorLike, B: TensorLike, grad_ou
     ``grad_B = s * sum_t grad_out[t]^T A[:, x[t]]^T``; allocated in A's and B's dtypes.
     id_check as in :func:`lora_embedding`. ``after_a``: the forward's activations
     (written by :func:`lora_embedding`), read by token instead of gathered from A's
-    columns by id (faster on a GPU; they must be what A held at the forward)."""
+    columns by id (faster on a GPU; they must be what A held at the forward). With the
+    vocabulary split, a shard counts the rows of ids outside its range as zeros: its own
+    forward's after_a or their sum over shards give the same gradients."""
 
 
 @_bound(_kerf.check_embedding_ids)

@@ -301,6 +301,36 @@ def test_lora_embedding_forward_and_backward_match_float64(kerf_cpu):
         kerf_cpu.ops.lora_embedding_backward(x, A, B, g, s, after_a=act[0])
 
 
+def test_lora_embedding_after_a_over_vocab_shards_sums_to_the_unsharded_op(kerf_cpu):
+    V, H, r, s, n = 30, 12, 4, 0.5, 3
+    x = np.array([[1, 0, 7, 29], [7, 7, 12, 20]], np.int64)
+    W = rng.standard_normal((V, H)).astype(np.float32)
+    A = rng.standard_normal((r, V)).astype(np.float32)
+    B = rng.standard_normal((H, r)).astype(np.float32)
+    g = rng.standard_normal((2, 4, H)).astype(np.float32)
+    gA, gB = kerf_cpu.ops.lora_embedding_backward(x, A, B, g, s)
+    lo = V // n
+    acts, parts = [], []
+    for c in range(n):
+        fwd = {"mesh": {"vp": n}, "specs": {"weight": ("vp",), "A": (None, "vp")}, "coords": (c,)}
+        act = np.full((2, 4, r), np.nan, np.float32)
+        kerf_cpu.ops.lora_embedding(x, W[c * lo:(c + 1) * lo], A[:, c * lo:(c + 1) * lo], B, s, after_a=act,
+                                    layout=fwd)
+        acts.append(act)
+    # Each shard wrote its own ids' activations and zeros elsewhere.
+    np.testing.assert_array_equal(sum(acts), A.T[x])
+    for given in ("own", "sum"):
+        gB_sum = np.zeros_like(gB)
+        for c in range(n):
+            bwd = {"mesh": {"vp": n}, "specs": {"A": (None, "vp"), "grad_A": (None, "vp")}, "coords": (c,)}
+            a = acts[c] if given == "own" else sum(acts)
+            pA, pB = kerf_cpu.ops.lora_embedding_backward(x, A[:, c * lo:(c + 1) * lo], B, g, s, after_a=a,
+                                                          layout=bwd)
+            np.testing.assert_allclose(pA, gA[:, c * lo:(c + 1) * lo], rtol=1e-5, atol=1e-5)
+            gB_sum += pB
+        np.testing.assert_allclose(gB_sum, gB, rtol=1e-5, atol=1e-5)
+
+
 
 def test_lora_embedding_id_check_options_on_the_cpu(kerf_cpu):
     # CPU ids are checked before every call: "deferred" still raises at once, and

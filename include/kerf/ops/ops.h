@@ -202,7 +202,9 @@ struct EmbeddingOptions {
   // columns by id (on an H100 that gather is ~2 us of a 40 us call at 8192 tokens:
   // the ids' load and r scattered reads a token before the first step); they must
   // be what A held at the forward (a token whose id is out of range, an error the
-  // call reports either way, still reads its row). Not with a sharding layout yet.
+  // call reports either way, still reads its row). In a sharding layout it is the
+  // operand "after_a", split as x's token dims are; a vocab shard's backward counts
+  // the rows of ids outside its range as zeros (its own forward's, or every shard's sum).
   std::optional<TensorView> after_a;
 };
 
