@@ -286,11 +286,13 @@ def bench_moe_backward(E, N, K, r, results):
                         median_us=us, bytes=nbytes, gbps=nbytes / (us * 1e3), copy_gbps=copy_gbps(nbytes)))
 
 
-def bench_embedding(T, V, D, r, results, grads=torch.float32, by_freq=False, forward=False):
+def bench_embedding(T, V, D, r, results, grads=torch.float32, by_freq=False, forward=False, after_a=False):
     """PEFT's LoRA embedding: forward F.embedding + (F.embedding(x, A^T) @ B^T) * s (with
     forward=True, instead of the backward); backward with index_add_ for dA and a matmul for dB
     (what autograd runs), bf16 table/adapters, fp32 grads (grads=torch.bfloat16: in bf16 as the
-    adapters'; by_freq: scale_grad_by_freq)."""
+    adapters'; by_freq: scale_grad_by_freq). after_a: the activations F.embedding(x, A^T)
+    (PEFT's after_A) kept by the forward, which writes them, and read by the backward for dB
+    in place of the gather (kerf_bench's "... after_a" cases)."""
     dt = torch.bfloat16
     F = torch.nn.functional
     table = torch.randn(V, D, device="cuda", dtype=dt)
@@ -299,12 +301,18 @@ def bench_embedding(T, V, D, r, results, grads=torch.float32, by_freq=False, for
     nsets = max(2, math.ceil(300e6 / (T * D * 4)))
     sets = [dict(x=torch.randint(0, V, (T,), device="cuda"),
                  g=torch.randn(T, D, device="cuda", dtype=dt)) for _ in range(nsets)]
+    if after_a and not forward:
+        for z in sets:
+            z["act"] = F.embedding(z["x"], A.T)
     s = 2.0
+    suffix = " after_a" if after_a else ""
     if forward:
-        fwd_bytes = T * 8 + (T * D + T * r + D * r + T * D) * 2
+        # With after_a the activations are an output as well (PEFT keeps after_A).
+        fwd_bytes = T * 8 + (T * D + T * r + D * r + T * D + (T * r if after_a else 0)) * 2
         us = median_us(lambda z: F.embedding(z["x"], table) + (F.embedding(z["x"], A.T) @ B.T) * s, sets, 50)
-        results.append(dict(impl="torch eager", op=f"embedding r={r}", shape=f"{T}x{V}x{D}", median_us=us,
-                            bytes=fwd_bytes, gbps=fwd_bytes / (us * 1e3), copy_gbps=copy_gbps(fwd_bytes)))
+        results.append(dict(impl="torch eager", op=f"embedding r={r}" + suffix, shape=f"{T}x{V}x{D}",
+                            median_us=us, bytes=fwd_bytes, gbps=fwd_bytes / (us * 1e3),
+                            copy_gbps=copy_gbps(fwd_bytes)))
         return
 
     def backward(z):
@@ -314,14 +322,15 @@ def bench_embedding(T, V, D, r, results, grads=torch.float32, by_freq=False, for
         gB = gB.to(grads)
         dA = torch.zeros(r, V, device="cuda", dtype=grads)
         dA.index_add_(1, z["x"], gB.T)
-        dB = ((z["g"].T @ F.embedding(z["x"], A.T)).float() * s).to(grads)
+        act = z["act"] if after_a else F.embedding(z["x"], A.T)
+        dB = ((z["g"].T @ act).float() * s).to(grads)
         return dA, dB
 
     gsize = torch.empty((), dtype=grads).element_size()
     bwd_bytes = T * 8 + (T * D + T * r + D * r) * 2 + (r * V + D * r) * gsize
     us = median_us(backward, sets, 50)
     name = f"embedding_backward r={r}" + ("" if grads == torch.float32 else " bf16 grads") + \
-        (" by_freq" if by_freq else "")
+        (" by_freq" if by_freq else "") + suffix
     results.append(dict(impl="torch eager", op=name, shape=f"{T}x{V}x{D}", median_us=us,
                         bytes=bwd_bytes, gbps=bwd_bytes / (us * 1e3), copy_gbps=copy_gbps(bwd_bytes)))
 
@@ -373,6 +382,12 @@ def main():
     run("embedding_backward r=16 bf16 grads", functools.partial(bench_embedding, grads=torch.bfloat16),
         8192, 128256, 4096, 16)
     run("embedding_backward r=16 by_freq", functools.partial(bench_embedding, by_freq=True),
+        8192, 128256, 4096, 16)
+    run("embedding r=16 after_a", functools.partial(bench_embedding, forward=True, after_a=True),
+        8192, 128256, 4096, 16)
+    run("embedding_backward r=16 bf16 grads after_a",
+        functools.partial(bench_embedding, grads=torch.bfloat16, after_a=True), 8192, 128256, 4096, 16)
+    run("embedding_backward r=16 by_freq after_a", functools.partial(bench_embedding, by_freq=True, after_a=True),
         8192, 128256, 4096, 16)
 
 
