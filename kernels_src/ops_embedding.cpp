@@ -127,7 +127,10 @@ std::vector<int64_t> tokens_and(const TensorView& x, int64_t last) {
 
 std::vector<std::string> x_dims(const TensorView& x, bool with_dim) {
   std::vector<std::string> d;
-  for (int i = 0; i < x.rank; ++i) d.push_back("x" + std::to_string(i));
+  for (int i = 0; i < x.rank; ++i) {
+    d.emplace_back("x");  // "x0", "x1", ... (appended: GCC 12 warns on "x" + std::string)
+    d.back() += std::to_string(i);
+  }
   if (with_dim) d.push_back("dim");
   return d;
 }
