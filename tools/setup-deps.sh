@@ -16,13 +16,26 @@ if ! ls /usr/lib/llvm-*/lib/cmake/llvm/LLVMConfig.cmake >/dev/null 2>&1; then
   done
 fi
 
+# For the test suite (KERF_TEST_DEPS=1, as tools/test.sh sets it): Debian's CPU build of
+# PyTorch, so that the torch tests (autograd wrappers, gradcheck in float64 on the CPU
+# back end) run here too; optional like LLVM (without it they skip, saying so).
+optional_test=()
+if [[ ${KERF_TEST_DEPS:-0} == 1 ]] && apt-cache show python3-torch >/dev/null 2>&1; then
+  optional_test=(python3-torch)
+fi
+
 missing=()
-for p in "${required[@]}" "${optional_llvm[@]}"; do have_pkg "$p" || missing+=("$p"); done
+for p in "${required[@]}" "${optional_llvm[@]}" "${optional_test[@]}"; do have_pkg "$p" || missing+=("$p"); done
 if ((${#missing[@]} == 0)); then exit 0; fi
 
 SUDO=""
 if [[ $(id -u) != 0 ]]; then
   if command -v sudo >/dev/null; then SUDO="sudo"; else
+    req_missing=()
+    for p in "${required[@]}"; do have_pkg "$p" || req_missing+=("$p"); done
+    if ((${#req_missing[@]} == 0)); then  # only optional ones: go on without them
+      echo "kerf: not installing the optional ${missing[*]} (run as root, or install them)" >&2; exit 0
+    fi
     echo "kerf: missing packages: ${missing[*]} (run as root, or install them)" >&2; exit 1
   fi
 fi
@@ -30,7 +43,7 @@ echo "kerf: installing ${missing[*]}" >&2
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq >/dev/null || true
 if ! $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null; then
-  # Retry the required ones alone: an optional LLVM must not block the build.
+  # Retry the required ones alone: an optional LLVM or PyTorch must not block the build.
   req_missing=()
   for p in "${required[@]}"; do have_pkg "$p" || req_missing+=("$p"); done
   if ((${#req_missing[@]})); then

@@ -3,7 +3,9 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${KERF_BUILD_DIR:-$root/build}
-"$root/tools/build.sh" "$@"
+# KERF_TEST_DEPS=1: setup-deps.sh also installs what only the tests use (Debian's
+# python3-torch, where the archive has it); KERF_TEST_DEPS=0 leaves it out.
+KERF_TEST_DEPS=${KERF_TEST_DEPS:-1} "$root/tools/build.sh" "$@"
 cd "$build"
 ctest --output-on-failure -j "${KERF_JOBS:-$(nproc)}"
 

@@ -199,7 +199,9 @@ class DoraNormCache:
     bumped by an ordinary in-place op.
 
     Writing weights outside an optimizer step (``p.data.copy_(...)``,
-    ``load_state_dict``) needs an explicit :meth:`invalidate`.
+    ``load_state_dict``) needs an explicit :meth:`invalidate`. Needs PyTorch
+    2.0 or later (the step hooks): on an older one it raises
+    :class:`kerf.NotAvailableError`.
 
     Useful with gradient accumulation or activation checkpointing, where the
     same layer runs several forwards per step::
@@ -211,6 +213,11 @@ class DoraNormCache:
     def __init__(self, *optimizers: "torch.optim.Optimizer") -> None:
         self._norms: Dict[Tuple[Any, ...], Tuple[Tuple[Any, ...], Tuple[Any, ...], Tensor]] = {}
         self._handles: list = []
+        # Without step hooks (PyTorch < 2.0) nothing would empty the cache: refuse.
+        if not hasattr(torch.optim.Optimizer, "register_step_post_hook"):
+            raise _kerf.NotAvailableError(
+                "kerf.autograd.DoraNormCache needs PyTorch >= 2.0 (Optimizer.register_step_post_hook, "
+                f"which empties it after every step); this is torch {torch.__version__}")
         self.hits = 0
         self.misses = 0
         me = weakref.ref(self)

@@ -2,12 +2,16 @@
 (gradcheck in float64 on the CPU back end; against PyTorch's own autograd on
 CUDA), the DoRA norm cache.
 
-Skipped where torch is not installed (the CI machine has none); the GPU
-machine runs them: KERF_BUILD_DIR=<build> python3 -m pytest tests/python."""
+Skipped where torch is not installed. tools/test.sh installs Debian's CPU build
+(python3-torch) where the archive has it, so that the CPU cases run with the
+rest of the suite; the GPU machine runs them all with its CUDA build:
+KERF_BUILD_DIR=<build> python3 -m pytest tests/python. Cases that need what an
+old torch lacks (optimizer step hooks: 2.0; fused AdamW on the CPU: 2.4) say so
+when they skip."""
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="PyTorch is not installed: the torch tests run on the GPU machine")
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (tools/test.sh installs Debian's python3-torch)")
 
 import torch.nn.functional as F  # noqa: E402
 
@@ -15,6 +19,10 @@ import kerf  # noqa: E402
 import kerf.autograd as ka  # noqa: E402
 
 view_info = kerf._kerf._view_info
+TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+# DoraNormCache empties itself from optimizer step hooks, which PyTorch 2.0 added.
+STEP_HOOKS = pytest.mark.skipif(not hasattr(torch.optim.Optimizer, "register_step_post_hook"),
+                                reason=f"torch {torch.__version__} has no optimizer step hooks (2.0 added them)")
 
 
 def devices():
@@ -402,12 +410,13 @@ def test_cuda_lora_embedding_gradients_in_the_adapters_dtype_match_float64(adapt
 
 
 # ---------------------------------------------------------------- DoRA norm cache
+@STEP_HOOKS
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fused", [False, True])
 def test_norm_cache_agrees_with_a_fresh_norm_at_every_step(device, fused):
     """AdamW(fused=True) changes weights without bumping _version or data_ptr; the
     step hook must still drop the cached norm."""
-    if fused and device == "cpu" and tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 4):
+    if fused and device == "cpu" and TORCH_VERSION < (2, 4):
         pytest.skip("fused AdamW on the CPU needs torch >= 2.4")
     torch.manual_seed(4)
     out_f, in_f, r, s = 64, 96, 8, 2.0
@@ -438,6 +447,17 @@ def test_norm_cache_agrees_with_a_fresh_norm_at_every_step(device, fused):
     cache.close()
 
 
+@pytest.mark.skipif(hasattr(torch.optim.Optimizer, "register_step_post_hook"),
+                    reason=f"torch {torch.__version__} has optimizer step hooks")
+def test_norm_cache_refuses_a_torch_without_optimizer_step_hooks():
+    """Nothing would empty the cache there: it must not be made, with a message that says why."""
+    with pytest.raises(kerf.NotAvailableError, match="needs PyTorch >= 2.0"):
+        ka.DoraNormCache()
+    with pytest.raises(RuntimeError):  # NotAvailableError is a RuntimeError
+        ka.DoraNormCache(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1))
+
+
+@STEP_HOOKS
 def test_norm_cache_without_optimizers_hooks_every_optimizer_and_invalidate_works():
     if not kerf.cpu_available():
         pytest.skip("kerf was built without its CPU back end")
