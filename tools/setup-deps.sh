@@ -20,8 +20,12 @@ fi
 # PyTorch, so that the torch tests (autograd wrappers, gradcheck in float64 on the CPU
 # back end) run here too; optional like LLVM (without it they skip, saying so).
 optional_test=()
-if [[ ${KERF_TEST_DEPS:-0} == 1 ]] && apt-cache show python3-torch >/dev/null 2>&1; then
-  optional_test=(python3-torch)
+if [[ ${KERF_TEST_DEPS:-0} == 1 ]] && ! have_pkg python3-torch; then
+  # A machine whose package lists were never fetched knows no python3-torch yet.
+  if ! apt-cache show python3-torch >/dev/null 2>&1 && [[ $(id -u) == 0 ]]; then
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null 2>&1 || true
+  fi
+  if apt-cache show python3-torch >/dev/null 2>&1; then optional_test=(python3-torch); fi
 fi
 
 missing=()
