@@ -9,19 +9,8 @@
 #      libkerf beside the module) and run an op on the CPU.
 #   cmake -DPYTHON=... -DSOURCE_DIR=... -DKERF_BUILD_DIR=... -DWORK_DIR=... -DGENERATOR=...
 #         -P venv_install_test.cmake
-foreach(var PYTHON SOURCE_DIR KERF_BUILD_DIR WORK_DIR GENERATOR)
-  if(NOT DEFINED ${var})
-    message(FATAL_ERROR "venv_install_test.cmake: -D${var}=... is required")
-  endif()
-endforeach()
-
-function(run what)
-  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "${what} failed (${rc}):\n${out}${err}")
-  endif()
-  set(run_output "${out}" PARENT_SCOPE)
-endfunction()
+include("${CMAKE_CURRENT_LIST_DIR}/../cmake/script_helpers.cmake")
+kerf_require_vars(venv_install_test.cmake PYTHON SOURCE_DIR KERF_BUILD_DIR WORK_DIR GENERATOR)
 
 # A cache entry of a build tree.
 function(cache_value build name out)
@@ -32,10 +21,10 @@ endfunction()
 
 file(REMOVE_RECURSE "${WORK_DIR}")
 set(venv "${WORK_DIR}/venv")
-run("creating the virtual environment" "${PYTHON}" -m venv --without-pip --system-site-packages "${venv}")
+kerf_run("creating the virtual environment" "${PYTHON}" -m venv --without-pip --system-site-packages "${venv}")
 set(venv_python "${venv}/bin/python")
-# (No semicolons in the scripts: run() takes its command as a CMake list.)
-run("asking the venv for its site-packages" "${venv_python}" -c [=[
+# (No semicolons in the scripts: kerf_run() takes its command as a CMake list.)
+kerf_run("asking the venv for its site-packages" "${venv_python}" -c [=[
 import sys, sysconfig
 assert sys.prefix != sys.base_prefix
 print(sysconfig.get_path("platlib"))
@@ -43,7 +32,7 @@ print(sysconfig.get_path("platlib"))
 string(STRIP "${run_output}" venv_site)
 
 # 2. Configured with the venv's interpreter, the package installs into the venv.
-run("configuring kerf with the venv's interpreter" "${CMAKE_COMMAND}" -S "${SOURCE_DIR}" -B "${WORK_DIR}/configured"
+kerf_run("configuring kerf with the venv's interpreter" "${CMAKE_COMMAND}" -S "${SOURCE_DIR}" -B "${WORK_DIR}/configured"
     -G "${GENERATOR}" "-DPython_EXECUTABLE=${venv_python}" -DKERF_BUILD_TESTS=OFF -DKERF_BUILD_BENCHMARKS=OFF
     -DKERF_WITH_LLVM=OFF)
 if(NOT run_output MATCHES "Python module with pybind11 [^\n]* for ${venv_python}")
@@ -62,10 +51,10 @@ if(NOT IS_ABSOLUTE "${installed_dir}")
   set(installed_dir "${prefix}/${installed_dir}")
 endif()
 set(stage "${WORK_DIR}/stage")
-run("installing the python component" "${CMAKE_COMMAND}" -E env "DESTDIR=${stage}"
+kerf_run("installing the python component" "${CMAKE_COMMAND}" -E env "DESTDIR=${stage}"
     "${CMAKE_COMMAND}" --install "${KERF_BUILD_DIR}" --component python)
 set(site "${stage}${installed_dir}")
-run("importing kerf in the venv" "${CMAKE_COMMAND}" -E env "PYTHONPATH=${site}" "KERF_CACHE_DIR=${WORK_DIR}/cache"
+kerf_run("importing kerf in the venv" "${CMAKE_COMMAND}" -E env "PYTHONPATH=${site}" "KERF_CACHE_DIR=${WORK_DIR}/cache"
     "${venv_python}" -c [=[
 import os, sys
 import numpy as np
@@ -88,4 +77,3 @@ if kerf.cpu_available():
     print("dora_norm in the venv matches float64")
 print("kerf", kerf.__version__, "imports in the venv from", here)
 ]=])
-message("${run_output}")
