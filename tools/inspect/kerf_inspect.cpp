@@ -10,6 +10,7 @@
 #include <cstring>
 #include <string>
 
+#include "kerf/cache/disk_cache.h"
 #include "kerf/error.h"
 #include "kerf/jit/cuda_codegen.h"
 #include "kerf/jit/nvrtc.h"
@@ -81,11 +82,7 @@ int main(int argc, char** argv) {
                   code.entry.c_str(), out.image.size(), out.is_cubin ? "cubin" : "PTX", compile_arch.c_str(),
                   out.compile_ms, code.threads, code.smem_bytes);
       if (!save_path.empty()) {
-        std::FILE* f = std::fopen(save_path.c_str(), "wb");
-        if (!f) throw InvalidArgument("cannot open '" + save_path + "' for writing");
-        const size_t n = std::fwrite(out.image.data(), 1, out.image.size(), f);
-        const bool closed = std::fclose(f) == 0;
-        if (n != out.image.size() || !closed) throw InvalidArgument("cannot write '" + save_path + "'");
+        cache::write_file_atomically(save_path, out.image);
         std::printf("written to %s\n", save_path.c_str());
       }
       return 0;
