@@ -596,6 +596,12 @@ struct GatheredBackward {
   Grid edge_grid;  // the gather's and scatter's
 };
 
+// Whether the call runs as gather, product, scatter (Config.meta GATHER): not with the
+// activations given (after_a), for there is nothing to gather.
+bool runs_gathered(const EmbeddingBackward& c, const Config& config) {
+  return meta_or(config, "GATHER", 0) && !c.act;
+}
+
 size_t gathered_workspace_bytes(const EmbeddingBackward& c) {
   const int64_t T = c.x1.shape[0], D = c.B.shape[0], r = c.A.shape[0], V = c.A.shape[1];
   const DType act_t = is_half(c.g2.dtype) ? c.g2.dtype : DType::f32;
@@ -677,7 +683,7 @@ void run_gathered_backward(const EmbeddingBackward& c, const Config& config, con
 // when f32, zeroed; else workspace regions flushed into them), with
 // scale_grad_by_freq the id counts (counted first, cleared after), the kernel.
 void run_embedding_backward(const EmbeddingBackward& c, const Config& config, const TensorView& record) {
-  if (meta_or(config, "GATHER", 0) && !c.act) return run_gathered_backward(c, config, record);
+  if (runs_gathered(c, config)) return run_gathered_backward(c, config, record);
   const Device& dev = c.x1.device;
   const EmbeddingBackwardPlan p = plan_embedding_backward(c, config, parallelism(dev));
   if (p.grouped || p.fused) return run_grouped_backward(c, p, record);
@@ -710,10 +716,12 @@ void run_embedding_backward(const EmbeddingBackward& c, const Config& config, co
   if (!db_direct) flush_accumulator(db_acc, c.dB3, c.lo);
 }
 
-// The kernels of a backward call with `config` (but GATHER's), its accumulators,
-// counts and workspace standing in (aligned like workspace, never dereferenced).
+// The kernels of a backward call with `config`, as run_embedding_backward launches them,
+// its accumulators, counts and workspace standing in (aligned like workspace, never
+// dereferenced).
 std::vector<autotune::KernelCall> embedding_backward_kernels(const EmbeddingBackward& c, const Config& config,
                                                              int64_t programs) {
+  if (runs_gathered(c, config)) return gathered_kernels(c, config, programs);
   const int64_t V = c.A.shape[1], D = c.B.shape[0], r = c.A.shape[0];
   const Device& dev = c.x1.device;
   const EmbeddingBackwardPlan p = plan_embedding_backward(c, config, programs);
@@ -763,7 +771,6 @@ Config tuned_embedding_backward_config(const EmbeddingBackward& c) {
   q.extent_m = T;
   q.extent_k = D;
   q.kernels = [&](const Config& config) {
-    if (meta_or(config, "GATHER", 0) && !c.act) return gathered_kernels(c, config, parallelism(dev));
     return embedding_backward_kernels(c, config, parallelism(dev));
   };
   const TuningRecord record(dev);
@@ -795,7 +802,6 @@ const bool embedding_registered = [] {
         const EmbeddingBackward call{v[0], v[1], v[2], v[3], 1.0, as_3d(v[4]), as_3d(v[5]),
                                      false, VocabRange{0, v[1].shape[1]}, -1, LaunchOptions{}};
         const Config config = config_from(c, "BLOCK_T", "BLOCK_D");
-        if (meta_or(config, "GATHER", 0)) return gathered_kernels(call, config, sm_count);
         return embedding_backward_kernels(call, config, sm_count);
       };
       op.gpu_candidates = embedding_backward_gpu_candidates;
