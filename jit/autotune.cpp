@@ -276,6 +276,12 @@ Choice choose(const Problem& p, const std::vector<Config>& candidates, const Con
     }
   }
 
+  if (o.lookup_only) {
+    log::write(log::Level::info, "autotune " + what +
+                                     ": no choice yet and none may be timed now (Options::lookup_only, as while "
+                                     "a stream captures a CUDA graph): the default config this time");
+    return c;
+  }
   const auto t0 = Clock::now();
   std::vector<Config> kept, seen;  // seen: every distinct form, kept or pruned
   const auto canonical = [&](const Config& x) { return hooks.canonical ? hooks.canonical(x) : x; };

@@ -109,8 +109,16 @@ std::unique_lock<std::mutex> stream_lock(int slot, const Device& dev, void* stre
 
 }  // namespace
 
+bool capturing(const Device& dev, void* stream) { return dev.is_cuda() && cuda::stream_capturing(stream); }
+
 WorkspaceLease lease_workspace(const Device& dev, void* stream, size_t bytes) {
   WorkspaceLease lease;
+  if (bytes && capturing(dev, stream)) {
+    lease.graph_owned = cuda::StreamOrderedBuffer(bytes, stream);
+    cuda::memset_device_async(lease.graph_owned.data(), 0, bytes, stream);
+    lease.data = static_cast<char*>(lease.graph_owned.data());
+    return lease;
+  }
   lease.lock = stream_lock(0, dev, stream);  // before the buffer: it may be regrown for this call
   if (bytes) lease.data = static_cast<char*>(stream_buffer(0, dev, stream, bytes));
   return lease;
@@ -160,8 +168,15 @@ TensorView compiled_a(const TensorView& A, DType to, std::vector<autotune::Kerne
 RunA run_a(const TensorView& A, DType to, const LaunchOptions& options) {
   if (!casts(A, to)) return {A, {}};
   RunA r;
-  r.lock = scratch_lock(A.device, options.stream);
-  void* dst = scratch(A.device, options.stream, size_t(A.numel()) * size_t(dtype_size_bytes(to)));
+  const size_t bytes = size_t(A.numel()) * size_t(dtype_size_bytes(to));
+  void* dst = nullptr;
+  if (bytes && capturing(A.device, options.stream)) {
+    r.graph_owned = cuda::StreamOrderedBuffer(bytes, options.stream);
+    dst = r.graph_owned.data();
+  } else {
+    r.lock = scratch_lock(A.device, options.stream);
+    dst = scratch(A.device, options.stream, bytes);
+  }
   const auto [call, copy] = cast_of(A, to, dst);
   const TensorView& a3 = std::get<TensorView>(call.args[0]);
   const int64_t bm = call.meta.at("BLOCK_M"), bk = call.meta.at("BLOCK_K");  // cast_of's tile

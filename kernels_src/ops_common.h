@@ -15,6 +15,7 @@
 #include "kerf/jit/autotune.h"
 #include "kerf/jit/launch.h"
 #include "kerf/ops/ops.h"
+#include "kerf/runtime/cuda.h"
 #include "kerf/runtime/tensor.h"
 
 namespace kerf::ops::detail {
@@ -148,11 +149,19 @@ int64_t split_for_waves(int64_t blocks, int64_t programs, int64_t steps, int64_t
 // to and a later one flushes, or just the one launch), so that another thread's
 // launches on the same stream cannot come between, nor its call regrow the
 // buffer under them. Taken before run_a's scratch, never twice at once.
+// While the stream captures a CUDA graph, the memory is instead the graph's own
+// (`graph_owned`: allocated, zeroed and freed in the stream's order, so that each
+// launch of the graph has it zero, and no later call's regrowth can free it under
+// the graph); no lock is taken then.
 struct WorkspaceLease {
   char* data = nullptr;
   std::unique_lock<std::mutex> lock;
+  cuda::StreamOrderedBuffer graph_owned;
 };
 WorkspaceLease lease_workspace(const Device& dev, void* stream, size_t bytes);
+
+// Whether `stream` on `dev` is capturing a CUDA graph (never on the CPU).
+bool capturing(const Device& dev, void* stream);
 
 // Stands for device memory a plan is only compiled for, never run with: aligned
 // like real memory (64 KiB), so the specialization facts are the same.
@@ -170,9 +179,11 @@ TensorView compiled_a(const TensorView& A, DType to, std::vector<autotune::Kerne
 // thread on the CPU), with no zero promise; `lock` keeps it until the kernel
 // reading the copy is queued, so another thread's launches on the same stream
 // cannot come between the write and the read.
+// Under a graph capture the copy lies in the graph's own memory (as WorkspaceLease).
 struct RunA {
   TensorView a;
   std::unique_lock<std::mutex> lock;
+  cuda::StreamOrderedBuffer graph_owned;
 };
 RunA run_a(const TensorView& A, DType to, const LaunchOptions& options);
 
@@ -228,12 +239,18 @@ struct CallKeyHash {
   size_t operator()(const CallKey& k) const;
 };
 
+// How many configs tuned_config() has given on this thread without tuning, because
+// the op's stream was capturing a CUDA graph (nothing can be timed there) and no
+// choice was known: a plan made from one serves that call only and is kept nowhere,
+// so that the next call outside a capture tunes. Compare before and after a make.
+uint64_t provisional_configs();
+
 // An op's plans (autotuned config, meta-parameters, grid) by call, so that a
 // repeated call skips the autotuner's lookup and the plan's construction: its
 // host path is the checks, one lookup and the launch. Plans made before the
 // autotuner's generation changed (forget_choices, a settings reload) are made
 // again; the memo is cleared when it grows past `kMaxPlans` (a caller with ever
-// new shapes). Thread-safe.
+// new shapes). A plan made from a provisional config is not kept. Thread-safe.
 template <class Plan>
 class PlanMemo {
  public:
@@ -247,7 +264,9 @@ class PlanMemo {
         if (it != plans_.end()) return it->second;
       }
     }
+    const uint64_t provisional = provisional_configs();
     auto plan = std::make_shared<const Plan>(make());  // may tune: outside the lock
+    if (provisional_configs() != provisional) return plan;
     std::lock_guard<std::mutex> lock(mu_);
     if (gen != generation_) {
       plans_.clear();

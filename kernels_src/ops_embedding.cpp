@@ -33,27 +33,67 @@ namespace {
 
 constexpr int kRecordSlots = 4;  // count, first position, its id, the vocabulary size
 
-// The bad-id record the kernels write on a GPU, one per (device, stream): zero
-// until an id is out of range.
+// The bad-id records the kernels write on a GPU: zero until an id is out of range.
+// One per (device, stream), and one per device for the launches of captured CUDA
+// graphs, which may run on any stream at any later time. Nothing may be allocated
+// while a stream captures, so the graph record is made with the device's first
+// stream record, before any capture can need it.
+struct Records {
+  std::mutex mu;
+  std::map<std::pair<int, void*>, cuda::DeviceBuffer> by_stream;  // nodes never move
+  std::map<int, cuda::DeviceBuffer> for_graphs;
+  std::map<int, bool> graphs_used;  // a captured call has taken the device's graph record
+};
+
+Records& records() {
+  static Records r;
+  return r;
+}
+
+cuda::DeviceBuffer new_record(int device) {
+  cuda::DeviceBuffer buf(kRecordSlots * 8, device);
+  buf.fill_bytes(0);
+  return buf;
+}
+
 cuda::DeviceBuffer& device_record(const Device& dev, void* stream) {
-  static std::mutex mu;
-  static std::map<std::pair<int, void*>, cuda::DeviceBuffer> records;  // nodes never move
-  std::lock_guard<std::mutex> lock(mu);
-  cuda::DeviceBuffer& buf = records[{dev.index, stream}];
+  Records& r = records();
+  std::lock_guard<std::mutex> lock(r.mu);
+  cuda::DeviceBuffer& buf = r.by_stream[{dev.index, stream}];
   if (!buf.bytes()) {
-    buf = cuda::DeviceBuffer(kRecordSlots * 8, dev.index);
-    buf.fill_bytes(0);
+    buf = new_record(dev.index);
+    cuda::DeviceBuffer& graphs = r.for_graphs[dev.index];
+    if (!graphs.bytes()) graphs = new_record(dev.index);
   }
   return buf;
 }
 
-TensorView error_record(const Device& dev, void* stream) {
+// The graph record of `dev` for a call being captured on `op`'s behalf.
+cuda::DeviceBuffer& graph_record(const char* op, const Device& dev) {
+  Records& r = records();
+  std::lock_guard<std::mutex> lock(r.mu);
+  const auto it = r.for_graphs.find(dev.index);
+  if (it == r.for_graphs.end())
+    throw InvalidArgument(std::string(op) + ": the first embedding call on " + dev.str() +
+                          " is being captured into a CUDA graph; call it once before the capture (a "
+                          "warm-up, as for PyTorch's own ops), so that kerf can set up the record of "
+                          "bad token ids, which it cannot allocate during a capture");
+  r.graphs_used[dev.index] = true;
+  return it->second;
+}
+
+TensorView record_view(const Device& dev, cuda::DeviceBuffer& buf) {
+  return TensorView::contiguous(buf.data(), DType::i64, {kRecordSlots}, dev);
+}
+
+TensorView error_record(const char* op, const Device& dev, void* stream) {
   if (!dev.is_cuda()) {
     // CPU ids are checked before the launch; the kernels' record is never read.
     thread_local int64_t host[kRecordSlots] = {0, 0, 0, 0};
     return TensorView::contiguous(host, DType::i64, {kRecordSlots}, dev);
   }
-  return TensorView::contiguous(device_record(dev, stream).data(), DType::i64, {kRecordSlots}, dev);
+  if (capturing(dev, stream)) return record_view(dev, graph_record(op, dev));
+  return record_view(dev, device_record(dev, stream));
 }
 
 std::string bad_id_message(const char* op, int64_t count, int64_t pos, int64_t id, int64_t vocab) {
@@ -64,15 +104,31 @@ std::string bad_id_message(const char* op, int64_t count, int64_t pos, int64_t i
   return m;
 }
 
-// Waits for `stream`, reads the GPU record and clears it; throws when it holds a bad id.
-void throw_recorded_bad_ids(const char* op, const Device& dev, void* stream) {
-  cuda::DeviceBuffer& rec = device_record(dev, stream);
-  cuda::stream_synchronize(stream);
+// Reads `rec` (after a wait for the whole device) and clears it; throws when it holds a bad id.
+void throw_if_recorded(const std::string& op, cuda::DeviceBuffer& rec) {
   int64_t host[kRecordSlots] = {0, 0, 0, 0};
   rec.copy_to_host(host, sizeof host);
   if (host[0] == 0) return;
   rec.fill_bytes(0);
-  throw InvalidArgument(bad_id_message(op, host[0], host[1], host[2], host[3]));
+  throw InvalidArgument(bad_id_message(op.c_str(), host[0], host[1], host[2], host[3]));
+}
+
+// Waits for `stream`, reads its GPU record and clears it; throws when it holds a bad
+// id. Then the same for the device's graph record, once a captured call has used it.
+// A call being captured checks nothing: its launches run later, from the graph, and
+// record into the graph record, which the next check on the device reads.
+void throw_recorded_bad_ids(const char* op, const Device& dev, void* stream, bool from_op) {
+  if (from_op && capturing(dev, stream)) return;
+  cuda::DeviceBuffer& rec = device_record(dev, stream);
+  cuda::stream_synchronize(stream);
+  throw_if_recorded(op, rec);
+  Records& r = records();
+  cuda::DeviceBuffer* graphs = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(r.mu);
+    if (r.graphs_used[dev.index]) graphs = &r.for_graphs.at(dev.index);
+  }
+  if (graphs) throw_if_recorded(std::string(op) + " (a launch of a captured CUDA graph)", *graphs);
 }
 
 // Ids on the host: check them all before anything runs.
@@ -284,7 +340,7 @@ class TuningRecord {
  public:
   explicit TuningRecord(const Device& dev) {
     if (!dev.is_cuda()) {
-      view_ = error_record(dev, nullptr);  // CPU ids were checked before the launch
+      view_ = error_record("", dev, nullptr);  // CPU ids were checked before the launch
       return;
     }
     buf_ = cuda::DeviceBuffer(kRecordSlots * 8, dev.index);
@@ -888,8 +944,8 @@ void lora_embedding(const TensorView& x, const TensorView& weight, const TensorV
     const Config cfg = has_config(config) ? config : tuned_embedding_config(call);
     return EmbeddingPlan{plan_embedding(call, cfg, parallelism(x.device)), {}};
   });
-  run_embedding(call, p->launch, error_record(x.device, stream), &p->memo);
-  if (x.device.is_cuda() && options.id_check == IdCheck::sync) throw_recorded_bad_ids(op, x.device, stream);
+  run_embedding(call, p->launch, error_record(op, x.device, stream), &p->memo);
+  if (x.device.is_cuda() && options.id_check == IdCheck::sync) throw_recorded_bad_ids(op, x.device, stream, true);
 }
 
 void lora_embedding_backward(const TensorView& x, const TensorView& A, const TensorView& B,
@@ -962,13 +1018,13 @@ void lora_embedding_backward(const TensorView& x, const TensorView& A, const Ten
   if (call.act) key.add(*call.act);
   run_embedding_backward(
       call, has_config(config) ? config : *tuned.get(key, [&] { return tuned_embedding_backward_config(call); }),
-      error_record(x.device, stream));
-  if (x.device.is_cuda() && options.id_check == IdCheck::sync) throw_recorded_bad_ids(op, x.device, stream);
+      error_record(op, x.device, stream));
+  if (x.device.is_cuda() && options.id_check == IdCheck::sync) throw_recorded_bad_ids(op, x.device, stream, true);
 }
 
 void check_embedding_ids(const Device& device, void* stream) {
   if (!device.is_cuda()) return;
-  throw_recorded_bad_ids("lora_embedding", device, stream);
+  throw_recorded_bad_ids("lora_embedding", device, stream, false);
 }
 
 }  // namespace kerf::ops

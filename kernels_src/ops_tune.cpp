@@ -159,6 +159,12 @@ std::vector<autotune::Config> evict_and_cast_variants(const TensorView& A, DType
   return v;
 }
 
+namespace {
+thread_local uint64_t provisional_count = 0;
+}  // namespace
+
+uint64_t provisional_configs() { return provisional_count; }
+
 Config tuned_config(const TuneRequest& q) {
   const Device& dev = q.problem.device;
   if (!autotune::enabled_for(dev)) return {};
@@ -205,7 +211,10 @@ Config tuned_config(const TuneRequest& q) {
   autotune::Options options;
   options.stream = q.stream;
   if (gpu) options.finalist_variants = q.finalist_variants;
-  return config_of(q, autotune::choose(q.problem, candidates, {}, hooks, options).config);
+  options.lookup_only = capturing(dev, q.stream);
+  const autotune::Choice choice = autotune::choose(q.problem, candidates, {}, hooks, options);
+  if (options.lookup_only && choice.from == autotune::Choice::From::defaults) ++provisional_count;
+  return config_of(q, choice.config);
 }
 
 }  // namespace kerf::ops::detail

@@ -21,6 +21,10 @@ using CUmodule = CUmod_st*;
 using CUfunction = CUfunc_st*;
 using CUstream = CUstream_st*;
 using CUevent = CUevent_st*;
+struct CUgraph_st;
+struct CUgraphExec_st;
+using CUgraph = CUgraph_st*;
+using CUgraphExec = CUgraphExec_st*;
 
 // CUresult
 inline constexpr CUresult CUDA_SUCCESS = 0;
@@ -44,6 +48,9 @@ inline constexpr CUresult CUDA_ERROR_ILLEGAL_ADDRESS = 700;
 inline constexpr CUresult CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES = 701;
 inline constexpr CUresult CUDA_ERROR_LAUNCH_FAILED = 719;
 inline constexpr CUresult CUDA_ERROR_NOT_SUPPORTED = 801;
+inline constexpr CUresult CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900;
+inline constexpr CUresult CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901;
+inline constexpr CUresult CUDA_ERROR_STREAM_CAPTURE_IMPLICIT = 906;
 inline constexpr CUresult CUDA_ERROR_SYSTEM_NOT_READY = 802;
 inline constexpr CUresult CUDA_ERROR_SYSTEM_DRIVER_MISMATCH = 803;
 inline constexpr CUresult CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE = 804;
@@ -80,6 +87,11 @@ inline constexpr unsigned CU_MEMORYTYPE_UNIFIED = 4;
 // Flags
 inline constexpr unsigned CU_STREAM_NON_BLOCKING = 1;
 inline constexpr unsigned CU_EVENT_DEFAULT = 0;
+// CUstreamCaptureStatus and CUstreamCaptureMode
+inline constexpr int CU_STREAM_CAPTURE_STATUS_NONE = 0;
+inline constexpr int CU_STREAM_CAPTURE_MODE_GLOBAL = 0;
+inline constexpr int CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1;
+inline constexpr int CU_STREAM_CAPTURE_MODE_RELAXED = 2;
 // Stream 0 means the legacy default stream, as cuda.h documents for kerf's StreamHandle.
 inline constexpr unsigned long long CU_GET_PROC_ADDRESS_LEGACY_STREAM = 1;
 
@@ -155,6 +167,15 @@ struct DriverApi {
   CUresult (*EventRecord)(CUevent event, CUstream stream) = nullptr;
   CUresult (*EventSynchronize)(CUevent event) = nullptr;
   CUresult (*EventElapsedTime)(float* ms, CUevent start, CUevent end) = nullptr;
+  CUresult (*StreamIsCapturing)(CUstream stream, int* status) = nullptr;
+  CUresult (*MemAllocAsync)(CUdeviceptr* ptr, size_t bytes, CUstream stream) = nullptr;
+  CUresult (*MemFreeAsync)(CUdeviceptr ptr, CUstream stream) = nullptr;
+  CUresult (*StreamBeginCapture)(CUstream stream, int mode) = nullptr;
+  CUresult (*StreamEndCapture)(CUstream stream, CUgraph* graph) = nullptr;
+  CUresult (*GraphInstantiateWithFlags)(CUgraphExec* exec, CUgraph graph, unsigned long long flags) = nullptr;
+  CUresult (*GraphLaunch)(CUgraphExec exec, CUstream stream) = nullptr;
+  CUresult (*GraphExecDestroy)(CUgraphExec exec) = nullptr;
+  CUresult (*GraphDestroy)(CUgraph graph) = nullptr;
 };
 
 // Every DriverApi entry point with the CUDA version whose signature DriverApi declares
@@ -163,43 +184,52 @@ struct DriverApi {
 // arguments (CUDA 12.5's cuStreamGetCtx and CUDA 13's cuCtxSynchronize take one more).
 // A driver older than a version hands out its own variant, which for each entry here
 // has the same signature. tests/test_cuda_runtime.cpp checks each against its PFN.
-#define KERF_CUDA_ENTRY_POINTS(X) \
-  X(GetErrorName, 6000)           \
-  X(GetErrorString, 6000)         \
-  X(Init, 2000)                   \
-  X(DeviceGetCount, 2000)         \
-  X(DeviceGet, 2000)              \
-  X(DeviceGetName, 2000)          \
-  X(DeviceGetAttribute, 2000)     \
-  X(DeviceTotalMem, 3020)         \
-  X(DevicePrimaryCtxRetain, 7000) \
-  X(CtxGetCurrent, 4000)          \
-  X(CtxSetCurrent, 4000)          \
-  X(CtxSynchronize, 2000)         \
-  X(ModuleLoadData, 2000)         \
-  X(ModuleUnload, 2000)           \
-  X(ModuleGetFunction, 2000)      \
-  X(FuncGetAttribute, 2020)       \
-  X(FuncSetAttribute, 9000)       \
-  X(LaunchKernel, 4000)           \
-  X(LaunchKernelEx, 11060)        \
-  X(MemAlloc, 3020)               \
-  X(MemFree, 3020)                \
-  X(MemcpyHtoD, 3020)             \
-  X(MemcpyDtoH, 3020)             \
-  X(MemcpyDtoDAsync, 3020)        \
-  X(MemsetD8, 3020)               \
-  X(MemsetD8Async, 3020)          \
-  X(PointerGetAttribute, 4000)    \
-  X(StreamCreate, 2000)           \
-  X(StreamDestroy, 4000)          \
-  X(StreamSynchronize, 2000)      \
-  X(StreamGetCtx, 9020)           \
-  X(EventCreate, 2000)            \
-  X(EventDestroy, 4000)           \
-  X(EventRecord, 2000)            \
-  X(EventSynchronize, 2000)       \
-  X(EventElapsedTime, 12080)
+#define KERF_CUDA_ENTRY_POINTS(X)     \
+  X(GetErrorName, 6000)               \
+  X(GetErrorString, 6000)             \
+  X(Init, 2000)                       \
+  X(DeviceGetCount, 2000)             \
+  X(DeviceGet, 2000)                  \
+  X(DeviceGetName, 2000)              \
+  X(DeviceGetAttribute, 2000)         \
+  X(DeviceTotalMem, 3020)             \
+  X(DevicePrimaryCtxRetain, 7000)     \
+  X(CtxGetCurrent, 4000)              \
+  X(CtxSetCurrent, 4000)              \
+  X(CtxSynchronize, 2000)             \
+  X(ModuleLoadData, 2000)             \
+  X(ModuleUnload, 2000)               \
+  X(ModuleGetFunction, 2000)          \
+  X(FuncGetAttribute, 2020)           \
+  X(FuncSetAttribute, 9000)           \
+  X(LaunchKernel, 4000)               \
+  X(LaunchKernelEx, 11060)            \
+  X(MemAlloc, 3020)                   \
+  X(MemFree, 3020)                    \
+  X(MemcpyHtoD, 3020)                 \
+  X(MemcpyDtoH, 3020)                 \
+  X(MemcpyDtoDAsync, 3020)            \
+  X(MemsetD8, 3020)                   \
+  X(MemsetD8Async, 3020)              \
+  X(PointerGetAttribute, 4000)        \
+  X(StreamCreate, 2000)               \
+  X(StreamDestroy, 4000)              \
+  X(StreamSynchronize, 2000)          \
+  X(StreamGetCtx, 9020)               \
+  X(EventCreate, 2000)                \
+  X(EventDestroy, 4000)               \
+  X(EventRecord, 2000)                \
+  X(EventSynchronize, 2000)           \
+  X(EventElapsedTime, 12080)          \
+  X(StreamIsCapturing, 10000)         \
+  X(MemAllocAsync, 11020)             \
+  X(MemFreeAsync, 11020)              \
+  X(StreamBeginCapture, 10010)        \
+  X(StreamEndCapture, 10000)          \
+  X(GraphInstantiateWithFlags, 11040) \
+  X(GraphLaunch, 10000)               \
+  X(GraphExecDestroy, 10000)          \
+  X(GraphDestroy, 10000)
 
 // One opened driver library: its entry points and whether it initialised.
 struct Driver {

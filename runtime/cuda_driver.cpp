@@ -56,6 +56,9 @@ constexpr NamedCode kKnownCodes[] = {
     KERF_NAMED_CODE(CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES),
     KERF_NAMED_CODE(CUDA_ERROR_LAUNCH_FAILED),
     KERF_NAMED_CODE(CUDA_ERROR_NOT_SUPPORTED),
+    KERF_NAMED_CODE(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED),
+    KERF_NAMED_CODE(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED),
+    KERF_NAMED_CODE(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT),
     KERF_NAMED_CODE(CUDA_ERROR_SYSTEM_NOT_READY),
     KERF_NAMED_CODE(CUDA_ERROR_SYSTEM_DRIVER_MISMATCH),
     KERF_NAMED_CODE(CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE),
@@ -658,6 +661,110 @@ void DeviceBuffer::fill_bytes_async(uint8_t value, StreamHandle stream) {
   });
 }
 
+// ---------------------------------------------------------------- StreamOrderedBuffer
+
+StreamOrderedBuffer::StreamOrderedBuffer(size_t bytes, StreamHandle stream) : stream_(stream) {
+  ensure_context(stream);
+  if (bytes == 0) return;
+  CUdeviceptr ptr = 0;
+  check(api().MemAllocAsync(&ptr, bytes, static_cast<CUstream>(stream)),
+        [&] { return "allocating " + std::to_string(bytes) + " bytes in a stream's order (cuMemAllocAsync)"; });
+  ptr_ = reinterpret_cast<void*>(uintptr_t(ptr));
+  bytes_ = bytes;
+}
+
+void StreamOrderedBuffer::release() noexcept {
+  if (!ptr_) return;
+  const Driver& d = driver();
+  // Destructors never throw: the stream's own failure shows in its next call.
+  if (d.available) d.api.MemFreeAsync(device_ptr(ptr_), static_cast<CUstream>(stream_));
+  ptr_ = nullptr;
+  bytes_ = 0;
+}
+
+StreamOrderedBuffer::~StreamOrderedBuffer() { release(); }
+
+StreamOrderedBuffer::StreamOrderedBuffer(StreamOrderedBuffer&& o) noexcept
+    : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)), stream_(o.stream_) {}
+
+StreamOrderedBuffer& StreamOrderedBuffer::operator=(StreamOrderedBuffer&& o) noexcept {
+  if (this != &o) {
+    release();
+    ptr_ = std::exchange(o.ptr_, nullptr);
+    bytes_ = std::exchange(o.bytes_, 0);
+    stream_ = o.stream_;
+  }
+  return *this;
+}
+
+// ---------------------------------------------------------------- graph capture
+
+bool stream_capturing(StreamHandle stream) {
+  if (!stream) return false;
+  int status = CU_STREAM_CAPTURE_STATUS_NONE;
+  check(api().StreamIsCapturing(static_cast<CUstream>(stream), &status),
+        "asking whether a CUDA stream is capturing a graph");
+  return status != CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
+Graph Graph::capture(StreamHandle stream, const std::function<void()>& work, CaptureMode mode) {
+  if (!stream)
+    throw InvalidArgument("cuda::Graph::capture: the legacy default stream cannot capture a graph; "
+                          "pass a created stream");
+  ensure_context(stream);
+  const DriverApi& a = api();
+  const int cu_mode = mode == CaptureMode::global        ? CU_STREAM_CAPTURE_MODE_GLOBAL
+                      : mode == CaptureMode::this_thread ? CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+                                                         : CU_STREAM_CAPTURE_MODE_RELAXED;
+  check(a.StreamBeginCapture(static_cast<CUstream>(stream), cu_mode), "beginning a CUDA graph capture");
+  CUgraph graph = nullptr;
+  try {
+    work();
+  } catch (...) {
+    a.StreamEndCapture(static_cast<CUstream>(stream), &graph);  // ends it; the partial graph goes
+    if (graph) a.GraphDestroy(graph);
+    throw;
+  }
+  check(a.StreamEndCapture(static_cast<CUstream>(stream), &graph),
+        "ending a CUDA graph capture (a call during it waited for the GPU or allocated memory "
+        "outside the stream's order)");
+  Graph g;
+  g.graph_ = graph;
+  CUgraphExec exec = nullptr;
+  check(a.GraphInstantiateWithFlags(&exec, graph, 0), "instantiating a captured CUDA graph");
+  g.exec_ = exec;
+  return g;
+}
+
+void Graph::launch(StreamHandle stream) const {
+  if (!exec_) throw InvalidArgument("cuda::Graph::launch: the graph is empty (default-constructed or moved from)");
+  ensure_context(stream);
+  check(api().GraphLaunch(static_cast<CUgraphExec>(exec_), static_cast<CUstream>(stream)),
+        "launching a CUDA graph");
+}
+
+void Graph::release() noexcept {
+  const Driver& d = driver();
+  if (d.available) {
+    if (exec_) d.api.GraphExecDestroy(static_cast<CUgraphExec>(exec_));
+    if (graph_) d.api.GraphDestroy(static_cast<CUgraph>(graph_));
+  }
+  exec_ = graph_ = nullptr;
+}
+
+Graph::~Graph() { release(); }
+
+Graph::Graph(Graph&& o) noexcept : graph_(std::exchange(o.graph_, nullptr)), exec_(std::exchange(o.exec_, nullptr)) {}
+
+Graph& Graph::operator=(Graph&& o) noexcept {
+  if (this != &o) {
+    release();
+    graph_ = std::exchange(o.graph_, nullptr);
+    exec_ = std::exchange(o.exec_, nullptr);
+  }
+  return *this;
+}
+
 // ---------------------------------------------------------------- copies and synchronization
 
 void memcpy_device_to_device(void* dst, const void* src, size_t bytes, StreamHandle stream) {
@@ -669,8 +776,19 @@ void memcpy_device_to_device(void* dst, const void* src, size_t bytes, StreamHan
       [&] { return "copying " + std::to_string(bytes) + " bytes between device buffers"; });
 }
 
+void memset_device_async(void* dst, uint8_t value, size_t bytes, StreamHandle stream) {
+  if (bytes == 0) return;
+  if (!dst) throw InvalidArgument("memset_device_async: the pointer is null");
+  ensure_context(stream);
+  check(api().MemsetD8Async(device_ptr(dst), value, bytes, static_cast<CUstream>(stream)),
+        [&] { return "queueing a fill of " + std::to_string(bytes) + " bytes"; });
+}
+
 void stream_synchronize(StreamHandle stream) {
   ensure_context(stream);
+  // Waiting here would invalidate the capture (the driver refuses it): say so first.
+  if (stream_capturing(stream))
+    throw InvalidArgument("cannot wait for a CUDA stream while it captures a graph");
   check(api().StreamSynchronize(static_cast<CUstream>(stream)), "synchronizing a CUDA stream");
 }
 

@@ -8,6 +8,7 @@
 #include "buffer.h"
 #include "dlpack_abi.h"
 #include "kerf/error.h"
+#include "kerf/runtime/cuda.h"
 #include "torch_bridge_abi.h"
 
 namespace kerf::python {
@@ -708,6 +709,10 @@ TensorView Call::convert(py::handle obj, const char* name, bool written) {
       resolve_stream(obj, framework, v.device.index);
       // A buffer written on another stream is finished before this call reads or writes it.
       if (b.stream() != stream_) {
+        if (cuda::stream_capturing(stream_))
+          throw InvalidArgument(where(op_, name) +
+                                " is a kerf.Buffer last written on another stream, and kerf cannot wait for that "
+                                "stream while this one captures a CUDA graph; synchronize it before the capture");
         py::gil_scoped_release nogil;
         Buffer::wait_for(b, stream_);
       }
@@ -807,6 +812,10 @@ std::pair<py::object, TensorView> Call::output_or_new(py::handle obj, const char
     }
   }
   // Everything else (CuPy, JAX, capsules, kerf buffers, bf16 for NumPy): a kerf.Buffer.
+  if (first_device_.is_cuda() && cuda::stream_capturing(stream_))
+    throw InvalidArgument(where(op_, name) +
+                          " was not given, and kerf cannot allocate it while the stream captures a CUDA graph "
+                          "(the driver allows no cuMemAlloc then); pass it");
   std::shared_ptr<Buffer> b;
   {
     py::gil_scoped_release nogil;

@@ -75,6 +75,10 @@ struct Options {
       nullptr;  // nullptr: cuda_event_timer(stream) on a GPU, wall_clock_timer() on the CPU
   void* stream = nullptr;
   bool persist = true;  // look for and store the choice in the kernel cache
+  // Use a choice made earlier in this process or stored in the cache, and never
+  // tune: `fallback` otherwise, remembered nowhere (e.g. while the op's stream
+  // captures a CUDA graph, where nothing can be timed).
+  bool lookup_only = false;
 };
 
 struct Choice {

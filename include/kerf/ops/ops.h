@@ -184,6 +184,8 @@ MoeLoraViews peft_moe_lora_views(const TensorView& W, const TensorView& lora_A,
 
 // ---------------------------------------------------------------- LoRA embedding
 // How a GPU call reports an id outside [0, vocab).
+// A call captured into a CUDA graph cannot wait: it checks as `deferred` does,
+// into a record of the device's own that every later check reads too.
 enum class IdCheck : uint8_t {
   sync,      // wait for the kernel and throw InvalidArgument (the default)
   deferred,  // record it on the device; check_embedding_ids() throws later
@@ -242,7 +244,9 @@ void lora_embedding_backward(const TensorView& x, const TensorView& A, const Ten
 
 // Waits for `stream` and throws InvalidArgument when an embedding call with
 // IdCheck::deferred on it saw an id out of range since the last check (the
-// record is then cleared). A no-op for CPU devices.
+// record is then cleared); then the same for launches of captured CUDA graphs
+// on the device (synchronize the stream they ran on first). A no-op for CPU
+// devices; during a capture of `stream` it throws (nothing may wait then).
 void check_embedding_ids(const Device& device, void* stream = nullptr);
 
 }  // namespace kerf::ops

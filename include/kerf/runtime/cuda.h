@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -128,7 +129,69 @@ class DeviceBuffer {
   int device_ = 0;
 };
 
+// Device memory in `stream`'s order: cuMemAllocAsync when made, cuMemFreeAsync on the
+// same stream when destroyed. Work queued on the stream between the two may use it.
+// While the stream captures a CUDA graph both become nodes of the graph, which then
+// owns the memory for all its launches (nothing outside the graph can reach it).
+class StreamOrderedBuffer {
+ public:
+  StreamOrderedBuffer() = default;
+  StreamOrderedBuffer(size_t bytes, StreamHandle stream);
+  ~StreamOrderedBuffer();
+  StreamOrderedBuffer(StreamOrderedBuffer&& o) noexcept;
+  StreamOrderedBuffer& operator=(StreamOrderedBuffer&& o) noexcept;
+  StreamOrderedBuffer(const StreamOrderedBuffer&) = delete;
+  StreamOrderedBuffer& operator=(const StreamOrderedBuffer&) = delete;
+
+  void* data() const { return ptr_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void release() noexcept;
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+  StreamHandle stream_ = nullptr;
+};
+
+// Whether `stream` is capturing a CUDA graph (cuStreamIsCapturing; a capture that
+// an earlier call invalidated counts too). While it is, nothing may wait for the
+// GPU or allocate with cuMemAlloc (the driver refuses and invalidates the capture),
+// so kerf's ops then take their workspaces in the stream's order
+// (StreamOrderedBuffer), do not tune, and report bad token ids later (ops.h). The
+// legacy default stream (nullptr) never captures.
+bool stream_capturing(StreamHandle stream);
+
+// How a capture treats calls that are unsafe while it runs (CUstreamCaptureMode):
+// refused on every thread, on the capturing thread, or allowed.
+enum class CaptureMode { global, this_thread, relaxed };
+
+// An instantiated CUDA graph: the work `work` queued on `stream` (a created stream,
+// not the legacy default one), captured and launched again by launch() on any
+// stream of the device. When `work` throws, the capture is ended, the partial
+// graph discarded, and the exception passed on.
+class Graph {
+ public:
+  static Graph capture(StreamHandle stream, const std::function<void()>& work,
+                       CaptureMode mode = CaptureMode::global);
+  Graph() = default;
+  ~Graph();
+  Graph(Graph&& o) noexcept;
+  Graph& operator=(Graph&& o) noexcept;
+  Graph(const Graph&) = delete;
+  Graph& operator=(const Graph&) = delete;
+
+  void launch(StreamHandle stream) const;  // queued on `stream` (cuGraphLaunch)
+  bool valid() const { return exec_ != nullptr; }
+
+ private:
+  void release() noexcept;
+  void* graph_ = nullptr;
+  void* exec_ = nullptr;
+};
+
 void memcpy_device_to_device(void* dst, const void* src, size_t bytes, StreamHandle stream);
+// cuMemsetD8Async: `bytes` bytes at `dst` set to `value`, queued on `stream`.
+void memset_device_async(void* dst, uint8_t value, size_t bytes, StreamHandle stream);
 void stream_synchronize(StreamHandle stream);
 void device_synchronize(int device);
 
