@@ -215,6 +215,13 @@ void expect_meta(const char* op, const Config& config, std::initializer_list<Met
   if (config.split_k > 65535)
     throw InvalidArgument(std::string(op) + ": Config.split_k must be at most 65535 (programs on grid axis 1), got " +
                           std::to_string(config.split_k));
+  // Tiles are powers of two (kernels pad nothing: they mask the tail of the last one).
+  for (const auto& [name, value, most] : {std::tuple<const char*, int64_t, int64_t>{"block_m", config.block_m, 1024},
+                                          {"block_k", config.block_k, 1024},
+                                          {"num_warps", config.num_warps, 32}})
+    if (value && (value > most || (value & (value - 1))))
+      throw InvalidArgument(std::string(op) + ": Config." + name + " must be a power of two up to " +
+                            std::to_string(most) + " (0 lets kerf choose), got " + std::to_string(value));
   for (const auto& [name, value] : config.meta) {
     const MetaRange* range = nullptr;
     for (const MetaRange& a : allowed)

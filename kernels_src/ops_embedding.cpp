@@ -165,10 +165,16 @@ void flatten_tokens(const char* op, const TensorView& x, const char* yname, cons
     strides[1].push_back(y.strides[size_t(d)]);
   }
   const MergedDims m = merge_dims(sizes, strides);
-  if (m.sizes.size() != 1)
-    throw InvalidArgument(std::string(op) + ": the token dims of x (" + x.describe() + ") and " +
-                          yname + " (" + y.describe() +
-                          ") must flatten alike to one dim (strides that nest)");
+  if (m.sizes.size() != 1) {
+    // Which one cannot: x on its own (a transposed or expanded view of ids), or the two together.
+    const bool x_alone = merge_dims(sizes, {strides[0]}).sizes.size() == 1;
+    if (!x_alone)
+      throw InvalidArgument(std::string(op) + ": the token dims of x (" + x.describe() +
+                            ") do not flatten to one dim (their strides do not nest, as in a transposed "
+                            "or expanded view); pass a contiguous copy of x");
+    throw InvalidArgument(std::string(op) + ": the token dims of x (" + x.describe() + ") and " + yname + " (" +
+                          y.describe() + ") must flatten alike to one dim (strides that nest in the same order)");
+  }
   const int64_t T = x.numel();
   *x1 = restride(x, {T}, {T > 1 ? m.strides[0][0] : 1});
   const int64_t dim = y.shape[size_t(y.rank - 1)];
@@ -229,10 +235,15 @@ int64_t padding_id(const char* op, const EmbeddingOptions& o, int64_t total) {
   return p;
 }
 
-// The product's dtype for a weight/gradient dtype `t` and the adapter dtypes.
-DType embedding_dot(DType t, DType a, DType b, bool* scale_after) {
+// The product's dtype for a weight/gradient dtype `t`, the adapter dtypes and the
+// output's: half adapters of one dtype multiply as they are (their values exact, the
+// scale applied after); fp32 adapters multiply in fp32 where the output keeps fp32
+// (as PEFT's fp32 adapters give an fp32 LoRA term), else in a half table's dtype,
+// whose rounding the output's own then dominates.
+DType embedding_dot(DType t, DType a, DType b, DType out, bool* scale_after) {
   *scale_after = is_half(a) && a == b;
   if (*scale_after) return a;
+  if (out == DType::f32) return DType::f32;
   return is_half(t) ? t : DType::f32;
 }
 
@@ -261,7 +272,7 @@ EmbeddingLaunch plan_embedding(const EmbeddingForward& c, const Config& config, 
   const int64_t T = c.x1.shape[0], D = c.weight.shape[1], r = c.A.shape[0];
   const bool gpu = c.x1.device.is_cuda();
   bool scale_after = false;
-  const DType dot = embedding_dot(c.weight.dtype, c.A.dtype, c.B.dtype, &scale_after);
+  const DType dot = embedding_dot(c.weight.dtype, c.A.dtype, c.B.dtype, c.out2.dtype, &scale_after);
   // GPU: 128x128 tiles (64x128 for an fp32 table: three stages of 128x128 fp32
   // rows do not fit in shared memory), D shared by one full wave of programs (the
   // tuner's choice at 8192x128256x4096 in bf16 on an H100: 58.6 us against 67.3
@@ -384,7 +395,7 @@ Config tuned_embedding_config(const EmbeddingForward& c) {
                                       parallelism(c.x1.device), {2, 3}, /*default_waves=*/1);
   bool scale_after = false;
   q.finalist_variants =
-      with_l2_prefetch_variants(with_warps_n_variants({}, embedding_dot(c.weight.dtype, c.A.dtype, c.B.dtype, &scale_after)));
+      with_l2_prefetch_variants(with_warps_n_variants({}, embedding_dot(c.weight.dtype, c.A.dtype, c.B.dtype, c.out2.dtype, &scale_after)));
   q.extent_m = T;
   q.extent_k = D;
   q.kernels = [&](const Config& config) {
@@ -447,7 +458,7 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
   const int64_t T = c.x1.shape[0], D = c.B.shape[0], r = c.A.shape[0];
   const bool gpu = c.x1.device.is_cuda();
   bool unused = false;
-  const DType dot = embedding_dot(c.g2.dtype, c.g2.dtype, c.g2.dtype, &unused);
+  const DType dot = embedding_dot(c.g2.dtype, c.g2.dtype, c.g2.dtype, c.g2.dtype, &unused);
   // Tall token blocks: dB's atomics per element of grad_out are R_PAD / BLOCK_T.
   const int64_t bt = config.block_m ? config.block_m : (gpu ? 128 : 16);
   // 128 columns per step on a GPU where three stages of such tiles fit (2-byte
@@ -923,6 +934,7 @@ void lora_embedding(const TensorView& x, const TensorView& weight, const TensorV
       if (t != o) expect_disjoint(op, o_name, *o, n, *t);
   }
   const VocabRange vr = vocab_range(layout, splits, V);
+  padding_id(op, options, vr.total);  // only the backward uses it, but F.embedding refuses a bad one here too
   if (x.numel() == 0 || (D == 0 && !options.after_a)) return;
   TensorView x1, out2;
   flatten_tokens(op, x, "out", out, &x1, &out2);

@@ -226,6 +226,8 @@ void check_4bit_repeated(Device dev) {
                 "dora_norm_4bit: output scale overlaps norm in memory");
   CHECK_INVALID(ops::dora_norm_4bit(W.view(bs), A.view(), B.view(), m, s, norm, scale, -1.0, nullptr),
                 "dora_norm_4bit: eps must be >= 0");
+  CHECK_INVALID(ops::dora_norm_4bit(W.view(bs), A.view(), B.view(), m, s, norm, scale, std::nan(""), nullptr),
+                "dora_norm_4bit: eps must be >= 0");
   CHECK_INVALID(ops::dora_norm_4bit(W.view(32), A.view(), B.view(), m, s, norm, scale, eps, nullptr),
                 "absmax must hold cdiv(out*in, blocksize)");
 }

@@ -177,6 +177,12 @@ TEST_CASE("lora_embedding rejects bad ids, shapes, options and overlapping outpu
                 "lora_embedding: x must have at least one dimension, got a scalar");
   CHECK_REJECTS(InvalidArgument, ops::lora_embedding(x, W, A, B, 1.0, t({6, 4}, DType::f32, 10000)),
                 "lora_embedding: out must have shape [2, 3, 4], got [6, 4]");
+  // Ids whose token dims cannot be one dim (x transposed), and x and out flattening in other orders.
+  const TensorView xt = at(0, {2, 3}, {1, 2}, DType::i64);
+  CHECK_REJECTS(InvalidArgument, ops::lora_embedding(xt, W, A, B, 1.0, out),
+                "lora_embedding: the token dims of x (i64[2,3] strides [1,2] on cpu) do not flatten to one dim");
+  CHECK_REJECTS(InvalidArgument, ops::lora_embedding(x, W, A, B, 1.0, at(40000, {2, 3, 4}, {4, 8, 1})),
+                "and out (f32[2,3,4] strides [4,8,1] on cpu) must flatten alike");
   CHECK_REJECTS(InvalidArgument,
                 ops::lora_embedding(x, W, t({2, 11}, DType::f32, 8192), B, 1.0, out),
                 "lora_embedding: A must have shape [*, 10], got [2, 11]");
@@ -207,6 +213,8 @@ TEST_CASE("lora_embedding rejects bad ids, shapes, options and overlapping outpu
   o.padding_idx = -11;
   CHECK_REJECTS(InvalidArgument, ops::lora_embedding_backward(x, A, B, gout, 1.0, gA, gB, o),
                 "padding_idx -11 is outside the vocabulary");
+  CHECK_REJECTS(InvalidArgument, ops::lora_embedding(x, W, A, B, 1.0, out, o),  // as F.embedding's forward
+                "lora_embedding: padding_idx -11 is outside the vocabulary [-10, 10)");
   CHECK_REJECTS(InvalidArgument,
                 ops::lora_embedding_backward(x, A, B, gout, 1.0, t({2, 9}, DType::f32, 11000), gB),
                 "lora_embedding_backward: grad_A must have shape [2, 10], got [2, 9]");
@@ -338,4 +346,17 @@ TEST_CASE("an op refuses Config.meta names it does not take and values out of ra
   warps.num_warps = -8;
   CHECK_REJECTS(InvalidArgument, ops::dora_norm(W, A, B, m, 1.0, norm, scale, 0.0, nullptr, warps),
                 "dora_norm: Config.num_warps must be >= 0");
+  // Tiles and warps are powers of two (a 3-row tile used to fail inside the DSL's arange).
+  ops::Config odd;
+  odd.block_m = 3;
+  CHECK_REJECTS(InvalidArgument, ops::dora_norm(W, A, B, m, 1.0, norm, scale, 0.0, nullptr, odd),
+                "dora_norm: Config.block_m must be a power of two up to 1024 (0 lets kerf choose), got 3");
+  ops::Config wide;
+  wide.block_k = 1 << 20;
+  CHECK_REJECTS(InvalidArgument, ops::lora_merge(W, A, B, 1.0, nullptr, wide),
+                "lora_merge: Config.block_k must be a power of two up to 1024 (0 lets kerf choose), got 1048576");
+  ops::Config six;
+  six.num_warps = 6;
+  CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize_backward(dW, mA, mB, 1.0, dA, dB, nullptr, six),
+                "moe_lora_materialize_backward: Config.num_warps must be a power of two up to 32");
 }

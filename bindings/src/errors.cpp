@@ -77,7 +77,7 @@ void register_errors(py::module_& m) {
   t.by_kind[kind(ErrorKind::Internal)] =
       new_error(m, "InternalError", PyExc_RuntimeError, "A bug in kerf itself: please report it.");
   t.by_kind[kind(ErrorKind::Interrupted)] =
-      new_error(m, "InterruptedError", PyExc_RuntimeError,
+      new_error(m, "WorkInterruptedError", PyExc_RuntimeError,
                 "Work stopped on request (an autotuning pass); a Ctrl-C raises the signal handler's "
                 "own exception instead, KeyboardInterrupt by default.");
 

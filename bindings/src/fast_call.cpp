@@ -7,6 +7,27 @@
 
 namespace kerf::python::fast_call {
 
+int64_t int_argument(PyObject* o, const std::string& what) {
+  if (PyBool_Check(o) || !PyIndex_Check(o)) throw TypeError(what + " must be an int, got " + type_name(o));
+  const py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(o));
+  if (!index) throw py::error_already_set();
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+  if (overflow)
+    throw InvalidArgument(what + " must fit in 64 bits, got " + py::str(index).cast<std::string>());
+  return int64_t(v);
+}
+
+bool bool_argument(PyObject* o, const std::string& what) {
+  const std::string type = type_name(o);
+  if (!PyLong_Check(o) && type != "numpy.bool_" && type != "numpy.bool")
+    throw TypeError(what + " must be a bool, got " + type);
+  const int v = PyObject_IsTrue(o);
+  if (v < 0) throw py::error_already_set();
+  return v == 1;
+}
+
 namespace {
 
 // Each function's `self`: a module object whose state holds its Function, so

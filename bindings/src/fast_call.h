@@ -59,20 +59,28 @@ inline double convert(PyObject* o, double*, const Function& f, size_t i) {
   return v;
 }
 
+// An int argument: a Python int or anything with __index__ (NumPy integers), not a
+// bool; beyond 64 bits it is a ValueError naming the argument. `what` names it.
+int64_t int_argument(PyObject* o, const std::string& what);
+
 inline int64_t convert(PyObject* o, int64_t*, const Function& f, size_t i) {
-  if (!PyLong_Check(o) || PyBool_Check(o))
-    throw TypeError(f.name + "(): " + f.params[i] + " must be an int, got " + type_name(o));
-  const long long v = PyLong_AsLongLong(o);
-  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
-  return int64_t(v);
+  if (PyLong_CheckExact(o)) {
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (!overflow && !(v == -1 && PyErr_Occurred())) return int64_t(v);
+    PyErr_Clear();
+  }
+  return int_argument(o, f.name + "(): " + f.params[i]);
 }
 
-inline bool convert(PyObject* o, bool*, const Function&, size_t) {
+// A bool argument: True or False, an int, or a NumPy bool; anything else (a string,
+// whose truth would be its length) is a TypeError.
+bool bool_argument(PyObject* o, const std::string& what);
+
+inline bool convert(PyObject* o, bool*, const Function& f, size_t i) {
   if (o == Py_True) return true;
   if (o == Py_False) return false;
-  const int v = PyObject_IsTrue(o);
-  if (v < 0) throw py::error_already_set();
-  return v == 1;
+  return bool_argument(o, f.name + "(): " + f.params[i]);
 }
 
 template <class T>

@@ -97,9 +97,7 @@ std::string layout_axis_name(py::handle h, const std::string& what) {
 }
 
 int64_t layout_int(py::handle h, const std::string& what) {
-  if (!PyLong_Check(h.ptr()) || PyBool_Check(h.ptr()))
-    throw TypeError("layout: " + what + " must be an int, got " + type_name(h));
-  return h.cast<int64_t>();
+  return fast_call::int_argument(h.ptr(), "layout: " + what);
 }
 
 bool layout_sequence(py::handle h) {
@@ -163,7 +161,8 @@ ops::Layout layout_of(py::handle obj) {
 ops::EmbeddingOptions embedding_options(const char* op, py::handle padding_idx, bool scale_grad_by_freq,
                                         py::handle id_check) {
   ops::EmbeddingOptions o;
-  if (padding_idx && !padding_idx.is_none()) o.padding_idx = padding_idx.cast<int64_t>();
+  if (padding_idx && !padding_idx.is_none())
+    o.padding_idx = fast_call::int_argument(padding_idx.ptr(), std::string(op) + "(): padding_idx");
   o.scale_grad_by_freq = scale_grad_by_freq;
   if (id_check && !id_check.is_none()) {
     if (!PyUnicode_Check(id_check.ptr()))

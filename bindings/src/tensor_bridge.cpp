@@ -128,6 +128,8 @@ struct TorchApi {
   PyObject* empty = nullptr;           // torch.empty
   PyObject* raw_stream = nullptr;  // torch._C._cuda_getCurrentRawStream(device) -> int, if present
   PyObject* current_stream = nullptr;  // torch.cuda.current_stream (the documented fallback)
+  PyObject* is_grad_enabled = nullptr;    // torch.is_grad_enabled
+  PyObject* increment_version = nullptr;  // torch.autograd.graph.increment_version (torch >= 2.1), if present
   // kerf._torch_bridge when it imported (see torch_bridge_abi.h), and why not when it did not.
   const KerfTorchBridge* bridge = nullptr;
   std::string bridge_status;
@@ -206,6 +208,14 @@ const TorchApi* torch_api() {
     a.current_stream = attr_or_null(cuda, "current_stream");
     Py_DECREF(cuda);
   }
+  a.is_grad_enabled = attr_or_null(torch, "is_grad_enabled");
+  if (PyObject* autograd = attr_or_null(torch, "autograd")) {
+    if (PyObject* graph = attr_or_null(autograd, "graph")) {
+      a.increment_version = attr_or_null(graph, "increment_version");
+      Py_DECREF(graph);
+    }
+    Py_DECREF(autograd);
+  }
   a.bridge = load_torch_bridge(a.bridge_status);
   a.ready = true;
   api = a;
@@ -254,12 +264,30 @@ int64_t as_int64(PyObject* o) {
 // A torch tensor read through kerf._torch_bridge (C++) when it is there and can,
 // else through its attributes: data_ptr() (storage offset included), dtype,
 // device, shape, stride().
+[[noreturn]] void throw_written_needs_grad(const char* op, const char* name) {
+  throw InvalidArgument(where(op, name) +
+                        " requires grad, and kerf writes into it in place, which autograd cannot record: "
+                        "call the op under torch.no_grad() (as merging weights is done) or pass a tensor "
+                        "that does not require grad");
+}
+
+// A torch tensor kerf is about to write, read through Python: refused when autograd
+// would need to record the write, else its version counter is bumped as an in-place
+// torch op bumps it (where this torch can: torch.autograd.graph.increment_version).
+void prepare_torch_write(const TorchApi& api, py::handle obj, const char* op, const char* name) {
+  if (steal(PyObject_GetAttrString(obj.ptr(), "requires_grad")).ptr() == Py_True && api.is_grad_enabled &&
+      steal(PyObject_CallNoArgs(api.is_grad_enabled)).ptr() == Py_True)
+    throw_written_needs_grad(op, name);
+  if (api.increment_version) steal(PyObject_CallOneArg(api.increment_version, obj.ptr()));
+}
+
 TensorView torch_view(const TorchApi& api, py::handle obj, bool written, const char* op,
                       const char* name) {
   if (const KerfTorchBridge* bridge = torch_bridge(&api)) {
     KerfTorchTensor t;
     const int32_t r = bridge->view(obj.ptr(), written ? 1 : 0, &t);
     if (r == kKerfTorchNegBit) throw_neg_bit(op, name);
+    if (r == kKerfTorchWrittenNeedsGrad) throw_written_needs_grad(op, name);
     if (r == kKerfTorchOk) {
       TensorView v;
       v.data = t.data;
@@ -273,6 +301,7 @@ TensorView torch_view(const TorchApi& api, py::handle obj, bool written, const c
       return v;
     }
   }
+  if (written) prepare_torch_write(api, obj, op, name);
   const Names& n = names();
   PyObject* o = obj.ptr();
   TensorView v;

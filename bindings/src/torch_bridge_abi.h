@@ -18,7 +18,7 @@
 
 #include <cstdint>
 
-#define KERF_TORCH_BRIDGE_ABI 2
+#define KERF_TORCH_BRIDGE_ABI 3
 #define KERF_TORCH_BRIDGE_CAPSULE "kerf._torch_bridge._C_API"
 #define KERF_TORCH_BRIDGE_MAX_RANK 8
 
@@ -41,6 +41,7 @@ enum KerfTorchViewResult : int32_t {
   kKerfTorchUnhandled = 0,  // read it through Python (other dtype, device, layout, rank, error)
   kKerfTorchOk = 1,
   kKerfTorchNegBit = 2,  // a lazily negated view (e.g. x.conj().imag): its memory holds -x
+  kKerfTorchWrittenNeedsGrad = 3,  // to be written, but it requires grad and grad mode is on
 };
 
 // Every function is called with the GIL held and never raises a Python error:
@@ -52,7 +53,9 @@ struct KerfTorchBridge {
   const char* torch_version;  // the torch.__version__ it was built against
   // `tensor` must be exactly a torch.Tensor or torch.nn.Parameter (the caller
   // checks the type). `written`: the pointer is for writing (copy-on-write
-  // storage is materialized, as Tensor.data_ptr() does).
+  // storage is materialized, as Tensor.data_ptr() does), refused for a tensor
+  // that requires grad while grad mode is on, and the tensor's version counter
+  // is bumped, as an in-place torch op bumps it, so that autograd notices.
   int32_t (*view)(PyObject* tensor, int32_t written, KerfTorchTensor* out);
   // PyTorch's current stream on CUDA device `device` (a CUstream); 1 on success.
   int32_t (*current_stream)(int32_t device, void** stream);

@@ -71,7 +71,13 @@ int32_t view(PyObject* obj, int32_t written, KerfTorchTensor* out) {
       out->shape[d] = sizes[size_t(d)];
       out->strides[d] = strides[size_t(d)];
     }
-    out->data = written ? t.mutable_data_ptr() : const_cast<void*>(t.const_data_ptr());
+    if (!written) {
+      out->data = const_cast<void*>(t.const_data_ptr());
+      return kKerfTorchOk;
+    }
+    if (t.requires_grad() && c10::GradMode::is_enabled()) return kKerfTorchWrittenNeedsGrad;
+    out->data = t.mutable_data_ptr();
+    t.unsafeGetTensorImpl()->bump_version();  // throws for an inference tensor outside inference mode
     return kKerfTorchOk;
   } catch (...) {
     return kKerfTorchUnhandled;

@@ -59,6 +59,8 @@ def test_a_rank_kerf_does_not_support_is_a_value_error(kerf_cpu):
     W, A, B, m = dora_inputs()
     with pytest.raises(ValueError, match="eps must be >= 0"):
         kerf_cpu.ops.dora_norm(W, A, B, m, 1.0, eps=-1.0)
+    with pytest.raises(ValueError, match="eps must be >= 0"):
+        kerf_cpu.ops.dora_norm(W, A, B, m, 1.0, eps=float("nan"))
 
 
 def test_tensors_on_different_devices_are_refused_before_any_launch():
@@ -104,6 +106,30 @@ def test_a_config_that_is_not_a_kerf_config_is_a_type_error():
         kerf.ops.dora_norm(W, A, B, m, 1.0, config={"block_m": 16})
     with pytest.raises(TypeError, match="config must be a kerf.Config or None, got int"):
         kerf.ops.lora_merge(W, A, B, 1.0, config=3)
+
+
+def test_int_and_bool_options_refuse_what_is_not_one_and_name_the_argument(kerf_cpu):
+    x = np.array([1, 2, 3], np.int64)
+    W = np.random.rand(10, 4).astype(np.float32)
+    A, B = np.random.rand(2, 10).astype(np.float32), np.random.rand(4, 2).astype(np.float32)
+    g = np.random.rand(3, 4).astype(np.float32)
+    for bad in ("a", 1.5, True):
+        with pytest.raises(TypeError, match="lora_embedding\\(\\): padding_idx must be an int, got"):
+            kerf_cpu.ops.lora_embedding(x, W, A, B, 1.0, padding_idx=bad)
+    with pytest.raises(ValueError, match="padding_idx must fit in 64 bits"):
+        kerf_cpu.ops.lora_embedding(x, W, A, B, 1.0, padding_idx=2**70)
+    kerf_cpu.ops.lora_embedding(x, W, A, B, 1.0, padding_idx=np.int64(3))  # NumPy ints are ints
+    with pytest.raises(TypeError, match="scale_grad_by_freq must be a bool, got str"):
+        kerf_cpu.ops.lora_embedding_backward(x, A, B, g, 1.0, scale_grad_by_freq="no")
+    kerf_cpu.ops.lora_embedding_backward(x, A, B, g, 1.0, scale_grad_by_freq=np.bool_(True))
+    with pytest.raises(ValueError, match="a mesh axis size must fit in 64 bits"):
+        kerf_cpu.ops.dora_norm(*dora_inputs(), 1.0, layout={"mesh": {"tp": 2**63}, "specs": {}})
+
+
+def test_a_config_tile_that_is_not_a_power_of_two_is_a_value_error(kerf_cpu):
+    W, A, B, m = dora_inputs()
+    with pytest.raises(ValueError, match="Config.block_m must be a power of two up to 1024"):
+        kerf_cpu.ops.dora_norm(W, A, B, m, 1.0, config=kerf.Config(block_m=3))
 
 
 @pytest.mark.parametrize("layout,message", [

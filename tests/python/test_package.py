@@ -51,7 +51,8 @@ def test_errors_derive_from_kerf_error_and_the_builtin_their_kind_maps_to():
     assert issubclass(kerf.InvalidArgumentError, ValueError)
     assert issubclass(kerf.DefinitionError, ValueError)
     assert issubclass(kerf.DTypeError, TypeError)
-    for cls in (kerf.CompileError, kerf.CudaError, kerf.NotAvailableError, kerf.CacheError, kerf.InternalError):
+    for cls in (kerf.CompileError, kerf.CudaError, kerf.NotAvailableError, kerf.CacheError, kerf.InternalError,
+                kerf.WorkInterruptedError):
         assert issubclass(cls, RuntimeError)
     for cls in (kerf.InvalidArgumentError, kerf.DTypeError, kerf.CompileError, kerf.NotAvailableError):
         assert issubclass(cls, kerf.Error)

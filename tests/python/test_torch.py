@@ -116,6 +116,49 @@ def test_bridge_and_attribute_paths_read_tensors_alike(device):
         kerf._kerf._set_torch_bridge(was)
 
 
+def bumps_versions(path):
+    """Whether kerf can tell autograd of its writes on this path: the bridge bumps the
+    version counter in C++; the attribute path needs torch.autograd.graph.increment_version."""
+    if path == "bridge" and kerf._kerf._torch_bridge_status().startswith("active"):
+        return True
+    return hasattr(getattr(torch.autograd, "graph", None), "increment_version")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_write_into_a_tensor_autograd_saved_fails_its_backward_as_an_in_place_op_would(device, torch_path):
+    if not bumps_versions(torch_path):
+        pytest.skip(f"torch {torch.__version__} without kerf._torch_bridge has no increment_version (2.1 added it)")
+    x = torch.randn(3, 24, device=device, requires_grad=True)
+    W = torch.randn(16, 24, device=device)
+    y = (x @ W.t()).sum()  # saves W for x's gradient
+    before = W._version
+    kerf.ops.lora_merge(W, torch.randn(4, 24, device=device), torch.randn(16, 4, device=device), 1.0)
+    assert W._version > before
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+    # Outputs kerf is given count as written too.
+    Wd, A, B, m = (torch.randn(8, 16, device=device), torch.randn(2, 16, device=device),
+                   torch.randn(8, 2, device=device), torch.rand(8, device=device) + 0.5)
+    norm, scale = torch.empty(8, device=device), torch.empty(8, device=device)
+    v = norm._version
+    kerf.ops.dora_norm(Wd, A, B, m, 0.5, norm=norm, scale=scale)
+    assert norm._version > v
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_writing_into_a_tensor_that_requires_grad_needs_no_grad_mode(device, torch_path):
+    W = torch.nn.Parameter(torch.randn(16, 24, device=device))
+    A, B = torch.randn(4, 24, device=device), torch.randn(16, 4, device=device)
+    W0 = W.detach().clone()
+    want = W0.double() + 0.5 * (B.double() @ A.double())
+    with pytest.raises(ValueError, match="W requires grad, and kerf writes into it in place"):
+        kerf.ops.lora_merge(W, A, B, 0.5)
+    assert torch.equal(W.detach(), W0)  # untouched
+    with torch.no_grad():  # as PEFT merges adapters into weights
+        kerf.ops.lora_merge(W, A, B, 0.5)
+    assert torch.allclose(W.detach().double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_both_torch_paths_refuse_the_same_tensors(torch_path):
     with pytest.raises(TypeError, match="torch.int16"):
         view_info(torch.zeros(3, dtype=torch.int16))
