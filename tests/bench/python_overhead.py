@@ -11,6 +11,9 @@ launch queue's depth); the GPU's own time per call, measured with CUDA events
 from the end of the hold, is printed beside it. The goal of the kerf binding
 is < 5 us per call on an H100 machine.
 
+Also printed: the same kerf call captured 1 and 100 times in one CUDA graph
+(torch.cuda.graph), host time per call as graph.replay() time over the calls.
+
 Prints "SKIPPED: <why>" and exits 0 without torch or CUDA.
 """
 
@@ -187,6 +190,33 @@ def main():
                       "gpu_us_per_call": statistics.median(gpu_per_call[name])} for name in cases}
     core._set_torch_bridge(True)
 
+    # kerf's calls captured in a CUDA graph (torch.cuda.graph): a replay launches them all
+    # with one host call, so a launch-bound step pays the driver's launch once per graph.
+    in_graph = {}
+    for n_ops in (1, 100):
+        graph = torch.cuda.CUDAGraph()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.graph(graph):
+            for _ in range(n_ops):
+                ops.dora_norm(W, A, B, m, 0.5, norm=norm, scale=scale)
+        torch.cuda.synchronize()
+        replays = max(1, args.calls // n_ops) if n_ops > 1 else args.calls
+        host, dev_t = [], []
+        for _ in range(args.rounds):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(hold_cycles)
+            start.record()
+            t0 = time.perf_counter()
+            for _ in range(replays):
+                graph.replay()
+            t1 = time.perf_counter()
+            end.record()
+            end.synchronize()
+            host.append((t1 - t0) / (replays * n_ops) * 1e6)
+            dev_t.append(start.elapsed_time(end) * 1e3 / (replays * n_ops))
+        in_graph[n_ops] = {"median_us": statistics.median(host), "min_us": min(host),
+                           "gpu_us_per_call": statistics.median(dev_t)}
+
     gpu = torch.cuda.get_device_name()
     print(f"host time per call, {gpu}, W bf16[{R},{C}], r={r}, {args.calls} calls x {args.rounds} rounds")
     print(f"kerf._torch_bridge: {bridge}")
@@ -194,6 +224,10 @@ def main():
     for name, v in results.items():
         print(f"  {name:<{width}}  {v['median_us']:7.2f} us  (min {v['min_us']:.2f}; "
               f"{v['over_barest_us']:+.2f} over the barest launch; GPU {v['gpu_us_per_call']:.2f} us per call)")
+    for n_ops, v in in_graph.items():
+        name = f"kerf dora_norm x{n_ops} in one CUDA graph, per call"
+        print(f"  {name:<{width}}  {v['median_us']:7.2f} us  (min {v['min_us']:.2f}; "
+              f"GPU {v['gpu_us_per_call']:.2f} us per call; graph.replay() time / {n_ops})")
     goal = results[GOAL]["median_us"]
     print(f"kerf goal < 5 us per call: {'met' if goal < 5.0 else 'NOT met'} ({goal:.2f} us; "
           f"{results[GOAL]['over_barest_us']:+.2f} us over this machine's barest launch from Python, "
@@ -201,6 +235,7 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": gpu, "shape": [R, C, r], "results": results, "torch_bridge": bridge,
+                       "in_cuda_graph": {str(k): v for k, v in in_graph.items()},
                        "torch": torch.__version__, "python": sys.version.split()[0]}, f, indent=2)
     return 0
 
