@@ -486,7 +486,9 @@ int log2_exact(int64_t x) {
 std::vector<Arg> dora_4bit_args(const DoraPlan& p, const TensorView& packed2, const Weight4bit& W,
                                 const TensorView& A, const TensorView& B, const TensorView& m, double s, double eps,
                                 const TensorView& norm, const TensorView& scale, void* ws) {
-  std::vector<Arg> args = {packed2, W.absmax, W.code, A, B, m, Scalar(s), Scalar(eps),
+  // absmax and code in any contiguous shape (checked by count), as the kernel reads them: flat.
+  const auto flat = [](const TensorView& t) { return TensorView::contiguous(t.data, t.dtype, {t.numel()}, t.device); };
+  std::vector<Arg> args = {packed2, flat(W.absmax), flat(W.code), A, B, m, Scalar(s), Scalar(eps),
                            Scalar(log2_exact(W.blocksize)), norm, scale};
   if (p.split == 1) return args;
   float* f = static_cast<float*>(ws);

@@ -1,5 +1,5 @@
 # Type stubs of kerf's compiled module (bindings/src/*.cpp).
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
 __version__: str
 
@@ -49,7 +49,10 @@ class Config:
     split_k: int
     num_warps: int
     num_stages: int
-    meta: Dict[str, int]
+    @property
+    def meta(self) -> Mapping[str, int]: ...  # read-only view; assign a whole dict
+    @meta.setter
+    def meta(self, value: Dict[str, int]) -> None: ...
     def __init__(
         self,
         *,

@@ -67,10 +67,18 @@ over the autotuner.
                      "Programs sharing one row block's columns (DoRA norm, merge, MoE, embedding).")
       .def_readwrite("num_warps", &ops::Config::num_warps)
       .def_readwrite("num_stages", &ops::Config::num_stages)
-      .def_readwrite("meta", &ops::Config::meta,
-                     "Further meta-parameters by name, e.g. {'ROTATE': 1} (MoE and embedding backward), "
-                     "{'WARPS_N': 2}, {'L2_PREFETCH': 128} (docs/ops.md lists them per op); an op refuses "
-                     "names it does not take.")
+      // A read-only view: a dict returned here would be a copy, and writing into it
+      // (config.meta['EVICT'] = 1) would change nothing, silently. Assign a whole dict.
+      .def_property(
+          "meta",
+          [](const ops::Config& c) {
+            return py::module_::import("types").attr("MappingProxyType")(py::cast(c.meta));
+          },
+          [](ops::Config& c, std::map<std::string, int64_t> meta) { c.meta = std::move(meta); },
+          "Further meta-parameters by name, e.g. {'ROTATE': 1} (MoE and embedding backward), "
+          "{'WARPS_N': 2}, {'L2_PREFETCH': 128} (docs/ops.md lists them per op); an op refuses "
+          "names it does not take. Read-only as read (a mapping proxy); assign a whole dict: "
+          "config.meta = {**config.meta, 'EVICT': 1}.")
       .def("__repr__", &config_repr);
 }
 

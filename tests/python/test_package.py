@@ -82,6 +82,10 @@ def test_config_takes_keywords_and_prints_them():
     assert repr(c).startswith("kerf.Config(block_m=32") and "meta" not in repr(c)
     c = kerf.Config(meta={"ROTATE": 1})
     assert c.meta == {"ROTATE": 1} and repr(c).endswith("meta={'ROTATE': 1})")
+    with pytest.raises(TypeError):  # a copy written into would change nothing: refused instead
+        c.meta["EVICT"] = 1
+    c.meta = {**c.meta, "EVICT": 1}
+    assert c.meta == {"ROTATE": 1, "EVICT": 1}
 
 
 def test_a_buffer_is_a_dlpack_producer_numpy_views_without_copying():
