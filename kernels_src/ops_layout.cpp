@@ -105,6 +105,16 @@ LayoutSplits check_layout(const char* op, const Layout& layout,
       throw InvalidArgument(p + "mesh axis '" + a.name + "' must have size >= 1, got " +
                             std::to_string(a.size));
   }
+  // Coordinates, when given, are checked whether or not this op needs them.
+  if (!layout.coords.empty()) {
+    if (layout.coords.size() != layout.mesh.size())
+      throw InvalidArgument(p + "coords gives " + std::to_string(layout.coords.size()) +
+                            " coordinates for a mesh of " + std::to_string(layout.mesh.size()) + " axes");
+    for (size_t i = 0; i < layout.mesh.size(); ++i)
+      if (layout.coords[i] < 0 || layout.coords[i] >= layout.mesh[i].size)
+        throw InvalidArgument(p + "coordinate " + std::to_string(layout.coords[i]) + " on mesh axis '" +
+                              layout.mesh[i].name + "' is outside [0, " + std::to_string(layout.mesh[i].size) + ")");
+  }
   for (const auto& [name, spec] : layout.specs) {
     const OperandDims* od = nullptr;
     for (const OperandDims& o : operands)

@@ -500,6 +500,17 @@ TEST_CASE("layouts that cannot work together are rejected before any launch, nam
                         layout_of({{"vp", 2}}, {{"weight", {"vp"}}, {"A", {"", "vp"}}}, {2}));
   });
   CHECK_THAT(msg, Catch::Contains("coordinate 2 on mesh axis 'vp' is outside [0, 2)"));
+  // Coordinates are checked where given, even by an op whose layout does not need them.
+  msg = kerf::test::thrown<InvalidArgument>([&] {
+    ops::moe_lora_materialize(Wm.view(), Am.view(), Bm.view(), 1.0, Wm.view(), nullptr, {},
+                              layout_of({{"tp", 2}}, {}, {5}));
+  });
+  CHECK_THAT(msg, Catch::Contains("moe_lora_materialize: layout: coordinate 5 on mesh axis 'tp' is outside [0, 2)"));
+  msg = kerf::test::thrown<InvalidArgument>([&] {
+    ops::moe_lora_materialize(Wm.view(), Am.view(), Bm.view(), 1.0, Wm.view(), nullptr, {},
+                              layout_of({{"tp", 2}}, {}, {0, 1}));
+  });
+  CHECK_THAT(msg, Catch::Contains("layout: coords gives 2 coordinates for a mesh of 1 axes"));
   // Tokens and vocab over one axis: a shard's tokens would miss the other shards' ids.
   msg = kerf::test::thrown<InvalidArgument>([&] {
     ops::lora_embedding(
