@@ -807,6 +807,10 @@ std::pair<py::object, TensorView> Call::output_or_new(py::handle obj, const char
   if (obj && !obj.is_none()) return {py::reinterpret_borrow<py::object>(obj), output(obj, name)};
   if (!have_first_)
     throw InternalError(where(op_, name) + ": an output was allocated before any input");
+  if (shape.size() > size_t(kMaxRank))
+    throw InvalidArgument(where(op_, name) + " would have " + std::to_string(shape.size()) +
+                          " dims, and kerf's tensors have at most " + std::to_string(kMaxRank) +
+                          " (flatten some of the inputs' leading dims)");
   if (first_framework_ == Framework::torch) {
     if (const KerfTorchBridge* bridge = torch_bridge(torch_api())) {
       void* data = nullptr;

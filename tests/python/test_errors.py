@@ -126,6 +126,14 @@ def test_int_and_bool_options_refuse_what_is_not_one_and_name_the_argument(kerf_
         kerf_cpu.ops.dora_norm(*dora_inputs(), 1.0, layout={"mesh": {"tp": 2**63}, "specs": {}})
 
 
+def test_an_output_kerf_would_make_with_too_many_dims_is_refused_naming_it(kerf_cpu):
+    x = np.zeros([1] * 8, np.int64)
+    W, A, B = np.random.rand(4, 3).astype(np.float32), np.random.rand(2, 4).astype(np.float32), \
+        np.random.rand(3, 2).astype(np.float32)
+    with pytest.raises(ValueError, match="lora_embedding: out would have 9 dims, and kerf's tensors have at most 8"):
+        kerf_cpu.ops.lora_embedding(x, W, A, B, 1.0)
+
+
 def test_a_config_tile_that_is_not_a_power_of_two_is_a_value_error(kerf_cpu):
     W, A, B, m = dora_inputs()
     with pytest.raises(ValueError, match="Config.block_m must be a power of two up to 1024"):
