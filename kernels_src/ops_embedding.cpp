@@ -118,7 +118,12 @@ void throw_if_recorded(const std::string& op, cuda::DeviceBuffer& rec) {
 // A call being captured checks nothing: its launches run later, from the graph, and
 // record into the graph record, which the next check on the device reads.
 void throw_recorded_bad_ids(const char* op, const Device& dev, void* stream, bool from_op) {
-  if (from_op && capturing(dev, stream)) return;
+  if (capturing(dev, stream)) {
+    if (from_op) return;
+    // Before device_record: a stream's first record would be allocated, which a capture refuses.
+    throw InvalidArgument(std::string(op) +
+                          ": cannot wait for a CUDA stream while it captures a graph; check after the capture");
+  }
   cuda::DeviceBuffer& rec = device_record(dev, stream);
   cuda::stream_synchronize(stream);
   throw_if_recorded(op, rec);

@@ -263,14 +263,18 @@ TEST_CASE("a captured embedding call's bad ids are reported by the next check on
   x.upload();
   CHECK_THROWS_WITH(ops::lora_embedding(x.view(), table.view(), A.view(), B.view(), 1.0, out.view()),
                     Catch::Contains("(a launch of a captured CUDA graph): token id x[9] = 53"));
-  // Checking during a capture would wait for the stream: refused, and the capture survives.
-  cuda::Graph checked = cuda::Graph::capture(stream.handle(), [&] {
-    CHECK_THROWS_WITH(ops::check_embedding_ids(dev, stream.handle()),
-                      Catch::Contains("cannot wait for a CUDA stream while it captures a graph"));
-    call();
-  });
-  checked.launch(stream.handle());
-  stream.synchronize();
+  // Checking during a capture would wait for the stream: refused, and the capture survives,
+  // also on a stream kerf has seen no call on (whose record a check would otherwise make).
+  cuda::Stream fresh(0);
+  for (cuda::StreamHandle st : {stream.handle(), fresh.handle()}) {
+    cuda::Graph checked = cuda::Graph::capture(st, [&] {
+      CHECK_THROWS_WITH(ops::check_embedding_ids(dev, st),
+                        Catch::Contains("cannot wait for a CUDA stream while it captures a graph"));
+      ops::lora_embedding(x.view(), table.view(), A.view(), B.view(), 1.0, out.view(), {}, st);
+    });
+    checked.launch(st);
+    cuda::stream_synchronize(st);
+  }
 }
 
 TEST_CASE("an op first called during a capture runs its default config and tunes at its next eager call",
