@@ -42,6 +42,7 @@ class Buffer:
     @property
     def nbytes(self) -> int: ...
     def data_ptr(self) -> int: ...
+    def numpy(self) -> Any: ...  # a writable NumPy view of a CPU buffer
 
 class Config:
     block_m: int

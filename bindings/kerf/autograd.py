@@ -342,7 +342,8 @@ class LoraEmbedding(torch.autograd.Function):
     ``dA[:, v] = s * sum_{x[t]=v} g'[t] @ B`` (none at padding_idx),
     ``dB = s * g'^T @ A^T[x]``, ``dm = sum_t g * pre / n``, with ``g' = g * m / n``
     (``g`` without DoRA); W gets ``index_add(x, g')`` only when it requires a gradient.
-    The output is float32 unless W, A and B share a half dtype. The lookup, the A/B
+    The output has the half dtype W, A and B share, else float32 (float64 when they are
+    float64, computed in float32). The lookup, the A/B
     gradients (ops::lora_embedding, ops::lora_embedding_backward) and the norm
     (dora_norm on the strided view W^T) are kerf's. When B needs a gradient the
     forward also writes the activations ``A^T[x]`` (``after_a``, [*x.shape, r]) and
@@ -415,7 +416,8 @@ def lora_embedding(
     magnitude: Optional[Tensor] = None,
     id_check: str = "sync",
 ) -> Tensor:
-    """LoRA embedding lookup ``W[x] + s * A^T[x] @ B^T`` (float32 at least), DoRA-scaled by
+    """LoRA embedding lookup ``W[x] + s * A^T[x] @ B^T`` (in the half dtype W, A and B share, else
+    float32, or float64 for float64 inputs), DoRA-scaled by
     ``magnitude / ||W^T + s * B @ A||`` when a magnitude [H] is given (PEFT's DoraEmbedding).
 
     x int [...]; W [V, H]; A = lora_embedding_A [r, V]; B = lora_embedding_B [H, r].

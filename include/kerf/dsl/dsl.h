@@ -138,8 +138,10 @@ class Kernel {
   // `meta` may set num_warps (default 4), num_stages (default 1),
   // l2_prefetch (the L2 prefetch size of pipelined copies: is_l2_prefetch_size)
   // wgmma (0 or 1: tensor-core dots on Hopper's warpgroup instructions,
-  // on sm_90a targets; see the CUDA back end) and cluster_size (1..8: the
-  // programs along grid axis 0 that cluster_atomic_add sums over).
+  // on sm_90a targets; see the CUDA back end), cluster_size (1..8: the
+  // programs along grid axis 0 that cluster_atomic_add sums over), and the
+  // CUDA code-generation switches acc_col_run, staged_adds and early_prologue
+  // (docs/cuda-backend.md).
   ir::Function trace(const std::vector<ArgSpec>& args, const MetaMap& meta) const;
 
  private:

@@ -20,7 +20,7 @@ namespace kerf::ops {
 // columns (DoRA norm, merge, MoE materialize and its backward, embedding).
 // `meta`: further meta-parameters of an op's kernels, by name; an op refuses a
 // name it does not take.
-//   EVICT (0-2; DoRA norm, merge, MoE materialize): L2 hints, 1 the streamed
+//   EVICT (0-2; DoRA norm, 4-bit DoRA norm, merge, MoE materialize): L2 hints, 1 the streamed
 //     weight evicted first, 2 also the adapters kept.
 //   CAST_A (0 or 1; DoRA norm, 4-bit DoRA norm, MoE materialize): with f32 A
 //     and a bf16/f16 product, one launch first rounds A into scratch memory,
