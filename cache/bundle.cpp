@@ -11,6 +11,7 @@
 
 #include "cache/byte_io.h"
 #include "kerf/cache/disk_cache.h"
+#include "kerf/cache/key.h"
 #include "kerf/cache/log.h"
 #include "kerf/error.h"
 
@@ -41,7 +42,8 @@ Bundle::Bundle(const std::string& path) : path_(path), map_(std::make_unique<Map
   const auto bad = [&](const std::string& why) {
     return CacheError("cannot mount kernel bundle " + path + ": " + why);
   };
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO must not block the open (it is then refused as not a regular file).
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) throw bad(std::strerror(errno));
   struct stat st {};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
@@ -93,6 +95,11 @@ Bundle::Bundle(const std::string& path) : path_(path), map_(std::make_unique<Map
     records_.push_back(std::move(rec));
   }
   if (!r.ok()) throw bad("malformed manifest");
+  // Entries are keyed by the kerf version that made them: another version's never match.
+  if (const auto v = props_.find("kerf_version"); v != props_.end() && v->second != kerf_version())
+    log::once(log::Level::warn, "bundle-version:" + path,
+              "kernel bundle " + path + " was packed by kerf " + v->second + ", this is kerf " + kerf_version() +
+                  ": none of its entries can be used; pack it again with this kerf");
   for (size_t i = 0; i < records_.size(); ++i) by_family_.emplace(words(records_[i].family), i);
 }
 

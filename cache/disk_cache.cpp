@@ -11,7 +11,9 @@
 #include <cerrno>
 #include <cstring>
 #include <ctime>
+#include <cstdio>
 #include <filesystem>
+#include <random>
 
 #include "kerf/cache/log.h"
 #include "kerf/error.h"
@@ -52,7 +54,8 @@ int64_t now_s() {
 
 std::optional<std::vector<char>> read_file(const std::string& path) {
   Fd f;
-  f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO at an entry's path must not block the open (it is then refused as not regular).
+  f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (f.fd < 0) return std::nullopt;
   struct stat st {};
   if (::fstat(f.fd, &st) != 0 || !S_ISREG(st.st_mode)) return std::nullopt;
@@ -70,16 +73,28 @@ std::optional<std::vector<char>> read_file(const std::string& path) {
 
 void write_file_atomically(const std::string& path, const std::vector<char>& bytes) {
   static std::atomic<uint64_t> counter{0};
-  const std::string temp =
-      path + ".tmp-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
+  // The pid alone repeats across containers and hosts sharing a directory (pid 1 in
+  // each): a random word per process, and a new name when one exists already (a
+  // leftover of a writer that was killed).
+  static const uint64_t nonce = [] {
+    std::random_device rd;
+    return (uint64_t(rd()) << 32) ^ uint64_t(rd());
+  }();
+  std::string temp;
+  Fd f;
+  for (int attempt = 0; attempt < 8 && f.fd < 0; ++attempt) {
+    char word[17];
+    std::snprintf(word, sizeof word, "%016llx", static_cast<unsigned long long>(nonce));
+    temp = path + ".tmp-" + std::to_string(::getpid()) + "-" + word + "-" + std::to_string(counter++);
+    f.fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (f.fd < 0 && errno != EEXIST) break;
+  }
+  if (f.fd < 0) throw CacheError("cannot create " + temp + ": " + errno_text(errno));
   const auto failed = [&](const std::string& what, int e) {
     ::unlink(temp.c_str());
     return CacheError("cannot " + what + " " + path + ": " + errno_text(e));
   };
   {
-    Fd f;
-    f.fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-    if (f.fd < 0) throw CacheError("cannot create " + temp + ": " + errno_text(errno));
     size_t done = 0;
     while (done < bytes.size()) {
       const size_t n = std::min(kWriteChunk, bytes.size() - done);
@@ -238,7 +253,8 @@ DiskCache::PruneResult DiskCache::prune(int64_t max_age_s, int64_t max_bytes) {
     struct stat st {};
     if (::stat(p.c_str(), &st) != 0) continue;
     File f{p, uint64_t(st.st_size), int64_t(st.st_mtime)};
-    if (p.find(".tmp-") != std::string::npos) {
+    // A leftover temp file is known by its name, not by its directories' names.
+    if (it->path().filename().string().find(".tmp-") != std::string::npos) {
       if (now - f.mtime_s > kStaleTempSeconds) remove(f);  // a killed writer's leftover
       continue;
     }

@@ -1,6 +1,10 @@
 // The cache's settings, from the environment (see settings.h).
 #include "kerf/cache/settings.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdlib>
 #include <sstream>
 
@@ -14,11 +18,26 @@ std::string env(const char* name) {
   return v ? v : "";
 }
 
-std::string default_dir() {
+// The directory when KERF_CACHE_DIR is not set; `shared_tmp`: it is the fallback under
+// /tmp, which other users can reach.
+std::string default_dir(bool* shared_tmp) {
+  *shared_tmp = false;
   if (const std::string xdg = env("XDG_CACHE_HOME"); !xdg.empty()) return xdg + "/kerf";
   if (const std::string home = env("HOME"); !home.empty()) return home + "/.cache/kerf";
   // No home (a service account): a per-user directory under /tmp is better than nothing.
-  return "/tmp/kerf-cache-" + env("USER");
+  *shared_tmp = true;
+  return "/tmp/kerf-cache-" + std::to_string(::getuid());
+}
+
+// Whether the /tmp fallback `dir` is this user's alone: made here with mode 0700, or
+// found owned by this user and writable by no one else. A directory another user
+// made first could hold entries kerf would load (CPU entries are machine code), so
+// anything else is not used.
+bool private_tmp_dir(const std::string& dir) {
+  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) return true;  // the disk tier reports it
+  struct stat st {};
+  return ::lstat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode) && st.st_uid == ::getuid() &&
+         (st.st_mode & 022) == 0;
 }
 
 }  // namespace
@@ -49,7 +68,17 @@ Settings settings_from_env() {
               "KERF_CACHE='" + mode + "' is not one of on, readonly, off; using on");
   }
   s.dir = env("KERF_CACHE_DIR");
-  if (s.dir.empty()) s.dir = default_dir();
+  if (s.dir.empty()) {
+    bool shared_tmp = false;
+    s.dir = default_dir(&shared_tmp);
+    if (shared_tmp && s.disk != DiskMode::off && !private_tmp_dir(s.dir)) {
+      log::once(log::Level::warn, "settings:tmp-dir:" + s.dir,
+                "the kernel cache's fallback directory " + s.dir +
+                    " is not this user's alone (another owner, or writable by others): the disk cache is off; "
+                    "set KERF_CACHE_DIR or HOME");
+      s.disk = DiskMode::off;
+    }
+  }
 
   std::istringstream bundles(env("KERF_CACHE_BUNDLES"));
   for (std::string path; std::getline(bundles, path, ':');)

@@ -1,6 +1,8 @@
 // Bundles: many entries and a manifest in one read-only file; damaged bundles
 // refused, damaged records skipped; a mounted bundle serves kernels with NVRTC
 // disabled (the cubin comes from the bundle and no compiler is called).
+#include <sys/stat.h>
+
 #include <fstream>
 
 #include "catch.h"
@@ -8,6 +10,7 @@
 #include "kerf/cache/bundle.h"
 #include "kerf/cache/cuda_binary.h"
 #include "kerf/cache/disk_cache.h"
+#include "kerf/cache/key.h"
 #include "kerf/dsl/dsl.h"
 #include "test_cache_util.h"
 
@@ -119,6 +122,26 @@ TEST_CASE("a damaged bundle is refused when mounted, naming the problem", "[cach
     std::filesystem::resize_file(path, 0);
     CHECK_THROWS_AS(cache::Bundle(path), CacheError);
   }
+  SECTION("a named pipe: refused, not waited on") {
+    REQUIRE(::mkfifo((dir / "pipe").c_str(), 0600) == 0);
+    CHECK_THROWS_WITH(cache::Bundle(dir / "pipe"), Catch::Contains("not a regular file"));
+    CHECK_FALSE(cache::read_file(dir / "pipe"));  // a disk entry's read neither
+  }
+}
+
+TEST_CASE("a bundle packed by another kerf version is reported when mounted", "[cache]") {
+  test::ScopedEnv env({{"KERF_LOG", "warn"}});
+  test::TempDir dir;
+  cache::BundleWriter w;
+  w.add(cache::encode_entry(test_key(0), test_entry(0)));
+  w.write(dir / "old.kbundle", {{"kerf_version", "0.0.9"}});
+  test::LogCapture logs;
+  const cache::Bundle b(dir / "old.kbundle");
+  CHECK(logs.count("was packed by kerf 0.0.9, this is kerf " + cache::kerf_version() +
+                   ": none of its entries can be used") == 1);
+  w.write(dir / "same.kbundle", {{"kerf_version", cache::kerf_version()}});
+  const cache::Bundle same(dir / "same.kbundle");
+  CHECK(logs.count("was packed by kerf") == 1);
 }
 
 TEST_CASE("a damaged record in a bundle is skipped and reported once", "[cache]") {

@@ -11,6 +11,7 @@
 #include "catch.h"
 #include "kerf/cache/disk_cache.h"
 #include "kerf/cache/entry.h"
+#include "kerf/cache/settings.h"
 #include "test_cache_util.h"
 
 using namespace kerf;
@@ -264,4 +265,22 @@ TEST_CASE("prune removes entries by age, then the least recently used by size", 
   CHECK(disk.find(key_for("sm_75")));
   CHECK(disk.find(key_for("sm_80")));
   CHECK_FALSE(disk.find(key_for("sm_89")));
+}
+
+TEST_CASE("without a home the cache's /tmp fallback is used only when it is this user's alone", "[cache]") {
+  const std::string dir = "/tmp/kerf-cache-" + std::to_string(::getuid());
+  struct stat before {};
+  const bool existed = ::stat(dir.c_str(), &before) == 0;
+  test::ScopedEnv env({{"KERF_CACHE_DIR", std::nullopt}, {"HOME", std::nullopt}, {"XDG_CACHE_HOME", std::nullopt},
+                       {"KERF_CACHE", std::nullopt}, {"KERF_LOG", "warn"}});
+  test::LogCapture logs;
+  cache::Settings s = cache::settings_from_env();
+  CHECK(s.dir == dir);
+  CHECK(s.disk == cache::DiskMode::on);  // made here (0700), or this user's already
+  REQUIRE(::chmod(dir.c_str(), 0777) == 0);  // as a directory others could plant entries in
+  s = cache::settings_from_env();
+  CHECK(s.disk == cache::DiskMode::off);
+  CHECK(logs.count("is not this user's alone") == 1);
+  ::chmod(dir.c_str(), existed ? (before.st_mode & 07777) : 0700);
+  if (!existed) ::rmdir(dir.c_str());
 }

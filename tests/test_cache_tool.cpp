@@ -1,4 +1,7 @@
 // kerf-cache as a user runs it: warm, list, inspect --json, pack, verify, prune.
+#include <sys/time.h>
+
+#include <ctime>
 #include <fstream>
 
 #include "catch.h"
@@ -99,6 +102,47 @@ TEST_CASE("kerf-cache warms, lists, packs, verifies and prunes", "[cache][tool]"
 
   std::tie(rc, out) = tool(cache_dir, {"warm", "--op", "no_such_op", "--shape", "1x2x3"});
   CHECK(rc == 2);
+}
+
+TEST_CASE("kerf-cache refuses arguments that would lose entries or store nothing", "[cache][tool]") {
+  if (!*kTool) {
+    std::printf("KERF-SKIPPED: kerf-cache was not built with the tests\n");
+    return;
+  }
+  test::TempDir dir;
+  // An empty --dir (an unset shell variable) is refused, never the default cache.
+  CHECK(tool("", {"prune", "--max-size", "0"}).first == 2);
+  // Sizes and ages: decimal numbers with a unit (ages need one), nothing else.
+  for (const std::vector<std::string>& bad :
+       {std::vector<std::string>{"prune", "--max-age", "30"}, {"prune", "--max-age", "inf"},
+        {"prune", "--max-size", "0x10"}, {"prune", "--max-size", "nan"}, {"prune", "--max-size", "1e30"},
+        {"prune", "--max-size", "-1"}, {"warm", "--op", "dora_norm", "--shape", "8x8x2", "-j", "abc"}}) {
+    CAPTURE(bad);
+    CHECK(tool(dir / "cache", bad).first == 2);
+  }
+  // warm on a cache that stores nothing fails instead of reporting success.
+  test::Child readonly({kTool, "--dir", dir / "cache", "warm", "--op", "dora_norm", "--shape", "8x8x2"},
+                       {{"KERF_LOG", "off"}, {"KERF_CACHE", "readonly"}});
+  CHECK(readonly.wait() == 2);
+
+  const bool gpu_code = nvrtc::available(), cpu = jit::cpu::available();
+  if (!gpu_code && !cpu) return;
+  // Entries under a directory whose name holds ".tmp-" are entries, not a writer's leftovers.
+  const std::string cache_dir = dir / "proj.tmp-x/cache";
+  std::vector<std::string> warm = {"warm", "--op", "dora_norm", "--shape", "64x96x4", "--dtype", "f32", "--no-tune",
+                                   "--arch", gpu_code ? "sm_80" : "cpu"};
+  REQUIRE(tool(cache_dir, warm).first == 0);
+  const std::vector<cache::DiskCache::Listed> before = cache::DiskCache(cache_dir, cache::DiskMode::readonly).list();
+  REQUIRE_FALSE(before.empty());
+  const std::time_t two_hours_ago = std::time(nullptr) - 7200;
+  for (const auto& f : before) {
+    const struct timeval times[2] = {{two_hours_ago, 0}, {two_hours_ago, 0}};
+    REQUIRE(::utimes(f.path.c_str(), times) == 0);
+  }
+  auto [rc, out] = tool(cache_dir, {"prune", "--max-age", "30d"});
+  CHECK(rc == 0);
+  CHECK(out.find("removed 0 entries") != std::string::npos);
+  CHECK(cache::DiskCache(cache_dir, cache::DiskMode::readonly).list().size() == before.size());
 }
 
 TEST_CASE("kerf-cache warms every tunable op, on the CPU back end and for a GPU architecture",

@@ -56,7 +56,8 @@ constexpr const char* kUsage = R"(usage: kerf-cache [--dir DIR] COMMAND ...
   list     [BUNDLE] [--json]                one line per entry
   inspect  [BUNDLE | FILE.kerf] [--json]    every property of every entry
   verify   [BUNDLE...]                      check every checksum; exit 1 if any fails
-  prune    [--max-age AGE] [--max-size SIZE]  AGE like 30d, 12h; SIZE like 500M, 2G
+  prune    [--max-age AGE] [--max-size SIZE]  AGE with a unit (s, m, h, d, w) like 30d,
+                                             12h; SIZE in bytes or with k, m, g, t like 500M
 
 DIR defaults to $KERF_CACHE_DIR, else ${XDG_CACHE_HOME:-~/.cache}/kerf.
 )";
@@ -76,7 +77,10 @@ int main(int argc, char** argv) {
     std::string command = args.next();
     if (command == "--dir") {
       // The command works on this directory (and warm writes there).
-      ::setenv("KERF_CACHE_DIR", args.value_of("--dir").c_str(), 1);
+      const std::string dir = args.value_of("--dir");
+      // An empty value (an unset shell variable) must not fall back to the default cache.
+      if (dir.empty()) throw kerf::InvalidArgument("--dir needs a directory, got an empty string");
+      ::setenv("KERF_CACHE_DIR", dir.c_str(), 1);
       command = args.next();
     }
     kerf::cache::reload_settings();

@@ -26,12 +26,21 @@ std::string now_text() {
   return buf;
 }
 
+// A decimal number (no sign, hex, inf or nan) and one unit letter from `units`
+// (optional when `unit_needed` is false: then 1); at most 2^62 in all.
 int64_t scaled(const std::string& text, const char* what,
-               const std::vector<std::pair<char, int64_t>>& units) {
+               const std::vector<std::pair<char, int64_t>>& units, bool unit_needed) {
+  std::string letters;
+  for (const auto& [c, u] : units) letters += c;
+  const auto bad = [&](const std::string& why) {
+    return InvalidArgument("cannot read " + std::string(what) + " '" + text + "': " + why);
+  };
+  const size_t digits = text.find_first_not_of("0123456789.");
+  if (digits == 0 || text.empty()) throw bad("it must start with a decimal number");
   char* end = nullptr;
   const double v = std::strtod(text.c_str(), &end);
-  if (end == text.c_str() || v < 0)
-    throw InvalidArgument("cannot read " + std::string(what) + " '" + text + "'");
+  if (end != text.c_str() + (digits == std::string::npos ? text.size() : digits))
+    throw bad("it must start with a decimal number");
   int64_t unit = 1;
   if (*end) {
     bool found = false;
@@ -40,22 +49,42 @@ int64_t scaled(const std::string& text, const char* what,
         unit = u;
         found = true;
       }
-    if (!found || end[1] != '\0')
-      throw InvalidArgument("cannot read " + std::string(what) + " '" + text + "'");
+    if (!found || end[1] != '\0') throw bad("the unit must be one letter of " + letters);
+  } else if (unit_needed) {
+    throw bad("give a unit, one of " + letters + " (e.g. 30d)");
   }
-  return int64_t(v * double(unit));
+  const double total = v * double(unit);
+  if (!(total <= double(int64_t(1) << 62))) throw bad("too large");
+  return int64_t(total);
 }
 
 }  // namespace
 
+int64_t whole_number(const std::string& what, const std::string& text, int64_t lo, int64_t hi) {
+  size_t used = 0;
+  long long v = 0;
+  bool ok = !text.empty() && text.find_first_not_of("0123456789") == std::string::npos;
+  if (ok) {
+    try {
+      v = std::stoll(text, &used);
+    } catch (const std::exception&) {
+      ok = false;
+    }
+  }
+  if (!ok || used != text.size() || v < lo || v > hi)
+    throw InvalidArgument(what + " needs a whole number from " + std::to_string(lo) + " to " + std::to_string(hi) +
+                          ", got '" + text + "'");
+  return v;
+}
+
 int64_t parse_duration_s(const std::string& text) {
   return scaled(text, "the age",
-                {{'s', 1}, {'m', 60}, {'h', 3600}, {'d', 86400}, {'w', 7 * 86400}});
+                {{'s', 1}, {'m', 60}, {'h', 3600}, {'d', 86400}, {'w', 7 * 86400}}, true);
 }
 
 int64_t parse_size_bytes(const std::string& text) {
   return scaled(text, "the size",
-                {{'k', 1ll << 10}, {'m', 1ll << 20}, {'g', 1ll << 30}, {'t', 1ll << 40}});
+                {{'k', 1ll << 10}, {'m', 1ll << 20}, {'g', 1ll << 30}, {'t', 1ll << 40}}, false);
 }
 
 std::string human_bytes(uint64_t bytes) {

@@ -29,6 +29,8 @@ int verify(Args& args);
 int prune(Args& args);
 
 // "30d" -> seconds; "2G" -> bytes. Throw InvalidArgument on anything else.
+// A whole number in [lo, hi] given for `what`, or InvalidArgument saying so.
+int64_t whole_number(const std::string& what, const std::string& text, int64_t lo, int64_t hi);
 int64_t parse_duration_s(const std::string& text);
 int64_t parse_size_bytes(const std::string& text);
 std::string human_bytes(uint64_t bytes);

@@ -178,9 +178,9 @@ int warm(Args& args) {
     } else if (a == "--no-tune") {
       tune = false;
     } else if (a == "--sm-count") {
-      sm_count = std::stoi(args.value_of(a));
+      sm_count = int(whole_number("warm: --sm-count", args.value_of(a), 1, 100000));
     } else if (a == "-j") {
-      jobs = std::max(1, std::stoi(args.value_of(a)));
+      jobs = int(whole_number("warm: -j", args.value_of(a), 1, 1024));
     } else {
       throw InvalidArgument("warm: unknown option '" + a + "'");
     }
@@ -198,6 +198,11 @@ int warm(Args& args) {
   else if (!std::getenv("KERF_AUTOTUNE"))
     ::setenv("KERF_AUTOTUNE", "1", 1);  // warm means tune, CPU too
   cache::reload_settings();
+  if (cache::current_settings().disk != cache::DiskMode::on)
+    throw InvalidArgument(std::string("warm: the disk cache is ") +
+                          cache::disk_mode_name(cache::current_settings().disk) +
+                          " (KERF_CACHE): nothing warm compiles or tunes would be stored");
+  const uint64_t stores_before = cache::stats().stores;
 
   const std::vector<autotune::TunableOp> ops = autotune::tunable_ops();
   std::vector<const autotune::TunableOp*> chosen;
@@ -322,6 +327,12 @@ int warm(Args& args) {
       items.size(), seconds_since(t0), totals.compiled.load(), totals.cached.load(),
       totals.runs.load(), totals.runs && tuning ? " (tuned)" : "", totals.skipped.load(),
       totals.failed.load(), cache::current_settings().dir.c_str());
+  // Compiled but not stored (an unwritable directory): a warm-then-pack step must not pass.
+  if (totals.compiled > 0 && cache::stats().stores == stores_before) {
+    std::fprintf(stderr, "kerf-cache: warm: nothing was stored in %s (the log above says why)\n",
+                 cache::current_settings().dir.c_str());
+    return 1;
+  }
   return totals.failed ? 1 : 0;
 }
 

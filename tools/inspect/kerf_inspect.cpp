@@ -49,8 +49,17 @@ int main(int argc, char** argv) {
       } else if (a == "--meta") {
         const std::string v = value();
         const auto eq = v.find('=');
-        if (eq == std::string::npos) throw InvalidArgument("--meta wants NAME=VALUE, got '" + v + "'");
-        overrides[v.substr(0, eq)] = std::stoll(v.substr(eq + 1));
+        const std::string name = eq == std::string::npos ? "" : v.substr(0, eq), num = v.substr(eq + 1);
+        size_t used = 0;
+        long long n = 0;
+        try {
+          if (!name.empty()) n = std::stoll(num, &used);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        if (name.empty() || num.empty() || used != num.size())
+          throw InvalidArgument("--meta wants NAME=INTEGER, got '" + v + "'");
+        overrides[name] = n;
       } else if (a == "--hash") {
         hash_only = true;
       } else if (a == "--cuda") {
