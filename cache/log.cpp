@@ -15,12 +15,15 @@ namespace {
 
 constexpr int kUnread = -1;
 
-Level parse(const char* text) {
+// `known` is false for a value that is not a level name (it reads as warn).
+Level parse(const char* text, bool* known) {
+  *known = true;
   if (!text || !*text) return Level::warn;
   const std::string v = text;
   if (v == "off" || v == "0" || v == "none") return Level::off;
   if (v == "info") return Level::info;
   if (v == "debug") return Level::debug;
+  *known = v == "warn" || v == "warning";
   return Level::warn;  // "warn", and anything unknown: never hide warnings by mistake
 }
 
@@ -58,8 +61,14 @@ Level level() {
   Registry& r = registry();
   int v = r.level.load(std::memory_order_relaxed);
   if (v == kUnread) {
-    v = int(parse(std::getenv("KERF_LOG")));
+    bool known = true;
+    const char* text = std::getenv("KERF_LOG");
+    v = int(parse(text, &known));
     r.level.store(v, std::memory_order_relaxed);
+    // As KERF_CACHE and KERF_AUTOTUNE report a value they do not know.
+    if (!known)
+      once(Level::warn, "settings:KERF_LOG",
+           std::string("KERF_LOG='") + text + "' is not one of off, warn, info, debug; using warn");
   }
   return Level(v);
 }

@@ -284,3 +284,12 @@ TEST_CASE("without a home the cache's /tmp fallback is used only when it is this
   ::chmod(dir.c_str(), existed ? (before.st_mode & 07777) : 0700);
   if (!existed) ::rmdir(dir.c_str());
 }
+
+TEST_CASE("settings the environment gives in a form kerf does not know are reported", "[cache]") {
+  test::LogCapture logs;  // before the environment changes: its reload reads them
+  test::ScopedEnv env({{"KERF_LOG", "nonsense"}, {"KERF_CACHE", "maybe"}, {"KERF_AUTOTUNE", "banana"}});
+  (void)cache::settings_from_env();
+  CHECK(logs.count("KERF_LOG='nonsense' is not one of off, warn, info, debug; using warn") == 1);
+  CHECK(logs.count("KERF_CACHE='maybe' is not one of on, readonly, off") == 1);
+  CHECK(logs.count("KERF_AUTOTUNE='banana' is not one of 0, 1, force") == 1);
+}

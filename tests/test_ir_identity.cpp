@@ -47,4 +47,16 @@ TEST_CASE("kerf-inspect prints IR, CUDA source and refuses unknown kernels", "[i
   const size_t n = fread(buf, 1, sizeof buf - 1, p);
   CHECK(pclose(p) != 0);
   CHECK(std::string(buf, n).find("no library kernel named 'no_such_kernel'") != std::string::npos);
+  // Arguments that are not what they name are refused, saying so.
+  for (const auto& [args, message] :
+       {std::pair<std::string, std::string>{" dora_norm --cuda banana", "'banana' is not a GPU architecture"},
+        {" dora_norm --meta BLOCK_M=abc", "--meta wants NAME=INTEGER, got 'BLOCK_M=abc'"},
+        {" dora_norm --meta =", "--meta wants NAME=INTEGER"}}) {
+    CAPTURE(args);
+    FILE* q = popen((std::string(KERF_INSPECT_PATH) + args + " 2>&1").c_str(), "r");
+    char out[512] = {0};
+    const size_t got = fread(out, 1, sizeof out - 1, q);
+    CHECK(pclose(q) != 0);
+    CHECK(std::string(out, got).find(message) != std::string::npos);
+  }
 }

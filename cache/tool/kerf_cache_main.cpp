@@ -35,7 +35,7 @@ constexpr const char* kUsage = R"(usage: kerf-cache [--dir DIR] COMMAND ...
 
   warm     compile (and, on a GPU of that architecture, tune) ops for shapes:
              --op NAME       repeatable; default: all of
-                               dora_norm, lora_merge                  shape out x in x r
+                               dora_norm, dora_norm_4bit, lora_merge  shape out x in x r
                                moe_lora_materialize,
                                moe_lora_materialize_backward          shape E x N x K x r
                                lora_embedding,
