@@ -305,7 +305,8 @@ def lora_embedding(x: TensorLike, weight: TensorLike, A: TensorLike, B: TensorLi
     raises ValueError and is never read (its row of out is zeros). On CUDA,
     ``id_check="sync"`` (the default) waits for the kernel to say so at once;
     ``"deferred"`` returns as soon as the work is queued and leaves the report
-    to :func:`check_embedding_ids`. padding_idx / scale_grad_by_freq only
+    to :func:`check_embedding_ids` (as a call captured into a CUDA graph does:
+    it cannot wait). padding_idx (checked here too) / scale_grad_by_freq only
     matter to the backward. ``after_a`` [*x.shape, r] (any float dtype), when
     given, is written with the activations ``A[:, x[t]]`` (PEFT's ``after_A``)
     for :func:`lora_embedding_backward` (in a layout: operand "after_a", split as x).
@@ -336,5 +337,8 @@ def check_embedding_ids(tensor: TensorLike, *, stream: StreamLike = None) -> Non
     :func:`lora_embedding_backward` call with ``id_check="deferred"`` on
     ``tensor``'s device and ``stream`` (by default the current one, as for the
     ops) met an id outside the vocabulary since the last check, then clears
-    that record. Waits for the stream. Does nothing for CPU tensors, whose ids
-    are checked before each call."""
+    that record; then the same for calls captured into CUDA graphs on that
+    device (their launches record into one record of the device's; synchronize
+    the stream a graph ran on first). Waits for the stream; refused while the
+    stream captures a graph. Does nothing for CPU tensors, whose ids are
+    checked before each call."""
