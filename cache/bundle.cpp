@@ -8,6 +8,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <vector>
 
 #include "cache/byte_io.h"
 #include "kerf/cache/disk_cache.h"
@@ -29,12 +30,18 @@ std::pair<uint64_t, uint64_t> words(const ir::Hash128& h) {
 
 }  // namespace
 
-// The file, mapped read-only for the bundle's lifetime.
+// Bundles up to this size are read into memory when mounted: a file rewritten in place
+// later (cp over it) then cannot cut the bytes a lookup reads short, which in a mapping
+// raises SIGBUS. Larger ones are mapped (and must be replaced by rename).
+constexpr size_t kReadWhole = size_t(256) << 20;
+
+// The file's bytes for the bundle's lifetime: read into `owned`, or mapped read-only.
 struct Bundle::Mapping {
   const char* data = nullptr;
   size_t size = 0;
+  std::vector<char> owned;
   ~Mapping() {
-    if (data && size) ::munmap(const_cast<char*>(data), size);
+    if (data && size && owned.empty()) ::munmap(const_cast<char*>(data), size);
   }
 };
 
@@ -54,11 +61,27 @@ Bundle::Bundle(const std::string& path) : path_(path), map_(std::make_unique<Map
     ::close(fd);
     throw bad("too short to be a bundle (" + std::to_string(st.st_size) + " bytes)");
   }
-  void* p = ::mmap(nullptr, size_t(st.st_size), PROT_READ, MAP_PRIVATE, fd, 0);
-  ::close(fd);  // the mapping keeps the file
-  if (p == MAP_FAILED) throw bad(std::string("mmap: ") + std::strerror(errno));
-  map_->data = static_cast<const char*>(p);
-  map_->size = size_t(st.st_size);
+  if (size_t(st.st_size) <= kReadWhole) {
+    std::vector<char>& bytes = map_->owned;
+    bytes.resize(size_t(st.st_size));
+    size_t got = 0;
+    while (got < bytes.size()) {
+      const ssize_t n = ::pread(fd, bytes.data() + got, bytes.size() - got, off_t(got));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) break;
+      got += size_t(n);
+    }
+    ::close(fd);
+    if (got != bytes.size()) throw bad("the file shrank while it was read");
+    map_->data = bytes.data();
+    map_->size = bytes.size();
+  } else {
+    void* p = ::mmap(nullptr, size_t(st.st_size), PROT_READ, MAP_PRIVATE, fd, 0);
+    ::close(fd);  // the mapping keeps the file
+    if (p == MAP_FAILED) throw bad(std::string("mmap: ") + std::strerror(errno));
+    map_->data = static_cast<const char*>(p);
+    map_->size = size_t(st.st_size);
+  }
 
   const char* d = map_->data;
   if (std::memcmp(d, kMagic, 8) != 0) throw bad("not a kerf bundle (no magic)");

@@ -129,6 +129,16 @@ TEST_CASE("a damaged bundle is refused when mounted, naming the problem", "[cach
   }
 }
 
+TEST_CASE("a mounted bundle rewritten in place keeps serving what it held when mounted", "[cache]") {
+  test::TempDir dir;
+  const std::string path = write_bundle(dir, 3);
+  const cache::Bundle b(path);
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << "short";  // as `cp other.kbundle` over it
+  const auto e = b.find(test_key(1), false);  // a mapping would raise SIGBUS here
+  REQUIRE(e);
+  CHECK(e->blob == test_entry(1).blob);
+}
+
 TEST_CASE("a bundle packed by another kerf version is reported when mounted", "[cache]") {
   test::ScopedEnv env({{"KERF_LOG", "warn"}});
   test::TempDir dir;
