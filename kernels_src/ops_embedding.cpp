@@ -354,18 +354,23 @@ TensorView stand_in_record(const Device& dev) {
 // the call itself reports once; the candidates' many runs must not count them again.
 class TuningRecord {
  public:
-  explicit TuningRecord(const Device& dev) {
-    if (!dev.is_cuda()) {
-      view_ = error_record("", dev, nullptr);  // CPU ids were checked before the launch
-      return;
+  explicit TuningRecord(const Device& dev) : dev_(dev) {}
+  // Made at the first timed run, never before: a call that does not tune (its stream
+  // captures a CUDA graph, where nothing may be allocated) never makes it.
+  const TensorView& view() {
+    if (view_.data) return view_;
+    if (!dev_.is_cuda()) {
+      view_ = error_record("", dev_, nullptr);  // CPU ids were checked before the launch
+      return view_;
     }
-    buf_ = cuda::DeviceBuffer(kRecordSlots * 8, dev.index);
+    buf_ = cuda::DeviceBuffer(kRecordSlots * 8, dev_.index);
     buf_.fill_bytes(0);
-    view_ = TensorView::contiguous(buf_.data(), DType::i64, {kRecordSlots}, dev);
+    view_ = TensorView::contiguous(buf_.data(), DType::i64, {kRecordSlots}, dev_);
+    return view_;
   }
-  const TensorView& view() const { return view_; }
 
  private:
+  Device dev_;
   cuda::DeviceBuffer buf_;
   TensorView view_;
 };
@@ -408,7 +413,7 @@ Config tuned_embedding_config(const EmbeddingForward& c) {
         {&kernels::lora_embedding(), embedding_args(c, stand_in_record(c.x1.device)),
          plan_embedding(c, config, parallelism(c.x1.device)).meta}};
   };
-  const TuningRecord record(c.x1.device);
+  TuningRecord record(c.x1.device);
   q.run = [&](const Config& config) { run_embedding(c, config, record.view()); };
   q.stream = c.lo.stream;
   return tuned_config(q);
@@ -845,7 +850,7 @@ Config tuned_embedding_backward_config(const EmbeddingBackward& c) {
   q.kernels = [&](const Config& config) {
     return embedding_backward_kernels(c, config, parallelism(dev));
   };
-  const TuningRecord record(dev);
+  TuningRecord record(dev);
   q.run = [&](const Config& config) { run_embedding_backward(c, config, record.view()); };
   q.stream = c.lo.stream;
   return tuned_config(q);

@@ -14,6 +14,7 @@
 
 #include "catch.h"
 #include "device_tensor.h"
+#include "error_test_util.h"
 #include "gpu_test_util.h"
 #include "kerf/jit/autotune.h"
 #include "kerf/ops/ops.h"
@@ -331,4 +332,31 @@ TEST_CASE("cuda::Graph refuses the legacy default stream and ends a capture whos
   stream.synchronize();
   cuda::Graph empty;
   CHECK_THROWS_WITH(empty.launch(stream.handle()), Catch::Contains("the graph is empty"));
+}
+
+// Run in a child process, whose device has seen no embedding call yet.
+TEST_CASE("child: an embedding call captured before any other", "[.graph-child-first-embedding]") {
+  const Device dev = Device::cuda(0);
+  TestTensor x(DType::i64, {4}, dev), table(DType::f32, {10, 8}, dev), A(DType::f32, {2, 10}, dev),
+      B(DType::f32, {8, 2}, dev), out(DType::f32, {4, 8}, dev);
+  cuda::Stream stream(0);
+  std::string message;
+  cuda::Graph g = cuda::Graph::capture(stream.handle(), [&] {
+    message = test::thrown<InvalidArgument>([&] {
+      ops::lora_embedding(x.view(), table.view(), A.view(), B.view(), 1.0, out.view(), {}, stream.handle());
+    });
+  });
+  std::cout << "MESSAGE=" << message << std::endl;
+  std::cout << "CAPTURE=" << (g.valid() ? "ok" : "lost") << std::endl;
+}
+
+TEST_CASE("an embedding call captured before the device's first one refuses, and the capture survives",
+          "[gpu][ops][graph][embedding]") {
+  KERF_REQUIRE_GPU();
+  test::Child child(test::self_test("[.graph-child-first-embedding]"), {});
+  CHECK(child.wait() == 0);
+  INFO(child.output());
+  CHECK(child.value("MESSAGE").find("lora_embedding: the first embedding call on cuda:0 is being captured into a "
+                                    "CUDA graph; call it once before the capture") != std::string::npos);
+  CHECK(child.value("CAPTURE") == "ok");
 }
