@@ -95,6 +95,9 @@ TEST_CASE("kerf-cache warms, lists, packs, verifies and prunes", "[cache][tool]"
   std::tie(rc, out) = tool(cache_dir, {"verify"});
   CHECK(rc == 1);
   CHECK(out.find("BAD " + victim) != std::string::npos);
+  std::tie(rc, out) = tool(cache_dir, {"list"});  // a listing showing a damaged entry says so by its status too
+  CHECK(rc == 1);
+  CHECK(out.find("BAD ") != std::string::npos);
 
   std::tie(rc, out) = tool(cache_dir, {"prune", "--max-size", "0"});
   CHECK(rc == 0);

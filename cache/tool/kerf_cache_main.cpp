@@ -53,8 +53,8 @@ constexpr const char* kUsage = R"(usage: kerf-cache [--dir DIR] COMMAND ...
              --no-tune       compile the default configurations only
              -j N            compile threads without a device (default: all cores)
   pack     BUNDLE [--add OTHER.bundle]...   write the cache's entries into one bundle
-  list     [BUNDLE] [--json]                one line per entry
-  inspect  [BUNDLE | FILE.kerf] [--json]    every property of every entry
+  list     [BUNDLE] [--json]                one line per entry; exit 1 if one is damaged
+  inspect  [BUNDLE | FILE.kerf] [--json]    every property of every entry (exit 1 likewise)
   verify   [BUNDLE...]                      check every checksum; exit 1 if any fails
   prune    [--max-age AGE] [--max-size SIZE]  AGE with a unit (s, m, h, d, w) like 30d,
                                              12h; SIZE in bytes or with k, m, g, t like 500M

@@ -132,10 +132,14 @@ int list(Args& args, bool details) {
   }
   std::map<std::string, std::string> bundle_props;
   const std::vector<Row> rows = rows_of(target, &bundle_props);
+  // As verify: a listing that shows a damaged entry exits 1, so scripts notice.
+  int status = 0;
+  for (const Row& r : rows)
+    if (!r.decoded.ok()) status = 1;
   if (json) {
 #if defined(KERF_HAVE_JSON)
     print_json(rows, bundle_props, details);
-    return 0;
+    return status;
 #else
     throw NotAvailable("this kerf-cache was built without nlohmann-json, so --json is off");
 #endif
@@ -158,7 +162,7 @@ int list(Args& args, bool details) {
                   age_text(r.mtime_s).c_str(), details_of(e).c_str());
     }
     std::printf("%zu entries\n", rows.size());
-    return 0;
+    return status;
   }
   for (const Row& r : rows) {
     std::printf("%s\n", r.where.c_str());
@@ -172,7 +176,7 @@ int list(Args& args, bool details) {
     for (const auto& [k, v] : r.decoded.entry.props)
       std::printf("  %s: %s\n", k.c_str(), v.c_str());
   }
-  return 0;
+  return status;
 }
 
 }  // namespace kerf::cache_tool
