@@ -419,15 +419,25 @@ Value binary(BinOp bop, const Value& a, const Value& b) {
   return binary_same_builder(s, bop, a, b);
 }
 
+// An integer literal beside an i32 tile must fit i32: it would wrap silently.
+void expect_literal_fits(Builder::Impl& s, BinOp bop, DType t, double value) {
+  if (t == DType::i32 && (value < double(INT32_MIN) || value > double(INT32_MAX)))
+    s.fail(binop_name(bop), "the integer literal " + std::to_string(int64_t(value)) +
+                                " does not fit the i32 tile beside it; cast the tile to i64 first "
+                                "(.to(DType::i64))");
+}
+
 Value binary(BinOp bop, const Value& a, double b, bool b_is_int) {
   Builder::Impl& s = impl_of(a, binop_name(bop));
   const DType t = literal_dtype(a.dtype(), b, b_is_int);
+  expect_literal_fits(s, bop, t, b);
   return binary_same_builder(s, bop, a, constant_in(s, b, t));
 }
 
 Value binary(BinOp bop, double a, bool a_is_int, const Value& b) {
   Builder::Impl& s = impl_of(b, binop_name(bop));
   const DType t = literal_dtype(b.dtype(), a, a_is_int);
+  expect_literal_fits(s, bop, t, a);
   return binary_same_builder(s, bop, constant_in(s, a, t), b);
 }
 

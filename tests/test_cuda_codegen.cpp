@@ -175,6 +175,24 @@ TEST_CASE("every sample and library kernel compiles with NVRTC for sm_80 and sm_
   }
 }
 
+TEST_CASE("a tile far beyond a GPU thread's registers is refused before NVRTC would spend minutes on it",
+          "[cuda][codegen]") {
+  const dsl::Kernel huge("huge_tile", [](dsl::Builder& b) {
+    auto x = b.tensor("x", 1);
+    const int64_t n = b.meta("N");
+    auto i = dsl::arange(n);
+    dsl::store(x, {i}, dsl::load(x, {i}, i < x.dim(0)) * 2.0, i < x.dim(0));
+  });
+  const auto trace = [&](int64_t n, int64_t warps) {
+    return huge.trace({t(DType::f32, 1)}, {{"N", n}, {"num_warps", warps}});
+  };
+  CHECK_THROWS_WITH(jit::cuda::generate(trace(1 << 20, 4), "sm_90a"),
+                    Catch::Contains("kernel 'huge_tile': a tile i32[1048576] over 128 GPU threads needs 8192 "
+                                    "registers per thread; at most 1024"));
+  CHECK_NOTHROW(jit::cuda::generate(trace(1 << 17, 4), "sm_90a"));  // 1024 a thread: allowed
+  CHECK_NOTHROW(jit::cuda::generate(trace(1 << 18, 8), "sm_90a"));  // more warps share it
+}
+
 TEST_CASE("bf16 dots use tensor cores and pipelined loops use cp.async", "[cuda][codegen]") {
   const ir::Function fn = test::matmul_kernel().trace(
       {t(DType::bf16, 2), t(DType::bf16, 2), t(DType::bf16, 2)}, {{"BM", 64}, {"BN", 64}, {"BK", 32}, {"num_stages", 3}});

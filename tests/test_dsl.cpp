@@ -70,6 +70,27 @@ TEST_CASE("literals take the dtype of the tile they meet", "[dsl]") {
   CHECK(text.find("const 1.0 : bf16") != std::string::npos);
 }
 
+TEST_CASE("an integer literal that does not fit the i32 tile beside it is refused, not wrapped", "[dsl]") {
+  const auto body = [](int64_t literal) {
+    return Kernel("lit_range", [literal](Builder& b) {
+      auto x = b.tensor("x", 1);
+      auto i = arange(16);
+      store(x, {i}, where(i < literal, load(x, {i}), 0.0));
+    });
+  };
+  expect_definition_error([&] { body(3000000000LL).trace({ArgSpec::tensor(DType::f32, 1)}, {}); },
+                          {"kernel 'lit_range'", "the integer literal 3000000000 does not fit the i32 tile",
+                           ".to(DType::i64)"});
+  CHECK_NOTHROW(body(2147483647LL).trace({ArgSpec::tensor(DType::f32, 1)}, {}));
+  // Beside an i64 tile it fits.
+  Kernel wide("lit_wide", [](Builder& b) {
+    auto x = b.tensor("x", 1);
+    auto i = arange(16);
+    store(x, {i}, where(i.to(DType::i64) + (int64_t(1) << 33) > (int64_t(1) << 33), load(x, {i}), 0.0));
+  });
+  CHECK_NOTHROW(wide.trace({ArgSpec::tensor(DType::f32, 1)}, {}));
+}
+
 TEST_CASE("mixed float tiles promote to f32 and half tiles are cast explicitly", "[dsl]") {
   Kernel k("promote", [](Builder& b) {
     auto x = b.tensor("x", 1), y = b.tensor("y", 1), out = b.tensor("out", 1);

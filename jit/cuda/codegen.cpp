@@ -14,6 +14,7 @@
 // atomics stay where the kernel put them, in program order.
 #include "codegen_impl.h"
 
+#include <algorithm>
 #include <functional>
 
 namespace kerf::jit::cuda {
@@ -807,6 +808,18 @@ const std::string& Codegen::pointer_lines() const {
 }  // namespace detail
 
 KernelCode generate(const ir::Function& f, const std::string& arch) {
+  // Each thread holds its share of every tile in registers; far beyond what a thread
+  // has (255 registers), NVRTC spends minutes unrolling the arrays (2^20 elements on 4
+  // warps ran for more than ten minutes). Such tiles are refused here, as the CPU back
+  // end refuses tiles beyond its stack.
+  constexpr int64_t kMaxElementsPerThread = 1024;
+  const int64_t threads = 32 * std::max<int64_t>(1, f.meta_value("num_warps", 4));
+  for (const ir::Type& t : f.types)
+    if (!t.is_scalar() && t.numel() / threads > kMaxElementsPerThread)
+      throw DefinitionError("kernel '" + f.name + "': a tile " + ir::to_string(t) + " over " +
+                            std::to_string(threads) + " GPU threads needs " + std::to_string(t.numel() / threads) +
+                            " registers per thread; at most " + std::to_string(kMaxElementsPerThread) +
+                            " are compiled (a thread has 255): use smaller block sizes or more warps");
   detail::Codegen g(f, arch);
   KernelCode k = g.run();
   // Pointers and strides are declared once, at the top of the kernel.

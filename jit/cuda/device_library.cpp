@@ -40,10 +40,11 @@ __device__ __forceinline__ unsigned short f32_to_f16(float f) {
   return r;
 }
 
-// Integer division and remainder that never trap: a zero divisor gives 0.
+// Integer division and remainder that never trap: a zero divisor gives 0, and so does
+// the one quotient that overflows (MIN / -1), as on the CPU back end.
 template <class T> __device__ __forceinline__ T idiv(T a, T b) {
   if (b == 0) return 0;
-  if (b == -1) return (T)(0 - (unsigned long long)a);
+  if (b == -1) return a == (T)((unsigned long long)1 << (8 * sizeof(T) - 1)) ? (T)0 : (T)(0 - a);
   return a / b;
 }
 template <class T> __device__ __forceinline__ T irem(T a, T b) {
