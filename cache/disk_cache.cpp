@@ -76,15 +76,16 @@ void write_file_atomically(const std::string& path, const std::vector<char>& byt
   // The pid alone repeats across containers and hosts sharing a directory (pid 1 in
   // each): a random word per process, and a new name when one exists already (a
   // leftover of a writer that was killed).
-  static const uint64_t nonce = [] {
+  static const std::string word = [] {
     std::random_device rd;
-    return (uint64_t(rd()) << 32) ^ uint64_t(rd());
+    char text[17];
+    std::snprintf(text, sizeof text, "%016llx",
+                  static_cast<unsigned long long>((uint64_t(rd()) << 32) ^ uint64_t(rd())));
+    return std::string(text);
   }();
   std::string temp;
   Fd f;
   for (int attempt = 0; attempt < 8 && f.fd < 0; ++attempt) {
-    char word[17];
-    std::snprintf(word, sizeof word, "%016llx", static_cast<unsigned long long>(nonce));
     temp = path + ".tmp-" + std::to_string(::getpid()) + "-" + word + "-" + std::to_string(counter++);
     f.fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
     if (f.fd < 0 && errno != EEXIST) break;

@@ -244,6 +244,14 @@ struct CallKeyHash {
 // choice was known: a plan made from one serves that call only and is kept nowhere,
 // so that the next call outside a capture tunes. Compare before and after a make.
 uint64_t provisional_configs();
+// Made before a plan is made: seen() says whether that plan came from a provisional config.
+class ProvisionalWatch {
+ public:
+  bool seen() const { return provisional_configs() != at_; }
+
+ private:
+  uint64_t at_ = provisional_configs();
+};
 
 // An op's plans (autotuned config, meta-parameters, grid) by call, so that a
 // repeated call skips the autotuner's lookup and the plan's construction: its
@@ -264,9 +272,9 @@ class PlanMemo {
         if (it != plans_.end()) return it->second;
       }
     }
-    const uint64_t provisional = provisional_configs();
+    const ProvisionalWatch provisional;
     auto plan = std::make_shared<const Plan>(make());  // may tune: outside the lock
-    if (provisional_configs() != provisional) return plan;
+    if (provisional.seen()) return plan;
     std::lock_guard<std::mutex> lock(mu_);
     if (gen != generation_) {
       plans_.clear();

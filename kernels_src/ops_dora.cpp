@@ -274,10 +274,10 @@ void run_dora_norm(const TensorView& W, const TensorView& A, const TensorView& B
       expect_norm_outputs_disjoint("dora_norm", {{"W", &W}, {"A", &A}, {"B", &B}, {"m", &m}}, norm, scale);
   }
   if (!p) {
-    const uint64_t provisional = provisional_configs();
+    const ProvisionalWatch provisional;
     p = checked_dora_plan(W, A, B, m, norm, scale, eps, stream, config);
     if (!p) return;
-    if (repeatable && provisional_configs() == provisional) last.remember(print, p);
+    if (repeatable && !provisional.seen()) last.remember(print, p);
   }
   const WorkspaceLease ws = p->split > 1 ? lease_workspace(W.device, stream, workspace_bytes(*p)) : WorkspaceLease{};
   LaunchOptions options;
@@ -646,10 +646,10 @@ void dora_norm_4bit(const Weight4bit& W, const TensorView& A, const TensorView& 
           scale);
   }
   if (!p) {
-    const uint64_t provisional = provisional_configs();
+    const ProvisionalWatch provisional;
     p = checked_dora_4bit_plan(W, A, B, m, norm, scale, eps, stream, config);
     if (!p) return;
-    if (repeatable && provisional_configs() == provisional) last.remember(print, p);
+    if (repeatable && !provisional.seen()) last.remember(print, p);
   }
   // packed as [out, in/2], as checked_packed views it (packed is contiguous u8).
   const TensorView packed2 = matrix_view(W.packed.data, DType::u8, B.shape[0], A.shape[1] / 2, W.packed.device);

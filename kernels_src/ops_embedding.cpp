@@ -38,11 +38,14 @@ constexpr int kRecordSlots = 4;  // count, first position, its id, the vocabular
 // graphs, which may run on any stream at any later time. Nothing may be allocated
 // while a stream captures, so the graph record is made with the device's first
 // stream record, before any capture can need it.
+struct GraphRecord {
+  cuda::DeviceBuffer buf;
+  bool used = false;  // a captured call has taken it: checks read it from then on
+};
 struct Records {
   std::mutex mu;
   std::map<std::pair<int, void*>, cuda::DeviceBuffer> by_stream;  // nodes never move
-  std::map<int, cuda::DeviceBuffer> for_graphs;
-  std::map<int, bool> graphs_used;  // a captured call has taken the device's graph record
+  std::map<int, GraphRecord> for_graphs;                          // by device
 };
 
 Records& records() {
@@ -62,8 +65,8 @@ cuda::DeviceBuffer& device_record(const Device& dev, void* stream) {
   cuda::DeviceBuffer& buf = r.by_stream[{dev.index, stream}];
   if (!buf.bytes()) {
     buf = new_record(dev.index);
-    cuda::DeviceBuffer& graphs = r.for_graphs[dev.index];
-    if (!graphs.bytes()) graphs = new_record(dev.index);
+    GraphRecord& graphs = r.for_graphs[dev.index];
+    if (!graphs.buf.bytes()) graphs.buf = new_record(dev.index);
   }
   return buf;
 }
@@ -78,8 +81,8 @@ cuda::DeviceBuffer& graph_record(const char* op, const Device& dev) {
                           " is being captured into a CUDA graph; call it once before the capture (a "
                           "warm-up, as for PyTorch's own ops), so that kerf can set up the record of "
                           "bad token ids, which it cannot allocate during a capture");
-  r.graphs_used[dev.index] = true;
-  return it->second;
+  it->second.used = true;
+  return it->second.buf;
 }
 
 TensorView record_view(const Device& dev, cuda::DeviceBuffer& buf) {
@@ -131,7 +134,8 @@ void throw_recorded_bad_ids(const char* op, const Device& dev, void* stream, boo
   cuda::DeviceBuffer* graphs = nullptr;
   {
     std::lock_guard<std::mutex> lock(r.mu);
-    if (r.graphs_used[dev.index]) graphs = &r.for_graphs.at(dev.index);
+    const auto it = r.for_graphs.find(dev.index);
+    if (it != r.for_graphs.end() && it->second.used) graphs = &it->second.buf;
   }
   if (graphs) throw_if_recorded(std::string(op) + " (a launch of a captured CUDA graph)", *graphs);
 }
