@@ -25,6 +25,10 @@ bool is_pow2(int64_t x) { return x > 0 && (x & (x - 1)) == 0; }
 
 }  // namespace
 
+Builder* tracing_builder() { return g_tracing; }
+
+const char* tracing_kernel() { return g_tracing ? g_tracing->kernel_name().c_str() : nullptr; }
+
 Builder& current_builder(const char* op) {
   if (!g_tracing)
     throw DefinitionError(std::string("op '") + op +
@@ -54,7 +58,11 @@ void Builder::Impl::check_usable(const Value& v, const char* op) const {
                  "as a carried value instead");
 }
 
-Builder::Builder(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) { impl_->self = this; }
+Builder::Builder(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {
+  static std::atomic<uint64_t> next_serial{1};
+  serial_ = next_serial.fetch_add(1, std::memory_order_relaxed);
+  impl_->self = this;
+}
 Builder::~Builder() = default;
 
 const std::string& Builder::kernel_name() const { return impl_->fn.name; }
@@ -137,6 +145,11 @@ int64_t Builder::meta(const std::string& name, int64_t fallback) {
   Impl& s = *impl_;
   auto it = s.meta->find(name);
   const int64_t v = it == s.meta->end() ? fallback : it->second;
+  if (it == s.meta->end())
+    if (const auto seen = s.meta_used.find(name); seen != s.meta_used.end() && seen->second != v)
+      throw DefinitionError("kernel '" + s.fn.name + "': meta-parameter '" + name + "' has two defaults, " +
+                            std::to_string(seen->second) + " and " + std::to_string(v) +
+                            "; give it one (or set it in the call)");
   s.meta_used[name] = v;
   return v;
 }
@@ -164,6 +177,12 @@ const std::string& Kernel::name() const { return state_->name; }
 uint64_t Kernel::id() const { return state_->id; }
 
 ir::Function Kernel::trace(const std::vector<ArgSpec>& args, const MetaMap& meta) const {
+  // A body describes one program; one that launches (and so traces) kernels while it is
+  // being traced would nest traces, or wait for its own build.
+  if (g_tracing)
+    throw DefinitionError("kernel '" + state_->name + "' was traced (launched?) inside the body of kernel '" +
+                          g_tracing->kernel_name() + "' while that was being traced; a kernel body describes "
+                          "one program and cannot launch or trace kernels");
   auto impl = std::make_unique<Builder::Impl>();
   impl->fn.name = state_->name;
   impl->args = args;
@@ -219,7 +238,17 @@ ir::Function Kernel::trace(const std::vector<ArgSpec>& args, const MetaMap& meta
   }
   {
     TraceScope scope(&b);
-    state_->body(b);
+    try {
+      state_->body(b);
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      // The author's own mistakes (a vector's .at(), a bad_alloc of a huge table) come back
+      // as what every other definition mistake is, naming the kernel.
+      throw DefinitionError("kernel '" + s.fn.name + "': its body threw: " + e.what());
+    } catch (...) {
+      throw DefinitionError("kernel '" + s.fn.name + "': its body threw something that is not a std::exception");
+    }
   }
   if (s.fn.params.size() != args.size())
     throw DefinitionError("kernel '" + s.fn.name + "' declares " +

@@ -36,5 +36,7 @@ struct Builder::Impl {
 
 // The builder tracing on this thread; throws when none is.
 Builder& current_builder(const char* op);
+// The builder tracing on this thread, or null.
+Builder* tracing_builder();
 
 }  // namespace kerf::dsl

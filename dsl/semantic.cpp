@@ -292,10 +292,23 @@ Value scalar_i32(Builder::Impl& s, const Value& v, const char* opname, const cha
 
 // ---------------------------------------------------------------- Value
 
-Builder& Value::builder() const {
-  if (!b_) throw DefinitionError("an empty Value (default-constructed) was used");
-  return *b_;
+Value::Value(Builder* b, ir::ValueId id) : b_(b), trace_(b ? b->trace_serial() : 0), id_(id) {}
+
+// A Value or Tensor is used only in the trace that made it, while that trace runs on this
+// thread: one kept from an ended trace points at a Builder that is gone (or at another
+// trace's, at the same address), so its pointer is compared, never followed, until then.
+static Builder& live_builder(Builder* b, uint64_t trace, const char* what) {
+  if (!b) throw DefinitionError(std::string("an empty ") + what + " (default-constructed) was used");
+  Builder* now = tracing_builder();
+  if (!now || now != b || now->trace_serial() != trace) {
+    std::string msg = std::string("a ") + what + " from another kernel's trace (or from a trace that has ended) was used";
+    if (now) msg = "kernel '" + now->kernel_name() + "': " + msg;
+    throw DefinitionError(msg + "; make each " + what + " inside the body that uses it");
+  }
+  return *b;
 }
+
+Builder& Value::builder() const { return live_builder(b_, trace_, "Value"); }
 const Type& Value::type() const { return builder().impl().type(id_); }
 
 Value Value::operator[](std::initializer_list<Axis> axes) const {
@@ -318,10 +331,10 @@ Value Value::col() const { return expand_dims(*this, 1); }
 Value Value::row() const { return expand_dims(*this, 0); }
 Value Value::to(DType t) const { return cast(*this, t); }
 
-Builder& Tensor::builder() const {
-  if (!b_) throw DefinitionError("an empty Tensor (default-constructed) was used");
-  return *b_;
-}
+Tensor::Tensor(Builder* b, int param, int rank, DType dtype)
+    : b_(b), trace_(b ? b->trace_serial() : 0), param_(param), rank_(rank), dtype_(dtype) {}
+
+Builder& Tensor::builder() const { return live_builder(b_, trace_, "Tensor"); }
 
 // A size or stride of a tensor argument: one value per (tensor, dimension),
 // defined in the function's top block so that every loop body can use it.

@@ -1,8 +1,13 @@
 #include "kerf/jit/abi.h"
 
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <string>
 
 #include "kerf/dtype.h"
+#include "kerf/error.h"
 
 namespace kerf::jit {
 
@@ -24,6 +29,28 @@ std::vector<size_t> slot_offsets(const std::vector<ir::Param>& params) {
 
 namespace {
 
+// The integer a scalar gives an integer parameter of dtype `t`; refuses fractions, NaN and
+// values out of the parameter's range.
+int64_t integer_value(DType t, const Scalar& s, const ir::Param& p, const char* kernel) {
+  const int64_t lo = t == DType::i32 ? INT32_MIN : INT64_MIN;
+  const int64_t hi = t == DType::i32 ? INT32_MAX : INT64_MAX;
+  const auto refuse = [&](const std::string& value, const char* why) {
+    throw InvalidArgument(std::string(kernel ? "kernel '" + std::string(kernel) + "': " : std::string()) +
+                          "scalar argument '" + p.name + "' is " + dtype_name(t) + ", and " + value + " " + why);
+  };
+  if (s.is_int) {
+    if (s.i < lo || s.i > hi) refuse(std::to_string(s.i), "does not fit it");
+    return s.i;
+  }
+  char text[40];
+  std::snprintf(text, sizeof text, "%.17g", s.f);
+  if (!(s.f == std::trunc(s.f))) refuse(text, "is not a whole number");  // NaN and inf too
+  // 2^63 is the first double past INT64_MAX; INT64_MIN is exact.
+  if (s.f < double(lo) || s.f >= (t == DType::i32 ? double(hi) + 1 : 9223372036854775808.0))
+    refuse(text, "does not fit it");
+  return int64_t(s.f);
+}
+
 Slot scalar_slot(DType t, const Scalar& s) {
   Slot slot = 0;
   switch (t) {
@@ -44,25 +71,19 @@ Slot scalar_slot(DType t, const Scalar& s) {
       std::memcpy(&slot, &h, sizeof h);
       break;
     }
-    case DType::i32: {
-      const int32_t v = int32_t(s.is_int ? s.i : int64_t(s.f));
-      std::memcpy(&slot, &v, sizeof v);
-      break;
-    }
+    case DType::i32:
     case DType::i64:
     case DType::i1:
-    case DType::u8: {
-      const int64_t v = s.is_int ? s.i : int64_t(s.f);
-      std::memcpy(&slot, &v, sizeof v);
-      break;
-    }
+    case DType::u8:
+      break;  // integer_value's, in pack_args
   }
   return slot;
 }
 
 }  // namespace
 
-void pack_args(const std::vector<ir::Param>& params, const std::vector<Arg>& args, Slot* slots) {
+void pack_args(const std::vector<ir::Param>& params, const std::vector<Arg>& args, Slot* slots,
+               const char* kernel) {
   size_t n = 0;
   for (size_t i = 0; i < params.size(); ++i) {
     const ir::Param& p = params[i];
@@ -71,6 +92,13 @@ void pack_args(const std::vector<ir::Param>& params, const std::vector<Arg>& arg
       slots[n++] = reinterpret_cast<uintptr_t>(t.data);
       for (int d = 0; d < p.rank; ++d) slots[n++] = Slot(t.shape[size_t(d)]);
       for (int d = 0; d < p.rank; ++d) slots[n++] = Slot(t.strides[size_t(d)]);
+    } else if (p.dtype == DType::i32) {
+      const int32_t v = int32_t(integer_value(p.dtype, std::get<Scalar>(args[i]), p, kernel));
+      Slot slot = 0;
+      std::memcpy(&slot, &v, sizeof v);
+      slots[n++] = slot;
+    } else if (p.dtype == DType::i64) {
+      slots[n++] = Slot(integer_value(p.dtype, std::get<Scalar>(args[i]), p, kernel));
     } else {
       slots[n++] = scalar_slot(p.dtype, std::get<Scalar>(args[i]));
     }

@@ -420,6 +420,10 @@ std::shared_ptr<Compiled> build_cuda(const ir::Function& fn, int device, std::st
 std::shared_ptr<Compiled> resolve(const dsl::Kernel& kernel, const std::vector<Arg>& args,
                                   Grid grid, const dsl::MetaMap& meta, const LaunchOptions& options,
                                   LaunchInfo& info) {
+  if (const char* outer = dsl::tracing_kernel())
+    throw DefinitionError("kernel '" + kernel.name() + "' was launched inside the body of kernel '" + outer +
+                          "' while that was being traced; a kernel body describes one program and cannot "
+                          "launch kernels");
   const std::string_view layout = options.layout;
   LaunchMemo* const memo = options.memo;
   for (size_t i = 0; i < args.size(); ++i)
@@ -484,7 +488,7 @@ void run(const Compiled& c, const std::vector<Arg>& args, Grid grid, const Launc
     heap_slots.resize(c.num_slots);
     slots = heap_slots.data();
   }
-  jit::pack_args(c.params, args, slots);
+  jit::pack_args(c.params, args, slots, c.name.c_str());
   if (grid.x % c.grid_multiple != 0)
     throw InvalidArgument("kernel '" + c.name + "': grid x (" + std::to_string(grid.x) +
                           ") must be a multiple of its cluster_size " + std::to_string(c.grid_multiple));

@@ -925,6 +925,42 @@ TEST_CASE("scalar arguments reach the kernel in their declared dtypes", "[cpu]")
   for (int i = 0; i < 16; ++i) CHECK(out[size_t(i)] == float(i) * 0.5f + 1.5f + 0x1p40f - 3.f);
 }
 
+TEST_CASE("an integer scalar argument must be a whole number its dtype holds", "[cpu][errors]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  Kernel k("int_scalars", [](Builder& b) {
+    auto out = b.tensor("out", 1, DType::i64);
+    auto c = b.scalar("c", DType::i32), n = b.scalar("n", DType::i64);
+    store(out, {arange(2)}, where(arange(2) == 0, broadcast_to(c.to(DType::i64), {2}), broadcast_to(n, {2})));
+  });
+  std::vector<int64_t> out(2, -1);
+  const auto call = [&](Scalar c, Scalar n) {
+    kerf::launch(k, {TensorView::contiguous(out.data(), DType::i64, {2}), c, n}, Grid{}, dsl::MetaMap{});
+  };
+  // Whole numbers in range pass, given as integers or as doubles.
+  call(Scalar(-7), Scalar(int64_t(1) << 40));
+  CHECK(out == std::vector<int64_t>{-7, int64_t(1) << 40});
+  call(Scalar(2147483647.0), Scalar(-9223372036854775807.0 - 1.0));
+  CHECK(out == std::vector<int64_t>{2147483647, std::numeric_limits<int64_t>::min()});
+  const auto refused = [&](Scalar c, Scalar n, const std::string& what) {
+    out.assign(2, -1);
+    try {
+      call(c, n);
+      FAIL("no error for " << what);
+    } catch (const InvalidArgument& e) {
+      INFO(e.what());
+      CHECK(std::string(e.what()).find("int_scalars") != std::string::npos);
+      CHECK(std::string(e.what()).find(what) != std::string::npos);
+    }
+    CHECK(out == std::vector<int64_t>{-1, -1});  // nothing ran
+  };
+  refused(Scalar(int64_t(3000000000)), Scalar(1), "'c' is i32, and 3000000000 does not fit it");
+  refused(Scalar(2.7), Scalar(1), "'c' is i32, and 2.7000000000000002 is not a whole number");
+  refused(Scalar(-2147483649.0), Scalar(1), "does not fit it");
+  refused(Scalar(1), Scalar(std::nan("")), "'n' is i64, and nan is not a whole number");
+  refused(Scalar(1), Scalar(std::numeric_limits<double>::infinity()), "'n' is i64, and inf does not fit it");
+  refused(Scalar(1), Scalar(9223372036854775808.0), "'n' is i64, and 9.2233720368547758e+18 does not fit it");
+}
+
 TEST_CASE("several threads can launch at once", "[cpu]") {
   KERF_REQUIRE_CPU_BACKEND();
   const int64_t n = 50000;

@@ -193,6 +193,17 @@ TEST_CASE("a tile far beyond a GPU thread's registers is refused before NVRTC wo
   CHECK_NOTHROW(jit::cuda::generate(trace(1 << 18, 8), "sm_90a"));  // more warps share it
 }
 
+TEST_CASE("code is generated only for a GPU architecture's name", "[cuda][codegen]") {
+  const ir::Function fn = test::matmul_kernel().trace({t(DType::bf16, 2), t(DType::bf16, 2), t(DType::bf16, 2)},
+                                                      {{"BM", 64}, {"BN", 64}, {"BK", 32}});
+  for (const char* arch : {"sm_80", "sm_90a", "sm_100f", "sm_120a"}) CHECK(jit::cuda::is_gpu_arch(arch));
+  for (const char* arch : {"", "banana", "sm_", "sm_9", "sm_90b", "sm_90aa", "compute_90", "90"}) {
+    INFO(arch);
+    CHECK_FALSE(jit::cuda::is_gpu_arch(arch));
+    CHECK_THROWS_WITH(jit::cuda::generate(fn, arch), Catch::Contains("is not a GPU architecture"));
+  }
+}
+
 TEST_CASE("bf16 dots use tensor cores and pipelined loops use cp.async", "[cuda][codegen]") {
   const ir::Function fn = test::matmul_kernel().trace(
       {t(DType::bf16, 2), t(DType::bf16, 2), t(DType::bf16, 2)}, {{"BM", 64}, {"BN", 64}, {"BK", 32}, {"num_stages", 3}});

@@ -1,9 +1,11 @@
 // The DSL records the IR it should, and reports definition mistakes by kernel and op.
 #include <string>
+#include <vector>
 
 #include "catch.h"
 #include "kerf/dsl/dsl.h"
 #include "kerf/error.h"
+#include "kerf/jit/launch.h"
 #include "sample_kernels.h"
 
 using namespace kerf;
@@ -241,6 +243,87 @@ TEST_CASE("a value escaping its loop body is a definition error", "[dsl][errors]
 
 TEST_CASE("ops used outside a trace are reported, not crashed on", "[dsl][errors]") {
   CHECK_THROWS_AS(arange(16), DefinitionError);
+}
+
+TEST_CASE("a Value or Tensor kept from one trace is refused in another and after it", "[dsl][errors]") {
+  Value kept;
+  Tensor kept_tensor;
+  Kernel first("first", [&](Builder& b) {
+    kept_tensor = b.tensor("x", 1);
+    kept = arange(16);
+    store(kept_tensor, {kept}, kept.to(kept_tensor.dtype()));
+  });
+  // The second kernel's Builder may live at the first's address: the trace, not the address, decides.
+  Kernel second("second", [&](Builder& b) {
+    auto out = b.tensor("out", 1);
+    store(out, {arange(16)}, kept.to(DType::f32));
+  });
+  Kernel third("third", [&](Builder& b) {
+    auto out = b.tensor("out", 1);
+    store(kept_tensor, {arange(16)}, load(out, {arange(16)}));
+  });
+  for (int round = 0; round < 2; ++round) {
+    (void)first.trace({ArgSpec::tensor(DType::f32, 1)}, {});
+    expect_definition_error([&] { second.trace({ArgSpec::tensor(DType::f32, 1)}, {}); },
+                            {"second", "Value from another kernel's trace (or from a trace that has ended)"});
+    expect_definition_error([&] { third.trace({ArgSpec::tensor(DType::f32, 1)}, {}); },
+                            {"third", "Tensor from another kernel's trace"});
+    // Outside any trace: reported, never read.
+    expect_definition_error([&] { (void)(kept + 1); }, {"Value from another kernel's trace"});
+    expect_definition_error([&] { (void)kept.shape(); }, {"trace that has ended"});
+    expect_definition_error([&] { (void)kept_tensor.dim(0); }, {"Tensor from another"});
+  }
+}
+
+TEST_CASE("a kernel body that traces or launches kernels is refused, not hung", "[dsl][errors]") {
+  Kernel inner("inner", [](Builder& b) { store(b.tensor("out", 1), {arange(16)}, zeros({16})); });
+  Kernel outer("outer", [&](Builder&) { (void)inner.trace({ArgSpec::tensor(DType::f32, 1)}, {}); });
+  expect_definition_error([&] { outer.trace({}, {}); }, {"'inner' was traced", "body of kernel 'outer'"});
+  // A body launching its own kernel waited for its own build before.
+  std::vector<float> data(16, 1.0f);
+  static Kernel* self = nullptr;
+  Kernel again("again", [&](Builder& b) {
+    auto out = b.tensor("out", 1);
+    store(out, {arange(16)}, zeros({16}));
+    kerf::launch(*self, {kerf::TensorView::contiguous(data.data(), DType::f32, {16})}, Grid{}, MetaMap{});
+  });
+  self = &again;
+  try {
+    kerf::launch(again, {kerf::TensorView::contiguous(data.data(), DType::f32, {16})}, Grid{}, MetaMap{});
+    FAIL("no error");
+  } catch (const DefinitionError& e) {
+    INFO(e.what());
+    CHECK(std::string(e.what()).find("kernel 'again' was launched inside the body of kernel 'again'") !=
+          std::string::npos);
+  } catch (const NotAvailable&) {
+    // Without a CPU back end the launch stops before tracing: nothing to check.
+  }
+  self = nullptr;
+}
+
+TEST_CASE("a meta-parameter given two different defaults in one body is refused", "[dsl][errors]") {
+  Kernel k("two_defaults", [](Builder& b) {
+    (void)b.meta("B", 8);
+    (void)b.meta("B", 8);  // the same default twice is fine
+    (void)b.meta("B", 16);
+  });
+  expect_definition_error([&] { k.trace({}, {}); }, {"two_defaults", "'B' has two defaults, 8 and 16"});
+  CHECK_NOTHROW(k.trace({}, {{"B", 32}}));  // set by the call: no default is used
+}
+
+TEST_CASE("a body's own exceptions come back as definition errors naming the kernel", "[dsl][errors]") {
+  Kernel k("throws", [](Builder&) { (void)std::vector<int>().at(3); });
+  expect_definition_error([&] { k.trace({}, {}); }, {"kernel 'throws': its body threw"});
+  Kernel odd("odd_throw", [](Builder&) { throw 42; });
+  expect_definition_error([&] { odd.trace({}, {}); }, {"odd_throw", "not a std::exception"});
+  // kerf's own errors pass unchanged.
+  Kernel own("own", [](Builder&) { throw InvalidArgument("mine"); });
+  CHECK_THROWS_WITH(own.trace({}, {}), "mine");
+}
+
+TEST_CASE("arange of a length that is not a power of two names arange", "[dsl][errors]") {
+  Kernel k("ten", [](Builder&) { (void)arange(10); });
+  expect_definition_error([&] { k.trace({}, {}); }, {"ten", "'arange'", "arange(0, 10)"});
 }
 
 TEST_CASE("the verifier rejects ill-typed IR", "[ir][verifier]") {

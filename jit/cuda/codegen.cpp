@@ -807,7 +807,16 @@ const std::string& Codegen::pointer_lines() const {
 
 }  // namespace detail
 
+bool is_gpu_arch(const std::string& arch) {
+  if (arch.rfind("sm_", 0) != 0) return false;
+  size_t end = arch.find_first_not_of("0123456789", 3);
+  if (end == std::string::npos) end = arch.size();
+  return end >= 5 && (end == arch.size() || (end + 1 == arch.size() && (arch.back() == 'a' || arch.back() == 'f')));
+}
+
 KernelCode generate(const ir::Function& f, const std::string& arch) {
+  if (!is_gpu_arch(arch))
+    throw InvalidArgument("kernel '" + f.name + "': '" + arch + "' is not a GPU architecture (like sm_90a or sm_80)");
   // Each thread holds its share of every tile in registers; far beyond what a thread
   // has (255 registers), NVRTC spends minutes unrolling the arrays (2^20 elements on 4
   // warps ran for more than ten minutes). Such tiles are refused here, as the CPU back

@@ -76,14 +76,9 @@ int main(int argc, char** argv) {
     for (const auto& [k, v] : overrides) meta[k] = v;
     const ir::Function fn = entry->kernel().trace(entry->example_args(dtype), meta);
     if (!save_path.empty() && compile_arch.empty()) throw InvalidArgument("--save goes with --compile ARCH");
-    for (const std::string* arch : {&cuda_arch, &compile_arch}) {
-      // sm_ and a compute capability's digits, optionally a or f (sm_90a, sm_100f).
-      const std::string& a = *arch;
-      size_t digits = a.rfind("sm_", 0) == 0 ? a.find_first_not_of("0123456789", 3) : 0;
-      if (digits == std::string::npos) digits = a.size();
-      const bool ok = digits > 4 && (digits == a.size() || (digits + 1 == a.size() && (a.back() == 'a' || a.back() == 'f')));
-      if (!a.empty() && !ok) throw InvalidArgument("'" + a + "' is not a GPU architecture (like sm_90a or sm_80)");
-    }
+    for (const std::string* arch : {&cuda_arch, &compile_arch})
+      if (!arch->empty() && !jit::cuda::is_gpu_arch(*arch))
+        throw InvalidArgument("'" + *arch + "' is not a GPU architecture (like sm_90a or sm_80)");
     if (hash_only) {
       std::printf("%s\n", ir::hash(fn).hex().c_str());
       return 0;

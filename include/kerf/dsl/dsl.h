@@ -58,7 +58,7 @@ inline constexpr Axis newaxis = Axis::newaxis;
 class Value {
  public:
   Value() = default;
-  Value(Builder* b, ir::ValueId id) : b_(b), id_(id) {}
+  Value(Builder* b, ir::ValueId id);
 
   bool valid() const { return b_ != nullptr; }
   ir::ValueId id() const { return id_; }
@@ -75,6 +75,7 @@ class Value {
 
  private:
   Builder* b_ = nullptr;
+  uint64_t trace_ = 0;  // the trace that made it: a Value kept past its trace is refused, never read
   ir::ValueId id_ = -1;
 };
 
@@ -82,8 +83,7 @@ class Value {
 class Tensor {
  public:
   Tensor() = default;
-  Tensor(Builder* b, int param, int rank, DType dtype)
-      : b_(b), param_(param), rank_(rank), dtype_(dtype) {}
+  Tensor(Builder* b, int param, int rank, DType dtype);
   Value dim(int d) const;     // i32 scalar
   Value stride(int d) const;  // i64 scalar, in elements
   int rank() const { return rank_; }
@@ -93,6 +93,7 @@ class Tensor {
 
  private:
   Builder* b_ = nullptr;
+  uint64_t trace_ = 0;  // as Value's
   int param_ = -1;
   int rank_ = 0;
   DType dtype_ = DType::f32;
@@ -116,9 +117,11 @@ class Builder {
   ~Builder();
   Impl& impl() { return *impl_; }
   const Impl& impl() const { return *impl_; }
+  uint64_t trace_serial() const { return serial_; }  // unique in the process
 
  private:
   std::unique_ptr<Impl> impl_;
+  uint64_t serial_ = 0;
 };
 
 // Whether `bytes` is an L2 prefetch size the meta-parameter l2_prefetch takes:
@@ -151,6 +154,9 @@ class Kernel {
 
 // ---------------------------------------------------------------- free functions
 // They act on the kernel being traced on this thread.
+
+// The name of the kernel whose body is being traced on this thread, or null when none is.
+const char* tracing_kernel();
 Value program_id(int axis);
 Value num_programs(int axis);
 Value arange(int64_t start, int64_t end);
@@ -191,7 +197,8 @@ Value interleave(const Value& a, const Value& b);
 // GPU each lookup is one warp shuffle: no memory is read.
 Value gather(const Value& src, const Value& index);
 
-// Reductions over one axis; half types accumulate in f32 and round once.
+// Reductions over one axis (a negative axis counts from the last, as in NumPy: -1
+// is the last); half types accumulate in f32 and round once.
 Value sum(const Value& v, int axis);
 Value max(const Value& v, int axis);
 Value min(const Value& v, int axis);

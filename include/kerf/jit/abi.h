@@ -23,7 +23,11 @@ size_t slot_count(const std::vector<ir::Param>& params);
 std::vector<size_t> slot_offsets(const std::vector<ir::Param>& params);
 
 // Fills `slots` (slot_count(params) entries) from call arguments that were
-// already checked against `params` (kinds and ranks match).
-void pack_args(const std::vector<ir::Param>& params, const std::vector<Arg>& args, Slot* slots);
+// already checked against `params` (kinds and ranks match). A scalar for an integer
+// parameter must be a whole number in the parameter's range (2.5 or 3e9 for an i32 is
+// an InvalidArgument naming the parameter and `kernel`, never truncated or wrapped);
+// float parameters take any number, rounded to their dtype.
+void pack_args(const std::vector<ir::Param>& params, const std::vector<Arg>& args, Slot* slots,
+               const char* kernel = nullptr);
 
 }  // namespace kerf::jit

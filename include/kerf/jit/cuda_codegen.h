@@ -16,7 +16,12 @@ struct KernelCode {
   int num_slots = 0;   // 8-byte argument slots (abi.h)
 };
 
-// `arch` is the NVRTC target ("sm_90a", "sm_80", ...); it selects instructions.
+// Whether `arch` names a GPU target: sm_ and a compute capability's digits (at least
+// two), optionally followed by a or f (sm_80, sm_90a, sm_100f).
+bool is_gpu_arch(const std::string& arch);
+
+// `arch` is the NVRTC target ("sm_90a", "sm_80", ...); it selects instructions. Anything
+// else is an InvalidArgument.
 KernelCode generate(const ir::Function& f, const std::string& arch);
 
 }  // namespace kerf::jit::cuda
