@@ -1,6 +1,8 @@
 #include "ops_common.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -39,6 +41,14 @@ void expect_dtype(const char* op, const char* name, const TensorView& t, const D
   for (size_t i = 0; i < count; ++i) a += (i ? ", " : "") + std::string(dtype_name(allowed[i]));
   throw TypeError(std::string(op) + ": " + name + " must be one of {" + a + "}, got " +
                   dtype_name(t.dtype));
+}
+
+void expect_finite_scale(const char* op, double s) {
+  if (!std::isfinite(s)) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%g", s);
+    throw InvalidArgument(std::string(op) + ": s must be finite, got " + text);
+  }
 }
 
 void expect_device(const char* op, const NamedTensor* ts, size_t count) {

@@ -57,6 +57,10 @@ inline void expect_dtype(const char* op, const char* name, const TensorView& t,
 }
 // Throws InvalidArgument unless every tensor is on the first one's device.
 using NamedTensor = std::pair<const char*, const TensorView*>;
+// Throws InvalidArgument unless the scale s is finite (an inf or NaN s would write NaN
+// into every element, in place for the merges, with no way back).
+void expect_finite_scale(const char* op, double s);
+
 void expect_device(const char* op, const NamedTensor* ts, size_t count);
 inline void expect_device(const char* op, std::initializer_list<NamedTensor> ts) {
   expect_device(op, ts.begin(), ts.size());

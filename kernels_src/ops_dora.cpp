@@ -263,6 +263,7 @@ void run_dora_norm(const TensorView& W, const TensorView& A, const TensorView& B
                    const std::string& layout) {
   // A repeated call (the same shapes, strides, dtypes, devices, alignment and
   // options as this thread's last one) runs only the checks of where its outputs lie.
+  expect_finite_scale("dora_norm", s);
   thread_local LastDoraCall last;
   const bool repeatable = layout.empty() && config.meta.empty();
   CallFingerprint print;
@@ -631,6 +632,7 @@ std::shared_ptr<const DoraPlan> checked_dora_4bit_plan(const Weight4bit& W, cons
 void dora_norm_4bit(const Weight4bit& W, const TensorView& A, const TensorView& B, const TensorView& m, double s,
                     const TensorView& norm, const TensorView& scale, double eps, void* stream, const Config& config) {
   // A repeated call runs only the checks of where its outputs lie (see dora_norm).
+  expect_finite_scale("dora_norm_4bit", s);
   thread_local LastDoraCall last;
   const bool repeatable = config.meta.empty();
   CallFingerprint print;

@@ -45,6 +45,7 @@ void dora_norm_partial(const TensorView& W, const TensorView& A, const TensorVie
                        const TensorView& sumsq, void* stream, const Config& config,
                        const Layout& layout) {
   const char* op = "dora_norm_partial";
+  expect_finite_scale(op, s);
   expect_meta(op, config, {});
   const LayoutSplits splits = check_layout(op, layout, partial_operands());
   expect_unsplit(op, layout, splits, "r",

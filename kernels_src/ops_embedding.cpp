@@ -910,6 +910,7 @@ void lora_embedding(const TensorView& x, const TensorView& weight, const TensorV
                     const EmbeddingOptions& options, void* stream, const Config& config,
                     const Layout& layout) {
   const char* op = "lora_embedding";
+  expect_finite_scale(op, s);
   expect_meta(op, config, {kWarpsN, kL2Prefetch});
   expect_ids(op, x);
   const LayoutSplits splits = check_layout(op, layout, [&] {
@@ -979,6 +980,7 @@ void lora_embedding_backward(const TensorView& x, const TensorView& A, const Ten
                              const TensorView& grad_B, const EmbeddingOptions& options,
                              void* stream, const Config& config, const Layout& layout) {
   const char* op = "lora_embedding_backward";
+  expect_finite_scale(op, s);
   expect_meta(op, config, {{"ROTATE", 0, 1}, {"GATHER", 0, 1}, {"GROUP_BY_ID", 0, 1}, {"FUSED", 0, 1}, {"L2_KEEP", 0, 1}, kL2Prefetch, kStagedAdds, kEarlyPrologue});
   expect_ids(op, x);
   const LayoutSplits splits = check_layout(op, layout, [&] {

@@ -145,6 +145,7 @@ void check_common(const char* op, const TensorView& W, const TensorView& A, cons
 
 void merge_torch(const char* op, const TensorView& W, const TensorView& A, const TensorView& B,
                  double s, void* stream, const Config& config) {
+  expect_finite_scale(op, s);
   expect_shape(op, "W", W, {-1, -1});
   const int64_t out = W.shape[0], in = W.shape[1];
   expect_shape(op, "A", A, {-1, in});
@@ -168,6 +169,7 @@ std::string dims_text(const TensorView& t, int from, int to) {
 // W'[g] += s * B'[g] @ A'[g] with W' = kernel, B' = lora_a, A' = lora_b.
 void merge_flax(const char* op, const TensorView& kernel, const TensorView& lora_a,
                 const TensorView& lora_b, double s, void* stream, const Config& config) {
+  expect_finite_scale(op, s);
   if (lora_a.rank < 2)
     throw InvalidArgument(std::string(op) +
                           ": lora_a must have shape [in..., r] (rank >= 2), got " +

@@ -3,6 +3,7 @@
 // checks run before anything launches, so host views (and views that claim a
 // GPU) need no back end; nothing here reads or writes the fake memory.
 #include <cstdint>
+#include <limits>
 #include <string>
 
 #include "catch.h"
@@ -126,6 +127,43 @@ TEST_CASE("the DoRA norm ops reject bad shapes, dtypes, eps and overlapping outp
                 "dora_norm: output norm overlaps m in memory");
   CHECK_REJECTS(InvalidArgument, ops::dora_norm(W, A, B, m, 1.0, norm, t({8}, DType::f32, 90)),
                 "dora_norm: output scale overlaps W in memory");
+}
+
+TEST_CASE("every op with a scale refuses one that is not finite", "[ops][validation]") {
+  // An inf or NaN s writes NaN everywhere (in place for the merges); the check comes first.
+  const TensorView W = t({8, 12}), A = t({2, 12}, DType::f32, 4096), B = t({8, 2}, DType::f32, 8192);
+  const TensorView m = t({8}, DType::f32, 12100), norm = t({8}, DType::f32, 12200),
+                   scale = t({8}, DType::f32, 12300);
+  const TensorView W3 = t({2, 8, 12}), A3 = t({2, 2, 12}, DType::f32, 4096), B3 = t({2, 8, 2}, DType::f32, 8192),
+                   W3_out = t({2, 8, 12}, DType::f32, 20000);
+  const TensorView x = t({4}, DType::i64, 16000), table = t({16, 12}, DType::f32, 36000),
+                   A_e = t({2, 16}, DType::f32, 40000), B_e = t({12, 2}, DType::f32, 41000),
+                   out = t({4, 12}, DType::f32, 42000), dA_e = t({2, 16}, DType::f32, 43000),
+                   dB_e = t({12, 2}, DType::f32, 44000);
+  ops::Weight4bit W4{t({48}, DType::u8, 50000), t({2}, DType::f32, 50100), t({16}, DType::f32, 50200), 64};
+  for (const double s : {std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity(),
+                         std::numeric_limits<double>::quiet_NaN()}) {
+    INFO("s = " << s);
+    CHECK_REJECTS(InvalidArgument, ops::lora_merge(W, A, B, s), "lora_merge: s must be finite, got ");
+    CHECK_REJECTS(InvalidArgument, ops::lora_unmerge(W, A, B, s), "lora_unmerge: s must be finite");
+    CHECK_REJECTS(InvalidArgument, ops::lora_merge_flax(t({4, 2, 3}), t({4, 2}, DType::f32, 4096),
+                                                        t({2, 2, 3}, DType::f32, 8192), s),
+                  "lora_merge_flax: s must be finite");
+    CHECK_REJECTS(InvalidArgument, ops::dora_norm(W, A, B, m, s, norm, scale), "dora_norm: s must be finite");
+    CHECK_REJECTS(InvalidArgument, ops::dora_norm_partial(W, A, B, s, t({8}, DType::f32, 12000)),
+                  "dora_norm_partial: s must be finite");
+    CHECK_REJECTS(InvalidArgument, ops::dora_norm_4bit(W4, A, B, m, s, norm, scale),
+                  "dora_norm_4bit: s must be finite");
+    CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize(W3, A3, B3, s, W3_out),
+                  "moe_lora_materialize: s must be finite");
+    CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize_backward(W3_out, A3, B3, s, t({2, 2, 12}, DType::f32, 30000), t({2, 8, 2}, DType::f32, 31000)),
+                  "moe_lora_materialize_backward: s must be finite");
+    CHECK_REJECTS(InvalidArgument, ops::lora_embedding(x, table, A_e, B_e, s, out), "lora_embedding: s must be finite");
+    CHECK_REJECTS(InvalidArgument, ops::lora_embedding_backward(x, A_e, B_e, out, s, dA_e, dB_e),
+                  "lora_embedding_backward: s must be finite");
+  }
+  CHECK_REJECTS(InvalidArgument, ops::lora_merge(W, A, B, std::numeric_limits<double>::infinity()),
+                "lora_merge: s must be finite, got inf");
 }
 
 TEST_CASE("the MoE ops reject bad shapes, dtypes and overlapping outputs", "[ops][validation]") {

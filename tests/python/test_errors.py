@@ -259,3 +259,14 @@ def test_a_declaration_that_does_not_match_its_binding_is_refused():
 
     merge = core._with_signature(core.lora_merge, reordered)
     assert merge.__name__ == "reordered" and merge.__doc__.endswith("the binding's parameters in another order")
+
+
+@pytest.mark.parametrize("s", [float("inf"), float("-inf"), float("nan")])
+def test_a_scale_that_is_not_finite_is_a_value_error_and_writes_nothing(kerf_cpu, s):
+    W, A, B, m = dora_inputs()
+    before = W.copy()
+    with pytest.raises(ValueError, match="lora_merge: s must be finite"):
+        kerf_cpu.ops.lora_merge(W, A, B, s)
+    assert np.array_equal(W, before)
+    with pytest.raises(ValueError, match="dora_norm: s must be finite"):
+        kerf_cpu.ops.dora_norm(W, A, B, m, s)
