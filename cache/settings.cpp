@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cerrno>
 #include <cstdlib>
 #include <sstream>
@@ -20,6 +21,16 @@ std::string env(const char* name) {
 
 // The directory when KERF_CACHE_DIR is not set; `shared_tmp`: it is the fallback under
 // /tmp, which other users can reach.
+// A switch's value as compared: surrounding blanks dropped, lower case ("Off " is "off").
+std::string switch_word(std::string v) {
+  const size_t a = v.find_first_not_of(" \t\r\n"), b = v.find_last_not_of(" \t\r\n");
+  v = a == std::string::npos ? std::string() : v.substr(a, b - a + 1);
+  for (char& c : v) c = char(std::tolower(static_cast<unsigned char>(c)));
+  return v;
+}
+bool is_off_word(const std::string& w) { return w == "0" || w == "off" || w == "false" || w == "no"; }
+bool is_on_word(const std::string& w) { return w == "1" || w == "on" || w == "true" || w == "yes"; }
+
 std::string default_dir(bool* shared_tmp) {
   *shared_tmp = false;
   if (const std::string xdg = env("XDG_CACHE_HOME"); !xdg.empty()) return xdg + "/kerf";
@@ -57,15 +68,16 @@ const char* disk_mode_name(DiskMode m) {
 Settings settings_from_env() {
   Settings s;
   const std::string mode = env("KERF_CACHE");
-  if (mode.empty() || mode == "on" || mode == "1") {
+  const std::string cache_word = switch_word(mode);
+  if (cache_word.empty() || is_on_word(cache_word)) {
     s.disk = DiskMode::on;
-  } else if (mode == "readonly" || mode == "ro") {
+  } else if (cache_word == "readonly" || cache_word == "ro") {
     s.disk = DiskMode::readonly;
-  } else if (mode == "off" || mode == "0") {
+  } else if (is_off_word(cache_word)) {
     s.disk = DiskMode::off;
   } else {
     log::once(log::Level::warn, "settings:KERF_CACHE",
-              "KERF_CACHE='" + mode + "' is not one of on, readonly, off; using on");
+              "KERF_CACHE='" + mode + "' is not one of on (1), readonly (ro), off (0); using on");
   }
   s.dir = env("KERF_CACHE_DIR");
   if (s.dir.empty()) {
@@ -85,17 +97,18 @@ Settings settings_from_env() {
     if (!path.empty()) s.bundles.push_back(path);
 
   const std::string tune = env("KERF_AUTOTUNE");
-  if (tune.empty()) {
+  const std::string tune_word = switch_word(tune);
+  if (tune_word.empty()) {
     s.autotune = AutotuneMode::gpu_only;
-  } else if (tune == "0" || tune == "off") {
+  } else if (is_off_word(tune_word)) {
     s.autotune = AutotuneMode::off;
-  } else if (tune == "1" || tune == "on") {
+  } else if (is_on_word(tune_word)) {
     s.autotune = AutotuneMode::on;
-  } else if (tune == "force") {
+  } else if (tune_word == "force") {
     s.autotune = AutotuneMode::force;
   } else {
     log::once(log::Level::warn, "settings:KERF_AUTOTUNE",
-              "KERF_AUTOTUNE='" + tune + "' is not one of 0, 1, force; tuning on GPUs only");
+              "KERF_AUTOTUNE='" + tune + "' is not one of 0 (off), 1 (on), force; tuning on GPUs only (the default)");
   }
   return s;
 }

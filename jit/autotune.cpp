@@ -254,24 +254,38 @@ Choice choose(const Problem& p, const std::vector<Config>& candidates, const Con
     m.choices[id] = r;
   };
   if (auto r = remembered()) return *r;
-  std::lock_guard<std::mutex> one_at_a_time(m.tuning);
-  if (auto r = remembered()) return *r;  // another thread tuned it meanwhile
 
   const std::string what = p.op + " [" + bucket_text(p.shape_bucket) + "] " +
                            dtypes_text(p.dtypes) + (p.layout.empty() ? "" : " layout " + p.layout) +
                            " on " + target_of(p.device).arch;
+  // A stored choice, looked up before the tuning lock (a call whose choice is stored does
+  // not wait for another thread's tuning pass, nor does a capture). It must still compile:
+  // a record from another build of kerf may name a config this one cannot run.
   const bool force = cache::current_settings().autotune == cache::AutotuneMode::force;
   if (o.persist && !force) {
     if (std::optional<cache::Found> f = cache::lookup(key)) {
       Config stored = parse_config(f->entry.prop("config"));
       if (f->entry.kind == cache::EntryKind::tune_choice && !stored.empty() &&
           (!hooks.keep || hooks.keep(stored))) {
-        c.config = std::move(stored);
-        c.from = Choice::From::cache;
-        log::write(log::Level::info,
-                   "autotune " + what + ": " + config_text(c.config) + " (stored choice)");
-        keep_choice(c);
-        return c;
+        std::string unusable;
+        try {
+          if (hooks.compile) hooks.compile(stored);
+        } catch (const kerf::Interrupted&) {
+          throw;
+        } catch (const std::exception& e) {
+          unusable = e.what();
+        }
+        if (unusable.empty()) {
+          c.config = std::move(stored);
+          c.from = Choice::From::cache;
+          log::write(log::Level::info, "autotune " + what + ": " + config_text(c.config) + " (stored choice)");
+          keep_choice(c);
+          return c;
+        }
+        log::once(log::Level::warn, "autotune-unusable:" + key.id.hex(),
+                  "autotune " + what + ": the stored choice " + config_text(stored) + " (cache entry " +
+                      key.id.hex() + ") cannot be used here (" + unusable + "); " +
+                      (o.lookup_only ? "the defaults this time" : "tuning again"));
       }
     }
   }
@@ -282,6 +296,9 @@ Choice choose(const Problem& p, const std::vector<Config>& candidates, const Con
                                      "a stream captures a CUDA graph): the default config this time");
     return c;
   }
+  std::lock_guard<std::mutex> one_at_a_time(m.tuning);
+  if (auto r = remembered()) return *r;  // another thread tuned it meanwhile
+
   const auto t0 = Clock::now();
   std::vector<Config> kept, seen;  // seen: every distinct form, kept or pruned
   const auto canonical = [&](const Config& x) { return hooks.canonical ? hooks.canonical(x) : x; };
@@ -310,6 +327,26 @@ Choice choose(const Problem& p, const std::vector<Config>& candidates, const Con
   // so that one noisy median (a clock change, another process) cannot crown a
   // candidate that is not the fastest.
   std::vector<std::pair<double, size_t>> timed;
+  // Once a candidate has run, the op's in-place inputs hold its result: they are put back
+  // on every way out, an interrupt or an error included (restoring here, not only at the end).
+  bool ran = false;
+  const auto run = [&](const Config& cand) {
+    ran = true;
+    hooks.run(cand);
+  };
+  struct PutBack {
+    const Hooks& hooks;
+    const bool& ran;
+    bool done = false;
+    ~PutBack() {
+      if (done || !ran || !hooks.restore) return;
+      try {
+        hooks.restore();
+      } catch (...) {
+        // Already leaving with an error; that one is reported.
+      }
+    }
+  } put_back{hooks, ran};
   const auto check_interrupt = [] {
     if (interrupt_requested()) throw kerf::Interrupted("autotuning interrupted while timing candidates");
   };
@@ -318,7 +355,7 @@ Choice choose(const Problem& p, const std::vector<Config>& candidates, const Con
     check_interrupt();
     try {
       const double ms =
-          timer->median_ms([&] { hooks.run(kept[i]); }, hooks.restore, o.warmup, o.repeats);
+          timer->median_ms([&] { run(kept[i]); }, hooks.restore, o.warmup, o.repeats);
       log::write(log::Level::debug,
                  "autotune " + what + ": " + config_text(kept[i]) + " " + ms_text(ms));
       timed.emplace_back(ms, i);
@@ -358,7 +395,7 @@ Choice choose(const Problem& p, const std::vector<Config>& candidates, const Con
       check_interrupt();
       kept.push_back(variants[i]);
       try {
-        const double ms = timer->median_ms([&] { hooks.run(kept.back()); }, hooks.restore, o.warmup, o.repeats);
+        const double ms = timer->median_ms([&] { run(kept.back()); }, hooks.restore, o.warmup, o.repeats);
         log::write(log::Level::debug, "autotune " + what + ": variant " + config_text(kept.back()) + " " + ms_text(ms));
         pool.push_back(kept.size() - 1);
         if (ms < best) {
@@ -374,25 +411,43 @@ Choice choose(const Problem& p, const std::vector<Config>& candidates, const Con
   }
   if (pool.size() > 1 && o.final_rounds > 0) {
     std::vector<std::vector<double>> rounds(pool.size());
+    std::vector<bool> dropped(pool.size(), false);  // failed in a final round: out of the running
     for (int round = 0; round < o.final_rounds; ++round)
       for (size_t f = 0; f < pool.size(); ++f) {
+        if (dropped[f]) continue;
         check_interrupt();
         const Config& cand = kept[pool[f]];
-        rounds[f].push_back(timer->median_ms([&] { hooks.run(cand); }, hooks.restore, 1, o.repeats));
+        try {
+          rounds[f].push_back(timer->median_ms([&] { run(cand); }, hooks.restore, 1, o.repeats));
+        } catch (const kerf::Interrupted&) {
+          throw;
+        } catch (const std::exception& e) {
+          dropped[f] = true;
+          ++c.failed;
+          log::write(log::Level::debug,
+                     "autotune: finalist " + config_text(cand) + " failed to run: " + e.what());
+        }
       }
+    bool any = false;
     for (size_t f = 0; f < pool.size(); ++f) {
+      if (dropped[f]) continue;
       std::vector<double>& v = rounds[f];
       std::sort(v.begin(), v.end());
       const double ms = v[v.size() / 2];
       log::write(log::Level::debug, "autotune " + what + ": finalist " + config_text(kept[pool[f]]) + " " +
                                         ms_text(ms));
-      if (f == 0 || ms < best) {
+      if (!any || ms < best) {
         best = ms;
         c.config = kept[pool[f]];
       }
+      any = true;
     }
+    if (!any) best = -1.0;  // every finalist failed: the defaults below
   }
-  if (hooks.restore) hooks.restore();  // the op's own launch must see the inputs it was given
+  // The op's own launch must see the inputs it was given. A restore that fails after a
+  // run leaves them changed: that is the op's error, not a reason to go on.
+  put_back.done = true;
+  if (ran && hooks.restore) hooks.restore();
   c.tune_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   if (best < 0) {
     log::once(log::Level::warn, "autotune-none:" + key.id.hex(),

@@ -198,7 +198,7 @@ RunA run_a(const TensorView& A, DType to, const LaunchOptions& options) {
 }
 
 CallKey& CallKey::add(const TensorView& t) {
-  add(int64_t(t.dtype) << 8 | int64_t(t.rank));
+  add(int64_t(t.dtype) << 8 | int64_t(t.rank) | unit_stride_dims(t) << 16);
   for (int d = 0; d < t.rank; ++d) add(t.shape[size_t(d)]);
   return *this;
 }

@@ -57,6 +57,20 @@ inline void expect_dtype(const char* op, const char* name, const TensorView& t,
 }
 // Throws InvalidArgument unless every tensor is on the first one's device.
 using NamedTensor = std::pair<const char*, const TensorView*>;
+// Which of t's dims have stride 1, as bits (bit d: dim d), in a shape bucket's word:
+// appended to an op's tuning bucket where its main operand is not row-major, so that
+// W.T (PEFT's fan_in_fan_out) is tuned apart from W (row-major keys stay as they were).
+inline int64_t unit_stride_dims(const TensorView& t) {
+  int64_t bits = 0;
+  for (int d = 0; d < t.rank; ++d)
+    if (t.strides[size_t(d)] == 1) bits |= int64_t(1) << d;
+  return bits;
+}
+inline void add_memory_order(std::vector<int64_t>& bucket, const TensorView& t) {
+  const int64_t bits = unit_stride_dims(t);
+  if (t.rank > 0 && bits != int64_t(1) << (t.rank - 1)) bucket.push_back(-1 - bits);  // negative: no size is
+}
+
 // Throws InvalidArgument unless the scale s is finite (an inf or NaN s would write NaN
 // into every element, in place for the merges, with no way back).
 void expect_finite_scale(const char* op, double s);

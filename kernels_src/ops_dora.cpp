@@ -373,6 +373,7 @@ Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorV
                {W.dtype, A.dtype, B.dtype, m.dtype},
                "",
                W.device};
+  add_memory_order(q.problem.shape_bucket, W);
   q.block_m_name = "BLOCK_M";
   q.block_k_name = "BLOCK_K";
   const DType product = is_half(W.dtype) ? W.dtype : DType::f32;

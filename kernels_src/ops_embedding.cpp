@@ -402,6 +402,7 @@ Config tuned_embedding_config(const EmbeddingForward& c) {
                {c.weight.dtype, c.A.dtype, c.B.dtype, c.out2.dtype, c.x1.dtype},
                "",
                c.x1.device};
+  add_memory_order(q.problem.shape_bucket, c.weight);
   q.block_m_name = "BLOCK_T";
   q.block_k_name = "BLOCK_D";
   // Each tile with D shared by the programs of one full wave (the default), two and three.
@@ -836,6 +837,7 @@ Config tuned_embedding_backward_config(const EmbeddingBackward& c) {
                {c.A.dtype, c.B.dtype, c.g2.dtype, c.dA3.dtype, c.dB3.dtype, c.x1.dtype},
                "",
                dev};
+  add_memory_order(q.problem.shape_bucket, c.g2);
   q.block_m_name = "BLOCK_T";
   q.block_k_name = "BLOCK_D";
   // Each tile with D shared by the programs of one full wave (the default), two and three.

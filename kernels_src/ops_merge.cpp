@@ -85,6 +85,7 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
                {W3.dtype, A3.dtype, B3.dtype},
                "",
                W3.device};
+  add_memory_order(q.problem.shape_bucket, W3);
   q.block_m_name = "BLOCK_M";
   q.block_k_name = "BLOCK_K";
   // Also with the columns split for 1 to 16 waves of one program per SM (4096x4096 at

@@ -158,6 +158,7 @@ Config tuned_moe_config(const TensorView& W, const TensorView& A, const TensorVi
                {W.dtype, A.dtype, B.dtype},
                "",
                W.device};
+  add_memory_order(q.problem.shape_bucket, W);
   q.block_m_name = "BLOCK_N";
   q.block_k_name = "BLOCK_K";
   const DType product = is_half(W.dtype) ? W.dtype : DType::f32;

@@ -220,6 +220,7 @@ Config tuned_moe_backward_config(const TensorView& dW, const TensorView& A, cons
                {dW.dtype, A.dtype, B.dtype, dA.dtype, dB.dtype},
                "",
                dW.device};
+  add_memory_order(q.problem.shape_bucket, dW);
   q.block_m_name = "BLOCK_N";
   q.block_k_name = "BLOCK_K";
   const DType product = is_half(dW.dtype) ? dW.dtype : DType::f32;

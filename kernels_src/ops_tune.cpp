@@ -4,25 +4,84 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kerf/error.h"
 #include "kerf/jit/launch.h"
+#include "kerf/kernels/kernels.h"
 #include "ops_checks.h"
 #include "ops_common.h"
 
 namespace kerf::ops::detail {
 
+namespace {
+
+// `t` (rank <= 3) as a rank-3 view: leading dims of size 1.
+TensorView as_rank3(const TensorView& t) {
+  if (t.rank > 3) throw InternalError("SavedBytes: views of rank > 3 are not saved element by element");
+  std::vector<int64_t> shape(size_t(3 - t.rank), 1), strides(size_t(3 - t.rank), 0);
+  for (int d = 0; d < t.rank; ++d) {
+    shape.push_back(t.shape[size_t(d)]);
+    strides.push_back(t.strides[size_t(d)]);
+  }
+  return restride(t, shape, strides);
+}
+
+// to = from, element by element (same dtype and shape, rank 3), queued on `stream` on a GPU.
+void copy_elements(const TensorView& from, const TensorView& to, void* stream) {
+  if (from.device.is_cuda()) {
+    const int64_t bm = 8, bk = 256;
+    LaunchOptions options;
+    options.stream = stream;
+    launch(kernels::cast_3d(), {from, to},
+           Grid{uint32_t(cdiv(to.shape[2], bk)), uint32_t(cdiv(to.shape[1], bm)), uint32_t(to.shape[0])},
+           {{"BLOCK_M", bm}, {"BLOCK_K", bk}}, options);
+    return;
+  }
+  const size_t elem = size_t(dtype_size_bytes(from.dtype));
+  for (int64_t i = 0; i < to.shape[0]; ++i)
+    for (int64_t j = 0; j < to.shape[1]; ++j)
+      for (int64_t k = 0; k < to.shape[2]; ++k) {
+        const auto at = [&](const TensorView& t) {
+          return static_cast<char*>(t.data) + (i * t.strides[0] + j * t.strides[1] + k * t.strides[2]) * int64_t(elem);
+        };
+        std::memcpy(at(to), at(from), elem);
+      }
+}
+
+}  // namespace
+
 SavedBytes::SavedBytes(const TensorView& input, const TensorView& written, void* stream)
     : device_(input.device), stream_(stream) {
-  if (!may_overlap(input, written)) return;
+  if (!may_overlap(input, written) || input.numel() == 0) return;
   const auto [lo, hi] = byte_span(input);
-  first_ = reinterpret_cast<void*>(lo);
-  bytes_ = size_t(hi - lo);
+  const size_t dense = size_t(input.numel()) * size_t(dtype_size_bytes(input.dtype));
+  if (size_t(hi - lo) == dense) {
+    // No gaps (contiguous, or a permutation of it): the span is the view's own bytes.
+    first_ = reinterpret_cast<void*>(lo);
+    bytes_ = dense;
+    if (device_.is_cuda()) {
+      device_copy_ = cuda::DeviceBuffer(bytes_, device_.index);
+      cuda::memcpy_device_to_device(device_copy_.data(), first_, bytes_, stream_);
+    } else {
+      const char* p = static_cast<const char*>(first_);
+      host_copy_.assign(p, p + bytes_);
+    }
+    return;
+  }
+  // Gaps between the view's elements may be other tensors' memory, written meanwhile (by
+  // another thread's op on the neighbouring columns): only the view's own elements are
+  // saved and put back.
+  view_ = as_rank3(input);
+  bytes_ = dense;
+  void* copy = nullptr;
   if (device_.is_cuda()) {
     device_copy_ = cuda::DeviceBuffer(bytes_, device_.index);
-    cuda::memcpy_device_to_device(device_copy_.data(), first_, bytes_, stream_);
+    copy = device_copy_.data();
   } else {
-    const char* p = static_cast<const char*>(first_);
-    host_copy_.assign(p, p + bytes_);
+    host_copy_.resize(bytes_);
+    copy = host_copy_.data();
   }
+  packed_ = TensorView::contiguous(copy, view_.dtype, {view_.shape[0], view_.shape[1], view_.shape[2]}, device_);
+  copy_elements(view_, packed_, stream_);
 }
 
 SavedBytes::~SavedBytes() {
@@ -36,10 +95,13 @@ SavedBytes::~SavedBytes() {
 
 void SavedBytes::restore() const {
   if (!bytes_) return;
-  if (device_.is_cuda())
+  if (packed_.data) {
+    copy_elements(packed_, view_, stream_);
+  } else if (device_.is_cuda()) {
     cuda::memcpy_device_to_device(first_, device_copy_.data(), bytes_, stream_);
-  else
+  } else {
     std::memcpy(first_, host_copy_.data(), bytes_);
+  }
 }
 
 Config config_from(const autotune::Config& c, const std::string& block_m_name, const std::string& block_k_name) {

@@ -36,10 +36,12 @@ struct TuneRequest {
   void* stream = nullptr;
 };
 
-// The bytes of a view an op writes in place, saved when made and put back by
+// The elements of a view an op writes in place, saved when made and put back by
 // restore() (queued on `stream` on a GPU): timed runs of an in-place op each
-// start from the caller's data. Saves nothing when `written` does not overlap
-// `input` (then restore() does nothing).
+// start from the caller's data. A view without gaps is saved as its bytes; one
+// with gaps (W[:, :128]) element by element, so that the memory between its
+// elements, which may be another tensor's, is never written. Saves nothing when
+// `written` does not overlap `input` (then restore() does nothing).
 class SavedBytes {
  public:
   SavedBytes(const TensorView& input, const TensorView& written, void* stream);
@@ -50,7 +52,8 @@ class SavedBytes {
   void restore() const;
 
  private:
-  void* first_ = nullptr;
+  void* first_ = nullptr;  // a view without gaps: its first byte
+  TensorView view_, packed_;  // a view with gaps (as rank 3), and its elements' contiguous copy
   Device device_;
   void* stream_ = nullptr;
   size_t bytes_ = 0;

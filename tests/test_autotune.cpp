@@ -249,6 +249,71 @@ TEST_CASE("an interrupt check stops a tuning pass, and nothing is stored", "[aut
   }
 }
 
+TEST_CASE("an interrupted or failing tuning pass puts an in-place op's input back", "[autotune]") {
+  test::TempDir dir;
+  test::ScopedEnv env({{"KERF_CACHE_DIR", dir.path()}, {"KERF_AUTOTUNE", "1"}});
+  // The op adds 1 to its input in place; restore sets it back. Whatever ends the pass,
+  // the input must be what the caller gave (an interrupt used to leave it changed).
+  for (const int stop_at : {7, 9, 13, 16}) {
+    CAPTURE(stop_at);
+    FakeOp op;
+    int input = 0;
+    autotune::Hooks h = op.hooks();
+    h.run = [&](const autotune::Config& c) {
+      op.timer.current = c.at("BLOCK");
+      ++input;
+    };
+    h.restore = [&] { input = 0; };
+    int asked = 0;
+    autotune::set_interrupt_check([&] { return ++asked >= stop_at; });
+    autotune::Options o = options_with(&op.timer);
+    o.compile_threads = 1;
+    CHECK_THROWS_AS(autotune::choose(fake_problem("put_back_" + std::to_string(stop_at)), kCandidates, cand(32, 4),
+                                     h, o),
+                    kerf::Interrupted);
+    autotune::set_interrupt_check({});
+    CHECK(input == 0);
+  }
+  // A finalist that fails in a final round drops out; the pass still chooses, and puts back.
+  FakeOp op;
+  int input = 0, runs_of_64 = 0;
+  autotune::Hooks h = op.hooks();
+  h.run = [&](const autotune::Config& c) {
+    op.timer.current = c.at("BLOCK");
+    ++input;
+    if (c.at("BLOCK") == 64 && ++runs_of_64 > 4) throw CudaError("lost in a final round", 1);
+  };
+  h.restore = [&] { input = 0; };
+  const autotune::Choice c =
+      autotune::choose(fake_problem("finalist_fails"), kCandidates, cand(32, 4), h, options_with(&op.timer));
+  CHECK(c.from == autotune::Choice::From::tuned);
+  CHECK(c.config == cand(256, 8));  // the next fastest (64 was fastest but failed)
+  CHECK(c.failed == 1);
+  CHECK(input == 0);
+}
+
+TEST_CASE("a stored choice that no longer compiles is reported and tuned again", "[autotune]") {
+  test::TempDir dir;
+  test::ScopedEnv env({{"KERF_CACHE_DIR", dir.path()}, {"KERF_AUTOTUNE", "1"}, {"KERF_LOG", "warn"}});
+  {
+    FakeOp op;
+    autotune::choose(fake_problem("stale"), kCandidates, cand(32, 4), op.hooks(), options_with(&op.timer));
+  }
+  autotune::forget_choices();  // as a new process (another build of kerf) would
+  test::LogCapture logs;
+  FakeOp op;
+  autotune::Hooks h = op.hooks();
+  h.compile = [&](const autotune::Config& c) {
+    if (c.at("BLOCK") == 64) throw DefinitionError("BLOCK=64 is not a tile this build makes");
+    ++op.compiles;
+  };
+  const autotune::Choice c = autotune::choose(fake_problem("stale"), kCandidates, cand(32, 4), h, options_with(&op.timer));
+  CHECK(c.from == autotune::Choice::From::tuned);
+  CHECK(c.config == cand(256, 8));
+  CHECK(logs.count("the stored choice BLOCK=64,num_warps=4") == 1);
+  CHECK(logs.count("BLOCK=64 is not a tile this build makes); tuning again") == 1);
+}
+
 TEST_CASE("the tuner picks the fastest candidate by its timer and stores the choice",
           "[autotune]") {
   test::TempDir dir;
@@ -302,7 +367,8 @@ TEST_CASE("a stored choice is reused, also when candidates are added", "[autotun
       autotune::choose(fake_problem(), more, cand(32, 4), op.hooks(), options_with(&op.timer));
   CHECK(c.from == autotune::Choice::From::cache);
   CHECK(c.config == cand(64, 4));
-  CHECK(op.compiles == 0);
+  CHECK(op.compiles == 1);  // the stored choice is readied (it must still compile), nothing else
+  CHECK(op.compiled == std::set<int64_t>{64});
   CHECK(op.runs == 0);
 
   SECTION("in another process") {
@@ -336,8 +402,10 @@ TEST_CASE("a stored choice is reused, also when candidates are added", "[autotun
 TEST_CASE("child: the stored choice of the fake op", "[.autotune-child-stored]") {
   FakeOp op;
   op.hooks();
-  autotune::Hooks h;  // nothing may be compiled or run: the choice must come from the cache
-  h.compile = [](const autotune::Config&) { throw InternalError("compiled"); };
+  autotune::Hooks h;  // nothing but the stored choice may be compiled, nothing run
+  h.compile = [](const autotune::Config& c) {
+    if (c.at("BLOCK") != 64) throw InternalError("compiled");
+  };
   h.run = [](const autotune::Config&) { throw InternalError("ran"); };
   const autotune::Choice c =
       autotune::choose(fake_problem(), kCandidates, cand(32, 4), h, options_with(&op.timer));
@@ -542,6 +610,71 @@ TEST_CASE("an in-place MoE materialization is restored between tuning runs", "[a
         CHECK(W.get(i) ==
               Approx(before[size_t(i)] + 0.25 * ba).epsilon(1e-5).margin(1e-6));  // added once
       }
+}
+
+TEST_CASE("tuning an in-place merge of a strided view never writes the memory between its elements",
+          "[autotune][cpu]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  test::TempDir dir;
+  test::ScopedEnv env({{"KERF_CACHE_DIR", dir.path()}, {"KERF_AUTOTUNE", "1"}});
+  // W [64, 256]: one thread tunes lora_merge on its left half W[:, :128] while another
+  // merges into the right half with an explicit Config. Restoring the left half's byte span
+  // (as before) wrote old values over the right half's rows and lost the other thread's adds.
+  const int64_t rows = 64, cols = 256, half = 128, r = 2;
+  std::vector<float> W(size_t(rows * cols), 0.0f), A(size_t(r * half)), B(size_t(rows * r));
+  for (size_t i = 0; i < A.size(); ++i) A[i] = float((i * 7) % 3 == 0);  // 0/1: every sum is exact
+  for (size_t i = 0; i < B.size(); ++i) B[i] = float((i * 5) % 2);
+  const TensorView left = TensorView::strided(W.data(), DType::f32, {rows, half}, {cols, 1});
+  const TensorView right = TensorView::strided(W.data() + half, DType::f32, {rows, half}, {cols, 1});
+  const TensorView a = TensorView::contiguous(A.data(), DType::f32, {r, half});
+  const TensorView b = TensorView::contiguous(B.data(), DType::f32, {rows, r});
+  ops::Config fixed;
+  fixed.block_m = 16;
+  fixed.block_k = 32;
+  fixed.num_warps = 4;
+  fixed.num_stages = 1;
+  ops::lora_merge(right, a, b, 1.0, nullptr, fixed);  // compiled before the race starts
+  std::atomic<bool> tuning_done{false};
+  int right_merges = 1;
+  std::thread other([&] {
+    while (!tuning_done.load()) {
+      ops::lora_merge(right, a, b, 1.0, nullptr, fixed);
+      ++right_merges;
+    }
+  });
+  ops::lora_merge(left, a, b, 1.0);  // tunes: many timed runs, each restored
+  tuning_done = true;
+  other.join();
+  INFO("merges into the right half while the left one tuned: " << right_merges);
+  int wrong_left = 0, wrong_right = 0;
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < half; ++j) {
+      double ba = 0;
+      for (int64_t k = 0; k < r; ++k) ba += double(B[size_t(i * r + k)]) * A[size_t(k * half + j)];
+      wrong_left += W[size_t(i * cols + j)] != float(ba);
+      wrong_right += W[size_t(i * cols + half + j)] != float(ba * right_merges);
+    }
+  CHECK(wrong_left == 0);
+  CHECK(wrong_right == 0);
+}
+
+TEST_CASE("a column-major weight (W.T) is tuned apart from a row-major one of the same shape",
+          "[autotune][cpu]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  test::TempDir dir;
+  test::ScopedEnv env({{"KERF_CACHE_DIR", dir.path()}, {"KERF_AUTOTUNE", "1"}, {"KERF_LOG", "info"}});
+  autotune::forget_choices();
+  test::LogCapture logs;
+  const int64_t out = 48, in = 80, r = 4;
+  std::vector<float> W(size_t(out * in), 1.0f), A(size_t(r * in), 0.5f), B(size_t(out * r), 0.25f);
+  const TensorView a = TensorView::contiguous(A.data(), DType::f32, {r, in});
+  const TensorView b = TensorView::contiguous(B.data(), DType::f32, {out, r});
+  ops::lora_merge(TensorView::contiguous(W.data(), DType::f32, {out, in}), a, b, 1.0);
+  CHECK(logs.count("chose") == 1);
+  // The same shape over memory laid out [in, out] (PEFT's fan_in_fan_out weight, seen as W.T).
+  ops::lora_merge(TensorView::strided(W.data(), DType::f32, {out, in}, {1, out}), a, b, 1.0);
+  CHECK(logs.count("chose") == 2);
+  CHECK(logs.count("lora_merge [1x64x128x16x-3]") >= 1);  // its bucket says which dims have stride 1 (-1 - bits)
 }
 
 TEST_CASE("tuning dora_norm for a new shape on the GPU finishes in under 3 s", "[autotune][gpu]") {

@@ -290,6 +290,31 @@ TEST_CASE("settings the environment gives in a form kerf does not know are repor
   test::ScopedEnv env({{"KERF_LOG", "nonsense"}, {"KERF_CACHE", "maybe"}, {"KERF_AUTOTUNE", "banana"}});
   (void)cache::settings_from_env();
   CHECK(logs.count("KERF_LOG='nonsense' is not one of off, warn, info, debug; using warn") == 1);
-  CHECK(logs.count("KERF_CACHE='maybe' is not one of on, readonly, off") == 1);
-  CHECK(logs.count("KERF_AUTOTUNE='banana' is not one of 0, 1, force") == 1);
+  CHECK(logs.count("KERF_CACHE='maybe' is not one of on (1), readonly (ro), off (0)") == 1);
+  CHECK(logs.count("KERF_AUTOTUNE='banana' is not one of 0 (off), 1 (on), force") == 1);
+}
+
+TEST_CASE("the switches take the usual spellings of on and off, in any case", "[cache]") {
+  const auto tune = [](const char* v) {
+    test::ScopedEnv env({{"KERF_AUTOTUNE", v}});
+    return cache::settings_from_env().autotune;
+  };
+  for (const char* off : {"0", "off", "OFF", "false", "False", "no", " off "}) {
+    INFO(off);
+    CHECK(tune(off) == cache::AutotuneMode::off);  // "false" tuned on GPUs before
+  }
+  for (const char* on : {"1", "on", "ON", "true", "yes", "1\n"}) {
+    INFO(on);
+    CHECK(tune(on) == cache::AutotuneMode::on);
+  }
+  CHECK(tune("Force") == cache::AutotuneMode::force);
+  CHECK(tune("2") == cache::AutotuneMode::gpu_only);  // unknown: the default, with a warning
+  const auto disk = [](const char* v) {
+    test::ScopedEnv env({{"KERF_CACHE", v}});
+    return cache::settings_from_env().disk;
+  };
+  CHECK(disk("Off") == cache::DiskMode::off);
+  CHECK(disk("false") == cache::DiskMode::off);
+  CHECK(disk("RO") == cache::DiskMode::readonly);
+  CHECK(disk("yes") == cache::DiskMode::on);
 }
