@@ -1,6 +1,7 @@
 // The DSL's type and shape rules: what a kernel author's call means, checked
 // before any IR is recorded (promotion, broadcasting, dot shapes, store dtypes).
 #include <cmath>
+#include <cstdio>
 
 #include "builder_impl.h"
 
@@ -92,6 +93,15 @@ Value constant_in(Builder::Impl& s, double value, DType t) {
     if (value != std::floor(value))
       s.fail("const", "value " + std::to_string(value) + " is not an integer but the dtype is " +
                           dtype_name(t));
+    // It must fit the dtype: a wrapped constant is a silent wrong answer (and an f64 past
+    // the i64 range has no integer value at all).
+    const double lo = t == DType::u8 ? 0.0 : t == DType::i32 ? double(INT32_MIN) : -9223372036854775808.0;
+    const double hi = t == DType::u8 ? 256.0 : t == DType::i32 ? double(INT32_MAX) + 1.0 : 9223372036854775808.0;
+    if (!(value >= lo && value < hi)) {
+      char text[40];
+      std::snprintf(text, sizeof text, "%.17g", value);
+      s.fail("const", std::string("the value ") + text + " does not fit " + dtype_name(t));
+    }
     op.attrs.ivalue = int64_t(value);
   }
   return make(s, std::move(op), Type{t, {}});
@@ -153,6 +163,12 @@ bool is_bitwise(BinOp op) {
 Value binary_same_builder(Builder::Impl& s, BinOp bop, Value a, Value b) {
   const char* name = binop_name(bop);
   const DType t = promote(a.dtype(), b.dtype());
+  // Two i1 tiles meet as i1: logic (&, |, ^) and comparisons only; arithmetic on truth
+  // values has no one meaning (true + true), so it is asked for through a cast.
+  const bool arithmetic = bop == BinOp::add || bop == BinOp::sub || bop == BinOp::mul || bop == BinOp::div ||
+                          bop == BinOp::rem || bop == BinOp::shl || bop == BinOp::shr;
+  if (t == DType::i1 && arithmetic)
+    s.fail(name, "does not apply to two i1 tiles; cast them to i32 first (.to(DType::i32))");
   if (is_bitwise(bop) && !is_int(t))
     s.fail(name, std::string("applies to integer tiles, got ") + ir::to_string(a.type()) +
                      " and " + ir::to_string(b.type()));
@@ -391,6 +407,9 @@ Value arange(int64_t start, int64_t end) {
                          ") has length " + std::to_string(n) +
                          "; tile lengths must be powers of two (pad the tile and mask the tail)");
   if (n > (int64_t(1) << 20)) s.fail("arange", "tile length " + std::to_string(n) + " is too large");
+  if (start < INT32_MIN || end - 1 > INT32_MAX)
+    s.fail("arange", "arange(" + std::to_string(start) + ", " + std::to_string(end) +
+                         ") holds values outside i32 (arange is an i32 tile; add an i64 offset instead)");
   ir::Operation op(OpKind::Arange);
   op.attrs.start = start;
   op.attrs.end = end;
@@ -523,14 +542,18 @@ Value where(const Value& cond, const Value& a, const Value& b) {
   return make(s, std::move(op), Type{t, shape});
 }
 
-Value where(const Value& cond, const Value& a, double b) {
+// A literal beside a tile in where() takes the tile's dtype as it would in arithmetic: an
+// integer literal beside an i32 tile stays i32 (it made the result f32, losing precision).
+Value where(const Value& cond, const Value& a, double b, bool b_is_int) {
   Builder::Impl& s = impl_of(a, "where");
-  return where(cond, a, constant_in(s, b, literal_dtype(a.dtype(), b, false)));
+  const DType t = literal_dtype(a.dtype(), b, b_is_int);
+  return where(cond, a, constant_in(s, b, t));
 }
 
-Value where(const Value& cond, double a, const Value& b) {
+Value where(const Value& cond, double a, bool a_is_int, const Value& b) {
   Builder::Impl& s = impl_of(b, "where");
-  return where(cond, constant_in(s, a, literal_dtype(b.dtype(), a, false)), b);
+  const DType t = literal_dtype(b.dtype(), a, a_is_int);
+  return where(cond, constant_in(s, a, t), b);
 }
 
 Value expand_dims(const Value& v, int axis) {
@@ -667,7 +690,7 @@ Value load(const Tensor& t, const std::vector<Value>& idx, const Value& mask, co
 
 Value load(const Tensor& t, const std::vector<Value>& idx, const Value& mask, double other) {
   Builder::Impl& s = t.builder().impl();
-  if (other == 0.0) return load(t, idx, mask, Value());
+  if (other == 0.0 && !std::signbit(other)) return load(t, idx, mask, Value());  // -0.0 is kept
   return load(t, idx, mask, constant_in(s, other, t.dtype()));
 }
 

@@ -321,6 +321,53 @@ TEST_CASE("a body's own exceptions come back as definition errors naming the ker
   CHECK_THROWS_WITH(own.trace({}, {}), "mine");
 }
 
+TEST_CASE("constants must fit their dtype, and arange must fit i32", "[dsl][errors]") {
+  Kernel big("big_full", [](Builder&) { (void)full({4}, 3e9, DType::i32); });
+  expect_definition_error([&] { big.trace({}, {}); }, {"big_full", "'const'", "3000000000 does not fit i32"});
+  Kernel huge("huge_const", [](Builder&) { (void)constant(1e20, DType::i64); });
+  expect_definition_error([&] { huge.trace({}, {}); }, {"huge_const", "does not fit i64"});
+  Kernel byte("byte_full", [](Builder&) { (void)full({4}, 300, DType::u8); });
+  expect_definition_error([&] { byte.trace({}, {}); }, {"byte_full", "300 does not fit u8"});
+  Kernel wide("wide_arange", [](Builder&) { (void)arange(2147483646, 2147483650); });
+  expect_definition_error([&] { wide.trace({}, {}); }, {"wide_arange", "'arange'", "outside i32"});
+  Kernel fine("fine", [](Builder&) {
+    (void)full({4}, -2147483648.0, DType::i32);
+    (void)full({4}, 255, DType::u8);
+    (void)arange(2147483647 - 15, 2147483647 + 1LL);
+  });
+  CHECK_NOTHROW(fine.trace({}, {}));
+}
+
+TEST_CASE("arithmetic on two i1 tiles asks for a cast; logic and comparisons do not", "[dsl][errors]") {
+  Kernel add("bool_add", [](Builder&) { (void)((arange(4) > 1) + (arange(4) > 2)); });
+  expect_definition_error([&] { add.trace({}, {}); }, {"bool_add", "'add'", "two i1 tiles; cast them to i32"});
+  Kernel shl("bool_shl", [](Builder&) { (void)((arange(4) > 1) << (arange(4) > 2)); });
+  expect_definition_error([&] { shl.trace({}, {}); }, {"bool_shl", "'shl'"});
+  Kernel logic("bool_logic", [](Builder&) {
+    const Value a = arange(4) > 1, b = arange(4) > 2;
+    (void)(a & b);
+    (void)(a | b);
+    (void)(a ^ b);
+    (void)(a == b);
+    (void)(a.to(DType::i32) + b.to(DType::i32));
+  });
+  CHECK_NOTHROW(logic.trace({}, {}));
+}
+
+TEST_CASE("a literal in where() takes the dtype of the tile beside it", "[dsl]") {
+  DType got_int = DType::f64, got_float = DType::f64, got_left = DType::f64;
+  Kernel k("where_literal", [&](Builder&) {
+    const Value v = arange(4) * 16777217;  // i32 values f32 cannot hold
+    got_int = where(v > 0, v, 0).dtype();
+    got_float = where(v > 0, v, 0.5).dtype();
+    got_left = where(v > 0, -1, v).dtype();
+  });
+  (void)k.trace({}, {});
+  CHECK(got_int == DType::i32);  // was f32: 16777217 came back as 16777216
+  CHECK(got_float == DType::f32);
+  CHECK(got_left == DType::i32);
+}
+
 TEST_CASE("arange of a length that is not a power of two names arange", "[dsl][errors]") {
   Kernel k("ten", [](Builder&) { (void)arange(10); });
   expect_definition_error([&] { k.trace({}, {}); }, {"ten", "'arange'", "arange(0, 10)"});

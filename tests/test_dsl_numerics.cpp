@@ -400,7 +400,84 @@ void interleave(Device dev, DType d, int64_t rows, int64_t n, int64_t warps, uin
   CHECK(wrong == 0);
 }
 
+// Where C++ leaves a result undefined and the back ends once disagreed, both give the
+// DSL's answer: shifts by the bit width or more, float -> u8 (saturating, NaN -> 0),
+// integers and f64 to bf16/f16 rounded once (not through f32), max/min reductions of
+// rows with NaNs (NaN only when all are), and a loop whose i32 counter would pass
+// INT32_MAX (it wrapped on the GPU and never ended).
+void edge_semantics(Device dev) {
+  CAPTURE(dev.str());
+  using namespace kerf::dsl;
+  static const Kernel k("edge_semantics", [](Builder& b) {
+    const Tensor xi = b.tensor("xi", 1), si = b.tensor("si", 1), xf = b.tensor("xf", 1), xd = b.tensor("xd", 1),
+                 xn = b.tensor("xn", 2);
+    const Tensor shl_o = b.tensor("shl", 1), shr_o = b.tensor("shr", 1), u8_o = b.tensor("u8", 1),
+                 bf_i = b.tensor("bf_i", 1), bf_d = b.tensor("bf_d", 1), h_d = b.tensor("h_d", 1),
+                 mx = b.tensor("mx", 1), mn = b.tensor("mn", 1), cnt = b.tensor("cnt", 1);
+    const Value i = arange(8), rows = arange(4);
+    const Value a = load(xi, {i}), sh = load(si, {i});
+    store(shl_o, {i}, a << sh);
+    store(shr_o, {i}, a >> sh);
+    store(u8_o, {i}, load(xf, {i}).to(DType::u8));
+    store(bf_i, {i}, a.to(DType::bf16));
+    const Value d = load(xd, {i});
+    store(bf_d, {i}, d.to(DType::bf16));
+    store(h_d, {i}, d.to(DType::f16));
+    const Value t = load(xn, {rows.col(), i.row()});
+    store(mx, {rows}, max(t, 1));
+    store(mn, {rows}, min(t, 1));
+    const Value c = for_range(2147483000, 2147483647, 1000, literal(int64_t(0)),
+                              [](const Value&, const Value& n) { return n + 1; });
+    store(cnt, {arange(1)}, broadcast_to(c, {1}));
+  });
+  const double nan = std::nan(""), inf = INFINITY;
+  TestTensor xi(DType::i32, {8}, dev), si(DType::i32, {8}, dev), xf(DType::f32, {8}, dev), xd(DType::f64, {8}, dev),
+      xn(DType::f32, {4, 8}, dev);
+  const std::vector<double> xi_v = {1, 1, 1, 1, -8, -8, 33685505, 7}, si_v = {0, 31, 32, -1, 2, 40, 0, 3};
+  const std::vector<double> xf_v = {300, 3e9, -5, nan, 12.7, 255.5, 0.5, 254.99};
+  const std::vector<double> xd_v = {1 + 0x1p-11 + 0x1p-40, 1 + 0x1p-8 + 0x1p-40, 1.0, -2.5, 1e300, -1e300, 65520.0, 3.0};
+  const std::vector<double> xn_v = {nan, nan, nan, nan, nan, nan, nan, nan,  //
+                                    nan, 1, 3, nan, -2, nan, nan, nan,         //
+                                    0, 1, 2, 3, 4, 5, 6, 7,                   //
+                                    -inf, nan, 5, 4, nan, 1, 2, -3};
+  for (int64_t j = 0; j < 8; ++j) {
+    xi.set(j, xi_v[size_t(j)]);
+    si.set(j, si_v[size_t(j)]);
+    xf.set(j, xf_v[size_t(j)]);
+    xd.set(j, xd_v[size_t(j)]);
+  }
+  for (int64_t j = 0; j < 32; ++j) xn.set(j, xn_v[size_t(j)]);
+  for (TestTensor* x : {&xi, &si, &xf, &xd, &xn}) x->upload();
+  TestTensor shl(DType::i32, {8}, dev), shr(DType::i32, {8}, dev), u8(DType::u8, {8}, dev), bf_i(DType::bf16, {8}, dev),
+      bf_d(DType::bf16, {8}, dev), h_d(DType::f16, {8}, dev), mx(DType::f32, {4}, dev), mn(DType::f32, {4}, dev),
+      cnt(DType::i32, {1}, dev);
+  for (TestTensor* x : {&shl, &shr, &u8, &bf_i, &bf_d, &h_d, &mx, &mn, &cnt}) x->poison();
+  launch(k, {xi.view(), si.view(), xf.view(), xd.view(), xn.view(), shl.view(), shr.view(), u8.view(), bf_i.view(),
+             bf_d.view(), h_d.view(), mx.view(), mn.view(), cnt.view()},
+         Grid{1}, {});
+  sync(dev);
+  for (TestTensor* x : {&shl, &shr, &u8, &bf_i, &bf_d, &h_d, &mx, &mn, &cnt}) x->download();
+  const auto expect = [](const char* what, TestTensor& got, const std::vector<double>& want) {
+    for (size_t j = 0; j < want.size(); ++j) {
+      INFO(what << "[" << j << "]: got " << got.get(int64_t(j)) << ", want " << want[j]);
+      CHECK((std::isnan(want[j]) ? std::isnan(got.get(int64_t(j))) : got.get(int64_t(j)) == want[j]));
+    }
+  };
+  expect("shl", shl, {1, -2147483648.0, 0, 0, -32, 0, 33685505, 56});
+  expect("shr", shr, {1, 0, 0, 0, -2, -1, 33685505, 0});
+  expect("u8", u8, {255, 255, 0, 0, 12, 255, 0, 254});
+  // 33685505 = 2^25 + 2^17 + 1: just above the midpoint of two bf16 values; through f32 it
+  // lands on the midpoint and rounds to even, down.
+  expect("bf16 of i32", bf_i, {1, 1, 1, 1, -8, -8, 33816576, 7});
+  expect("bf16 of f64", bf_d, {1, 1 + 0x1p-7, 1, -2.5, inf, -inf, 65536, 3});
+  expect("f16 of f64", h_d, {1 + 0x1p-10, 1 + 0x1p-8, 1, -2.5, inf, -inf, inf, 3});
+  expect("max", mx, {nan, 3, 7, 5});
+  expect("min", mn, {nan, -2, 0, -inf});
+  expect("loop count", cnt, {1});
+}
+
 void run_all(Device dev) {
+  edge_semantics(dev);
   uint64_t seed = 2024;
   for (DType d : {DType::f32, DType::bf16, DType::f16})
     for (int64_t n : {1, 33, 1000, 1024, 4099}) vec_add(dev, d, n, seed++);

@@ -2,7 +2,7 @@
 //  - integer division and remainder truncate like C; a zero divisor, and
 //    INT_MIN / -1, give 0 instead of trapping;
 //  - shifts by the bit width or more give 0 (shl) or the sign fill (shr, which
-//    is arithmetic), as PTX does;
+//    is arithmetic), as the GPU's kerf_dev::shl/shr do;
 //  - float min/max are fminf/fmaxf (a NaN operand yields the other one);
 //  - float -> int truncates toward zero and saturates (NaN gives 0); x -> i1
 //    is x != 0; i1 -> number gives 0 or 1.

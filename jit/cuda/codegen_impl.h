@@ -110,7 +110,15 @@ inline std::string convert(DType from, DType to, const std::string& x) {
   if (from == to) return x;
   if (to == DType::i1) return "(" + to_compute(from, x) + " != 0)";
   const std::string c = to_compute(from, x);
-  if (is_half(to)) return from_compute(to, is_float(from) ? c : "(float)(" + c + ")");
+  if (is_half(to)) {
+    const char* half = to == DType::bf16 ? "bf16" : "f16";
+    if (from == DType::f64) return std::string("kerf_dev::f64_to_") + half + "(" + c + ")";
+    // i32 values beyond 2^24 would round twice through f32; i64 through f64 exactly or to odd.
+    if (from == DType::i32 || from == DType::i64 || from == DType::u8)
+      return std::string("kerf_dev::i64_to_") + half + "((long long)(" + c + "))";
+    return from_compute(to, is_float(from) ? c : "(float)(" + c + ")");
+  }
+  if (to == DType::u8 && is_float(from)) return "kerf_dev::f_to_u8(" + c + ")";
   return "(" + storage_type(to) + ")(" + c + ")";
 }
 
@@ -319,10 +327,10 @@ class Codegen {
         e = "(" + ct + ")(" + c(0) + " ^ " + c(1) + ")";
         break;
       case OpKind::Shl:
-        e = "(" + ct + ")(" + c(0) + " << " + c(1) + ")";
+        e = "kerf_dev::shl<" + ct + ">(" + c(0) + ", " + c(1) + ")";
         break;
       case OpKind::Shr:
-        e = "(" + ct + ")(" + c(0) + " >> " + c(1) + ")";
+        e = "kerf_dev::shr<" + ct + ">(" + c(0) + ", " + c(1) + ")";
         break;
       case OpKind::Lt:
         return "(" + c(0) + " < " + c(1) + ")";

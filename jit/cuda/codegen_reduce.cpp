@@ -42,8 +42,10 @@ std::string Codegen::emit_reduce(const Operation& op) {
     ident = is_float(ct) ? float_literal(0.0, ct) : int_literal(0, ct);
   } else {
     const bool mx = op.kind == OpKind::ReduceMax;
+    // NaN: fmax/fmin take the other operand of a NaN, so a NaN start changes nothing unless
+    // every element is NaN, which then gives NaN (as on the CPU; -inf would have come out).
     if (is_float(ct))
-      ident = float_literal(mx ? -1.0 / 0.0 : 1.0 / 0.0, ct);
+      ident = ct == DType::f64 ? "__longlong_as_double(0x7ff8000000000000LL)" : "__int_as_float(0x7fc00000)";
     else if (ct == DType::i64)
       ident = mx ? "(-9223372036854775807LL - 1)" : "9223372036854775807LL";
     else

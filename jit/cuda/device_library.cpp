@@ -40,6 +40,42 @@ __device__ __forceinline__ unsigned short f32_to_f16(float f) {
   return r;
 }
 
+// Narrowing to 16-bit floats from wider sources, rounded once (as the CPU back end does):
+// an f64 or an integer goes to f32 rounded to odd (toward zero, the last bit set when
+// inexact), which keeps the final round to nearest even as if done from the exact value.
+__device__ __forceinline__ float f64_to_f32_odd(double d) {
+  float f = __double2float_rz(d);
+  if ((double)f != d && d == d) f = __uint_as_float(__float_as_uint(f) | 1u);
+  return f;
+}
+__device__ __forceinline__ unsigned short f64_to_bf16(double d) { return f32_to_bf16(f64_to_f32_odd(d)); }
+__device__ __forceinline__ unsigned short f64_to_f16(double d) { return f32_to_f16(f64_to_f32_odd(d)); }
+__device__ __forceinline__ unsigned short i64_to_bf16(long long i) {
+  // Exact in f64 below 2^53; beyond, the f64 is itself rounded to odd first.
+  double d = (double)i;
+  if ((long long)d != i && d < 9.2233720368547758e18 && d > -9.2233720368547758e18)
+    d = __longlong_as_double(__double_as_longlong(__ll2double_rz(i)) | 1ll);
+  return f64_to_bf16(d);
+}
+__device__ __forceinline__ unsigned short i64_to_f16(long long i) {
+  double d = (double)i;
+  if ((long long)d != i && d < 9.2233720368547758e18 && d > -9.2233720368547758e18)
+    d = __longlong_as_double(__double_as_longlong(__ll2double_rz(i)) | 1ll);
+  return f64_to_f16(d);
+}
+// A float to u8 truncates toward zero and saturates to [0, 255]; NaN gives 0.
+__device__ __forceinline__ unsigned char f_to_u8(double x) {
+  return x != x ? 0 : x <= 0.0 ? 0 : x >= 255.0 ? 255 : (unsigned char)x;
+}
+// Shifts by the bit width or more (or by a negative amount) give 0 (shl) or the sign
+// fill (shr, arithmetic), as on the CPU back end; C++ leaves them undefined.
+template <class T> __device__ __forceinline__ T shl(T a, T b) {
+  return (unsigned long long)b >= 8 * sizeof(T) ? (T)0 : (T)((unsigned long long)a << b);
+}
+template <class T> __device__ __forceinline__ T shr(T a, T b) {
+  return a >> ((unsigned long long)b >= 8 * sizeof(T) ? (T)(8 * sizeof(T) - 1) : b);
+}
+
 // Integer division and remainder that never trap: a zero divisor gives 0, and so does
 // the one quotient that overflows (MIN / -1), as on the CPU back end.
 template <class T> __device__ __forceinline__ T idiv(T a, T b) {

@@ -15,6 +15,23 @@
 //     auto m = i < x.dim(0);
 //     store(out, {i}, load(x, {i}, m) + load(y, {i}, m), m);
 //   });
+//
+// Element semantics, the same on the CPU and the GPU back ends:
+//  - integer division and remainder truncate; a zero divisor (and MIN / -1) gives 0;
+//  - shifts by the bit width or more, or by a negative amount, give 0 (<<) or the
+//    sign fill (>>, arithmetic);
+//  - float -> integer truncates toward zero and saturates, NaN gives 0 (u8: to [0, 255]);
+//    anything -> i1 is != 0; f64 and integers -> bf16/f16 round once, to nearest even;
+//  - minimum/maximum and min/max reductions skip NaNs (fminf/fmaxf); a reduction
+//    whose elements are all NaN gives NaN;
+//  - i1 tiles take logic (&, |, ^, !), comparisons and where(); arithmetic asks for a
+//    cast; an i1 tensor's bytes must be 0 or 1 (as PyTorch's and NumPy's bools are);
+//  - integer constants and arange must fit their dtype (refused when traced).
+// Not the same: i32/i64 arithmetic that overflows is undefined on the GPU (CUDA C++'s
+// rule, which lets index arithmetic stay fast) and wraps on the CPU, where an index
+// computed that way may not match its mask: compute indices that can pass 2^31 in i64.
+// The GPU contracts a * b + c into one fused multiply-add (NVRTC's default), so f32
+// results may differ from the CPU's in the last bit. dot() takes f64 operands as f32.
 #pragma once
 
 #include <cstdint>
@@ -169,8 +186,10 @@ inline Value zeros(const ir::Shape& shape, DType dtype = DType::f32) {
 
 Value cast(const Value& v, DType t);
 Value where(const Value& cond, const Value& a, const Value& b);
-Value where(const Value& cond, const Value& a, double b);
-Value where(const Value& cond, double a, const Value& b);
+// With a literal for one side (where(m, x, 0)): the literal takes the tile's dtype as it
+// would in arithmetic (an integer literal beside an integer tile stays an integer).
+Value where(const Value& cond, const Value& a, double b, bool b_is_int);
+Value where(const Value& cond, double a, bool a_is_int, const Value& b);
 Value sqrt(const Value& v);
 Value rsqrt(const Value& v);
 Value exp(const Value& v);
@@ -349,6 +368,15 @@ concept Number = std::is_arithmetic_v<T>;
   Value operator sym(T a, const Value& b) {                                            \
     return binary(op, double(a), std::is_integral_v<T>, b);                            \
   }
+template <Number T>
+Value where(const Value& cond, const Value& a, T b) {
+  return where(cond, a, double(b), std::is_integral_v<T>);
+}
+template <Number T>
+Value where(const Value& cond, T a, const Value& b) {
+  return where(cond, double(a), std::is_integral_v<T>, b);
+}
+
 KERF_DSL_BINARY(+, BinOp::add)
 KERF_DSL_BINARY(-, BinOp::sub)
 KERF_DSL_BINARY(*, BinOp::mul)
