@@ -288,7 +288,7 @@ TEST_CASE("the MoE backward reads dW once per tile and feeds both dots from it",
   CHECK(src.find("prefetch @dW") != std::string::npos);
   // trans(B rows) and trans(A tile) are read transposed from the shared memory
   // their loads already fill: the K loop stages nothing and waits at one barrier.
-  const size_t loop = src.find("for (long long v");  // the K loop (register loops use r and q)
+  const size_t loop = src.find("for (int v");  // the K loop (register loops use r and q)
   const size_t loop_end = src.find("cp_async_wait<0>");
   INFO(src);
   REQUIRE(loop != std::string::npos);
@@ -325,7 +325,7 @@ TEST_CASE("the 4-bit DoRA norm prefetches its packed bytes and A, and forms the 
   half_args[3] = T(DType::bf16, 2);
   half_args[4] = T(DType::bf16, 2);
   const std::string hsrc = source_of(kernels::dora_norm_4bit(), half_args, meta);
-  const size_t body = hsrc.find("for (long long v", hsrc.find("prefetch @packed"));
+  const size_t body = hsrc.find("for (int v", hsrc.find("prefetch @packed"));
   REQUIRE(body != std::string::npos);
   const size_t end = hsrc.find("cp_async_wait<0>", body);
   size_t barriers = 0;

@@ -593,10 +593,9 @@ void Codegen::emit_prologue(const Operation& op, int lv) {
   }
   for (int k = 0; k + 1 < S_; ++k) {
     const std::string ivk = fresh("pf_iv");
-    line(lv, "const long long " + ivk + " = (long long)(" + lo + ") + " + S(k) + "LL * " + step + ";");
+    line(lv, "const int " + ivk + " = " + lo + " + " + S(k) + " * " + step + ";");
     for (const Operation* ld : pipelined)
-      emit_prefetch(*ld, lv, inner, ivid, "(int)" + ivk, S(k),
-                    ivk + " < (long long)(" + hi + ") && " + step + " > 0");
+      emit_prefetch(*ld, lv, inner, ivid, ivk, S(k), ivk + " < " + hi + " && " + step + " > 0");
     line(lv, "kerf_dev::cp_async_commit();");
   }
 }
@@ -721,10 +720,10 @@ void Codegen::emit_for(const Operation& op, int lv) {
     line(inner, "__syncthreads();");
     frame(inner).fenced = true;
     const std::string ivn = fresh("pf_iv");
-    line(inner, "const long long " + ivn + " = " + iv + "_w + " + S(S_ - 1) + "LL * " + step + ";");
+    line(inner, "const int " + ivn + " = " + iv + " + " + S(S_ - 1) + " * " + step + ";");
     for (const Operation* ld : pipelined)
-      emit_prefetch(*ld, inner, inner, ivid, "(int)" + ivn, "(" + it + " + " + S(S_ - 1) + ") % " + S(S_),
-                    ivn + " < (long long)(" + hi + ")");
+      emit_prefetch(*ld, inner, inner, ivid, ivn, "(" + it + " + " + S(S_ - 1) + ") % " + S(S_),
+                    ivn + " < " + hi);
     line(inner, "kerf_dev::cp_async_commit();");
   }
   emit_block(body);
@@ -780,12 +779,9 @@ void Codegen::emit_for(const Operation& op, int lv) {
     it2 = level_of_[size_t(it2->first.first)] > lv ? afrags_.erase(it2) : std::next(it2);
   for (auto it2 = bfrags_.begin(); it2 != bfrags_.end();)
     it2 = level_of_[size_t(it2->first.first)] > lv ? bfrags_.erase(it2) : std::next(it2);
-  // The count runs in 64 bits: an i32 induction variable near INT32_MAX would wrap past hi
-  // and never stop.
   line(lv, "if (" + step + " > 0)");
-  line(lv, "for (long long " + iv + "_w = " + lo + "; " + iv + "_w < (long long)(" + hi + "); " + iv +
-               "_w += " + step + ") {");
-  line(lv, "  const int " + iv + " = (int)" + iv + "_w;");
+  line(lv,
+       "for (int " + iv + " = " + lo + "; " + iv + " < " + hi + "; " + iv + " += " + step + ") {");
   frame(lv).code += body_code;
   line(lv, "}");
   if (!pipelined.empty()) {

@@ -30,6 +30,8 @@
 // Not the same: i32/i64 arithmetic that overflows is undefined on the GPU (CUDA C++'s
 // rule, which lets index arithmetic stay fast) and wraps on the CPU, where an index
 // computed that way may not match its mask: compute indices that can pass 2^31 in i64.
+// Likewise a for_range whose i32 counter would step past INT32_MAX (hi within one step
+// of it) is undefined on the GPU, where the counter stays i32 for speed.
 // The GPU contracts a * b + c into one fused multiply-add (NVRTC's default), so f32
 // results may differ from the CPU's in the last bit. dot() takes f64 operands as f32.
 #pragma once
