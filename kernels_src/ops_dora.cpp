@@ -528,6 +528,10 @@ Config tuned_dora_4bit_config(const TensorView& packed2, const Weight4bit& W, co
   std::vector<int64_t> shape = {next_pow2(out), next_pow2(in),
                                 std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)))};
   if (W.blocksize != 64) shape.push_back(W.blocksize);
+  // So does in's largest power-of-two divisor when it is below the block size: the
+  // candidates then differ (dora_4bit_candidates), and a choice made for in = 4096 must
+  // not serve in = 4032 (negative: no size is).
+  if (in % W.blocksize != 0) shape.push_back(-(in & -in));
   q.problem = {"dora_norm_4bit", shape, {A.dtype, B.dtype, m.dtype}, "", packed2.device};
   q.block_m_name = "BLOCK_M";
   q.block_k_name = "BLOCK_K";

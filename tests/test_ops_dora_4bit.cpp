@@ -15,6 +15,7 @@
 #include "gpu_test_util.h"
 #include "kerf/error.h"
 #include "kerf/jit/autotune.h"
+#include "test_cache_util.h"
 #include "kerf/ops/ops.h"
 
 using namespace kerf;
@@ -313,4 +314,27 @@ TEST_CASE("the 4-bit DoRA tuner tries only steps inside one scale block when the
     for (const autotune::Config& c : cands) CHECK(c.at("BLOCK_K") == 64);  // NF4 blocks of 64
   }
   CHECK(found);
+}
+
+TEST_CASE("a 4-bit weight whose in is not a multiple of the scale block is tuned apart", "[cpu][ops][dora][4bit][autotune]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  test::TempDir dir;
+  test::ScopedEnv env({{"KERF_CACHE_DIR", dir.path()}, {"KERF_AUTOTUNE", "1"}, {"KERF_LOG", "info"}});
+  autotune::forget_choices();
+  test::LogCapture logs;
+  std::mt19937_64 rng(99);
+  const Device dev = Device::cpu();
+  const int64_t out = 21, r = 3, bs = 64;
+  for (const int64_t in : {int64_t(128), int64_t(96)}) {  // one bucket of sizes, other candidates on a GPU
+    Quantized W(out, in, bs, dev, rng);
+    TestTensor A(DType::f32, {r, in}, dev), B(DType::f32, {out, r}, dev), m(DType::f32, {out}, dev),
+        norm(DType::f32, {out}, dev), scale(DType::f32, {out}, dev);
+    A.randomize(rng);
+    B.randomize(rng);
+    m.randomize(rng);
+    ops::dora_norm_4bit(W.view(bs), A.view(), B.view(), m.view(), 0.5, norm.view(), scale.view());
+  }
+  CHECK(logs.count("dora_norm_4bit [32x128x16] f32,f32,f32") >= 1);
+  CHECK(logs.count("dora_norm_4bit [32x128x16x-32] f32,f32,f32") >= 1);  // in = 96: its own choice
+  CHECK(logs.count("chose") == 2);
 }
