@@ -222,10 +222,24 @@ struct VocabRange {
   int64_t start = 0, total = 0;
 };
 
-VocabRange vocab_range(const Layout& layout, const LayoutSplits& splits, int64_t local) {
+VocabRange vocab_range(const char* op, const Layout& layout, const LayoutSplits& splits, int64_t local) {
   const std::string& axis = splits.of("vocab");
   if (axis.empty()) return {0, local};
-  return {layout.coord(axis) * local, layout.axis_size(axis) * local};
+  const int64_t n = layout.axis_size(axis);
+  // A mesh axis of one shard needs no coordinate; otherwise this device's, checked.
+  int64_t c = 0;
+  if (n > 1) {
+    if (layout.coords.size() != layout.mesh.size())
+      throw InvalidArgument(std::string(op) + ": layout: the vocabulary is split over '" + axis +
+                            "', so this device's coordinates are needed (Layout::coords, one per mesh axis: " +
+                            std::to_string(layout.mesh.size()) + "), got " + std::to_string(layout.coords.size()));
+    c = layout.coord(axis);
+  }
+  VocabRange r;
+  if (__builtin_mul_overflow(c, local, &r.start) || __builtin_mul_overflow(n, local, &r.total))
+    throw InvalidArgument(std::string(op) + ": layout: " + std::to_string(n) + " vocabulary shards of " +
+                          std::to_string(local) + " ids overflow 64 bits");
+  return r;
 }
 
 void expect_ids(const char* op, const TensorView& x) {
@@ -950,7 +964,7 @@ void lora_embedding(const TensorView& x, const TensorView& weight, const TensorV
     for (const auto& [n, t] : all)
       if (t != o) expect_disjoint(op, o_name, *o, n, *t);
   }
-  const VocabRange vr = vocab_range(layout, splits, V);
+  const VocabRange vr = vocab_range(op, layout, splits, V);
   padding_id(op, options, vr.total);  // only the backward uses it, but F.embedding refuses a bad one here too
   if (x.numel() == 0 || (D == 0 && !options.after_a)) return;
   TensorView x1, out2;
@@ -995,6 +1009,13 @@ void lora_embedding_backward(const TensorView& x, const TensorView& A, const Ten
                          {"grad_B", {"dim", "r"}}});
   });
   expect_unsplit(op, layout, splits, "r", "each token's LoRA term needs every rank of A and B");
+  // scale_grad_by_freq divides by an id's count over every token: a token shard's own
+  // counts would give each shard another divisor, and the sum over shards a wrong grad_A.
+  if (options.scale_grad_by_freq)
+    for (int d = 0; d < x.rank; ++d)
+      expect_unsplit(op, layout, splits, "x" + std::to_string(d),
+                     "scale_grad_by_freq divides by each id's count over all tokens, which a token shard "
+                     "does not see (split the vocabulary or dim instead, or leave scale_grad_by_freq off)");
   expect_shape(op, "A", A, {-1, -1});
   const int64_t r = A.shape[0], V = A.shape[1];
   expect_shape(op, "B", B, {-1, r});
@@ -1021,7 +1042,7 @@ void lora_embedding_backward(const TensorView& x, const TensorView& A, const Ten
       if (in != &grad_A && in != &grad_B) expect_disjoint(op, n, *t, in_name, *in);
   }
   expect_disjoint(op, "grad_B", grad_B, "grad_A", grad_A);
-  const VocabRange vr = vocab_range(layout, splits, V);
+  const VocabRange vr = vocab_range(op, layout, splits, V);
   const int64_t padding = padding_id(op, options, vr.total);
   if (r == 0) return;
 

@@ -45,29 +45,32 @@ int64_t Layout::coord(const std::string& axis) const {
 bool Layout::sharded() const {
   for (const auto& [name, spec] : specs)
     for (const std::string& a : spec.dims)
-      if (!a.empty()) return true;
+      if (!a.empty() && axis_size(a) != 1) return true;
   return false;
 }
 
 std::string Layout::canonical() const {
+  // A split over an axis of size 1 splits nothing, and the mesh's axes are listed by name:
+  // layouts that mean the same give the same text.
+  const auto splits = [&](const std::string& a) { return !a.empty() && axis_size(a) != 1; };
   std::set<std::string> used;
   std::string ops_text;
   for (const auto& [name, spec] : specs) {  // std::map: sorted by operand name
     size_t n = spec.dims.size();
-    while (n > 0 && spec.dims[n - 1].empty()) --n;
+    while (n > 0 && !splits(spec.dims[n - 1])) --n;
     if (n == 0) continue;
     ops_text += " " + name + "[";
     for (size_t i = 0; i < n; ++i) {
-      ops_text += (i ? "," : "") + spec.dims[i];
-      if (!spec.dims[i].empty()) used.insert(spec.dims[i]);
+      const bool split = splits(spec.dims[i]);
+      ops_text += (i ? "," : "") + (split ? spec.dims[i] : std::string());
+      if (split) used.insert(spec.dims[i]);
     }
     ops_text += "]";
   }
   if (used.empty()) return "";
   std::string mesh_text;
-  for (const MeshAxis& a : mesh)
-    if (used.count(a.name))
-      mesh_text += (mesh_text.empty() ? "" : ",") + a.name + "=" + std::to_string(a.size);
+  for (const std::string& a : used)  // sorted
+    mesh_text += (mesh_text.empty() ? "" : ",") + a + "=" + std::to_string(axis_size(a));
   return "mesh(" + mesh_text + ")" + ops_text;
 }
 
@@ -147,7 +150,9 @@ LayoutSplits check_layout(const char* op, const Layout& layout,
     const PartitionSpec& spec = it == layout.specs.end() ? none : it->second;
     for (size_t d = 0; d < o.dims.size(); ++d) {
       const std::string& dim = o.dims[d];
-      const std::string& axis = spec.axis_of(d);
+      // A mesh axis of size 1 splits nothing: the dimension is whole.
+      static const std::string whole;
+      const std::string& axis = layout.axis_size(spec.axis_of(d)) == 1 ? whole : spec.axis_of(d);
       auto known = s.axis.find(dim);
       if (known == s.axis.end()) {
         s.axis[dim] = axis;

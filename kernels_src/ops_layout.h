@@ -31,7 +31,9 @@ struct LayoutSplits {
 // split it the same way. Throws InvalidArgument (naming both specs on a
 // disagreement) before anything runs.
 // An unsharded call's layout (no mesh, no specs): every dimension whole, nothing to check.
-inline bool names_nothing(const Layout& layout) { return layout.mesh.empty() && layout.specs.empty(); }
+inline bool names_nothing(const Layout& layout) {
+  return layout.mesh.empty() && layout.specs.empty() && layout.coords.empty();
+}
 
 LayoutSplits check_layout(const char* op, const Layout& layout,
                           const std::vector<OperandDims>& operands);

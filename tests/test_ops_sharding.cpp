@@ -520,4 +520,51 @@ TEST_CASE("layouts that cannot work together are rejected before any launch, nam
   });
   CHECK_THAT(
       msg, Catch::Contains("split dimensions") && Catch::Contains("over the same mesh axis 'tp'"));
+  // The vocabulary split without this device's coordinates: the op says which op and why.
+  msg = kerf::test::thrown<InvalidArgument>([&] {
+    ops::lora_embedding(X.view(), Wt.view(), Ae.view(), Be.view(), 1.0, out.view(), {}, nullptr, {},
+                        layout_of({{"vp", 2}}, {{"weight", {"vp"}}, {"A", {"", "vp"}}}));
+  });
+  CHECK_THAT(msg, Catch::StartsWith("lora_embedding: layout: the vocabulary is split over 'vp'"));
+  // Shards so many that the vocabulary's range overflows.
+  msg = kerf::test::thrown<InvalidArgument>([&] {
+    ops::lora_embedding(X.view(), Wt.view(), Ae.view(), Be.view(), 1.0, out.view(), {}, nullptr, {},
+                        layout_of({{"vp", int64_t(1) << 62}}, {{"weight", {"vp"}}, {"A", {"", "vp"}}}, {3}));
+  });
+  CHECK_THAT(msg, Catch::Contains("vocabulary shards of 10 ids overflow 64 bits"));
+  // Coordinates with no mesh are checked too (they were ignored).
+  msg = kerf::test::thrown<InvalidArgument>([&] {
+    ops::dora_norm(W.view(), A.view(), B.view(), m.view(), 1.0, norm.view(), scale.view(), 0.0, nullptr, {},
+                   layout_of({}, {}, {5}));
+  });
+  CHECK_THAT(msg, Catch::Contains("dora_norm: layout: coords gives 1 coordinates for a mesh of 0 axes"));
+  // scale_grad_by_freq with the tokens split: each shard would divide by its own counts.
+  TestTensor G(DType::f32, {3, 4}, cpu), gA(DType::f32, {2, 10}, cpu), gB(DType::f32, {4, 2}, cpu);
+  ops::EmbeddingOptions freq;
+  freq.scale_grad_by_freq = true;
+  msg = kerf::test::thrown<InvalidArgument>([&] {
+    ops::lora_embedding_backward(X.view(), Ae.view(), Be.view(), G.view(), 1.0, gA.view(), gB.view(), freq,
+                                 nullptr, {}, layout_of({{"dp", 2}}, {{"x", {"dp"}}, {"grad_out", {"dp"}}}));
+  });
+  CHECK_THAT(msg, Catch::Contains("lora_embedding_backward: layout: x P('dp') splits dimension 'x0' over 'dp'") &&
+                      Catch::Contains("scale_grad_by_freq divides by each id's count over all tokens"));
+}
+
+TEST_CASE("a mesh axis of size 1 splits nothing and needs no coordinate", "[ops][sharding]") {
+  ops::Layout one = layout_of({{"vp", 1}, {"tp", 4}}, {{"weight", {"vp"}}, {"A", {"", "vp"}}});
+  CHECK_FALSE(one.sharded());
+  CHECK(one.canonical().empty());
+  // Mesh order does not change the text.
+  CHECK(layout_of({{"tp", 2}, {"dp", 2}}, {{"W", {"tp", "dp"}}}).canonical() ==
+        layout_of({{"dp", 2}, {"tp", 2}}, {{"W", {"tp", "dp"}}}).canonical());
+  CHECK(layout_of({{"tp", 2}, {"dp", 2}}, {{"W", {"tp", "dp"}}}).canonical() == "mesh(dp=2,tp=2) W[tp,dp]");
+  // dora_norm refuses W split on in, but not over an axis of size 1.
+  const Device cpu = Device::cpu();
+  TestTensor W(DType::f32, {8, 12}, cpu), A(DType::f32, {2, 12}, cpu), B(DType::f32, {8, 2}, cpu);
+  TestTensor m(DType::f32, {8}, cpu), norm(DType::f32, {8}, cpu), scale(DType::f32, {8}, cpu);
+  const ops::Layout in1 = layout_of({{"tp", 1}}, {{"W", {"", "tp"}}, {"A", {"", "tp"}}});
+  const std::string msg = kerf::test::thrown<InvalidArgument>([&] {
+    ops::dora_norm(W.view(), A.view(), B.view(), m.view(), 1.0, norm.view(), scale.view(), -1.0, nullptr, {}, in1);
+  });
+  CHECK_THAT(msg, Catch::Contains("eps must be >= 0"));  // past the layout check: the layout was accepted
 }

@@ -90,7 +90,7 @@ class ResolvedKernel {
 struct LaunchOptions {
   void* stream = nullptr;  // a CUstream (nullptr: the default stream)
   // Canonical text of the sharding layout the calling op uses ("" when unsharded).
-  // It is part of the kernel's cache key (and of autotune keys); it must outlive the call.
+  // It is part of the kernel's cache key; it must outlive the call.
   std::string_view layout;
   // Programmatic dependent launch: the grid may start before the kernel launched
   // just before it on `stream` ends, and until the kernel's dsl::wait_prior_grid()

@@ -60,12 +60,14 @@ struct Layout {
   int64_t axis_size(const std::string& axis) const;
   // This device's coordinate on `axis` (throws InvalidArgument when coords do not give it).
   int64_t coord(const std::string& axis) const;
-  // Whether any operand is split.
+  // Whether any operand is split (over a mesh axis of size > 1).
   bool sharded() const;
   // A canonical text: the same for layouts that mean the same thing (trailing
   // unsplit dimensions and fully replicated operands dropped, operands sorted,
-  // only the mesh axes that split something kept), "" when nothing is split.
-  // Part of kernel cache and autotune keys. Example: "mesh(tp=4) A[,tp] W[,tp]".
+  // a split over an axis of size 1 counted as none, only the mesh axes that
+  // split something kept, sorted by name), "" when nothing is split. Part of
+  // kernel cache keys (the autotuner keys its choices by the local shapes the
+  // shard runs, which is what its kernels see). Example: "mesh(tp=4) A[,tp] W[,tp]".
   std::string canonical() const;
 };
 
