@@ -243,6 +243,7 @@ struct LaunchMemo::Impl {
   struct Entry {
     uint64_t kernel_id = 0;
     const dsl::MetaMap* meta = nullptr;
+    dsl::MetaMap meta_copy;  // its contents when remembered: a new map at the old address only misses
     uint32_t device = 0;
     std::string layout;
     std::vector<uint64_t> specs;
@@ -261,7 +262,8 @@ struct LaunchMemo::Impl {
     if (epoch != cache_epoch.load(std::memory_order_acquire)) return nullptr;
     for (const Entry& e : entries)
       if (e.kernel_id == kernel_id && e.meta == meta && e.device == device && e.specs.size() == n &&
-          std::memcmp(e.specs.data(), specs, n * sizeof(uint64_t)) == 0 && e.layout == layout)
+          std::memcmp(e.specs.data(), specs, n * sizeof(uint64_t)) == 0 && e.layout == layout &&
+          e.meta_copy == *meta)
         return e.compiled;
     return nullptr;
   }
@@ -274,7 +276,7 @@ struct LaunchMemo::Impl {
       next = 0;
       epoch = at_epoch;
     }
-    Entry e{kernel_id, meta, device, std::string(layout), std::vector<uint64_t>(specs, specs + n),
+    Entry e{kernel_id, meta, *meta, device, std::string(layout), std::vector<uint64_t>(specs, specs + n),
             std::move(compiled)};
     if (entries.size() < kMaxEntries) {
       entries.push_back(std::move(e));
@@ -570,7 +572,18 @@ LaunchInfo launch(const ResolvedKernel& kernel, const std::vector<Arg>& args, Gr
     if ((t != nullptr) != (c.params[i].kind == ir::ParamKind::Tensor))
       throw InvalidArgument("kernel '" + c.name + "': argument " + std::to_string(i) + " must be a " +
                             (t ? "scalar" : "tensor"));
-    if (t && t->data == nullptr && t->numel() > 0)
+    if (!t) continue;
+    // The kernel was built for these dtypes and ranks, on this kind of device: another would
+    // read its memory with the wrong element size or past its end.
+    if (t->dtype != c.params[i].dtype || t->rank != c.params[i].rank)
+      throw InvalidArgument("kernel '" + c.name + "': argument " + std::to_string(i) + " '" + c.params[i].name +
+                            "' was resolved as " + dtype_name(c.params[i].dtype) + " of rank " +
+                            std::to_string(c.params[i].rank) + ", got " + dtype_name(t->dtype) + " of rank " +
+                            std::to_string(t->rank) + " (resolve the kernel for these arguments)");
+    if (t->device.is_cuda() != (c.function != nullptr))
+      throw InvalidArgument("kernel '" + c.name + "': argument " + std::to_string(i) + " is on " + t->device.str() +
+                            ", but the kernel was resolved for " + (c.function ? "a GPU" : "the CPU"));
+    if (t->data == nullptr && t->numel() > 0)
       throw InvalidArgument("kernel '" + c.name + "': argument " + std::to_string(i) + " has a null data pointer");
   }
   LaunchInfo info;

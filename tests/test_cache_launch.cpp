@@ -316,6 +316,20 @@ TEST_CASE("a launch memo keeps kernels apart by specialization and layout and fo
   for (int round = 0; round < 2; ++round)
     for (const char* layout : {"", "mesh(tp=2) x:[tp] out:[tp]", "mesh(dp=2) x:[dp] out:[dp]"})
       for (DType t : {DType::f32, DType::f64}) CHECK(run(t, layout) != KernelSource::bundle);
+  // A temporary meta map at a reused address with other contents is another kernel (the
+  // memo compared the address alone and ran the old one).
+  for (const int64_t block : {8, 16, 32}) {
+    std::fill(out32.begin(), out32.end(), -1.0f);
+    LaunchOptions options;
+    options.memo = &memo;
+    const dsl::MetaMap temporary = {{"BLOCK", block}};
+    launch(axpb_kernel(), {TensorView::contiguous(x32.data(), DType::f32, {n}),
+                           TensorView::contiguous(out32.data(), DType::f32, {n}), Scalar(3.0), Scalar(-2.0)},
+           Grid{1}, temporary, options);
+    // One program of `block` elements: exactly the first `block` are written.
+    CHECK(out32[size_t(block - 1)] == float(3.0 * x64[size_t(block - 1)] - 2.0));
+    CHECK(out32[size_t(block)] == -1.0f);
+  }
   // A memo copied or assigned over starts empty: the next launch finds its kernel in
   // the process's cache and remembers it again.
   memo = LaunchMemo(memo);
@@ -392,6 +406,16 @@ void check_resolved_kernel(const Device& dev) {
   null_out.data = nullptr;
   CHECK_THAT(test::thrown<InvalidArgument>([&] { launch(rk, {views[0], null_out, Scalar(1.0), Scalar(0.0)}, grid, {}); }),
              Catch::Contains("argument 1 has a null data pointer"));
+  // Another dtype, rank or kind of device than it was resolved for: refused (a u8 input
+  // was read as floats, past its end).
+  TensorView bytes = views[0];
+  bytes.dtype = DType::u8;
+  CHECK_THAT(test::thrown<InvalidArgument>([&] { launch(rk, {bytes, views[2], Scalar(1.0), Scalar(0.0)}, grid, {}); }),
+             Catch::Contains("argument 0 'x' was resolved as f32 of rank 1, got u8 of rank 1"));
+  TensorView elsewhere = views[0];
+  elsewhere.device = dev.is_cuda() ? Device::cpu() : Device::cuda(0);
+  CHECK_THAT(test::thrown<InvalidArgument>([&] { launch(rk, {elsewhere, views[2], Scalar(1.0), Scalar(0.0)}, grid, {}); }),
+             Catch::Contains("but the kernel was resolved for"));
   // A cache clear drops it.
   clear_kernel_cache();
   CHECK_FALSE(rk.usable());

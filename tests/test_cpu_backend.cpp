@@ -941,6 +941,10 @@ TEST_CASE("an integer scalar argument must be a whole number its dtype holds", "
   CHECK(out == std::vector<int64_t>{-7, int64_t(1) << 40});
   call(Scalar(2147483647.0), Scalar(-9223372036854775807.0 - 1.0));
   CHECK(out == std::vector<int64_t>{2147483647, std::numeric_limits<int64_t>::min()});
+  // Any integer type makes a Scalar (size_t and unsigned were ambiguous before).
+  call(Scalar(size_t(7)), Scalar(static_cast<unsigned long long>(1) << 40));
+  CHECK(out == std::vector<int64_t>{7, int64_t(1) << 40});
+  CHECK_FALSE(Scalar(std::numeric_limits<uint64_t>::max()).is_int);  // past INT64_MAX: a double only
   const auto refused = [&](Scalar c, Scalar n, const std::string& what) {
     out.assign(2, -1);
     try {
@@ -959,6 +963,8 @@ TEST_CASE("an integer scalar argument must be a whole number its dtype holds", "
   refused(Scalar(1), Scalar(std::nan("")), "'n' is i64, and nan is not a whole number");
   refused(Scalar(1), Scalar(std::numeric_limits<double>::infinity()), "'n' is i64, and inf does not fit it");
   refused(Scalar(1), Scalar(9223372036854775808.0), "'n' is i64, and 9.2233720368547758e+18 does not fit it");
+  refused(Scalar(1), Scalar(std::numeric_limits<uint64_t>::max()), "'n' is i64, and 1.8446744073709552e+19 does not fit it");
+  refused(Scalar(1e20), Scalar(1), "'c' is i32, and 1e+20 does not fit it");
 }
 
 TEST_CASE("several threads can launch at once", "[cpu]") {

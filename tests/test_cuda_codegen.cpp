@@ -11,6 +11,7 @@
 #include "kerf/kernels/kernels.h"
 #include "kerf/kernels/library.h"
 #include "sample_kernels.h"
+#include "test_cache_util.h"
 
 using namespace kerf;
 using namespace kerf::dsl;
@@ -172,6 +173,20 @@ TEST_CASE("every sample and library kernel compiles with NVRTC for sm_80 and sm_
       CHECK(out.is_cubin);
       CHECK(out.image.size() > 4);
     }
+  }
+}
+
+TEST_CASE("KERF_DISABLE_NVRTC turns NVRTC off for 1/yes/on and leaves it on for 0/false/no/off", "[cuda]") {
+  KERF_REQUIRE_NVRTC();
+  for (const char* off : {"1", "yes", "ON", "true", "anything"}) {
+    test::ScopedEnv env({{"KERF_DISABLE_NVRTC", off}});
+    INFO(off);
+    CHECK_FALSE(nvrtc::available());
+  }
+  for (const char* on : {"", "0", "false", "No", " off "}) {
+    test::ScopedEnv env({{"KERF_DISABLE_NVRTC", on}});
+    INFO("'" << on << "'");
+    CHECK(nvrtc::available());  // "false" disabled it before
   }
 }
 

@@ -1,6 +1,10 @@
 // Element types kerf knows, shared by the IR, the runtime and the ops.
 #pragma once
 
+#if defined(__cplusplus) && __cplusplus < 202002L && !defined(_MSVC_LANG)
+#error "kerf's headers need C++20 (-std=c++20; CMake: kerf::kerf asks for cxx_std_20)"
+#endif
+
 #include <cstdint>
 #include <optional>
 #include <string>

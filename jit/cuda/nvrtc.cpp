@@ -176,7 +176,12 @@ const Library& library() {
 // can turn NVRTC off at any point.
 bool disabled_by_env() {
   const char* value = std::getenv("KERF_DISABLE_NVRTC");
-  return value && *value && std::string(value) != "0";
+  if (!value) return false;
+  // Unset, empty, 0, false, no or off (any case, blanks around): NVRTC stays on.
+  std::string w;
+  for (const char* c = value; *c; ++c)
+    if (!std::isspace(static_cast<unsigned char>(*c))) w += char(std::tolower(static_cast<unsigned char>(*c)));
+  return !(w.empty() || w == "0" || w == "false" || w == "no" || w == "off");
 }
 
 const Library& require_library() {

@@ -41,9 +41,9 @@ struct LaunchInfo {
 // facts, device and layout, for a caller that launches one kernel with one meta
 // map over and over: an op's plan keeps one next to its meta map. A launch given
 // the memo (LaunchOptions::memo) finds its kernel there without the kernel
-// cache's lookup (hashing the meta map, a process-wide lock). The memo assumes
-// that the meta map it was used with stays the same object with the same
-// contents while the memo lives; launches with another map only miss. It holds
+// cache's lookup (hashing the meta map, a process-wide lock). The memo finds a
+// kernel for the same meta map object holding the same contents as when it was
+// remembered (a temporary map at a reused address, or a changed one, misses). It holds
 // a few kernels, forgets them when clear_kernel_cache() runs, and is
 // thread-safe. Copies start empty.
 class LaunchMemo {

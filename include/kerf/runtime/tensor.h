@@ -5,6 +5,7 @@
 
 #include <array>
 #include <cstdint>
+#include <type_traits>
 #include <string>
 #include <variant>
 #include <vector>
@@ -57,12 +58,20 @@ struct TensorView {
 // A scalar kernel argument; converted to the dtype the kernel declares.
 struct Scalar {
   double f = 0.0;
-  int64_t i = 0;
+  int64_t i = 0;  // the value when is_int; 0 otherwise (a double's integer value is checked at launch)
   bool is_int = false;
-  Scalar(double v) : f(v), i(int64_t(v)), is_int(false) {}  // NOLINT(google-explicit-constructor)
-  Scalar(float v) : Scalar(double(v)) {}                    // NOLINT
-  Scalar(int v) : f(double(v)), i(v), is_int(true) {}       // NOLINT
-  Scalar(int64_t v) : f(double(v)), i(v), is_int(true) {}   // NOLINT
+  Scalar(double v) : f(v), is_int(false) {}  // NOLINT(google-explicit-constructor)
+  Scalar(float v) : Scalar(double(v)) {}     // NOLINT
+  // Any integer type (int, long long, size_t, ...); an unsigned one past INT64_MAX keeps
+  // its double value only, and a launch refuses it for an integer parameter.
+  template <class T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+  Scalar(T v) : f(double(v)), i(int64_t(v)), is_int(true) {  // NOLINT
+    if constexpr (std::is_unsigned_v<T> && sizeof(T) >= sizeof(int64_t))
+      if (v > T(INT64_MAX)) {
+        i = 0;
+        is_int = false;
+      }
+  }
 };
 
 using Arg = std::variant<TensorView, Scalar>;
