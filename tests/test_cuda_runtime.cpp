@@ -467,6 +467,10 @@ TEST_CASE("a missing NVRTC is reported with the place looked at and how to point
     ScopedEnv path("KERF_NVRTC_PATH", "/opt/somewhere/libnvrtc.so.13");
     CHECK(nvrtc::detail::library_candidates() ==
           std::vector<std::string>{"/opt/somewhere/libnvrtc.so.13"});
+    // With the override the only place looked at, the message says so (CUDA_HOME would not help).
+    const nvrtc::detail::Library forced = nvrtc::detail::open_library(nvrtc::detail::library_candidates());
+    CHECK(forced.unavailable_reason.rfind("NVRTC not found at KERF_NVRTC_PATH (/opt/somewhere/libnvrtc.so.13", 0) == 0);
+    CHECK_FALSE(contains(forced.unavailable_reason, "CUDA_HOME"));
   }
   {
     ScopedEnv path("KERF_NVRTC_PATH", nullptr);

@@ -118,10 +118,15 @@ Library open_library(const std::vector<std::string>& candidates) {
     }
   }
   if (!handle) {
-    lib.unavailable_reason = "NVRTC not found (" + first_error + "; also tried " +
-                             std::to_string(candidates.size() > 0 ? candidates.size() - 1 : 0) +
-                             " other places; set KERF_NVRTC_PATH to libnvrtc.so's full path, or "
-                             "CUDA_HOME to the CUDA toolkit)";
+    const char* forced = std::getenv("KERF_NVRTC_PATH");
+    if (forced && *forced && candidates.size() == 1 && candidates[0] == forced)  // the only place looked at
+      lib.unavailable_reason = "NVRTC not found at KERF_NVRTC_PATH (" + first_error +
+                               "); point it at libnvrtc.so's full path, or unset it to search the CUDA toolkit";
+    else
+      lib.unavailable_reason = "NVRTC not found (" + first_error + "; also tried " +
+                               std::to_string(candidates.size() > 0 ? candidates.size() - 1 : 0) +
+                               " other places; set KERF_NVRTC_PATH to libnvrtc.so's full path, or "
+                               "CUDA_HOME to the CUDA toolkit)";
     return lib;
   }
   NvrtcApi& a = lib.api;
