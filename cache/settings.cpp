@@ -4,11 +4,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <cctype>
 #include <cerrno>
 #include <cstdlib>
 #include <sstream>
 
+#include "common/env_switch.h"
 #include "kerf/cache/log.h"
 
 namespace kerf::cache {
@@ -21,15 +21,9 @@ std::string env(const char* name) {
 
 // The directory when KERF_CACHE_DIR is not set; `shared_tmp`: it is the fallback under
 // /tmp, which other users can reach.
-// A switch's value as compared: surrounding blanks dropped, lower case ("Off " is "off").
-std::string switch_word(std::string v) {
-  const size_t a = v.find_first_not_of(" \t\r\n"), b = v.find_last_not_of(" \t\r\n");
-  v = a == std::string::npos ? std::string() : v.substr(a, b - a + 1);
-  for (char& c : v) c = char(std::tolower(static_cast<unsigned char>(c)));
-  return v;
-}
-bool is_off_word(const std::string& w) { return w == "0" || w == "off" || w == "false" || w == "no"; }
-bool is_on_word(const std::string& w) { return w == "1" || w == "on" || w == "true" || w == "yes"; }
+using detail::is_off_word;
+using detail::is_on_word;
+using detail::switch_word;
 
 std::string default_dir(bool* shared_tmp) {
   *shared_tmp = false;

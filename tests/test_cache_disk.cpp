@@ -294,7 +294,7 @@ TEST_CASE("settings the environment gives in a form kerf does not know are repor
   CHECK(logs.count("KERF_AUTOTUNE='banana' is not one of 0 (off), 1 (on), force") == 1);
 }
 
-TEST_CASE("the switches take the usual spellings of on and off, in any case", "[cache]") {
+TEST_CASE("the switches take the usual spellings of on and off in any case", "[cache]") {
   const auto tune = [](const char* v) {
     test::ScopedEnv env({{"KERF_AUTOTUNE", v}});
     return cache::settings_from_env().autotune;

@@ -7,7 +7,6 @@
 #include <sys/stat.h>
 
 #include <algorithm>
-#include <cctype>
 #include <chrono>
 #include <cstdlib>
 #include <regex>
@@ -16,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/env_switch.h"
 #include "common/never_destroyed.h"
 #include "jit/cuda/nvrtc_api.h"
 #include "kerf/error.h"
@@ -183,10 +183,8 @@ bool disabled_by_env() {
   const char* value = std::getenv("KERF_DISABLE_NVRTC");
   if (!value) return false;
   // Unset, empty, 0, false, no or off (any case, blanks around): NVRTC stays on.
-  std::string w;
-  for (const char* c = value; *c; ++c)
-    if (!std::isspace(static_cast<unsigned char>(*c))) w += char(std::tolower(static_cast<unsigned char>(*c)));
-  return !(w.empty() || w == "0" || w == "false" || w == "no" || w == "off");
+  const std::string w = kerf::detail::switch_word(value);
+  return !(w.empty() || kerf::detail::is_off_word(w));
 }
 
 const Library& require_library() {
