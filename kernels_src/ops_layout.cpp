@@ -157,13 +157,16 @@ LayoutSplits check_layout(const char* op, const Layout& layout,
       if (known == s.axis.end()) {
         s.axis[dim] = axis;
         s.fixed_by[dim] = o.name;
+        s.fixed_at[dim] = d;
         continue;
       }
       if (known->second == axis) continue;
       const std::string& other = s.fixed_by[dim];
+      // Where each operand holds the dimension: two specs may print alike and split different dims.
       throw InvalidArgument(p + spec_text(layout, o.name) + " and " + spec_text(layout, other) +
-                            " split dimension '" + dim + "' differently (" + split_words(axis) +
-                            " vs " + split_words(known->second) +
+                            " split dimension '" + dim + "' (" + o.name + "'s dim " + std::to_string(d) + ", " +
+                            other + "'s dim " + std::to_string(s.fixed_at[dim]) + ") differently (" +
+                            split_words(axis) + " vs " + split_words(known->second) +
                             "); operands sharing a dimension must split it alike");
     }
   }

@@ -22,6 +22,7 @@ struct LayoutSplits {
   std::map<std::string, std::string> axis;
   // Which operand first fixed each logical dimension's split, for messages.
   std::map<std::string, std::string> fixed_by;
+  std::map<std::string, size_t> fixed_at;  // and at which of its dimensions
   const std::string& of(const std::string& dim) const;
 };
 

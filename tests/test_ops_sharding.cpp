@@ -434,7 +434,7 @@ TEST_CASE("layouts that cannot work together are rejected before any launch, nam
   // A split on in differently from W.
   std::string msg = partial(layout_of({{"tp", 2}}, {{"W", {"", "tp"}}}));
   CHECK_THAT(msg, Catch::Contains("A P()") && Catch::Contains("W P(None, 'tp')") &&
-                      Catch::Contains("split dimension 'in' differently"));
+                      Catch::Contains("split dimension 'in' (A's dim 1, W's dim 1) differently"));
   msg = partial(layout_of({{"tp", 2}, {"x", 2}}, {{"W", {"", "tp"}}, {"A", {"", "x"}}}));
   CHECK_THAT(msg, Catch::Contains("A P(None, 'x')") && Catch::Contains("W P(None, 'tp')"));
   // The magnitude split differently from W's out.

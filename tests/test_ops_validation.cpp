@@ -283,7 +283,7 @@ TEST_CASE("lora_embedding rejects bad ids, shapes, options and overlapping outpu
   split_act.coords = {0};
   CHECK_REJECTS(InvalidArgument,
                 ops::lora_embedding_backward(x, A, B, gout, 1.0, gA, gB, with_act, nullptr, {}, split_act),
-                "lora_embedding_backward: layout: after_a P('dp') and x P() split dimension 'x0' differently");
+                "lora_embedding_backward: layout: after_a P('dp') and x P() split dimension 'x0' (after_a's dim 0, x's dim 0) differently");
   CHECK_REJECTS(InvalidArgument, ops::lora_embedding_backward(x, A, B, gout, 1.0, gA, gB, {}, nullptr, {}, split_act),
                 "lora_embedding_backward: layout: there is no operand 'after_a'");
   split_act.specs["after_a"] = ops::PartitionSpec{"", "", "dp"};
