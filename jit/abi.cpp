@@ -51,7 +51,8 @@ int64_t integer_value(DType t, const Scalar& s, const ir::Param& p, const char* 
   return int64_t(s.f);
 }
 
-Slot scalar_slot(DType t, const Scalar& s) {
+Slot scalar_slot(const ir::Param& p, const Scalar& s, const char* kernel) {
+  const DType t = p.dtype;
   Slot slot = 0;
   switch (t) {
     case DType::f32: {
@@ -71,11 +72,18 @@ Slot scalar_slot(DType t, const Scalar& s) {
       std::memcpy(&slot, &h, sizeof h);
       break;
     }
-    case DType::i32:
+    case DType::i32: {
+      const int32_t v = int32_t(integer_value(t, s, p, kernel));
+      std::memcpy(&slot, &v, sizeof v);
+      break;
+    }
     case DType::i64:
     case DType::i1:
-    case DType::u8:
-      break;  // integer_value's, in pack_args
+    case DType::u8: {  // i1 and u8 scalars are not declared (the DSL refuses them)
+      const int64_t v = integer_value(DType::i64, s, p, kernel);
+      std::memcpy(&slot, &v, sizeof v);
+      break;
+    }
   }
   return slot;
 }
@@ -92,15 +100,8 @@ void pack_args(const std::vector<ir::Param>& params, const std::vector<Arg>& arg
       slots[n++] = reinterpret_cast<uintptr_t>(t.data);
       for (int d = 0; d < p.rank; ++d) slots[n++] = Slot(t.shape[size_t(d)]);
       for (int d = 0; d < p.rank; ++d) slots[n++] = Slot(t.strides[size_t(d)]);
-    } else if (p.dtype == DType::i32) {
-      const int32_t v = int32_t(integer_value(p.dtype, std::get<Scalar>(args[i]), p, kernel));
-      Slot slot = 0;
-      std::memcpy(&slot, &v, sizeof v);
-      slots[n++] = slot;
-    } else if (p.dtype == DType::i64) {
-      slots[n++] = Slot(integer_value(p.dtype, std::get<Scalar>(args[i]), p, kernel));
     } else {
-      slots[n++] = scalar_slot(p.dtype, std::get<Scalar>(args[i]));
+      slots[n++] = scalar_slot(p, std::get<Scalar>(args[i]), kernel);
     }
   }
 }

@@ -226,10 +226,11 @@ VocabRange vocab_range(const char* op, const Layout& layout, const LayoutSplits&
   const std::string& axis = splits.of("vocab");
   if (axis.empty()) return {0, local};
   const int64_t n = layout.axis_size(axis);
-  // A mesh axis of one shard needs no coordinate; otherwise this device's, checked.
+  // A mesh axis of one shard needs no coordinate; otherwise this device's (check_layout has
+  // checked any coordinates given: they are there or absent).
   int64_t c = 0;
   if (n > 1) {
-    if (layout.coords.size() != layout.mesh.size())
+    if (layout.coords.empty())
       throw InvalidArgument(std::string(op) + ": layout: the vocabulary is split over '" + axis +
                             "', so this device's coordinates are needed (Layout::coords, one per mesh axis: " +
                             std::to_string(layout.mesh.size()) + "), got " + std::to_string(layout.coords.size()));

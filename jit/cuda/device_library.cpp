@@ -50,19 +50,15 @@ __device__ __forceinline__ float f64_to_f32_odd(double d) {
 }
 __device__ __forceinline__ unsigned short f64_to_bf16(double d) { return f32_to_bf16(f64_to_f32_odd(d)); }
 __device__ __forceinline__ unsigned short f64_to_f16(double d) { return f32_to_f16(f64_to_f32_odd(d)); }
-__device__ __forceinline__ unsigned short i64_to_bf16(long long i) {
-  // Exact in f64 below 2^53; beyond, the f64 is itself rounded to odd first.
+// An integer as f64: exact below 2^53; beyond, rounded to odd too.
+__device__ __forceinline__ double i64_to_f64_odd(long long i) {
   double d = (double)i;
   if ((long long)d != i && d < 9.2233720368547758e18 && d > -9.2233720368547758e18)
     d = __longlong_as_double(__double_as_longlong(__ll2double_rz(i)) | 1ll);
-  return f64_to_bf16(d);
+  return d;
 }
-__device__ __forceinline__ unsigned short i64_to_f16(long long i) {
-  double d = (double)i;
-  if ((long long)d != i && d < 9.2233720368547758e18 && d > -9.2233720368547758e18)
-    d = __longlong_as_double(__double_as_longlong(__ll2double_rz(i)) | 1ll);
-  return f64_to_f16(d);
-}
+__device__ __forceinline__ unsigned short i64_to_bf16(long long i) { return f64_to_bf16(i64_to_f64_odd(i)); }
+__device__ __forceinline__ unsigned short i64_to_f16(long long i) { return f64_to_f16(i64_to_f64_odd(i)); }
 // A float to u8 truncates toward zero and saturates to [0, 255]; NaN gives 0.
 __device__ __forceinline__ unsigned char f_to_u8(double x) {
   return x != x ? 0 : x <= 0.0 ? 0 : x >= 255.0 ? 255 : (unsigned char)x;
