@@ -153,6 +153,9 @@ std::unique_lock<std::mutex> scratch_lock(const Device& dev, void* stream) {
   return stream_lock(1, dev, stream);
 }
 
+// cast_3d's tile: [BLOCK_M, BLOCK_K] of a rank-3 view per program.
+constexpr int64_t kCastRows = 8, kCastCols = 256;
+
 // The cast of A (seen as rank 3) into `dst`, and the copy it writes, in A's shape.
 std::pair<autotune::KernelCall, TensorView> cast_of(const TensorView& A, DType to, void* dst) {
   const TensorView a3 = A.rank == 3 ? A
@@ -161,7 +164,7 @@ std::pair<autotune::KernelCall, TensorView> cast_of(const TensorView& A, DType t
   const TensorView copy3 =
       TensorView::contiguous(dst, to, {a3.shape[0], a3.shape[1], a3.shape[2]}, A.device);
   const TensorView copy = A.rank == 3 ? copy3 : TensorView::contiguous(dst, to, {A.shape[0], A.shape[1]}, A.device);
-  return {{&kernels::cast_3d(), {a3, copy3}, {{"BLOCK_M", 8}, {"BLOCK_K", 256}}}, copy};
+  return {{&kernels::cast_3d(), {a3, copy3}, {{"BLOCK_M", kCastRows}, {"BLOCK_K", kCastCols}}}, copy};
 }
 
 bool casts(const TensorView& A, DType to) { return to != DType::f32 && A.dtype == DType::f32; }
@@ -188,13 +191,15 @@ RunA run_a(const TensorView& A, DType to, const LaunchOptions& options) {
     dst = scratch(A.device, options.stream, bytes);
   }
   const auto [call, copy] = cast_of(A, to, dst);
-  const TensorView& a3 = std::get<TensorView>(call.args[0]);
-  const int64_t bm = call.meta.at("BLOCK_M"), bk = call.meta.at("BLOCK_K");  // cast_of's tile
-  launch(*call.kernel, call.args,
-         Grid{uint32_t(cdiv(a3.shape[2], bk)), uint32_t(cdiv(a3.shape[1], bm)), uint32_t(a3.shape[0])}, call.meta,
-         options);
+  run_cast_3d(std::get<TensorView>(call.args[0]), std::get<TensorView>(call.args[1]), options);
   r.a = copy;
   return r;
+}
+
+void run_cast_3d(const TensorView& x, const TensorView& out, const LaunchOptions& options) {
+  launch(kernels::cast_3d(), {x, out},
+         Grid{uint32_t(cdiv(out.shape[2], kCastCols)), uint32_t(cdiv(out.shape[1], kCastRows)), uint32_t(out.shape[0])},
+         {{"BLOCK_M", kCastRows}, {"BLOCK_K", kCastCols}}, options);
 }
 
 CallKey& CallKey::add(const TensorView& t) {

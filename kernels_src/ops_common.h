@@ -205,6 +205,10 @@ struct RunA {
 };
 RunA run_a(const TensorView& A, DType to, const LaunchOptions& options);
 
+// out = x element by element, rounded to out's dtype (rank-3 views of one shape): one
+// launch of kernels::cast_3d on `options`'s stream.
+void run_cast_3d(const TensorView& x, const TensorView& out, const LaunchOptions& options);
+
 // ---------------------------------------------------------------- plans of repeated calls
 // What identifies a call for its plan: sizes, dtypes, device, the caller's Config,
 // whatever the plan depends on, as integers (unused trailing words stay 0).

@@ -6,7 +6,6 @@
 
 #include "kerf/error.h"
 #include "kerf/jit/launch.h"
-#include "kerf/kernels/kernels.h"
 #include "ops_checks.h"
 #include "ops_common.h"
 
@@ -28,12 +27,9 @@ TensorView as_rank3(const TensorView& t) {
 // to = from, element by element (same dtype and shape, rank 3), queued on `stream` on a GPU.
 void copy_elements(const TensorView& from, const TensorView& to, void* stream) {
   if (from.device.is_cuda()) {
-    const int64_t bm = 8, bk = 256;
     LaunchOptions options;
     options.stream = stream;
-    launch(kernels::cast_3d(), {from, to},
-           Grid{uint32_t(cdiv(to.shape[2], bk)), uint32_t(cdiv(to.shape[1], bm)), uint32_t(to.shape[0])},
-           {{"BLOCK_M", bm}, {"BLOCK_K", bk}}, options);
+    run_cast_3d(from, to, options);
     return;
   }
   const size_t elem = size_t(dtype_size_bytes(from.dtype));
