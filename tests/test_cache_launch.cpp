@@ -529,15 +529,23 @@ TEST_CASE("a new process runs a cached kernel without NVRTC, its first call in u
     CHECK(info.source == KernelSource::compiled);
     std::printf("KERF-CACHE: first call that compiled: %.2f ms\n", ms);
   }
-  test::Child child(test::self_test("[.cache-child-gpu-first-call]"),
-                    {{"KERF_CACHE_DIR", dir.path()}, {"KERF_DISABLE_NVRTC", "1"}});
-  REQUIRE(child.wait() == 0);
-  CHECK(child.value("SOURCE") == "disk");
-  CHECK(child.value("RIGHT") == "1");
-  const double ms = std::stod(child.value("MS"));
-  std::printf(
-      "KERF-CACHE: first call in a new process, kernel from disk, NVRTC disabled: %.3f ms\n", ms);
-  if (test::timing_checks_apply()) CHECK(ms < 5.0);
+  // Three new processes, each timing its first call; the median is checked, so that one
+  // process slowed by the machine's other work does not decide it.
+  std::vector<double> times;
+  for (int i = 0; i < 3; ++i) {
+    test::Child child(test::self_test("[.cache-child-gpu-first-call]"),
+                      {{"KERF_CACHE_DIR", dir.path()}, {"KERF_DISABLE_NVRTC", "1"}});
+    REQUIRE(child.wait() == 0);
+    CHECK(child.value("SOURCE") == "disk");
+    CHECK(child.value("RIGHT") == "1");
+    times.push_back(std::stod(child.value("MS")));
+    std::printf(
+        "KERF-CACHE: first call in a new process, kernel from disk, NVRTC disabled: %.3f ms "
+        "(finding and loading the kernel %.3f ms)\n",
+        times.back(), std::stod(child.value("LOAD_MS")));
+  }
+  std::sort(times.begin(), times.end());
+  if (test::timing_checks_apply()) CHECK(times[1] < 5.0);
 }
 
 TEST_CASE("child: first GPU call from the disk cache", "[.cache-child-gpu-first-call]") {
@@ -545,7 +553,8 @@ TEST_CASE("child: first GPU call from the disk cache", "[.cache-child-gpu-first-
   LaunchInfo info;
   double ms = 0;
   const bool right = run_axpb_gpu(&info, &ms);
-  std::printf("SOURCE=%s\nRIGHT=%d\nMS=%.3f\n", kernel_source_name(info.source), int(right), ms);
+  std::printf("SOURCE=%s\nRIGHT=%d\nMS=%.3f\nLOAD_MS=%.3f\n", kernel_source_name(info.source), int(right), ms,
+              info.compile_ms);
 }
 
 TEST_CASE("a GPU kernel runs from a mounted bundle with NVRTC disabled", "[cache][gpu]") {
