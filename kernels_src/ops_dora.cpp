@@ -392,6 +392,7 @@ Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorV
   };
   q.extent_m = out;
   q.extent_k = in;
+  q.split_programs = programs;
   q.kernels = [&](const Config& c) {
     const DoraPlan p = plan_dora(out, in, r, W.dtype, gpu, programs, c);
     return with_cast_a(p, A, [&](const TensorView& a) {
@@ -539,6 +540,7 @@ Config tuned_dora_4bit_config(const TensorView& packed2, const Weight4bit& W, co
   q.finalist_variants = with_l2_prefetch_variants(with_warps_n_variants(evict_and_cast_variants(A, dot), dot));
   q.extent_m = out;
   q.extent_k = in;
+  q.split_programs = programs;
   q.kernels = [&](const Config& c) {
     const DoraPlan p = plan_dora(out, in, r, dot, gpu, programs, c, W.blocksize);
     return with_cast_a(p, A, [&](const TensorView& a) {

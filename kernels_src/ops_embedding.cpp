@@ -428,6 +428,7 @@ Config tuned_embedding_config(const EmbeddingForward& c) {
       with_l2_prefetch_variants(with_warps_n_variants({}, embedding_dot(c.weight.dtype, c.A.dtype, c.B.dtype, c.out2.dtype, &scale_after)));
   q.extent_m = T;
   q.extent_k = D;
+  q.split_programs = parallelism(c.x1.device);
   q.kernels = [&](const Config& config) {
     return std::vector<autotune::KernelCall>{
         {&kernels::lora_embedding(), embedding_args(c, stand_in_record(c.x1.device)),
@@ -868,6 +869,7 @@ Config tuned_embedding_backward_config(const EmbeddingBackward& c) {
     q.finalist_variants.push_back({{"STAGED_ADDS", 1}, {"ROTATE", 1}, {"FUSED", 1}});
   q.extent_m = T;
   q.extent_k = D;
+  q.split_programs = parallelism(dev);
   q.kernels = [&](const Config& config) {
     return embedding_backward_kernels(c, config, parallelism(dev));
   };

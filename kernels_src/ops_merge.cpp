@@ -101,6 +101,8 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
       with_l2_prefetch_variants(with_warps_n_variants(evict_variants(), product)), product, W3.device));
   q.extent_m = out;
   q.extent_k = in;
+  q.split_batch = G;
+  q.split_programs = parallelism(W3.device);
   q.kernels = [&](const Config& c) {
     const MergePlan p = plan_merge(W3, A3, B3, true, parallelism(W3.device), c);
     return std::vector<autotune::KernelCall>{{&kernels::lora_merge(), {W3, A3, B3, Scalar(s)}, p.meta}};

@@ -109,7 +109,7 @@ Config config_from(const autotune::Config& c, const std::string& block_m_name, c
   cfg.split_k = autotune::value_or_zero(c, "split_k");  // ops whose programs share columns tune it
   for (const auto& [name, value] : c)
     if (name != block_m_name && name != block_k_name && name != "num_warps" && name != "num_stages" &&
-        name != "split_k" && name != "defaults")
+        name != "split_k" && name != "split_waves" && name != "defaults")
       cfg.meta[name] = value;
   return cfg;
 }
@@ -132,6 +132,7 @@ std::vector<autotune::Config> with_wave_splits(const std::vector<autotune::Confi
       splits.push_back(split);
       autotune::Config with = c;
       with["split_k"] = split;
+      with["split_waves"] = w;
       all.push_back(std::move(with));
     }
   }
@@ -186,7 +187,7 @@ std::vector<autotune::Config> with_stream_tiles(std::vector<autotune::Config> ca
 
 autotune::Config stream_canonical(autotune::Config c) {
   if (autotune::value_or_zero(c, "STREAM") == 0) return c;
-  for (const char* name : {"split_k", "num_stages", "L2_PREFETCH", "COLS_FIRST"}) c.erase(name);
+  for (const char* name : {"split_k", "split_waves", "num_stages", "L2_PREFETCH", "COLS_FIRST"}) c.erase(name);
   return c;
 }
 
@@ -203,7 +204,15 @@ std::vector<autotune::Config> with_cols_first_variants(std::vector<autotune::Con
 }
 
 Config config_of(const TuneRequest& q, const autotune::Config& c) {
-  return config_from(c, q.block_m_name, q.block_k_name);
+  Config cfg = config_from(c, q.block_m_name, q.block_k_name);
+  const auto waves = c.find("split_waves");
+  if (waves != c.end() && q.split_programs > 0 && q.extent_m > 0 && q.extent_k > 0 && cfg.block_m > 0 &&
+      cfg.block_k > 0) {
+    const int64_t blocks = std::max<int64_t>(1, q.split_batch * cdiv(q.extent_m, cfg.block_m));
+    const int64_t steps = std::max<int64_t>(1, cdiv(q.extent_k, cfg.block_k));
+    cfg.split_k = waves->second == 0 ? steps : split_for_waves(blocks, q.split_programs, steps, waves->second);
+  }
+  return cfg;
 }
 
 const std::vector<autotune::Config>& evict_variants() {

@@ -23,6 +23,11 @@ struct TuneRequest {
   std::vector<autotune::Config> gpu_candidates;
   // The problem's extent along each: tiles far beyond it only waste work.
   int64_t extent_m = 0, extent_k = 0;
+  // For with_wave_splits' candidates: their row blocks are split_batch x cdiv(extent_m,
+  // the tile's rows), on split_programs multiprocessors. A choice stored for another
+  // shape of the same bucket then gets the split that fills this shape's waves as it
+  // filled that one's (not that shape's split count). 0: the stored split_k as it is.
+  int64_t split_batch = 1, split_programs = 0;
   // The kernels `config` compiles to (arguments may hold stand-in workspace pointers).
   std::function<std::vector<autotune::KernelCall>(const Config& config)> kernels;
   // Runs the op once with `config`, queued on `stream`.
@@ -75,7 +80,9 @@ Config config_of(const TuneRequest& request, const autotune::Config& candidate);
 // `block_k_name`); a split equal to the op's default (split_for, or with
 // `default_waves` the split for that many waves) is not repeated. A wave count of 0 stands for one column step per program (as many
 // programs as tiles, the shape a one-tile-per-program kernel launches). Splits
-// change only the grid, so they compile nothing new.
+// change only the grid, so they compile nothing new. Each added candidate also
+// keeps its wave count ("split_waves"), from which config_of recomputes the
+// split for the shape at hand (TuneRequest::split_programs).
 std::vector<autotune::Config> with_wave_splits(const std::vector<autotune::Config>& base,
                                                const std::string& block_m_name, int64_t rows,
                                                const std::string& block_k_name, int64_t cols, int64_t batch,

@@ -223,6 +223,43 @@ TEST_CASE("wave-split candidates try each split once, the op's own default inclu
         std::vector<int64_t>{0, 64});
 }
 
+// A wave-split choice stored for one shape serves another shape of its bucket
+// (next powers of two) with the split that fills that shape's waves: 4096 rows
+// tuned to one wave of 128-row blocks (split 4 on 132 SMs: 32 x 4 programs) must
+// not run 2100 rows (17 blocks) as split 4, half a wave.
+TEST_CASE("a stored wave split is recomputed for the shape of each call", "[autotune][cpu]") {
+  using ops::detail::config_of;
+  using ops::detail::split_for_waves;
+  using ops::detail::TuneRequest;
+  using ops::detail::with_wave_splits;
+  const int64_t programs = 132;
+  const autotune::Config tile = {{"BLOCK_M", 128}, {"BLOCK_K", 64}};
+  const std::vector<autotune::Config> tuned =
+      with_wave_splits({tile}, "BLOCK_M", 4096, "BLOCK_K", 4096, 1, programs, {1, 2, 0});
+  REQUIRE(tuned.size() == 4);
+  TuneRequest q;
+  q.block_m_name = "BLOCK_M";
+  q.block_k_name = "BLOCK_K";
+  q.split_programs = programs;
+  q.extent_m = 4096;
+  q.extent_k = 4096;
+  CHECK(config_of(q, tuned[1]).split_k == 4);  // one wave at the tuned shape
+  CHECK(config_of(q, tuned[1]).meta.count("split_waves") == 0);  // not a kernel meta
+  q.extent_m = 2100;  // same bucket
+  CHECK(config_of(q, tuned[1]).split_k == split_for_waves(17, programs, 64, 1));
+  CHECK(config_of(q, tuned[1]).split_k == 7);  // 17 x 7 = 119 programs, not 17 x 4 = 68
+  CHECK(config_of(q, tuned[2]).split_k == split_for_waves(17, programs, 64, 2));
+  q.extent_k = 3000;  // one column step per program: 47 steps here
+  CHECK(config_of(q, tuned[3]).split_k == 47);
+  q.split_batch = 3;  // three groups of rows (the merge's batch)
+  CHECK(config_of(q, tuned[1]).split_k == split_for_waves(51, programs, 47, 1));
+  // Without the request's machine size (an op that does not give it) the split stays as stored.
+  q.split_programs = 0;
+  CHECK(config_of(q, tuned[1]).split_k == 4);
+  // A config without a wave count (the op's default, or an explicit split) is left alone.
+  CHECK(config_of(q, tuned[0]).split_k == 0);
+}
+
 // WGMMA tiles are first-round candidates only where warpgroup dots exist: a
 // half-precision product on an sm_90a GPU.
 TEST_CASE("WGMMA tiles join the candidates only for a tensor-core product on sm_90a", "[autotune][cpu]") {
@@ -270,7 +307,7 @@ TEST_CASE("a STREAM config runs as one without the entries its plan overrides", 
   CHECK(stream_canonical(streamed) ==
         autotune::Config{{"BLOCK_M", 64}, {"BLOCK_K", 128}, {"EVICT", 1}, {"STREAM", 1}});
   // What the canonical form drops is what the plan sets itself: the same meta and grid.
-  for (const char* name : {"split_k", "num_stages", "L2_PREFETCH", "COLS_FIRST"}) {
+  for (const char* name : {"split_k", "split_waves", "num_stages", "L2_PREFETCH", "COLS_FIRST"}) {
     CAPTURE(name);
     autotune::Config plain = {{"BLOCK_M", 64}, {"BLOCK_K", 128}, {"STREAM", 1}};
     autotune::Config with = plain;
