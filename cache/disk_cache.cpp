@@ -13,6 +13,7 @@
 #include <ctime>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <random>
 
 #include "kerf/cache/log.h"
@@ -52,14 +53,24 @@ int64_t now_s() {
 
 }  // namespace
 
-std::optional<std::vector<char>> read_file(const std::string& path) {
+namespace {
+
+// Reads up to `limit` bytes of the regular file at `path` (all of it when it is
+// no larger than `max_bytes`; else nothing and *too_large).
+std::optional<std::vector<char>> read_some(const std::string& path, uint64_t max_bytes, size_t limit,
+                                           bool* too_large) {
+  if (too_large) *too_large = false;
   Fd f;
   // O_NONBLOCK: a FIFO at an entry's path must not block the open (it is then refused as not regular).
   f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (f.fd < 0) return std::nullopt;
   struct stat st {};
   if (::fstat(f.fd, &st) != 0 || !S_ISREG(st.st_mode)) return std::nullopt;
-  std::vector<char> bytes(size_t(st.st_size));
+  if (uint64_t(st.st_size) > max_bytes) {
+    if (too_large) *too_large = true;
+    return std::nullopt;
+  }
+  std::vector<char> bytes(std::min(size_t(st.st_size), limit));
   size_t got = 0;
   while (got < bytes.size()) {
     const ssize_t n = ::read(f.fd, bytes.data() + got, bytes.size() - got);
@@ -71,7 +82,47 @@ std::optional<std::vector<char>> read_file(const std::string& path) {
   return bytes;
 }
 
-void write_file_atomically(const std::string& path, const std::vector<char>& bytes) {
+// Calls `visit` with each regular file under `root` (symbolic links to directories
+// are not followed). A directory that cannot be read is skipped and named, with
+// the reason, in *unreadable (when given); the walk goes on with the others.
+void walk_files(const fs::path& root, const std::function<void(const fs::directory_entry&)>& visit,
+                std::vector<std::string>* unreadable, int depth = 0) {
+  const auto note = [&](const fs::path& dir, const std::error_code& ec) {
+    if (unreadable) unreadable->push_back(dir.string() + ": " + ec.message());
+  };
+  std::error_code ec;
+  fs::directory_iterator it(root, ec);
+  if (ec) {
+    note(root, ec);
+    return;
+  }
+  for (const fs::directory_iterator end; it != end;) {
+    const fs::directory_entry& e = *it;
+    std::error_code type_ec;
+    if (e.is_directory(type_ec) && !e.is_symlink(type_ec)) {
+      if (depth < 8) walk_files(e.path(), visit, unreadable, depth + 1);
+    } else if (e.is_regular_file(type_ec)) {
+      visit(e);
+    }
+    it.increment(ec);
+    if (ec) {
+      note(root, ec);
+      return;
+    }
+  }
+}
+
+}  // namespace
+
+std::optional<std::vector<char>> read_file(const std::string& path, uint64_t max_bytes, bool* too_large) {
+  return read_some(path, max_bytes, SIZE_MAX, too_large);
+}
+
+std::optional<std::vector<char>> read_file_head(const std::string& path, size_t n) {
+  return read_some(path, UINT64_MAX, n, nullptr);
+}
+
+void write_file_atomically(const std::string& path, const std::vector<char>& bytes, int* error_number) {
   static std::atomic<uint64_t> counter{0};
   // The pid alone repeats across containers and hosts sharing a directory (pid 1 in
   // each): a random word per process, and a new name when one exists already (a
@@ -90,8 +141,12 @@ void write_file_atomically(const std::string& path, const std::vector<char>& byt
     f.fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
     if (f.fd < 0 && errno != EEXIST) break;
   }
-  if (f.fd < 0) throw CacheError("cannot create " + temp + ": " + errno_text(errno));
+  if (f.fd < 0) {
+    if (error_number) *error_number = errno;
+    throw CacheError("cannot create " + temp + ": " + errno_text(errno));
+  }
   const auto failed = [&](const std::string& what, int e) {
+    if (error_number) *error_number = e;
     ::unlink(temp.c_str());
     return CacheError("cannot " + what + " " + path + ": " + errno_text(e));
   };
@@ -112,7 +167,10 @@ void write_file_atomically(const std::string& path, const std::vector<char>& byt
     f.fd = -1;
   }
   // rename() is atomic: readers see the old entry, or none, or the whole new one.
-  if (::rename(temp.c_str(), path.c_str()) != 0) throw failed("rename into", errno);
+  if (::rename(temp.c_str(), path.c_str()) != 0) {
+    const int e = errno;
+    throw failed("rename into", e);
+  }
 }
 
 DiskCache::DiskCache(std::string dir, DiskMode mode)
@@ -154,7 +212,14 @@ void DiskCache::report_unwritable(const std::string& why) {
 
 std::optional<Entry> DiskCache::read(const std::string& path, const CacheKey& key,
                                      bool any_compiler) {
-  std::optional<std::vector<char>> bytes = read_file(path);
+  bool too_large = false;
+  std::optional<std::vector<char>> bytes = read_file(path, kMaxEntryBytes, &too_large);
+  if (too_large) {
+    DecodedEntry big;
+    big.problem = EntryProblem::too_large;
+    report_bad(path, big);
+    return std::nullopt;
+  }
   if (!bytes) return std::nullopt;
   DecodedEntry d = decode_entry_for(bytes->data(), bytes->size(), key, any_compiler);
   if (!d.ok()) {
@@ -195,37 +260,63 @@ bool DiskCache::store(const CacheKey& key, const Entry& entry) {
   const std::string path = path_for(key);
   std::error_code ec;
   fs::create_directories(fs::path(path).parent_path(), ec);
+  // Something other than a directory where this entry's folder (in a cache directory
+  // that is there) should be: that entry's problem, not the directory's.
+  std::error_code dir_ec;
+  if (ec && (ec == std::errc::file_exists || ec == std::errc::not_a_directory) && fs::is_directory(dir_, dir_ec)) {
+    report_entry_unwritable(path, ec.message());
+    return false;
+  }
   if (ec) {
     report_unwritable(ec.message());
     return false;
   }
+  int error_number = 0;
   try {
-    write_file_atomically(path, encode_entry(key, entry));
+    write_file_atomically(path, encode_entry(key, entry), &error_number);
   } catch (const CacheError& e) {
-    report_unwritable(e.what());
+    // A directory (or a non-empty one) at the entry's own path spoils that entry only;
+    // no permission, a read-only or full file system, the whole directory.
+    if (error_number == EISDIR || error_number == ENOTDIR || error_number == ENOTEMPTY ||
+        error_number == EEXIST)
+      report_entry_unwritable(path, e.what());
+    else
+      report_unwritable(e.what());
     return false;
   }
   return true;
 }
 
-std::vector<DiskCache::Listed> DiskCache::list() const {
+void DiskCache::report_entry_unwritable(const std::string& path, const std::string& why) {
+  log::once(log::Level::warn, "cache-entry-path:" + path,
+            "cannot store a kernel at " + path + " (" + why +
+                "); it is kept in memory for this process (remove what is at that path)");
+}
+
+std::vector<DiskCache::Listed> DiskCache::list(std::vector<std::string>* unreadable) const {
   std::vector<Listed> out;
   std::error_code ec;
   if (!fs::is_directory(dir_, ec)) return out;
-  for (fs::recursive_directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec)) {
-    if (!it->is_regular_file(ec) || !ends_with(it->path().string(), kSuffix)) continue;
+  walk_files(dir_, [&](const fs::directory_entry& e) {
+    if (!ends_with(e.path().string(), kSuffix)) return;
     Listed l;
-    l.path = it->path().string();
+    l.path = e.path().string();
     struct stat st {};
-    if (::stat(l.path.c_str(), &st) != 0) continue;
+    if (::stat(l.path.c_str(), &st) != 0) return;
     l.bytes = uint64_t(st.st_size);
     l.mtime_s = int64_t(st.st_mtime);
-    if (std::optional<std::vector<char>> bytes = read_file(l.path)) {
+    bool too_large = false;
+    if (std::optional<std::vector<char>> bytes = read_file(l.path, kMaxEntryBytes, &too_large)) {
       l.decoded = decode_entry(bytes->data(), bytes->size());
       l.decoded.entry.blob.clear();
+    } else if (too_large) {
+      l.decoded.problem = EntryProblem::too_large;
+    } else {
+      l.decoded.problem = EntryProblem::empty;
+      l.decoded.detail = "cannot be read: " + errno_text(errno);
     }
     out.push_back(std::move(l));
-  }
+  }, unreadable);
   std::sort(out.begin(), out.end(),
             [](const Listed& a, const Listed& b) { return a.path < b.path; });
   return out;
@@ -242,42 +333,47 @@ DiskCache::PruneResult DiskCache::prune(int64_t max_age_s, int64_t max_bytes) {
   const int64_t now = now_s();
   std::error_code ec;
   if (!fs::is_directory(dir_, ec)) return r;
+  uint64_t kept = 0;  // entries too old that could not be removed
+  // Whether `f` is gone (ENOENT: another prune or process removed it first).
   const auto remove = [&](const File& f) {
-    if (::unlink(f.path.c_str()) == 0) {
+    if (::unlink(f.path.c_str()) == 0 || errno == ENOENT) {
       ++r.removed;
       r.bytes_removed += f.bytes;
+      return true;
     }
+    if (r.failed++ == 0) r.first_failure = f.path + ": " + errno_text(errno);
+    return false;
   };
-  for (fs::recursive_directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec)) {
-    if (!it->is_regular_file(ec)) continue;
-    const std::string p = it->path().string();
+  walk_files(dir_, [&](const fs::directory_entry& e) {
+    const std::string p = e.path().string();
     struct stat st {};
-    if (::stat(p.c_str(), &st) != 0) continue;
+    if (::stat(p.c_str(), &st) != 0) return;
     File f{p, uint64_t(st.st_size), int64_t(st.st_mtime)};
     // A leftover temp file is known by its name, not by its directories' names.
-    if (it->path().filename().string().find(".tmp-") != std::string::npos) {
+    if (e.path().filename().string().find(".tmp-") != std::string::npos) {
       if (now - f.mtime_s > kStaleTempSeconds) remove(f);  // a killed writer's leftover
-      continue;
+      return;
     }
-    if (!ends_with(p, kSuffix)) continue;
+    if (!ends_with(p, kSuffix)) return;
     if (max_age_s >= 0 && now - f.mtime_s > max_age_s) {
-      remove(f);
-      continue;
+      if (!remove(f)) kept += f.bytes;
+      return;
     }
     files.push_back(f);
-  }
+  }, &r.unreadable);
   uint64_t total = 0;
   for (const File& f : files) total += f.bytes;
   if (max_bytes >= 0 && total > uint64_t(max_bytes)) {
     std::sort(files.begin(), files.end(),
               [](const File& a, const File& b) { return a.mtime_s < b.mtime_s; });
+    uint64_t left = total;
     for (const File& f : files) {
-      if (total <= uint64_t(max_bytes)) break;
-      remove(f);
-      total -= f.bytes;
+      if (left <= uint64_t(max_bytes)) break;
+      if (remove(f)) total -= f.bytes;
+      left -= f.bytes;  // tried: the next one is next in line
     }
   }
-  r.bytes_left = total;
+  r.bytes_left = total + kept;
   return r;
 }
 

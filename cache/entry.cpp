@@ -53,6 +53,8 @@ const char* entry_problem_name(EntryProblem p) {
       return "corrupt payload";
     case EntryProblem::wrong_key:
       return "entry for another key";
+    case EntryProblem::too_large:
+      return "larger than any entry";
   }
   return "?";
 }

@@ -78,10 +78,10 @@ Settings settings_from_env() {
     bool shared_tmp = false;
     s.dir = default_dir(&shared_tmp);
     if (shared_tmp && s.disk != DiskMode::off && !private_tmp_dir(s.dir)) {
+      s.dir_refused = "the kernel cache's fallback directory " + s.dir +
+                      " is not this user's alone (another owner, or writable by others)";
       log::once(log::Level::warn, "settings:tmp-dir:" + s.dir,
-                "the kernel cache's fallback directory " + s.dir +
-                    " is not this user's alone (another owner, or writable by others): the disk cache is off; "
-                    "set KERF_CACHE_DIR or HOME");
+                s.dir_refused + ": the disk cache is off; set KERF_CACHE_DIR or HOME");
       s.disk = DiskMode::off;
     }
   }

@@ -24,7 +24,7 @@ struct Tiers {
 
 struct Counters {
   std::atomic<uint64_t> bundle_hits{0}, disk_hits{0}, misses{0}, compiles{0}, compile_failures{0},
-      stores{0}, bad_base{0};
+      stores{0}, store_failures{0}, bad_base{0};
 };
 
 class Registry {
@@ -127,8 +127,12 @@ std::optional<Found> lookup(const CacheKey& key, bool any_compiler) {
 
 bool remember(const CacheKey& key, const Entry& entry) {
   Registry& reg = registry();
-  const bool stored = reg.tiers()->disk->store(key, entry);
-  if (stored) ++reg.counters.stores;
+  const std::shared_ptr<const Tiers> t = reg.tiers();
+  const bool stored = t->disk->store(key, entry);
+  if (stored)
+    ++reg.counters.stores;
+  else if (t->disk->mode() == DiskMode::on)
+    ++reg.counters.store_failures;
   return stored;
 }
 
@@ -174,6 +178,7 @@ Stats stats() {
   s.compiles = reg.counters.compiles;
   s.compile_failures = reg.counters.compile_failures;
   s.stores = reg.counters.stores;
+  s.store_failures = reg.counters.store_failures;
   s.bad_entries = reg.counters.bad_base + reg.tiers()->disk->bad_entries();
   return s;
 }
@@ -181,7 +186,7 @@ Stats stats() {
 void reset_stats() {
   Registry& reg = registry();
   Counters& c = reg.counters;
-  c.bundle_hits = c.disk_hits = c.misses = c.compiles = c.compile_failures = c.stores = 0;
+  c.bundle_hits = c.disk_hits = c.misses = c.compiles = c.compile_failures = c.stores = c.store_failures = 0;
   c.bad_base =
       0 - reg.tiers()->disk->bad_entries();  // so that stats() starts from 0 (unsigned wrap)
 }

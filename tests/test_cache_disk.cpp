@@ -2,9 +2,11 @@
 // reported once; a writer killed mid-write; read-only, unwritable and off.
 #include <signal.h>
 #include <sys/stat.h>
+#include <unistd.h>
 #include <utime.h>
 
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <thread>
 
@@ -12,6 +14,7 @@
 #include "kerf/cache/disk_cache.h"
 #include "kerf/cache/entry.h"
 #include "kerf/cache/settings.h"
+#include "kerf/cache/store.h"
 #include "test_cache_util.h"
 
 using namespace kerf;
@@ -134,6 +137,82 @@ TEST_CASE("damaged entries are detected, ignored, rebuilt and reported once", "[
     REQUIRE(e);
     CHECK(e->blob == entry_for("sm_90a").blob);
   }
+}
+
+TEST_CASE("a file at an entry's path larger than any entry is not read, and is rebuilt", "[cache]") {
+  test::ScopedEnv env({{"KERF_LOG", "warn"}});
+  log::reload();
+  test::LogCapture logs;
+  test::TempDir dir;
+  cache::DiskCache disk(dir.path(), cache::DiskMode::on);
+  const cache::CacheKey key = key_for("sm_90a");
+  REQUIRE(disk.store(key, entry_for("sm_90a")));
+  const std::string path = disk.path_for(key);
+  // 2 TiB, sparse: reading it whole threw std::bad_alloc out of every launch of the kernel.
+  REQUIRE(::truncate(path.c_str(), off_t(2) << 40) == 0);
+  CHECK_FALSE(disk.find(key));
+  CHECK(logs.count("larger than any entry") == 1);
+  const std::vector<cache::DiskCache::Listed> listed = disk.list();
+  REQUIRE(listed.size() == 1);
+  CHECK(listed[0].decoded.problem == cache::EntryProblem::too_large);
+  CHECK(disk.store(key, entry_for("sm_90a")));  // rebuilt over it
+  REQUIRE(disk.find(key));
+  CHECK(disk.find(key)->blob == entry_for("sm_90a").blob);
+}
+
+TEST_CASE("something in the way of one entry's file spoils that entry only", "[cache]") {
+  test::ScopedEnv env({{"KERF_LOG", "warn"}});
+  log::reload();
+  test::LogCapture logs;
+  test::TempDir dir;
+  cache::DiskCache disk(dir.path(), cache::DiskMode::on);
+  // A directory (with a file in it) where one entry's file goes.
+  const std::string blocked = disk.path_for(key_for("sm_90a"));
+  REQUIRE(std::filesystem::create_directories(blocked + "/inside"));
+  CHECK_FALSE(disk.store(key_for("sm_90a"), entry_for("sm_90a")));
+  CHECK(logs.count("cannot store a kernel at " + blocked) == 1);
+  CHECK(logs.count("cannot be written") == 0);  // not the whole directory ...
+  CHECK(disk.writable());
+  CHECK(disk.store(key_for("sm_80"), entry_for("sm_80")));  // ... which takes the others
+  CHECK(disk.find(key_for("sm_80")));
+  // Through the process's store: counted as a failed store.
+  test::ScopedEnv here({{"KERF_CACHE_DIR", dir.path()}, {"KERF_CACHE", "on"}});
+  cache::reset_stats();
+  CHECK_FALSE(cache::remember(key_for("sm_90a"), entry_for("sm_90a")));
+  CHECK(cache::remember(key_for("sm_86"), entry_for("sm_86")));
+  CHECK(cache::stats().store_failures == 1);
+  CHECK(cache::stats().stores == 1);
+}
+
+TEST_CASE("a folder of the cache that cannot be read is named; the others are listed and pruned", "[cache]") {
+  if (::geteuid() == 0) {
+    std::printf("KERF-SKIPPED: running as root, permissions do not stop reads or removals\n");
+    return;
+  }
+  test::TempDir dir;
+  cache::DiskCache disk(dir.path(), cache::DiskMode::on);
+  const std::vector<std::string> archs = {"sm_75", "sm_80", "sm_86", "sm_89", "sm_90a"};
+  for (const std::string& a : archs) REQUIRE(disk.store(key_for(a), entry_for(a)));
+  const std::string closed = std::filesystem::path(disk.path_for(key_for("sm_80"))).parent_path();
+  size_t inside = 0;
+  for (const std::string& a : archs) inside += disk.path_for(key_for(a)).rfind(closed, 0) == 0;
+  REQUIRE(::chmod(closed.c_str(), 0) == 0);
+  std::vector<std::string> unreadable;
+  CHECK(disk.list(&unreadable).size() == archs.size() - inside);  // the walk goes on past it
+  REQUIRE(unreadable.size() == 1);
+  CHECK(unreadable[0].rfind(closed, 0) == 0);
+  cache::DiskCache::PruneResult r = disk.prune(-1, 0);
+  CHECK(r.removed == int(archs.size() - inside));
+  CHECK(r.unreadable.size() == 1);
+  // A file that cannot be removed is counted, and stays in what is left.
+  REQUIRE(::chmod(closed.c_str(), 0755) == 0);
+  REQUIRE(::chmod(closed.c_str(), 0555) == 0);
+  r = disk.prune(-1, 0);
+  CHECK(r.removed == 0);
+  CHECK(r.failed == int(inside));
+  CHECK(r.first_failure.find("Permission denied") != std::string::npos);
+  CHECK(r.bytes_left > 0);
+  ::chmod(closed.c_str(), 0755);
 }
 
 TEST_CASE("a writer killed mid-write leaves no entry that reads as valid", "[cache]") {

@@ -1,5 +1,9 @@
 // kerf-cache as a user runs it: warm, list, inspect --json, pack, verify, prune.
 #include <sys/time.h>
+#include <map>
+#include <filesystem>
+#include <unistd.h>
+#include <sys/stat.h>
 
 #include <ctime>
 #include <fstream>
@@ -146,6 +150,41 @@ TEST_CASE("kerf-cache refuses arguments that would lose entries or store nothing
   CHECK(rc == 0);
   CHECK(out.find("removed 0 entries") != std::string::npos);
   CHECK(cache::DiskCache(cache_dir, cache::DiskMode::readonly).list().size() == before.size());
+}
+
+TEST_CASE("kerf-cache does not pack or verify a cache that is not there, nor one it must not trust",
+          "[cache][tool]") {
+  if (!*kTool) {
+    std::printf("KERF-SKIPPED: kerf-cache was not built with the tests\n");
+    return;
+  }
+  test::TempDir dir;
+  // A mistyped --dir: no empty bundle that passes for a shipped cache.
+  const std::string bundle = dir / "app.kbundle";
+  CHECK(tool(dir / "no-such-cache", {"pack", bundle}).first == 2);
+  CHECK_FALSE(std::filesystem::exists(bundle));
+  CHECK(tool(dir / "no-such-cache", {"verify"}).first == 2);
+  // Without a home, the /tmp fallback that another user could have filled: the library
+  // leaves it alone, and so do the tools (unless given a directory).
+  const std::string fallback = "/tmp/kerf-cache-" + std::to_string(::getuid());
+  struct stat before {};
+  const bool existed = ::stat(fallback.c_str(), &before) == 0;
+  if (!existed) REQUIRE(::mkdir(fallback.c_str(), 0700) == 0);
+  REQUIRE(::chmod(fallback.c_str(), 0777) == 0);
+  const std::map<std::string, std::string> homeless = {
+      {"KERF_LOG", "off"}, {"HOME", ""}, {"XDG_CACHE_HOME", ""}, {"KERF_CACHE_DIR", ""}};
+  for (const std::vector<std::string>& command :
+       {std::vector<std::string>{"pack", bundle}, {"list"}, {"verify"}, {"prune", "--max-size", "0"},
+        {"warm", "--op", "dora_norm", "--shape", "8x8x2"}}) {
+    CAPTURE(command);
+    std::vector<std::string> argv = {kTool};
+    argv.insert(argv.end(), command.begin(), command.end());
+    test::Child child(argv, homeless);
+    CHECK(child.wait() == 2);
+  }
+  CHECK_FALSE(std::filesystem::exists(bundle));
+  ::chmod(fallback.c_str(), existed ? (before.st_mode & 07777) : 0700);
+  if (!existed) ::rmdir(fallback.c_str());
 }
 
 TEST_CASE("kerf-cache warms every tunable op, on the CPU back end and for a GPU architecture",

@@ -60,6 +60,9 @@ constexpr const char* kUsage = R"(usage: kerf-cache [--dir DIR] COMMAND ...
                                              12h; SIZE in bytes or with k, m, g, t like 500M
 
 DIR defaults to $KERF_CACHE_DIR, else ${XDG_CACHE_HOME:-~/.cache}/kerf.
+Exit status: 0 done; 1 done but something is wrong or missing (a damaged entry,
+a folder that could not be read, a file prune could not remove, an entry warm
+could not store); 2 refused (bad arguments, no such cache directory).
 )";
 
 }  // namespace

@@ -50,17 +50,19 @@ std::string age_text(int64_t mtime_s) {
 }
 
 std::vector<Row> rows_of(const std::string& target,
-                         std::map<std::string, std::string>* bundle_props) {
+                         std::map<std::string, std::string>* bundle_props, int* unreadable) {
   std::vector<Row> rows;
   if (target.empty()) {
-    const cache::Settings s = cache::current_settings();
-    for (cache::DiskCache::Listed& l : cache::DiskCache(s.dir, cache::DiskMode::readonly).list())
+    std::vector<std::string> skipped;
+    for (cache::DiskCache::Listed& l : cache::DiskCache(cache_dir(), cache::DiskMode::readonly).list(&skipped))
       rows.push_back(Row{l.path, l.bytes, l.mtime_s, std::move(l.decoded)});
+    *unreadable = report_unreadable(skipped);
     return rows;
   }
-  const std::optional<std::vector<char>> head = cache::read_file(target);
-  if (!head) throw InvalidArgument("cannot read '" + target + "'");
-  if (head->size() >= 8 && std::string(head->data(), 8) == "KERFBNDL") {
+  // A bundle is known by its magic (and then mapped, not read here whole).
+  const std::optional<std::vector<char>> magic = cache::read_file_head(target, 8);
+  if (!magic) throw InvalidArgument("cannot read '" + target + "'");
+  if (magic->size() >= 8 && std::string(magic->data(), 8) == "KERFBNDL") {
     const cache::Bundle b(target);
     *bundle_props = b.props();
     for (const cache::Bundle::Record& r : b.records()) {
@@ -69,6 +71,14 @@ std::vector<Row> rows_of(const std::string& target,
       rows.push_back(std::move(row));
     }
     return rows;
+  }
+  bool too_large = false;
+  const std::optional<std::vector<char>> head = cache::read_file(target, cache::kMaxEntryBytes, &too_large);
+  if (!head && !too_large) throw InvalidArgument("cannot read '" + target + "'");
+  if (too_large) {
+    Row big{target, 0, -1, {}};
+    big.decoded.problem = cache::EntryProblem::too_large;
+    return {big};
   }
   Row row{target, head->size(), -1, cache::decode_entry(head->data(), head->size())};
   row.decoded.entry.blob.clear();
@@ -131,9 +141,10 @@ int list(Args& args, bool details) {
                             "'");
   }
   std::map<std::string, std::string> bundle_props;
-  const std::vector<Row> rows = rows_of(target, &bundle_props);
-  // As verify: a listing that shows a damaged entry exits 1, so scripts notice.
-  int status = 0;
+  int unreadable = 0;
+  const std::vector<Row> rows = rows_of(target, &bundle_props, &unreadable);
+  // As verify: a listing that shows a damaged entry, or misses a directory, exits 1.
+  int status = unreadable ? 1 : 0;
   for (const Row& r : rows)
     if (!r.decoded.ok()) status = 1;
   if (json) {

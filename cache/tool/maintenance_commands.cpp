@@ -2,6 +2,7 @@
 // checksums, and keeping the disk tier small.
 #include <cstdio>
 #include <ctime>
+#include <filesystem>
 
 #include "cache/tool/tool.h"
 #include "kerf/cache/bundle.h"
@@ -10,11 +11,33 @@
 #include "kerf/error.h"
 
 namespace kerf::cache_tool {
+
+std::string cache_dir() {
+  const cache::Settings s = cache::current_settings();
+  if (!s.dir_refused.empty())
+    throw InvalidArgument(s.dir_refused + "; give the cache directory with --dir or KERF_CACHE_DIR");
+  return s.dir;
+}
+
+int report_unreadable(const std::vector<std::string>& unreadable) {
+  for (const std::string& u : unreadable) std::fprintf(stderr, "kerf-cache: skipped %s\n", u.c_str());
+  return int(unreadable.size());
+}
+
 namespace {
 
+// The disk tier's entries for a command that reads them all; a missing directory is
+// an error (a mistyped --dir must not pack or verify nothing and pass).
+std::vector<cache::DiskCache::Listed> listed_entries(const char* command, const cache::DiskCache& disk,
+                                                     std::vector<std::string>* unreadable) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(disk.root(), ec))
+    throw InvalidArgument(std::string(command) + ": there is no kernel cache at " + disk.root());
+  return disk.list(unreadable);
+}
+
 cache::DiskCache disk_tier() {
-  const cache::Settings s = cache::current_settings();
-  return cache::DiskCache(s.dir, cache::DiskMode::readonly);
+  return cache::DiskCache(cache_dir(), cache::DiskMode::readonly);
 }
 
 std::string now_text() {
@@ -111,14 +134,15 @@ int pack(Args& args) {
   cache::BundleWriter writer;
   int skipped = 0;
   const cache::DiskCache disk = disk_tier();
-  for (const cache::DiskCache::Listed& l : disk.list()) {
+  std::vector<std::string> unreadable;
+  for (const cache::DiskCache::Listed& l : listed_entries("pack", disk, &unreadable)) {
     if (!l.decoded.ok()) {
       std::fprintf(stderr, "pack: skipping %s: %s\n", l.path.c_str(),
                    cache::entry_problem_name(l.decoded.problem));
       ++skipped;
       continue;
     }
-    if (auto bytes = cache::read_file(l.path)) {
+    if (auto bytes = cache::read_file(l.path, cache::kMaxEntryBytes)) {
       try {
         writer.add(*bytes);
       } catch (const CacheError& e) {  // changed since list(): another process rewrote it
@@ -136,7 +160,8 @@ int pack(Args& args) {
                      {"source", disk.dir()},
                      {"entries", std::to_string(writer.size())}});
   std::printf("packed %zu entries into %s (%d skipped)\n", writer.size(), out.c_str(), skipped);
-  return 0;
+  // A bundle missing what an unreadable directory holds is packed, but not as a success.
+  return report_unreadable(unreadable) ? 1 : 0;
 }
 
 int verify(Args& args) {
@@ -151,7 +176,8 @@ int verify(Args& args) {
                 d.detail.empty() ? "" : (" (" + d.detail + ")").c_str());
   };
   if (args.empty()) {
-    for (const cache::DiskCache::Listed& l : disk_tier().list()) {
+    std::vector<std::string> unreadable;
+    for (const cache::DiskCache::Listed& l : listed_entries("verify", disk_tier(), &unreadable)) {
       // The file's name is its key: an entry under another key's name is as bad as a torn one.
       cache::DecodedEntry d = l.decoded;
       if (d.ok() && l.path.find(d.key.stem()) == std::string::npos) {
@@ -160,6 +186,7 @@ int verify(Args& args) {
       }
       report(l.path, d);
     }
+    bad += report_unreadable(unreadable);
   }
   while (!args.empty()) {
     const std::string path = args.next();
@@ -193,13 +220,16 @@ int prune(Args& args) {
     else
       throw InvalidArgument("prune: unknown option '" + a + "'");
   }
-  const cache::Settings s = cache::current_settings();
-  cache::DiskCache disk(s.dir, cache::DiskMode::on);
+  cache::DiskCache disk(cache_dir(), cache::DiskMode::on);
   const cache::DiskCache::PruneResult r = disk.prune(max_age, max_size);
   std::printf("removed %d entries (%s); %s left in %s\n", r.removed,
               human_bytes(r.bytes_removed).c_str(), human_bytes(r.bytes_left).c_str(),
               disk.dir().c_str());
-  return 0;
+  if (r.failed)
+    std::fprintf(stderr, "kerf-cache: prune: %d file(s) could not be removed, the first %s\n", r.failed,
+                 r.first_failure.c_str());
+  const int skipped = report_unreadable(r.unreadable);
+  return r.failed || skipped ? 1 : 0;
 }
 
 }  // namespace kerf::cache_tool

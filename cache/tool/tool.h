@@ -37,4 +37,12 @@ std::string human_bytes(uint64_t bytes);
 
 bool have_json();  // built with nlohmann-json
 
+// The cache directory the commands work on: KERF_CACHE_DIR (or --dir), else the
+// default one. Throws InvalidArgument when the library refuses the default (a
+// /tmp fallback another user could have filled): tools neither ship nor delete
+// what is there.
+std::string cache_dir();
+// Prints each directory a walk of the cache had to skip (stderr); their count.
+int report_unreadable(const std::vector<std::string>& unreadable);
+
 }  // namespace kerf::cache_tool

@@ -198,11 +198,15 @@ int warm(Args& args) {
   else if (!std::getenv("KERF_AUTOTUNE"))
     ::setenv("KERF_AUTOTUNE", "1", 1);  // warm means tune, CPU too
   cache::reload_settings();
+  if (!cache::current_settings().dir_refused.empty())
+    throw InvalidArgument("warm: " + cache::current_settings().dir_refused +
+                          ": give the cache directory with --dir or KERF_CACHE_DIR");
   if (cache::current_settings().disk != cache::DiskMode::on)
     throw InvalidArgument(std::string("warm: the disk cache is ") +
                           cache::disk_mode_name(cache::current_settings().disk) +
                           " (KERF_CACHE): nothing warm compiles or tunes would be stored");
   const uint64_t stores_before = cache::stats().stores;
+  const uint64_t failures_before = cache::stats().store_failures;
 
   const std::vector<autotune::TunableOp> ops = autotune::tunable_ops();
   std::vector<const autotune::TunableOp*> chosen;
@@ -327,9 +331,16 @@ int warm(Args& args) {
       items.size(), seconds_since(t0), totals.compiled.load(), totals.cached.load(),
       totals.runs.load(), totals.runs && tuning ? " (tuned)" : "", totals.skipped.load(),
       totals.failed.load(), cache::current_settings().dir.c_str());
-  // Compiled but not stored (an unwritable directory): a warm-then-pack step must not pass.
+  // Compiled but not stored (an unwritable directory, a full disk part-way): a
+  // warm-then-pack step must not pass with what is missing.
   if (totals.compiled > 0 && cache::stats().stores == stores_before) {
     std::fprintf(stderr, "kerf-cache: warm: nothing was stored in %s (the log above says why)\n",
+                 cache::current_settings().dir.c_str());
+    return 1;
+  }
+  if (const uint64_t lost = cache::stats().store_failures - failures_before) {
+    std::fprintf(stderr, "kerf-cache: warm: %llu entr%s could not be stored in %s (the log above says why)\n",
+                 static_cast<unsigned long long>(lost), lost == 1 ? "y" : "ies",
                  cache::current_settings().dir.c_str());
     return 1;
   }

@@ -30,6 +30,9 @@
 namespace kerf::cache {
 
 inline constexpr uint32_t kEntryFormatVersion = 1;
+// No entry is larger (a kernel's machine code is kilobytes to a few megabytes): a
+// file over it at an entry's path is damaged, and is not read into memory.
+inline constexpr uint64_t kMaxEntryBytes = uint64_t(1) << 30;
 
 enum class EntryKind : uint8_t { cuda_kernel = 1, cpu_kernel = 2, tune_choice = 3 };
 const char* entry_kind_name(EntryKind k);
@@ -54,6 +57,7 @@ enum class EntryProblem {
   corrupt_header,   // header checksum or sizes do not hold
   corrupt_payload,  // payload checksum does not hold, or it does not parse
   wrong_key,        // a valid entry, for another key (another arch, kernel, compiler ...)
+  too_large,        // a file over kMaxEntryBytes (not read)
 };
 const char* entry_problem_name(EntryProblem p);
 

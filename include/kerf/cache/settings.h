@@ -18,6 +18,7 @@ enum class AutotuneMode { gpu_only, off, on, force };
 struct Settings {
   DiskMode disk = DiskMode::on;
   std::string dir;                   // the disk tier's root
+  std::string dir_refused;           // why `dir` is not used (disk off), "" when it is fine
   std::vector<std::string> bundles;  // from KERF_CACHE_BUNDLES
   AutotuneMode autotune = AutotuneMode::gpu_only;
 };

@@ -51,7 +51,9 @@ struct Stats {
   uint64_t compiles = 0;          // back-end compilations (NVRTC or LLVM) that succeeded
   uint64_t compile_failures = 0;  // ... that failed (never stored)
   uint64_t stores = 0;            // entries written to disk
-  uint64_t bad_entries = 0;       // damaged or foreign entries ignored
+  uint64_t store_failures = 0;    // entries the disk tier (on) could not write
+  uint64_t bad_entries = 0;       // damaged or foreign disk-tier entries ignored (a bundle's are
+                                  // checked when it is mounted and reported when met)
 };
 Stats stats();
 void reset_stats();
