@@ -1,3 +1,4 @@
+#include <cfloat>
 #include "ops_common.h"
 
 #include <algorithm>
@@ -43,12 +44,33 @@ void expect_dtype(const char* op, const char* name, const TensorView& t, const D
                   dtype_name(t.dtype));
 }
 
+namespace {
+std::string number_text(double v) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", v);
+  return text;
+}
+}  // namespace
+
+// The kernels compute in fp32: a double beyond float's range is inf there, and the
+// sums NaN (written in place by the merges).
 void expect_finite_scale(const char* op, double s) {
-  if (!std::isfinite(s)) {
-    char text[32];
-    std::snprintf(text, sizeof text, "%g", s);
-    throw InvalidArgument(std::string(op) + ": s must be finite, got " + text);
-  }
+  if (!std::isfinite(s))
+    throw InvalidArgument(std::string(op) + ": s must be finite, got " + number_text(s));
+  if (std::fabs(s) > double(FLT_MAX))
+    throw InvalidArgument(std::string(op) + ": s must be within float32's range (|s| <= " +
+                          number_text(double(FLT_MAX)) + "), got " + number_text(s));
+}
+
+bool refused_eps(double eps) {
+  return !(eps >= 0 && eps <= double(FLT_MAX));
+}
+
+void expect_eps(const char* op, double eps) {
+  if (!(eps >= 0)) throw InvalidArgument(std::string(op) + ": eps must be >= 0, got " + number_text(eps));
+  if (refused_eps(eps))
+    throw InvalidArgument(std::string(op) + ": eps must be within float32's range (<= " +
+                          number_text(double(FLT_MAX)) + "), got " + number_text(eps));
 }
 
 void expect_device(const char* op, const NamedTensor* ts, size_t count) {
@@ -227,6 +249,9 @@ void expect_meta(const char* op, const Config& config, std::initializer_list<Met
     if (value < 0)
       throw InvalidArgument(std::string(op) + ": Config." + name + " must be >= 0 (0 lets kerf choose), got " +
                             std::to_string(value));
+  if (config.num_stages > 8)
+    throw InvalidArgument(std::string(op) + ": Config.num_stages must be at most 8 (0 lets kerf choose), got " +
+                          std::to_string(config.num_stages));
   if (config.split_k > 65535)
     throw InvalidArgument(std::string(op) + ": Config.split_k must be at most 65535 (programs on grid axis 1), got " +
                           std::to_string(config.split_k));

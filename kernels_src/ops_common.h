@@ -71,9 +71,14 @@ inline void add_memory_order(std::vector<int64_t>& bucket, const TensorView& t) 
   if (t.rank > 0 && bits != int64_t(1) << (t.rank - 1)) bucket.push_back(-1 - bits);  // negative: no size is
 }
 
-// Throws InvalidArgument unless the scale s is finite (an inf or NaN s would write NaN
-// into every element, in place for the merges, with no way back).
+// Throws InvalidArgument unless the scale s is finite, also as a float32 (an inf or NaN
+// s, or one beyond float's range, would write NaN into every element, in place for the
+// merges, with no way back).
 void expect_finite_scale(const char* op, double s);
+// DoRA's eps: >= 0 and within float32 (the kernels add it in fp32); refused_eps says
+// whether expect_eps would refuse it (a repeated call's fingerprint keeps refusals apart).
+bool refused_eps(double eps);
+void expect_eps(const char* op, double eps);
 
 void expect_device(const char* op, const NamedTensor* ts, size_t count);
 inline void expect_device(const char* op, std::initializer_list<NamedTensor> ts) {

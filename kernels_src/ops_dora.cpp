@@ -199,7 +199,7 @@ struct LastDoraCall {
 void add_call_options(CallFingerprint& print, const Config& config, double eps) {
   print.add(uint64_t(config.block_m)).add(uint64_t(config.block_k)).add(uint64_t(config.split_k));
   print.add(uint64_t(config.num_warps)).add(uint64_t(config.num_stages));
-  print.add(uint64_t(!(eps >= 0))).add(autotune::generation());  // a refused eps (negative, NaN) never repeats
+  print.add(uint64_t(refused_eps(eps))).add(autotune::generation());  // a refused eps (negative, NaN) never repeats
 }
 
 // Launches plan `p` with `args`: straight to the kernel `last` holds when `p` is its
@@ -237,7 +237,7 @@ std::shared_ptr<const DoraPlan> checked_dora_plan(const TensorView& W, const Ten
   expect_dtype(op, "scale", scale, {DType::f32});
   expect_device(op, {{"W", &W}, {"A", &A}, {"B", &B}, {"m", &m}, {"norm", &norm}, {"scale", &scale}});
   if (r > 256) throw InvalidArgument("dora_norm: rank " + std::to_string(r) + " is above the supported 256");
-  if (!(eps >= 0)) throw InvalidArgument("dora_norm: eps must be >= 0, got " + std::to_string(eps));
+  expect_eps("dora_norm", eps);
   expect_element_aligned(op, "norm", norm);
   expect_element_aligned(op, "scale", scale);
   expect_norm_memory(op, {{"W", &W}, {"A", &A}, {"B", &B}, {"m", &m}}, norm, scale);
@@ -616,7 +616,7 @@ std::shared_ptr<const DoraPlan> checked_dora_4bit_plan(const Weight4bit& W, cons
   expect_device(op, {{"packed", &W.packed}, {"absmax", &W.absmax}, {"code", &W.code}, {"A", &A}, {"B", &B},
                      {"m", &m}, {"norm", &norm}, {"scale", &scale}});
   if (r > 256) throw InvalidArgument(std::string(op) + ": rank " + std::to_string(r) + " is above the supported 256");
-  if (!(eps >= 0)) throw InvalidArgument(std::string(op) + ": eps must be >= 0, got " + std::to_string(eps));
+  expect_eps(op, eps);
   if (config.block_k == 1) throw InvalidArgument(std::string(op) + ": block_k must be at least 2 (a byte per step)");
   expect_norm_memory(
       op, {{"packed", &W.packed}, {"absmax", &W.absmax}, {"code", &W.code}, {"A", &A}, {"B", &B}, {"m", &m}},

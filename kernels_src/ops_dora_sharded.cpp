@@ -118,8 +118,7 @@ void dora_norm_finish(const TensorView& sumsq, const TensorView& m, double eps,
     expect_element_aligned(op, n, *t);
     expect_int32_dims(op, n, *t);
   }
-  if (!(eps >= 0))
-    throw InvalidArgument(std::string(op) + ": eps must be >= 0, got " + std::to_string(eps));
+  expect_eps(op, eps);
   for (const auto& [n, t] : {std::pair{"norm", &norm}, {"scale", &scale}}) {
     expect_no_self_overlap(op, n, *t);
     expect_disjoint_or_same(op, n, *t, "sumsq", sumsq);

@@ -264,6 +264,10 @@ void check_repeated_calls(Device dev) {
                 "dora_norm: eps must be >= 0, got -1");
   CHECK_INVALID(ops::dora_norm(W.view(), A.view(), B.view(), m, s, norm, scale, std::nan(""), nullptr),
                 "dora_norm: eps must be >= 0, got");  // NaN compares false both ways
+  CHECK_INVALID(ops::dora_norm(W.view(), A.view(), B.view(), m, s, norm, scale, 1e39, nullptr),
+                "dora_norm: eps must be within float32's range (<= 3.40282e+38), got 1e+39");  // inf in fp32
+  CHECK_INVALID(ops::dora_norm(W.view(), A.view(), B.view(), m, s, norm, scale, -1e-30, nullptr),
+                "dora_norm: eps must be >= 0, got -1e-30");
   CHECK_INVALID(ops::dora_norm(W.view(), A.view(), B.view({out, r - 1}, {r, 1}), m, s, norm, scale, 0.0, nullptr),
                 "dora_norm: B must have shape [37, 3], got [37, 2]");
   // Another alignment (4 bytes past the pool's 16) is a new specialization, still right.

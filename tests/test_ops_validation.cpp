@@ -141,29 +141,32 @@ TEST_CASE("every op with a scale refuses one that is not finite", "[ops][validat
                    out = t({4, 12}, DType::f32, 42000), dA_e = t({2, 16}, DType::f32, 43000),
                    dB_e = t({12, 2}, DType::f32, 44000);
   ops::Weight4bit W4{t({48}, DType::u8, 50000), t({2}, DType::f32, 50100), t({16}, DType::f32, 50200), 64};
+  // 1e39 and -1e300 are finite doubles but inf as the float the kernels compute in.
   for (const double s : {std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity(),
-                         std::numeric_limits<double>::quiet_NaN()}) {
+                         std::numeric_limits<double>::quiet_NaN(), 1e39, -1e300}) {
     INFO("s = " << s);
-    CHECK_REJECTS(InvalidArgument, ops::lora_merge(W, A, B, s), "lora_merge: s must be finite, got ");
-    CHECK_REJECTS(InvalidArgument, ops::lora_unmerge(W, A, B, s), "lora_unmerge: s must be finite");
+    CHECK_REJECTS(InvalidArgument, ops::lora_merge(W, A, B, s), "lora_merge: s must be ");
+    CHECK_REJECTS(InvalidArgument, ops::lora_unmerge(W, A, B, s), "lora_unmerge: s must be ");
     CHECK_REJECTS(InvalidArgument, ops::lora_merge_flax(t({4, 2, 3}), t({4, 2}, DType::f32, 4096),
                                                         t({2, 2, 3}, DType::f32, 8192), s),
-                  "lora_merge_flax: s must be finite");
-    CHECK_REJECTS(InvalidArgument, ops::dora_norm(W, A, B, m, s, norm, scale), "dora_norm: s must be finite");
+                  "lora_merge_flax: s must be ");
+    CHECK_REJECTS(InvalidArgument, ops::dora_norm(W, A, B, m, s, norm, scale), "dora_norm: s must be ");
     CHECK_REJECTS(InvalidArgument, ops::dora_norm_partial(W, A, B, s, t({8}, DType::f32, 12000)),
-                  "dora_norm_partial: s must be finite");
+                  "dora_norm_partial: s must be ");
     CHECK_REJECTS(InvalidArgument, ops::dora_norm_4bit(W4, A, B, m, s, norm, scale),
-                  "dora_norm_4bit: s must be finite");
+                  "dora_norm_4bit: s must be ");
     CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize(W3, A3, B3, s, W3_out),
-                  "moe_lora_materialize: s must be finite");
+                  "moe_lora_materialize: s must be ");
     CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize_backward(W3_out, A3, B3, s, t({2, 2, 12}, DType::f32, 30000), t({2, 8, 2}, DType::f32, 31000)),
-                  "moe_lora_materialize_backward: s must be finite");
-    CHECK_REJECTS(InvalidArgument, ops::lora_embedding(x, table, A_e, B_e, s, out), "lora_embedding: s must be finite");
+                  "moe_lora_materialize_backward: s must be ");
+    CHECK_REJECTS(InvalidArgument, ops::lora_embedding(x, table, A_e, B_e, s, out), "lora_embedding: s must be ");
     CHECK_REJECTS(InvalidArgument, ops::lora_embedding_backward(x, A_e, B_e, out, s, dA_e, dB_e),
-                  "lora_embedding_backward: s must be finite");
+                  "lora_embedding_backward: s must be ");
   }
   CHECK_REJECTS(InvalidArgument, ops::lora_merge(W, A, B, std::numeric_limits<double>::infinity()),
                 "lora_merge: s must be finite, got inf");
+  CHECK_REJECTS(InvalidArgument, ops::lora_merge(W, A, B, 1e39),
+                "lora_merge: s must be within float32's range (|s| <= 3.40282e+38), got 1e+39");
 }
 
 TEST_CASE("the MoE ops reject bad shapes, dtypes and overlapping outputs", "[ops][validation]") {
@@ -397,4 +400,10 @@ TEST_CASE("an op refuses Config.meta names it does not take and values out of ra
   six.num_warps = 6;
   CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize_backward(dW, mA, mB, 1.0, dA, dB, nullptr, six),
                 "moe_lora_materialize_backward: Config.num_warps must be a power of two up to 32");
+  // Deeper rings than any kernel takes: refused before a first launch (the backward's
+  // fill zeroed dA before the kernel refused num_stages=9 as a DSL definition error).
+  ops::Config deep;
+  deep.num_stages = 9;
+  CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize_backward(dW, mA, mB, 1.0, dA, dB, nullptr, deep),
+                "moe_lora_materialize_backward: Config.num_stages must be at most 8 (0 lets kerf choose), got 9");
 }

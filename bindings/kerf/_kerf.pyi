@@ -64,6 +64,10 @@ class Config:
         num_stages: int = 0,
         meta: Dict[str, int] = ...,
     ) -> None: ...
+    def __eq__(self, other: object) -> bool: ...  # every field and meta entry
+    __hash__: None  # type: ignore[assignment]  # mutable: not hashable
+    def __copy__(self) -> Config: ...
+    def __deepcopy__(self, memo: Any) -> Config: ...
 
 # The ops, positional (kerf/ops.py has the documented, keyword-friendly versions).
 _Layout = Optional[Dict[str, Any]]

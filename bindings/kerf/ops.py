@@ -299,7 +299,7 @@ def lora_embedding(x: TensorLike, weight: TensorLike, A: TensorLike, B: TensorLi
                    id_check: str = "sync", after_a: Optional[TensorLike] = None) -> TensorLike:
     """``out[t] = weight[x[t]] + s * A[:, x[t]] @ B^T`` (PEFT's layout).
 
-    x int32/int64 ids (any shape); weight [vocab, dim]; A = lora_embedding_A
+    x int32/int64 ids (any shape of at least one dimension); weight [vocab, dim]; A = lora_embedding_A
     [r, vocab]; B = lora_embedding_B [dim, r]; out [*x.shape, dim] (allocated in
     the inputs' dtype when they agree, else float32). An id outside [0, vocab)
     raises ValueError and is never read (its row of out is zeros). On CUDA,

@@ -53,7 +53,11 @@ inline double convert(PyObject* o, double*, const Function& f, size_t i) {
   if (PyFloat_CheckExact(o)) return PyFloat_AS_DOUBLE(o);
   const double v = PyFloat_AsDouble(o);
   if (v == -1.0 && PyErr_Occurred()) {
+    // An int too large for a double (10**400) is a number, just not one that fits.
+    const bool too_large = PyErr_ExceptionMatches(PyExc_OverflowError);
     PyErr_Clear();
+    if (too_large)
+      throw InvalidArgument(f.name + "(): " + f.params[i] + " is an int too large for a double");
     throw TypeError(f.name + "(): " + f.params[i] + " must be a float, got " + type_name(o));
   }
   return v;

@@ -42,11 +42,12 @@ std::string config_repr(const ops::Config& c) {
 }
 
 void bind_config(py::module_& m) {
-  py::class_<ops::Config>(m, "Config", R"doc(
+  py::class_<ops::Config> config(m, "Config", R"doc(
 Block sizes and launch shape of an op; 0 lets kerf choose (the autotuner's
 choice on a GPU, the op's defaults on the CPU). A Config given to an op wins
 over the autotuner.
-)doc")
+)doc");
+  config
       .def(py::init([](int64_t block_m, int64_t block_k, int64_t split_k, int64_t num_warps,
                        int64_t num_stages, std::map<std::string, int64_t> meta) {
              ops::Config c;
@@ -79,7 +80,33 @@ over the autotuner.
           "{'WARPS_N': 2}, {'L2_PREFETCH': 128} (docs/ops.md lists them per op); an op refuses "
           "names it does not take. Read-only as read (a mapping proxy); assign a whole dict: "
           "config.meta = {**config.meta, 'EVICT': 1}.")
-      .def("__repr__", &config_repr);
+      .def("__repr__", &config_repr)
+      // Equal when every field and meta entry is; copies and pickles carry them all
+      // (a Config inside a deepcopied or pickled training setup).
+      .def("__eq__", [](const ops::Config& a, py::handle b) -> py::object {
+        if (!py::isinstance<ops::Config>(b)) return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+        const ops::Config& c = b.cast<const ops::Config&>();
+        return py::bool_(a.block_m == c.block_m && a.block_k == c.block_k && a.split_k == c.split_k &&
+                         a.num_warps == c.num_warps && a.num_stages == c.num_stages && a.meta == c.meta);
+      })
+      .def("__copy__", [](const ops::Config& c) { return c; })
+      .def("__deepcopy__", [](const ops::Config& c, py::handle) { return c; }, py::arg("memo"))
+      .def(py::pickle(
+          [](const ops::Config& c) {
+            return py::make_tuple(c.block_m, c.block_k, c.split_k, c.num_warps, c.num_stages, c.meta);
+          },
+          [](const py::tuple& t) {
+            if (t.size() != 6) throw InvalidArgument("kerf.Config: a pickled state of 6 fields was expected");
+            ops::Config c;
+            c.block_m = t[0].cast<int64_t>();
+            c.block_k = t[1].cast<int64_t>();
+            c.split_k = t[2].cast<int64_t>();
+            c.num_warps = t[3].cast<int64_t>();
+            c.num_stages = t[4].cast<int64_t>();
+            c.meta = t[5].cast<std::map<std::string, int64_t>>();
+            return c;
+          }));
+  config.attr("__hash__") = py::none();  // mutable, compared by value: not hashable (as a dict)
 }
 
 // What a tensor looks like to kerf, for tests and debugging.

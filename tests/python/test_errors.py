@@ -122,6 +122,10 @@ def test_int_and_bool_options_refuse_what_is_not_one_and_name_the_argument(kerf_
     with pytest.raises(TypeError, match="scale_grad_by_freq must be a bool, got str"):
         kerf_cpu.ops.lora_embedding_backward(x, A, B, g, 1.0, scale_grad_by_freq="no")
     kerf_cpu.ops.lora_embedding_backward(x, A, B, g, 1.0, scale_grad_by_freq=np.bool_(True))
+    for flag in (1, 0, np.int64(1)):  # a flag written as 0 or 1
+        kerf_cpu.ops.lora_embedding_backward(x, A, B, g, 1.0, scale_grad_by_freq=flag)
+    with pytest.raises(ValueError, match=r"scale_grad_by_freq must be a bool \(or 0 or 1\), got 2"):
+        kerf_cpu.ops.lora_embedding_backward(x, A, B, g, 1.0, scale_grad_by_freq=2)
     with pytest.raises(ValueError, match="a mesh axis size must fit in 64 bits"):
         kerf_cpu.ops.dora_norm(*dora_inputs(), 1.0, layout={"mesh": {"tp": 2**63}, "specs": {}})
 
@@ -159,6 +163,8 @@ def test_a_malformed_layout_is_a_type_error_saying_what_was_expected(layout, mes
     (2.5, TypeError, "got float"),
     (-1, ValueError, r"an int >= 0\), got -1"),
     (1 << 70, ValueError, "does not fit in 64 bits"),
+    (True, TypeError, "got bool"),
+    (np.int64(-1), ValueError, r"an int >= 0\), got -1"),  # NumPy ints are ints
 ])
 def test_a_stream_that_is_not_one_is_refused_even_on_the_cpu(stream, error, message):
     W, A, B, m = dora_inputs()
@@ -270,3 +276,42 @@ def test_a_scale_that_is_not_finite_is_a_value_error_and_writes_nothing(kerf_cpu
     assert np.array_equal(W, before)
     with pytest.raises(ValueError, match="dora_norm: s must be finite"):
         kerf_cpu.ops.dora_norm(W, A, B, m, s)
+
+
+def test_a_scale_beyond_float32_is_a_value_error_and_writes_nothing(kerf_cpu):
+    # Finite as a double, inf as the float the kernels compute in: NaN everywhere before.
+    W, A, B, m = dora_inputs()
+    before = W.copy()
+    for s in (1e39, -1e300):
+        with pytest.raises(ValueError, match="lora_merge: s must be within float32's range"):
+            kerf_cpu.ops.lora_merge(W, A, B, s)
+    with pytest.raises(ValueError, match=r"lora_merge\(\): s is an int too large for a double"):
+        kerf_cpu.ops.lora_merge(W, A, B, 10**400)
+    assert np.array_equal(W, before)
+    with pytest.raises(ValueError, match="dora_norm: eps must be within float32's range"):
+        kerf_cpu.ops.dora_norm(W, A, B, m, 0.5, eps=1e39)
+    with pytest.raises(ValueError, match="dora_norm: eps must be >= 0, got -1e-30"):
+        kerf_cpu.ops.dora_norm(W, A, B, m, 0.5, eps=-1e-30)
+
+
+def test_a_config_compares_copies_and_pickles_by_value():
+    import copy
+    import pickle
+    c = kerf.Config(block_m=16, num_stages=2, meta={"EVICT": 1})
+    assert c == kerf.Config(block_m=16, num_stages=2, meta={"EVICT": 1})
+    assert c != kerf.Config(block_m=16, num_stages=2)
+    assert c != "not a config"
+    for twin in (copy.copy(c), copy.deepcopy(c), pickle.loads(pickle.dumps(c))):
+        assert twin == c and twin is not c
+        assert dict(twin.meta) == {"EVICT": 1}
+    with pytest.raises(TypeError):
+        hash(c)  # mutable and compared by value, as a dict
+
+
+def test_a_config_deeper_than_any_kernel_is_refused_before_anything_runs(kerf_cpu):
+    dW = np.random.rand(2, 5, 7).astype(np.float32)
+    A, B = np.random.rand(2, 3, 7).astype(np.float32), np.random.rand(2, 5, 3).astype(np.float32)
+    dA = np.full((2, 3, 7), 7.0, np.float32)
+    with pytest.raises(ValueError, match="Config.num_stages must be at most 8"):
+        kerf_cpu.ops.moe_lora_materialize_backward(dW, A, B, 0.5, dA=dA, config=kerf.Config(num_stages=9))
+    assert (dA == 7.0).all()  # not zeroed by a first launch

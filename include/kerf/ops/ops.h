@@ -211,7 +211,7 @@ struct EmbeddingOptions {
 };
 
 // out[t, :] = weight[x[t], :] + s * A[:, x[t]] @ B^T    (PEFT's layout)
-// x [...] i32/i64 token ids (any shape, flattened); weight [vocab, dim]
+// x [...] i32/i64 token ids (any shape of rank >= 1, flattened); weight [vocab, dim]
 // bf16/f16/f32; A = lora_embedding_A [r, vocab]; B = lora_embedding_B [dim, r];
 // out [..., dim] (x's shape + dim) bf16/f16/f32, fp32 sum rounded once.
 // An id outside [0, vocab) is an error (InvalidArgument) and is never read: on
