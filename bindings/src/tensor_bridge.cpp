@@ -49,6 +49,7 @@ struct Names {
   PyObject* is_cuda;
   PyObject* is_cpu;
   PyObject* is_neg;
+  PyObject* layout;
   PyObject* device;
   PyObject* dlpack;
   PyObject* dlpack_device;
@@ -87,6 +88,7 @@ const Names& names() {
     x.is_cuda = intern("is_cuda");
     x.is_cpu = intern("is_cpu");
     x.is_neg = intern("is_neg");
+    x.layout = intern("layout");
     x.device = intern("device");
     x.dlpack = intern("__dlpack__");
     x.dlpack_device = intern("__dlpack_device__");
@@ -319,6 +321,13 @@ TensorView torch_view(const TorchApi& api, py::handle obj, bool written, const c
                           "'; kerf runs on CPU and CUDA tensors");
   }
   if (steal(PyObject_CallMethodNoArgs(o, n.is_neg)).ptr() == Py_True) throw_neg_bit(op, name);
+  // Sparse (COO, CSR, ...) and other layouts have no strided memory to read.
+  {
+    const std::string layout = str_of(steal(PyObject_GetAttr(o, n.layout)));
+    if (layout != "torch.strided")
+      throw TypeError(where(op, name) + " is a " + layout +
+                      " tensor; kerf takes dense (torch.strided) tensors (use .to_dense())");
+  }
   {
     const py::object ptr = steal(PyObject_CallMethodNoArgs(o, n.data_ptr));
     v.data = PyLong_AsVoidPtr(ptr.ptr());
@@ -789,8 +798,11 @@ TensorView Call::from_dlpack(py::handle obj, const char* name, bool written, Fra
       capsule = export_dlpack(obj, stream_value ? stream_value.ptr() : nullptr);
     } catch (py::error_already_set& e) {
       // NumPy before 2.1 exports no read-only array through DLPack.
-      if (framework != Framework::numpy || !e.matches(PyExc_BufferError)) throw;
-      return numpy_interface_view(obj, op_, name, written);
+      if (framework == Framework::numpy && e.matches(PyExc_BufferError))
+        return numpy_interface_view(obj, op_, name, written);
+      // The producer's own refusal (a torch subclass that requires grad, say), said for this op.
+      throw InvalidArgument(where(op_, name) + ": its __dlpack__() refused: " +
+                            std::string(py::str(e.type().attr("__name__"))) + ": " + std::string(py::str(e.value())));
     }
     if (!PyCapsule_CheckExact(capsule.ptr()))
       throw TypeError(where(op_, name) + ": __dlpack__() returned " + type_name(capsule) +

@@ -168,6 +168,8 @@ def test_both_torch_paths_refuse_the_same_tensors(torch_path):
         view_info(torch.zeros(3, device="meta"))
     with pytest.raises(ValueError, match="rank 9"):
         view_info(torch.zeros([1] * 9))
+    with pytest.raises(TypeError, match=r"a torch.sparse_coo tensor; kerf takes dense \(torch.strided\) tensors"):
+        view_info(torch.eye(3).to_sparse())
     negated = torch.randn(4, dtype=torch.complex64).conj().imag  # memory holds -imag
     assert negated.is_neg()
     with pytest.raises(ValueError, match="negative bit"):
@@ -182,6 +184,10 @@ def test_torch_subclasses_go_through_dlpack():
     t = torch.arange(6.0).reshape(2, 3).as_subclass(Tagged)
     info = view_info(t)
     assert info["data_ptr"] == t.data_ptr() and info["shape"] == [2, 3]
+    # One that requires grad: torch's DLPack export refuses it; kerf says so for the argument.
+    g = torch.arange(6.0).reshape(2, 3).requires_grad_().as_subclass(Tagged)
+    with pytest.raises(ValueError, match=r"W: its __dlpack__\(\) refused: RuntimeError: .*require"):
+        kerf.ops.dora_norm(g, torch.ones(1, 3), torch.ones(2, 1), torch.ones(2), 0.5)
 
 
 @pytest.mark.parametrize("device", DEVICES)
