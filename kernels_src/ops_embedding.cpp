@@ -222,8 +222,24 @@ struct VocabRange {
   int64_t start = 0, total = 0;
 };
 
-VocabRange vocab_range(const char* op, const Layout& layout, const LayoutSplits& splits, int64_t local) {
+VocabRange vocab_range(const char* op, const Layout& layout, const LayoutSplits& splits, int64_t local,
+                       const EmbeddingOptions& options) {
   const std::string& axis = splits.of("vocab");
+  if (options.vocab_start || options.vocab_size) {
+    if (!options.vocab_start || !options.vocab_size)
+      throw InvalidArgument(std::string(op) + ": vocab_start and vocab_size go together (a shard's first id and "
+                            "the whole vocabulary's size), got only " +
+                            (options.vocab_start ? "vocab_start" : "vocab_size"));
+    if (axis.empty())
+      throw InvalidArgument(std::string(op) + ": vocab_start and vocab_size describe a vocabulary shard, but the "
+                            "layout does not split 'vocab' (weight's dim 0, A's dim 1)");
+    const int64_t start = *options.vocab_start, total = *options.vocab_size;
+    if (start < 0 || total < local || start > total - local)
+      throw InvalidArgument(std::string(op) + ": this shard's ids [" + std::to_string(start) + ", " +
+                            std::to_string(start) + " + " + std::to_string(local) +
+                            ") do not lie in the vocabulary [0, " + std::to_string(total) + ")");
+    return {start, total};
+  }
   if (axis.empty()) return {0, local};
   const int64_t n = layout.axis_size(axis);
   // A mesh axis of one shard needs no coordinate; otherwise this device's (check_layout has
@@ -967,7 +983,7 @@ void lora_embedding(const TensorView& x, const TensorView& weight, const TensorV
     for (const auto& [n, t] : all)
       if (t != o) expect_disjoint(op, o_name, *o, n, *t);
   }
-  const VocabRange vr = vocab_range(op, layout, splits, V);
+  const VocabRange vr = vocab_range(op, layout, splits, V, options);
   padding_id(op, options, vr.total);  // only the backward uses it, but F.embedding refuses a bad one here too
   if (x.numel() == 0 || (D == 0 && !options.after_a)) return;
   TensorView x1, out2;
@@ -1045,7 +1061,7 @@ void lora_embedding_backward(const TensorView& x, const TensorView& A, const Ten
       if (in != &grad_A && in != &grad_B) expect_disjoint(op, n, *t, in_name, *in);
   }
   expect_disjoint(op, "grad_B", grad_B, "grad_A", grad_A);
-  const VocabRange vr = vocab_range(op, layout, splits, V);
+  const VocabRange vr = vocab_range(op, layout, splits, V, options);
   const int64_t padding = padding_id(op, options, vr.total);
   if (r == 0) return;
 

@@ -303,6 +303,36 @@ void check_embedding_layouts(Device dev) {
       if (act) CHECK(act_sum == values(act_all));  // exactly: one shard wrote each, the others zeros
     }
 
+  // Vocab split unevenly, as torch.chunk(120 ids, 3) would not but np.array_split-like cuts
+  // do (50, 50, 20 ids): each shard says where it starts (vocab_start, vocab_size), no coords.
+  {
+    const int64_t starts[] = {0, 50, 100}, sizes[] = {50, 50, 20};
+    std::vector<double> out_sum(size_t(T * D), 0.0), b_sum(size_t(D * r), 0.0);
+    TestTensor gA(DType::f32, {r, V}, dev);
+    gA.poison();
+    for (int64_t c = 0; c < n; ++c) {
+      const ops::Layout fwd = layout_of({{"vp", n}}, {{"weight", {"vp"}}, {"A", {"", "vp"}}});
+      const ops::Layout bwd = layout_of({{"vp", n}}, {{"A", {"", "vp"}}, {"grad_A", {"", "vp"}}});
+      TestTensor po(DType::f32, {T, D}, dev), pb(DType::f32, {D, r}, dev);
+      po.poison();
+      pb.poison();
+      ops::EmbeddingOptions fo, bo = o;
+      fo.vocab_start = bo.vocab_start = starts[c];
+      fo.vocab_size = bo.vocab_size = V;
+      ops::lora_embedding(X.view(), block(Wt, starts[c], sizes[c], 0, D), block(A, 0, r, starts[c], sizes[c]),
+                          B.view(), s, po.view(), fo, nullptr, {}, fwd);
+      ops::lora_embedding_backward(X.view(), block(A, 0, r, starts[c], sizes[c]), B.view(), G.view(), s,
+                                   block(gA, 0, r, starts[c], sizes[c]), pb.view(), bo, nullptr, {}, bwd);
+      test::sync(dev);
+      const std::vector<double> a = values(po), b = values(pb);
+      for (size_t i = 0; i < a.size(); ++i) out_sum[i] += a[i];
+      for (size_t i = 0; i < b.size(); ++i) b_sum[i] += b[i];
+    }
+    CHECK(test::max_relative_error(out_sum, ref_out, 1.0) <= 1e-5);
+    CHECK(scaled_error(values(gA), ref_a) <= 1e-5);
+    CHECK(scaled_error(b_sum, ref_b) <= 1e-5);
+  }
+
   // Tokens split over "dp" (3 shards of 19): outputs local; grad_A and grad_B partial. (Counts for
   // scale_grad_by_freq are per call, as PyTorch's are per batch: test it without.)
   {
@@ -500,6 +530,28 @@ TEST_CASE("layouts that cannot work together are rejected before any launch, nam
                         layout_of({{"vp", 2}}, {{"weight", {"vp"}}, {"A", {"", "vp"}}}, {2}));
   });
   CHECK_THAT(msg, Catch::Contains("coordinate 2 on mesh axis 'vp' is outside [0, 2)"));
+  // A shard of its own size: vocab_start and vocab_size together, with a vocab split, inside it.
+  const ops::Layout vp = layout_of({{"vp", 2}}, {{"weight", {"vp"}}, {"A", {"", "vp"}}});
+  ops::EmbeddingOptions only_start, no_split, outside;
+  only_start.vocab_start = 10;
+  msg = kerf::test::thrown<InvalidArgument>(
+      [&] { ops::lora_embedding(X.view(), Wt.view(), Ae.view(), Be.view(), 1.0, out.view(), only_start, nullptr, {}, vp); });
+  CHECK_THAT(msg, Catch::Contains("lora_embedding: vocab_start and vocab_size go together") &&
+                      Catch::Contains("got only vocab_start"));
+  no_split.vocab_start = 0;
+  no_split.vocab_size = 10;
+  msg = kerf::test::thrown<InvalidArgument>(
+      [&] { ops::lora_embedding(X.view(), Wt.view(), Ae.view(), Be.view(), 1.0, out.view(), no_split); });
+  CHECK_THAT(msg, Catch::Contains("the layout does not split 'vocab'"));
+  outside.vocab_start = 15;
+  outside.vocab_size = 24;
+  TestTensor gAe(DType::f32, {2, 10}, cpu), gBe(DType::f32, {4, 2}, cpu);
+  msg = kerf::test::thrown<InvalidArgument>([&] {
+    ops::lora_embedding_backward(X.view(), Ae.view(), Be.view(), out.view(), 1.0, gAe.view(), gBe.view(), outside,
+                                 nullptr, {}, layout_of({{"vp", 2}}, {{"A", {"", "vp"}}, {"grad_A", {"", "vp"}}}));
+  });
+  CHECK_THAT(msg, Catch::Contains("lora_embedding_backward: this shard's ids [15, 15 + 10) do not lie in the "
+                                  "vocabulary [0, 24)"));
   // Coordinates are checked where given, even by an op whose layout does not need them.
   msg = kerf::test::thrown<InvalidArgument>([&] {
     ops::moe_lora_materialize(Wm.view(), Am.view(), Bm.view(), 1.0, Wm.view(), nullptr, {},

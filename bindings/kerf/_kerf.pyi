@@ -101,11 +101,12 @@ def moe_lora_materialize_backward(
 def lora_embedding(
     x: Any, weight: Any, A: Any, B: Any, s: float, out: Any, padding_idx: Optional[int], scale_grad_by_freq: bool,
     stream: Any, config: Optional[Config], layout: _Layout, id_check: Optional[str] = None, after_a: Any = None,
+    vocab_start: Optional[int] = None, vocab_size: Optional[int] = None,
 ) -> Any: ...
 def lora_embedding_backward(
     x: Any, A: Any, B: Any, grad_out: Any, s: float, grad_A: Any, grad_B: Any, padding_idx: Optional[int],
     scale_grad_by_freq: bool, stream: Any, config: Optional[Config], layout: _Layout, id_check: Optional[str] = None,
-    after_a: Any = None,
+    after_a: Any = None, vocab_start: Optional[int] = None, vocab_size: Optional[int] = None,
 ) -> Tuple[Any, Any]: ...
 def check_embedding_ids(tensor: Any, stream: Any = None) -> None: ...
 _F = TypeVar("_F", bound=Callable[..., Any])

@@ -296,7 +296,8 @@ def lora_embedding(x: TensorLike, weight: TensorLike, A: TensorLike, B: TensorLi
                    out: Optional[TensorLike] = None, padding_idx: Optional[int] = None,
                    scale_grad_by_freq: bool = False, stream: StreamLike = None,
                    config: Optional[Config] = None, layout: LayoutLike = None,
-                   id_check: str = "sync", after_a: Optional[TensorLike] = None) -> TensorLike:
+                   id_check: str = "sync", after_a: Optional[TensorLike] = None,
+                   vocab_start: Optional[int] = None, vocab_size: Optional[int] = None) -> TensorLike:
     """``out[t] = weight[x[t]] + s * A[:, x[t]] @ B^T`` (PEFT's layout).
 
     x int32/int64 ids (any shape of at least one dimension); weight [vocab, dim]; A = lora_embedding_A
@@ -310,6 +311,10 @@ def lora_embedding(x: TensorLike, weight: TensorLike, A: TensorLike, B: TensorLi
     matter to the backward. ``after_a`` [*x.shape, r] (any float dtype), when
     given, is written with the activations ``A[:, x[t]]`` (PEFT's ``after_A``)
     for :func:`lora_embedding_backward` (in a layout: operand "after_a", split as x).
+    ``vocab_start``, ``vocab_size`` (together, with a layout that splits "vocab"):
+    this shard holds ids ``[vocab_start, vocab_start + vocab)`` of ``vocab_size``,
+    for shards of unequal sizes (``torch.chunk``, ``np.array_split``); without them
+    shard c of n holds ``[c * vocab, (c + 1) * vocab)`` (even splits, needs coords).
     """
 
 
@@ -319,7 +324,8 @@ def lora_embedding_backward(x: TensorLike, A: TensorLike, B: TensorLike, grad_ou
                             padding_idx: Optional[int] = None, scale_grad_by_freq: bool = False,
                             stream: StreamLike = None, config: Optional[Config] = None,
                             layout: LayoutLike = None, id_check: str = "sync",
-                            after_a: Optional[TensorLike] = None) -> Tuple[TensorLike, TensorLike]:
+                            after_a: Optional[TensorLike] = None, vocab_start: Optional[int] = None,
+                            vocab_size: Optional[int] = None) -> Tuple[TensorLike, TensorLike]:
     """Gradients of A and B for :func:`lora_embedding` given grad_out [*x.shape, dim]
     (the base weight gets none): ``grad_A[:, v] = s * sum_{x[t]=v} grad_out[t] @ B``
     (none at padding_idx; divided by v's count with scale_grad_by_freq),
@@ -328,7 +334,8 @@ def lora_embedding_backward(x: TensorLike, A: TensorLike, B: TensorLike, grad_ou
     (written by :func:`lora_embedding`), read by token instead of gathered from A's
     columns by id (faster on a GPU; they must be what A held at the forward). With the
     vocabulary split, a shard counts the rows of ids outside its range as zeros: its own
-    forward's after_a or their sum over shards give the same gradients."""
+    forward's after_a or their sum over shards give the same gradients. vocab_start,
+    vocab_size: a shard of its own size, as in :func:`lora_embedding`."""
 
 
 @_bound(_kerf.check_embedding_ids)

@@ -194,10 +194,14 @@ ops::Layout layout_of(py::handle obj) {
 
 // id_check: None or "sync" (wait and raise at once), "deferred" (check_embedding_ids raises later).
 ops::EmbeddingOptions embedding_options(const char* op, py::handle padding_idx, bool scale_grad_by_freq,
-                                        py::handle id_check) {
+                                        py::handle id_check, py::handle vocab_start, py::handle vocab_size) {
   ops::EmbeddingOptions o;
   if (padding_idx && !padding_idx.is_none())
     o.padding_idx = fast_call::int_argument(padding_idx.ptr(), std::string(op) + "(): padding_idx");
+  if (vocab_start && !vocab_start.is_none())
+    o.vocab_start = fast_call::int_argument(vocab_start.ptr(), std::string(op) + "(): vocab_start");
+  if (vocab_size && !vocab_size.is_none())
+    o.vocab_size = fast_call::int_argument(vocab_size.ptr(), std::string(op) + "(): vocab_size");
   o.scale_grad_by_freq = scale_grad_by_freq;
   if (id_check && !id_check.is_none()) {
     if (!PyUnicode_Check(id_check.ptr()))
@@ -405,7 +409,8 @@ void bind_ops(py::module_& m) {
       "lora_embedding",
       [](py::handle x, py::handle weight, py::handle A, py::handle B, double s, py::handle out,
          py::handle padding_idx, bool scale_grad_by_freq, py::handle stream,
-         py::handle config, py::handle layout, py::handle id_check, py::handle after_a) {
+         py::handle config, py::handle layout, py::handle id_check, py::handle after_a, py::handle vocab_start,
+         py::handle vocab_size) {
         Call call("lora_embedding", stream);
         const TensorView ids = call.input(x, "x"), w = call.input(weight, "weight"),
                          a = call.input(A, "A"), b = call.input(B, "B");
@@ -413,7 +418,8 @@ void bind_ops(py::module_& m) {
         shape.push_back(w.shape[1]);
         const auto o =
             call.output_or_new(out, "out", shape, common_float({w.dtype, a.dtype, b.dtype}));
-        ops::EmbeddingOptions opt = embedding_options("lora_embedding", padding_idx, scale_grad_by_freq, id_check);
+        ops::EmbeddingOptions opt =
+            embedding_options("lora_embedding", padding_idx, scale_grad_by_freq, id_check, vocab_start, vocab_size);
         if (after_a && !after_a.is_none()) opt.after_a = call.output(after_a, "after_a");
         const ops::Config cfg = config_of(config);
         const ops::Layout lay = layout_of(layout);
@@ -424,14 +430,16 @@ void bind_ops(py::module_& m) {
       py::arg("x"), py::arg("weight"), py::arg("A"), py::arg("B"), py::arg("s"),
       py::arg("out").none(true), py::arg("padding_idx").none(true), py::arg("scale_grad_by_freq"),
       py::arg("stream").none(true), py::arg("config").none(true), py::arg("layout").none(true),
-      py::arg("id_check").none(true) = py::none(), py::arg("after_a").none(true) = py::none());
+      py::arg("id_check").none(true) = py::none(), py::arg("after_a").none(true) = py::none(),
+      py::arg("vocab_start").none(true) = py::none(), py::arg("vocab_size").none(true) = py::none());
 
   def_fast(
       m,
       "lora_embedding_backward",
       [](py::handle x, py::handle A, py::handle B, py::handle grad_out, double s, py::handle grad_A,
          py::handle grad_B, py::handle padding_idx, bool scale_grad_by_freq, py::handle stream,
-         py::handle config, py::handle layout, py::handle id_check, py::handle after_a) {
+         py::handle config, py::handle layout, py::handle id_check, py::handle after_a, py::handle vocab_start,
+         py::handle vocab_size) {
         Call call("lora_embedding_backward", stream);
         const TensorView ids = call.input(x, "x"), a = call.input(A, "A"), b = call.input(B, "B"),
                          g = call.input(grad_out, "grad_out");
@@ -440,7 +448,8 @@ void bind_ops(py::module_& m) {
         const auto ga = call.output_or_new(grad_A, "grad_A", dims(a), a.dtype);
         const auto gb = call.output_or_new(grad_B, "grad_B", dims(b), b.dtype);
         ops::EmbeddingOptions opt =
-            embedding_options("lora_embedding_backward", padding_idx, scale_grad_by_freq, id_check);
+            embedding_options("lora_embedding_backward", padding_idx, scale_grad_by_freq, id_check, vocab_start,
+                              vocab_size);
         opt.after_a = act;
         const ops::Config cfg = config_of(config);
         const ops::Layout lay = layout_of(layout);
@@ -454,7 +463,8 @@ void bind_ops(py::module_& m) {
       py::arg("grad_A").none(true), py::arg("grad_B").none(true), py::arg("padding_idx").none(true),
       py::arg("scale_grad_by_freq"), py::arg("stream").none(true), py::arg("config").none(true),
       py::arg("layout").none(true), py::arg("id_check").none(true) = py::none(),
-      py::arg("after_a").none(true) = py::none());
+      py::arg("after_a").none(true) = py::none(), py::arg("vocab_start").none(true) = py::none(),
+      py::arg("vocab_size").none(true) = py::none());
 
   def_fast(
       m,

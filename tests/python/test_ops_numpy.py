@@ -331,6 +331,34 @@ def test_lora_embedding_after_a_over_vocab_shards_sums_to_the_unsharded_op(kerf_
         np.testing.assert_allclose(gB_sum, gB, rtol=1e-5, atol=1e-5)
 
 
+def test_lora_embedding_over_uneven_vocab_shards_sums_to_the_unsharded_op(kerf_cpu):
+    # np.array_split's shards of 31 ids over 3: 11, 10, 10; each says where it starts.
+    V, H, r, s = 31, 12, 4, 0.5
+    x = np.array([[1, 0, 7, 30], [11, 21, 12, 20]], np.int64)
+    W = rng.standard_normal((V, H)).astype(np.float32)
+    A = rng.standard_normal((r, V)).astype(np.float32)
+    B = rng.standard_normal((H, r)).astype(np.float32)
+    g = rng.standard_normal((2, 4, H)).astype(np.float32)
+    out = kerf_cpu.ops.lora_embedding(x, W, A, B, s)
+    gA, gB = kerf_cpu.ops.lora_embedding_backward(x, A, B, g, s, padding_idx=7)
+    bounds = np.cumsum([0] + [len(p) for p in np.array_split(np.arange(V), 3)])
+    out_sum, gB_sum = np.zeros_like(out), np.zeros_like(gB)
+    fwd = {"mesh": {"vp": 3}, "specs": {"weight": ("vp",), "A": (None, "vp")}}
+    bwd = {"mesh": {"vp": 3}, "specs": {"A": (None, "vp"), "grad_A": (None, "vp")}}
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        out_sum += kerf_cpu.ops.lora_embedding(x, W[lo:hi], A[:, lo:hi], B, s, layout=fwd,
+                                               vocab_start=int(lo), vocab_size=V)
+        pA, pB = kerf_cpu.ops.lora_embedding_backward(x, A[:, lo:hi], B, g, s, padding_idx=7, layout=bwd,
+                                                      vocab_start=np.int64(lo), vocab_size=V)
+        np.testing.assert_allclose(pA, gA[:, lo:hi], rtol=1e-5, atol=1e-5)
+        gB_sum += pB
+    np.testing.assert_allclose(out_sum, out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gB_sum, gB, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="vocab_start and vocab_size go together"):
+        kerf_cpu.ops.lora_embedding(x, W[:11], A[:, :11], B, s, layout=fwd, vocab_size=V)
+    with pytest.raises(TypeError, match="vocab_start must be an int"):
+        kerf_cpu.ops.lora_embedding(x, W[:11], A[:, :11], B, s, layout=fwd, vocab_start=1.5, vocab_size=V)
+
 
 def test_lora_embedding_id_check_options_on_the_cpu(kerf_cpu):
     # CPU ids are checked before every call: "deferred" still raises at once, and

@@ -208,6 +208,12 @@ struct EmbeddingOptions {
   // operand "after_a", split as x's token dims are; a vocab shard's backward counts
   // the rows of ids outside its range as zeros (its own forward's, or every shard's sum).
   std::optional<TensorView> after_a;
+  // A vocab shard of its own size (torch.chunk's, np.array_split's uneven shards): the
+  // first id it holds and the whole vocabulary's size, given together with a layout
+  // that splits vocab. Unset, shard c of n holds ids [c*V, (c+1)*V) of n*V (V: its
+  // rows), which only even splits satisfy; set, it holds [vocab_start, vocab_start + V)
+  // of vocab_size (no Layout::coords needed).
+  std::optional<int64_t> vocab_start, vocab_size;
 };
 
 // out[t, :] = weight[x[t], :] + s * A[:, x[t]] @ B^T    (PEFT's layout)
