@@ -8,6 +8,7 @@
 #include <set>
 #include <string>
 
+#include "common/env_switch.h"
 #include "common/never_destroyed.h"
 
 namespace kerf::log {
@@ -19,8 +20,9 @@ constexpr int kUnread = -1;
 Level parse(const char* text, bool* known) {
   *known = true;
   if (!text || !*text) return Level::warn;
-  const std::string v = text;
-  if (v == "off" || v == "0" || v == "none") return Level::off;
+  const std::string v = kerf::detail::switch_word(text);  // any case, blanks around dropped
+  if (v.empty()) return Level::warn;
+  if (kerf::detail::is_off_word(v) || v == "none") return Level::off;
   if (v == "info") return Level::info;
   if (v == "debug") return Level::debug;
   *known = v == "warn" || v == "warning";

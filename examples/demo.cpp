@@ -92,8 +92,12 @@ int main(int argc, char** argv) {
       if (info.compiled)
         std::printf("call %d: compiled for %s in %.1f ms (trace, codegen, compile, load), ran in all %.1f ms\n",
                     call, info.backend.c_str(), info.compile_ms, ms);
-      else
+      else if (info.source == KernelSource::memory)
         std::printf("call %d: reused the compiled kernel (%s); %.3f ms\n", call, info.backend.c_str(), ms);
+      else  // an earlier run left it in the disk cache (or a mounted bundle holds it)
+        std::printf("call %d: loaded the kernel from the %s (%s) in %.1f ms, no compile; ran in all %.1f ms\n", call,
+                    info.source == KernelSource::bundle ? "bundle" : "disk cache", info.backend.c_str(),
+                    info.compile_ms, ms);
     }
     if (dev.is_cuda()) dN.copy_to_host(norm.data(), norm.size() * 4);
 

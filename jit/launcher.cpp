@@ -15,6 +15,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "common/env_switch.h"
 #include "kerf/cache/cpu_kernel.h"
 #include "kerf/cache/cuda_binary.h"
 #include "kerf/error.h"
@@ -385,7 +386,7 @@ std::shared_ptr<Compiled> build_cpu(const ir::Function& fn, std::string_view lay
 bool may_overlap(const ir::Function& fn, int device) {
   static const bool enabled = [] {
     const char* v = std::getenv("KERF_OVERLAP_LAUNCHES");
-    return !(v && std::string_view(v) == "0");
+    return !(v && detail::is_off_word(detail::switch_word(v)));
   }();
   if (!enabled || cuda::device_info(device).cc_major < 9) return false;
   return ir::contains(fn.body, ir::OpKind::GridWait);

@@ -396,4 +396,16 @@ TEST_CASE("the switches take the usual spellings of on and off in any case", "[c
   CHECK(disk("false") == cache::DiskMode::off);
   CHECK(disk("RO") == cache::DiskMode::readonly);
   CHECK(disk("yes") == cache::DiskMode::on);
+  // KERF_LOG's levels the same way: any case, blanks around dropped (INFO read as warn before).
+  const auto level = [](const char* v) {
+    test::ScopedEnv env({{"KERF_LOG", v}});
+    log::reload();
+    return log::level();
+  };
+  CHECK(level("INFO") == log::Level::info);
+  CHECK(level(" debug\n") == log::Level::debug);
+  CHECK(level("Off") == log::Level::off);
+  CHECK(level("false") == log::Level::off);
+  CHECK(level("Warning") == log::Level::warn);
+  log::reload();
 }

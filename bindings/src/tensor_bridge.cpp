@@ -6,6 +6,7 @@
 #include <string>
 
 #include "buffer.h"
+#include "common/env_switch.h"
 #include "dlpack_abi.h"
 #include "kerf/error.h"
 #include "kerf/runtime/cuda.h"
@@ -142,8 +143,9 @@ bool bridge_enabled = true;
 
 // kerf._torch_bridge's function table, or nullptr with the reason in `status`.
 const KerfTorchBridge* load_torch_bridge(std::string& status) {
-  if (const char* env = std::getenv("KERF_TORCH_BRIDGE"); env && std::string(env) == "0") {
-    status = "disabled by KERF_TORCH_BRIDGE=0";
+  if (const char* env = std::getenv("KERF_TORCH_BRIDGE");
+      env && kerf::detail::is_off_word(kerf::detail::switch_word(env))) {
+    status = std::string("disabled by KERF_TORCH_BRIDGE=") + env;
     return nullptr;
   }
   PyObject* m = PyImport_ImportModule("kerf._torch_bridge");

@@ -61,7 +61,7 @@ struct Weight4bit {
   TensorView packed;       // u8, contiguous, out*in/2 bytes (bitsandbytes: weight.data, [out*in/2, 1])
   TensorView absmax;       // f32, contiguous, cdiv(out*in, blocksize) scales (quant_state.absmax,
                            // dequantized first when the state is nested)
-  TensorView code;         // f32 [16]: each code's value (quant_state.code, or nf4_code() on the device)
+  TensorView code;         // f32 [16]: each code's value (quant_state.code, or nf4_code_tensor(device))
   int64_t blocksize = 64;  // a power of two >= 2 (quant_state.blocksize)
 };
 // The values of QLoRA's 4-bit NormalFloat codes, for Weight4bit::code.
