@@ -36,8 +36,8 @@ class CudaEventTimer final : public Timer {
     // One pair of events per run, read after one synchronisation: no host round trip per run.
     std::vector<std::unique_ptr<cuda::Event>> start, stop;
     for (int i = 0; i < repeats; ++i) {
-      start.push_back(std::make_unique<cuda::Event>());
-      stop.push_back(std::make_unique<cuda::Event>());
+      start.push_back(std::make_unique<cuda::Event>(device_));  // the stream's device, whatever is current
+      stop.push_back(std::make_unique<cuda::Event>(device_));
       if (restore) restore();  // queued on the stream before `start`: not timed
       l2_flush().fill_bytes_async(uint8_t(i), stream_);
       start.back()->record(stream_);

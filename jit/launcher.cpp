@@ -584,6 +584,11 @@ LaunchInfo launch(const ResolvedKernel& kernel, const std::vector<Arg>& args, Gr
     if (t->device.is_cuda() != (c.function != nullptr))
       throw InvalidArgument("kernel '" + c.name + "': argument " + std::to_string(i) + " is on " + t->device.str() +
                             ", but the kernel was resolved for " + (c.function ? "a GPU" : "the CPU"));
+    // A module is loaded in one device's context: another device's memory would be read
+    // through peer access, or fault.
+    if (c.function && t->device.index != c.module.device())
+      throw InvalidArgument("kernel '" + c.name + "': argument " + std::to_string(i) + " is on " + t->device.str() +
+                            ", but the kernel was resolved on cuda:" + std::to_string(c.module.device()));
     if (t->data == nullptr && t->numel() > 0)
       throw InvalidArgument("kernel '" + c.name + "': argument " + std::to_string(i) + " has a null data pointer");
   }

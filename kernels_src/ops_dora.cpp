@@ -626,6 +626,7 @@ std::shared_ptr<const DoraPlan> checked_dora_4bit_plan(const Weight4bit& W, cons
   static PlanMemo<DoraPlan> plans;
   CallKey key;
   key.add(packed2).add(W.absmax).add(W.code).add(A).add(B.dtype).add(m.dtype).add(W.blocksize);
+  key.add(packed2.device);  // each device (and the CPU) tuned and split for itself
   key.add(config);
   return plans.get(key, [&] {
     const Config cfg = has_config(config) ? config

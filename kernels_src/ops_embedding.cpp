@@ -107,12 +107,14 @@ std::string bad_id_message(const char* op, int64_t count, int64_t pos, int64_t i
   return m;
 }
 
-// Reads `rec` (after a wait for the whole device) and clears it; throws when it holds a bad id.
-void throw_if_recorded(const std::string& op, cuda::DeviceBuffer& rec) {
+// Reads `rec` after `stream`'s work (not the whole device's: other streams' work, NCCL's
+// say, runs on) and clears it; throws when it holds a bad id.
+void throw_if_recorded(const std::string& op, cuda::DeviceBuffer& rec, void* stream) {
   int64_t host[kRecordSlots] = {0, 0, 0, 0};
-  rec.copy_to_host(host, sizeof host);
+  rec.copy_to_host_after(stream, host, sizeof host);
   if (host[0] == 0) return;
-  rec.fill_bytes(0);
+  rec.fill_bytes_async(0, stream);
+  cuda::stream_synchronize(stream);
   throw InvalidArgument(bad_id_message(op.c_str(), host[0], host[1], host[2], host[3]));
 }
 
@@ -128,8 +130,7 @@ void throw_recorded_bad_ids(const char* op, const Device& dev, void* stream, boo
                           ": cannot wait for a CUDA stream while it captures a graph; check after the capture");
   }
   cuda::DeviceBuffer& rec = device_record(dev, stream);
-  cuda::stream_synchronize(stream);
-  throw_if_recorded(op, rec);
+  throw_if_recorded(op, rec, stream);
   Records& r = records();
   cuda::DeviceBuffer* graphs = nullptr;
   {
@@ -137,7 +138,7 @@ void throw_recorded_bad_ids(const char* op, const Device& dev, void* stream, boo
     const auto it = r.for_graphs.find(dev.index);
     if (it != r.for_graphs.end() && it->second.used) graphs = &it->second.buf;
   }
-  if (graphs) throw_if_recorded(std::string(op) + " (a launch of a captured CUDA graph)", *graphs);
+  if (graphs) throw_if_recorded(std::string(op) + " (a launch of a captured CUDA graph)", *graphs, stream);
 }
 
 // Ids on the host: check them all before anything runs.

@@ -152,6 +152,7 @@ struct DriverApi {
   CUresult (*MemFree)(CUdeviceptr ptr) = nullptr;
   CUresult (*MemcpyHtoD)(CUdeviceptr dst, const void* src, size_t bytes) = nullptr;
   CUresult (*MemcpyDtoH)(void* dst, CUdeviceptr src, size_t bytes) = nullptr;
+  CUresult (*MemcpyDtoHAsync)(void* dst, CUdeviceptr src, size_t bytes, CUstream stream) = nullptr;
   CUresult (*MemcpyDtoDAsync)(CUdeviceptr dst, CUdeviceptr src, size_t bytes,
                               CUstream stream) = nullptr;
   CUresult (*MemsetD8)(CUdeviceptr dst, unsigned char value, size_t count) = nullptr;
@@ -208,6 +209,7 @@ struct DriverApi {
   X(MemFree, 3020)                    \
   X(MemcpyHtoD, 3020)                 \
   X(MemcpyDtoH, 3020)                 \
+  X(MemcpyDtoHAsync, 3020)            \
   X(MemcpyDtoDAsync, 3020)            \
   X(MemsetD8, 3020)                   \
   X(MemsetD8Async, 3020)              \

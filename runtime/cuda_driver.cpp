@@ -296,44 +296,75 @@ void make_current(CUcontext context) {
     check(api().CtxSetCurrent(context), "making a CUDA context current on this thread");
 }
 
-// For calls that take no device: the stream's context when there is a stream, else
-// the thread's current context, else device 0's primary context.
-void ensure_context(StreamHandle stream) {
-  const DriverApi& a = api();
-  if (stream) {
-    CUcontext context = nullptr;
-    check(a.StreamGetCtx(static_cast<CUstream>(stream), &context),
-          "finding the CUDA context of a stream");
-    make_current(context);
-    return;
+// A context made current for one of kerf's driver calls, and the caller's put back
+// after it: kerf's calls never change the device that the caller's own CUDA code
+// (PyTorch, CuPy, the runtime API, which follow the driver's current context) works
+// on. A thread that had no current context keeps this one, as the CUDA runtime's
+// first call would make one current.
+class ContextScope {
+ public:
+  explicit ContextScope(CUcontext context) {
+    check(api().CtxGetCurrent(&previous_), "querying this thread's current CUDA context");
+    if (previous_ != context) {
+      check(api().CtxSetCurrent(context), "making a CUDA context current on this thread");
+      switched_ = true;
+    }
   }
-  CUcontext current = nullptr;
-  check(a.CtxGetCurrent(&current), "querying this thread's current CUDA context");
-  if (!current) set_current_device(0);
+  ~ContextScope() {
+    if (switched_ && previous_) api().CtxSetCurrent(previous_);
+  }
+  ContextScope(const ContextScope&) = delete;
+  ContextScope& operator=(const ContextScope&) = delete;
+
+ private:
+  CUcontext previous_ = nullptr;
+  bool switched_ = false;
+};
+
+// Device `device`'s primary context, current for the scope.
+ContextScope device_scope(int device) {
+  require_device(device);
+  return ContextScope(primary_context(device));
 }
 
-// Destructors release handles with this: they never throw, and at exit the driver may
-// already be shutting down, so failures are ignored.
-bool make_current_quietly(int device) noexcept {
+// For calls that take no device: the stream's context when there is a stream, else
+// the thread's current context, else device 0's primary context; current for the scope.
+ContextScope stream_scope(StreamHandle stream) {
+  const DriverApi& a = api();
+  CUcontext context = nullptr;
+  if (stream) {
+    check(a.StreamGetCtx(static_cast<CUstream>(stream), &context), "finding the CUDA context of a stream");
+    return ContextScope(context);
+  }
+  check(a.CtxGetCurrent(&context), "querying this thread's current CUDA context");
+  if (!context) {
+    require_device(0);
+    context = primary_context(0);
+  }
+  return ContextScope(context);
+}
+
+// Destructors release handles with this: it never throws (at exit the driver may
+// already be shutting down, so failures are ignored), and puts the caller's context back.
+template <class Release>
+void in_device_quietly(int device, Release release) noexcept {
   try {
-    set_current_device(device);
-    return true;
+    const ContextScope scope = device_scope(device);
+    release();
   } catch (...) {
-    return false;
   }
 }
 
 void unload_module(void* handle, int device) noexcept {
   if (!handle) return;
   const Driver& d = driver();
-  if (d.available && make_current_quietly(device))
-    d.api.ModuleUnload(static_cast<CUmodule>(handle));
+  if (d.available) in_device_quietly(device, [&] { d.api.ModuleUnload(static_cast<CUmodule>(handle)); });
 }
 
 void free_device_memory(void* ptr, int device) noexcept {
   if (!ptr) return;
   const Driver& d = driver();
-  if (d.available && make_current_quietly(device)) d.api.MemFree(device_ptr(ptr));
+  if (d.available) in_device_quietly(device, [&] { d.api.MemFree(device_ptr(ptr)); });
 }
 
 void check_range(const char* operation, size_t offset, size_t bytes, size_t size) {
@@ -418,7 +449,7 @@ void set_current_device(int device) {
 
 Module::Module(const void* image, int device) : device_(device) {
   if (!image) throw InvalidArgument("cuda::Module: the kernel image is null");
-  set_current_device(device);
+  const ContextScope scope = device_scope(device);
   CUmodule module = nullptr;
   check(api().ModuleLoadData(&module, image), [&] {
     const DeviceInfo info = device_info(device);
@@ -552,7 +583,7 @@ void launch_current(void* function, Grid grid, int block_threads, int dynamic_sm
 
 void launch(void* function, Grid grid, int block_threads, int dynamic_smem_bytes,
             StreamHandle stream, void** params, bool overlap_prior, unsigned cluster_x, bool cooperative) {
-  ensure_context(stream);
+  const ContextScope scope = stream_scope(stream);
   launch_current(function, grid, block_threads, dynamic_smem_bytes, stream, params, overlap_prior, cluster_x,
                  cooperative);
 }
@@ -583,7 +614,7 @@ void launch_in(void* context, void* function, Grid grid, int block_threads, int 
 // ---------------------------------------------------------------- DeviceBuffer
 
 DeviceBuffer::DeviceBuffer(size_t bytes, int device) : device_(device) {
-  set_current_device(device);
+  const ContextScope scope = device_scope(device);
   if (bytes == 0) return;  // cuMemAlloc refuses 0 bytes; an empty buffer needs no memory
   CUdeviceptr ptr = 0;
   check(api().MemAlloc(&ptr, bytes), [&] {
@@ -617,7 +648,7 @@ void DeviceBuffer::copy_from_host(const void* src, size_t bytes, size_t offset) 
   check_range("copy_from_host", offset, bytes, bytes_);
   if (bytes == 0) return;
   if (!src) throw InvalidArgument("DeviceBuffer::copy_from_host: the source pointer is null");
-  set_current_device(device_);
+  const ContextScope scope = device_scope(device_);
   const auto what = [&] {
     return "copying " + std::to_string(bytes) + " bytes from the host to CUDA device " +
            std::to_string(device_);
@@ -632,7 +663,7 @@ void DeviceBuffer::copy_to_host(void* dst, size_t bytes, size_t offset) const {
   check_range("copy_to_host", offset, bytes, bytes_);
   if (bytes == 0) return;
   if (!dst) throw InvalidArgument("DeviceBuffer::copy_to_host: the destination pointer is null");
-  set_current_device(device_);
+  const ContextScope scope = device_scope(device_);
   const auto what = [&] {
     return "copying " + std::to_string(bytes) + " bytes from CUDA device " +
            std::to_string(device_) + " to the host";
@@ -643,9 +674,22 @@ void DeviceBuffer::copy_to_host(void* dst, size_t bytes, size_t offset) const {
   check(api().MemcpyDtoH(dst, device_ptr(static_cast<const char*>(ptr_) + offset), bytes), what);
 }
 
+void DeviceBuffer::copy_to_host_after(StreamHandle stream, void* dst, size_t bytes) const {
+  check_range("copy_to_host_after", 0, bytes, bytes_);
+  if (bytes == 0) return;
+  if (!dst) throw InvalidArgument("DeviceBuffer::copy_to_host_after: the destination pointer is null");
+  const ContextScope scope = stream ? stream_scope(stream) : device_scope(device_);
+  const auto what = [&] {
+    return "copying " + std::to_string(bytes) + " bytes from CUDA device " + std::to_string(device_) +
+           " to the host after a stream's work";
+  };
+  check(api().MemcpyDtoHAsync(dst, device_ptr(ptr_), bytes, static_cast<CUstream>(stream)), what);
+  check(api().StreamSynchronize(static_cast<CUstream>(stream)), what);
+}
+
 void DeviceBuffer::fill_bytes(uint8_t value) {
   if (bytes_ == 0) return;
-  set_current_device(device_);
+  const ContextScope scope = device_scope(device_);
   const auto what = [&] {
     return "setting " + std::to_string(bytes_) + " bytes on CUDA device " + std::to_string(device_);
   };
@@ -655,7 +699,7 @@ void DeviceBuffer::fill_bytes(uint8_t value) {
 
 void DeviceBuffer::fill_bytes_async(uint8_t value, StreamHandle stream) {
   if (bytes_ == 0) return;
-  ensure_context(stream);
+  const ContextScope scope = stream_scope(stream);
   check(api().MemsetD8Async(device_ptr(ptr_), value, bytes_, static_cast<CUstream>(stream)), [&] {
     return "queueing a fill of " + std::to_string(bytes_) + " bytes on CUDA device " + std::to_string(device_);
   });
@@ -664,7 +708,7 @@ void DeviceBuffer::fill_bytes_async(uint8_t value, StreamHandle stream) {
 // ---------------------------------------------------------------- StreamOrderedBuffer
 
 StreamOrderedBuffer::StreamOrderedBuffer(size_t bytes, StreamHandle stream) : stream_(stream) {
-  ensure_context(stream);
+  const ContextScope scope = stream_scope(stream);
   if (bytes == 0) return;
   CUdeviceptr ptr = 0;
   check(api().MemAllocAsync(&ptr, bytes, static_cast<CUstream>(stream)),
@@ -711,7 +755,7 @@ Graph Graph::capture(StreamHandle stream, const std::function<void()>& work, Cap
   if (!stream)
     throw InvalidArgument("cuda::Graph::capture: the legacy default stream cannot capture a graph; "
                           "pass a created stream");
-  ensure_context(stream);
+  const ContextScope scope = stream_scope(stream);
   const DriverApi& a = api();
   const int cu_mode = mode == CaptureMode::global        ? CU_STREAM_CAPTURE_MODE_GLOBAL
                       : mode == CaptureMode::this_thread ? CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
@@ -738,7 +782,7 @@ Graph Graph::capture(StreamHandle stream, const std::function<void()>& work, Cap
 
 void Graph::launch(StreamHandle stream) const {
   if (!exec_) throw InvalidArgument("cuda::Graph::launch: the graph is empty (default-constructed or moved from)");
-  ensure_context(stream);
+  const ContextScope scope = stream_scope(stream);
   check(api().GraphLaunch(static_cast<CUgraphExec>(exec_), static_cast<CUstream>(stream)),
         "launching a CUDA graph");
 }
@@ -770,7 +814,7 @@ Graph& Graph::operator=(Graph&& o) noexcept {
 void memcpy_device_to_device(void* dst, const void* src, size_t bytes, StreamHandle stream) {
   if (bytes == 0) return;
   if (!dst || !src) throw InvalidArgument("memcpy_device_to_device: a pointer is null");
-  ensure_context(stream);
+  const ContextScope scope = stream_scope(stream);
   check(
       api().MemcpyDtoDAsync(device_ptr(dst), device_ptr(src), bytes, static_cast<CUstream>(stream)),
       [&] { return "copying " + std::to_string(bytes) + " bytes between device buffers"; });
@@ -779,13 +823,13 @@ void memcpy_device_to_device(void* dst, const void* src, size_t bytes, StreamHan
 void memset_device_async(void* dst, uint8_t value, size_t bytes, StreamHandle stream) {
   if (bytes == 0) return;
   if (!dst) throw InvalidArgument("memset_device_async: the pointer is null");
-  ensure_context(stream);
+  const ContextScope scope = stream_scope(stream);
   check(api().MemsetD8Async(device_ptr(dst), value, bytes, static_cast<CUstream>(stream)),
         [&] { return "queueing a fill of " + std::to_string(bytes) + " bytes"; });
 }
 
 void stream_synchronize(StreamHandle stream) {
-  ensure_context(stream);
+  const ContextScope scope = stream_scope(stream);
   // Waiting here would invalidate the capture (the driver refuses it): say so first.
   if (stream_capturing(stream))
     throw InvalidArgument("cannot wait for a CUDA stream while it captures a graph");
@@ -793,7 +837,7 @@ void stream_synchronize(StreamHandle stream) {
 }
 
 void device_synchronize(int device) {
-  set_current_device(device);
+  const ContextScope scope = device_scope(device);
   check(api().CtxSynchronize(),
         [&] { return "synchronizing CUDA device " + std::to_string(device); });
 }
@@ -801,7 +845,7 @@ void device_synchronize(int device) {
 // ---------------------------------------------------------------- Stream and Event
 
 Stream::Stream(int device) {
-  set_current_device(device);
+  const ContextScope scope = device_scope(device);
   CUstream stream = nullptr;
   check(api().StreamCreate(&stream, CU_STREAM_NON_BLOCKING),
         [&] { return "creating a stream on CUDA device " + std::to_string(device); });
@@ -816,8 +860,8 @@ void Stream::synchronize() const {
   stream_synchronize(handle_);
 }
 
-Event::Event() {
-  ensure_context(nullptr);
+Event::Event(int device) {
+  const ContextScope scope = device >= 0 ? device_scope(device) : stream_scope(nullptr);
   CUevent event = nullptr;
   check(api().EventCreate(&event, CU_EVENT_DEFAULT), "creating a CUDA event");
   handle_ = event;
@@ -850,7 +894,7 @@ float Event::elapsed_ms(const Event& start, const Event& end) {
 Device pointer_device(const void* ptr) {
   const Driver& d = driver();
   if (!ptr || !d.available) return Device::cpu();
-  ensure_context(nullptr);
+  const ContextScope scope = stream_scope(nullptr);
   unsigned memory_type = 0;
   // Memory the driver does not know (plain host memory) is an error here: it is the CPU's.
   if (d.api.PointerGetAttribute(&memory_type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, device_ptr(ptr)) !=

@@ -19,6 +19,7 @@
 #include "kerf/cache/cuda_binary.h"
 #include "kerf/cache/disk_cache.h"
 #include "kerf/dsl/dsl.h"
+#include "kerf/ops/ops.h"
 #include "test_cache_util.h"
 
 using namespace kerf;
@@ -480,6 +481,32 @@ TEST_CASE("a launch leaves a context the caller made current as it was", "[cache
   void* after = nullptr;
   REQUIRE(get_current(&after) == 0);
   CHECK(after == mine);
+  // So do kerf's other driver calls: memory, copies, streams, events, and an op whose
+  // id check copies a record back (PyTorch and CuPy follow the current context: a
+  // call that left device 0's primary context current moved their current device).
+  {
+    cuda::DeviceBuffer scratch(256, 0);
+    scratch.fill_bytes(1);
+    std::vector<char> host(256);
+    scratch.copy_to_host(host.data(), host.size());
+    cuda::Stream stream(0);
+    cuda::Event event(0);
+    event.record(stream.handle());
+    cuda::device_synchronize(0);
+    cuda::DeviceBuffer ids(2 * 8, 0), table(10 * 4 * 4, 0), a(2 * 10 * 4, 0), b(4 * 2 * 4, 0), o(2 * 4 * 4, 0);
+    const int64_t id_values[2] = {3, 7};
+    ids.copy_from_host(id_values, sizeof id_values);
+    ops::lora_embedding(TensorView::contiguous(ids.data(), DType::i64, {2}, Device::cuda(0)),
+                        TensorView::contiguous(table.data(), DType::f32, {10, 4}, Device::cuda(0)),
+                        TensorView::contiguous(a.data(), DType::f32, {2, 10}, Device::cuda(0)),
+                        TensorView::contiguous(b.data(), DType::f32, {4, 2}, Device::cuda(0)), 1.0,
+                        TensorView::contiguous(o.data(), DType::f32, {2, 4}, Device::cuda(0)), {},
+                        stream.handle());
+    REQUIRE(get_current(&after) == 0);
+    CHECK(after == mine);
+  }
+  REQUIRE(get_current(&after) == 0);
+  CHECK(after == mine);  // and the buffers' frees
   cuda::device_synchronize(0);
   dout.copy_to_host(out.data(), size_t(n) * 4);
   for (int64_t i = 0; i < n; ++i)

@@ -611,11 +611,25 @@ bool type_module_starts_with(py::handle obj, const char* prefix) {
   return r;
 }
 
-// CuPy's current stream (cupy.cuda.get_current_stream().ptr), or nullptr.
-void* cupy_current_stream() {
+// CuPy's current stream on `device` (the array's, which need not be CuPy's current
+// device), or nullptr.
+void* cupy_current_stream(int device) {
   py::object cupy = py::reinterpret_borrow<py::object>(imported_module(py::str("cupy").ptr()));
   if (!cupy) return nullptr;
-  return parse_stream(cupy.attr("cuda").attr("get_current_stream")());
+  const py::object cuda = cupy.attr("cuda");
+  // Under `with cupy.cuda.Device(device)`: get_current_stream's device_id argument is
+  // not in every CuPy version, the context manager is.
+  const py::object scope = cuda.attr("Device")(device);
+  scope.attr("__enter__")();
+  py::object stream;
+  try {
+    stream = cuda.attr("get_current_stream")();
+  } catch (...) {
+    scope.attr("__exit__")(py::none(), py::none(), py::none());
+    throw;
+  }
+  scope.attr("__exit__")(py::none(), py::none(), py::none());
+  return parse_stream(stream);
 }
 
 }  // namespace
@@ -725,7 +739,7 @@ void Call::resolve_stream(py::handle obj, Framework framework, int device) {
     return;
   }
   if (framework == Framework::other && type_module_starts_with(obj, "cupy")) {
-    stream_ = cupy_current_stream();
+    stream_ = cupy_current_stream(device);
     return;
   }
   stream_ = nullptr;  // the legacy default stream

@@ -65,6 +65,7 @@ class Module {
   void* function(const std::string& name) const;  // a CUfunction; throws when missing
   bool loaded() const { return handle_ != nullptr; }
   void* context() const { return context_; }  // the CUcontext it is loaded in (null when none is)
+  int device() const { return device_; }
 
  private:
   void* handle_ = nullptr;
@@ -120,6 +121,9 @@ class DeviceBuffer {
   int device() const { return device_; }
   void copy_from_host(const void* src, size_t bytes, size_t offset = 0);
   void copy_to_host(void* dst, size_t bytes, size_t offset = 0) const;
+  // The first `bytes` to the host after the work queued on `stream` (a stream of this
+  // device): waits for that stream alone, not for the whole device.
+  void copy_to_host_after(StreamHandle stream, void* dst, size_t bytes) const;
   void fill_bytes(uint8_t value);  // cuMemsetD8
   void fill_bytes_async(uint8_t value, StreamHandle stream);  // cuMemsetD8Async, queued on stream
 
@@ -210,7 +214,9 @@ class Stream {
 
 class Event {
  public:
-  Event();
+  // An event of `device` (-1: of the thread's current context, else device 0); it can
+  // only be recorded on streams of that device.
+  explicit Event(int device = -1);
   ~Event();
   Event(const Event&) = delete;
   Event& operator=(const Event&) = delete;
