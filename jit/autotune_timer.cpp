@@ -54,7 +54,7 @@ class CudaEventTimer final : public Timer {
 
   ~CudaEventTimer() override {
     // The flush buffer may still be in use by queued fills.
-    if (flush_) cuda::stream_synchronize(stream_);
+    if (flush_) cuda::stream_synchronize(stream_, device_);
   }
 
  private:

@@ -125,7 +125,7 @@ void* stream_buffer(int slot, const Device& dev, void* stream, size_t bytes) {
   cuda::DeviceBuffer& buf = stream_entry(slot, dev, stream).buf;
   if (buf.bytes() < bytes) {
     // Kernels queued on this stream may still use the old buffer.
-    if (buf.bytes()) cuda::stream_synchronize(stream);
+    if (buf.bytes()) cuda::stream_synchronize(stream, dev.index);
     buf = cuda::DeviceBuffer(std::max<size_t>(bytes, 1 << 16), dev.index);
     buf.fill_bytes(0);
   }

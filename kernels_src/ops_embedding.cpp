@@ -114,7 +114,7 @@ void throw_if_recorded(const std::string& op, cuda::DeviceBuffer& rec, void* str
   rec.copy_to_host_after(stream, host, sizeof host);
   if (host[0] == 0) return;
   rec.fill_bytes_async(0, stream);
-  cuda::stream_synchronize(stream);
+  cuda::stream_synchronize(stream, rec.device());
   throw InvalidArgument(bad_id_message(op.c_str(), host[0], host[1], host[2], host[3]));
 }
 

@@ -83,7 +83,7 @@ SavedBytes::SavedBytes(const TensorView& input, const TensorView& written, void*
 SavedBytes::~SavedBytes() {
   if (!bytes_ || !device_.is_cuda()) return;
   try {
-    cuda::stream_synchronize(stream_);
+    cuda::stream_synchronize(stream_, device_.index);
   } catch (...) {
     // A failing stream fails the op's own launches too; nothing more to do here.
   }

@@ -699,7 +699,7 @@ void DeviceBuffer::fill_bytes(uint8_t value) {
 
 void DeviceBuffer::fill_bytes_async(uint8_t value, StreamHandle stream) {
   if (bytes_ == 0) return;
-  const ContextScope scope = stream_scope(stream);
+  const ContextScope scope = stream ? stream_scope(stream) : device_scope(device_);  // null: this device's legacy stream
   check(api().MemsetD8Async(device_ptr(ptr_), value, bytes_, static_cast<CUstream>(stream)), [&] {
     return "queueing a fill of " + std::to_string(bytes_) + " bytes on CUDA device " + std::to_string(device_);
   });
@@ -834,6 +834,16 @@ void stream_synchronize(StreamHandle stream) {
   if (stream_capturing(stream))
     throw InvalidArgument("cannot wait for a CUDA stream while it captures a graph");
   check(api().StreamSynchronize(static_cast<CUstream>(stream)), "synchronizing a CUDA stream");
+}
+
+void stream_synchronize(StreamHandle stream, int device) {
+  if (stream) {
+    stream_synchronize(stream);
+    return;
+  }
+  const ContextScope scope = device_scope(device);
+  check(api().StreamSynchronize(nullptr),
+        [&] { return "synchronizing the legacy stream of CUDA device " + std::to_string(device); });
 }
 
 void device_synchronize(int device) {

@@ -220,7 +220,7 @@ TensorView Buffer::view() const {
 }
 
 void Buffer::wait_for(const Buffer& b, void* stream) {
-  if (b.device_.is_cuda() && b.stream_ != stream) cuda::stream_synchronize(b.stream_);
+  if (b.device_.is_cuda() && b.stream_ != stream) cuda::stream_synchronize(b.stream_, b.device_.index);
 }
 
 std::pair<int, int> Buffer::dlpack_device() const {

@@ -197,6 +197,9 @@ void memcpy_device_to_device(void* dst, const void* src, size_t bytes, StreamHan
 // cuMemsetD8Async: `bytes` bytes at `dst` set to `value`, queued on `stream`.
 void memset_device_async(void* dst, uint8_t value, size_t bytes, StreamHandle stream);
 void stream_synchronize(StreamHandle stream);
+// The same, where a null stream is `device`'s legacy stream (not the thread's current
+// context's, which may be another device's).
+void stream_synchronize(StreamHandle stream, int device);
 void device_synchronize(int device);
 
 class Stream {
