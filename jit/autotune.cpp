@@ -79,7 +79,14 @@ std::string dtypes_text(const std::vector<DType>& ts) {
 struct Memo {
   std::mutex mu;
   std::map<std::pair<uint64_t, uint64_t>, Choice> choices;
-  std::mutex tuning;  // one tuning at a time: candidates compete for the same device
+  // One tuning at a time per device: candidates timed on one device compete for it;
+  // two GPUs (or a GPU and the CPU) tune side by side.
+  std::mutex devices_mu;
+  std::map<std::string, std::mutex> tuning;
+  std::mutex& tuning_lock(const Device& d) {
+    std::lock_guard<std::mutex> lock(devices_mu);
+    return tuning[d.str()];  // map nodes stay put: the reference outlives the lock
+  }
   std::atomic<uint64_t> forgotten{0};  // forget_choices() calls, for generation()
 };
 
@@ -296,7 +303,7 @@ Choice choose(const Problem& p, const std::vector<Config>& candidates, const Con
                                      "a stream captures a CUDA graph): the default config this time");
     return c;
   }
-  std::lock_guard<std::mutex> one_at_a_time(m.tuning);
+  std::lock_guard<std::mutex> one_at_a_time(m.tuning_lock(p.device));
   if (auto r = remembered()) return *r;  // another thread tuned it meanwhile
 
   const auto t0 = Clock::now();
