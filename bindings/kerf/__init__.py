@@ -73,7 +73,9 @@ def empty(shape: Sequence[int], dtype: str = "float32", device: str = "cpu") -> 
     """Uninitialised kerf-owned memory (a :class:`kerf.Buffer`), e.g. for ``out=``.
 
     ``dtype``: "float32"/"f32", "float16"/"f16", "bfloat16"/"bf16", "float64",
-    "int32", "int64", "bool". ``device``: "cpu", "cuda" or "cuda:N".
+    "int32", "int64", "bool". ``device``: "cpu", "cuda:N", or "cuda", which is
+    device 0 (kerf keeps no current device of its own; with PyTorch, pass
+    ``f"cuda:{torch.cuda.current_device()}"``).
     """
     return Buffer(list(shape), dtype, device)
 
