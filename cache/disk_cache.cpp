@@ -333,7 +333,7 @@ DiskCache::PruneResult DiskCache::prune(int64_t max_age_s, int64_t max_bytes) {
   const int64_t now = now_s();
   std::error_code ec;
   if (!fs::is_directory(dir_, ec)) return r;
-  uint64_t kept = 0;  // entries too old that could not be removed
+  uint64_t stuck = 0;  // entries due to go that could not be removed: they stay
   // Whether `f` is gone (ENOENT: another prune or process removed it first).
   const auto remove = [&](const File& f) {
     if (::unlink(f.path.c_str()) == 0 || errno == ENOENT) {
@@ -356,7 +356,7 @@ DiskCache::PruneResult DiskCache::prune(int64_t max_age_s, int64_t max_bytes) {
     }
     if (!ends_with(p, kSuffix)) return;
     if (max_age_s >= 0 && now - f.mtime_s > max_age_s) {
-      if (!remove(f)) kept += f.bytes;
+      if (!remove(f)) stuck += f.bytes;
       return;
     }
     files.push_back(f);
@@ -366,14 +366,13 @@ DiskCache::PruneResult DiskCache::prune(int64_t max_age_s, int64_t max_bytes) {
   if (max_bytes >= 0 && total > uint64_t(max_bytes)) {
     std::sort(files.begin(), files.end(),
               [](const File& a, const File& b) { return a.mtime_s < b.mtime_s; });
-    uint64_t left = total;
     for (const File& f : files) {
-      if (left <= uint64_t(max_bytes)) break;
-      if (remove(f)) total -= f.bytes;
-      left -= f.bytes;  // tried: the next one is next in line
+      if (total <= uint64_t(max_bytes)) break;
+      total -= f.bytes;
+      if (!remove(f)) stuck += f.bytes;
     }
   }
-  r.bytes_left = total + kept;
+  r.bytes_left = total + stuck;
   return r;
 }
 

@@ -1,7 +1,7 @@
-#include <cfloat>
 #include "ops_common.h"
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdio>
 #include <map>

@@ -7,6 +7,16 @@
 
 namespace kerf::ops {
 
+namespace {
+
+// Whether mesh axis `axis` splits the dimension it is given for: named, and not of
+// size 1 (one shard splits nothing).
+bool splits_along(const Layout& layout, const std::string& axis) {
+  return !axis.empty() && layout.axis_size(axis) != 1;
+}
+
+}  // namespace
+
 const std::string& PartitionSpec::axis_of(size_t dim) const {
   static const std::string none;
   return dim < dims.size() ? dims[dim] : none;
@@ -45,23 +55,22 @@ int64_t Layout::coord(const std::string& axis) const {
 bool Layout::sharded() const {
   for (const auto& [name, spec] : specs)
     for (const std::string& a : spec.dims)
-      if (!a.empty() && axis_size(a) != 1) return true;
+      if (splits_along(*this, a)) return true;
   return false;
 }
 
 std::string Layout::canonical() const {
   // A split over an axis of size 1 splits nothing, and the mesh's axes are listed by name:
   // layouts that mean the same give the same text.
-  const auto splits = [&](const std::string& a) { return !a.empty() && axis_size(a) != 1; };
   std::set<std::string> used;
   std::string ops_text;
   for (const auto& [name, spec] : specs) {  // std::map: sorted by operand name
     size_t n = spec.dims.size();
-    while (n > 0 && !splits(spec.dims[n - 1])) --n;
+    while (n > 0 && !splits_along(*this, spec.dims[n - 1])) --n;
     if (n == 0) continue;
     ops_text += " " + name + "[";
     for (size_t i = 0; i < n; ++i) {
-      const bool split = splits(spec.dims[i]);
+      const bool split = splits_along(*this, spec.dims[i]);
       ops_text += (i ? "," : "") + (split ? spec.dims[i] : std::string());
       if (split) used.insert(spec.dims[i]);
     }
@@ -152,7 +161,7 @@ LayoutSplits check_layout(const char* op, const Layout& layout,
       const std::string& dim = o.dims[d];
       // A mesh axis of size 1 splits nothing: the dimension is whole.
       static const std::string whole;
-      const std::string& axis = layout.axis_size(spec.axis_of(d)) == 1 ? whole : spec.axis_of(d);
+      const std::string& axis = splits_along(layout, spec.axis_of(d)) ? spec.axis_of(d) : whole;
       auto known = s.axis.find(dim);
       if (known == s.axis.end()) {
         s.axis[dim] = axis;

@@ -344,6 +344,12 @@ ContextScope stream_scope(StreamHandle stream) {
   return ContextScope(context);
 }
 
+// For a call on `stream` about memory of `device`: the stream's context, and for the
+// null stream `device`'s (its legacy stream), not whatever context the thread has current.
+ContextScope stream_scope(StreamHandle stream, int device) {
+  return stream ? stream_scope(stream) : device_scope(device);
+}
+
 // Destructors release handles with this: it never throws (at exit the driver may
 // already be shutting down, so failures are ignored), and puts the caller's context back.
 template <class Release>
@@ -591,22 +597,7 @@ void launch(void* function, Grid grid, int block_threads, int dynamic_smem_bytes
 void launch_in(void* context, void* function, Grid grid, int block_threads, int dynamic_smem_bytes,
                StreamHandle stream, void** params, bool overlap_prior, unsigned cluster_x, bool cooperative) {
   if (!context) throw InvalidArgument("cuda::launch_in: the context is null");
-  CUcontext current = nullptr;
-  check(api().CtxGetCurrent(&current), "querying this thread's current CUDA context");
-  if (current == context) {
-    launch_current(function, grid, block_threads, dynamic_smem_bytes, stream, params, overlap_prior, cluster_x,
-                   cooperative);
-    return;
-  }
-  check(api().CtxSetCurrent(static_cast<CUcontext>(context)), "making a CUDA context current on this thread");
-  // A context the caller had made current is theirs: it is current again after the
-  // launch. (A thread with none keeps the module's, as the CUDA runtime would.)
-  struct Restore {
-    CUcontext previous;
-    ~Restore() {
-      if (previous) api().CtxSetCurrent(previous);
-    }
-  } restore{current};
+  const ContextScope scope(static_cast<CUcontext>(context));  // the caller's context is current again after
   launch_current(function, grid, block_threads, dynamic_smem_bytes, stream, params, overlap_prior, cluster_x,
                  cooperative);
 }
@@ -678,7 +669,7 @@ void DeviceBuffer::copy_to_host_after(StreamHandle stream, void* dst, size_t byt
   check_range("copy_to_host_after", 0, bytes, bytes_);
   if (bytes == 0) return;
   if (!dst) throw InvalidArgument("DeviceBuffer::copy_to_host_after: the destination pointer is null");
-  const ContextScope scope = stream ? stream_scope(stream) : device_scope(device_);
+  const ContextScope scope = stream_scope(stream, device_);
   const auto what = [&] {
     return "copying " + std::to_string(bytes) + " bytes from CUDA device " + std::to_string(device_) +
            " to the host after a stream's work";
@@ -699,7 +690,7 @@ void DeviceBuffer::fill_bytes(uint8_t value) {
 
 void DeviceBuffer::fill_bytes_async(uint8_t value, StreamHandle stream) {
   if (bytes_ == 0) return;
-  const ContextScope scope = stream ? stream_scope(stream) : device_scope(device_);  // null: this device's legacy stream
+  const ContextScope scope = stream_scope(stream, device_);
   check(api().MemsetD8Async(device_ptr(ptr_), value, bytes_, static_cast<CUstream>(stream)), [&] {
     return "queueing a fill of " + std::to_string(bytes_) + " bytes on CUDA device " + std::to_string(device_);
   });

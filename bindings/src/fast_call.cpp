@@ -28,14 +28,10 @@ bool bool_argument(PyObject* o, const std::string& what) {
     return v == 1;
   }
   // An integer (a Python int or a NumPy one) that is 0 or 1, as a flag is often written.
-  if (PyLong_Check(o) || (Py_TYPE(o)->tp_as_number && Py_TYPE(o)->tp_as_number->nb_index)) {
-    const py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(o));
-    if (!index) throw py::error_already_set();
-    int overflow = 0;
-    const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
-    if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
-    if (!overflow && (v == 0 || v == 1)) return v == 1;
-    throw InvalidArgument(what + " must be a bool (or 0 or 1), got " + py::str(index).cast<std::string>());
+  if (PyIndex_Check(o)) {
+    const int64_t v = int_argument(o, what);
+    if (v == 0 || v == 1) return v == 1;
+    throw InvalidArgument(what + " must be a bool (or 0 or 1), got " + std::to_string(v));
   }
   throw TypeError(what + " must be a bool, got " + type);
 }

@@ -643,7 +643,7 @@ void* parse_stream(py::handle stream) {
   PyObject* s = stream.ptr();
   if (PyBool_Check(s)) throw TypeError("stream must be a CUstream handle (an int >= 0) or a stream object, got bool");
   // NumPy integers (np.int64 from an array of handles) count as ints, as elsewhere.
-  if (!PyLong_Check(s) && Py_TYPE(s)->tp_as_number && Py_TYPE(s)->tp_as_number->nb_index) {
+  if (!PyLong_Check(s) && PyIndex_Check(s)) {
     const py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(s));
     if (!index) throw py::error_already_set();
     return parse_stream(index);

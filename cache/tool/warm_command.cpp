@@ -198,9 +198,7 @@ int warm(Args& args) {
   else if (!std::getenv("KERF_AUTOTUNE"))
     ::setenv("KERF_AUTOTUNE", "1", 1);  // warm means tune, CPU too
   cache::reload_settings();
-  if (!cache::current_settings().dir_refused.empty())
-    throw InvalidArgument("warm: " + cache::current_settings().dir_refused +
-                          ": give the cache directory with --dir or KERF_CACHE_DIR");
+  (void)cache_dir();  // refuses a directory the library refuses
   if (cache::current_settings().disk != cache::DiskMode::on)
     throw InvalidArgument(std::string("warm: the disk cache is ") +
                           cache::disk_mode_name(cache::current_settings().disk) +
