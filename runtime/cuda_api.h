@@ -136,6 +136,7 @@ struct DriverApi {
   CUresult (*DevicePrimaryCtxRetain)(CUcontext* context, CUdevice device) = nullptr;
   CUresult (*CtxGetCurrent)(CUcontext* context) = nullptr;
   CUresult (*CtxSetCurrent)(CUcontext context) = nullptr;
+  CUresult (*CtxGetDevice)(CUdevice* device) = nullptr;
   CUresult (*CtxSynchronize)() = nullptr;
   CUresult (*ModuleLoadData)(CUmodule* module, const void* image) = nullptr;
   CUresult (*ModuleUnload)(CUmodule module) = nullptr;
@@ -197,6 +198,7 @@ struct DriverApi {
   X(DevicePrimaryCtxRetain, 7000)     \
   X(CtxGetCurrent, 4000)              \
   X(CtxSetCurrent, 4000)              \
+  X(CtxGetDevice, 2000)               \
   X(CtxSynchronize, 2000)             \
   X(ModuleLoadData, 2000)             \
   X(ModuleUnload, 2000)               \

@@ -451,6 +451,16 @@ void set_current_device(int device) {
   make_current(primary_context(device));
 }
 
+int current_device() {
+  require_device(0);
+  CUcontext context = nullptr;
+  check(api().CtxGetCurrent(&context), "querying this thread's current CUDA context");
+  if (!context) return 0;
+  CUdevice device = 0;
+  check(api().CtxGetDevice(&device), "querying the device of this thread's current CUDA context");
+  return static_cast<int>(device);
+}
+
 // ---------------------------------------------------------------- Module
 
 Module::Module(const void* image, int device) : device_(device) {

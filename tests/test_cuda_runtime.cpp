@@ -149,6 +149,7 @@ TEST_CASE("without a usable driver kerf says why, reports no devices and does no
   CHECK(cuda::driver_version() == 0);
   expect_throw<NotAvailable>([] { cuda::require_device(0); }, {"CUDA", reason});
   expect_throw<NotAvailable>([] { cuda::set_current_device(0); }, {"CUDA"});
+  expect_throw<NotAvailable>([] { (void)cuda::current_device(); }, {"CUDA"});
   expect_throw<NotAvailable>([] { cuda::device_info(0); }, {"CUDA"});
   expect_throw<NotAvailable>([] { cuda::DeviceBuffer buffer(256); }, {"CUDA"});
   expect_throw<NotAvailable>([] { cuda::Stream stream; }, {"CUDA"});
@@ -668,6 +669,29 @@ TEST_CASE("a thread with no current context can launch, copy and time", "[gpu]")
   worker.join();
   CHECK(error.empty());
   for (const uint16_t v : out) CHECK(bf16_to_float(v) == 2.0f);
+}
+
+TEST_CASE("current_device is the device of the thread's current context, 0 without one", "[gpu]") {
+  KERF_REQUIRE_GPU();
+  std::vector<int> seen;
+  std::string error;
+  // A new thread starts with no current context; each set_current_device makes one current.
+  std::thread worker([&] {
+    try {
+      seen.push_back(cuda::current_device());
+      for (int d = cuda::device_count() - 1; d >= 0; --d) {
+        cuda::set_current_device(d);
+        seen.push_back(cuda::current_device());
+      }
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  });
+  worker.join();
+  REQUIRE(error.empty());
+  std::vector<int> expected{0};
+  for (int d = cuda::device_count() - 1; d >= 0; --d) expected.push_back(d);
+  CHECK(seen == expected);
 }
 
 TEST_CASE("RAII handles move, and moved-from handles own nothing", "[gpu]") {

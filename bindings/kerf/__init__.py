@@ -73,9 +73,10 @@ def empty(shape: Sequence[int], dtype: str = "float32", device: str = "cpu") -> 
     """Uninitialised kerf-owned memory (a :class:`kerf.Buffer`), e.g. for ``out=``.
 
     ``dtype``: "float32"/"f32", "float16"/"f16", "bfloat16"/"bf16", "float64",
-    "int32", "int64", "bool". ``device``: "cpu", "cuda:N", or "cuda", which is
-    device 0 (kerf keeps no current device of its own; with PyTorch, pass
-    ``f"cuda:{torch.cuda.current_device()}"``).
+    "int32", "int64", "bool". ``device``: "cpu", "cuda:N", or "cuda": the
+    thread's current CUDA device, as PyTorch and CuPy mean it (the device of the
+    thread's current CUDA context, made current by ``torch.cuda.set_device`` or
+    ``with cupy.cuda.Device(n)``; device 0 when there is none).
     """
     return Buffer(list(shape), dtype, device)
 

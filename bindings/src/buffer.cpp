@@ -32,7 +32,9 @@ constexpr size_t kHostAlignment = 64;
 
 Device parse_device(const std::string& text) {
   if (text == "cpu") return Device::cpu();
-  if (text == "cuda") return Device::cuda(0);
+  // As PyTorch and CuPy read "cuda": the thread's current device (the device of its
+  // current CUDA context, which torch.cuda.set_device and cupy.cuda.Device make current).
+  if (text == "cuda") return Device::cuda(cuda::driver_available() ? cuda::current_device() : 0);
   if (text.rfind("cuda:", 0) == 0) {
     size_t used = 0;
     int index = -1;
@@ -283,8 +285,8 @@ buffer (NumPy < 2 imports DLPack read-only).
              return std::make_shared<Buffer>(shape, *t, dev);
            }),
            py::arg("shape"), py::arg("dtype") = "float32", py::arg("device") = "cpu",
-           "Uninitialised contiguous memory of `shape` and `dtype` on `device` ('cpu', 'cuda', "
-           "'cuda:N').")
+           "Uninitialised contiguous memory of `shape` and `dtype` on `device` ('cpu', 'cuda:N', or "
+           "'cuda': the thread's current CUDA device, as PyTorch means it).")
       .def("__dlpack__", &Buffer::dlpack, py::kw_only(), py::arg("stream") = py::none(),
            py::arg("max_version") = py::none(), py::arg("dl_device") = py::none(),
            py::arg("copy") = py::none(),

@@ -672,6 +672,19 @@ def test_cuda_moe_materialize_in_place_into_the_weights():
 
 
 @CUDA_ONLY
+def test_kerf_buffers_on_cuda_follow_torchs_current_device():
+    before = torch.cuda.current_device()
+    try:
+        for d in reversed(range(torch.cuda.device_count())):
+            torch.cuda.set_device(d)
+            buf = kerf.empty((4,), "f32", "cuda")
+            assert buf.device == f"cuda:{d}" and buf.__dlpack_device__() == (2, d)
+            assert torch.cuda.current_device() == d
+    finally:
+        torch.cuda.set_device(before)
+
+
+@CUDA_ONLY
 def test_cupy_arrays_cross_without_copies_and_get_kerf_buffers_back():
     cupy = pytest.importorskip("cupy")
     W = cupy.random.standard_normal((64, 128), dtype=cupy.float32)

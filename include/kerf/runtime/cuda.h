@@ -49,6 +49,11 @@ std::string arch_name(int cc_major, int cc_minor);
 // Makes the device's primary context current on this thread (retaining it once).
 void set_current_device(int device);
 
+// The device of this thread's current CUDA context (what PyTorch's and CuPy's current
+// device make current, and set_current_device), or 0 when the thread has none. Throws
+// kerf::NotAvailable without a driver.
+int current_device();
+
 using StreamHandle = void*;  // a CUstream; nullptr is the legacy default stream
 
 // A loaded module (cubin or PTX image) and its kernels.
