@@ -297,11 +297,11 @@ Value store_like(OpKind k, const char* opname, const Tensor& t, const std::vecto
   return make(s, std::move(op), rt);
 }
 
-Value scalar_i32(Builder::Impl& s, const Value& v, const char* opname, const char* what) {
+Value scalar_int(Builder::Impl& s, const Value& v, const char* opname, const char* what) {
   s.check_usable(v, opname);
   if (!v.is_scalar() || !is_int(v.dtype()) || v.dtype() == DType::i1)
     s.fail(opname, std::string(what) + " must be an integer scalar, got " + ir::to_string(v.type()));
-  return cast(v, DType::i32);
+  return v;
 }
 
 }  // namespace
@@ -765,9 +765,17 @@ Value IntArg::value() const {
 std::vector<Value> for_range(IntArg lo, IntArg hi, IntArg step, const std::vector<Value>& init,
                              const LoopBody& body) {
   Builder::Impl& s = current_builder("for").impl();
-  Value l = scalar_i32(s, lo.value(), "for", "the lower bound");
-  Value h = scalar_i32(s, hi.value(), "for", "the upper bound");
-  Value st = scalar_i32(s, step.value(), "for", "the step");
+  Value l = scalar_int(s, lo.value(), "for", "the lower bound");
+  Value h = scalar_int(s, hi.value(), "for", "the upper bound");
+  Value st = scalar_int(s, step.value(), "for", "the step");
+  // The counter is i64 when a bound or the step is (never narrowed), else i32. Constant
+  // bounds are i64 literals only when they do not fit i32.
+  const DType iv_t = (l.dtype() == DType::i64 || h.dtype() == DType::i64 || st.dtype() == DType::i64)
+                         ? DType::i64
+                         : DType::i32;
+  l = cast(l, iv_t);
+  h = cast(h, iv_t);
+  st = cast(st, iv_t);
   for (const Value& v : init) s.check_usable(v, "for");
 
   ir::Operation op(OpKind::For);
@@ -782,7 +790,7 @@ std::vector<Value> for_range(IntArg lo, IntArg hi, IntArg step, const std::vecto
     body_block->args.push_back(id);
     return Value(s.self, id);
   };
-  const Value iv = new_arg(Type{DType::i32, {}});
+  const Value iv = new_arg(Type{iv_t, {}});
   std::vector<Value> carried;
   for (const Value& v : init) carried.push_back(new_arg(v.type()));
 

@@ -51,12 +51,36 @@ int64_t integer_value(DType t, const Scalar& s, const ir::Param& p, const char* 
   return int64_t(s.f);
 }
 
+// The scalar as a double that rounds to any 16-bit float as the exact value would: an
+// integer of magnitude 2^53 or more has its 12 lowest bits folded into one sticky bit
+// (bit 11), which f64 holds exactly (16-bit floats' ties there are multiples of 2^44).
+double half_source(const Scalar& s) {
+  if (!s.is_int) return s.f;
+  const uint64_t mag = s.i < 0 ? uint64_t(0) - uint64_t(s.i) : uint64_t(s.i);
+  const uint64_t folded = mag < (uint64_t(1) << 53) ? mag : (mag & ~uint64_t(0xFFF)) | ((mag & 0xFFF) ? 0x800 : 0);
+  const double d = double(folded);
+  return s.i < 0 ? -d : d;
+}
+
+// d narrowed to f32 rounding to odd (toward zero, the last bit set when inexact): a
+// second rounding, to a 16-bit float, then gives what rounding d once would.
+float f32_round_to_odd(double d) {
+  float f = float(d);
+  if (std::isnan(d) || double(f) == d) return f;
+  if (std::fabs(double(f)) > std::fabs(d)) f = std::nextafter(f, 0.0f);  // toward zero (inf -> FLT_MAX)
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  bits |= 1u;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 Slot scalar_slot(const ir::Param& p, const Scalar& s, const char* kernel) {
   const DType t = p.dtype;
   Slot slot = 0;
   switch (t) {
     case DType::f32: {
-      const float v = float(s.is_int ? double(s.i) : s.f);
+      const float v = s.is_int ? float(s.i) : float(s.f);  // each rounded once
       std::memcpy(&slot, &v, sizeof v);
       break;
     }
@@ -67,7 +91,7 @@ Slot scalar_slot(const ir::Param& p, const Scalar& s, const char* kernel) {
     }
     case DType::f16:
     case DType::bf16: {
-      const float v = float(s.is_int ? double(s.i) : s.f);
+      const float v = f32_round_to_odd(half_source(s));
       const uint16_t h = t == DType::f16 ? float_to_f16(v) : float_to_bf16(v);
       std::memcpy(&slot, &h, sizeof h);
       break;

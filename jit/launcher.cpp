@@ -368,6 +368,55 @@ void check_tensor(const TensorView& t, size_t index, const std::string& kernel_n
     throw InvalidArgument(where() + " has a null data pointer");
 }
 
+// program_id and num_programs are i32 in every kernel: a grid axis past INT32_MAX would
+// hand programs negative ids (the GPU's own limit on x is 2^31 - 1 too).
+void check_grid(Grid grid, const std::string& kernel_name) {
+  if (grid.x > uint32_t(INT32_MAX) || grid.y > uint32_t(INT32_MAX) || grid.z > uint32_t(INT32_MAX))
+    throw InvalidArgument("kernel '" + kernel_name + "': grid (" + std::to_string(grid.x) + ", " +
+                          std::to_string(grid.y) + ", " + std::to_string(grid.z) +
+                          ") has an axis past 2147483647 programs; program ids are 32-bit integers");
+}
+
+// What a kernel specialized for `need` assumes that a tensor with facts `have` lacks
+// ("" when `have` gives all of it).
+std::string missing_facts(const ir::TensorFacts& need, const ir::TensorFacts& have, int rank) {
+  std::string out;
+  const auto add = [&](const std::string& what) { out += (out.empty() ? "" : ", ") + what; };
+  if (need.contiguous_last && !have.contiguous_last) add("a last dimension of stride 1");
+  if (need.aligned16 && !have.aligned16) add("a 16-byte aligned data pointer");
+  for (int d = 0; d < rank; ++d) {
+    const std::string dim = std::to_string(d);
+    if ((need.dims_div16 >> d & 1) && !(have.dims_div16 >> d & 1))
+      add("a size of dimension " + dim + " that is a multiple of 16");
+    else if ((need.dims_div8 >> d & 1) && !(have.dims_div8 >> d & 1))
+      add("a size of dimension " + dim + " that is a multiple of 8");
+    if ((need.strides_div16 >> d & 1) && !(have.strides_div16 >> d & 1))
+      add("a stride of dimension " + dim + " that is a multiple of 16");
+    else if ((need.strides_div8 >> d & 1) && !(have.strides_div8 >> d & 1))
+      add("a stride of dimension " + dim + " that is a multiple of 8");
+  }
+  return out;
+}
+
+// An empty grid runs nothing, yet its arguments are checked as a launch's are (count,
+// kinds, dtypes, ranks, meta-parameters): the kernel is traced, not compiled, once per
+// specialization.
+void check_empty_launch(const dsl::Kernel& kernel, const std::vector<Arg>& args, const dsl::MetaMap& meta,
+                        Device dev, std::string_view layout) {
+  const Probe probe(kernel, dev, args, meta, layout);
+  static std::mutex mu;
+  static std::unordered_multimap<uint64_t, std::unique_ptr<Slot>> checked;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto [lo, hi] = checked.equal_range(probe.hash);
+    for (auto it = lo; it != hi; ++it)
+      if (it->second->matches(probe)) return;
+  }
+  (void)kernel.trace(arg_specs(args), meta);  // throws what a launch of these arguments would
+  std::lock_guard<std::mutex> lock(mu);
+  if (checked.size() < 4096) checked.emplace(probe.hash, std::make_unique<Slot>(probe));
+}
+
 // ---------------------------------------------------------------- building (the L1 miss)
 std::shared_ptr<Compiled> build_cpu(const ir::Function& fn, std::string_view layout) {
   cache::CpuLoaded loaded = cache::cpu_kernel(fn, layout);
@@ -432,7 +481,11 @@ std::shared_ptr<Compiled> resolve(const dsl::Kernel& kernel, const std::vector<A
   for (size_t i = 0; i < args.size(); ++i)
     if (const TensorView* t = std::get_if<TensorView>(&args[i])) check_tensor(*t, i, kernel.name());
   const Device dev = common_device(args, kernel.name());
-  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return nullptr;  // nothing to run
+  check_grid(grid, kernel.name());
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) {  // nothing to run
+    check_empty_launch(kernel, args, meta, dev, layout);
+    return nullptr;
+  }
 
   // The caller's memo first: the specialization words alone, no meta hashing, no global lock.
   uint64_t specs[Probe::kInlineArgs];
@@ -591,7 +644,20 @@ LaunchInfo launch(const ResolvedKernel& kernel, const std::vector<Arg>& args, Gr
                             ", but the kernel was resolved on cuda:" + std::to_string(c.module.device()));
     if (t->data == nullptr && t->numel() > 0)
       throw InvalidArgument("kernel '" + c.name + "': argument " + std::to_string(i) + " has a null data pointer");
+    // Its code assumes the alignment, contiguity and divisibility facts of the call that
+    // resolved it (masks and vector widths follow from them): a view without one of them
+    // would be read as if it had it.
+    const ir::TensorFacts& need = c.params[i].facts;
+    const ir::TensorFacts have = facts_of(*t);
+    if (!(need == have)) {
+      const std::string missing = missing_facts(need, have, t->rank);
+      if (!missing.empty())
+        throw InvalidArgument("kernel '" + c.name + "': argument " + std::to_string(i) + " '" + c.params[i].name +
+                              "' lacks what the kernel was resolved for: " + missing +
+                              " (resolve the kernel for these arguments)");
+    }
   }
+  check_grid(grid, c.name);
   LaunchInfo info;
   info.backend = c.backend;
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return info;

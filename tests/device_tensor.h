@@ -103,6 +103,8 @@ class TestTensor {
 
   double get(int64_t i) const { return load_as_double(dtype_, &host_[size_t(i) * esize()]); }
   void set(int64_t i, double v) { store_from_double(dtype_, &host_[size_t(i) * esize()], v); }
+  // An element from its exact bits (an i64 beyond 2^53, which a double cannot carry).
+  void set_i64(int64_t i, int64_t v) { std::memcpy(&host_[size_t(i) * esize()], &v, sizeof v); }
 
   // Uniform in [lo, hi), rounded to the dtype; the host copy keeps the rounded values.
   void randomize(std::mt19937_64& rng, double lo = -1.0, double hi = 1.0) {

@@ -417,6 +417,26 @@ void check_resolved_kernel(const Device& dev) {
   elsewhere.device = dev.is_cuda() ? Device::cpu() : Device::cuda(0);
   CHECK_THAT(test::thrown<InvalidArgument>([&] { launch(rk, {elsewhere, views[2], Scalar(1.0), Scalar(0.0)}, grid, {}); }),
              Catch::Contains("but the kernel was resolved for"));
+  // Views without the facts it was resolved for (a contiguous, 16-byte aligned x): refused,
+  // for its code would read them as if they had them; one with more facts runs.
+  CHECK_THAT(test::thrown<InvalidArgument>([&] {
+               launch(rk, {TensorView::strided(views[0].data, DType::f32, {n / 2}, {2}, dev), views[2], Scalar(1.0),
+                           Scalar(0.0)},
+                      grid, {});
+             }),
+             Catch::Contains("argument 0 'x' lacks what the kernel was resolved for: a last dimension of stride 1"));
+  CHECK_THAT(test::thrown<InvalidArgument>([&] {
+               launch(rk, {TensorView::contiguous(static_cast<float*>(views[0].data) + 1, DType::f32, {n - 1}, dev),
+                           views[2], Scalar(1.0), Scalar(0.0)},
+                      grid, {});
+             }),
+             Catch::Contains("lacks what the kernel was resolved for: a 16-byte aligned data pointer"));
+  CHECK_NOTHROW(launch(rk, {TensorView::contiguous(views[0].data, DType::f32, {n - 4}, dev), views[3], Scalar(1.0),
+                            Scalar(0.0)},
+                       grid, {}));
+  CHECK_THAT(test::thrown<InvalidArgument>(
+                 [&] { launch(rk, {views[0], views[2], Scalar(1.0), Scalar(0.0)}, Grid{1u << 31}, {}); }),
+             Catch::Contains("has an axis past 2147483647 programs"));
   // A cache clear drops it.
   clear_kernel_cache();
   CHECK_FALSE(rk.usable());
@@ -437,6 +457,33 @@ TEST_CASE("a resolved kernel launches again on new data, checks its arguments an
   test::TempDir dir;
   test::ScopedEnv env({{"KERF_CACHE_DIR", dir.path()}});
   check_resolved_kernel(Device::cpu());
+}
+
+TEST_CASE("an empty grid runs nothing yet checks its arguments; a grid axis past INT32_MAX is refused",
+          "[cache]") {
+  test::TempDir dir;
+  test::ScopedEnv env({{"KERF_CACHE_DIR", dir.path()}});
+  std::vector<float> x(100, 1.0f), out(100, -3.0f);
+  const TensorView xv = TensorView::contiguous(x.data(), DType::f32, {100});
+  const TensorView ov = TensorView::contiguous(out.data(), DType::f32, {100});
+  const dsl::MetaMap meta = {{"BLOCK", 64}};
+  for (const Grid empty : {Grid{0}, Grid{4, 0}, Grid{4, 1, 0}}) {
+    CHECK_NOTHROW(launch(axpb_kernel(), {xv, ov, Scalar(2.0), Scalar(1.0)}, empty, meta));
+    CHECK_THAT(test::thrown<DefinitionError>([&] { launch(axpb_kernel(), {xv, Scalar(2.0)}, empty, meta); }),
+               Catch::Contains("axpb"));
+    CHECK_THAT(test::thrown<DefinitionError>(
+                   [&] { launch(axpb_kernel(), {xv, Scalar(1.0), Scalar(2.0), Scalar(1.0)}, empty, meta); }),
+               Catch::Contains("axpb"));
+    CHECK_THAT(test::thrown<DefinitionError>(
+                   [&] { launch(axpb_kernel(), {xv, ov, Scalar(2.0), Scalar(1.0)}, empty, {}); }),
+               Catch::Contains("BLOCK"));
+    // Checked again on every call (a call that passed is remembered, not one that failed).
+    CHECK_THROWS_AS(launch(axpb_kernel(), {xv, Scalar(2.0)}, empty, meta), DefinitionError);
+  }
+  for (float v : out) CHECK(v == -3.0f);
+  for (const Grid big : {Grid{1u << 31}, Grid{1, 1u << 31}, Grid{0, 1, 0xFFFFFFFFu}})
+    CHECK_THAT(test::thrown<InvalidArgument>([&] { launch(axpb_kernel(), {xv, ov, Scalar(2.0), Scalar(1.0)}, big, meta); }),
+               Catch::Contains("has an axis past 2147483647 programs"));
 }
 
 TEST_CASE("a resolved kernel launches again on new data on the GPU", "[cache][gpu]") {

@@ -925,6 +925,34 @@ TEST_CASE("scalar arguments reach the kernel in their declared dtypes", "[cpu]")
   for (int i = 0; i < 16; ++i) CHECK(out[size_t(i)] == float(i) * 0.5f + 1.5f + 0x1p40f - 3.f);
 }
 
+TEST_CASE("scalar arguments are rounded once to their declared float dtypes", "[cpu]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  Kernel k("scalars_rounded_once", [](Builder& b) {
+    auto out = b.tensor("out", 1);
+    auto h = b.scalar("h", DType::bf16), g = b.scalar("g", DType::f16), f = b.scalar("f", DType::f32),
+         hi = b.scalar("hi", DType::bf16), hn = b.scalar("hn", DType::bf16);
+    const Value i = arange(8);
+    Value v = full({8}, 0.0, DType::f32);
+    const Value parts[] = {h.to(DType::f32), g.to(DType::f32), f, hi.to(DType::f32), hn.to(DType::f32)};
+    for (int j = 0; j < 5; ++j) v = where(i == j, broadcast_to(parts[j], {8}), v);
+    store(out, {i}, v);
+  });
+  std::vector<float> out(8, kNaN);
+  const int64_t p60 = int64_t(1) << 60;
+  // Each just above a tie of its dtype, by less than the next wider float keeps: a rounding
+  // through f32 (or through f64, for the integers) lands on the tie and goes to even.
+  run_on_cpu(k,
+             {view(out, {8}), Scalar(1 + 0x1p-8 + 0x1p-30), Scalar(1 + 0x1p-11 + 0x1p-40),
+              Scalar(p60 + (int64_t(1) << 36) + 1), Scalar(p60 + (int64_t(1) << 52) + 1),
+              Scalar(-(p60 + (int64_t(1) << 52) + 1))},
+             {}, Grid{});
+  CHECK(out[0] == 1 + 0x1p-7f);
+  CHECK(out[1] == 1 + 0x1p-10f);
+  CHECK(out[2] == 0x1p60f + 0x1p37f);
+  CHECK(out[3] == 0x1p60f + 0x1p53f);
+  CHECK(out[4] == -(0x1p60f + 0x1p53f));
+}
+
 TEST_CASE("an integer scalar argument must be a whole number its dtype holds", "[cpu][errors]") {
   KERF_REQUIRE_CPU_BACKEND();
   Kernel k("int_scalars", [](Builder& b) {

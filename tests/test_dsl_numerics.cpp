@@ -243,6 +243,73 @@ void tickets(Device dev, int64_t n, uint64_t seed) {
   }
 }
 
+// Loops whose bounds are i64 scalars count in i64: row sums over column blocks (a
+// pipelined load per step on the GPU, indices from the i64 counter), and a loop whose
+// bounds and step lie outside the i32 range, which counts its steps and sums its counter.
+const dsl::Kernel& wide_loop_kernel() {
+  using namespace kerf::dsl;
+  static const Kernel k("wide_loops", [](Builder& b) {
+    const Tensor x = b.tensor("x", 2), out = b.tensor("out", 1), stats = b.tensor("stats", 1, DType::i64);
+    const Value lo = b.scalar("lo", DType::i64), hi = b.scalar("hi", DType::i64), step = b.scalar("step", DType::i64);
+    const Value big_lo = b.scalar("big_lo", DType::i64), big_hi = b.scalar("big_hi", DType::i64);
+    const Value big_step = b.scalar("big_step", DType::i64);
+    const int64_t BM = b.meta("BM"), BN = b.meta("BN");
+    const Value r = program_id(0) * BM + arange(BM);
+    const Value acc = for_range(lo, hi, step, zeros({BM, BN}), [&](const Value& iv, const Value& a) {
+      const Value c = iv + arange(BN);
+      return a + load(x, {r.col(), c.row()}, (r.col() < x.dim(0)) & (c.row() < x.dim(1)), 0.0);
+    });
+    store(out, {r}, sum(acc, 1), r < x.dim(0));
+    const std::vector<Value> n = for_range(big_lo, big_hi, big_step,
+                                           {constant(0, DType::i64), constant(0, DType::i64)},
+                                           [&](const Value& iv, const std::vector<Value>& c) {
+                                             return std::vector<Value>{c[0] + 1, c[1] + iv};
+                                           });
+    const Value first = broadcast_to(program_id(0) == 0, {2});
+    store(stats, {arange(2)}, where(arange(2) == 0, broadcast_to(n[0], {2}), broadcast_to(n[1], {2})), first);
+  });
+  return k;
+}
+
+void wide_loops(Device dev, int64_t rows, int64_t cols, uint64_t seed) {
+  CAPTURE(dev.str(), rows, cols, seed);
+  std::mt19937_64 rng(seed);
+  TestTensor x(DType::f32, {rows, cols}, dev), out(DType::f32, {rows}, dev), stats(DType::i64, {2}, dev);
+  x.randomize(rng);
+  struct Big {
+    int64_t lo, hi, step;
+  };
+  for (const Big big : {Big{0, 3000000000, 1000000000}, Big{0, (int64_t(1) << 32) + 5, int64_t(1) << 30},
+                        Big{-(int64_t(1) << 32), 0, int64_t(1) << 31}, Big{0, 10, (int64_t(1) << 32) + 1},
+                        Big{5, 3, 1}}) {
+    CAPTURE(big.lo, big.hi, big.step);
+    out.poison();
+    stats.poison();
+    launch(wide_loop_kernel(),
+           {x.view(), out.view(), stats.view(), Scalar(int64_t(0)), Scalar(cols), Scalar(int64_t(32)),
+            Scalar(big.lo), Scalar(big.hi), Scalar(big.step)},
+           Grid{cdiv(rows, 8)}, {{"BM", 8}, {"BN", 32}, {"num_stages", 3}});
+    sync(dev);
+    out.download();
+    stats.download();
+    int64_t count = 0, total = 0;
+    for (int64_t i = big.lo; i < big.hi; i += big.step) {
+      ++count;
+      total += i;
+    }
+    CHECK(int64_t(stats.get(0)) == count);
+    CHECK(int64_t(stats.get(1)) == total);
+    std::vector<double> got, ref;
+    for (int64_t i = 0; i < rows; ++i) {
+      double s = 0;
+      for (int64_t j = 0; j < cols; ++j) s += x.get(i * cols + j);
+      ref.push_back(s);
+      got.push_back(out.get(i));
+    }
+    CHECK(test::max_relative_error(got, ref, 1e-3) <= test::tolerance(DType::f32));
+  }
+}
+
 // Eviction hints (evict-last stores, then l2_evict_normal) change no value.
 void l2_keep(Device dev, int64_t n, uint64_t seed) {
   CAPTURE(dev.str(), n, seed);
@@ -409,7 +476,7 @@ void edge_semantics(Device dev) {
   using namespace kerf::dsl;
   static const Kernel k("edge_semantics", [](Builder& b) {
     const Tensor xi = b.tensor("xi", 1), si = b.tensor("si", 1), xf = b.tensor("xf", 1), xd = b.tensor("xd", 1),
-                 xn = b.tensor("xn", 2);
+                 xn = b.tensor("xn", 2), xl = b.tensor("xl", 1), bf_l = b.tensor("bf_l", 1);
     const Tensor shl_o = b.tensor("shl", 1), shr_o = b.tensor("shr", 1), u8_o = b.tensor("u8", 1),
                  bf_i = b.tensor("bf_i", 1), bf_d = b.tensor("bf_d", 1), h_d = b.tensor("h_d", 1),
                  mx = b.tensor("mx", 1), mn = b.tensor("mn", 1);
@@ -422,6 +489,7 @@ void edge_semantics(Device dev) {
     const Value d = load(xd, {i});
     store(bf_d, {i}, d.to(DType::bf16));
     store(h_d, {i}, d.to(DType::f16));
+    store(bf_l, {i}, load(xl, {i}).to(DType::bf16));
     const Value t = load(xn, {rows.col(), i.row()});
     store(mx, {rows}, max(t, 1));
     store(mn, {rows}, min(t, 1));
@@ -443,15 +511,22 @@ void edge_semantics(Device dev) {
     xd.set(j, xd_v[size_t(j)]);
   }
   for (int64_t j = 0; j < 32; ++j) xn.set(j, xn_v[size_t(j)]);
-  for (TestTensor* x : {&xi, &si, &xf, &xd, &xn}) x->upload();
+  // i64 past 2^53 (f64 would round them on the way): just above a bf16 tie, on one, and the ends.
+  TestTensor xl(DType::i64, {8}, dev);
+  const int64_t p60 = int64_t(1) << 60, p53 = int64_t(1) << 53;
+  const std::vector<int64_t> xl_v = {p60 + (p60 >> 8) + 1, -(p60 + (p60 >> 8) + 1), p60 + (p60 >> 8),
+                                     INT64_MIN, INT64_MAX, 5, p53 + (p53 >> 8) + 1, -(p53 + 3)};
+  for (int64_t j = 0; j < 8; ++j) xl.set_i64(j, xl_v[size_t(j)]);
+  for (TestTensor* x : {&xi, &si, &xf, &xd, &xn, &xl}) x->upload();
   TestTensor shl(DType::i32, {8}, dev), shr(DType::i32, {8}, dev), u8(DType::u8, {8}, dev), bf_i(DType::bf16, {8}, dev),
-      bf_d(DType::bf16, {8}, dev), h_d(DType::f16, {8}, dev), mx(DType::f32, {4}, dev), mn(DType::f32, {4}, dev);
-  for (TestTensor* x : {&shl, &shr, &u8, &bf_i, &bf_d, &h_d, &mx, &mn}) x->poison();
-  launch(k, {xi.view(), si.view(), xf.view(), xd.view(), xn.view(), shl.view(), shr.view(), u8.view(), bf_i.view(),
-             bf_d.view(), h_d.view(), mx.view(), mn.view()},
+      bf_d(DType::bf16, {8}, dev), h_d(DType::f16, {8}, dev), mx(DType::f32, {4}, dev), mn(DType::f32, {4}, dev),
+      bf_l(DType::bf16, {8}, dev);
+  for (TestTensor* x : {&shl, &shr, &u8, &bf_i, &bf_d, &h_d, &mx, &mn, &bf_l}) x->poison();
+  launch(k, {xi.view(), si.view(), xf.view(), xd.view(), xn.view(), xl.view(), bf_l.view(), shl.view(), shr.view(),
+             u8.view(), bf_i.view(), bf_d.view(), h_d.view(), mx.view(), mn.view()},
          Grid{1}, {});
   sync(dev);
-  for (TestTensor* x : {&shl, &shr, &u8, &bf_i, &bf_d, &h_d, &mx, &mn}) x->download();
+  for (TestTensor* x : {&shl, &shr, &u8, &bf_i, &bf_d, &h_d, &mx, &mn, &bf_l}) x->download();
   const auto expect = [](const char* what, TestTensor& got, const std::vector<double>& want) {
     for (size_t j = 0; j < want.size(); ++j) {
       INFO(what << "[" << j << "]: got " << got.get(int64_t(j)) << ", want " << want[j]);
@@ -466,6 +541,8 @@ void edge_semantics(Device dev) {
   expect("bf16 of i32", bf_i, {1, 1, 1, 1, -8, -8, 33816576, 7});
   expect("bf16 of f64", bf_d, {1, 1 + 0x1p-7, 1, -2.5, inf, -inf, 65536, 3});
   expect("f16 of f64", h_d, {1 + 0x1p-10, 1 + 0x1p-8, 1, -2.5, inf, -inf, inf, 3});
+  const double q60 = 0x1p60, q53 = 0x1p53;
+  expect("bf16 of i64", bf_l, {q60 + 0x1p53, -(q60 + 0x1p53), q60, -0x1p63, 0x1p63, 5, q53 + 0x1p46, -q53});
   expect("max", mx, {nan, 3, 7, 5});
   expect("min", mn, {nan, -2, 0, -inf});
 }
@@ -523,6 +600,7 @@ void run_all(Device dev) {
   }
   tickets(dev, 64 * 300, seed++);
   l2_keep(dev, 1000, seed++);
+  wide_loops(dev, 37, 200, seed++);
   nibbles(dev, 13, 100, seed++);
   nibbles(dev, 16, 128, seed++);
   gather(dev, DType::f32, 16, 37, 150, 4, seed++);

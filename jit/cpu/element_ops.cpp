@@ -327,7 +327,22 @@ llvm::Value* ElementOps::cast(DType from, DType to, llvm::Value* x) {
     return b_.CreateIntrinsic(llvm::Intrinsic::fptosi_sat, {dst, x->getType()}, {x});
   if (is_int(from)) {  // -> float
     if (to == DType::f32 || to == DType::f64) return b_.CreateSIToFP(x, dst);
-    return f64_to_half(to, b_.CreateSIToFP(x, b_.getDoubleTy()));
+    if (from != DType::i64) return f64_to_half(to, b_.CreateSIToFP(x, b_.getDoubleTy()));
+    // An i64 of magnitude 2^53 or more would be rounded on its way to f64: its 12 lowest
+    // bits are folded into one sticky bit (bit 11) first, which f64 then holds exactly
+    // (52 bits at most) and which keeps the value on the same side of every tie of a
+    // 16-bit float (those are multiples of 2^44 there), so the one rounding below decides.
+    llvm::IntegerType* i64 = b_.getInt64Ty();
+    llvm::Value* negative = b_.CreateICmpSLT(x, llvm::ConstantInt::get(i64, 0));
+    llvm::Value* mag = b_.CreateSelect(negative, b_.CreateNeg(x), x);  // INT64_MIN stays 2^63 as unsigned
+    llvm::Value* low = b_.CreateAnd(mag, llvm::ConstantInt::get(i64, 0xFFF));
+    llvm::Value* folded = b_.CreateOr(
+        b_.CreateAnd(mag, llvm::ConstantInt::get(i64, ~uint64_t(0xFFF))),
+        b_.CreateSelect(b_.CreateICmpNE(low, llvm::ConstantInt::get(i64, 0)), llvm::ConstantInt::get(i64, 0x800),
+                        llvm::ConstantInt::get(i64, 0)));
+    llvm::Value* wide = b_.CreateICmpUGE(mag, llvm::ConstantInt::get(i64, uint64_t(1) << 53));
+    llvm::Value* d = b_.CreateUIToFP(b_.CreateSelect(wide, folded, mag), b_.getDoubleTy());
+    return f64_to_half(to, b_.CreateSelect(negative, b_.CreateFNeg(d), d));
   }
   // float -> float
   if (from == DType::f64) {

@@ -801,7 +801,9 @@ class KernelEmitter {
       phis[i]->addIncoming(init[i], before);
       scalar_[size_t(body.args[i + 1])] = phis[i];
     }
-    scalar_[size_t(body.args[0])] = b_.CreateTrunc(iv, b_.getInt32Ty());
+    // The counter runs in i64 (no overflow near INT32_MAX); an i32 loop sees it truncated.
+    scalar_[size_t(body.args[0])] =
+        type(body.args[0]).dtype == DType::i64 ? static_cast<llvm::Value*>(iv) : b_.CreateTrunc(iv, b_.getInt32Ty());
 
     loops_.push_back(&op);
     emit_block(body);

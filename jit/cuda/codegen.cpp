@@ -593,7 +593,7 @@ void Codegen::emit_prologue(const Operation& op, int lv) {
   }
   for (int k = 0; k + 1 < S_; ++k) {
     const std::string ivk = fresh("pf_iv");
-    line(lv, "const int " + ivk + " = " + lo + " + " + S(k) + " * " + step + ";");
+    line(lv, "const " + storage_type(type(ivid).dtype) + " " + ivk + " = " + lo + " + " + S(k) + " * " + step + ";");
     for (const Operation* ld : pipelined)
       emit_prefetch(*ld, lv, inner, ivid, ivk, S(k), ivk + " < " + hi + " && " + step + " > 0");
     line(lv, "kerf_dev::cp_async_commit();");
@@ -720,7 +720,8 @@ void Codegen::emit_for(const Operation& op, int lv) {
     line(inner, "__syncthreads();");
     frame(inner).fenced = true;
     const std::string ivn = fresh("pf_iv");
-    line(inner, "const int " + ivn + " = " + iv + " + " + S(S_ - 1) + " * " + step + ";");
+    line(inner, "const " + storage_type(type(ivid).dtype) + " " + ivn + " = " + iv + " + " + S(S_ - 1) + " * " +
+                    step + ";");
     for (const Operation* ld : pipelined)
       emit_prefetch(*ld, inner, inner, ivid, ivn, "(" + it + " + " + S(S_ - 1) + ") % " + S(S_),
                     ivn + " < " + hi);
@@ -781,7 +782,8 @@ void Codegen::emit_for(const Operation& op, int lv) {
     it2 = level_of_[size_t(it2->first.first)] > lv ? bfrags_.erase(it2) : std::next(it2);
   line(lv, "if (" + step + " > 0)");
   line(lv,
-       "for (int " + iv + " = " + lo + "; " + iv + " < " + hi + "; " + iv + " += " + step + ") {");
+       "for (" + storage_type(type(ivid).dtype) + " " + iv + " = " + lo + "; " + iv + " < " + hi + "; " + iv +
+           " += " + step + ") {");
   frame(lv).code += body_code;
   line(lv, "}");
   if (!pipelined.empty()) {

@@ -275,8 +275,11 @@ class Verifier {
       }
       case OpKind::For: {
         expect(n >= 3, op, "takes lo, hi, step");
-        for (size_t i = 0; i < 3; ++i)
-          expect(t(op.operands[i]) == Type{DType::i32, {}}, op, "bounds must be i32 scalars");
+        const Type counter = t(op.operands[0]);
+        expect(counter == Type{DType::i32, {}} || counter == Type{DType::i64, {}}, op,
+               "bounds must be i32 or i64 scalars");
+        for (size_t i = 1; i < 3; ++i)
+          expect(t(op.operands[i]) == counter, op, "bounds and step must share one type");
         expect(op.body != nullptr, op, "has no body");
         const Block& body = *op.body;
         const size_t carried = n - 3;
@@ -284,7 +287,7 @@ class Verifier {
                "carried values, body arguments and results disagree");
         scopes.emplace_back();
         define(body.args[0], scopes, &op);
-        expect(t(body.args[0]) == Type{DType::i32, {}}, op, "induction variable must be i32");
+        expect(t(body.args[0]) == counter, op, "induction variable must have the bounds' type");
         for (size_t i = 0; i < carried; ++i) {
           define(body.args[i + 1], scopes, &op);
           expect(t(op.operands[i + 3]) == t(body.args[i + 1]) &&

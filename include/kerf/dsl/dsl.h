@@ -24,14 +24,17 @@
 //    anything -> i1 is != 0; f64 and integers -> bf16/f16 round once, to nearest even;
 //  - minimum/maximum and min/max reductions skip NaNs (fminf/fmaxf); a reduction
 //    whose elements are all NaN gives NaN;
-//  - i1 tiles take logic (&, |, ^, !), comparisons and where(); arithmetic asks for a
-//    cast; an i1 tensor's bytes must be 0 or 1 (as PyTorch's and NumPy's bools are);
+//  - i1 tiles take logic (&, |, ^, !), comparisons and where(); arithmetic between two
+//    i1 tiles asks for a cast, while beside another dtype (or a literal) an i1 tile counts
+//    as 0 or 1 of that dtype (mask * 2.5); an i1 tensor's bytes must be 0 or 1 (as
+//    PyTorch's and NumPy's bools are);
 //  - integer constants and arange must fit their dtype (refused when traced).
 // Not the same: i32/i64 arithmetic that overflows is undefined on the GPU (CUDA C++'s
 // rule, which lets index arithmetic stay fast) and wraps on the CPU, where an index
 // computed that way may not match its mask: compute indices that can pass 2^31 in i64.
-// Likewise a for_range whose i32 counter would step past INT32_MAX (hi within one step
-// of it) is undefined on the GPU, where the counter stays i32 for speed.
+// A for_range counts in i64 when a bound or the step is an i64 value, else in i32 (for
+// speed); an i32 counter that would step past INT32_MAX (hi within one step of it) is
+// undefined on the GPU.
 // The GPU contracts a * b + c into one fused multiply-add (NVRTC's default), so f32
 // results may differ from the CPU's in the last bit. dot() takes f64 operands as f32.
 #pragma once
@@ -338,6 +341,8 @@ class IntArg {
 
 // Structured loop: for (iv = lo; iv < hi; iv += step). Carried values keep
 // their types from one iteration to the next. A step <= 0 runs no iteration.
+// lo, hi and step are integer scalars (or constants); iv is i64 when any of them is
+// i64 (constants count as i64 only past the i32 range), else i32.
 using LoopBody = std::function<std::vector<Value>(const Value& iv, const std::vector<Value>&)>;
 std::vector<Value> for_range(IntArg lo, IntArg hi, IntArg step, const std::vector<Value>& init,
                              const LoopBody& body);
@@ -346,7 +351,10 @@ Value for_range(IntArg lo, IntArg hi, IntArg step, const Value& init,
 void for_range(IntArg lo, IntArg hi, IntArg step,
                const std::function<void(const Value& iv)>& body);
 
-// An integer or float literal as a scalar Value of the kernel being traced.
+// An integer or float literal as a scalar Value of the kernel being traced: an integer
+// is i32 when it fits, else i64; a float is always f32 (literal(0.1) beside an f64 tile
+// is 0.1f; write `x + 0.1`, whose literal takes the tile's dtype, or
+// constant(0.1, DType::f64)).
 Value literal(int64_t v);
 Value literal(double v);
 

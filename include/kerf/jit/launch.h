@@ -116,7 +116,10 @@ LaunchInfo launch(const dsl::Kernel& kernel, const std::vector<Arg>& args, Grid 
 
 // Runs the kernel `kernel` holds (see ResolvedKernel) over `grid` with `args`,
 // which must match its specialization; options.layout, memo and resolved are
-// not read. Its checks: the argument count and kinds, tensor data pointers, the grid.
+// not read. Its checks: the argument count and kinds, each tensor's dtype, rank and
+// device, its data pointer, and that it has every fact the kernel was resolved for
+// (16-byte alignment, a stride-1 last dimension, sizes and strides divisible by 16 or 8;
+// having more is fine), and the grid.
 LaunchInfo launch(const ResolvedKernel& kernel, const std::vector<Arg>& args, Grid grid,
                   const LaunchOptions& options);
 
