@@ -117,12 +117,14 @@ Value row_sum_of_squares_4bit(Builder& k, const Tensor& packed, const Tensor& ab
 }
 
 // norm = sqrt(sum of squares + eps) and scale = m / norm, for the rows `mask` selects.
+// m is read before either store: dora_norm_finish lets norm or scale be m itself (in place).
 void store_norm_and_scale(const Tensor& norm, const Tensor& scale, const Tensor& m,
                           const Value& rows, const Value& sum_of_squares, const Value& eps,
                           const Value& mask) {
   const Value n = sqrt(sum_of_squares + eps);
+  const Value mag = load(m, {rows}, mask).to(DType::f32);
   store(norm, {rows}, n, mask);
-  store(scale, {rows}, load(m, {rows}, mask).to(DType::f32) / n, mask);
+  store(scale, {rows}, mag / n, mask);
 }
 
 // The split kernels' ending: this split's partial sums go into sumsq, and the

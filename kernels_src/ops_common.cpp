@@ -17,6 +17,7 @@
 namespace kerf::ops::detail {
 
 std::string shape_str(const TensorView& t) {
+  if (t.rank < 0 || t.rank > kMaxRank) return "a view of invalid rank " + std::to_string(t.rank);
   std::string s = "[";
   for (int d = 0; d < t.rank; ++d) s += (d ? ", " : "") + std::to_string(t.shape[size_t(d)]);
   return s + "]";

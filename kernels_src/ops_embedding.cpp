@@ -239,6 +239,24 @@ VocabRange vocab_range(const char* op, const Layout& layout, const LayoutSplits&
       throw InvalidArgument(std::string(op) + ": this shard's ids [" + std::to_string(start) + ", " +
                             std::to_string(start) + " + " + std::to_string(local) +
                             ") do not lie in the vocabulary [0, " + std::to_string(total) + ")");
+    // With this device's coordinate given too, the two must tell the same shard: the c-th
+    // of even shards starts at c * local; of uneven ones (in order, as torch.chunk and
+    // np.array_split cut), only the first starts at 0 and only the last ends at total.
+    if (!layout.coords.empty() && local > 0 && layout.axis_size(axis) > 1) {
+      const int64_t n = layout.axis_size(axis), c = layout.coord(axis);
+      const bool even = total % n == 0 && total / n == local;
+      const bool agree = even ? start == c * local
+                              : ((c == 0) == (start == 0)) && ((c == n - 1) == (start + local == total));
+      if (!agree)
+        throw InvalidArgument(std::string(op) + ": vocab_start " + std::to_string(start) + " (ids [" +
+                              std::to_string(start) + ", " + std::to_string(start + local) + ") of " +
+                              std::to_string(total) + ") disagrees with the layout's coordinate " +
+                              std::to_string(c) + " of " + std::to_string(n) + " on '" + axis + "'" +
+                              (even ? " (shard " + std::to_string(c) + " of even shards starts at " +
+                                          std::to_string(c * local) + ")"
+                                    : std::string(" (in order, only the first shard starts at 0 and only the "
+                                                  "last ends at the vocabulary's size)")));
+    }
     return {start, total};
   }
   if (axis.empty()) return {0, local};
@@ -263,6 +281,9 @@ VocabRange vocab_range(const char* op, const Layout& layout, const LayoutSplits&
 void expect_ids(const char* op, const TensorView& x) {
   if (x.rank < 1)
     throw InvalidArgument(std::string(op) + ": x must have at least one dimension, got a scalar");
+  if (x.rank > kMaxRank)
+    throw InvalidArgument(std::string(op) + ": x has rank " + std::to_string(x.rank) + ", more than the " +
+                          std::to_string(kMaxRank) + " a tensor view holds");
   expect_dtype(op, "x", x, {DType::i32, DType::i64});
 }
 
@@ -941,6 +962,42 @@ const bool embedding_registered = [] {
 
 }  // namespace
 
+namespace {
+
+// The ids of a call with nothing else to compute (dim or rank 0) are still checked, as
+// F.embedding does: on the CPU on the host; on the GPU by the gather kernel's pass over
+// the tokens, with a rank-0 view of A (nothing gathered, nothing written) and the record.
+void check_ids_only(const char* op, const TensorView& x, const TensorView& A, const VocabRange& vr,
+                    const EmbeddingOptions& options, void* stream) {
+  if (x.numel() == 0) return;
+  // The ids as one dim, as flatten_tokens gives them.
+  std::vector<int64_t> sizes, strides;
+  for (int d = 0; d < x.rank; ++d) {
+    sizes.push_back(x.shape[size_t(d)]);
+    strides.push_back(x.strides[size_t(d)]);
+  }
+  const MergedDims m = merge_dims(sizes, {strides});
+  if (m.sizes.size() != 1)
+    throw InvalidArgument(std::string(op) + ": the token dims of x (" + x.describe() +
+                          ") do not flatten to one dim (their strides do not nest, as in a transposed "
+                          "or expanded view); pass a contiguous copy of x");
+  const int64_t T = x.numel();
+  const TensorView x1 = restride(x, {T}, {T > 1 ? m.strides[0][0] : 1});
+  if (!x.device.is_cuda()) return check_host_ids(op, x1, vr.total);
+  TensorView a0 = A;
+  a0.shape[0] = 0;
+  TensorView act = TensorView::contiguous(unused_memory(), A.dtype, {x1.shape[0], 0}, A.device);
+  const int64_t bt = 128;
+  LaunchOptions lo;
+  lo.stream = stream;
+  launch(kernels::lora_embedding_gather(),
+         {x1, a0, act, error_record(op, x.device, stream), Scalar(vr.start), Scalar(vr.total)},
+         Grid{uint32_t(cdiv(x1.shape[0], bt)), 1, 1}, {{"BLOCK_T", bt}, {"R_PAD", 16}}, lo);
+  if (options.id_check == IdCheck::sync) throw_recorded_bad_ids(op, x.device, stream, true);
+}
+
+}  // namespace
+
 void lora_embedding(const TensorView& x, const TensorView& weight, const TensorView& A,
                     const TensorView& B, double s, const TensorView& out,
                     const EmbeddingOptions& options, void* stream, const Config& config,
@@ -986,7 +1043,8 @@ void lora_embedding(const TensorView& x, const TensorView& weight, const TensorV
   }
   const VocabRange vr = vocab_range(op, layout, splits, V, options);
   padding_id(op, options, vr.total);  // only the backward uses it, but F.embedding refuses a bad one here too
-  if (x.numel() == 0 || (D == 0 && !options.after_a)) return;
+  if (D == 0 && !options.after_a) return check_ids_only(op, x, A, vr, options, stream);
+  if (x.numel() == 0) return;
   TensorView x1, out2;
   flatten_tokens(op, x, "out", out, &x1, &out2);
   const int64_t T = x1.shape[0];
@@ -1064,7 +1122,7 @@ void lora_embedding_backward(const TensorView& x, const TensorView& A, const Ten
   expect_disjoint(op, "grad_B", grad_B, "grad_A", grad_A);
   const VocabRange vr = vocab_range(op, layout, splits, V, options);
   const int64_t padding = padding_id(op, options, vr.total);
-  if (r == 0) return;
+  if (r == 0) return check_ids_only(op, x, A, vr, options, stream);
 
   const std::string text = layout.canonical();
   LaunchOptions lo;
@@ -1073,7 +1131,7 @@ void lora_embedding_backward(const TensorView& x, const TensorView& A, const Ten
   const TensorView dA3 = as_3d(grad_A), dB3 = as_3d(grad_B);
   if (x.numel() == 0 || D == 0) {  // sums over nothing
     fill_pair_3d(dA3, dB3, 0.0, lo);
-    return;
+    return check_ids_only(op, x, A, vr, options, stream);
   }
   TensorView x1, g2;
   flatten_tokens(op, x, "grad_out", grad_out, &x1, &g2);

@@ -1,5 +1,7 @@
 #include "kerf/runtime/tensor.h"
 
+#include <algorithm>
+
 #include "kerf/error.h"
 #include "kerf/jit/ir.h"
 
@@ -38,7 +40,7 @@ TensorView TensorView::strided(void* data, DType dtype, const std::vector<int64_
 
 bool TensorView::is_contiguous() const {
   int64_t expect = 1;
-  for (int d = rank; d-- > 0;) {
+  for (int d = std::clamp(rank, 0, kMaxRank); d-- > 0;) {
     if (shape[size_t(d)] != 1 && strides[size_t(d)] != expect) return false;
     expect *= shape[size_t(d)];
   }
@@ -46,6 +48,10 @@ bool TensorView::is_contiguous() const {
 }
 
 std::string TensorView::describe() const {
+  // A hand-built view may carry any rank: its arrays hold kMaxRank entries.
+  if (rank < 0 || rank > kMaxRank)
+    return std::string(dtype_name(dtype)) + " view of invalid rank " + std::to_string(rank) + " (at most " +
+           std::to_string(kMaxRank) + ") on " + device.str();
   std::string s = std::string(dtype_name(dtype)) + "[";
   for (int d = 0; d < rank; ++d) s += (d ? "," : "") + std::to_string(shape[size_t(d)]);
   s += "] strides [";

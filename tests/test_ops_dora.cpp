@@ -182,7 +182,52 @@ void check_eps(Device dev) {
   }
 }
 
+// dora_norm_finish in place: norm or scale written over m or over sumsq (f32, same
+// strides), as an elementwise op may; each row's inputs are read before it is written.
+void check_finish_in_place(Device dev) {
+  const int64_t out = 1000;
+  std::mt19937_64 rng(7400);
+  for (int which = 0; which < 4; ++which) {
+    CAPTURE(which, dev.str());
+    TestTensor sumsq(DType::f32, {out}, dev), m(DType::f32, {out}, dev), norm(DType::f32, {out}, dev),
+        scale(DType::f32, {out}, dev);
+    sumsq.randomize(rng, 0.5, 4.0);
+    m.randomize(rng, -2.0, 2.0);
+    std::vector<double> want_norm, want_scale;
+    for (int64_t i = 0; i < out; ++i) {
+      want_norm.push_back(std::sqrt(sumsq.get(i) + 0.125));
+      want_scale.push_back(m.get(i) / want_norm.back());
+    }
+    norm.poison();
+    scale.poison();
+    // 0: norm over m, 1: scale over m, 2: norm over sumsq, 3: scale over sumsq.
+    TestTensor& n_out = which == 0 ? m : which == 2 ? sumsq : norm;
+    TestTensor& s_out = which == 1 ? m : which == 3 ? sumsq : scale;
+    ops::dora_norm_finish(sumsq.view(), m.view(), 0.125, n_out.view(), s_out.view());
+    test::sync(dev);
+    n_out.download();
+    s_out.download();
+    std::vector<double> got_norm, got_scale;
+    for (int64_t i = 0; i < out; ++i) {
+      got_norm.push_back(n_out.get(i));
+      got_scale.push_back(s_out.get(i));
+    }
+    CHECK(test::max_relative_error(got_norm, want_norm, 1e-6) <= 1e-5);
+    CHECK(test::max_relative_error(got_scale, want_scale, 1e-6) <= 1e-5);
+  }
+}
+
 }  // namespace
+
+TEST_CASE("dora_norm_finish may write norm or scale over m or sumsq", "[cpu][ops][dora]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  check_finish_in_place(Device::cpu());
+}
+
+TEST_CASE("dora_norm_finish may write norm or scale over m or sumsq on the GPU", "[gpu][ops][dora]") {
+  KERF_REQUIRE_GPU();
+  check_finish_in_place(Device::cuda(0));
+}
 
 TEST_CASE("dora_norm_partial and dora_norm_finish match a float64 reference on the CPU",
           "[cpu][ops][dora]") {

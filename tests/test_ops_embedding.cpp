@@ -369,7 +369,45 @@ struct Bad {
   }
 };
 
+// Calls with nothing to compute (dim 0, or rank 0 in the backward) still report ids out
+// of range, as F.embedding would; with good ids they pass.
+void check_ids_with_nothing_to_compute(Device dev) {
+  Bad b(dev);
+  const auto fwd_dim0 = [&] {
+    TestTensor W0(DType::f32, {50, 0}, dev), B0(DType::f32, {0, 4}, dev), out0(DType::f32, {2, 6, 0}, dev);
+    ops::lora_embedding(b.X.view(), W0.view(), b.A.view(), B0.view(), 1.0, out0.view());
+  };
+  const auto bwd = [&](int64_t r, int64_t dim) {
+    TestTensor A(DType::f32, {r, 50}, dev), B(DType::f32, {dim, r}, dev), G(DType::f32, {2, 6, dim}, dev),
+        dA(DType::f32, {r, 50}, dev), dB(DType::f32, {dim, r}, dev);
+    ops::lora_embedding_backward(b.X.view(), A.view(), B.view(), G.view(), 1.0, dA.view(), dB.view());
+  };
+  CHECK_THROWS_WITH(fwd_dim0(), Catch::Contains("lora_embedding: token id x[") &&
+                                    Catch::Contains("is outside the vocabulary [0, 50) (2 ids out of range in all)"));
+  for (const auto& [r, dim] : {std::pair<int64_t, int64_t>{0, 16}, {4, 0}, {0, 0}}) {
+    CAPTURE(r, dim);
+    CHECK_THROWS_WITH(bwd(r, dim), Catch::Contains("lora_embedding_backward: token id x[") &&
+                                       Catch::Contains("is outside the vocabulary [0, 50)"));
+  }
+  b.X.set(3, 0);
+  b.X.set(8, 49);
+  b.X.upload();
+  CHECK_NOTHROW(fwd_dim0());
+  for (const auto& [r, dim] : {std::pair<int64_t, int64_t>{0, 16}, {4, 0}, {0, 0}}) CHECK_NOTHROW(bwd(r, dim));
+}
+
 }  // namespace
+
+TEST_CASE("embedding calls with nothing to compute still report ids out of range", "[cpu][ops][embedding]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  check_ids_with_nothing_to_compute(Device::cpu());
+}
+
+TEST_CASE("embedding calls with nothing to compute still report ids out of range on the GPU",
+          "[gpu][ops][embedding]") {
+  KERF_REQUIRE_GPU();
+  check_ids_with_nothing_to_compute(Device::cuda(0));
+}
 
 TEST_CASE("lora_embedding matches a float64 reference on the CPU", "[cpu][ops][embedding]") {
   KERF_REQUIRE_CPU_BACKEND();

@@ -552,6 +552,25 @@ TEST_CASE("layouts that cannot work together are rejected before any launch, nam
   });
   CHECK_THAT(msg, Catch::Contains("lora_embedding_backward: this shard's ids [15, 15 + 10) do not lie in the "
                                   "vocabulary [0, 24)"));
+  // vocab_start with the device's coordinate as well: they must tell the same shard.
+  ops::EmbeddingOptions at0;
+  at0.vocab_start = 0;
+  at0.vocab_size = 20;
+  msg = kerf::test::thrown<InvalidArgument>([&] {
+    ops::lora_embedding(X.view(), Wt.view(), Ae.view(), Be.view(), 1.0, out.view(), at0, nullptr, {},
+                        layout_of({{"vp", 2}}, {{"weight", {"vp"}}, {"A", {"", "vp"}}}, {1}));
+  });
+  CHECK_THAT(msg, Catch::Contains("lora_embedding: vocab_start 0 (ids [0, 10) of 20) disagrees with the layout's "
+                                  "coordinate 1 of 2 on 'vp' (shard 1 of even shards starts at 10)"));
+  ops::EmbeddingOptions uneven;
+  uneven.vocab_start = 5;
+  uneven.vocab_size = 23;
+  msg = kerf::test::thrown<InvalidArgument>([&] {
+    ops::lora_embedding(X.view(), Wt.view(), Ae.view(), Be.view(), 1.0, out.view(), uneven, nullptr, {},
+                        layout_of({{"vp", 2}}, {{"weight", {"vp"}}, {"A", {"", "vp"}}}, {0}));
+  });
+  CHECK_THAT(msg, Catch::Contains("disagrees with the layout's coordinate 0 of 2 on 'vp' (in order, only the "
+                                  "first shard starts at 0"));
   // Coordinates are checked where given, even by an op whose layout does not need them.
   msg = kerf::test::thrown<InvalidArgument>([&] {
     ops::moe_lora_materialize(Wm.view(), Am.view(), Bm.view(), 1.0, Wm.view(), nullptr, {},

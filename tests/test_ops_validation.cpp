@@ -48,6 +48,15 @@ TEST_CASE("lora_merge rejects bad shapes, dtypes, devices, alignment and overlap
                    B = t({8, 2}, DType::f32, 8192);
   CHECK_REJECTS(InvalidArgument, ops::lora_merge(t({8}), A, B, 1.0),
                 "lora_merge: W must have shape [*, *], got [8]");
+  // A hand-built view whose rank passes the arrays' 8 entries: named, never read past them.
+  TensorView rank9 = W, rank_neg = W;
+  rank9.rank = 9;
+  rank_neg.rank = -1;
+  CHECK_REJECTS(InvalidArgument, ops::lora_merge(rank9, A, B, 1.0),
+                "lora_merge: W must have shape [*, *], got a view of invalid rank 9");
+  CHECK_REJECTS(InvalidArgument, ops::lora_merge(rank_neg, A, B, 1.0),
+                "lora_merge: W must have shape [*, *], got a view of invalid rank -1");
+  CHECK(rank9.describe() == "f32 view of invalid rank 9 (at most 8) on cpu");
   CHECK_REJECTS(InvalidArgument, ops::lora_merge(W, t({2, 11}, DType::f32, 4096), B, 1.0),
                 "lora_merge: A must have shape [*, 12], got [2, 11]");
   CHECK_REJECTS(InvalidArgument, ops::lora_unmerge(W, A, t({8, 3}, DType::f32, 8192), 1.0),

@@ -399,8 +399,8 @@ class LoraEmbedding(torch.autograd.Function):
             dB = gB.to(b_dtype) if ctx.needs_input_grad[3] else None
         if ctx.needs_input_grad[1]:  # a trainable base weight (PEFT freezes it)
             xf = x.reshape(-1)
-            if ctx.padding_idx is not None:
-                g = g.masked_fill((xf == ctx.padding_idx % ctx.vocab)[:, None], 0)
+            if ctx.padding_idx is not None:  # in [0, V): lora_embedding checked and normalized it
+                g = g.masked_fill((xf == ctx.padding_idx)[:, None], 0)
             dW = torch.zeros(ctx.vocab, H, dtype=dt, device=g.device).index_add_(0, xf, g).to(w_dtype)
         return None, dW, dA, dB, None, None, dm, None
 
@@ -425,4 +425,21 @@ def lora_embedding(
     the forward and backward asynchronous and leaves the report to
     :func:`kerf.ops.check_embedding_ids` (e.g. once per training step).
     """
+    for name, t in (("x", x), ("W", W), ("A", A), ("B", B)) + ((("magnitude", magnitude),) if magnitude is not None else ()):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"lora_embedding: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if W.dim() != 2:
+        raise ValueError(f"lora_embedding: W must be [V, H], got shape {list(W.shape)}")
+    vocab, dim = W.shape
+    if padding_idx is not None:
+        # As torch.nn.functional.embedding: within [-V, V), a negative one counting from the end.
+        if isinstance(padding_idx, bool) or not isinstance(padding_idx, int):
+            raise TypeError(f"lora_embedding: padding_idx must be an int, got {type(padding_idx).__name__}")
+        if not -vocab <= padding_idx < vocab:
+            raise ValueError(f"lora_embedding: padding_idx must be within [-{vocab}, {vocab}) "
+                             f"(W has {vocab} rows), got {padding_idx}")
+        padding_idx = padding_idx + vocab if padding_idx < 0 else padding_idx
+    if magnitude is not None and tuple(magnitude.shape) != (dim,):
+        raise ValueError(f"lora_embedding: magnitude must be [H] = [{dim}] (one per column of W), "
+                         f"got shape {list(magnitude.shape)}")
     return LoraEmbedding.apply(x, W, A, B, float(s), padding_idx, magnitude, id_check)

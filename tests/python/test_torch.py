@@ -433,6 +433,38 @@ def test_lora_embedding_with_dora_matches_peft_semantics_under_torch_autograd(de
         torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_lora_embedding_padding_idx_as_torch_reads_it(device):
+    """padding_idx within [-V, V), a negative one counting from the end, for every gradient
+    (W's too); outside it, ValueError before anything runs, as F.embedding."""
+    torch.manual_seed(10)
+    V, H, r, s = 10, 4, 2, 0.5
+    x = torch.tensor([3, 5, 7, 9, 9], device=device)
+    W = torch.randn(V, H, device=device).requires_grad_()
+    A = torch.randn(r, V, device=device).requires_grad_()
+    B = torch.randn(H, r, device=device).requires_grad_()
+    for bad in (10, 15, -11):
+        with pytest.raises(ValueError, match=r"lora_embedding: padding_idx must be within \[-10, 10\)"):
+            ka.lora_embedding(x, W, A, B, s, padding_idx=bad)
+        with pytest.raises((AssertionError, RuntimeError, ValueError)):  # torch's own refusal
+            F.embedding(x, W, padding_idx=bad)
+    with pytest.raises(ValueError, match=r"magnitude must be \[H\] = \[4\]"):
+        ka.lora_embedding(x, W, A, B, s, magnitude=torch.ones(5, device=device))
+    with pytest.raises(TypeError, match=r"lora_embedding: W must be a torch.Tensor, got ndarray"):
+        ka.lora_embedding(x, W.detach().cpu().numpy(), A, B, s)
+    g = torch.randn(5, H, device=device)
+    for pad in (-1, 9, -5, 5):
+        for t in (W, A, B):
+            t.grad = None
+        ka.lora_embedding(x, W, A, B, s, padding_idx=pad).backward(g)
+        Wr, Ar, Br = (t.detach().clone().requires_grad_() for t in (W, A, B))
+        ref = F.embedding(x, Wr, padding_idx=pad) + s * (F.embedding(x, Ar.t(), padding_idx=pad) @ Br.t())
+        ref.backward(g)
+        for got, want in ((W.grad, Wr.grad), (A.grad, Ar.grad), (B.grad, Br.grad)):
+            torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-5)
+        assert torch.count_nonzero(W.grad[pad]) == 0
+
+
 @CUDA_ONLY
 @pytest.mark.parametrize("adapters", [torch.bfloat16, torch.float32])
 def test_cuda_lora_embedding_gradients_in_the_adapters_dtype_match_float64(adapters):

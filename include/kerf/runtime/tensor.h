@@ -46,7 +46,7 @@ struct TensorView {
 
   int64_t numel() const {
     int64_t n = 1;
-    for (int d = 0; d < rank; ++d) n *= shape[size_t(d)];
+    for (int d = 0; d < rank && d < kMaxRank; ++d) n *= shape[size_t(d)];
     return n;
   }
   int64_t size(int d) const { return shape[size_t(d)]; }
