@@ -63,15 +63,20 @@ void expect_finite_scale(const char* op, double s) {
                           number_text(double(FLT_MAX)) + "), got " + number_text(s));
 }
 
+// Also a positive eps that float32, which the kernels compute in, would hold as 0.
 bool refused_eps(double eps) {
-  return !(eps >= 0 && eps <= double(FLT_MAX));
+  return !(eps >= 0 && eps <= double(FLT_MAX)) || (eps > 0 && float(eps) == 0.0f);
 }
 
 void expect_eps(const char* op, double eps) {
   if (!(eps >= 0)) throw InvalidArgument(std::string(op) + ": eps must be >= 0, got " + number_text(eps));
-  if (refused_eps(eps))
+  if (eps > double(FLT_MAX))
     throw InvalidArgument(std::string(op) + ": eps must be within float32's range (<= " +
                           number_text(double(FLT_MAX)) + "), got " + number_text(eps));
+  if (refused_eps(eps))
+    throw InvalidArgument(std::string(op) + ": eps " + number_text(eps) +
+                          " is below float32's smallest positive value (1.4e-45), which the kernels would "
+                          "hold as 0; pass 0 for no eps, or an eps float32 holds");
 }
 
 void expect_device(const char* op, const NamedTensor* ts, size_t count) {

@@ -28,6 +28,17 @@ inline int64_t next_pow2(int64_t x) {
 
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// The dtype a kernel's LoRA product runs in over a base (or gradient) of dtype `base`,
+// with adapters of dtypes `a` and `b` converted into it: bf16 for a bf16 base (its range is
+// f32's); f16 for an f16 base only when the adapters are f16 too, for an f32 or bf16
+// adapter (or s times one) may lie beyond f16's 65504 and would turn into inf there; else
+// f32 (the exact products, as PEFT forms them in the adapters' fp32).
+inline DType product_dtype(DType base, DType a, DType b) {
+  if (base == DType::bf16) return DType::bf16;
+  if (base == DType::f16 && a == DType::f16 && b == DType::f16) return DType::f16;
+  return DType::f32;
+}
+
 std::string shape_str(const TensorView& t);
 
 // The checks run on every call: they take initializer lists (no allocation) and

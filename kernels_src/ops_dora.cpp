@@ -252,7 +252,8 @@ std::shared_ptr<const DoraPlan> checked_dora_plan(const TensorView& W, const Ten
     const Config cfg = has_config(config)
                            ? config
                            : tuned_dora_config(W, A, B, m, norm, scale, stream);
-    return plan_dora(out, in, r, W.dtype, W.device.is_cuda(), parallelism(W.device), cfg);
+    return plan_dora(out, in, r, product_dtype(W.dtype, A.dtype, B.dtype), W.device.is_cuda(), parallelism(W.device),
+                     cfg);
   });
 }
 
@@ -376,7 +377,7 @@ Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorV
   add_memory_order(q.problem.shape_bucket, W);
   q.block_m_name = "BLOCK_M";
   q.block_k_name = "BLOCK_K";
-  const DType product = is_half(W.dtype) ? W.dtype : DType::f32;
+  const DType product = product_dtype(W.dtype, A.dtype, B.dtype);
   q.gpu_candidates =
       dora_gpu_candidates(out, in, programs, with_wgmma_tiles(dora_gpu_candidates(), dora_wgmma_tiles(), product, W.device));
   q.finalist_variants = with_interleave_variants(with_cols_first_variants(with_wgmma_variant(
@@ -384,7 +385,7 @@ Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorV
       W.device)));
   // One program per row block: no slices to order or interleave.
   q.canonical = [&](autotune::Config c) {
-    if (plan_dora(out, in, r, W.dtype, gpu, programs, config_from(c, "BLOCK_M", "BLOCK_K")).split == 1) {
+    if (plan_dora(out, in, r, product, gpu, programs, config_from(c, "BLOCK_M", "BLOCK_K")).split == 1) {
       c.erase("INTERLEAVE");
       c.erase("COLS_FIRST");
     }
@@ -394,7 +395,7 @@ Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorV
   q.extent_k = in;
   q.split_programs = programs;
   q.kernels = [&](const Config& c) {
-    const DoraPlan p = plan_dora(out, in, r, W.dtype, gpu, programs, c);
+    const DoraPlan p = plan_dora(out, in, r, product, gpu, programs, c);
     return with_cast_a(p, A, [&](const TensorView& a) {
       return autotune::KernelCall{p.kernel, dora_args(p, W, a, B, m, 1.0, 0.0, norm, scale, unused_memory()), p.meta};
     });
@@ -402,7 +403,7 @@ Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorV
   // The candidates run on the caller's tensors: norm and scale are outputs only, and
   // the split workspace is zero again after every launch, so nothing needs restoring.
   q.run = [&](const Config& c) {
-    const DoraPlan p = plan_dora(out, in, r, W.dtype, gpu, programs, c);
+    const DoraPlan p = plan_dora(out, in, r, product, gpu, programs, c);
     const WorkspaceLease ws = p.split == 1 ? WorkspaceLease{} : lease_workspace(W.device, stream, workspace_bytes(p));
     LaunchOptions options;
     options.stream = stream;
@@ -427,7 +428,8 @@ const bool dora_registered = [] {
     dora_norm(v[0], v[1], v[2], v[3], 1.0, v[4], v[5], 0.0, stream);
   };
   op.kernels = [](const std::vector<TensorView>& v, const autotune::Config& c, int sm_count) {
-    const DoraPlan p = plan_dora(v[0].shape[0], v[0].shape[1], v[1].shape[0], v[0].dtype, true, sm_count,
+    const DoraPlan p = plan_dora(v[0].shape[0], v[0].shape[1], v[1].shape[0],
+                                 product_dtype(v[0].dtype, v[1].dtype, v[2].dtype), true, sm_count,
                                  config_from(c, "BLOCK_M", "BLOCK_K"));
     return with_cast_a(p, v[1], [&](const TensorView& a) {
       return autotune::KernelCall{

@@ -89,7 +89,7 @@ void dora_norm_partial(const TensorView& W, const TensorView& A, const TensorVie
   const dsl::MetaMap meta = {{"BLOCK_M", bm},
                              {"BLOCK_K", bk},
                              {"R_PAD", r_pad},
-                             {"DOT", int64_t(is_half(W.dtype) ? W.dtype : DType::f32)},
+                             {"DOT", int64_t(product_dtype(W.dtype, A.dtype, B.dtype))},
                              {"num_warps", config.num_warps ? config.num_warps : 4},
                              {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
   launch(kernels::dora_norm_partial(), {W, A, B, Scalar(s), sumsq},

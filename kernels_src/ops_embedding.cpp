@@ -306,7 +306,7 @@ DType embedding_dot(DType t, DType a, DType b, DType out, bool* scale_after) {
   *scale_after = is_half(a) && a == b;
   if (*scale_after) return a;
   if (out == DType::f32) return DType::f32;
-  return is_half(t) ? t : DType::f32;
+  return product_dtype(t, a, b);
 }
 
 // One forward call on flattened ids x1 [T] and out2 [T, D].
@@ -526,8 +526,8 @@ bool groups_by_default(const EmbeddingBackward& c) {
 EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const Config& config, int64_t programs) {
   const int64_t T = c.x1.shape[0], D = c.B.shape[0], r = c.A.shape[0];
   const bool gpu = c.x1.device.is_cuda();
-  bool unused = false;
-  const DType dot = embedding_dot(c.g2.dtype, c.g2.dtype, c.g2.dtype, c.g2.dtype, &unused);
+  // grad_out's products with the activations (from A, or after_a) and with B.
+  const DType dot = product_dtype(c.g2.dtype, c.act ? c.act->dtype : c.A.dtype, c.B.dtype);
   // Tall token blocks: dB's atomics per element of grad_out are R_PAD / BLOCK_T.
   const int64_t bt = config.block_m ? config.block_m : (gpu ? 128 : 16);
   // 128 columns per step on a GPU where three stages of such tiles fit (2-byte
@@ -740,7 +740,7 @@ bool runs_gathered(const EmbeddingBackward& c, const Config& config) {
 
 size_t gathered_workspace_bytes(const EmbeddingBackward& c) {
   const int64_t T = c.x1.shape[0], D = c.B.shape[0], r = c.A.shape[0], V = c.A.shape[1];
-  const DType act_t = is_half(c.g2.dtype) ? c.g2.dtype : DType::f32;
+  const DType act_t = product_dtype(c.g2.dtype, c.A.dtype, c.B.dtype);
   size_t bytes = carved_bytes(1, T, r) + (size_t(T * r) * size_t(dtype_size_bytes(act_t)) + 15) / 16 * 16;
   if (c.dA3.dtype != DType::f32) bytes += carved_bytes(1, r, V);
   if (c.dB3.dtype != DType::f32) bytes += carved_bytes(1, D, r);
@@ -751,7 +751,7 @@ size_t gathered_workspace_bytes(const EmbeddingBackward& c) {
 GatheredBackward plan_gathered(const EmbeddingBackward& c, const Config& config, char* ws) {
   const int64_t T = c.x1.shape[0], D = c.B.shape[0], r = c.A.shape[0], V = c.A.shape[1];
   const Device& dev = c.x1.device;
-  const DType act_t = is_half(c.g2.dtype) ? c.g2.dtype : DType::f32;
+  const DType act_t = product_dtype(c.g2.dtype, c.A.dtype, c.B.dtype);
   GatheredBackward p;
   char* cursor = ws;
   p.da_acc = c.dA3.dtype == DType::f32 ? c.dA3 : carve_f32(&cursor, 1, r, V, dev);

@@ -21,7 +21,7 @@ namespace {
 DType merge_dot_dtype(DType w, DType a, DType b, bool* scale_after) {
   *scale_after = is_half(a) && a == b;
   if (*scale_after) return a;
-  return is_half(w) ? w : DType::f32;
+  return product_dtype(w, a, b);
 }
 
 struct MergePlan {

@@ -23,9 +23,9 @@ struct MoePlan {
   DType cast_a = DType::f32;  // CAST_A: what an f32 A is rounded to first (f32: nothing)
 };
 
-MoePlan plan_moe(const TensorView& W, int64_t r, bool gpu, const Config& config) {
+MoePlan plan_moe(const TensorView& W, DType a, DType b, int64_t r, bool gpu, const Config& config) {
   const int64_t E = W.shape[0], N = W.shape[1];
-  const DType dot = is_half(W.dtype) ? W.dtype : DType::f32;
+  const DType dot = product_dtype(W.dtype, a, b);
   const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
   const int64_t bn = config.block_m ? config.block_m : (gpu ? 64 : 16);
   const int64_t bk = config.block_k ? config.block_k : (gpu ? 128 : 64);
@@ -116,7 +116,7 @@ void run_moe_lora_materialize(const TensorView& W, const TensorView& A, const Te
     const Config cfg = has_config(config)
                            ? config
                            : tuned_moe_config(W, A, B, W_eff, stream);
-    return plan_moe(W, r, W.device.is_cuda(), cfg);
+    return plan_moe(W, A.dtype, B.dtype, r, W.device.is_cuda(), cfg);
   });
   LaunchOptions options;
   options.stream = stream;
@@ -161,7 +161,7 @@ Config tuned_moe_config(const TensorView& W, const TensorView& A, const TensorVi
   add_memory_order(q.problem.shape_bucket, W);
   q.block_m_name = "BLOCK_N";
   q.block_k_name = "BLOCK_K";
-  const DType product = is_half(W.dtype) ? W.dtype : DType::f32;
+  const DType product = product_dtype(W.dtype, A.dtype, B.dtype);
   q.gpu_candidates = with_stream_tiles(with_wgmma_tiles(moe_gpu_candidates(), moe_wgmma_tiles(), product, W.device),
                                        "BLOCK_N", "BLOCK_K", product);
   q.finalist_variants = with_wgmma_variant(
@@ -169,11 +169,11 @@ Config tuned_moe_config(const TensorView& W, const TensorView& A, const TensorVi
       W.device);
   q.extent_m = N;
   q.extent_k = K;
-  q.kernels = [&](const Config& c) { return moe_calls(plan_moe(W, r, gpu, c), W, A, B, W_eff); };
+  q.kernels = [&](const Config& c) { return moe_calls(plan_moe(W, A.dtype, B.dtype, r, gpu, c), W, A, B, W_eff); };
   q.run = [&](const Config& c) {
     LaunchOptions options;
     options.stream = stream;
-    launch_moe(plan_moe(W, r, gpu, c), W, A, B, 1.0, W_eff, options);
+    launch_moe(plan_moe(W, A.dtype, B.dtype, r, gpu, c), W, A, B, 1.0, W_eff, options);
   };
   // When W_eff is W (materializing in place) every timed run would add s*B@A once
   // more: W's bytes are saved, only when a tuning actually runs, and put back.
@@ -200,7 +200,7 @@ const bool moe_registered = [] {
     moe_lora_materialize(v[0], v[1], v[2], 1.0, v[3], stream);
   };
   op.kernels = [](const std::vector<TensorView>& v, const autotune::Config& c, int) {
-    const MoePlan p = plan_moe(v[0], v[1].shape[1], true, config_from(c, "BLOCK_N", "BLOCK_K"));
+    const MoePlan p = plan_moe(v[0], v[1].dtype, v[2].dtype, v[1].shape[1], true, config_from(c, "BLOCK_N", "BLOCK_K"));
     return moe_calls(p, v[0], v[1], v[2], v[3]);
   };
   op.gpu_candidates = moe_gpu_candidates;

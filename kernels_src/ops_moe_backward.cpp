@@ -33,9 +33,10 @@ struct MoeBackwardPlan {
   bool flush_da = false, flush_db = false;
 };
 
-MoeBackwardPlan plan_launch(const TensorView& dW, int64_t r, bool gpu, int64_t programs, const Config& config) {
+MoeBackwardPlan plan_launch(const TensorView& dW, DType a, DType b, int64_t r, bool gpu, int64_t programs,
+                            const Config& config) {
   const int64_t E = dW.shape[0], N = dW.shape[1], K = dW.shape[2];
-  const DType dot = is_half(dW.dtype) ? dW.dtype : DType::f32;
+  const DType dot = product_dtype(dW.dtype, a, b);
   const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
   const int64_t rotate = meta_or(config, "ROTATE", 0);
   // CLUSTER: programs of neighbouring blocks sum each step's atomics on chip first. Not
@@ -94,9 +95,9 @@ MoeBackwardPlan plan_launch(const TensorView& dW, int64_t r, bool gpu, int64_t p
 
 // The launch for gradients of these dtypes: on GPUs, a kernel followed by a flush of an
 // fp32 accumulator lets the flush's launch start before its own end (RELEASE_END).
-MoeBackwardPlan plan_moe_backward(const TensorView& dW, int64_t r, bool gpu, int64_t programs, const Config& config,
-                                  DType da_dtype, DType db_dtype) {
-  MoeBackwardPlan p = plan_launch(dW, r, gpu, programs, config);
+MoeBackwardPlan plan_moe_backward(const TensorView& dW, DType a, DType b, int64_t r, bool gpu, int64_t programs,
+                                  const Config& config, DType da_dtype, DType db_dtype) {
+  MoeBackwardPlan p = plan_launch(dW, a, b, r, gpu, programs, config);
   p.flush_da = p.da_atomic && da_dtype != DType::f32;
   p.flush_db = p.db_atomic && db_dtype != DType::f32;
   if (gpu && (p.flush_da || p.flush_db)) p.meta["RELEASE_END"] = 1;
@@ -123,7 +124,7 @@ void run_moe_backward(const TensorView& dW, const TensorView& A, const TensorVie
                       const Config& config, bool db_is_zero) {
   const int64_t E = dW.shape[0], N = dW.shape[1], K = dW.shape[2], r = A.shape[1];
   const bool gpu = dW.device.is_cuda();
-  const MoeBackwardPlan p = plan_moe_backward(dW, r, gpu, parallelism(dW.device), config, dA.dtype, dB.dtype);
+  const MoeBackwardPlan p = plan_moe_backward(dW, A.dtype, B.dtype, r, gpu, parallelism(dW.device), config, dA.dtype, dB.dtype);
   // A gradient the kernel adds to atomically is accumulated in fp32: in the
   // gradient itself when it is f32 (zeroed first), else in a zero workspace
   // that is then flushed into it. One the kernel stores is written directly.
@@ -152,7 +153,7 @@ autotune::KernelCall moe_backward_kernel(const TensorView& dW, const TensorView&
                                          const TensorView& dA, const TensorView& dB, int64_t programs,
                                          const Config& config) {
   const int64_t E = dW.shape[0], N = dW.shape[1], K = dW.shape[2], r = A.shape[1];
-  const MoeBackwardPlan p = plan_moe_backward(dW, r, true, programs, config, dA.dtype, dB.dtype);
+  const MoeBackwardPlan p = plan_moe_backward(dW, A.dtype, B.dtype, r, true, programs, config, dA.dtype, dB.dtype);
   void* const stand_in = reinterpret_cast<void*>(uintptr_t(1) << 16);
   const TensorView da_acc =
       p.flush_da ? TensorView::contiguous(stand_in, DType::f32, {E, r, K}, dW.device) : dA;
@@ -223,7 +224,7 @@ Config tuned_moe_backward_config(const TensorView& dW, const TensorView& A, cons
   add_memory_order(q.problem.shape_bucket, dW);
   q.block_m_name = "BLOCK_N";
   q.block_k_name = "BLOCK_K";
-  const DType product = is_half(dW.dtype) ? dW.dtype : DType::f32;
+  const DType product = product_dtype(dW.dtype, A.dtype, B.dtype);
   q.gpu_candidates = with_wgmma_tiles(moe_backward_gpu_candidates(), moe_backward_wgmma_tiles(), product, dW.device);
   q.finalist_variants = with_wgmma_variant(with_l2_prefetch_variants({}), product, dW.device);
   q.extent_m = N;

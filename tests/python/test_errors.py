@@ -292,6 +292,9 @@ def test_a_scale_beyond_float32_is_a_value_error_and_writes_nothing(kerf_cpu):
         kerf_cpu.ops.dora_norm(W, A, B, m, 0.5, eps=1e39)
     with pytest.raises(ValueError, match="dora_norm: eps must be >= 0, got -1e-30"):
         kerf_cpu.ops.dora_norm(W, A, B, m, 0.5, eps=-1e-30)
+    # Positive, yet 0 as a float32: a zero row would get scale = inf, not m / sqrt(eps).
+    with pytest.raises(ValueError, match=r"dora_norm: eps 1e-50 is below float32's smallest positive value"):
+        kerf_cpu.ops.dora_norm(W, A, B, m, 0.5, eps=1e-50)
 
 
 def test_a_config_compares_copies_and_pickles_by_value():

@@ -1,0 +1,186 @@
+// An f16 base (or gradient) with fp32 adapters whose values, or s times them, lie beyond
+// f16's range (65504) while the answer lies well inside it: every op gives the float64
+// answer, as PEFT's fp32 products do, never inf or NaN. (The products run in fp32 there:
+// rounded to f16 first, s*B = 1e5 turned into inf, written into W in place by the merge.)
+#include <cmath>
+#include <random>
+
+#include "catch.h"
+#include "cpu_test_util.h"
+#include "device_tensor.h"
+#include "gpu_test_util.h"
+#include "kerf/ops/ops.h"
+
+using namespace kerf;
+using kerf::test::TestTensor;
+
+namespace {
+
+std::vector<double> values(TestTensor& t) {
+  t.download();
+  std::vector<double> v;
+  for (int64_t i = 0; i < t.numel(); ++i) v.push_back(t.get(i));
+  return v;
+}
+
+// Uniform in [-1, 1) times `scale`, as f32.
+void fill(TestTensor& t, std::mt19937_64& rng, double scale) { t.randomize(rng, -scale, scale); }
+
+// delta[o, i] = s * sum_k B[o, k] A[k, i], in float64.
+std::vector<double> lora_delta(TestTensor& A, TestTensor& B, int64_t out, int64_t in, int64_t r, double s) {
+  std::vector<double> d(size_t(out * in), 0.0);
+  for (int64_t o = 0; o < out; ++o)
+    for (int64_t i = 0; i < in; ++i) {
+      double acc = 0;
+      for (int64_t k = 0; k < r; ++k) acc += B.get(o * r + k) * A.get(k * in + i);
+      d[size_t(o * in + i)] = s * acc;
+    }
+  return d;
+}
+
+void check_half_range(Device dev) {
+  CAPTURE(dev.str());
+  std::mt19937_64 rng(9100);
+  const int64_t out = 70, in = 130, r = 5;
+  const double s = 2.0, tol = test::tolerance(DType::f16);
+  // s * B up to 4e5 and A up to 1e-4: each term of B @ A below 20, every product finite.
+  TestTensor W(DType::f16, {out, in}, dev), A(DType::f32, {r, in}, dev), B(DType::f32, {out, r}, dev);
+  fill(W, rng, 1.0);
+  fill(A, rng, 1e-4);
+  fill(B, rng, 2e5);
+  const std::vector<double> w0 = values(W), delta = lora_delta(A, B, out, in, r, s);
+  {
+    INFO("lora_merge");
+    ops::lora_merge(W.view(), A.view(), B.view(), s);
+    test::sync(dev);
+    std::vector<double> ref(w0.size());
+    for (size_t i = 0; i < ref.size(); ++i) ref[i] = w0[i] + delta[i];
+    CHECK(test::max_relative_error(values(W), ref, 1.0) <= tol);
+    // Back within the rounding of the merged values (f16: half an ulp, 2^-11 relative).
+    double merged = 0;
+    for (double v : ref) merged = std::max(merged, std::abs(v));
+    ops::lora_unmerge(W.view(), A.view(), B.view(), s);
+    test::sync(dev);
+    CHECK(test::max_relative_error(values(W), w0, merged) <= 0x1p-10);
+  }
+  for (int64_t i = 0; i < W.numel(); ++i) W.set(i, w0[size_t(i)]);
+  W.upload();
+  {
+    INFO("dora_norm");
+    TestTensor m(DType::f32, {out}, dev), norm(DType::f32, {out}, dev), scale(DType::f32, {out}, dev);
+    fill(m, rng, 1.0);
+    norm.poison();
+    scale.poison();
+    ops::dora_norm(W.view(), A.view(), B.view(), m.view(), s, norm.view(), scale.view());
+    test::sync(dev);
+    std::vector<double> rn, rs;
+    for (int64_t o = 0; o < out; ++o) {
+      double ss = 0;
+      for (int64_t i = 0; i < in; ++i) {
+        const double v = w0[size_t(o * in + i)] + delta[size_t(o * in + i)];
+        ss += v * v;
+      }
+      rn.push_back(std::sqrt(ss));
+      rs.push_back(m.get(o) / rn.back());
+    }
+    CHECK(test::max_relative_error(values(norm), rn) <= tol);
+    CHECK(test::max_relative_error(values(scale), rs) <= tol);
+  }
+  {
+    INFO("moe_lora_materialize");
+    TestTensor W3(DType::f16, {1, out, in}, dev), A3(DType::f32, {1, r, in}, dev), B3(DType::f32, {1, out, r}, dev),
+        W_eff(DType::f16, {1, out, in}, dev);
+    for (int64_t i = 0; i < W.numel(); ++i) W3.set(i, w0[size_t(i)]);
+    for (int64_t i = 0; i < A.numel(); ++i) A3.set(i, A.get(i));
+    for (int64_t i = 0; i < B.numel(); ++i) B3.set(i, B.get(i));
+    W3.upload();
+    A3.upload();
+    B3.upload();
+    W_eff.poison();
+    ops::moe_lora_materialize(W3.view(), A3.view(), B3.view(), s, W_eff.view());
+    test::sync(dev);
+    std::vector<double> ref(w0.size());
+    for (size_t i = 0; i < ref.size(); ++i) ref[i] = w0[i] + delta[i];
+    CHECK(test::max_relative_error(values(W_eff), ref, 1.0) <= tol);
+
+    INFO("moe_lora_materialize_backward");
+    // dA = s * B^T @ dW [r, in] and dB = s * dW @ A^T [out, r]: with B and A beyond f16 too.
+    TestTensor dW(DType::f16, {1, out, in}, dev), A_big(DType::f32, {1, r, in}, dev),
+        dA(DType::f32, {1, r, in}, dev), dB(DType::f32, {1, out, r}, dev);
+    fill(dW, rng, 1.0);
+    fill(A_big, rng, 1e5);
+    dA.poison();
+    dB.poison();
+    ops::moe_lora_materialize_backward(dW.view(), A_big.view(), B3.view(), s, dA.view(), dB.view());
+    test::sync(dev);
+    std::vector<double> ra(size_t(r * in), 0.0), rb(size_t(out * r), 0.0);
+    for (int64_t o = 0; o < out; ++o)
+      for (int64_t i = 0; i < in; ++i)
+        for (int64_t k = 0; k < r; ++k) {
+          ra[size_t(k * in + i)] += s * B3.get(o * r + k) * dW.get(o * in + i);
+          rb[size_t(o * r + k)] += s * dW.get(o * in + i) * A_big.get(k * in + i);
+        }
+    CHECK(test::max_relative_error(values(dA), ra, 1.0) <= 1e-4);
+    CHECK(test::max_relative_error(values(dB), rb, 1.0) <= 1e-4);
+  }
+  {
+    INFO("lora_embedding and lora_embedding_backward");
+    // PEFT's layout: weight [V, D], A [r, V], B [D, r]; A's columns beyond f16, B tiny.
+    const int64_t V = 50, D = 24, T = 37;
+    TestTensor x(DType::i64, {T}, dev), weight(DType::f16, {V, D}, dev), Ae(DType::f32, {r, V}, dev),
+        Be(DType::f32, {D, r}, dev), y(DType::f16, {T, D}, dev);
+    std::uniform_int_distribution<int64_t> id(0, V - 1);
+    for (int64_t t = 0; t < T; ++t) x.set(t, double(id(rng)));
+    x.upload();
+    fill(weight, rng, 1.0);
+    fill(Ae, rng, 2e5);
+    fill(Be, rng, 1e-4);
+    y.poison();
+    ops::lora_embedding(x.view(), weight.view(), Ae.view(), Be.view(), s, y.view());
+    test::sync(dev);
+    std::vector<double> ref;
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t v = int64_t(x.get(t));
+      for (int64_t d = 0; d < D; ++d) {
+        double l = 0;
+        for (int64_t k = 0; k < r; ++k) l += Ae.get(k * V + v) * Be.get(d * r + k);
+        ref.push_back(weight.get(v * D + d) + s * l);
+      }
+    }
+    CHECK(test::max_relative_error(values(y), ref, 1.0) <= tol);
+    // Backward with grad_out f16 and both adapters beyond f16's range.
+    TestTensor g(DType::f16, {T, D}, dev), Bb(DType::f32, {D, r}, dev), dAe(DType::f32, {r, V}, dev),
+        dBe(DType::f32, {D, r}, dev);
+    fill(g, rng, 1.0);
+    fill(Bb, rng, 1e5);
+    dAe.poison();
+    dBe.poison();
+    ops::lora_embedding_backward(x.view(), Ae.view(), Bb.view(), g.view(), s, dAe.view(), dBe.view());
+    test::sync(dev);
+    std::vector<double> ra(size_t(r * V), 0.0), rb(size_t(D * r), 0.0);
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t v = int64_t(x.get(t));
+      for (int64_t d = 0; d < D; ++d)
+        for (int64_t k = 0; k < r; ++k) {
+          ra[size_t(k * V + v)] += s * g.get(t * D + d) * Bb.get(d * r + k);
+          rb[size_t(d * r + k)] += s * g.get(t * D + d) * Ae.get(k * V + v);
+        }
+    }
+    CHECK(test::max_relative_error(values(dAe), ra, 1.0) <= 1e-4);
+    CHECK(test::max_relative_error(values(dBe), rb, 1.0) <= 1e-4);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("f16 bases with fp32 adapters beyond f16's range give finite right answers on the CPU",
+          "[cpu][ops][dtypes]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  check_half_range(Device::cpu());
+}
+
+TEST_CASE("f16 bases with fp32 adapters beyond f16's range give finite right answers on the GPU",
+          "[gpu][ops][dtypes]") {
+  KERF_REQUIRE_GPU();
+  check_half_range(Device::cuda(0));
+}
