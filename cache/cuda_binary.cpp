@@ -18,7 +18,14 @@ namespace {
 void dump(const std::string& name, const std::string& text) {
   const char* dir = std::getenv("KERF_DUMP_DIR");
   if (!dir || !*dir) return;
-  std::ofstream(std::string(dir) + "/" + name) << text;
+  const std::string path = std::string(dir) + "/" + name;
+  std::ofstream out(path);
+  out << text;
+  out.close();
+  if (!out)
+    log::once(log::Level::warn, std::string("dump-dir:") + dir,
+              "KERF_DUMP_DIR=" + std::string(dir) + ": cannot write " + path +
+                  " (the directory must exist and be writable); kernels are not dumped");
 }
 
 // The launch facts the generated code decides, from the props of a stored entry.

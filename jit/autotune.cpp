@@ -274,9 +274,9 @@ Choice choose(const Problem& p, const std::vector<Config>& candidates, const Con
       Config stored = parse_config(f->entry.prop("config"));
       if (f->entry.kind == cache::EntryKind::tune_choice && !stored.empty() &&
           (!hooks.keep || hooks.keep(stored))) {
-        std::string unusable;
+        std::string unusable = hooks.usable ? hooks.usable(stored) : std::string();
         try {
-          if (hooks.compile) hooks.compile(stored);
+          if (unusable.empty() && hooks.compile) hooks.compile(stored);
         } catch (const kerf::Interrupted&) {
           throw;
         } catch (const std::exception& e) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <map>
 
 #include "kerf/error.h"
 #include "kerf/jit/launch.h"
@@ -272,6 +273,38 @@ Config tuned_config(const TuneRequest& q) {
   };
   hooks.compile = [&](const autotune::Config& c) {
     for (const autotune::KernelCall& k : q.kernels(config_of(q, c))) prepare(*k.kernel, k.args, k.meta);
+  };
+  // A stored choice names only what the candidates and finalist variants name, each value
+  // within the range they give it (split_k within the grid's limit: it follows the shape),
+  // and passes the checks a caller's Config gets.
+  hooks.usable = [&](const autotune::Config& stored) -> std::string {
+    std::map<std::string, std::pair<int64_t, int64_t>> range;
+    const auto widen = [&](const autotune::Config& c) {
+      for (const autotune::Config& form : {c, hooks.canonical(c)})
+        for (const auto& [name, value] : form) {
+          auto [it, fresh] = range.try_emplace(name, value, value);
+          if (!fresh) it->second = {std::min(it->second.first, value), std::max(it->second.second, value)};
+        }
+    };
+    for (const autotune::Config& c : candidates) widen(c);
+    if (gpu)
+      for (const autotune::Config& v : q.finalist_variants) widen(v);
+    for (const auto& [name, value] : stored) {
+      const auto it = range.find(name);
+      if (it == range.end()) return "it names '" + name + "', which this op's tuner does not choose";
+      const auto [lo, hi] = name == "split_k" ? std::pair<int64_t, int64_t>{1, 65535} : it->second;
+      if (value < lo || value > hi)
+        return name + "=" + std::to_string(value) + " is outside the [" + std::to_string(lo) + ", " +
+               std::to_string(hi) + "] the tuner tries";
+    }
+    Config cfg = config_of(q, stored);
+    cfg.meta.clear();  // named and ranged above
+    try {
+      expect_meta(q.problem.op.c_str(), cfg, {});
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+    return "";
   };
   hooks.run = [&](const autotune::Config& c) { q.run(config_of(q, c)); };
   hooks.restore = q.restore;

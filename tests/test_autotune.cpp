@@ -314,6 +314,32 @@ TEST_CASE("a stored choice that no longer compiles is reported and tuned again",
   CHECK(logs.count("BLOCK=64 is not a tile this build makes); tuning again") == 1);
 }
 
+TEST_CASE("a stored choice the op's usable hook refuses is reported and tuned again, not compiled", "[autotune]") {
+  test::TempDir dir;
+  test::ScopedEnv env({{"KERF_CACHE_DIR", dir.path()}, {"KERF_AUTOTUNE", "1"}, {"KERF_LOG", "warn"}});
+  {
+    FakeOp op;
+    autotune::choose(fake_problem("refused"), kCandidates, cand(32, 4), op.hooks(), options_with(&op.timer));
+  }
+  autotune::forget_choices();
+  test::LogCapture logs;
+  FakeOp op;
+  autotune::Hooks h = op.hooks();
+  bool compiled_64 = false;
+  h.compile = [&](const autotune::Config& c) {
+    compiled_64 = compiled_64 || c.at("BLOCK") == 64;
+    ++op.compiles;
+  };
+  h.usable = [](const autotune::Config& c) -> std::string {
+    return c.at("BLOCK") == 64 ? "BLOCK=64 is outside the [128, 256] the tuner tries" : "";
+  };
+  const autotune::Choice c =
+      autotune::choose(fake_problem("refused"), kCandidates, cand(32, 4), h, options_with(&op.timer));
+  CHECK(c.from == autotune::Choice::From::tuned);
+  CHECK(logs.count("the stored choice BLOCK=64,num_warps=4") == 1);
+  CHECK(logs.count("BLOCK=64 is outside the [128, 256] the tuner tries); tuning again") == 1);
+}
+
 TEST_CASE("the tuner picks the fastest candidate by its timer and stores the choice",
           "[autotune]") {
   test::TempDir dir;

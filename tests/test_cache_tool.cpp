@@ -89,6 +89,19 @@ TEST_CASE("kerf-cache warms, lists, packs, verifies and prunes", "[cache][tool]"
   CHECK(rc == 0);
   CHECK(out.find(std::to_string(entries) + " valid, 0 bad") != std::string::npos);
 
+  // pack's first argument is the bundle it writes; another version's bundle is not merged.
+  std::tie(rc, out) = tool(cache_dir, {"pack", "--add", bundle});
+  CHECK(rc == 2);  // stderr: "pack: the first argument is the bundle to write, got '--add'"
+  CHECK_FALSE(std::filesystem::exists("--add"));
+  {
+    cache::BundleWriter old;
+    old.add(*cache::read_file(cache::DiskCache(cache_dir, cache::DiskMode::readonly).list().front().path));
+    old.write(dir / "old.kbundle", {{"kerf_version", "0.0.9"}});
+  }
+  std::tie(rc, out) = tool(cache_dir, {"pack", dir / "merged.kbundle", "--add", dir / "old.kbundle"});
+  CHECK(rc == 2);  // stderr: "... old.kbundle was packed by kerf 0.0.9, this is kerf ..."
+  CHECK_FALSE(std::filesystem::exists(dir / "merged.kbundle"));
+
   // A flipped bit in one entry: verify names it and fails.
   const std::string victim =
       cache::DiskCache(cache_dir, cache::DiskMode::readonly).list().front().path;
@@ -102,6 +115,10 @@ TEST_CASE("kerf-cache warms, lists, packs, verifies and prunes", "[cache][tool]"
   std::tie(rc, out) = tool(cache_dir, {"list"});  // a listing showing a damaged entry says so by its status too
   CHECK(rc == 1);
   CHECK(out.find("BAD ") != std::string::npos);
+  // So does a bundle packed without it.
+  std::tie(rc, out) = tool(cache_dir, {"pack", dir / "partial.kbundle"});
+  CHECK(rc == 1);
+  CHECK(out.find("(1 skipped)") != std::string::npos);
 
   std::tie(rc, out) = tool(cache_dir, {"prune", "--max-size", "0"});
   CHECK(rc == 0);
@@ -131,6 +148,11 @@ TEST_CASE("kerf-cache refuses arguments that would lose entries or store nothing
   test::Child readonly({kTool, "--dir", dir / "cache", "warm", "--op", "dora_norm", "--shape", "8x8x2"},
                        {{"KERF_LOG", "off"}, {"KERF_CACHE", "readonly"}});
   CHECK(readonly.wait() == 2);
+  // Nor with bundles mounted: what they hold would be served from them, not stored.
+  cache::BundleWriter().write(dir / "empty.kbundle", {{"kerf_version", cache::kerf_version()}});
+  test::Child with_bundles({kTool, "--dir", dir / "cache", "warm", "--op", "dora_norm", "--shape", "8x8x2"},
+                           {{"KERF_LOG", "off"}, {"KERF_CACHE_BUNDLES", dir / "empty.kbundle"}});
+  CHECK(with_bundles.wait() == 2);
 
   const bool gpu_code = nvrtc::available(), cpu = jit::cpu::available();
   if (!gpu_code && !cpu) return;

@@ -3,6 +3,8 @@
 #include <cstdio>
 #include <string>
 
+#include <sys/wait.h>
+
 #include "catch.h"
 #include "kerf/kernels/library.h"
 
@@ -51,12 +53,18 @@ TEST_CASE("kerf-inspect prints IR, CUDA source and refuses unknown kernels", "[i
   for (const auto& [args, message] :
        {std::pair<std::string, std::string>{" dora_norm --cuda banana", "'banana' is not a GPU architecture"},
         {" dora_norm --meta BLOCK_M=abc", "--meta wants NAME=INTEGER, got 'BLOCK_M=abc'"},
-        {" dora_norm --meta =", "--meta wants NAME=INTEGER"}}) {
+        {" dora_norm --meta =", "--meta wants NAME=INTEGER"},
+        {" dora_norm --compile sm_90a --save ''", "--save needs a file name"},
+        {" list extra", "list takes no arguments, got 'extra'"}}) {
     CAPTURE(args);
     FILE* q = popen((std::string(KERF_INSPECT_PATH) + args + " 2>&1").c_str(), "r");
     char out[512] = {0};
     const size_t got = fread(out, 1, sizeof out - 1, q);
-    CHECK(pclose(q) != 0);
+    const int status = pclose(q);
+    CHECK(WIFEXITED(status));
+    CHECK(WEXITSTATUS(status) == 2);  // bad arguments, as kerf-cache says them
     CHECK(std::string(out, got).find(message) != std::string::npos);
   }
+  // -h is help, not a kernel's name.
+  CHECK(run(std::string(KERF_INSPECT_PATH) + " -h").find("usage: kerf-inspect") != std::string::npos);
 }

@@ -42,7 +42,8 @@ constexpr const char* kUsage = R"(usage: kerf-cache [--dir DIR] COMMAND ...
                                lora_embedding_backward                shape T x vocab x dim x r
              --shape S       sizes joined by 'x' in the op's order (repeatable; each
                              op takes the shapes of its own length)
-             --dtype T       bf16, f16, f32 (repeatable; default bf16)
+             --dtype T       bf16, f16, f32: every operand's (repeatable; default bf16);
+                             mixed calls (bf16 W, fp32 adapters) are warmed by running them
              --layout L      sharding layout text (repeatable; default unsharded)
              --arch A        sm_90a, sm_80, ..., cpu, or native (repeatable or a,b;
                              default: the GPU's, else cpu). An architecture without a

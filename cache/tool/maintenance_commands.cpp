@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
+#include <memory>
 
 #include "cache/tool/tool.h"
 #include "kerf/cache/bundle.h"
@@ -125,11 +126,26 @@ std::string human_bytes(uint64_t bytes) {
 
 int pack(Args& args) {
   const std::string out = args.next();
+  if (out.empty() || out[0] == '-')
+    throw InvalidArgument("pack: the first argument is the bundle to write, got '" + out +
+                          "' (kerf-cache pack BUNDLE [--add OTHER.bundle]...)");
   std::vector<std::string> merge;
   while (!args.empty()) {
     const std::string a = args.next();
     if (a != "--add") throw InvalidArgument("pack: unknown option '" + a + "'");
     merge.push_back(args.value_of(a));
+  }
+  // A bundle of another kerf version is refused before anything is written: merged, its
+  // entries would carry this version's stamp, and no version could use them.
+  std::vector<std::unique_ptr<cache::Bundle>> added;
+  for (const std::string& path : merge) {
+    added.push_back(std::make_unique<cache::Bundle>(path));
+    const auto& props = added.back()->props();
+    const auto v = props.find("kerf_version");
+    if (v != props.end() && v->second != cache::kerf_version())
+      throw InvalidArgument("pack: " + path + " was packed by kerf " + v->second + ", this is kerf " +
+                            cache::kerf_version() + "; its entries cannot be used by this version (warm and "
+                            "pack them again with this kerf)");
   }
   cache::BundleWriter writer;
   int skipped = 0;
@@ -151,17 +167,16 @@ int pack(Args& args) {
       }
     }
   }
-  for (const std::string& path : merge) {
-    const cache::Bundle b(path);
-    for (const cache::Bundle::Record& r : b.records()) writer.add(b.image(r));
-  }
+  for (const auto& b : added)
+    for (const cache::Bundle::Record& r : b->records()) writer.add(b->image(r));
   writer.write(out, {{"kerf_version", cache::kerf_version()},
                      {"created", now_text()},
                      {"source", disk.dir()},
                      {"entries", std::to_string(writer.size())}});
   std::printf("packed %zu entries into %s (%d skipped)\n", writer.size(), out.c_str(), skipped);
-  // A bundle missing what an unreadable directory holds is packed, but not as a success.
-  return report_unreadable(unreadable) ? 1 : 0;
+  // A bundle missing what an unreadable directory or a damaged entry holds is packed, but
+  // not as a success.
+  return report_unreadable(unreadable) || skipped ? 1 : 0;
 }
 
 int verify(Args& args) {

@@ -193,16 +193,23 @@ int warm(Args& args) {
   if (archs.empty()) archs = {native};
   for (std::string& a : archs)
     if (a == "native") a = native;
+  const char* autotune_env = std::getenv("KERF_AUTOTUNE");
   if (!tune)
     ::setenv("KERF_AUTOTUNE", "0", 1);
-  else if (!std::getenv("KERF_AUTOTUNE"))
-    ::setenv("KERF_AUTOTUNE", "1", 1);  // warm means tune, CPU too
+  else if (!autotune_env || !*autotune_env)  // unset, or set empty (which the library reads as unset)
+    ::setenv("KERF_AUTOTUNE", "1", 1);      // warm means tune, CPU too
   cache::reload_settings();
   (void)cache_dir();  // refuses a directory the library refuses
   if (cache::current_settings().disk != cache::DiskMode::on)
     throw InvalidArgument(std::string("warm: the disk cache is ") +
                           cache::disk_mode_name(cache::current_settings().disk) +
                           " (KERF_CACHE): nothing warm compiles or tunes would be stored");
+  // Kernels and choices a mounted bundle holds would be found there and never written to
+  // the directory, so a `warm && pack` of it would ship without them.
+  if (!cache::mounted_bundles().empty())
+    throw InvalidArgument("warm: bundles are mounted (KERF_CACHE_BUNDLES): what they hold would be served from "
+                          "them and not stored in " + cache::current_settings().dir +
+                          "; unset KERF_CACHE_BUNDLES to warm the directory");
   const uint64_t stores_before = cache::stats().stores;
   const uint64_t failures_before = cache::stats().store_failures;
 
@@ -321,7 +328,8 @@ int warm(Args& args) {
   worker();
   for (std::thread& t : pool) t.join();
 
-  const bool tuning = cache::current_settings().autotune != cache::AutotuneMode::off;
+  // The op runs happened on this machine's device (its GPU, else the CPU): tuned if tuning is on there.
+  const bool tuning = autotune::enabled_for(have_gpu ? Device::cuda(0) : Device::cpu());
   std::printf(
       "warmed %zu item(s) in %.1f s: %d kernel(s) compiled, %d already cached, %d op run(s) "
       "here%s, "

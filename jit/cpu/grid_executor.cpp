@@ -30,7 +30,7 @@ namespace {
 constexpr uint64_t kChunksPerWorker = 4;  // more chunks than workers balance uneven programs
 
 int configured_threads() {
-  if (const char* env = std::getenv("KERF_CPU_THREADS")) {
+  if (const char* env = std::getenv("KERF_CPU_THREADS"); env && *env) {  // set empty: as unset, like kerf's other switches
     char* end = nullptr;
     const long n = std::strtol(env, &end, 10);
     if (end == env || *end != '\0' || n < 1 || n > 4096)

@@ -19,13 +19,17 @@
 using namespace kerf;
 
 int main(int argc, char** argv) {
-  if (argc < 2 || !std::strcmp(argv[1], "--help")) {
-    std::printf("usage: kerf-inspect list | KERNEL [--dtype T] [--meta K=V]... [--hash] [--cuda ARCH] [--compile ARCH [--save FILE]]\n");
+  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
+    std::fprintf(argc < 2 ? stderr : stdout,
+                 "usage: kerf-inspect list | KERNEL [--dtype T] [--meta K=V]... [--hash] [--cuda ARCH] "
+                 "[--compile ARCH [--save FILE]]\n"
+                 "exit status: 0 done; 1 failed (a kernel that does not trace or compile); 2 bad arguments\n");
     return argc < 2 ? 2 : 0;
   }
   try {
     const std::string name = argv[1];
     if (name == "list") {
+      if (argc > 2) throw InvalidArgument(std::string("list takes no arguments, got '") + argv[2] + "'");
       for (const auto& e : kernels::library()) std::printf("%s\n", e.name.c_str());
       return 0;
     }
@@ -68,6 +72,7 @@ int main(int argc, char** argv) {
         compile_arch = value();
       } else if (a == "--save") {
         save_path = value();
+        if (save_path.empty()) throw InvalidArgument("--save needs a file name, got ''");
       } else {
         throw InvalidArgument("unknown option '" + a + "'");
       }
@@ -102,6 +107,9 @@ int main(int argc, char** argv) {
     std::fputs(ir::print(fn).c_str(), stdout);
     std::printf("// hash %s\n", ir::hash(fn).hex().c_str());
     return 0;
+  } catch (const kerf::InvalidArgument& e) {  // the arguments (options, meta values) asked for something it cannot do
+    std::fprintf(stderr, "kerf-inspect: %s\n", e.what());
+    return 2;
   } catch (const kerf::Error& e) {
     std::fprintf(stderr, "kerf-inspect: %s\n", e.what());
     return 1;

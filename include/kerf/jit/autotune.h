@@ -57,6 +57,10 @@ struct Hooks {
       compile;  // readies a candidate (called from several threads); throws to drop it
   std::function<void(const Config&)> run;  // launches a ready candidate once
   std::function<void()> restore;           // puts back what the op writes in place; may be empty
+  // Why a stored choice (read back from the cache, perhaps written by another build or
+  // damaged with valid checksums) is not one this op's tuner could have made: "" when it
+  // is. One that is not is reported and tuned again, as one that fails to compile.
+  std::function<std::string(const Config&)> usable;
 };
 
 struct Options {
