@@ -43,6 +43,8 @@ from ._kerf import (
     llvm_version,
 )
 
+# kerf.autograd is not listed: it needs PyTorch, and `from kerf import *` must work
+# without it (import kerf.autograd by name).
 __all__ = [
     "Buffer",
     "CacheError",
@@ -57,7 +59,6 @@ __all__ = [
     "NotAvailableError",
     "WorkInterruptedError",
     "__version__",
-    "autograd",
     "clear_kernel_cache",
     "cpu_available",
     "cuda_available",

@@ -8,8 +8,8 @@
   (``kerf::DoraScale``) rather than through :class:`DoraScale`, whose
   Python forward and context cost about ten microseconds per call.
 - :class:`DoraNormCache`: reuses norms between optimizer steps and drops them
-  on every step (an ``Optimizer.register_step_post_hook``), so it never serves
-  a stale norm, fused AdamW included.
+  on every step (an ``Optimizer.register_step_post_hook``), fused AdamW's
+  included; writes outside a step need its ``invalidate()``.
 - :func:`moe_lora_materialize` / :class:`MoeLoraMaterialize`:
   ``W_eff[e] = W[e] + s * B[e] @ A[e]``, gradients for A and B (and for W
   when it requires one); :func:`moe_lora_materialize_peft` takes PEFT's flat
@@ -19,8 +19,11 @@
 
 Backward passes are kerf's backward ops (moe_lora_materialize_backward,
 lora_embedding_backward, dora_norm_backward in :class:`DoraScale`); the DoRA
-magnitude gradient of the C++ node (one division) and a trainable base
-weight's gradient are PyTorch code.
+magnitude gradient of the C++ node (one division), the DoRA embedding's
+magnitude gradient and rescaling, and a trainable base weight's gradient are
+PyTorch code. Under ``create_graph=True`` (second derivatives) the backward
+passes run as PyTorch ops instead, which record the history kerf's kernels do
+not.
 
 kerf's kernels compute in float32 at most: float64 tensors (``gradcheck``)
 are given to kerf as float32 and the results cast back, so forward and
@@ -39,6 +42,8 @@ try:
 except ImportError as e:  # pragma: no cover - exercised on machines without torch
     raise ImportError("kerf.autograd needs PyTorch (kerf.ops works without it)") from e
 
+import torch.nn.functional as F
+
 from . import _kerf
 from . import ops as _ops
 
@@ -55,6 +60,13 @@ __all__ = [
 ]
 
 Tensor = torch.Tensor
+
+
+def _expect_tensors(op: str, **named: Any) -> None:
+    """TypeError naming the op and argument for anything that is not a torch.Tensor."""
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
 
 
 # Tensors kerf reads in place as they are: it records no autograd history, so a plain
@@ -91,6 +103,7 @@ def dora_weight_norm(W: Tensor, A: Tensor, B: Tensor, s: float, eps: float = 0.0
     computed from the factors, without materializing ``B @ A``. W may be a
     bitsandbytes 4-bit weight (its quant_state is read; nothing is dequantized
     into memory)."""
+    _expect_tensors("dora_weight_norm", W=W, A=A, B=B)
     # The op also produces m / norm; a ones magnitude keeps that output harmless.
     m = torch.ones(B.shape[0], dtype=torch.float32, device=B.device)
     norm, _ = _dora_norm_and_scale(W, A, B, m, s, eps)
@@ -128,6 +141,8 @@ class DoraScale(torch.autograd.Function):
         if ctx.needs_input_grad[3]:
             if grad_scale.dtype == torch.float64:  # gradcheck: exact in float64
                 grad_m = grad_scale / norm.double()
+            elif torch.is_grad_enabled():  # create_graph=True: a differentiable grad_m (double backward)
+                grad_m = (grad_scale.float() / norm).to(ctx.m_dtype)
             else:  # kerf's ops::dora_norm_backward: grad_m = grad_scale / norm
                 g = _dense_grad(grad_scale)
                 if g.dtype == ctx.m_dtype:  # grad_m allocated by the binding, in g's dtype
@@ -156,6 +171,7 @@ def dora_scale(
     bitsandbytes 4-bit weight (QLoRA + DoRA): kerf reads its packed codes and
     quant_state and never builds the 16-bit weight.
     """
+    _expect_tensors("dora_scale", W=W, A=A, B=B, m=m)
     if cache is not None:
         return cache.scale(W, A, B, m, s, eps)
     if _scale_with_grad is not None and type(m) in _PLAIN_TENSORS and m.dtype in _HALF_OR_FLOAT:
@@ -186,7 +202,7 @@ def _fingerprint(t: Tensor) -> Tuple[Any, ...]:
 
 
 class DoraNormCache:
-    """Reuses DoRA weight norms between optimizer steps; never serves a stale one.
+    """Reuses DoRA weight norms between optimizer steps.
 
     The norm ``||W + s * B @ A||`` changes only when W, A or B change, which in
     training happens in ``optimizer.step()``. The cache is emptied after every
@@ -199,8 +215,14 @@ class DoraNormCache:
     bumped by an ordinary in-place op.
 
     Writing weights outside an optimizer step (``p.data.copy_(...)``,
-    ``load_state_dict``) needs an explicit :meth:`invalidate`. Needs PyTorch
-    2.0 or later (the step hooks): on an older one it raises
+    ``load_state_dict``), or a step of an optimizer the cache is not attached
+    to, needs an explicit :meth:`invalidate`. Entries are keyed by the tensor
+    objects: a view or cast made anew each forward (``W.T``, ``W.to(dtype)``)
+    never hits, and entries of tensors that died are dropped. Under
+    ``torch.inference_mode()`` (or for inference tensors) norms are computed and
+    not cached. A copy (``copy.deepcopy``, pickling a module that holds one)
+    starts empty, emptied after every optimizer's step. Needs PyTorch 2.0 or
+    later (the step hooks): on an older one it raises
     :class:`kerf.NotAvailableError`.
 
     Useful with gradient accumulation or activation checkpointing, where the
@@ -261,8 +283,24 @@ class DoraNormCache:
     def __len__(self) -> int:
         return len(self._norms)
 
+    # Its hooks belong to the optimizers of the original: a copy starts empty, with the global
+    # hook (emptied after every optimizer's step), and pickles as such.
+    def __reduce__(self):
+        return (DoraNormCache, ())
+
+    def __copy__(self) -> "DoraNormCache":
+        return DoraNormCache()
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "DoraNormCache":
+        return DoraNormCache()
+
     def norm(self, W: Tensor, A: Tensor, B: Tensor, s: float, eps: float = 0.0) -> Tensor:
         """The (detached, float32) norm, cached until the next optimizer step."""
+        _expect_tensors("DoraNormCache.norm", W=W, A=A, B=B)
+        if torch.is_inference_mode_enabled() or any(t.is_inference() for t in (W, A, B)):
+            # An inference tensor would be served to a later training forward, which cannot
+            # save it for backward; nor do inference tensors keep a version counter.
+            return dora_weight_norm(W, A, B, s, eps)
         key = (id(W), id(A), id(B), float(s), float(eps))
         prints = (_fingerprint(W), _fingerprint(A), _fingerprint(B))
         entry = self._norms.get(key)
@@ -273,6 +311,9 @@ class DoraNormCache:
                 return norm
         self.misses += 1
         norm = dora_weight_norm(W, A, B, s, eps)
+        # Entries of tensors that died go now: their ids may come back for other tensors.
+        for k in [k for k, (refs, _, _) in self._norms.items() if any(r() is None for r in refs)]:
+            del self._norms[k]
         self._norms[key] = ((weakref.ref(W), weakref.ref(A), weakref.ref(B)), prints, norm)
         return norm
 
@@ -308,12 +349,21 @@ class MoeLoraMaterialize(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dW: Tensor):
         A, B = ctx.saved_tensors
-        dA, dB = _moe_backward(dW, A, B, ctx.s, ctx.needs_input_grad[1], ctx.needs_input_grad[2])
+        if torch.is_grad_enabled():
+            # create_graph=True: the same products in PyTorch, so that they have a history
+            # (kerf's kernels give none, and second derivatives would lose their terms).
+            dt = torch.promote_types(torch.promote_types(dW.dtype, A.dtype), torch.float32)
+            g = dW.to(dt)
+            dA = (ctx.s * B.to(dt).transpose(1, 2) @ g).to(A.dtype) if ctx.needs_input_grad[1] else None
+            dB = (ctx.s * g @ A.to(dt).transpose(1, 2)).to(B.dtype) if ctx.needs_input_grad[2] else None
+        else:
+            dA, dB = _moe_backward(dW, A, B, ctx.s, ctx.needs_input_grad[1], ctx.needs_input_grad[2])
         return (dW if ctx.needs_input_grad[0] else None), dA, dB, None
 
 
 def moe_lora_materialize(W: Tensor, A: Tensor, B: Tensor, s: float) -> Tensor:
     """Differentiable ``W_eff[e] = W[e] + s * B[e] @ A[e]`` (A [E, r, K], B [E, N, r])."""
+    _expect_tensors("moe_lora_materialize", W=W, A=A, B=B)
     return MoeLoraMaterialize.apply(W, A, B, float(s))
 
 
@@ -324,10 +374,19 @@ def moe_lora_materialize_peft(W: Tensor, lora_A: Tensor, lora_B: Tensor, s: floa
     ``lora_B [N, r*E]`` (columns rank-major, expert fastest: column j*E + e).
     Both are viewed, not copied; their gradients come back in the same layout.
     """
+    op = "moe_lora_materialize_peft"
+    _expect_tensors(op, W=W, lora_A=lora_A, lora_B=lora_B)
+    if W.dim() != 3:
+        raise ValueError(f"{op}: W must be [E, N, K], got shape {list(W.shape)}")
     E, N, K = W.shape
-    if lora_A.shape[0] % E != 0:
-        raise ValueError(f"lora_A has {lora_A.shape[0]} rows, not a multiple of the {E} experts")
+    if E == 0:
+        raise ValueError(f"{op}: W has no experts (E = 0): lora_A's rank cannot be read from its rows")
+    if lora_A.dim() != 2 or lora_A.shape[0] % E != 0 or lora_A.shape[1] != K:
+        raise ValueError(f"{op}: lora_A must be [r*E, K] = [r*{E}, {K}], got shape {list(lora_A.shape)}")
     r = lora_A.shape[0] // E
+    if lora_B.dim() != 2 or tuple(lora_B.shape) != (N, r * E):
+        raise ValueError(f"{op}: lora_B must be [N, r*E] = [{N}, {r * E}] (lora_A gives r = {r}), "
+                         f"got shape {list(lora_B.shape)}")
     A3 = lora_A.view(E, r, K)
     B3 = lora_B.view(N, r, E).permute(2, 0, 1)
     return moe_lora_materialize(W, A3, B3, s)
@@ -355,6 +414,8 @@ class LoraEmbedding(torch.autograd.Function):
                 m: Optional[Tensor], id_check: str = "sync") -> Tensor:
         same_half = W.dtype == A.dtype == B.dtype and W.dtype in (torch.float16, torch.bfloat16)
         dt = W.dtype if same_half else torch.promote_types(torch.promote_types(W.dtype, A.dtype), torch.float32)
+        if padding_idx is not None and padding_idx < 0:  # as F.embedding: counted from the end
+            padding_idx += W.shape[0]
         ctx.s, ctx.padding_idx, ctx.vocab, ctx.id_check = float(s), padding_idx, W.shape[0], id_check
         ctx.dtypes = (W.dtype, A.dtype, B.dtype, None if m is None else m.dtype)
         out = torch.empty(*x.shape, W.shape[1], dtype=torch.float32 if dt == torch.float64 else dt,
@@ -374,7 +435,7 @@ class LoraEmbedding(torch.autograd.Function):
         # n[h] = ||W[:, h] + s * (B @ A)[h, :]|| over the vocabulary: kerf's dora_norm on the view W^T.
         n = dora_weight_norm(W.t(), A, B, s).to(dt)
         ms = m.detach().to(dt) / n
-        ctx.save_for_backward(x, A, B, pre, n, ms)
+        ctx.save_for_backward(x, A, B, pre, n, ms, W, m)  # W and m: for second derivatives
         return pre * ms
 
     @staticmethod
@@ -386,11 +447,25 @@ class LoraEmbedding(torch.autograd.Function):
         g = grad.reshape(-1, H).to(dt)
         dm = dW = dA = dB = None
         if dora:
-            pre, n, ms = dora
+            pre, n, ms, W, m = dora
+            if torch.is_grad_enabled():  # create_graph=True: pre and m / n with their history
+                pre = F.embedding(x, W.to(dt)) + s * (F.embedding(x, A.to(dt).t()) @ B.to(dt).t())
+                ms = m.to(dt) / n.to(dt)
             if ctx.needs_input_grad[6]:
                 dm = ((g * pre.reshape(-1, H).to(dt)).sum(0) / n.to(dt)).to(m_dtype)  # out = m * pre / n
             g = g * ms.to(dt)
-        if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+        if (ctx.needs_input_grad[2] or ctx.needs_input_grad[3]) and torch.is_grad_enabled():
+            # create_graph=True: the same sums in PyTorch, which keep a history (kerf's do not).
+            xf = x.reshape(-1)
+            At, Bt = A.to(dt), B.to(dt)
+            gp = g if ctx.padding_idx is None else g.masked_fill((xf == ctx.padding_idx)[:, None], 0)
+            if ctx.needs_input_grad[2]:
+                dA = (ctx.s * torch.zeros(A.shape[1], A.shape[0], dtype=dt, device=g.device)
+                      .index_add(0, xf, gp @ Bt)).t().to(a_dtype)
+            if ctx.needs_input_grad[3]:
+                dB = (ctx.s * g.t() @ At.t()[xf]).to(b_dtype)
+            ctx.act = None
+        elif ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
             gA, gB = _ops.lora_embedding_backward(x.detach(), _for_kerf(A), _for_kerf(B),
                                                   _for_kerf(g).reshape(*x.shape, H), s, padding_idx=ctx.padding_idx,
                                                   id_check=ctx.id_check, after_a=ctx.act)

@@ -798,3 +798,109 @@ def test_dora_scale_of_a_4bit_weight_reads_its_quant_state(device):
     scale.sum().backward()
     torch.testing.assert_close(m.grad.double(), 1 / ref_norm, rtol=1e-2, atol=0)
     torch.testing.assert_close(ka.dora_weight_norm(W4, A, B, 0.5).double(), ref_norm, rtol=1e-2, atol=0)
+
+
+# ---------------------------------------------------------------- second derivatives, review fixes
+@pytest.mark.parametrize("device", DEVICES)
+def test_second_derivatives_through_kerfs_functions_match_torch(device):
+    """create_graph=True: the backward passes run as PyTorch ops, so second derivatives keep
+    every term (kerf's kernels record no history; the terms through them were lost)."""
+    torch.manual_seed(11)
+    # DoRA scale, float32: d2/dm2 of sum(scale^2) + sum(m^3) is 2/n^2 + 6m.
+    W, A, B = torch.randn(5, 9, device=device), torch.randn(2, 9, device=device), torch.randn(5, 2, device=device)
+    m = (torch.rand(5, device=device) + 0.5).requires_grad_()
+    for fn in (ka.dora_scale, lambda *a: ka.DoraScale.apply(*a, 0.0)):
+        scale = fn(W, A, B, m, 0.5)
+        (g,) = torch.autograd.grad((scale ** 2).sum() + (m ** 3).sum(), m, create_graph=True)
+        (h,) = torch.autograd.grad(g.sum(), m)
+        n = torch.linalg.norm(W + 0.5 * B @ A, dim=1)
+        torch.testing.assert_close(h, 2 / n ** 2 + 6 * m.detach(), rtol=1e-4, atol=1e-4)
+    # MoE materialization: gradgradcheck in float64 (the second-order pass is PyTorch's).
+    Wm = torch.randn(2, 5, 7, dtype=torch.float64, device=device)
+    Am = torch.randn(2, 3, 7, dtype=torch.float64, device=device).requires_grad_()
+    Bm = torch.randn(2, 5, 3, dtype=torch.float64, device=device).requires_grad_()
+    assert torch.autograd.gradgradcheck(lambda a, b: ka.moe_lora_materialize(Wm, a, b, 0.5), (Am, Bm),
+                                        eps=1e-3, atol=2e-3, rtol=2e-3)
+    # The embedding (DoRA-scaled, with padding): d/dB of |dL/dA|^2 against torch's own.
+    V, H, r = 12, 6, 3
+    x = torch.tensor([[1, 4, 4, 0], [7, 11, 2, 4]], device=device)
+    We = torch.randn(V, H, device=device)
+    Ae = torch.randn(r, V, device=device).requires_grad_()
+    Be = torch.randn(H, r, device=device).requires_grad_()
+    me = (torch.rand(H, device=device) + 0.5).requires_grad_()
+
+    def second(emb):
+        out = emb(Ae, Be, me)
+        (gA,) = torch.autograd.grad((out ** 2).sum(), Ae, create_graph=True)
+        return torch.autograd.grad((gA ** 2).sum(), (Be, me))
+
+    def torch_emb(a, b, mm):
+        n = torch.linalg.norm(We.t() + 0.5 * (b @ a), dim=1).detach()
+        pre = F.embedding(x, We, padding_idx=4) + 0.5 * (F.embedding(x, a.t(), padding_idx=4) @ b.t())
+        return (mm / n) * pre
+
+    got = second(lambda a, b, mm: ka.lora_embedding(x, We, a, b, 0.5, padding_idx=4, magnitude=mm))
+    want = second(torch_emb)
+    for g_, w_ in zip(got, want):
+        torch.testing.assert_close(g_, w_, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autograd_refusals_name_the_op_and_argument(device):
+    W = torch.randn(2, 5, 7, device=device)
+    lora_A = torch.randn(3 * 2, 7, device=device)
+    with pytest.raises(ValueError, match=r"moe_lora_materialize_peft: lora_B must be \[N, r\*E\] = \[5, 6\]"):
+        ka.moe_lora_materialize_peft(W, lora_A, torch.randn(6, 5, device=device), 0.5)  # transposed
+    with pytest.raises(ValueError, match=r"lora_A must be \[r\*E, K\]"):
+        ka.moe_lora_materialize_peft(W, torch.randn(6, 8, device=device), torch.randn(5, 6, device=device), 0.5)
+    with pytest.raises(ValueError, match="W has no experts"):
+        ka.moe_lora_materialize_peft(W[:0], lora_A, torch.randn(5, 6, device=device), 0.5)
+    with pytest.raises(TypeError, match="dora_scale: m must be a torch.Tensor, got NoneType"):
+        ka.dora_scale(W[0], torch.randn(2, 7, device=device), torch.randn(5, 2, device=device), None, 0.5)
+    with pytest.raises(TypeError, match="dora_weight_norm: B must be a torch.Tensor, got list"):
+        ka.dora_weight_norm(W[0], torch.randn(2, 7, device=device), [[1.0]], 0.5)
+    with pytest.raises(TypeError, match="moe_lora_materialize: A must be a torch.Tensor, got NoneType"):
+        ka.moe_lora_materialize(W, None, torch.randn(2, 5, 3, device=device), 0.5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lora_embedding_apply_reads_a_negative_padding_idx_from_the_end(device):
+    torch.manual_seed(12)
+    V, H, r = 10, 4, 2
+    x = torch.tensor([3, 9, 9, 5], device=device)
+    W = torch.randn(V, H, device=device).requires_grad_()
+    A, B = torch.randn(r, V, device=device), torch.randn(H, r, device=device)
+    ka.LoraEmbedding.apply(x, W, A, B, 0.5, -1, None).sum().backward()
+    assert torch.count_nonzero(W.grad[9]) == 0 and torch.count_nonzero(W.grad[3]) == H
+
+
+def test_star_import_does_not_need_torch_for_autograd():
+    assert "autograd" not in kerf.__all__  # `from kerf import *` would import it (and need PyTorch)
+
+
+@STEP_HOOKS
+@pytest.mark.parametrize("device", DEVICES)
+def test_norm_cache_copies_start_empty_inference_mode_is_not_cached_dead_entries_go(device):
+    import copy
+    import pickle
+    torch.manual_seed(13)
+    W, A, B = torch.randn(6, 8, device=device), torch.randn(2, 8, device=device), torch.randn(6, 2, device=device)
+    cache = ka.DoraNormCache()
+    cache.norm(W, A, B, 0.5)
+    assert len(cache) == 1
+    for clone in (copy.copy(cache), copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))):
+        assert isinstance(clone, ka.DoraNormCache) and len(clone) == 0
+        clone.norm(W, A, B, 0.5)
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        opt.step()  # any optimizer's step empties a copy (the global hook)
+        assert len(clone) == 0
+        clone.close()
+    with torch.inference_mode():
+        Wi = torch.randn(6, 8, device=device)
+        n = cache.norm(Wi, A, B, 0.5)
+    assert len(cache) == 1  # computed, not kept
+    torch.testing.assert_close(n, torch.linalg.norm(Wi + 0.5 * B @ A, dim=1))
+    for _ in range(5):
+        cache.norm(W.t().t(), A, B, 0.5)  # a fresh view each time: misses, the dead ones dropped
+    assert len(cache) <= 2
+    cache.close()
