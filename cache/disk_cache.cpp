@@ -309,6 +309,12 @@ std::vector<DiskCache::Listed> DiskCache::list(std::vector<std::string>* unreada
     if (std::optional<std::vector<char>> bytes = read_file(l.path, kMaxEntryBytes, &too_large)) {
       l.decoded = decode_entry(bytes->data(), bytes->size());
       l.decoded.entry.blob.clear();
+      // The file's name is its key: an entry under another key's name is never found
+      // under its own, and is as bad as a torn one (list, verify and pack agree on it).
+      if (l.decoded.ok() && e.path().filename().string().find(l.decoded.key.stem()) == std::string::npos) {
+        l.decoded.problem = EntryProblem::wrong_key;
+        l.decoded.detail = "stored under another key's name";
+      }
     } else if (too_large) {
       l.decoded.problem = EntryProblem::too_large;
     } else {

@@ -72,6 +72,20 @@ TEST_CASE("an entry written to the disk tier reads back whole", "[cache]") {
   CHECK(files == 1);
 }
 
+TEST_CASE("an entry under another key's file name is listed as damaged", "[cache]") {
+  test::TempDir dir;
+  cache::DiskCache disk(dir.path(), cache::DiskMode::on);
+  REQUIRE(disk.store(key_for("sm_90a"), entry_for("sm_90a")));
+  const std::string path = disk.path_for(key_for("sm_90a"));
+  const std::string moved = disk.path_for(key_for("sm_80"));  // the name another key looks under
+  std::filesystem::create_directories(std::filesystem::path(moved).parent_path());
+  std::filesystem::rename(path, moved);
+  const std::vector<cache::DiskCache::Listed> listed = disk.list();
+  REQUIRE(listed.size() == 1);
+  CHECK(listed[0].decoded.problem == cache::EntryProblem::wrong_key);
+  CHECK(listed[0].decoded.detail == "stored under another key's name");
+}
+
 TEST_CASE("without its compiler, a kernel built by another compiler version is found by family",
           "[cache]") {
   test::TempDir dir;

@@ -192,15 +192,8 @@ int verify(Args& args) {
   };
   if (args.empty()) {
     std::vector<std::string> unreadable;
-    for (const cache::DiskCache::Listed& l : listed_entries("verify", disk_tier(), &unreadable)) {
-      // The file's name is its key: an entry under another key's name is as bad as a torn one.
-      cache::DecodedEntry d = l.decoded;
-      if (d.ok() && l.path.find(d.key.stem()) == std::string::npos) {
-        d.problem = cache::EntryProblem::wrong_key;
-        d.detail = "stored under another key's name";
-      }
-      report(l.path, d);
-    }
+    for (const cache::DiskCache::Listed& l : listed_entries("verify", disk_tier(), &unreadable))
+      report(l.path, l.decoded);  // an entry under another key's name is reported by DiskCache::list
     bad += report_unreadable(unreadable);
   }
   while (!args.empty()) {

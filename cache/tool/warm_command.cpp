@@ -191,8 +191,12 @@ int warm(Args& args) {
   const bool have_gpu = cuda::device_count() > 0;
   const std::string native = have_gpu ? device_arch(0) : "cpu";
   if (archs.empty()) archs = {native};
-  for (std::string& a : archs)
+  for (std::string& a : archs) {
     if (a == "native") a = native;
+    if (a != "cpu" && !jit::cuda::is_gpu_arch(a))
+      throw InvalidArgument("warm: --arch '" + a + "' is neither cpu, native nor a GPU architecture (like sm_90a "
+                            "or sm_80)");
+  }
   const char* autotune_env = std::getenv("KERF_AUTOTUNE");
   if (!tune)
     ::setenv("KERF_AUTOTUNE", "0", 1);
