@@ -163,6 +163,14 @@ inline double max_relative_error(const std::vector<double>& got, const std::vect
   return worst;
 }
 
+// Every element of `t` (downloaded first) as doubles, in order.
+inline std::vector<double> values(TestTensor& t) {
+  t.download();
+  std::vector<double> v;
+  for (int64_t i = 0; i < t.numel(); ++i) v.push_back(t.get(i));
+  return v;
+}
+
 // Waits for a GPU's work (a no-op for the CPU, whose launches are synchronous).
 inline void sync(const Device& dev) {
   if (dev.is_cuda()) cuda::device_synchronize(dev.index);

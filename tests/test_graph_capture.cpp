@@ -26,13 +26,6 @@ using kerf::test::TestTensor;
 
 namespace {
 
-std::vector<double> values(TestTensor& t) {
-  t.download();
-  std::vector<double> v(size_t(t.numel()));
-  for (int64_t i = 0; i < t.numel(); ++i) v[size_t(i)] = t.get(i);
-  return v;
-}
-
 // max |g - w| over max |w|: the graph's launch and the eager call add across programs
 // in different orders (atomics), so single elements near zero differ relatively more.
 double scaled_error(const std::vector<double>& g, const std::vector<double>& w) {

@@ -16,13 +16,6 @@ using kerf::test::TestTensor;
 
 namespace {
 
-std::vector<double> values(TestTensor& t) {
-  t.download();
-  std::vector<double> v;
-  for (int64_t i = 0; i < t.numel(); ++i) v.push_back(t.get(i));
-  return v;
-}
-
 // Uniform in [-1, 1) times `scale`, as f32.
 void fill(TestTensor& t, std::mt19937_64& rng, double scale) { t.randomize(rng, -scale, scale); }
 

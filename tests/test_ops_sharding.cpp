@@ -28,13 +28,6 @@ double scaled_error(const std::vector<double>& got, const std::vector<double>& r
   return test::max_relative_error(got, ref, std::max(std::sqrt(ss / double(ref.size())), 1e-30));
 }
 
-std::vector<double> values(TestTensor& t) {
-  t.download();
-  std::vector<double> v;
-  for (int64_t i = 0; i < t.numel(); ++i) v.push_back(t.get(i));
-  return v;
-}
-
 // A 2-D view of rows [r0, r0 + nr) and columns [c0, c0 + nc) of a row-major [rows, cols] tensor.
 TensorView block(TestTensor& t, int64_t r0, int64_t nr, int64_t c0, int64_t nc) {
   const int64_t cols = t.shape()[1];

@@ -25,13 +25,6 @@ using kerf::test::TestTensor;
 
 namespace {
 
-std::vector<double> values(TestTensor& t) {
-  t.download();
-  std::vector<double> v;
-  for (int64_t i = 0; i < t.numel(); ++i) v.push_back(t.get(i));
-  return v;
-}
-
 // Largest |got - want| over the largest |want|: a race adds or loses whole partial sums.
 double scaled_error(const std::vector<double>& got, const std::vector<double>& want) {
   double worst = 0, scale = 1e-30;
