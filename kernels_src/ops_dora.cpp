@@ -576,7 +576,7 @@ TensorView checked_packed(const char* op, const Weight4bit& W, int64_t out, int6
   expect_dtype(op, "code", W.code, {DType::f32});
   for (const auto& [name, t] : {std::pair{"packed", &W.packed}, {"absmax", &W.absmax}, {"code", &W.code}})
     if (!t->is_contiguous())
-      throw InvalidArgument(std::string(op) + ": " + name + " must be contiguous, got shape " + shape_str(*t));
+      throw InvalidArgument(std::string(op) + ": " + name + " must be contiguous, got " + t->describe());
   const int64_t n = out * in;
   if (W.packed.numel() != n / 2)
     throw InvalidArgument(std::string(op) + ": packed must hold out*in/2 = " + std::to_string(n / 2) +

@@ -10,6 +10,7 @@
 // DIR defaults to $KERF_CACHE_DIR, else ${XDG_CACHE_HOME:-~/.cache}/kerf.
 #include <cstdio>
 #include <cstdlib>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -97,6 +98,10 @@ int main(int argc, char** argv) {
     throw kerf::InvalidArgument("unknown command '" + command + "' (kerf-cache --help lists them)");
   } catch (const kerf::Error& e) {
     std::fprintf(stderr, "kerf-cache: %s\n", e.what());
+    return 2;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "kerf-cache: out of memory (a --shape too large for this machine to hold the op's "
+                         "tensors?)\n");
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kerf-cache: %s\n", e.what());
