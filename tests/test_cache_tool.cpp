@@ -173,6 +173,18 @@ TEST_CASE("kerf-cache refuses arguments that would lose entries or store nothing
   CHECK(rc == 0);
   CHECK(out.find("removed 0 entries") != std::string::npos);
   CHECK(cache::DiskCache(cache_dir, cache::DiskMode::readonly).list().size() == before.size());
+  // A folder of another cache format version: named with its size, removed only when asked.
+  std::filesystem::create_directories(cache_dir + "/v0/ab");
+  std::ofstream(cache_dir + "/v0/ab/old.kerf") << std::string(5000, 'x');
+  std::tie(rc, out) = tool(cache_dir, {"prune", "--max-age", "30d"});
+  CHECK(rc == 0);
+  CHECK(out.find("in " + cache_dir + "/v0, a folder of another cache format version") != std::string::npos);
+  CHECK(std::filesystem::exists(cache_dir + "/v0/ab/old.kerf"));
+  std::tie(rc, out) = tool(cache_dir, {"prune", "--max-age", "30d", "--other-versions"});
+  CHECK(rc == 0);
+  CHECK(out.find("removed " + cache_dir + "/v0") != std::string::npos);
+  CHECK_FALSE(std::filesystem::exists(cache_dir + "/v0"));
+  CHECK(cache::DiskCache(cache_dir, cache::DiskMode::readonly).list().size() == before.size());
 }
 
 TEST_CASE("kerf-cache does not pack or verify a cache that is not there, nor one it must not trust",

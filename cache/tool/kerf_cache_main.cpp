@@ -59,7 +59,9 @@ constexpr const char* kUsage = R"(usage: kerf-cache [--dir DIR] COMMAND ...
   inspect  [BUNDLE | FILE.kerf] [--json]    every property of every entry (exit 1 likewise)
   verify   [BUNDLE...]                      check every checksum; exit 1 if any fails
   prune    [--max-age AGE] [--max-size SIZE]  AGE with a unit (s, m, h, d, w) like 30d,
-                                             12h; SIZE in bytes or with k, m, g, t like 500M
+           [--other-versions]                12h; SIZE in bytes or with k, m, g, t like 500M;
+                                             --other-versions: also remove the folders of other
+                                             cache format versions (named, not counted, without it)
 
 DIR defaults to $KERF_CACHE_DIR, else ${XDG_CACHE_HOME:-~/.cache}/kerf.
 Exit status: 0 done; 1 done but something is wrong or missing (a damaged entry,

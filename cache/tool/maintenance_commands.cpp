@@ -217,14 +217,40 @@ int verify(Args& args) {
   return bad ? 1 : 0;
 }
 
+// The folders of other cache format versions beside `disk`'s own (v0, v2, ...): this kerf
+// never reads them, and prune's limits do not count them.
+std::vector<std::filesystem::path> other_format_folders(const cache::DiskCache& disk) {
+  std::vector<std::filesystem::path> out;
+  std::error_code ec;
+  const std::filesystem::path own = std::filesystem::path(disk.dir()).filename();
+  for (std::filesystem::directory_iterator it(disk.root(), ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    const bool versioned = name.size() > 1 && name[0] == 'v' &&
+                           name.find_first_not_of("0123456789", 1) == std::string::npos;
+    if (versioned && it->path().filename() != own && it->is_directory(ec)) out.push_back(it->path());
+  }
+  return out;
+}
+
+uint64_t folder_bytes(const std::filesystem::path& dir) {
+  uint64_t bytes = 0;
+  std::error_code ec;
+  for (std::filesystem::recursive_directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec))
+    if (it->is_regular_file(ec)) bytes += it->file_size(ec);
+  return bytes;
+}
+
 int prune(Args& args) {
   int64_t max_age = -1, max_size = -1;
+  bool other_versions = false;
   while (!args.empty()) {
     const std::string a = args.next();
     if (a == "--max-age")
       max_age = parse_duration_s(args.value_of(a));
     else if (a == "--max-size")
       max_size = parse_size_bytes(args.value_of(a));
+    else if (a == "--other-versions")
+      other_versions = true;
     else
       throw InvalidArgument("prune: unknown option '" + a + "'");
   }
@@ -233,11 +259,30 @@ int prune(Args& args) {
   std::printf("removed %d entries (%s); %s left in %s\n", r.removed,
               human_bytes(r.bytes_removed).c_str(), human_bytes(r.bytes_left).c_str(),
               disk.dir().c_str());
+  int failed = r.failed;
   if (r.failed)
     std::fprintf(stderr, "kerf-cache: prune: %d file(s) could not be removed, the first %s\n", r.failed,
                  r.first_failure.c_str());
+  for (const std::filesystem::path& dir : other_format_folders(disk)) {
+    const uint64_t bytes = folder_bytes(dir);
+    if (!other_versions) {
+      std::printf("%s in %s, a folder of another cache format version (this kerf never reads it; "
+                  "prune --other-versions removes it)\n",
+                  human_bytes(bytes).c_str(), dir.c_str());
+      continue;
+    }
+    std::error_code ec;
+    std::filesystem::remove_all(dir, ec);
+    if (ec) {
+      ++failed;
+      std::fprintf(stderr, "kerf-cache: prune: could not remove %s (%s)\n", dir.c_str(), ec.message().c_str());
+    } else {
+      std::printf("removed %s, a folder of another cache format version (%s)\n", dir.c_str(),
+                  human_bytes(bytes).c_str());
+    }
+  }
   const int skipped = report_unreadable(r.unreadable);
-  return r.failed || skipped ? 1 : 0;
+  return failed || skipped ? 1 : 0;
 }
 
 }  // namespace kerf::cache_tool
