@@ -268,7 +268,12 @@ bool DiskCache::store(const CacheKey& key, const Entry& entry) {
     return false;
   }
   if (ec) {
-    report_unwritable(ec.message());
+    // A symbolic link whose target is gone reads as "File exists" to create_directories.
+    std::error_code link_ec;
+    const bool dangling = fs::is_symlink(root_, link_ec) && !fs::exists(root_, link_ec);
+    report_unwritable(dangling ? "it is a symbolic link to " + fs::read_symlink(root_, link_ec).string() +
+                                     ", which does not exist"
+                               : ec.message());
     return false;
   }
   int error_number = 0;

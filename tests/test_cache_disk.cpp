@@ -298,6 +298,17 @@ TEST_CASE("an unwritable cache directory keeps kerf working from memory and says
   CHECK_FALSE(cache::lookup(key_for("sm_90a")));
 }
 
+TEST_CASE("a cache directory that is a dangling symbolic link is reported as one", "[cache]") {
+  test::TempDir dir;
+  const std::string link = dir / "cache";
+  std::filesystem::create_directory_symlink(dir / "gone", link);
+  test::ScopedEnv env({{"KERF_LOG", "warn"}});
+  test::LogCapture logs;
+  cache::DiskCache disk(link, cache::DiskMode::on);
+  CHECK_FALSE(disk.store(key_for("sm_90a"), entry_for("sm_90a")));
+  CHECK(logs.count("cannot be written (it is a symbolic link to " + (dir / "gone") + ", which does not exist)") == 1);
+}
+
 TEST_CASE("a read-only directory (permissions) keeps kerf working from memory", "[cache]") {
   if (::geteuid() == 0) {
     std::printf(
