@@ -305,6 +305,61 @@ TEST_CASE("a bound that is the minimum of two multiples of 16 still lets accesse
   CHECK(access_width(plain, "// store @y from") == 1);
 }
 
+TEST_CASE("a mask is taken as one per vector only where every element of the vector agrees",
+          "[cuda][codegen]") {
+  // cols > 0 differs between column 0 and columns 1..7 of the first vector (so does cols <= c
+  // at c itself); cols < c and cols >= c agree over runs aligned like c, as do their mirrors.
+  const auto width = [](const std::function<Value(const Value& cols, const Value& n)>& mask) {
+    const Kernel k("masked_copy", [&](Builder& b) {
+      auto x = b.tensor("x", 2), out = b.tensor("out", 2);
+      const Value r = arange(16), c = arange(64);
+      const Value m = (r.col() < x.dim(0)) & mask(c, x.dim(1)).row();
+      store(out, {r.col(), c.row()}, load(x, {r.col(), c.row()}, m, 7.0), m);
+    });
+    const std::string src = jit::cuda::generate(k.trace({t(DType::bf16, 2), t(DType::bf16, 2)}, {}), "sm_90a").source;
+    INFO(src);
+    return access_width(src, "// store @out from");
+  };
+  CHECK(width([](const Value& c, const Value&) { return c > 0; }) == 1);
+  CHECK(width([](const Value& c, const Value& n) { return c <= n; }) == 1);
+  CHECK(width([](const Value& c, const Value&) { return literal(int64_t(0)) < c; }) == 1);
+  CHECK(width([](const Value& c, const Value& n) { return n >= c; }) == 1);
+  CHECK(width([](const Value& c, const Value& n) { return c < n; }) == 8);
+  CHECK(width([](const Value& c, const Value& n) { return c >= n; }) == 8);
+  CHECK(width([](const Value& c, const Value& n) { return n > c; }) == 8);
+  CHECK(width([](const Value& c, const Value& n) { return n <= c; }) == 8);
+}
+
+TEST_CASE("a pipelined load of a loop with an i64 counter prefetches with the i64 counter", "[cuda][codegen]") {
+  static const Kernel k("flat_sum", [](Builder& b) {
+    auto x = b.tensor("x", 2), out = b.tensor("out", 1);
+    auto lo = b.scalar("lo", DType::i64), hi = b.scalar("hi", DType::i64);
+    const Value C = x.dim(1).to(DType::i64);
+    const Value acc = for_range(lo, hi, 128, zeros({128}), [&](const Value& i0, const Value& a) {
+      const Value i = i0 + arange(128);
+      return a + load(x, {i / C, i % C}, i < hi);
+    });
+    store(out, {arange(128)}, acc);
+  });
+  const std::string src =
+      jit::cuda::generate(k.trace({t(DType::f32, 2), t(DType::f32, 1), ArgSpec::scalar(),
+                                   ArgSpec::scalar()},
+                                  {{"num_stages", 3}}),
+                          "sm_90a")
+          .source;
+  INFO(src);
+  REQUIRE(src.find("cp_async") != std::string::npos);  // the load is pipelined
+  CHECK(src.find("for (long long v") != std::string::npos);
+  size_t at = 0, prefetches = 0;
+  while ((at = src.find("// prefetch @x for iteration", at)) != std::string::npos) {
+    ++prefetches;
+    const size_t next = src.find('\n', at) + 1;
+    CHECK(src.substr(next, src.find('\n', next) - next).find("const long long v") != std::string::npos);
+    at = next;
+  }
+  CHECK(prefetches == 3);  // two in the prologue, one in the loop
+}
+
 TEST_CASE("grid_sync waits for every program's arrivals and the kernel's end resets its counter",
           "[cuda][codegen]") {
   static const Kernel k("phased", [](Builder& b) {

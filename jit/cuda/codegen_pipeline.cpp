@@ -197,7 +197,8 @@ void Codegen::emit_prefetch(const Operation& op, int target, int inner, ValueId 
     }
   scalars_[iv] = saved_scalars.count(iv) ? saved_scalars.at(iv) : "v" + S(iv);
   line(target, "{  // prefetch @" + p.name + " for iteration " + iv_value);
-  line(target, "  const int v" + S(iv) + " = " + iv_value + ";");
+  // The loop counter's own type: an i64 counter cut to int would prefetch from wrapped indices.
+  line(target, "  const " + storage_type(type(iv).dtype) + " v" + S(iv) + " = " + iv_value + ";");
   frame(target).code += code;
   line(target, "}");
 }

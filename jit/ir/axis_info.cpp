@@ -178,14 +178,16 @@ class Analysis {
         const AxisInfo& y = in(op.operands[1]);
         for (size_t d = 0; d < r; ++d) {
           int64_t c = std::min(x.constancy[d], y.constancy[d]);
-          // A run of consecutive values compared with a constant that is a
-          // multiple of the run's alignment gives the same answer along the run.
-          const bool ordered = op.kind != OpKind::Eq && op.kind != OpKind::Ne;
-          if (ordered) {
-            const int64_t ex = element_divisibility(x, d), ey = element_divisibility(y, d);
+          // A run of k consecutive values starting at a multiple of k, compared with a
+          // constant c that is a multiple of k, gives the same answer along the run for
+          // `run < c` and `run >= c` (the run lies wholly below c or wholly at or above it),
+          // and for their mirrors `c > run` and `c <= run`; not for `run > c` or `run <= c`
+          // (a run starting at c itself: c > c is false, c + 1 > c true).
+          const int64_t ex = element_divisibility(x, d), ey = element_divisibility(y, d);
+          if (op.kind == OpKind::Lt || op.kind == OpKind::Ge)  // run OP c
             c = std::max(c, std::min({x.contiguity[d], y.constancy[d], x.divisibility[d], ey}));
+          if (op.kind == OpKind::Gt || op.kind == OpKind::Le)  // c OP run
             c = std::max(c, std::min({y.contiguity[d], x.constancy[d], y.divisibility[d], ex}));
-          }
           out.constancy[d] = c;
         }
         break;
