@@ -33,8 +33,9 @@
 // rule, which lets index arithmetic stay fast) and wraps on the CPU, where an index
 // computed that way may not match its mask: compute indices that can pass 2^31 in i64.
 // A for_range counts in i64 when a bound or the step is an i64 value, else in i32 (for
-// speed); an i32 counter that would step past INT32_MAX (hi within one step of it) is
-// undefined on the GPU.
+// speed); an i32 counter that would step past INT32_MAX (hi within one step of it, or
+// within num_stages - 1 steps for a loop whose loads are pipelined: their copies run
+// that far ahead) is undefined on the GPU: give such loops i64 bounds.
 // The GPU contracts a * b + c into one fused multiply-add (NVRTC's default), so f32
 // results may differ from the CPU's in the last bit. dot() takes f64 operands as f32.
 #pragma once
