@@ -164,6 +164,23 @@ void check_host_ids(const char* op, const TensorView& x1, int64_t vocab) {
   if (count) throw InvalidArgument(bad_id_message(op, count, first_pos, first_id, vocab));
 }
 
+// x's token dims as one [T]; refused when their strides do not nest (a transposed or
+// expanded view of ids).
+TensorView flatten_ids(const char* op, const TensorView& x) {
+  std::vector<int64_t> sizes, strides;
+  for (int d = 0; d < x.rank; ++d) {
+    sizes.push_back(x.shape[size_t(d)]);
+    strides.push_back(x.strides[size_t(d)]);
+  }
+  const MergedDims m = merge_dims(sizes, {strides});
+  if (m.sizes.size() != 1)
+    throw InvalidArgument(std::string(op) + ": the token dims of x (" + x.describe() +
+                          ") do not flatten to one dim (their strides do not nest, as in a transposed "
+                          "or expanded view); pass a contiguous copy of x");
+  const int64_t T = x.numel();
+  return restride(x, {T}, {T > 1 ? m.strides[0][0] : 1});
+}
+
 // x [...] and a tensor [..., dim] whose leading dims are x's, as [T] and [T, dim].
 void flatten_tokens(const char* op, const TensorView& x, const char* yname, const TensorView& y,
                     TensorView* x1, TensorView* y2) {
@@ -176,12 +193,8 @@ void flatten_tokens(const char* op, const TensorView& x, const char* yname, cons
   }
   const MergedDims m = merge_dims(sizes, strides);
   if (m.sizes.size() != 1) {
-    // Which one cannot: x on its own (a transposed or expanded view of ids), or the two together.
-    const bool x_alone = merge_dims(sizes, {strides[0]}).sizes.size() == 1;
-    if (!x_alone)
-      throw InvalidArgument(std::string(op) + ": the token dims of x (" + x.describe() +
-                            ") do not flatten to one dim (their strides do not nest, as in a transposed "
-                            "or expanded view); pass a contiguous copy of x");
+    // Which one cannot: x on its own (refused by flatten_ids), or the two together.
+    (void)flatten_ids(op, x);
     throw InvalidArgument(std::string(op) + ": the token dims of x (" + x.describe() + ") and " + yname + " (" +
                           y.describe() + ") must flatten alike to one dim (strides that nest in the same order)");
   }
@@ -738,9 +751,12 @@ bool runs_gathered(const EmbeddingBackward& c, const Config& config) {
   return meta_or(config, "GATHER", 0) && !c.act;
 }
 
+// The dtype of the gathered activations: that of the product they enter.
+DType gathered_act_dtype(const EmbeddingBackward& c) { return product_dtype(c.g2.dtype, c.A.dtype, c.B.dtype); }
+
 size_t gathered_workspace_bytes(const EmbeddingBackward& c) {
   const int64_t T = c.x1.shape[0], D = c.B.shape[0], r = c.A.shape[0], V = c.A.shape[1];
-  const DType act_t = product_dtype(c.g2.dtype, c.A.dtype, c.B.dtype);
+  const DType act_t = gathered_act_dtype(c);
   size_t bytes = carved_bytes(1, T, r) + (size_t(T * r) * size_t(dtype_size_bytes(act_t)) + 15) / 16 * 16;
   if (c.dA3.dtype != DType::f32) bytes += carved_bytes(1, r, V);
   if (c.dB3.dtype != DType::f32) bytes += carved_bytes(1, D, r);
@@ -751,7 +767,7 @@ size_t gathered_workspace_bytes(const EmbeddingBackward& c) {
 GatheredBackward plan_gathered(const EmbeddingBackward& c, const Config& config, char* ws) {
   const int64_t T = c.x1.shape[0], D = c.B.shape[0], r = c.A.shape[0], V = c.A.shape[1];
   const Device& dev = c.x1.device;
-  const DType act_t = product_dtype(c.g2.dtype, c.A.dtype, c.B.dtype);
+  const DType act_t = gathered_act_dtype(c);
   GatheredBackward p;
   char* cursor = ws;
   p.da_acc = c.dA3.dtype == DType::f32 ? c.dA3 : carve_f32(&cursor, 1, r, V, dev);
@@ -970,19 +986,7 @@ namespace {
 void check_ids_only(const char* op, const TensorView& x, const TensorView& A, const VocabRange& vr,
                     const EmbeddingOptions& options, void* stream) {
   if (x.numel() == 0) return;
-  // The ids as one dim, as flatten_tokens gives them.
-  std::vector<int64_t> sizes, strides;
-  for (int d = 0; d < x.rank; ++d) {
-    sizes.push_back(x.shape[size_t(d)]);
-    strides.push_back(x.strides[size_t(d)]);
-  }
-  const MergedDims m = merge_dims(sizes, {strides});
-  if (m.sizes.size() != 1)
-    throw InvalidArgument(std::string(op) + ": the token dims of x (" + x.describe() +
-                          ") do not flatten to one dim (their strides do not nest, as in a transposed "
-                          "or expanded view); pass a contiguous copy of x");
-  const int64_t T = x.numel();
-  const TensorView x1 = restride(x, {T}, {T > 1 ? m.strides[0][0] : 1});
+  const TensorView x1 = flatten_ids(op, x);
   if (!x.device.is_cuda()) return check_host_ids(op, x1, vr.total);
   TensorView a0 = A;
   a0.shape[0] = 0;

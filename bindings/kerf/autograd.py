@@ -474,7 +474,7 @@ class LoraEmbedding(torch.autograd.Function):
             dB = gB.to(b_dtype) if ctx.needs_input_grad[3] else None
         if ctx.needs_input_grad[1]:  # a trainable base weight (PEFT freezes it)
             xf = x.reshape(-1)
-            if ctx.padding_idx is not None:  # in [0, V): lora_embedding checked and normalized it
+            if ctx.padding_idx is not None:  # in [0, V): the forward counted a negative one from the end
                 g = g.masked_fill((xf == ctx.padding_idx)[:, None], 0)
             dW = torch.zeros(ctx.vocab, H, dtype=dt, device=g.device).index_add_(0, xf, g).to(w_dtype)
         return None, dW, dA, dB, None, None, dm, None
@@ -500,9 +500,7 @@ def lora_embedding(
     the forward and backward asynchronous and leaves the report to
     :func:`kerf.ops.check_embedding_ids` (e.g. once per training step).
     """
-    for name, t in (("x", x), ("W", W), ("A", A), ("B", B)) + ((("magnitude", magnitude),) if magnitude is not None else ()):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"lora_embedding: {name} must be a torch.Tensor, got {type(t).__name__}")
+    _expect_tensors("lora_embedding", x=x, W=W, A=A, B=B, **({} if magnitude is None else {"magnitude": magnitude}))
     if W.dim() != 2:
         raise ValueError(f"lora_embedding: W must be [V, H], got shape {list(W.shape)}")
     vocab, dim = W.shape
@@ -513,7 +511,6 @@ def lora_embedding(
         if not -vocab <= padding_idx < vocab:
             raise ValueError(f"lora_embedding: padding_idx must be within [-{vocab}, {vocab}) "
                              f"(W has {vocab} rows), got {padding_idx}")
-        padding_idx = padding_idx + vocab if padding_idx < 0 else padding_idx
     if magnitude is not None and tuple(magnitude.shape) != (dim,):
         raise ValueError(f"lora_embedding: magnitude must be [H] = [{dim}] (one per column of W), "
                          f"got shape {list(magnitude.shape)}")

@@ -695,6 +695,7 @@ void Codegen::emit_for(const Operation& op, int lv) {
     frame(lv).memo[std::make_pair(op.results[i], homes[i])] = Tile{carried[i], false, {}, true};
   }
   const std::string iv = "v" + S(ivid);
+  const std::string iv_type = storage_type(type(ivid).dtype);  // int, or long long for an i64 counter
   scalars_[ivid] = iv;
 
   // Software pipelining: loads that depend only on the induction variable are
@@ -720,8 +721,7 @@ void Codegen::emit_for(const Operation& op, int lv) {
     line(inner, "__syncthreads();");
     frame(inner).fenced = true;
     const std::string ivn = fresh("pf_iv");
-    line(inner, "const " + storage_type(type(ivid).dtype) + " " + ivn + " = " + iv + " + " + S(S_ - 1) + " * " +
-                    step + ";");
+    line(inner, "const " + iv_type + " " + ivn + " = " + iv + " + " + S(S_ - 1) + " * " + step + ";");
     for (const Operation* ld : pipelined)
       emit_prefetch(*ld, inner, inner, ivid, ivn, "(" + it + " + " + S(S_ - 1) + ") % " + S(S_),
                     ivn + " < " + hi);
@@ -782,8 +782,7 @@ void Codegen::emit_for(const Operation& op, int lv) {
     it2 = level_of_[size_t(it2->first.first)] > lv ? bfrags_.erase(it2) : std::next(it2);
   line(lv, "if (" + step + " > 0)");
   line(lv,
-       "for (" + storage_type(type(ivid).dtype) + " " + iv + " = " + lo + "; " + iv + " < " + hi + "; " + iv +
-           " += " + step + ") {");
+       "for (" + iv_type + " " + iv + " = " + lo + "; " + iv + " < " + hi + "; " + iv + " += " + step + ") {");
   frame(lv).code += body_code;
   line(lv, "}");
   if (!pipelined.empty()) {
