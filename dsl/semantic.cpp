@@ -629,7 +629,13 @@ Value min(const Value& v, int axis) { return reduce(OpKind::ReduceMin, "min", v,
 Value dot(const Value& a, const Value& b, const Value& acc) { return dot(a, b, acc, 0); }
 
 Value dot(const Value& a, const Value& b, const Value& acc, int64_t warps_n) {
+  return dot(a, b, acc, warps_n, DotPrecision::ieee);
+}
+
+Value dot(const Value& a, const Value& b, const Value& acc, int64_t warps_n, DotPrecision precision) {
   Builder::Impl& s = impl_of(a, "dot");
+  if (precision != DotPrecision::ieee && precision != DotPrecision::tf32)
+    s.fail("dot", "precision must be DotPrecision::ieee or DotPrecision::tf32");
   if (warps_n < 0 || warps_n > 32 || (warps_n & (warps_n - 1)) != 0)
     s.fail("dot", "warps_n must be 0 (kerf chooses) or a power of two up to 32, got " +
                       std::to_string(warps_n));
@@ -647,10 +653,14 @@ Value dot(const Value& a, const Value& b, const Value& acc, int64_t warps_n) {
   if (a.dtype() != b.dtype())
     s.fail("dot", std::string("operands must share a dtype, got ") + dtype_name(a.dtype()) +
                       " and " + dtype_name(b.dtype()) + "; cast one of them");
+  if (precision == DotPrecision::tf32 && a.dtype() != DType::f32)
+    s.fail("dot", std::string("tf32 precision takes f32 operands, got ") + dtype_name(a.dtype()) +
+                      " (bf16/f16 operands are on the tensor cores already)");
   const Type out{DType::f32, {a.shape()[0], b.shape()[1]}};
   ir::Operation op(OpKind::Dot);
   op.operands = {a.id(), b.id()};
   op.attrs.axis = warps_n;
+  op.attrs.tf32 = precision == DotPrecision::tf32;
   if (acc.valid()) {
     s.check_usable(acc, "dot");
     if (acc.type() != out)

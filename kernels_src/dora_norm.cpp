@@ -41,7 +41,8 @@ ColumnSteps column_steps(Builder& k, const Value& n_in, bool split) {
 Value row_sum_of_squares(Builder& k, const Tensor& W, const Tensor& A, const Tensor& B, const Value& s,
                          const Value& rows, const ColumnSteps& range) {
   const int64_t BM = k.meta("BLOCK_M"), BK = k.meta("BLOCK_K"), R = k.meta("R_PAD");
-  const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
+  const DotMeta dm = dot_meta(k, DType::f32);
+  const DType dot_t = dm.dtype;
   const int64_t evict = k.meta("EVICT", 0);
   const int64_t warps_n = k.meta("WARPS_N", 0);  // warps sharing a step's columns (0: kerf's choice)
   const Value n_out = W.dim(0), n_in = W.dim(1), rank = A.dim(0);
@@ -57,7 +58,7 @@ Value row_sum_of_squares(Builder& k, const Tensor& W, const Tensor& A, const Ten
     const Value col_ok = cols.row() < n_in;
     const Value a = load(A, {rk.col(), cols.row()}, (rk.col() < rank) & col_ok, reused_hint(evict)).to(dot_t);
     const Value w = load(W, {rows.col(), cols.row()}, row_ok & col_ok, streamed_hint(evict)).to(DType::f32);
-    const Value v = dot(bs, a, w, warps_n);  // W + s * B @ A
+    const Value v = dot(bs, a, w, warps_n, dm.precision);  // W + s * B @ A
     return acc + v * v;
   });
   return sum(acc, 1);
@@ -83,7 +84,8 @@ Value row_sum_of_squares_4bit(Builder& k, const Tensor& packed, const Tensor& ab
   const bool per_step = k.meta("SCALE_PER_STEP", 0) != 0;
   const int64_t evict = k.meta("EVICT", 0);
   const int64_t warps_n = k.meta("WARPS_N", 0);
-  const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::bf16)));
+  const DotMeta dm = dot_meta(k, DType::bf16);
+  const DType dot_t = dm.dtype;
   const Value n_out = packed.dim(0), n_half = packed.dim(1), rank = A.dim(0);
   const Value n_in = n_half.to(DType::i64) * 2;
 
@@ -110,7 +112,7 @@ Value row_sum_of_squares_4bit(Builder& k, const Tensor& packed, const Tensor& ab
     const Value w = interleave(gather(codes, byte >> 4) * scale, gather(codes, byte & 15) * scale);
     const Value cols = 2 * h0 + arange(BK);
     const Value a = load(A, {rk.col(), cols.row()}, rank_ok & (cols.row() < n_in), reused_hint(evict)).to(dot_t);
-    const Value v = dot(bs, a, w, warps_n);  // W + s * B @ A, [BM, BK]
+    const Value v = dot(bs, a, w, warps_n, dm.precision);  // W + s * B @ A, [BM, BK]
     return acc + v * v;
   });
   return sum(acc, 1);

@@ -106,7 +106,9 @@ Value backward_pass(Builder& k, const Tokens& t, const Tensor& A, const Tensor& 
                     const Tensor& dB, bool wait_fill, const Value& saved) {
   const int64_t BT = k.meta("BLOCK_T"), BD = k.meta("BLOCK_D"), R = k.meta("R_PAD");
   const bool rotate = k.meta("ROTATE", 0) != 0;
-  const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
+  const DotMeta dm = dot_meta(k, DType::f32);
+  const DType dot_t = dm.dtype;
+  const dsl::DotPrecision precision = dm.precision;
   const Value n_dim = g.dim(1);
   const Value rk = arange(R);
   const Value rk_ok = rk.row() < A.dim(0);  // [1, R]
@@ -125,8 +127,8 @@ Value backward_pass(Builder& k, const Tokens& t, const Tensor& A, const Tensor& 
         load(g, {t.tok.col(), d.row()}, t.tok_ok.col() & (d.row() < n_dim)).to(dot_t);  // [BT, BD]
     const Value b = load(B, {d.col(), rk.row()}, d_ok & rk_ok).to(dot_t);               // [BD, R]
     if (wait_fill) wait_prior_grid();
-    atomic_add(dB, {d.col(), rk.row()}, dot(trans(gt), act) * s, d_ok & rk_ok);
-    return dot(gt, b, acc);
+    atomic_add(dB, {d.col(), rk.row()}, dot(trans(gt), act, Value(), 0, precision) * s, d_ok & rk_ok);
+    return dot(gt, b, acc, 0, precision);
   });
 }
 
@@ -138,7 +140,7 @@ Value backward_pass(Builder& k, const Tokens& t, const Tensor& A, const Tensor& 
 Value saved_activations(Builder& k, const Tensor& x, const Tensor& A, const Tensor& saved) {
   if (!k.meta("SAVED_ACT", 0)) return Value();
   const int64_t BT = k.meta("BLOCK_T"), R = k.meta("R_PAD");
-  const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
+  const DType dot_t = dot_meta(k, DType::f32).dtype;
   const Value tok = program_id(0) * BT + arange(BT);
   const Value rk = arange(R);
   return load(saved, {tok.col(), rk.row()}, (tok < x.dim(0)).col() & (rk.row() < A.dim(0))).to(dot_t);
@@ -206,7 +208,9 @@ const dsl::Kernel& lora_embedding() {
     const Tensor act = k.tensor("act", 2);  // STORE_ACT: A[:, x[t]]^T [T, r] written (PEFT's after_A)
     const int64_t BD = k.meta("BLOCK_D"), R = k.meta("R_PAD");
     const bool scale_after = k.meta("SCALE_AFTER", 0) != 0;
-    const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
+    const DotMeta dm = dot_meta(k, DType::f32);
+    const DType dot_t = dm.dtype;
+    const dsl::DotPrecision precision = dm.precision;
     const int64_t warps_n = k.meta("WARPS_N", 0);  // warps sharing a step's columns (0: kerf's choice)
     const Value n_dim = weight.dim(1), rank = A.dim(0);
 
@@ -228,7 +232,8 @@ const dsl::Kernel& lora_embedding() {
           load(weight, {t.local.col(), d.row()}, t.in_shard.col() & d_ok).to(DType::f32);
       const Value bt =
           trans(load(B, {d.col(), rk.row()}, (d.col() < n_dim) & (rk.row() < rank)).to(dot_t));
-      const Value v = scale_after ? e + s * dot(a, bt, Value(), warps_n) : dot(a, bt, e, warps_n);  // [BT, BD]
+      const Value v = scale_after ? e + s * dot(a, bt, Value(), warps_n, precision)
+                                    : dot(a, bt, e, warps_n, precision);  // [BT, BD]
       store(out, {t.tok.col(), d.row()}, v.to(out.dtype()), t.tok_ok.col() & d_ok);
     });
   });

@@ -21,7 +21,8 @@ const dsl::Kernel& lora_merge() {
     const Value s = k.scalar("s");
     const int64_t BM = k.meta("BLOCK_M"), BK = k.meta("BLOCK_K"), R = k.meta("R_PAD");
     const bool scale_after = k.meta("SCALE_AFTER", 0) != 0;
-    const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
+    const DotMeta dm = dot_meta(k, DType::f32);
+    const DType dot_t = dm.dtype;
     const int64_t evict = k.meta("EVICT", 0);
     const int64_t warps_n = k.meta("WARPS_N", 0);  // warps sharing a step's columns (0: kerf's choice)
     const Value g = program_id(2);
@@ -45,7 +46,8 @@ const dsl::Kernel& lora_merge() {
           load(A, {g, rk.col(), cols.row()}, (rk.col() < rank) & col_ok, reused_hint(evict)).to(dot_t);
       const Value ok = row_ok & col_ok;
       const Value w = load(W, {g, rows.col(), cols.row()}, ok, streamed_hint(evict)).to(DType::f32);
-      const Value v = scale_after ? w + s * dot(b, a, Value(), warps_n) : dot(b, a, w, warps_n);
+      const Value v = scale_after ? w + s * dot(b, a, Value(), warps_n, dm.precision)
+                                  : dot(b, a, w, warps_n, dm.precision);
       store(W, {g, rows.col(), cols.row()}, v.to(W.dtype()), ok, streamed_hint(evict));
     });
   });

@@ -19,7 +19,8 @@ const dsl::Kernel& moe_lora_materialize() {
     const Value s = k.scalar("s");
     const Tensor out = k.tensor("W_eff", 3);
     const int64_t BN = k.meta("BLOCK_N"), BK = k.meta("BLOCK_K"), R = k.meta("R_PAD");
-    const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
+    const DotMeta dm = dot_meta(k, DType::f32);
+    const DType dot_t = dm.dtype;
     const int64_t evict = k.meta("EVICT", 0);
     const int64_t warps_n = k.meta("WARPS_N", 0);  // warps sharing a step's columns (0: kerf's choice)
     const Value e = program_id(2);
@@ -38,7 +39,7 @@ const dsl::Kernel& moe_lora_materialize() {
           load(A, {e, rk.col(), cols.row()}, (rk.col() < rank) & col_ok, reused_hint(evict)).to(dot_t);
       const Value ok = row_ok & col_ok;
       const Value w = load(W, {e, rows.col(), cols.row()}, ok, streamed_hint(evict)).to(DType::f32);
-      store(out, {e, rows.col(), cols.row()}, dot(bs, a, w, warps_n).to(out.dtype()), ok, streamed_hint(evict));  // W + s*B@A
+      store(out, {e, rows.col(), cols.row()}, dot(bs, a, w, warps_n, dm.precision).to(out.dtype()), ok, streamed_hint(evict));  // W + s*B@A
     });
   });
   return k;

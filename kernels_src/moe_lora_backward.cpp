@@ -39,7 +39,8 @@ const dsl::Kernel& moe_lora_backward() {
     const bool rotate = k.meta("ROTATE", 0) != 0;
     const bool wait_fill = k.meta("WAIT_PRIOR", 0) != 0;
     const int64_t cluster = k.meta("cluster_size", 1);
-    const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
+    const DotMeta dm = dot_meta(k, DType::f32);
+    const DType dot_t = dm.dtype;
     const Value e = program_id(2);
     const Value n_rows = dW.dim(1), n_cols = dW.dim(2), rank = A.dim(1);
 
@@ -59,8 +60,8 @@ const dsl::Kernel& moe_lora_backward() {
       const Value g = load(dW, {e, rows.col(), cols.row()}, row_ok & col_ok).to(dot_t);  // [BN, BK]
       const Value a = load(A, {e, rk.col(), cols.row()}, rank_ok & col_ok).to(dot_t);    // [R, BK]
       if (wait_fill) wait_prior_grid();
-      cluster_atomic_add(dA, {e, rk.col(), cols.row()}, dot(bt, g) * s, rank_ok & col_ok);
-      return dot(g, trans(a), acc);  // [BN, R]
+      cluster_atomic_add(dA, {e, rk.col(), cols.row()}, dot(bt, g, Value(), 0, dm.precision) * s, rank_ok & col_ok);
+      return dot(g, trans(a), acc, 0, dm.precision);  // [BN, R]
     });
     const Value db_ok = row_ok & (rk.row() < rank);
     if (db_atomic)
@@ -93,7 +94,8 @@ const dsl::Kernel& moe_lora_backward_by_columns() {
     const bool rotate = k.meta("ROTATE", 0) != 0;
     const bool wait_fill = k.meta("WAIT_PRIOR", 0) != 0;
     const int64_t cluster = k.meta("cluster_size", 1);
-    const DType dot_t = static_cast<DType>(k.meta("DOT", int64_t(DType::f32)));
+    const DotMeta dm = dot_meta(k, DType::f32);
+    const DType dot_t = dm.dtype;
     const Value e = program_id(2);
     const Value n_rows = dW.dim(1), n_cols = dW.dim(2), rank = A.dim(1);
 
@@ -112,8 +114,8 @@ const dsl::Kernel& moe_lora_backward_by_columns() {
       const Value g = load(dW, {e, rows.col(), cols.row()}, row_ok & col_ok).to(dot_t);  // [BN, BK]
       const Value b = load(B, {e, rows.col(), rk.row()}, row_ok & rank_ok).to(dot_t);     // [BN, R]
       if (wait_fill) wait_prior_grid();
-      cluster_atomic_add(dB, {e, rows.col(), rk.row()}, dot(g, at) * s, row_ok & rank_ok);
-      return dot(trans(b), g, acc);  // [R, BK]
+      cluster_atomic_add(dB, {e, rows.col(), rk.row()}, dot(g, at, Value(), 0, dm.precision) * s, row_ok & rank_ok);
+      return dot(trans(b), g, acc, 0, dm.precision);  // [R, BK]
     });
     const Value da_ok = (rk.col() < rank) & col_ok;
     if (da_atomic)

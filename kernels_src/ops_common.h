@@ -28,15 +28,33 @@ inline int64_t next_pow2(int64_t x) {
 
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// The dtype a kernel's LoRA product runs in over a base (or gradient) of dtype `base`,
-// with adapters of dtypes `a` and `b` converted into it: bf16 for a bf16 base (its range is
-// f32's); f16 for an f16 base only when the adapters are f16 too, for an f32 or bf16
-// adapter (or s times one) may lie beyond f16's 65504 and would turn into inf there; else
-// f32 (the exact products, as PEFT forms them in the adapters' fp32).
-inline DType product_dtype(DType base, DType a, DType b) {
+// A kernel's LoRA product: the dtype its operands are converted into, and for f32
+// operands whether the GPU multiplies them on its tensor cores as TF32 (f32's range, an
+// f16's 10 mantissa bits; fp32 accumulation). Converts to and from its dtype.
+struct Product {
+  DType dtype = DType::f32;
+  bool tf32 = false;
+  constexpr Product() = default;
+  constexpr Product(DType t, bool as_tf32 = false) : dtype(t), tf32(as_tf32) {}
+  constexpr operator DType() const { return dtype; }
+};
+
+// The product over a base (or gradient) of dtype `base` with adapters of dtypes `a` and
+// `b`: bf16 for a bf16 base (its range is f32's); for an f16 base, f16 when the adapters
+// are f16 too, else f32 taken as TF32 (an f32 or bf16 adapter, or s times one, may lie
+// beyond f16's 65504 and would turn into inf in f16; TF32 keeps f32's range at the
+// precision of the f16 result, on the tensor cores); else f32 multiplied exactly (fp32
+// FMA, as PEFT forms the products of fp32 adapters).
+inline Product product_dtype(DType base, DType a, DType b) {
   if (base == DType::bf16) return DType::bf16;
-  if (base == DType::f16 && a == DType::f16 && b == DType::f16) return DType::f16;
+  if (base == DType::f16) return a == DType::f16 && b == DType::f16 ? Product(DType::f16) : Product(DType::f32, true);
   return DType::f32;
+}
+
+// The kernel meta entries that name `p`: DOT (its dtype) and, for TF32, TF32 = 1.
+inline void set_product_meta(dsl::MetaMap& meta, Product p) {
+  meta["DOT"] = int64_t(p.dtype);
+  if (p.tf32) meta["TF32"] = 1;
 }
 
 std::string shape_str(const TensorView& t);

@@ -34,10 +34,10 @@ struct DoraPlan {
 // `programs`: multiprocessors (CPU threads) the launch should fill.
 // `blocksize` > 0: W is given as 4-bit codes in blocks of that many elements,
 // and `w_dtype` is the product's dtype.
-DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, DType w_dtype, bool gpu, int64_t programs,
+DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, Product w_dtype, bool gpu, int64_t programs,
                    const Config& config, int64_t blocksize = 0) {
   const bool four_bit = blocksize > 0;
-  const DType dot = is_half(w_dtype) ? w_dtype : DType::f32;
+  const Product dot = is_half(w_dtype) ? w_dtype : Product(DType::f32, w_dtype.tf32);
   const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
   // The GPU default for ranks of 32 and up on tensor cores (the op's own tile, not
   // a candidate's): 128x64, 8 warps, 2 stages, the columns split for two waves of
@@ -46,7 +46,8 @@ DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, DType w_dtype, bool gpu, 
   // 14336x4096 and 4096x14336, and r=32 from 26.6 / 63.1 / 59.2 / 58.0 to
   // 20.4 / 57.6 / 52.6 / 52.7 us, against 64x128, 4 warps, 3 stages, about
   // three waves (which stays the default for r=16).
-  const bool wide = gpu && !four_bit && is_half(w_dtype) && r_pad >= 32 && !config.block_m && !config.block_k;
+  const bool wide =
+      gpu && !four_bit && (is_half(dot) || dot.tf32) && r_pad >= 32 && !config.block_m && !config.block_k;
   const int64_t bm = config.block_m ? config.block_m : (wide ? 128 : gpu ? 64 : 16);
   int64_t bk_default = wide ? 64 : gpu ? 128 : 64;
   if (four_bit) {  // by default a step stays inside a scale block when it can
@@ -61,7 +62,8 @@ DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, DType w_dtype, bool gpu, 
   p.split = slices_within(config.split_k, steps);
   if (p.split == 0)
     p.split = wide ? split_for_waves(p.blocks_m, programs, steps, 2) : split_for(p.blocks_m, programs, steps);
-  p.meta = {{"BLOCK_M", bm}, {"BLOCK_K", bk}, {"R_PAD", r_pad}, {"DOT", int64_t(dot)}, {"num_warps", warps}};
+  p.meta = {{"BLOCK_M", bm}, {"BLOCK_K", bk}, {"R_PAD", r_pad}, {"num_warps", warps}};
+  set_product_meta(p.meta, dot);
   // cp.async pipelining on the GPU; the CPU back end has no use for stages.
   p.meta["num_stages"] = config.num_stages ? config.num_stages : (wide ? 2 : gpu ? 3 : 1);
   pass_meta(config, p.meta, {"EVICT", "WARPS_N"});

@@ -86,12 +86,12 @@ void dora_norm_partial(const TensorView& W, const TensorView& A, const TensorVie
   const int64_t blocks = cdiv(out, bm);
   const int64_t split =
       config.split_k ? config.split_k : split_for(blocks, parallelism(W.device), cdiv(in, bk));
-  const dsl::MetaMap meta = {{"BLOCK_M", bm},
-                             {"BLOCK_K", bk},
-                             {"R_PAD", r_pad},
-                             {"DOT", int64_t(product_dtype(W.dtype, A.dtype, B.dtype))},
-                             {"num_warps", config.num_warps ? config.num_warps : 4},
-                             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
+  dsl::MetaMap meta = {{"BLOCK_M", bm},
+                       {"BLOCK_K", bk},
+                       {"R_PAD", r_pad},
+                       {"num_warps", config.num_warps ? config.num_warps : 4},
+                       {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
+  set_product_meta(meta, product_dtype(W.dtype, A.dtype, B.dtype));
   launch(kernels::dora_norm_partial(), {W, A, B, Scalar(s), sumsq},
          Grid{uint32_t(blocks), uint32_t(split), 1}, meta, options);
 }

@@ -315,7 +315,7 @@ int64_t padding_id(const char* op, const EmbeddingOptions& o, int64_t total) {
 // scale applied after); fp32 adapters multiply in fp32 where the output keeps fp32
 // (as PEFT's fp32 adapters give an fp32 LoRA term), else in a half table's dtype,
 // whose rounding the output's own then dominates.
-DType embedding_dot(DType t, DType a, DType b, DType out, bool* scale_after) {
+Product embedding_dot(DType t, DType a, DType b, DType out, bool* scale_after) {
   *scale_after = is_half(a) && a == b;
   if (*scale_after) return a;
   if (out == DType::f32) return DType::f32;
@@ -347,7 +347,7 @@ EmbeddingLaunch plan_embedding(const EmbeddingForward& c, const Config& config, 
   const int64_t T = c.x1.shape[0], D = c.weight.shape[1], r = c.A.shape[0];
   const bool gpu = c.x1.device.is_cuda();
   bool scale_after = false;
-  const DType dot = embedding_dot(c.weight.dtype, c.A.dtype, c.B.dtype, c.out2.dtype, &scale_after);
+  const Product dot = embedding_dot(c.weight.dtype, c.A.dtype, c.B.dtype, c.out2.dtype, &scale_after);
   // GPU: 128x128 tiles (64x128 for an fp32 table: three stages of 128x128 fp32
   // rows do not fit in shared memory), D shared by one full wave of programs (the
   // tuner's choice at 8192x128256x4096 in bf16 on an H100: 58.6 us against 67.3
@@ -363,10 +363,10 @@ EmbeddingLaunch plan_embedding(const EmbeddingForward& c, const Config& config, 
   l.meta = {{"BLOCK_T", bt},
             {"BLOCK_D", bd},
             {"R_PAD", std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)))},
-            {"DOT", int64_t(dot)},
             {"SCALE_AFTER", scale_after ? 1 : 0},
             {"num_warps", config.num_warps ? config.num_warps : (gpu && bt >= 128 ? 8 : 4)},
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
+  set_product_meta(l.meta, dot);
   pass_meta(config, l.meta, {"WARPS_N"});
   add_codegen_hints(config, l.meta);
   if (c.act) l.meta["STORE_ACT"] = 1;
@@ -540,7 +540,7 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
   const int64_t T = c.x1.shape[0], D = c.B.shape[0], r = c.A.shape[0];
   const bool gpu = c.x1.device.is_cuda();
   // grad_out's products with the activations (from A, or after_a) and with B.
-  const DType dot = product_dtype(c.g2.dtype, c.act ? c.act->dtype : c.A.dtype, c.B.dtype);
+  const Product dot = product_dtype(c.g2.dtype, c.act ? c.act->dtype : c.A.dtype, c.B.dtype);
   // Tall token blocks: dB's atomics per element of grad_out are R_PAD / BLOCK_T.
   const int64_t bt = config.block_m ? config.block_m : (gpu ? 128 : 16);
   // 128 columns per step on a GPU where three stages of such tiles fit (2-byte
@@ -568,11 +568,11 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
   p.meta = {{"BLOCK_T", bt},
             {"BLOCK_D", bd},
             {"R_PAD", std::max<int64_t>(16, next_pow2(r))},
-            {"DOT", int64_t(dot)},
             {"BY_FREQ", c.by_freq ? 1 : 0},
             {"ROTATE", meta_or(config, "ROTATE", 0)},
             {"num_warps", config.num_warps ? config.num_warps : (gpu && bt >= 128 ? 8 : 4)},
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
+  set_product_meta(p.meta, dot);
   add_codegen_hints(config, p.meta);
   // On a GPU the kernel waits for the grid before it, the fill, before its first atomics,
   // so that its launch may overlap the fill (LaunchOptions::overlap_prior).

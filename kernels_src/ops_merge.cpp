@@ -18,7 +18,7 @@ using namespace detail;
 namespace {
 
 // The product's dtype, and whether s is applied after it (B exact in that dtype).
-DType merge_dot_dtype(DType w, DType a, DType b, bool* scale_after) {
+Product merge_dot_dtype(DType w, DType a, DType b, bool* scale_after) {
   *scale_after = is_half(a) && a == b;
   if (*scale_after) return a;
   return product_dtype(w, a, b);
@@ -34,7 +34,7 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
                      int64_t programs, const Config& config) {
   const int64_t G = W3.shape[0], out = W3.shape[1], in = W3.shape[2], r = A3.shape[1];
   bool scale_after = false;
-  const DType dot = merge_dot_dtype(W3.dtype, A3.dtype, B3.dtype, &scale_after);
+  const Product dot = merge_dot_dtype(W3.dtype, A3.dtype, B3.dtype, &scale_after);
   const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
   // B's rows stay in registers: fewer rows per program at large ranks.
   const int64_t bm_default = gpu ? std::clamp<int64_t>(8192 / r_pad, 16, 64) : 16;
@@ -50,10 +50,10 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
   p.meta = {{"BLOCK_M", bm},
             {"BLOCK_K", bk},
             {"R_PAD", r_pad},
-            {"DOT", int64_t(dot)},
             {"SCALE_AFTER", scale_after ? 1 : 0},
             {"num_warps", config.num_warps ? config.num_warps : 4},
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
+  set_product_meta(p.meta, dot);
   pass_meta(config, p.meta, {"EVICT", "WARPS_N"});
   add_codegen_hints(config, p.meta);
   const Config order = stream_plan(config, W3.dtype, steps, p.meta, &split);

@@ -25,13 +25,13 @@ struct MoePlan {
 
 MoePlan plan_moe(const TensorView& W, DType a, DType b, int64_t r, bool gpu, const Config& config) {
   const int64_t E = W.shape[0], N = W.shape[1];
-  const DType dot = product_dtype(W.dtype, a, b);
+  const Product dot = product_dtype(W.dtype, a, b);
   const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
   const int64_t bn = config.block_m ? config.block_m : (gpu ? 64 : 16);
   const int64_t bk = config.block_k ? config.block_k : (gpu ? 128 : 64);
   MoePlan p;
-  p.meta = {{"BLOCK_N", bn}, {"BLOCK_K", bk}, {"R_PAD", r_pad}, {"DOT", int64_t(dot)},
-            {"num_warps", config.num_warps ? config.num_warps : 4}};
+  p.meta = {{"BLOCK_N", bn}, {"BLOCK_K", bk}, {"R_PAD", r_pad}, {"num_warps", config.num_warps ? config.num_warps : 4}};
+  set_product_meta(p.meta, dot);
   // cp.async pipelining on the GPU; the CPU back end has no use for stages.
   p.meta["num_stages"] = config.num_stages ? config.num_stages : (gpu ? 3 : 1);
   pass_meta(config, p.meta, {"EVICT", "WARPS_N"});

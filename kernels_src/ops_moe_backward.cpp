@@ -36,7 +36,7 @@ struct MoeBackwardPlan {
 MoeBackwardPlan plan_launch(const TensorView& dW, DType a, DType b, int64_t r, bool gpu, int64_t programs,
                             const Config& config) {
   const int64_t E = dW.shape[0], N = dW.shape[1], K = dW.shape[2];
-  const DType dot = product_dtype(dW.dtype, a, b);
+  const Product dot = product_dtype(dW.dtype, a, b);
   const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
   const int64_t rotate = meta_or(config, "ROTATE", 0);
   // CLUSTER: programs of neighbouring blocks sum each step's atomics on chip first. Not
@@ -60,11 +60,11 @@ MoeBackwardPlan plan_launch(const TensorView& dW, DType a, DType b, int64_t r, b
     p.meta = {{"BLOCK_N", bn},
               {"BLOCK_K", bk},
               {"R_PAD", r_pad},
-              {"DOT", int64_t(dot)},
               {"DA_ATOMIC", p.da_atomic ? 1 : 0},
               {"ROTATE", rotate},
               {"num_warps", config.num_warps ? config.num_warps : (gpu && bk >= 512 ? 16 : gpu ? 8 : 4)},
               {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
+    set_product_meta(p.meta, dot);
     add_codegen_hints(config, p.meta);
     if (gpu) p.meta["WAIT_PRIOR"] = 1;  // overlaps the zero-fill launched before it
     p.grid = Grid{clustered(p, cdiv(K, bk)), uint32_t(p.split), uint32_t(E)};
@@ -82,11 +82,11 @@ MoeBackwardPlan plan_launch(const TensorView& dW, DType a, DType b, int64_t r, b
   p.meta = {{"BLOCK_N", bn},
             {"BLOCK_K", bk},
             {"R_PAD", r_pad},
-            {"DOT", int64_t(dot)},
             {"DB_ATOMIC", p.split > 1 ? 1 : 0},
             {"ROTATE", rotate},
             {"num_warps", config.num_warps ? config.num_warps : (gpu && bn >= 128 ? 8 : 4)},
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
+  set_product_meta(p.meta, dot);
   add_codegen_hints(config, p.meta);
   if (gpu) p.meta["WAIT_PRIOR"] = 1;
   p.grid = Grid{clustered(p, cdiv(N, bn)), uint32_t(p.split), uint32_t(E)};

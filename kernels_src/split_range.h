@@ -1,7 +1,8 @@
 // Helpers the library kernels share: the slice of a loop that one program of
 // grid axis 1 owns, for kernels whose programs share a long dimension (split-K
 // style; the number of slices is the grid's, not a meta-parameter, so changing
-// it compiles nothing new); rotated steps; the L2 hints of EVICT.
+// it compiles nothing new); rotated steps; the L2 hints of EVICT; the LoRA product's
+// operand dtype and precision (DOT, TF32).
 #pragma once
 
 #include <utility>
@@ -15,6 +16,18 @@ namespace kerf::kernels {
 // programs) evicted last.
 inline dsl::Evict streamed_hint(int64_t evict) { return evict >= 1 ? dsl::Evict::first : dsl::Evict::normal; }
 inline dsl::Evict reused_hint(int64_t evict) { return evict >= 2 ? dsl::Evict::last : dsl::Evict::normal; }
+
+// The LoRA product's operands: DOT, the dtype a kernel converts them into (default
+// `fallback`); TF32 = 1 (only with DOT f32), f32 operands multiplied on the GPU's tensor
+// cores as TF32 (the ops' choice for an f16 base with fp32 or bf16 adapters).
+struct DotMeta {
+  DType dtype;
+  dsl::DotPrecision precision;
+};
+inline DotMeta dot_meta(dsl::Builder& k, DType fallback) {
+  return {static_cast<DType>(k.meta("DOT", int64_t(fallback))),
+          k.meta("TF32", 0) ? dsl::DotPrecision::tf32 : dsl::DotPrecision::ieee};
+}
 
 // [lo, hi) of [0, n): part `part`'s share of `parts` slices, in whole `step`s (lo may pass
 // n, leaving the slice empty).

@@ -179,4 +179,15 @@ inline void sync(const Device& dev) {
 // Tolerance by the lowest-precision dtype involved.
 inline double tolerance(DType t) { return is_half(t) ? 1e-2 : 1e-5; }
 
+// What the GPU's tensor cores take an f32 operand of a TF32 dot as: rounded to 10
+// mantissa bits, to nearest with ties away from zero (cvt.rna.tf32.f32).
+inline double tf32(double x) {
+  float f = float(x);
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x1000u) & 0xffffe000u;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
 }  // namespace kerf::test

@@ -39,18 +39,20 @@ inline const Kernel& softmax_kernel() {
   return k;
 }
 
-// C = A @ B with a K loop carrying the accumulator.
+// C = A @ B with a K loop carrying the accumulator (TF32 = 1: f32 tiles as TF32, as for
+// the next two kernels).
 inline const Kernel& matmul_kernel() {
   static const Kernel k("matmul", [](Builder& b) {
     auto A = b.tensor("A", 2), B = b.tensor("B", 2), C = b.tensor("C", 2);
     const int64_t BM = b.meta("BM"), BN = b.meta("BN"), BK = b.meta("BK");
     auto rm = program_id(0) * BM + arange(BM);
     auto rn = program_id(1) * BN + arange(BN);
+    const DotPrecision precision = b.meta("TF32", 0) ? DotPrecision::tf32 : DotPrecision::ieee;
     auto acc = for_range(0, A.dim(1), BK, zeros({BM, BN}), [&](const Value& k0, const Value& acc) {
       auto rk = k0 + arange(BK);
       auto a = load(A, {rm.col(), rk.row()}, (rm.col() < A.dim(0)) & (rk.row() < A.dim(1)));
       auto bb = load(B, {rk.col(), rn.row()}, (rk.col() < B.dim(0)) & (rn.row() < B.dim(1)));
-      return dot(a, bb, acc);
+      return dot(a, bb, acc, 0, precision);
     });
     store(C, {rm.col(), rn.row()}, acc.to(C.dtype()), (rm.col() < C.dim(0)) & (rn.row() < C.dim(1)));
   });
@@ -68,6 +70,7 @@ inline const Kernel& alternating_matmul_kernel() {
     auto rm = program_id(0) * BM + arange(BM);
     auto rn = program_id(1) * BN + arange(BN);
     auto rb = arange(BK);
+    const DotPrecision precision = b.meta("TF32", 0) ? DotPrecision::tf32 : DotPrecision::ieee;
     std::vector<Value> bs;
     for (const Tensor& t : {B0, B1, B2})
       bs.push_back(load(t, {rb.col(), rn.row()}, (rb.col() < t.dim(0)) & (rn.row() < t.dim(1))));
@@ -77,7 +80,7 @@ inline const Kernel& alternating_matmul_kernel() {
       auto way = (k0 / BK) % ways;
       Value bb = bs[size_t(ways - 1)];
       for (int64_t q = ways - 2; q >= 0; --q) bb = where(way == q, bs[size_t(q)], bb);
-      return dot(a, bb, acc);
+      return dot(a, bb, acc, 0, precision);
     });
     store(C, {rm.col(), rn.row()}, acc.to(C.dtype()), (rm.col() < C.dim(0)) & (rn.row() < C.dim(1)));
   });
@@ -92,11 +95,12 @@ inline const Kernel& matmul_t_kernel() {
     const int64_t BM = b.meta("BM"), BN = b.meta("BN"), BK = b.meta("BK");
     auto rm = program_id(0) * BM + arange(BM);
     auto rn = program_id(1) * BN + arange(BN);
+    const DotPrecision precision = b.meta("TF32", 0) ? DotPrecision::tf32 : DotPrecision::ieee;
     auto acc = for_range(0, At.dim(0), BK, zeros({BM, BN}), [&](const Value& k0, const Value& acc) {
       auto rk = k0 + arange(BK);
       auto at = load(At, {rk.col(), rm.row()}, (rk.col() < At.dim(0)) & (rm.row() < At.dim(1)));  // [BK, BM]
       auto bt = load(Bt, {rn.col(), rk.row()}, (rn.col() < Bt.dim(0)) & (rk.row() < Bt.dim(1)));  // [BN, BK]
-      return dot(trans(at), trans(bt), acc);
+      return dot(trans(at), trans(bt), acc, 0, precision);
     });
     store(C, {rm.col(), rn.row()}, acc.to(C.dtype()), (rm.col() < C.dim(0)) & (rn.row() < C.dim(1)));
   });

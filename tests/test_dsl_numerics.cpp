@@ -65,11 +65,19 @@ void softmax(Device dev, DType d, int64_t rows, int64_t cols, uint64_t seed) {
   CHECK(test::max_relative_error(got, ref, 1e-3) <= test::tolerance(d));
 }
 
+// An operand's value as the dot multiplies it: TF32 (meta TF32 = 1) rounds f32 operands on
+// the GPU; the CPU back end multiplies them in f32 as they are.
+double as_multiplied(double x, const dsl::MetaMap& meta, Device dev) {
+  return meta.count("TF32") && meta.at("TF32") && dev.is_cuda() ? test::tf32(x) : x;
+}
+
 // C = A @ B; with `transposed`, A and B are given as At [K, M] and Bt [N, K]
-// (matmul_t: both dot operands are trans() of loaded tiles).
+// (matmul_t: both dot operands are trans() of loaded tiles). With TF32 (f32 tiles) the
+// reference multiplies the operands as the GPU takes them, so the layouts of the
+// instructions' fragments and the rounding are both checked to f32's tolerance.
 void matmul(Device dev, DType d, int64_t M, int64_t N, int64_t K, const dsl::MetaMap& meta, uint64_t seed,
             bool transposed = false) {
-  CAPTURE(dev.str(), dtype_name(d), M, N, K, seed, transposed);
+  CAPTURE(dev.str(), dtype_name(d), M, N, K, seed, transposed, meta.count("TF32"));
   std::mt19937_64 rng(seed);
   TestTensor A(d, transposed ? std::vector<int64_t>{K, M} : std::vector<int64_t>{M, K}, dev),
       B(d, transposed ? std::vector<int64_t>{N, K} : std::vector<int64_t>{K, N}, dev), C(d, {M, N}, dev);
@@ -80,8 +88,12 @@ void matmul(Device dev, DType d, int64_t M, int64_t N, int64_t K, const dsl::Met
          Grid{cdiv(M, meta.at("BM")), cdiv(N, meta.at("BN"))}, meta);
   sync(dev);
   C.download();
-  const auto a = [&](int64_t i, int64_t k) { return transposed ? A.get(k * M + i) : A.get(i * K + k); };
-  const auto b = [&](int64_t k, int64_t j) { return transposed ? B.get(j * K + k) : B.get(k * N + j); };
+  const auto a = [&](int64_t i, int64_t k) {
+    return as_multiplied(transposed ? A.get(k * M + i) : A.get(i * K + k), meta, dev);
+  };
+  const auto b = [&](int64_t k, int64_t j) {
+    return as_multiplied(transposed ? B.get(j * K + k) : B.get(k * N + j), meta, dev);
+  };
   std::vector<double> got, ref;
   for (int64_t i = 0; i < M; ++i)
     for (int64_t j = 0; j < N; ++j) {
@@ -114,7 +126,9 @@ void alternating_matmul(Device dev, DType d, int64_t M, int64_t N, int64_t K, in
   for (int64_t i = 0; i < M; ++i)
     for (int64_t j = 0; j < N; ++j) {
       double s = 0;
-      for (int64_t k = 0; k < K; ++k) s += A.get(i * K + k) * bs[(k / BK) % ways]->get((k % BK) * N + j);
+      for (int64_t k = 0; k < K; ++k)
+        s += as_multiplied(A.get(i * K + k), meta, dev) *
+             as_multiplied(bs[(k / BK) % ways]->get((k % BK) * N + j), meta, dev);
       ref.push_back(s);
       got.push_back(C.get(i * N + j));
     }
@@ -582,6 +596,21 @@ void run_all(Device dev) {
   alternating_matmul(dev, DType::bf16, 100, 72, 200, 2, {{"BM", 64}, {"BN", 64}, {"BK", 32}, {"num_stages", 3}}, seed++);
   alternating_matmul(dev, DType::f16, 64, 40, 96, 3, {{"BM", 32}, {"BN", 64}, {"BK", 32}}, seed++);
   alternating_matmul(dev, DType::f32, 50, 30, 70, 3, {{"BM", 32}, {"BN", 32}, {"BK", 16}}, seed++);
+  // TF32: A's fragments by ldmatrix and B's read alone (matmul), A^T's read alone and
+  // B^T's by ldmatrix (matmul_t), pipelined or not, warps on rows or columns, the
+  // accumulator in runs of columns, B's fragments kept in registers (alternating).
+  for (int64_t stages : {1, 3}) {
+    matmul(dev, DType::f32, 77, 45, 130, {{"BM", 32}, {"BN", 32}, {"BK", 32}, {"num_stages", stages}, {"TF32", 1}},
+           seed++);
+    matmul(dev, DType::f32, 77, 45, 130, {{"BM", 32}, {"BN", 32}, {"BK", 32}, {"num_stages", stages}, {"TF32", 1}},
+           seed++, true);
+    matmul(dev, DType::f32, 128, 96, 160,
+           {{"BM", 64}, {"BN", 32}, {"BK", 32}, {"num_stages", stages}, {"num_warps", 8}, {"TF32", 1}}, seed++, true);
+  }
+  matmul(dev, DType::f32, 100, 200, 96,
+         {{"BM", 32}, {"BN", 128}, {"BK", 16}, {"num_warps", 8}, {"num_stages", 2}, {"TF32", 1}}, seed++);
+  matmul(dev, DType::f32, 77, 45, 130, {{"BM", 32}, {"BN", 32}, {"BK", 16}, {"acc_col_run", 8}, {"TF32", 1}}, seed++);
+  alternating_matmul(dev, DType::f32, 64, 40, 96, 3, {{"BM", 32}, {"BN", 64}, {"BK", 32}, {"TF32", 1}}, seed++);
   column_sums(dev, 300, 100, seed++);
   column_sums(dev, 1000, 64, seed++);
   cluster_sums(dev, DType::f32, 300, 100, 1, 4, seed++);

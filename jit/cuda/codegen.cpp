@@ -152,7 +152,8 @@ int Codegen::blocked(const Shape& shape) {
 bool Codegen::mma_eligible(const Operation& op) const {
   const ir::Type& a = type(op.operands[0]);
   const ir::Type& b = type(op.operands[1]);
-  if (sm_ < 80 || !is_half(a.dtype)) return false;
+  // bf16/f16 tiles, and f32 tiles taken as TF32 (mma.sync only: wgmma_dot asks for half tiles).
+  if (sm_ < 80 || !(is_half(a.dtype) || (a.dtype == DType::f32 && op.attrs.tf32))) return false;
   const int64_t M = a.shape[0], K = a.shape[1], N = b.shape[1];
   return M % 16 == 0 && N % 8 == 0 && K % 16 == 0;
 }

@@ -1,5 +1,5 @@
 // dot: operands staged in shared memory; mma.sync with ldmatrix fragments for
-// bf16/f16 tiles of suitable shape, fp32 FMA otherwise.
+// bf16/f16 tiles of suitable shape (and f32 tiles taken as TF32), fp32 FMA otherwise.
 #include "codegen_impl.h"
 
 namespace kerf::jit::cuda::detail {
@@ -114,8 +114,14 @@ Tile Codegen::emit_dot(const Operation& op, int h) {
     mma_warp_split(Shape{M, N}, num_warps_, int(op.attrs.axis), &wm, &wn);
     const int64_t MT = M / (16 * wm), NT = N / (8 * wn);
     const bool wg = wgmma_dot(op);
-    const std::string mma =
-        ta.dtype == DType::bf16 ? "kerf_dev::mma_bf16_16816" : "kerf_dev::mma_f16_16816";
+    // TF32 (f32 tiles): instructions of k=8, so each of A's and B's fragments covers 8 k's
+    // and f32 rows of 16 bytes hold 4 of them; fragments are rounded to TF32 once loaded.
+    const bool tf32 = ta.dtype == DType::f32;
+    const int64_t KS = tf32 ? 8 : 16;  // k per instruction
+    if (tf32 && (wg || sa.sw_rows || sb.sw_rows)) throw InternalError("CUDA codegen: a TF32 dot on wgmma tiles");
+    const std::string mma = tf32                       ? "kerf_dev::mma_tf32_1688"
+                            : ta.dtype == DType::bf16 ? "kerf_dev::mma_bf16_16816"
+                                                      : "kerf_dev::mma_f16_16816";
     // Element offset of (row, col) of a staged tile: row-major with its pitch, or swizzled.
     const auto at_rc = [](const Staged& st, const std::string& row, const std::string& col) {
       if (st.sw_rows) return "kerf_dev::sw128(" + row + ", " + col + ", " + S(st.sw_rows) + ")";
@@ -134,12 +140,19 @@ Tile Codegen::emit_dot(const Operation& op, int h) {
           la < lv ? "reinterpret_cast<const " + at + "*>(kerf_smem + (" + sa.offset + "))" : "sa";
       const std::string wmx = "(warp & " + S(wm - 1) + ")";
       line(la,
-           "unsigned " + af + "[" + S(K / 16) + "][" + S(MT) + "][4];  // A fragments of %" + S(a));
+           "unsigned " + af + "[" + S(K / KS) + "][" + S(MT) + "][4];  // A fragments of %" + S(a));
       line(la, "#pragma unroll");
-      line(la, "for (int ki = 0; ki < " + S(K / 16) + "; ++ki)");
+      line(la, "for (int ki = 0; ki < " + S(K / KS) + "; ++ki)");
       line(la, "  #pragma unroll");
-      line(la, "  for (int mi = 0; mi < " + S(MT) + "; ++mi)");
-      if (!sa.transposed)
+      line(la, "  for (int mi = 0; mi < " + S(MT) + "; ++mi) {");
+      const std::string m0 = wmx + " * 16 + mi * " + S(16 * wm);
+      if (tf32 && !sa.transposed)  // rows of 4 f32 k's: lanes 16-31 address k's 4-7
+        line(la, "    kerf_dev::ldmatrix_x4(" + af + "[ki][mi], " + base + " + " +
+                     at_rc(sa, m0 + " + (lane & 15)", "ki * 8 + (lane >> 4) * 4") + ");");
+      else if (tf32)  // shared memory holds A^T [K, M]: each register read alone
+        line(la, "    kerf_dev::afrag_tf32_trans(" + af + "[ki][mi], " + base + ", " + S(sa.pitch) + ", ki * 8, " +
+                     m0 + ", lane);");
+      else if (!sa.transposed)
         line(la, "    kerf_dev::ldmatrix_x4(" + af + "[ki][mi], " + base + " + " +
                      at_rc(sa, wmx + " * 16 + mi * " + S(16 * wm) + " + (lane & 15)",
                            "ki * 16 + (lane >> 4) * 8") +
@@ -149,6 +162,8 @@ Tile Codegen::emit_dot(const Operation& op, int h) {
                      at_rc(sa, "ki * 16 + (lane & 7) + ((lane >> 4) & 1) * 8",
                            wmx + " * 16 + mi * " + S(16 * wm) + " + ((lane >> 3) & 1) * 8") +
                      ");");
+      if (tf32) line(la, "    kerf_dev::round_tf32(" + af + "[ki][mi], 4);");
+      line(la, "  }");
       if (la < lv) afrags_[frag_key] = af;
     }
     if (wg) {
@@ -188,7 +203,22 @@ Tile Codegen::emit_dot(const Operation& op, int h) {
       // The ldmatrix of B's fragments for k step `ki` and n tile `ni` into `dst` from `base`.
       // `wnx` is the warp's n index (the name `wn` exists only inside the dot's block).
       const auto load_b = [&](int level, const std::string& dst, const std::string& base, const std::string& wnx) {
-        if (sb.transposed) {
+        if (tf32 && sb.transposed) {
+          // B^T [N, K]: rows of 4 f32 k's; lanes 8-15 (and 24-31) address k's 4-7.
+          const std::string n_of = per == 2 ? "(ni + (lane >> 4))" : "ni";
+          line(level, std::string("    kerf_dev::") + (per == 2 ? "ldmatrix_x4" : "ldmatrix_x2") + "(" + dst +
+                          ", " + base + " + " +
+                          at_rc(sb, wnx + " * 8 + " + n_of + " * " + S(8 * wn) + " + (lane & 7)",
+                                "ki * 8 + ((lane >> 3) & 1) * 4") +
+                          ");");
+          line(level, "    kerf_dev::round_tf32(" + dst + ", " + S(2 * per) + ");");
+        } else if (tf32) {
+          // B [K, N]: each register read alone, two per n tile.
+          for (int64_t h = 0; h < per; ++h)
+            line(level, "    kerf_dev::bfrag_tf32(" + dst + " + " + S(2 * h) + ", " + base + ", " + S(sb.pitch) +
+                            ", ki * 8, " + wnx + " * 8 + (ni + " + S(h) + ") * " + S(8 * wn) + ", lane);");
+          line(level, "    kerf_dev::round_tf32(" + dst + ", " + S(2 * per) + ");");
+        } else if (sb.transposed) {
           // Shared memory holds B^T [N, K]: each n's k's are contiguous, the layout
           // mma wants for B, so ldmatrix needs no transpose.
           const std::string n_of = per == 2 ? "(ni + (lane >> 4))" : "ni";
@@ -210,25 +240,26 @@ Tile Codegen::emit_dot(const Operation& op, int h) {
       // loop that B does not depend on (e.g. the embedding backward's activations),
       // where they take few registers: the loop then reads no B from shared memory.
       const int lb = level_of_[size_t(b)];
-      const int64_t b_regs = (K / 16) * NT * 2;
+      const int64_t b_regs = (K / KS) * NT * 2;
       const auto bkey = std::make_pair(b, int64_t(wm) << 32 | int64_t(wn));
       std::string bfr = bfrags_.count(bkey) ? bfrags_[bkey] : "";
       if (bfr.empty() && lb < lv && b_regs <= kMaxHoistedBRegs) {
         bfr = fresh("bfrag");
-        line(lb, "unsigned " + bfr + "[" + S(K / 16) + "][" + S(NT / per) + "][" + S(2 * per) +
+        line(lb, "unsigned " + bfr + "[" + S(K / KS) + "][" + S(NT / per) + "][" + S(2 * per) +
                      "];  // B fragments of %" + S(b));
         line(lb, "#pragma unroll");
-        line(lb, "for (int ki = 0; ki < " + S(K / 16) + "; ++ki)");
+        line(lb, "for (int ki = 0; ki < " + S(K / KS) + "; ++ki)");
         line(lb, "  #pragma unroll");
-        line(lb, "  for (int ni = 0; ni < " + S(NT) + "; ni += " + S(per) + ")");
+        line(lb, "  for (int ni = 0; ni < " + S(NT) + "; ni += " + S(per) + ") {");
         load_b(lb, bfr + "[ki][ni / " + S(per) + "]",
                "reinterpret_cast<const " + at + "*>(kerf_smem + (" + sb.offset + "))",
                "((warp >> " + S(log2i(wm)) + ") & " + S(wn - 1) + ")");
+        line(lb, "  }");
         bfrags_[bkey] = bfr;
       }
       if (!bfr.empty()) line(lv, "(void)sb;  // B's fragments are in registers");
       line(lv, "#pragma unroll");
-      line(lv, "for (int ki = 0; ki < " + S(K / 16) + "; ++ki) {");
+      line(lv, "for (int ki = 0; ki < " + S(K / KS) + "; ++ki) {");
       line(lv, "  #pragma unroll");
       line(lv, "  for (int ni = 0; ni < " + S(NT) + "; ni += " + S(per) + ") {");
       if (bfr.empty()) {

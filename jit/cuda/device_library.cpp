@@ -303,6 +303,34 @@ __device__ __forceinline__ void mma_f16_16816(float* c, const unsigned* a, const
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+// D = A(16x8, row) * B(8x8, col) + C with TF32 operands (f32 bits rounded by round_tf32).
+__device__ __forceinline__ void mma_tf32_1688(float* c, const unsigned* a, const unsigned* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// f32 bits in place to TF32, rounded to nearest (ties away from zero, as cvt.rna does).
+__device__ __forceinline__ void round_tf32(unsigned* r, int n) {
+#pragma unroll
+  for (int i = 0; i < n; ++i) asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r[i]) : "f"(__uint_as_float(r[i])));
+}
+// The m16n8k8 TF32 fragments that ldmatrix cannot transpose (32-bit elements), read one
+// register at a time: A's from A^T [K, M] at (k0, m0), B's from B [K, N] at (k0, n0),
+// rows `pitch` floats apart. Lane l holds row/column l / 4 and k's l % 4 (and + 4).
+__device__ __forceinline__ void afrag_tf32_trans(unsigned* r, const float* s, int pitch, int k0, int m0, int lane) {
+  const float* p = s + (k0 + (lane & 3)) * pitch + m0 + (lane >> 2);
+  r[0] = __float_as_uint(p[0]);
+  r[1] = __float_as_uint(p[8]);
+  r[2] = __float_as_uint(p[4 * pitch]);
+  r[3] = __float_as_uint(p[4 * pitch + 8]);
+}
+__device__ __forceinline__ void bfrag_tf32(unsigned* r, const float* s, int pitch, int k0, int n0, int lane) {
+  const float* p = s + (k0 + (lane & 3)) * pitch + n0 + (lane >> 2);
+  r[0] = __float_as_uint(p[0]);
+  r[1] = __float_as_uint(p[4 * pitch]);
+}
 
 // Fragments from shared memory (16-byte aligned rows).
 __device__ __forceinline__ void ldmatrix_x4(unsigned* r, const void* smem_row) {

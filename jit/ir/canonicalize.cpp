@@ -22,7 +22,7 @@ bool has_effects(OpKind k) {
 }
 
 using OpKey = std::tuple<int, std::vector<ValueId>, int64_t, int64_t, int64_t, int64_t, int64_t, uint64_t,
-                         std::string>;
+                         std::string, bool>;
 
 uint64_t double_bits(double d) {
   uint64_t u;
@@ -57,7 +57,7 @@ class Canonicalizer {
     for (ValueId v : op.operands) ops.push_back(rep(v));
     const Attrs& a = op.attrs;
     return OpKey(int(op.kind), ops, a.axis, a.param, a.start, a.end, a.ivalue, double_bits(a.fvalue),
-                 to_string(f_.type(op.results[0])));
+                 to_string(f_.type(op.results[0])), a.tf32);
   }
 
   void merge(Block& b, std::vector<std::map<OpKey, ValueId>>& scopes) {

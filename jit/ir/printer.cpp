@@ -121,6 +121,7 @@ class Printer {
       case OpKind::Dot:
         out_ += " " + operand_list(op, 0, op.operands.size());
         if (a.axis) out_ += ", warps_n=" + std::to_string(a.axis);
+        if (a.tf32) out_ += ", tf32";
         break;
       case OpKind::Load:
       case OpKind::Store:

@@ -232,6 +232,7 @@ class Verifier {
         if (n == 3) expect(t(op.operands[2]) == want, op, "accumulator must be " + to_string(want));
         expect(a.axis >= 0 && a.axis <= 32 && (a.axis & (a.axis - 1)) == 0, op,
                "warps_n must be 0 or a power of two up to 32");
+        expect(!a.tf32 || x.dtype == DType::f32, op, "tf32 takes f32 operands");
         break;
       }
       case OpKind::Load:

@@ -159,7 +159,8 @@ Result bench_dora(DoraSets& d, const ops::Config& cfg, cuda::StreamHandle stream
                    TensorView::contiguous(x.scale.data(), DType::f32, {out}, dev), 0.0, stream, cfg);
   };
   Result res;
-  res.op = "dora_norm r=" + std::to_string(r) + (d.at != wt ? std::string(" ") + dtype_name(d.at) + " adapters" : "");
+  res.op = "dora_norm r=" + std::to_string(r) + (wt != DType::bf16 ? std::string(" ") + dtype_name(wt) + " W" : "") +
+           (d.at != wt ? std::string(" ") + dtype_name(d.at) + " adapters" : "");
   res.shape = shape_str({out, in});
   res.config = config_str(cfg);
   res.median_us = time_us(run, 100, stream);
@@ -252,24 +253,25 @@ Result bench_op(OpCase& c, const ops::Config& cfg, cuda::StreamHandle stream, in
   return res;
 }
 
-// W [out, in] += s * B @ A in place, all bf16.
-OpCase make_merge(int64_t out, int64_t in, int64_t r) {
+// W [out, in] += s * B @ A in place; W of dtype `wt` (bf16 unless named), A and B of `at`.
+OpCase make_merge(int64_t out, int64_t in, int64_t r, DType wt = DType::bf16, DType at = DType::bf16) {
   const Device dev = Device::cuda(0);
   OpCase c;
-  c.op = "lora_merge r=" + std::to_string(r);
+  c.op = "lora_merge r=" + std::to_string(r) + (wt != DType::bf16 ? std::string(" ") + dtype_name(wt) + " W" : "") +
+         (at != wt ? std::string(" ") + dtype_name(at) + " adapters" : "");
   c.shape = shape_str({out, in});
-  c.bytes = double(2 * out * in + r * in + out * r) * 2;
+  c.bytes = double(2 * out * in) * dtype_size_bytes(wt) + double(r * in + out * r) * dtype_size_bytes(at);
   for (int i = 0; i < set_count(c.bytes); ++i) {
     std::vector<cuda::DeviceBuffer> b;
-    b.push_back(random_buffer(DType::bf16, size_t(out * in), 101 + i));
-    b.push_back(random_buffer(DType::bf16, size_t(r * in), 103 + i, 0.1f));
-    b.push_back(random_buffer(DType::bf16, size_t(out * r), 107 + i, 0.1f));
+    b.push_back(random_buffer(wt, size_t(out * in), 101 + i));
+    b.push_back(random_buffer(at, size_t(r * in), 103 + i, 0.1f));
+    b.push_back(random_buffer(at, size_t(out * r), 107 + i, 0.1f));
     c.sets.push_back(std::move(b));
   }
   c.run = [=](std::vector<cuda::DeviceBuffer>& b, const ops::Config& cfg, cuda::StreamHandle stream) {
-    ops::lora_merge(TensorView::contiguous(b[0].data(), DType::bf16, {out, in}, dev),
-                    TensorView::contiguous(b[1].data(), DType::bf16, {r, in}, dev),
-                    TensorView::contiguous(b[2].data(), DType::bf16, {out, r}, dev), 1e-3, stream, cfg);
+    ops::lora_merge(TensorView::contiguous(b[0].data(), wt, {out, in}, dev),
+                    TensorView::contiguous(b[1].data(), at, {r, in}, dev),
+                    TensorView::contiguous(b[2].data(), at, {out, r}, dev), 1e-3, stream, cfg);
   };
   return c;
 }
@@ -713,6 +715,15 @@ int main(int argc, char** argv) {
       DoraSets sets = make_dora(o, i, 16, DType::bf16, DType::f32);
       measure([&](const ops::Config& c) { return bench_dora(sets, c, stream.handle()); }, dora_f32a_cfgs);
     }
+    // An f16 base: f16 adapters (the product in f16), fp32 adapters (the product in fp32,
+    // which f16 cannot hold) — the autotuner's choice and the default only.
+    for (int64_t r : {16, 64})
+      for (DType at : {DType::f16, DType::f32}) {
+        const std::string name = "dora_norm r=" + std::to_string(r) + " f16 W" + (at == DType::f32 ? " f32 adapters" : "");
+        if (!wanted(name)) continue;
+        DoraSets sets = make_dora(8192, 8192, r, DType::f16, at);
+        measure([&](const ops::Config& c) { return bench_dora(sets, c, stream.handle()); }, {ops::Config{}});
+      }
     std::vector<ops::Config> moe_cfgs;
     for (int64_t bn : {32, 64, 128})
       for (int64_t bk : {64, 128})
@@ -770,6 +781,8 @@ int main(int argc, char** argv) {
         merge_cfgs.push_back(ops::Config{bm, bk, 0, 4, 1, {{"STREAM", 1}}});
     for (auto [o, i] : std::vector<std::pair<int64_t, int64_t>>{{4096, 4096}, {8192, 8192}, {14336, 4096}})
       if (family("lora_merge")) run_case(make_merge(o, i, 16), merge_cfgs);
+    for (DType at : {DType::f16, DType::f32})
+      if (family("lora_merge")) run_case(make_merge(8192, 8192, 16, DType::f16, at), {ops::Config{}});
     std::vector<ops::Config> dora4_cfgs = {ops::Config{}};
     if (!quick)
       for (int64_t bm : {32, 64, 128})

@@ -239,6 +239,13 @@ Value dot(const Value& a, const Value& b, const Value& acc);
 // then keeps more of a's rows in registers. Results are the same; the CPU back
 // end ignores it.
 Value dot(const Value& a, const Value& b, const Value& acc, int64_t warps_n);
+// How the GPU multiplies f32 operands (Triton's input_precision): ieee, fp32 FMA on the
+// threads; tf32, on the tensor cores with each operand rounded to TF32 (f32's range,
+// 10 mantissa bits: an f16's precision; the products accumulate in fp32), several times
+// faster. bf16/f16 operands are on the tensor cores either way and take only ieee. The
+// CPU back end multiplies in full f32 for both (at least as precise).
+enum class DotPrecision : uint8_t { ieee, tf32 };
+Value dot(const Value& a, const Value& b, const Value& acc, int64_t warps_n, DotPrecision precision);
 
 // Memory. One index tile per tensor dimension; indices, mask (and the stored
 // value) broadcast to a common shape. Masked-off lanes are not accessed;
