@@ -379,7 +379,7 @@ Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorV
   add_memory_order(q.problem.shape_bucket, W);
   q.block_m_name = "BLOCK_M";
   q.block_k_name = "BLOCK_K";
-  const DType product = product_dtype(W.dtype, A.dtype, B.dtype);
+  const Product product = product_dtype(W.dtype, A.dtype, B.dtype);
   q.gpu_candidates =
       dora_gpu_candidates(out, in, programs, with_wgmma_tiles(dora_gpu_candidates(), dora_wgmma_tiles(), product, W.device));
   q.finalist_variants = with_interleave_variants(with_cols_first_variants(with_wgmma_variant(

@@ -95,7 +95,7 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
   q.gpu_candidates = with_wave_splits(merge_gpu_candidates(), "BLOCK_M", out, "BLOCK_K", in, G,
                                       parallelism(W3.device), {1, 2, 4, 8, 16, 0});
   bool scale_after = false;
-  const DType product = merge_dot_dtype(W3.dtype, A3.dtype, B3.dtype, &scale_after);
+  const Product product = merge_dot_dtype(W3.dtype, A3.dtype, B3.dtype, &scale_after);
   q.gpu_candidates = with_stream_tiles(q.gpu_candidates, "BLOCK_M", "BLOCK_K", product);
   q.finalist_variants = with_cols_first_variants(with_wgmma_variant(
       with_l2_prefetch_variants(with_warps_n_variants(evict_variants(), product)), product, W3.device));

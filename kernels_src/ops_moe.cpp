@@ -161,7 +161,7 @@ Config tuned_moe_config(const TensorView& W, const TensorView& A, const TensorVi
   add_memory_order(q.problem.shape_bucket, W);
   q.block_m_name = "BLOCK_N";
   q.block_k_name = "BLOCK_K";
-  const DType product = product_dtype(W.dtype, A.dtype, B.dtype);
+  const Product product = product_dtype(W.dtype, A.dtype, B.dtype);
   q.gpu_candidates = with_stream_tiles(with_wgmma_tiles(moe_gpu_candidates(), moe_wgmma_tiles(), product, W.device),
                                        "BLOCK_N", "BLOCK_K", product);
   q.finalist_variants = with_wgmma_variant(

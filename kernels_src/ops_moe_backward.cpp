@@ -224,7 +224,7 @@ Config tuned_moe_backward_config(const TensorView& dW, const TensorView& A, cons
   add_memory_order(q.problem.shape_bucket, dW);
   q.block_m_name = "BLOCK_N";
   q.block_k_name = "BLOCK_K";
-  const DType product = product_dtype(dW.dtype, A.dtype, B.dtype);
+  const Product product = product_dtype(dW.dtype, A.dtype, B.dtype);
   q.gpu_candidates = with_wgmma_tiles(moe_backward_gpu_candidates(), moe_backward_wgmma_tiles(), product, dW.device);
   q.finalist_variants = with_wgmma_variant(with_l2_prefetch_variants({}), product, dW.device);
   q.extent_m = N;

@@ -140,8 +140,8 @@ std::vector<autotune::Config> with_wave_splits(const std::vector<autotune::Confi
   return all;
 }
 
-std::vector<autotune::Config> with_warps_n_variants(std::vector<autotune::Config> variants, DType product) {
-  if (is_half(product))
+std::vector<autotune::Config> with_warps_n_variants(std::vector<autotune::Config> variants, Product product) {
+  if (is_half(product) || product.tf32)
     for (int64_t wn : {2, 4}) variants.push_back({{"WARPS_N", wn}});
   return variants;
 }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kerf/jit/autotune.h"
+#include "ops_common.h"
 #include "kerf/ops/ops.h"
 #include "kerf/runtime/cuda.h"
 
@@ -94,10 +95,10 @@ const std::vector<autotune::Config>& evict_variants();
 // evict_variants, and CAST_A when A is f32, the product bf16/f16 and `A` on a GPU.
 std::vector<autotune::Config> evict_and_cast_variants(const TensorView& A, DType product);
 
-// `variants` and, when the op's product runs on tensor cores (`product` bf16 or
-// f16), WARPS_N 2 and 4: warps sharing the dot's columns, so that each reads
+// `variants` and, when the op's product runs on tensor cores (`product` bf16, f16 or
+// TF32), WARPS_N 2 and 4: warps sharing the dot's columns, so that each reads
 // fewer of A's columns from shared memory (dsl::dot's warps_n).
-std::vector<autotune::Config> with_warps_n_variants(std::vector<autotune::Config> variants, DType product);
+std::vector<autotune::Config> with_warps_n_variants(std::vector<autotune::Config> variants, Product product);
 
 // `variants` and L2_PREFETCH 128 (on an H100 the MoE forward, merge and DoRA norm
 // gained up to 1% with it at fixed configs). Not 256: it took the DoRA norm at r=16

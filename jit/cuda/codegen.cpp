@@ -188,6 +188,28 @@ bool Codegen::sw128_candidate(ValueId v) const {
   return only_dot_operand(v, true, only_dot_operand);
 }
 
+int64_t Codegen::smem_pad(ValueId v) const {
+  const ir::Type& t = type(v);
+  if (t.shape.size() != 2 || t.dtype != DType::f32) return -1;
+  const auto it = users_.find(v);
+  if (it == users_.end() || it->second.empty()) return -1;
+  for (const auto& [op, i] : it->second) {
+    // B [K, N] read by column (bfrag_tf32), or A^T [K, M] once trans() makes it A (afrag_tf32_trans).
+    if (op->kind == OpKind::Dot && i == 1 && mma_eligible(*op) && op->attrs.tf32) continue;
+    if (op->kind == OpKind::Transpose) {
+      const auto u = users_.find(op->results[0]);
+      if (u != users_.end() && !u->second.empty() &&
+          std::all_of(u->second.begin(), u->second.end(), [&](const auto& use) {
+            return use.first->kind == OpKind::Dot && use.second == 0 && mma_eligible(*use.first) &&
+                   use.first->attrs.tf32;
+          }))
+        continue;
+    }
+    return -1;
+  }
+  return 8;
+}
+
 bool Codegen::wgmma_dot(const Operation& op) const {
   if (!wgmma_ || !mma_eligible(op) || num_warps_ % 4) return false;
   const Shape& shape = type(op.results[0]).shape;
@@ -577,14 +599,15 @@ void Codegen::emit_prologue(const Operation& op, int lv) {
   for (const Operation* ld : pipelined) {
     const ir::Type& t = type(ld->results[0]);
     AsyncLoad a;
-    a.pitch = smem_pitches(t.shape, dtype_size_bytes(t.dtype));
+    a.pitch = smem_pitches(t.shape, dtype_size_bytes(t.dtype), smem_pad(ld->results[0]));
     if (sw128_candidate(ld->results[0])) {
       a.sw_rows = t.shape[0];
       a.stage_bytes = t.shape[0] * t.shape[1] * dtype_size_bytes(t.dtype);
       a.region_bytes = a.stage_bytes * S_ + 1024;
       a.base = alloc_smem_1024(lv, a.stage_bytes * S_, &a.ring_offset);
     } else {
-      a.stage_bytes = (smem_bytes_for(t.shape, dtype_size_bytes(t.dtype)) + 15) & ~int64_t(15);
+      a.stage_bytes =
+          (smem_bytes_for(t.shape, dtype_size_bytes(t.dtype), smem_pad(ld->results[0])) + 15) & ~int64_t(15);
       a.region_bytes = a.stage_bytes * S_;
       a.ring_offset = alloc_smem(a.region_bytes);
       a.base = S(a.ring_offset);

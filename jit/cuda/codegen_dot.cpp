@@ -48,7 +48,7 @@ Staged Codegen::stage(ValueId v) {
   const int lv = level_of_[size_t(v)];
   const int64_t sw_rows = sw128_candidate(v) ? type(v).shape[0] : 0;
   const DType dt = type(v).dtype;
-  const std::vector<int64_t> pitch = smem_pitches(type(v).shape, dtype_size_bytes(dt));
+  const std::vector<int64_t> pitch = smem_pitches(type(v).shape, dtype_size_bytes(dt), smem_pad(v));
   std::string where;
   if (sw_rows) {
     int unused = 0;

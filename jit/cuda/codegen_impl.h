@@ -197,6 +197,10 @@ class Codegen {
   // The value a dot operand is staged from (under a trans() of the same dtype).
   ValueId dot_source(ValueId v, bool* transposed) const;
   bool sw128_candidate(ValueId v) const;
+  // The row padding (elements) of `v`'s tile in shared memory: 8 floats where every use
+  // reads it one 32-bit register at a time for a TF32 dot (rows k, lanes 4 k's by 8 columns:
+  // conflict-free at a pitch of 8 mod 32 words), else the default (-1).
+  int64_t smem_pad(ValueId v) const;
 
   int acc_layout(const Operation& op);
   // Whether the dot may use mma_acc_layout_runs (meta acc_col_run): mma.sync
@@ -369,9 +373,10 @@ class Codegen {
 
   // Row-major offsets of a tile in shared memory; rows padded by 16 bytes
   // so that column accesses of successive rows fall in different banks.
-  std::vector<int64_t> smem_pitches(const Shape& shape, int elem_bytes) const;
+  // `pad`: elements after each row (< 0: 16 bytes' worth, what ldmatrix wants).
+  std::vector<int64_t> smem_pitches(const Shape& shape, int elem_bytes, int64_t pad = -1) const;
 
-  int64_t smem_bytes_for(const Shape& shape, int elem_bytes) const;
+  int64_t smem_bytes_for(const Shape& shape, int elem_bytes, int64_t pad = -1) const;
 
   std::string smem_offset(int l, const std::vector<int64_t>& pitch, const std::string& r,
                           int64_t sw_rows = 0);

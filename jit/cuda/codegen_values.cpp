@@ -257,10 +257,10 @@ bool Codegen::register_subset(int from, int to, std::vector<int>* kept) const {
 
 // Row-major offsets of a tile in shared memory; rows padded by 16 bytes
 // so that column accesses of successive rows fall in different banks.
-std::vector<int64_t> Codegen::smem_pitches(const Shape& shape, int elem_bytes) const {
+std::vector<int64_t> Codegen::smem_pitches(const Shape& shape, int elem_bytes, int64_t pad) const {
   std::vector<int64_t> p(shape.size(), 1);
   if (shape.empty()) return p;
-  const int64_t pad = shape.size() >= 2 ? std::max(1, 16 / elem_bytes) : 0;
+  if (pad < 0) pad = shape.size() >= 2 ? std::max(1, 16 / elem_bytes) : 0;
   int64_t stride = shape.back() + pad;
   for (size_t i = shape.size() - 1; i-- > 0;) {
     p[i] = stride;
@@ -269,9 +269,9 @@ std::vector<int64_t> Codegen::smem_pitches(const Shape& shape, int elem_bytes) c
   return p;
 }
 
-int64_t Codegen::smem_bytes_for(const Shape& shape, int elem_bytes) const {
+int64_t Codegen::smem_bytes_for(const Shape& shape, int elem_bytes, int64_t pad) const {
   if (shape.empty()) return elem_bytes;
-  const auto p = smem_pitches(shape, elem_bytes);
+  const auto p = smem_pitches(shape, elem_bytes, pad);
   return p[0] * shape[0] * elem_bytes;
 }
 
@@ -298,8 +298,8 @@ int Codegen::transient_smem(int64_t bytes, bool* reused) {
 Codegen::SmemTile Codegen::alloc_smem_tile(ValueId v) {
   const DType dt = type(v).dtype;
   const int eb = dtype_size_bytes(dt);
-  return SmemTile{dt, smem_pitches(type(v).shape, eb),
-                  alloc_smem(smem_bytes_for(type(v).shape, eb))};
+  return SmemTile{dt, smem_pitches(type(v).shape, eb, smem_pad(v)),
+                  alloc_smem(smem_bytes_for(type(v).shape, eb, smem_pad(v)))};
 }
 
 // Writes a tile into shared memory (row-major, padded). Emitted at `lv`.
