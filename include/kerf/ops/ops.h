@@ -46,7 +46,8 @@ struct Config {
 //   scale[i] = m[i] / norm[i]
 // W [out, in] bf16/f16/f32; A [r, in] and B [out, r] any float dtype (fp32
 // adapters with bf16 W are fine: the product runs in W's dtype on tensor
-// cores, accumulating in fp32); m [out] any float dtype; norm and scale [out]
+// cores, accumulating in fp32; with f16 W, in TF32 on the GPU, f16's precision
+// at fp32's range; docs/ops.md); m [out] any float dtype; norm and scale [out]
 // f32 outputs. eps = 0 reproduces PEFT (a zero row then gives norm 0 and an
 // infinite scale); a small eps keeps it finite.
 void dora_norm(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& m,
