@@ -146,17 +146,12 @@ Tile Codegen::emit_dot(const Operation& op, int h) {
       line(la, "  #pragma unroll");
       line(la, "  for (int mi = 0; mi < " + S(MT) + "; ++mi) {");
       const std::string m0 = wmx + " * 16 + mi * " + S(16 * wm);
-      if (tf32 && !sa.transposed)  // rows of 4 f32 k's: lanes 16-31 address k's 4-7
+      if (!sa.transposed)  // lanes 16-31 address the step's second half of k's (8 halves, or 4 f32)
         line(la, "    kerf_dev::ldmatrix_x4(" + af + "[ki][mi], " + base + " + " +
-                     at_rc(sa, m0 + " + (lane & 15)", "ki * 8 + (lane >> 4) * 4") + ");");
+                     at_rc(sa, m0 + " + (lane & 15)", "ki * " + S(KS) + " + (lane >> 4) * " + S(KS / 2)) + ");");
       else if (tf32)  // shared memory holds A^T [K, M]: each register read alone
         line(la, "    kerf_dev::afrag_tf32_trans(" + af + "[ki][mi], " + base + ", " + S(sa.pitch) + ", ki * 8, " +
                      m0 + ", lane);");
-      else if (!sa.transposed)
-        line(la, "    kerf_dev::ldmatrix_x4(" + af + "[ki][mi], " + base + " + " +
-                     at_rc(sa, wmx + " * 16 + mi * " + S(16 * wm) + " + (lane & 15)",
-                           "ki * 16 + (lane >> 4) * 8") +
-                     ");");
       else  // shared memory holds A^T [K, M]: rows k, 8 m's per row, transposed by ldmatrix
         line(la, "    kerf_dev::ldmatrix_x4_trans(" + af + "[ki][mi], " + base + " + " +
                      at_rc(sa, "ki * 16 + (lane & 7) + ((lane >> 4) & 1) * 8",
@@ -203,30 +198,23 @@ Tile Codegen::emit_dot(const Operation& op, int h) {
       // The ldmatrix of B's fragments for k step `ki` and n tile `ni` into `dst` from `base`.
       // `wnx` is the warp's n index (the name `wn` exists only inside the dot's block).
       const auto load_b = [&](int level, const std::string& dst, const std::string& base, const std::string& wnx) {
-        if (tf32 && sb.transposed) {
-          // B^T [N, K]: rows of 4 f32 k's; lanes 8-15 (and 24-31) address k's 4-7.
+        if (sb.transposed) {
+          // Shared memory holds B^T [N, K]: each n's k's are contiguous, the layout
+          // mma wants for B, so ldmatrix needs no transpose (lanes 8-15 and 24-31
+          // address the step's second half of k's: 8 halves, or 4 f32 for TF32).
           const std::string n_of = per == 2 ? "(ni + (lane >> 4))" : "ni";
           line(level, std::string("    kerf_dev::") + (per == 2 ? "ldmatrix_x4" : "ldmatrix_x2") + "(" + dst +
                           ", " + base + " + " +
                           at_rc(sb, wnx + " * 8 + " + n_of + " * " + S(8 * wn) + " + (lane & 7)",
-                                "ki * 8 + ((lane >> 3) & 1) * 4") +
+                                "ki * " + S(KS) + " + ((lane >> 3) & 1) * " + S(KS / 2)) +
                           ");");
-          line(level, "    kerf_dev::round_tf32(" + dst + ", " + S(2 * per) + ");");
+          if (tf32) line(level, "    kerf_dev::round_tf32(" + dst + ", " + S(2 * per) + ");");
         } else if (tf32) {
           // B [K, N]: each register read alone, two per n tile.
           for (int64_t h = 0; h < per; ++h)
             line(level, "    kerf_dev::bfrag_tf32(" + dst + " + " + S(2 * h) + ", " + base + ", " + S(sb.pitch) +
                             ", ki * 8, " + wnx + " * 8 + (ni + " + S(h) + ") * " + S(8 * wn) + ", lane);");
           line(level, "    kerf_dev::round_tf32(" + dst + ", " + S(2 * per) + ");");
-        } else if (sb.transposed) {
-          // Shared memory holds B^T [N, K]: each n's k's are contiguous, the layout
-          // mma wants for B, so ldmatrix needs no transpose.
-          const std::string n_of = per == 2 ? "(ni + (lane >> 4))" : "ni";
-          line(level, std::string("    kerf_dev::") + (per == 2 ? "ldmatrix_x4" : "ldmatrix_x2") + "(" + dst +
-                          ", " + base + " + " +
-                          at_rc(sb, wnx + " * 8 + " + n_of + " * " + S(8 * wn) + " + (lane & 7)",
-                                "ki * 16 + ((lane >> 3) & 1) * 8") +
-                          ");");
         } else if (per == 2) {
           line(level, "    kerf_dev::ldmatrix_x4_trans(" + dst + ", " + base + " + " +
                           at_rc(sb, "ki * 16 + (lane & 15)", wnx + " * 8 + (ni + (lane >> 4)) * " + S(8 * wn)) +

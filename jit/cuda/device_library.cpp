@@ -288,29 +288,19 @@ __device__ __forceinline__ unsigned short atomic_add_16(unsigned short* p, unsig
   return (unsigned short)((old >> shift) & 0xffffu);
 }
 
-// Tensor cores: D = A(16x16, row) * B(16x8, col) + C, fp32 accumulation.
-__device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned* a, const unsigned* b) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-__device__ __forceinline__ void mma_f16_16816(float* c, const unsigned* a, const unsigned* b) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-// D = A(16x8, row) * B(8x8, col) + C with TF32 operands (f32 bits rounded by round_tf32).
-__device__ __forceinline__ void mma_tf32_1688(float* c, const unsigned* a, const unsigned* b) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
+// Tensor cores, fp32 accumulation: D = A(16x16, row) * B(16x8, col) + C for bf16/f16,
+// D = A(16x8, row) * B(8x8, col) + C for TF32 (f32 bits rounded by round_tf32); the
+// fragments are 4 registers of A and 2 of B either way.
+#define KERF_MMA_SYNC(name, shape_types)                                                          \
+  __device__ __forceinline__ void name(float* c, const unsigned* a, const unsigned* b) {         \
+    asm volatile("mma.sync.aligned." shape_types " {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};" \
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                               \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));           \
+  }
+KERF_MMA_SYNC(mma_bf16_16816, "m16n8k16.row.col.f32.bf16.bf16.f32")
+KERF_MMA_SYNC(mma_f16_16816, "m16n8k16.row.col.f32.f16.f16.f32")
+KERF_MMA_SYNC(mma_tf32_1688, "m16n8k8.row.col.f32.tf32.tf32.f32")
+#undef KERF_MMA_SYNC
 // f32 bits in place to TF32, rounded to nearest (ties away from zero, as cvt.rna does).
 __device__ __forceinline__ void round_tf32(unsigned* r, int n) {
 #pragma unroll
