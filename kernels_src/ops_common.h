@@ -42,19 +42,24 @@ struct Product {
 // The product over a base (or gradient) of dtype `base` with adapters of dtypes `a` and
 // `b`: bf16 for a bf16 base (its range is f32's); for an f16 base, f16 when the adapters
 // are f16 too, else f32 taken as TF32 (an f32 or bf16 adapter, or s times one, may lie
-// beyond f16's 65504 and would turn into inf in f16; TF32 keeps f32's range at the
-// precision of the f16 result, on the tensor cores); else f32 multiplied exactly (fp32
-// FMA, as PEFT forms the products of fp32 adapters).
+// beyond f16's 65504 and would turn into inf in f16; TF32 keeps f32's range, on the tensor
+// cores, with each term of the product within 2^-11 of itself, an f16's precision: where
+// large terms cancel, the answer's error is that of the terms, not of the answer); else
+// f32 multiplied exactly (fp32 FMA, as PEFT forms the products of fp32 adapters).
 inline Product product_dtype(DType base, DType a, DType b) {
   if (base == DType::bf16) return DType::bf16;
   if (base == DType::f16) return a == DType::f16 && b == DType::f16 ? Product(DType::f16) : Product(DType::f32, true);
   return DType::f32;
 }
 
-// The kernel meta entries that name `p`: DOT (its dtype) and, for TF32, TF32 = 1.
-inline void set_product_meta(dsl::MetaMap& meta, Product p) {
+inline int64_t meta_or(const Config& c, const char* name, int64_t fallback);
+
+// The kernel meta entries that name `p`: DOT (its dtype) and, for TF32, TF32 = 1 unless
+// the caller's Config.meta TF32 is 0 (the products of an f16 base's fp32/bf16 adapters
+// then run exactly, in fp32 FMA, as PEFT forms them, slower).
+inline void set_product_meta(dsl::MetaMap& meta, Product p, const Config& config) {
   meta["DOT"] = int64_t(p.dtype);
-  if (p.tf32) meta["TF32"] = 1;
+  if (p.tf32 && meta_or(config, "TF32", 1)) meta["TF32"] = 1;
 }
 
 std::string shape_str(const TensorView& t);
@@ -153,6 +158,9 @@ inline constexpr MetaRange kStagedAdds{"STAGED_ADDS", 0, 1};
 inline constexpr MetaRange kEarlyPrologue{"EARLY_PROLOGUE", 0, 1};
 // Config.meta COLS_FIRST (0 or 1): the column slices of each row block on grid axis 0 (split_range.h).
 inline constexpr MetaRange kColsFirst{"COLS_FIRST", 0, 1};
+// Config.meta TF32 (0 or 1, default 1), for ops whose products of an f16 base with fp32 or
+// bf16 adapters run as TF32 on the GPU: 0 multiplies them in fp32 FMA instead (set_product_meta).
+inline constexpr MetaRange kTf32{"TF32", 0, 1};
 // Config.split_k held to the column steps (more slices would only start programs
 // with nothing to do) and to grid axis 1 (65535); 0 stays 0 (the op's default).
 inline int64_t slices_within(int64_t asked, int64_t steps) {

@@ -63,7 +63,7 @@ DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, Product w_dtype, bool gpu
   if (p.split == 0)
     p.split = wide ? split_for_waves(p.blocks_m, programs, steps, 2) : split_for(p.blocks_m, programs, steps);
   p.meta = {{"BLOCK_M", bm}, {"BLOCK_K", bk}, {"R_PAD", r_pad}, {"num_warps", warps}};
-  set_product_meta(p.meta, dot);
+  set_product_meta(p.meta, dot, config);
   // cp.async pipelining on the GPU; the CPU back end has no use for stages.
   p.meta["num_stages"] = config.num_stages ? config.num_stages : (wide ? 2 : gpu ? 3 : 1);
   pass_meta(config, p.meta, {"EVICT", "WARPS_N"});
@@ -224,7 +224,7 @@ std::shared_ptr<const DoraPlan> checked_dora_plan(const TensorView& W, const Ten
                                                   const Config& config) {
   const char* op = "dora_norm";
   expect_meta(op, config,
-              {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"INTERLEAVE", 0, 1}, kWarpsN, kL2Prefetch, kWgmma, kColsFirst});
+              {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"INTERLEAVE", 0, 1}, kWarpsN, kL2Prefetch, kWgmma, kColsFirst, kTf32});
   expect_shape(op, "W", W, {-1, -1});
   const int64_t out = W.shape[0], in = W.shape[1];
   expect_shape(op, "A", A, {-1, in});

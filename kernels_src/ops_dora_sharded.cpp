@@ -46,7 +46,7 @@ void dora_norm_partial(const TensorView& W, const TensorView& A, const TensorVie
                        const Layout& layout) {
   const char* op = "dora_norm_partial";
   expect_finite_scale(op, s);
-  expect_meta(op, config, {});
+  expect_meta(op, config, {kTf32});
   const LayoutSplits splits = check_layout(op, layout, partial_operands());
   expect_unsplit(op, layout, splits, "r",
                  "the norm of W + s*B@A needs the whole product, so B and A keep every rank");
@@ -91,7 +91,7 @@ void dora_norm_partial(const TensorView& W, const TensorView& A, const TensorVie
                        {"R_PAD", r_pad},
                        {"num_warps", config.num_warps ? config.num_warps : 4},
                        {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
-  set_product_meta(meta, product_dtype(W.dtype, A.dtype, B.dtype));
+  set_product_meta(meta, product_dtype(W.dtype, A.dtype, B.dtype), config);
   launch(kernels::dora_norm_partial(), {W, A, B, Scalar(s), sumsq},
          Grid{uint32_t(blocks), uint32_t(split), 1}, meta, options);
 }

@@ -366,7 +366,7 @@ EmbeddingLaunch plan_embedding(const EmbeddingForward& c, const Config& config, 
             {"SCALE_AFTER", scale_after ? 1 : 0},
             {"num_warps", config.num_warps ? config.num_warps : (gpu && bt >= 128 ? 8 : 4)},
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
-  set_product_meta(l.meta, dot);
+  set_product_meta(l.meta, dot, config);
   pass_meta(config, l.meta, {"WARPS_N"});
   add_codegen_hints(config, l.meta);
   if (c.act) l.meta["STORE_ACT"] = 1;
@@ -572,7 +572,7 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
             {"ROTATE", meta_or(config, "ROTATE", 0)},
             {"num_warps", config.num_warps ? config.num_warps : (gpu && bt >= 128 ? 8 : 4)},
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
-  set_product_meta(p.meta, dot);
+  set_product_meta(p.meta, dot, config);
   add_codegen_hints(config, p.meta);
   // On a GPU the kernel waits for the grid before it, the fill, before its first atomics,
   // so that its launch may overlap the fill (LaunchOptions::overlap_prior).
@@ -1008,7 +1008,7 @@ void lora_embedding(const TensorView& x, const TensorView& weight, const TensorV
                     const Layout& layout) {
   const char* op = "lora_embedding";
   expect_finite_scale(op, s);
-  expect_meta(op, config, {kWarpsN, kL2Prefetch});
+  expect_meta(op, config, {kWarpsN, kL2Prefetch, kTf32});
   expect_ids(op, x);
   const LayoutSplits splits = check_layout(op, layout, [&] {
     return with_after_a(options, x,
@@ -1079,7 +1079,7 @@ void lora_embedding_backward(const TensorView& x, const TensorView& A, const Ten
                              void* stream, const Config& config, const Layout& layout) {
   const char* op = "lora_embedding_backward";
   expect_finite_scale(op, s);
-  expect_meta(op, config, {{"ROTATE", 0, 1}, {"GATHER", 0, 1}, {"GROUP_BY_ID", 0, 1}, {"FUSED", 0, 1}, {"L2_KEEP", 0, 1}, kL2Prefetch, kStagedAdds, kEarlyPrologue});
+  expect_meta(op, config, {{"ROTATE", 0, 1}, {"GATHER", 0, 1}, {"GROUP_BY_ID", 0, 1}, {"FUSED", 0, 1}, {"L2_KEEP", 0, 1}, kL2Prefetch, kStagedAdds, kEarlyPrologue, kTf32});
   expect_ids(op, x);
   const LayoutSplits splits = check_layout(op, layout, [&] {
     return with_after_a(options, x,

@@ -53,7 +53,7 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
             {"SCALE_AFTER", scale_after ? 1 : 0},
             {"num_warps", config.num_warps ? config.num_warps : 4},
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
-  set_product_meta(p.meta, dot);
+  set_product_meta(p.meta, dot, config);
   pass_meta(config, p.meta, {"EVICT", "WARPS_N"});
   add_codegen_hints(config, p.meta);
   const Config order = stream_plan(config, W3.dtype, steps, p.meta, &split);
@@ -122,7 +122,7 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
 // caller's Config or else the autotuner's (remembered per call signature).
 void launch_merge(const char* op, const TensorView& W3, const TensorView& A3, const TensorView& B3, double s,
                   void* stream, const Config& config) {
-  expect_meta(op, config, {{"EVICT", 0, 2}, kStream, kWarpsN, kL2Prefetch, kWgmma, kColsFirst});
+  expect_meta(op, config, {{"EVICT", 0, 2}, kStream, kWarpsN, kL2Prefetch, kWgmma, kColsFirst, kTf32});
   if (has_config(config))
     return run_merge(W3, A3, B3, s, stream, config);
   static PlanMemo<Config> tuned;

@@ -31,7 +31,7 @@ MoePlan plan_moe(const TensorView& W, DType a, DType b, int64_t r, bool gpu, con
   const int64_t bk = config.block_k ? config.block_k : (gpu ? 128 : 64);
   MoePlan p;
   p.meta = {{"BLOCK_N", bn}, {"BLOCK_K", bk}, {"R_PAD", r_pad}, {"num_warps", config.num_warps ? config.num_warps : 4}};
-  set_product_meta(p.meta, dot);
+  set_product_meta(p.meta, dot, config);
   // cp.async pipelining on the GPU; the CPU back end has no use for stages.
   p.meta["num_stages"] = config.num_stages ? config.num_stages : (gpu ? 3 : 1);
   pass_meta(config, p.meta, {"EVICT", "WARPS_N"});
@@ -90,7 +90,7 @@ void run_moe_lora_materialize(const TensorView& W, const TensorView& A, const Te
                               const TensorView& W_eff, void* stream, const Config& config,
                               const std::string& layout) {
   const char* op = "moe_lora_materialize";
-  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, kStream, kWarpsN, kL2Prefetch, kWgmma, kColsFirst});
+  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, kStream, kWarpsN, kL2Prefetch, kWgmma, kColsFirst, kTf32});
   expect_finite_scale(op, s);
   expect_shape(op, "W", W, {-1, -1, -1});
   const int64_t E = W.shape[0], N = W.shape[1], K = W.shape[2];

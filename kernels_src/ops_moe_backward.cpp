@@ -64,7 +64,7 @@ MoeBackwardPlan plan_launch(const TensorView& dW, DType a, DType b, int64_t r, b
               {"ROTATE", rotate},
               {"num_warps", config.num_warps ? config.num_warps : (gpu && bk >= 512 ? 16 : gpu ? 8 : 4)},
               {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
-    set_product_meta(p.meta, dot);
+    set_product_meta(p.meta, dot, config);
     add_codegen_hints(config, p.meta);
     if (gpu) p.meta["WAIT_PRIOR"] = 1;  // overlaps the zero-fill launched before it
     p.grid = Grid{clustered(p, cdiv(K, bk)), uint32_t(p.split), uint32_t(E)};
@@ -86,7 +86,7 @@ MoeBackwardPlan plan_launch(const TensorView& dW, DType a, DType b, int64_t r, b
             {"ROTATE", rotate},
             {"num_warps", config.num_warps ? config.num_warps : (gpu && bn >= 128 ? 8 : 4)},
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
-  set_product_meta(p.meta, dot);
+  set_product_meta(p.meta, dot, config);
   add_codegen_hints(config, p.meta);
   if (gpu) p.meta["WAIT_PRIOR"] = 1;
   p.grid = Grid{clustered(p, cdiv(N, bn)), uint32_t(p.split), uint32_t(E)};
@@ -269,7 +269,7 @@ void moe_lora_materialize_backward(const TensorView& dW, const TensorView& A, co
                                    void* stream, const Config& config, const Layout& layout) {
   const char* op = "moe_lora_materialize_backward";
   expect_finite_scale(op, s);
-  expect_meta(op, config, {{"ROTATE", 0, 1}, {"BY_COLUMNS", 0, 1}, kL2Prefetch, kWgmma, kCluster, kStagedAdds});
+  expect_meta(op, config, {{"ROTATE", 0, 1}, {"BY_COLUMNS", 0, 1}, kL2Prefetch, kWgmma, kCluster, kStagedAdds, kTf32});
   const LayoutSplits splits = check_layout(op, layout, backward_operands());
   expect_unsplit(op, layout, splits, "r", "each expert's product B[e] @ A[e] needs every rank");
   expect_shape(op, "dW_eff", dW, {-1, -1, -1});

@@ -598,7 +598,8 @@ void run_all(Device dev) {
   alternating_matmul(dev, DType::f32, 50, 30, 70, 3, {{"BM", 32}, {"BN", 32}, {"BK", 16}}, seed++);
   // TF32: A's fragments by ldmatrix and B's read alone (matmul), A^T's read alone and
   // B^T's by ldmatrix (matmul_t), pipelined or not, warps on rows or columns, the
-  // accumulator in runs of columns, B's fragments kept in registers (alternating).
+  // accumulator in runs of columns, B chosen among tiles staged before the loop
+  // (alternating, 3 ways) and B's fragments loaded into registers before it (1 way).
   for (int64_t stages : {1, 3}) {
     matmul(dev, DType::f32, 77, 45, 130, {{"BM", 32}, {"BN", 32}, {"BK", 32}, {"num_stages", stages}, {"TF32", 1}},
            seed++);
@@ -611,6 +612,7 @@ void run_all(Device dev) {
          {{"BM", 32}, {"BN", 128}, {"BK", 16}, {"num_warps", 8}, {"num_stages", 2}, {"TF32", 1}}, seed++);
   matmul(dev, DType::f32, 77, 45, 130, {{"BM", 32}, {"BN", 32}, {"BK", 16}, {"acc_col_run", 8}, {"TF32", 1}}, seed++);
   alternating_matmul(dev, DType::f32, 64, 40, 96, 3, {{"BM", 32}, {"BN", 64}, {"BK", 32}, {"TF32", 1}}, seed++);
+  alternating_matmul(dev, DType::f32, 70, 30, 96, 1, {{"BM", 32}, {"BN", 32}, {"BK", 16}, {"TF32", 1}}, seed++);
   column_sums(dev, 300, 100, seed++);
   column_sums(dev, 1000, 64, seed++);
   cluster_sums(dev, DType::f32, 300, 100, 1, 4, seed++);

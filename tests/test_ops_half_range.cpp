@@ -1,8 +1,11 @@
 // An f16 base (or gradient) with fp32 adapters whose values, or s times them, lie beyond
-// f16's range (65504) while the answer lies well inside it: every op gives the float64
-// answer, as PEFT's fp32 products do, never inf or NaN. (The products run in fp32 there,
-// as TF32 on the GPU: rounded to f16 first, s*B = 1e5 turned into inf, written into W in
-// place by the merge.)
+// f16's range (65504) while the answer lies well inside it: every op gives finite answers,
+// never inf or NaN (rounded to f16 first, s*B = 1e5 turned into inf, written into W in
+// place by the merge). On the CPU the products run in fp32 and every answer is the
+// float64 one; on the GPU they run in TF32, whose terms each carry their operands'
+// rounding (2^-11 of the term, an f16's precision; here terms up to 40 times the answer
+// cancel, so against exact products the answers would be up to 3.4% off): there the
+// answers are checked against products of the adapters rounded as the GPU rounds them.
 #include <cmath>
 #include <random>
 
@@ -11,6 +14,7 @@
 #include "device_tensor.h"
 #include "gpu_test_util.h"
 #include "kerf/ops/ops.h"
+#include "kernels_src/ops_accumulate.h"
 
 using namespace kerf;
 using kerf::test::TestTensor;
@@ -184,4 +188,36 @@ TEST_CASE("f16 bases with fp32 adapters beyond f16's range give finite right ans
           "[gpu][ops][dtypes]") {
   KERF_REQUIRE_GPU();
   check_half_range(Device::cuda(0));
+}
+
+// Config.meta TF32: 1 (the default) lets an f16 base's fp32 adapters multiply as TF32 on
+// the GPU; 0 keeps them exact (fp32 FMA, PEFT's products). The planned kernel carries the
+// choice; values other than 0 and 1 are refused, and ops without such products take it too.
+TEST_CASE("Config.meta TF32 = 0 keeps an f16 base's fp32 products exact; other values are refused",
+          "[ops][dtypes]") {
+  const Device dev = Device::cuda(0);  // planned only: nothing is launched or read
+  void* const p = reinterpret_cast<void*>(uintptr_t(1) << 16);
+  const TensorView dW = TensorView::contiguous(p, DType::f16, {2, 64, 128}, dev);
+  const TensorView A = TensorView::contiguous(p, DType::f32, {2, 16, 128}, dev);
+  const TensorView B = TensorView::contiguous(p, DType::f32, {2, 64, 16}, dev);
+  const TensorView dA = TensorView::contiguous(p, DType::f32, {2, 16, 128}, dev);
+  const TensorView dB = TensorView::contiguous(p, DType::f32, {2, 64, 16}, dev);
+  const auto tf32_of = [&](const ops::Config& c) {
+    const autotune::KernelCall k = ops::detail::moe_backward_kernel(dW, A, B, 1.0, dA, dB, 132, c);
+    return k.meta.count("TF32") ? k.meta.at("TF32") : 0;
+  };
+  CHECK(tf32_of({}) == 1);
+  ops::Config exact;
+  exact.meta["TF32"] = 0;
+  CHECK(tf32_of(exact) == 0);
+  // bf16 gradients: no TF32 product either way.
+  const TensorView dW16 = TensorView::contiguous(p, DType::bf16, {2, 64, 128}, dev);
+  CHECK(ops::detail::moe_backward_kernel(dW16, A, B, 1.0, dA, dB, 132, {}).meta.count("TF32") == 0);
+
+  TestTensor W(DType::f16, {4, 8}, Device::cpu()), Af(DType::f32, {2, 8}, Device::cpu()),
+      Bf(DType::f32, {4, 2}, Device::cpu());
+  ops::Config bad;
+  bad.meta["TF32"] = 2;
+  CHECK_THROWS_WITH(ops::lora_merge(W.view(), Af.view(), Bf.view(), 1.0, nullptr, bad),
+                    Catch::Contains("Config.meta TF32 must be in [0, 1], got 2"));
 }

@@ -198,8 +198,9 @@ class Codegen {
   ValueId dot_source(ValueId v, bool* transposed) const;
   bool sw128_candidate(ValueId v) const;
   // The row padding (elements) of `v`'s tile in shared memory: 8 floats where every use
-  // reads it one 32-bit register at a time for a TF32 dot (rows k, lanes 4 k's by 8 columns:
-  // conflict-free at a pitch of 8 mod 32 words), else the default (-1).
+  // reads it one 32-bit register at a time for a TF32 dot (rows k, a warp's lanes 4 k's by
+  // 8 columns: conflict-free at a pitch of 8 mod 32 words, i.e. rows of 16 floats or more
+  // a multiple of 32 apart), else the default (-1).
   int64_t smem_pad(ValueId v) const;
 
   int acc_layout(const Operation& op);

@@ -32,6 +32,12 @@ namespace kerf::ops {
 //     walks the rows (dA in registers, dB added atomically) instead of owning
 //     rows (dB in registers, dA added atomically); block_m is then the rows per
 //     step, block_k the columns per program.
+//   TF32 (0 or 1, default 1; DoRA norm and partial, merge, MoE materialize and its
+//     backward, embedding forward and backward): with an f16 base (or gradient)
+//     and fp32/bf16 adapters the GPU multiplies them as TF32 (fp32's range, each
+//     term within 2^-11 of itself); 0 multiplies them exactly in fp32 FMA, as PEFT
+//     does, several times slower at large ranks (docs/ops.md). Like any Config, it
+//     turns the autotuner off for the call.
 struct Config {
   int64_t block_m = 0;
   int64_t block_k = 0;
