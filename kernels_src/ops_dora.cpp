@@ -46,10 +46,16 @@ DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, Product w_dtype, bool gpu
   // 14336x4096 and 4096x14336, and r=32 from 26.6 / 63.1 / 59.2 / 58.0 to
   // 20.4 / 57.6 / 52.6 / 52.7 us, against 64x128, 4 warps, 3 stages, about
   // three waves (which stays the default for r=16).
-  const bool wide =
-      gpu && !four_bit && (is_half(dot) || dot.tf32) && r_pad >= 32 && !config.block_m && !config.block_k;
+  // Large ranks (256, and 128 for fp32 FMA): B's rows and A's tiles would pass the 232448
+  // bytes of shared memory an H100 has on the tiles below (rank 256: 128x64 on two stages
+  // with fp32 adapters 281104 bytes over bf16 W, 317968 as TF32; fp32 FMA at rank 128 on
+  // 64x128, three stages, 338192); 64x32 on two stages take 158992 at rank 256.
+  const bool big_rank = gpu && !four_bit && r_pad >= (dtype_size_bytes(dot) == 4 && !dot.tf32 ? 128 : 256) &&
+                        !config.block_m && !config.block_k;
+  const bool wide = gpu && !four_bit && !big_rank && (is_half(dot) || dot.tf32) && r_pad >= 32 &&
+                    !config.block_m && !config.block_k;
   const int64_t bm = config.block_m ? config.block_m : (wide ? 128 : gpu ? 64 : 16);
-  int64_t bk_default = wide ? 64 : gpu ? 128 : 64;
+  int64_t bk_default = big_rank ? 32 : wide ? 64 : gpu ? 128 : 64;
   if (four_bit) {  // by default a step stays inside a scale block when it can
     const int64_t b = std::clamp<int64_t>(blocksize, 32, bk_default);
     if (in % b == 0 && blocksize % b == 0) bk_default = b;
@@ -65,7 +71,7 @@ DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, Product w_dtype, bool gpu
   p.meta = {{"BLOCK_M", bm}, {"BLOCK_K", bk}, {"R_PAD", r_pad}, {"num_warps", warps}};
   set_product_meta(p.meta, dot, config);
   // cp.async pipelining on the GPU; the CPU back end has no use for stages.
-  p.meta["num_stages"] = config.num_stages ? config.num_stages : (wide ? 2 : gpu ? 3 : 1);
+  p.meta["num_stages"] = config.num_stages ? config.num_stages : (wide || big_rank ? 2 : gpu ? 3 : 1);
   pass_meta(config, p.meta, {"EVICT", "WARPS_N"});
   add_codegen_hints(config, p.meta);
   p.cast_a = cast_a_dtype(config, dot);

@@ -3,12 +3,15 @@
 // sm_90a (no GPU needed), in the dtypes the ops use, with and without the
 // alignment facts (kerf's own library test compiles the library's kernels); and the fast paths use
 // what they should (tensor cores, cp.async, also for the in-place merge).
+#include <algorithm>
 #include <string>
 #include <vector>
 
 #include "catch.h"
 #include "gpu_test_util.h"
 #include "kerf/error.h"
+#include "kerf/jit/autotune.h"
+#include "kerf/jit/launch.h"
 #include "kerf/jit/cuda_codegen.h"
 #include "kerf/jit/nvrtc.h"
 #include "kerf/kernels/kernels.h"
@@ -622,4 +625,39 @@ TEST_CASE("staged_adds sends an accumulator's f32 atomics through shared memory 
   meta["staged_adds"] = 2;
   CHECK_THROWS_WITH(kernels::moe_lora_backward_by_columns().trace(args, meta),
                     Catch::Contains("staged_adds must be 0 or 1"));
+}
+
+// An untuned call (KERF_AUTOTUNE=0, or a capture) runs the op's own tiles: at every
+// rank up to 256 and every product (bf16, f16, TF32, fp32 FMA) they fit the shared
+// memory of an H100. (fp32 products take four bytes an element: rank 256 on the tiles of
+// rank 16 took 573712 bytes, rank 128 338192.)
+TEST_CASE("the DoRA norm's default GPU tiles fit an H100's shared memory for every product and rank up to 256",
+          "[cuda][codegen][ops]") {
+  const std::vector<autotune::TunableOp> ops = autotune::tunable_ops();
+  const auto it = std::find_if(ops.begin(), ops.end(), [](const autotune::TunableOp& o) { return o.name == "dora_norm"; });
+  REQUIRE(it != ops.end());
+  const int limit = autotune::typical_max_shared_memory("sm_90a");
+  CHECK(limit == 232448);
+  const Device dev = Device::cuda(0);  // planned and generated only
+  void* const p = reinterpret_cast<void*>(uintptr_t(1) << 16);
+  const int64_t out = 4096, in = 4096;
+  for (const auto& [w, ab] : {std::pair{DType::bf16, DType::f32}, {DType::f16, DType::f16}, {DType::f16, DType::f32},
+                              {DType::f32, DType::f32}})
+    for (const int64_t r : {16, 64, 100, 128, 256}) {
+      CAPTURE(dtype_name(w), dtype_name(ab), r);
+      const std::vector<TensorView> views = {
+          TensorView::contiguous(p, w, {out, in}, dev),          TensorView::contiguous(p, ab, {r, in}, dev),
+          TensorView::contiguous(p, ab, {out, r}, dev),          TensorView::contiguous(p, DType::f32, {out}, dev),
+          TensorView::contiguous(p, DType::f32, {out}, dev),     TensorView::contiguous(p, DType::f32, {out}, dev)};
+      for (const autotune::KernelCall& call : it->kernels(views, {}, 132)) {
+        const ir::Function fn = call.kernel->trace(arg_specs(call.args), call.meta);
+        const jit::cuda::KernelCode code = jit::cuda::generate(fn, "sm_90a");
+        CHECK(code.smem_bytes <= limit);
+        if (r == 256 && nvrtc::available()) {  // the tiles chosen for the largest rank compile
+          nvrtc::Output o;
+          REQUIRE_NOTHROW(o = nvrtc::compile(code.source, code.entry + ".cu", "sm_90a"));
+          CHECK(o.image.size() > 4);
+        }
+      }
+    }
 }
