@@ -331,7 +331,7 @@ TEST_CASE("an op refuses Config.meta names it does not take and values out of ra
   rotate.meta["ROTATE"] = 1;
   CHECK_REJECTS(InvalidArgument, ops::dora_norm(W, A, B, m, 1.0, norm, scale, 0.0, nullptr, rotate),
                 "dora_norm: Config.meta names 'ROTATE', which this op does not take (it takes EVICT, CAST_A, "
-                "INTERLEAVE, WARPS_N, L2_PREFETCH, WGMMA, COLS_FIRST)");
+                "INTERLEAVE, WARPS_N, L2_PREFETCH, WGMMA, COLS_FIRST, TF32)");
   ops::Config interleave2;
   interleave2.meta["INTERLEAVE"] = 2;
   CHECK_REJECTS(InvalidArgument, ops::dora_norm(W, A, B, m, 1.0, norm, scale, 0.0, nullptr, interleave2),
@@ -341,7 +341,7 @@ TEST_CASE("an op refuses Config.meta names it does not take and values out of ra
   CHECK_REJECTS(InvalidArgument, ops::lora_merge(W, A, B, 1.0, nullptr, cols2), "COLS_FIRST");
   CHECK_REJECTS(InvalidArgument,
                 ops::dora_norm_partial(W, A, B, 1.0, t({8}, DType::f32, 12400), nullptr, rotate),
-                "dora_norm_partial: Config.meta names 'ROTATE', which this op does not take (it takes none)");
+                "dora_norm_partial: Config.meta names 'ROTATE', which this op does not take (it takes TF32)");
   CHECK_REJECTS(InvalidArgument, ops::lora_merge(W, A, B, 1.0, nullptr, rotate),
                 "lora_merge: Config.meta names 'ROTATE'");
   const TensorView dW = t({2, 8, 12}), mA = t({2, 2, 12}, DType::f32, 4096), mB = t({2, 8, 2}, DType::f32, 8192);
@@ -350,7 +350,7 @@ TEST_CASE("an op refuses Config.meta names it does not take and values out of ra
   typo.meta["ROTATED"] = 1;
   CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize_backward(dW, mA, mB, 1.0, dA, dB, nullptr, typo),
                 "moe_lora_materialize_backward: Config.meta names 'ROTATED', which this op does not take (it "
-                "takes ROTATE, BY_COLUMNS, L2_PREFETCH, WGMMA, CLUSTER, STAGED_ADDS)");
+                "takes ROTATE, BY_COLUMNS, L2_PREFETCH, WGMMA, CLUSTER, STAGED_ADDS, TF32)");
   ops::Config nine;
   nine.meta["CLUSTER"] = 9;
   CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize_backward(dW, mA, mB, 1.0, dA, dB, nullptr, nine),
