@@ -48,9 +48,10 @@ DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, Product w_dtype, bool gpu
   // three waves (which stays the default for r=16).
   // Large ranks (256, and 128 for fp32 FMA): B's rows and A's tiles would pass the 232448
   // bytes of shared memory an H100 has on the tiles below (rank 256: 128x64 on two stages
-  // with fp32 adapters 281104 bytes over bf16 W, 317968 as TF32; fp32 FMA at rank 128 on
-  // 64x128, three stages, 338192); 64x32 on two stages take 158992 at rank 256.
-  const bool big_rank = gpu && !four_bit && r_pad >= (dtype_size_bytes(dot) == 4 && !dot.tf32 ? 128 : 256) &&
+  // with fp32 adapters 281104 bytes over bf16 W, 317968 as TF32, the 4-bit split kernel
+  // 292880; fp32 FMA at rank 128 on 64x128, three stages, 338192); 64x32 on two stages
+  // take 158992 at rank 256.
+  const bool big_rank = gpu && r_pad >= (dtype_size_bytes(dot) == 4 && !dot.tf32 ? 128 : 256) &&
                         !config.block_m && !config.block_k;
   const bool wide = gpu && !four_bit && !big_rank && (is_half(dot) || dot.tf32) && r_pad >= 32 &&
                     !config.block_m && !config.block_k;

@@ -354,7 +354,9 @@ EmbeddingLaunch plan_embedding(const EmbeddingForward& c, const Config& config, 
   // us for 32-token blocks split for about three waves).
   const int64_t bt =
       config.block_m ? config.block_m : (gpu ? (dtype_size_bytes(c.weight.dtype) > 2 ? 64 : 128) : 16);
-  const int64_t bd = config.block_k ? config.block_k : (gpu ? 128 : 64);
+  const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
+  const int64_t bd =
+      config.block_k ? config.block_k : (gpu ? rank_narrowed(128, r_pad, dtype_size_bytes(dot), 256) : 64);
   const int64_t blocks = cdiv(T, bt), steps = cdiv(D, bd);
   const int64_t split = config.split_k ? config.split_k
                         : gpu          ? split_for_waves(blocks, programs, steps, 1)
@@ -547,7 +549,10 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
   // grad_out, r up to 64): such tiles may start beside the zero-fill (release_early),
   // 44-45 us at 8192x128256x4096 on an H100 against 46-48 us for 128x64.
   const bool wide = gpu && dtype_size_bytes(c.g2.dtype) <= 2 && r <= 64;
-  const int64_t bd = config.block_k ? config.block_k : (wide ? 128 : 64);
+  const int64_t bd = config.block_k ? config.block_k
+                     : gpu          ? rank_narrowed(wide ? 128 : 64, std::max<int64_t>(16, next_pow2(r)),
+                                                    dtype_size_bytes(dot), 512)
+                                    : 64;
   // On a GPU the token blocks' programs share D as one full wave: long programs,
   // whose dB partial sums and activation gathers are paid once per more columns
   // (on an H100 at 8192x128256x4096: 47.3 us against 76 us at about three waves).

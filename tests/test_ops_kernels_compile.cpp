@@ -661,3 +661,29 @@ TEST_CASE("the DoRA norm's default GPU tiles fit an H100's shared memory for eve
       }
     }
 }
+
+// The same for every op the tuner knows, each in one dtype (bf16, f16, f32) at ranks 128
+// and 256 (before, the embedding at rank 128 took 280576 bytes, merge and the MoE forward
+// at rank 256 260608 and 312320, fp32 ones more).
+TEST_CASE("every op's default GPU tiles fit an H100's shared memory at ranks 128 and 256", "[cuda][codegen][ops]") {
+  const int limit = autotune::typical_max_shared_memory("sm_90a");
+  void* const p = reinterpret_cast<void*>(uintptr_t(1) << 16);
+  int planned = 0;
+  for (const autotune::TunableOp& op : autotune::tunable_ops())
+    for (const DType t : {DType::bf16, DType::f16, DType::f32})
+      for (const int64_t r : {128, 256}) {
+        CAPTURE(op.name, dtype_name(t), r);
+        std::vector<int64_t> shape;
+        for (const std::string& n : op.shape_names) shape.push_back(n == "r" ? r : n == "E" ? 4 : 1024);
+        std::vector<TensorView> views;
+        for (const autotune::Operand& o : op.operands(shape, t))
+          views.push_back(TensorView::contiguous(p, o.dtype, o.shape, Device::cuda(0)));
+        for (const autotune::KernelCall& call : op.kernels(views, {}, 132)) {
+          CAPTURE(call.kernel->name());
+          CHECK(jit::cuda::generate(call.kernel->trace(arg_specs(call.args), call.meta), "sm_90a").smem_bytes <=
+                limit);
+          ++planned;
+        }
+      }
+  CHECK(planned >= 7 * 3 * 2);  // dora_norm, its 4-bit form, merge, MoE and its backward, embedding both ways
+}
