@@ -52,8 +52,6 @@ inline Product product_dtype(DType base, DType a, DType b) {
   return DType::f32;
 }
 
-inline int64_t meta_or(const Config& c, const char* name, int64_t fallback);
-
 // A GPU default tile along the columns a step reads (`tile`), narrowed at ranks of 128
 // and up so that the rank's operands (r_pad elements of `bytes` each per column or row)
 // leave the tiles within an H100's 232448 bytes of shared memory: halved once
@@ -62,14 +60,6 @@ inline int64_t rank_narrowed(int64_t tile, int64_t r_pad, int64_t bytes, int64_t
   if (r_pad < 128) return tile;
   for (int64_t at = from; r_pad * bytes >= at && tile > 16; at *= 2) tile /= 2;
   return tile;
-}
-
-// The kernel meta entries that name `p`: DOT (its dtype) and, for TF32, TF32 = 1 unless
-// the caller's Config.meta TF32 is 0 (the products of an f16 base's fp32/bf16 adapters
-// then run exactly, in fp32 FMA, as PEFT forms them, slower).
-inline void set_product_meta(dsl::MetaMap& meta, Product p, const Config& config) {
-  meta["DOT"] = int64_t(p.dtype);
-  if (p.tf32 && meta_or(config, "TF32", 1)) meta["TF32"] = 1;
 }
 
 std::string shape_str(const TensorView& t);
@@ -200,6 +190,14 @@ void pass_meta(const Config& config, dsl::MetaMap& meta, std::initializer_list<c
 inline int64_t meta_or(const Config& c, const char* name, int64_t fallback) {
   auto it = c.meta.find(name);
   return it == c.meta.end() ? fallback : it->second;
+}
+
+// The kernel meta entries that name `p`: DOT (its dtype) and, for TF32, TF32 = 1 unless
+// the caller's Config.meta TF32 is 0 (the products of an f16 base's fp32/bf16 adapters
+// then run exactly, in fp32 FMA, as PEFT forms them, slower).
+inline void set_product_meta(dsl::MetaMap& meta, Product p, const Config& config) {
+  meta["DOT"] = int64_t(p.dtype);
+  if (p.tf32 && meta_or(config, "TF32", 1)) meta["TF32"] = 1;
 }
 
 // Multiprocessors of the tensors' device (the number of CPU threads on the CPU).

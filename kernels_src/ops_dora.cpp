@@ -51,10 +51,9 @@ DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, Product w_dtype, bool gpu
   // with fp32 adapters 281104 bytes over bf16 W, 317968 as TF32, the 4-bit split kernel
   // 292880; fp32 FMA at rank 128 on 64x128, three stages, 338192); 64x32 on two stages
   // take 158992 at rank 256.
-  const bool big_rank = gpu && r_pad >= (dtype_size_bytes(dot) == 4 && !dot.tf32 ? 128 : 256) &&
-                        !config.block_m && !config.block_k;
-  const bool wide = gpu && !four_bit && !big_rank && (is_half(dot) || dot.tf32) && r_pad >= 32 &&
-                    !config.block_m && !config.block_k;
+  const bool own_tiles = gpu && !config.block_m && !config.block_k;  // the op's tiles, not a caller's
+  const bool big_rank = own_tiles && r_pad >= (dtype_size_bytes(dot) == 4 && !dot.tf32 ? 128 : 256);
+  const bool wide = own_tiles && !four_bit && !big_rank && (is_half(dot) || dot.tf32) && r_pad >= 32;
   const int64_t bm = config.block_m ? config.block_m : (wide ? 128 : gpu ? 64 : 16);
   int64_t bk_default = big_rank ? 32 : wide ? 64 : gpu ? 128 : 64;
   if (four_bit) {  // by default a step stays inside a scale block when it can

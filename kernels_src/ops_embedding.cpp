@@ -364,7 +364,7 @@ EmbeddingLaunch plan_embedding(const EmbeddingForward& c, const Config& config, 
   EmbeddingLaunch l;
   l.meta = {{"BLOCK_T", bt},
             {"BLOCK_D", bd},
-            {"R_PAD", std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)))},
+            {"R_PAD", r_pad},
             {"SCALE_AFTER", scale_after ? 1 : 0},
             {"num_warps", config.num_warps ? config.num_warps : (gpu && bt >= 128 ? 8 : 4)},
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
@@ -549,9 +549,9 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
   // grad_out, r up to 64): such tiles may start beside the zero-fill (release_early),
   // 44-45 us at 8192x128256x4096 on an H100 against 46-48 us for 128x64.
   const bool wide = gpu && dtype_size_bytes(c.g2.dtype) <= 2 && r <= 64;
+  const int64_t r_pad = std::max<int64_t>(16, next_pow2(r));
   const int64_t bd = config.block_k ? config.block_k
-                     : gpu          ? rank_narrowed(wide ? 128 : 64, std::max<int64_t>(16, next_pow2(r)),
-                                                    dtype_size_bytes(dot), 512)
+                     : gpu          ? rank_narrowed(wide ? 128 : 64, r_pad, dtype_size_bytes(dot), 512)
                                     : 64;
   // On a GPU the token blocks' programs share D as one full wave: long programs,
   // whose dB partial sums and activation gathers are paid once per more columns
@@ -572,7 +572,7 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
   p.grouped = meta_or(config, "GROUP_BY_ID", groups_by_default(c) ? 1 : 0) != 0;
   p.meta = {{"BLOCK_T", bt},
             {"BLOCK_D", bd},
-            {"R_PAD", std::max<int64_t>(16, next_pow2(r))},
+            {"R_PAD", r_pad},
             {"BY_FREQ", c.by_freq ? 1 : 0},
             {"ROTATE", meta_or(config, "ROTATE", 0)},
             {"num_warps", config.num_warps ? config.num_warps : (gpu && bt >= 128 ? 8 : 4)},
