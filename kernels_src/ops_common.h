@@ -53,13 +53,21 @@ inline Product product_dtype(DType base, DType a, DType b) {
 }
 
 // A GPU default tile along the columns a step reads (`tile`), narrowed at ranks of 128
-// and up so that the rank's operands (r_pad elements of `bytes` each per column or row)
-// leave the tiles within an H100's 232448 bytes of shared memory: halved once
-// r_pad * bytes reaches `from`, again at twice that, never below 16 (lower ranks keep it).
+// and up so that the rank's operands (r_pad elements of `bytes` each per column or row,
+// rank_bytes below) leave the tiles within an H100's 232448 bytes of shared memory:
+// halved once r_pad * bytes reaches `from`, again at twice that, never below 16 (lower
+// ranks keep it).
 inline int64_t rank_narrowed(int64_t tile, int64_t r_pad, int64_t bytes, int64_t from) {
   if (r_pad < 128) return tile;
   for (int64_t at = from; r_pad * bytes >= at && tile > 16; at *= 2) tile /= 2;
   return tile;
+}
+// The bytes of a rank operand's element in shared memory: the product's, or the adapters'
+// where they are wider (fp32 adapters of a half product are staged as they come and
+// rounded per step: at rank 128 on the tiles of bf16 ones, merge and the MoE forward took
+// 324608 bytes, at rank 256 the MoE and embedding backwards 276480 and 350208).
+inline int64_t rank_bytes(const Product& dot, DType a, DType b) {
+  return std::max({dtype_size_bytes(dot), dtype_size_bytes(a), dtype_size_bytes(b)});
 }
 
 std::string shape_str(const TensorView& t);

@@ -356,7 +356,7 @@ EmbeddingLaunch plan_embedding(const EmbeddingForward& c, const Config& config, 
       config.block_m ? config.block_m : (gpu ? (dtype_size_bytes(c.weight.dtype) > 2 ? 64 : 128) : 16);
   const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
   const int64_t bd =
-      config.block_k ? config.block_k : (gpu ? rank_narrowed(128, r_pad, dtype_size_bytes(dot), 256) : 64);
+      config.block_k ? config.block_k : (gpu ? rank_narrowed(128, r_pad, rank_bytes(dot, c.A.dtype, c.B.dtype), 256) : 64);
   const int64_t blocks = cdiv(T, bt), steps = cdiv(D, bd);
   const int64_t split = config.split_k ? config.split_k
                         : gpu          ? split_for_waves(blocks, programs, steps, 1)
@@ -543,16 +543,17 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
   const bool gpu = c.x1.device.is_cuda();
   // grad_out's products with the activations (from A, or after_a) and with B.
   const Product dot = product_dtype(c.g2.dtype, c.act ? c.act->dtype : c.A.dtype, c.B.dtype);
-  // Tall token blocks: dB's atomics per element of grad_out are R_PAD / BLOCK_T.
-  const int64_t bt = config.block_m ? config.block_m : (gpu ? 128 : 16);
+  const int64_t r_pad = std::max<int64_t>(16, next_pow2(r));
+  const int64_t bytes = rank_bytes(dot, c.act ? c.act->dtype : c.A.dtype, c.B.dtype);
+  // Tall token blocks: dB's atomics per element of grad_out are R_PAD / BLOCK_T. Half as
+  // tall where a block's activations alone would take 128 KiB of shared memory (fp32
+  // adapters at rank 256 with bf16 grad_out: 279552 bytes on 128-token blocks).
+  const int64_t bt = config.block_m ? config.block_m : (gpu ? (r_pad * bytes >= 1024 ? 64 : 128) : 16);
   // 128 columns per step on a GPU where three stages of such tiles fit (2-byte
   // grad_out, r up to 64): such tiles may start beside the zero-fill (release_early),
   // 44-45 us at 8192x128256x4096 on an H100 against 46-48 us for 128x64.
   const bool wide = gpu && dtype_size_bytes(c.g2.dtype) <= 2 && r <= 64;
-  const int64_t r_pad = std::max<int64_t>(16, next_pow2(r));
-  const int64_t bd = config.block_k ? config.block_k
-                     : gpu          ? rank_narrowed(wide ? 128 : 64, r_pad, dtype_size_bytes(dot), 512)
-                                    : 64;
+  const int64_t bd = config.block_k ? config.block_k : gpu ? rank_narrowed(wide ? 128 : 64, r_pad, bytes, 512) : 64;
   // On a GPU the token blocks' programs share D as one full wave: long programs,
   // whose dB partial sums and activation gathers are paid once per more columns
   // (on an H100 at 8192x128256x4096: 47.3 us against 76 us at about three waves).

@@ -40,7 +40,7 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
   const int64_t bm_default = gpu ? std::clamp<int64_t>(8192 / r_pad, 16, 64) : 16;
   const int64_t bm = config.block_m ? config.block_m : bm_default;
   const int64_t bk =
-      config.block_k ? config.block_k : (gpu ? rank_narrowed(128, r_pad, dtype_size_bytes(dot), 512) : 64);
+      config.block_k ? config.block_k : (gpu ? rank_narrowed(128, r_pad, rank_bytes(dot, A3.dtype, B3.dtype), 512) : 64);
   const int64_t steps = std::max<int64_t>(1, cdiv(in, bk));
   int64_t split = slices_within(config.split_k, steps);
   if (split == 0) {

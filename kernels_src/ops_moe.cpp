@@ -29,7 +29,7 @@ MoePlan plan_moe(const TensorView& W, DType a, DType b, int64_t r, bool gpu, con
   const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
   const int64_t bn = config.block_m ? config.block_m : (gpu ? 64 : 16);
   const int64_t bk =
-      config.block_k ? config.block_k : (gpu ? rank_narrowed(128, r_pad, dtype_size_bytes(dot), 512) : 64);
+      config.block_k ? config.block_k : (gpu ? rank_narrowed(128, r_pad, rank_bytes(dot, a, b), 512) : 64);
   MoePlan p;
   p.meta = {{"BLOCK_N", bn}, {"BLOCK_K", bk}, {"R_PAD", r_pad}, {"num_warps", config.num_warps ? config.num_warps : 4}};
   set_product_meta(p.meta, dot, config);

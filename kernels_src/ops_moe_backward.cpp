@@ -74,7 +74,7 @@ MoeBackwardPlan plan_launch(const TensorView& dW, DType a, DType b, int64_t r, b
   const int64_t bn =
       config.block_m ? config.block_m : (gpu ? std::clamp<int64_t>(8192 / r_pad, 32, 128) : 16);
   const int64_t bk =
-      config.block_k ? config.block_k : (gpu ? rank_narrowed(64, r_pad, dtype_size_bytes(dot), 1024) : 64);
+      config.block_k ? config.block_k : (gpu ? rank_narrowed(64, r_pad, rank_bytes(dot, a, b), 1024) : 64);
   MoeBackwardPlan p;
   p.kernel = &kernels::moe_lora_backward();
   p.split = config.split_k;

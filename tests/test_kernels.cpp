@@ -13,6 +13,7 @@
 #include "kerf/kernels/kernels.h"
 #include "kerf/ops/ops.h"
 #include "sample_kernels.h"
+#include "test_cache_util.h"
 
 using namespace kerf;
 using kerf::test::TestTensor;
@@ -242,6 +243,23 @@ TEST_CASE("dora_norm matches a float64 reference on the GPU", "[gpu][kernels]") 
   run_dora_cases(Device::cuda(0));
 }
 
+// Untuned (KERF_AUTOTUNE=0, as on a first call inside a graph capture) the ops run their
+// own tiles, narrowed at ranks >= 128 to fit the shared memory: those tiles at ranks 128
+// and 256 on every product (bf16, f16, TF32 for f16 W with fp32 adapters, fp32 FMA).
+TEST_CASE("dora_norm with its untuned tiles at ranks 128 and 256 matches a float64 reference on the GPU",
+          "[gpu][kernels][large_rank]") {
+  KERF_REQUIRE_GPU();
+  test::ScopedEnv env({{"KERF_AUTOTUNE", "0"}});
+  const std::vector<DoraCase> cases = {
+      {300, 700, 128, DType::bf16, DType::bf16, 0}, {300, 700, 256, DType::bf16, DType::f32, 0},
+      {257, 333, 256, DType::f16, DType::f32, 0},   {257, 333, 128, DType::f16, DType::f16, 0},
+      {130, 400, 128, DType::f32, DType::f32, 0},   {130, 400, 256, DType::f32, DType::f32, 0},
+      {1000, 1500, 256, DType::bf16, DType::bf16, 0},
+  };
+  uint64_t seed = 4400;
+  for (const DoraCase& c : cases) check_dora(c, Device::cuda(0), seed++);
+}
+
 TEST_CASE("moe_lora_materialize matches a float64 reference on the CPU", "[cpu][kernels]") {
   KERF_REQUIRE_CPU_BACKEND();
   run_moe_cases(Device::cpu());
@@ -250,6 +268,23 @@ TEST_CASE("moe_lora_materialize matches a float64 reference on the CPU", "[cpu][
 TEST_CASE("moe_lora_materialize matches a float64 reference on the GPU", "[gpu][kernels]") {
   KERF_REQUIRE_GPU();
   run_moe_cases(Device::cuda(0));
+}
+
+TEST_CASE("moe_lora_materialize with its untuned tiles at ranks 128 and 256 matches a float64 reference on the GPU",
+          "[gpu][kernels][large_rank]") {
+  KERF_REQUIRE_GPU();
+  test::ScopedEnv env({{"KERF_AUTOTUNE", "0"}});
+  const std::vector<MoeCase> cases = {
+      {2, 100, 130, 128, DType::bf16, true},
+      {2, 72, 264, 256, DType::f16, false, ops::Config{}, DType::f32},
+      {2, 64, 256, 256, DType::f32, true},
+      {3, 130, 200, 256, DType::bf16, false},
+      // PEFT's fp32 adapters on a bf16 W (a bf16 product, the adapters staged as fp32).
+      {2, 100, 130, 256, DType::bf16, true, ops::Config{}, DType::f32},
+      {2, 72, 264, 128, DType::bf16, false, ops::Config{}, DType::f32},
+  };
+  uint64_t seed = 4500;
+  for (const MoeCase& c : cases) check_moe(c, Device::cuda(0), seed++);
 }
 
 namespace {

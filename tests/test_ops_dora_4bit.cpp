@@ -181,6 +181,22 @@ TEST_CASE("dora_norm_4bit matches float64 references on the GPU", "[gpu][ops][do
   run_4bit_cases(Device::cuda(0));
 }
 
+// Untuned (KERF_AUTOTUNE=0, or a first call in a capture): the op's own tiles, narrowed at
+// ranks >= 128 to fit the shared memory, with every adapter dtype.
+TEST_CASE("dora_norm_4bit with its untuned tiles at ranks 128 and 256 matches float64 references on the GPU",
+          "[gpu][ops][dora][4bit][large_rank]") {
+  KERF_REQUIRE_GPU();
+  test::ScopedEnv env({{"KERF_AUTOTUNE", "0"}});
+  const std::vector<Case4> cases = {
+      {77, 130, 128, 64, DType::f32, DType::f32, {}},
+      {64, 256, 256, 64, DType::bf16, DType::bf16, {}},
+      {33, 322, 256, 128, DType::f16, DType::f32, {}},
+      {96, 512, 256, 128, DType::f32, DType::f32, {}},
+  };
+  uint64_t seed = 4900;
+  for (const Case4& c : cases) check_4bit(c, Device::cuda(0), seed++);
+}
+
 namespace {
 
 // A call repeating the last one's shapes, strides, dtypes and alignment takes the

@@ -12,6 +12,7 @@
 #include "kerf/error.h"
 #include "kerf/jit/launch.h"
 #include "kerf/ops/ops.h"
+#include "test_cache_util.h"
 
 using namespace kerf;
 using kerf::test::TestTensor;
@@ -93,19 +94,35 @@ void check_forward(const EmbCase& c, Device dev, uint64_t seed) {
   for (int64_t i = 0; i < out.numel(); ++i) CHECK(out2.get(i) == out.get(i));
   for (int64_t t = 0; t < T; ++t)
     for (int64_t k = 0; k < c.r; ++k) CHECK(act.get(t * c.r + k) == A.get(k * c.V + int64_t(X.get(t * xs))));
-  std::vector<double> got, ref;
+  // A half out with fp32 adapters takes them in the table's product (docs/ops.md): bf16
+  // for a bf16 table, TF32 for an f16 one on the GPU, s*A rounded once. The reference
+  // rounds them so (at rank 128 a bf16 product's rounding reaches 1.3% of W's scale, as
+  // much as out's own); the exact product is checked within twice the tolerance.
+  const bool rounded = c.ab == DType::f32 && c.out != DType::f32;
+  const auto promise = [&](double v) {
+    if (rounded && c.w == DType::bf16) return double(bf16_to_float(float_to_bf16(float(v))));
+    if (rounded && c.w == DType::f16 && dev.is_cuda()) return test::tf32(float(v));
+    return v;
+  };
+  std::vector<double> got, ref, exact;
   for (int64_t t = 0; t < T; ++t) {
     const auto id = int64_t(X.get(t * xs));
     for (int64_t d = 0; d < c.D; ++d) {
-      double l = 0;
-      for (int64_t k = 0; k < c.r; ++k) l += A.get(k * c.V + id) * B.get(d * c.r + k);
-      ref.push_back(Wt.get(id * c.D + d) + s * l);
+      double l = 0, promised = 0;
+      for (int64_t k = 0; k < c.r; ++k) {
+        const double a = A.get(k * c.V + id), b = B.get(d * c.r + k);
+        l += a * b;
+        promised += promise(float(a) * float(s)) * promise(b);
+      }
+      exact.push_back(Wt.get(id * c.D + d) + s * l);
+      ref.push_back(Wt.get(id * c.D + d) + promised);
       got.push_back(out.get(t * c.D + d));
     }
   }
   // An fp32 out keeps fp32 precision whatever the inputs' dtypes: half values are exact,
   // fp32 adapters multiply in fp32 (not rounded to a half table's dtype first).
   CHECK(test::max_relative_error(got, ref, 1.0) <= test::tolerance(c.out));
+  CHECK(test::max_relative_error(got, exact, 1.0) <= 2 * test::tolerance(c.out));
 }
 
 void run_forward_cases(Device dev) {
@@ -208,6 +225,14 @@ void check_backward(const BackCase& c, Device dev, uint64_t seed) {
   dA.download();
   dB.download();
   const int64_t pad = c.padding ? (*c.padding < 0 ? *c.padding + c.V : *c.padding) : -1;
+  // grad_out's products take the adapters in its own product (docs/ops.md): bf16 for bf16
+  // grad_out, TF32 on the GPU for f16 grad_out with fp32 or bf16 adapters; the reference
+  // rounds them so (an id repeated by 16 tokens sums 16 rows of the product's rounding).
+  const auto promise = [&](double v) {
+    if (c.g == DType::bf16) return double(bf16_to_float(float_to_bf16(float(v))));
+    if (c.g == DType::f16 && c.ab != DType::f16 && dev.is_cuda()) return test::tf32(float(v));
+    return v;
+  };
   std::vector<double> count(size_t(c.V), 0.0), ra(size_t(c.r * c.V), 0.0),
       rb(size_t(c.D * c.r), 0.0);
   for (int64_t t = 0; t < c.T; ++t) count[size_t(X.get(t))] += 1;
@@ -215,10 +240,10 @@ void check_backward(const BackCase& c, Device dev, uint64_t seed) {
     const auto id = int64_t(X.get(t));
     for (int64_t k = 0; k < c.r; ++k) {
       double gb = 0;
-      for (int64_t d = 0; d < c.D; ++d) gb += G.get(t * c.D + d) * B.get(d * c.r + k);
+      for (int64_t d = 0; d < c.D; ++d) gb += G.get(t * c.D + d) * promise(B.get(d * c.r + k));
       if (id != pad) ra[size_t(k * c.V + id)] += s * gb / (c.by_freq ? count[size_t(id)] : 1.0);
-      for (int64_t d = 0; d < c.D; ++d)
-        rb[size_t(d * c.r + k)] += s * G.get(t * c.D + d) * act_scale * A.get(k * c.V + id);
+      const double a = promise(act_scale * A.get(k * c.V + id));
+      for (int64_t d = 0; d < c.D; ++d) rb[size_t(d * c.r + k)] += s * G.get(t * c.D + d) * a;
     }
   }
   std::vector<double> ga, gb;
@@ -433,6 +458,38 @@ TEST_CASE(
     "[gpu][ops][embedding]") {
   KERF_REQUIRE_GPU();
   run_backward_cases(Device::cuda(0));
+}
+
+// Untuned (KERF_AUTOTUNE=0, or a first call in a capture): the op's own tiles, narrowed at
+// ranks >= 128 to fit the shared memory, both ways, on every product.
+TEST_CASE("lora_embedding and its backward with their untuned tiles at ranks 128 and 256 match a float64 "
+          "reference on the GPU",
+          "[gpu][ops][embedding][large_rank]") {
+  KERF_REQUIRE_GPU();
+  test::ScopedEnv env({{"KERF_AUTOTUNE", "0"}});
+  const std::vector<EmbCase> forward = {
+      {{3, 37}, 1000, 130, 128, DType::i64, DType::bf16, DType::bf16, DType::bf16},
+      {{70}, 400, 96, 256, DType::i64, DType::f16, DType::f32, DType::f32},
+      {{50}, 77, 33, 256, DType::i32, DType::f32, DType::f32, DType::f32, true},
+      {{4, 16}, 512, 256, 128, DType::i64, DType::bf16, DType::f32, DType::bf16},
+      {{70}, 400, 96, 256, DType::i64, DType::bf16, DType::f32, DType::bf16},
+  };
+  uint64_t seed = 4800;
+  for (const EmbCase& c : forward) check_forward(c, Device::cuda(0), seed++);
+  const std::vector<BackCase> backward = {
+      {111, 1000, 130, 128, DType::bf16, DType::bf16, DType::bf16, std::nullopt, false},
+      {64, 512, 256, 256, DType::f16, DType::f32, DType::f32, 0, true},
+      {37, 50, 40, 256, DType::f32, DType::f32, DType::f32, 7, false},
+      {200, 300, 200, 128, DType::bf16, DType::f32, DType::bf16, std::nullopt, true},
+      // PEFT's fp32 adapters with bf16 grad_out at rank 256 (half-height token blocks).
+      {111, 1000, 130, 256, DType::bf16, DType::f32, DType::f32, std::nullopt, false},
+      {64, 512, 256, 256, DType::bf16, DType::f32, DType::bf16, 3, true},
+  };
+  for (BackCase c : backward) {
+    check_backward(c, Device::cuda(0), seed++);
+    c.after_a = 1;
+    check_backward(c, Device::cuda(0), seed++);
+  }
 }
 
 TEST_CASE("lora_embedding_backward with FUSED runs one kernel where the grouped form runs three",

@@ -662,28 +662,39 @@ TEST_CASE("the DoRA norm's default GPU tiles fit an H100's shared memory for eve
     }
 }
 
-// The same for every op the tuner knows, each in one dtype (bf16, f16, f32) at ranks 128
-// and 256 (before, the embedding at rank 128 took 280576 bytes, merge and the MoE forward
-// at rank 256 260608 and 312320, fp32 ones more).
+// The same for every op the tuner knows, in bf16, f16 and f32 and with fp32 adapters on a
+// half W, at ranks 128 and 256 and sizes that tiles do and do not divide (before, the
+// embedding at rank 128 took 280576 bytes, merge and the MoE forward at rank 256 260608 and
+// 312320, fp32 ones more; the 4-bit DoRA norm at rank 128 with fp32 adapters, in=130, 312592).
 TEST_CASE("every op's default GPU tiles fit an H100's shared memory at ranks 128 and 256", "[cuda][codegen][ops]") {
   const int limit = autotune::typical_max_shared_memory("sm_90a");
   void* const p = reinterpret_cast<void*>(uintptr_t(1) << 16);
   int planned = 0;
   for (const autotune::TunableOp& op : autotune::tunable_ops())
     for (const DType t : {DType::bf16, DType::f16, DType::f32})
-      for (const int64_t r : {128, 256}) {
-        CAPTURE(op.name, dtype_name(t), r);
-        std::vector<int64_t> shape;
-        for (const std::string& n : op.shape_names) shape.push_back(n == "r" ? r : n == "E" ? 4 : 1024);
-        std::vector<TensorView> views;
-        for (const autotune::Operand& o : op.operands(shape, t))
-          views.push_back(TensorView::contiguous(p, o.dtype, o.shape, Device::cuda(0)));
-        for (const autotune::KernelCall& call : op.kernels(views, {}, 132)) {
-          CAPTURE(call.kernel->name());
-          CHECK(jit::cuda::generate(call.kernel->trace(arg_specs(call.args), call.meta), "sm_90a").smem_bytes <=
-                limit);
-          ++planned;
+      for (const int64_t r : {128, 256})
+        for (const int64_t size : {1024, 130, 72}) {  // tiles and steps that do not divide every size too
+          CAPTURE(op.name, dtype_name(t), r, size);
+          std::vector<int64_t> shape;
+          for (const std::string& n : op.shape_names) shape.push_back(n == "r" ? r : n == "E" ? 4 : size);
+          // As given, and (half W) with fp32 adapters and adapter gradients, PEFT's usual
+          // mix: the operands with a dimension of r.
+          for (const bool fp32_adapters : {false, true}) {
+            if (fp32_adapters && t == DType::f32) continue;
+            CAPTURE(fp32_adapters);
+            std::vector<TensorView> views;
+            for (const autotune::Operand& o : op.operands(shape, t)) {
+              const bool adapter = std::find(o.shape.begin(), o.shape.end(), r) != o.shape.end();
+              views.push_back(TensorView::contiguous(p, fp32_adapters && adapter ? DType::f32 : o.dtype, o.shape,
+                                                     Device::cuda(0)));
+            }
+            for (const autotune::KernelCall& call : op.kernels(views, {}, 132)) {
+              CAPTURE(call.kernel->name());
+              CHECK(jit::cuda::generate(call.kernel->trace(arg_specs(call.args), call.meta), "sm_90a").smem_bytes <=
+                    limit);
+              ++planned;
+            }
+          }
         }
-      }
-  CHECK(planned >= 7 * 3 * 2);  // dora_norm, its 4-bit form, merge, MoE and its backward, embedding both ways
+  CHECK(planned >= 7 * 5 * 2 * 3);  // dora_norm, its 4-bit form, merge, MoE and its backward, embedding both ways
 }

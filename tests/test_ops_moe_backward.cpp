@@ -11,6 +11,7 @@
 #include "gpu_test_util.h"
 #include "kerf/error.h"
 #include "kerf/ops/ops.h"
+#include "test_cache_util.h"
 
 using namespace kerf;
 using kerf::test::TestTensor;
@@ -300,6 +301,26 @@ TEST_CASE("moe_lora_materialize_backward matches a float64 reference in every la
           "[gpu][ops][moe]") {
   KERF_REQUIRE_GPU();
   run_backward_cases(Device::cuda(0));
+}
+
+// Untuned (KERF_AUTOTUNE=0, or a first call in a capture): the op's own tiles, narrowed at
+// ranks >= 128 to fit the shared memory, on every product.
+TEST_CASE("moe_lora_materialize_backward with its untuned tiles at ranks 128 and 256 matches a float64 reference "
+          "on the GPU",
+          "[gpu][ops][moe][large_rank]") {
+  KERF_REQUIRE_GPU();
+  test::ScopedEnv env({{"KERF_AUTOTUNE", "0"}});
+  const std::vector<BackwardCase> cases = {
+      {2, 100, 130, 128, DType::bf16, DType::bf16, DType::f32, MoeLayout::peft},
+      {2, 90, 150, 256, DType::f16, DType::f32, DType::f16, MoeLayout::peft_transposed},
+      {2, 64, 200, 256, DType::f32, DType::f32, DType::f32, MoeLayout::plain},
+      {2, 130, 300, 256, DType::bf16, DType::bf16, DType::bf16, MoeLayout::plain},
+      // PEFT's fp32 adapters on bf16 (a bf16 product, the adapters staged as fp32).
+      {2, 100, 130, 256, DType::bf16, DType::f32, DType::bf16, MoeLayout::peft},
+      {2, 64, 200, 128, DType::bf16, DType::f32, DType::f32, MoeLayout::plain},
+  };
+  uint64_t seed = 4700;
+  for (const BackwardCase& c : cases) check_backward(c, Device::cuda(0), seed++);
 }
 
 TEST_CASE("moe_lora_materialize follows PEFT's layout for transposed experts on the CPU",
