@@ -351,12 +351,15 @@ EmbeddingLaunch plan_embedding(const EmbeddingForward& c, const Config& config, 
   // GPU: 128x128 tiles (64x128 for an fp32 table: three stages of 128x128 fp32
   // rows do not fit in shared memory), D shared by one full wave of programs (the
   // tuner's choice at 8192x128256x4096 in bf16 on an H100: 58.6 us against 67.3
-  // us for 32-token blocks split for about three waves).
-  const int64_t bt =
-      config.block_m ? config.block_m : (gpu ? (dtype_size_bytes(c.weight.dtype) > 2 ? 64 : 128) : 16);
+  // us for 32-token blocks split for about three waves). 64-token blocks too where the
+  // rank's operands take 4 bytes at rank 64 and up (fp32 adapters on a half table: 282624
+  // bytes on 128-token blocks at rank 64).
   const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
-  const int64_t bd =
-      config.block_k ? config.block_k : (gpu ? rank_narrowed(128, r_pad, rank_bytes(dot, c.A.dtype, c.B.dtype), 256) : 64);
+  const int64_t bytes = rank_bytes(dot, c.A.dtype, c.B.dtype);
+  const int64_t bt = config.block_m ? config.block_m
+                     : gpu          ? (dtype_size_bytes(c.weight.dtype) > 2 || r_pad * bytes >= 256 ? 64 : 128)
+                                    : 16;
+  const int64_t bd = config.block_k ? config.block_k : (gpu ? rank_narrowed(128, r_pad, bytes, 256) : 64);
   const int64_t blocks = cdiv(T, bt), steps = cdiv(D, bd);
   const int64_t split = config.split_k ? config.split_k
                         : gpu          ? split_for_waves(blocks, programs, steps, 1)
@@ -551,8 +554,9 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
   const int64_t bt = config.block_m ? config.block_m : (gpu ? (r_pad * bytes >= 1024 ? 64 : 128) : 16);
   // 128 columns per step on a GPU where three stages of such tiles fit (2-byte
   // grad_out, r up to 64): such tiles may start beside the zero-fill (release_early),
-  // 44-45 us at 8192x128256x4096 on an H100 against 46-48 us for 128x64.
-  const bool wide = gpu && dtype_size_bytes(c.g2.dtype) <= 2 && r <= 64;
+  // 44-45 us at 8192x128256x4096 on an H100 against 46-48 us for 128x64. Not at rank 64
+  // with 4-byte adapters or products (fp32 adapters: 247808 bytes in bf16, 321536 in TF32).
+  const bool wide = gpu && dtype_size_bytes(c.g2.dtype) <= 2 && r <= 64 && (r_pad < 64 || bytes <= 2);
   const int64_t bd = config.block_k ? config.block_k : gpu ? rank_narrowed(wide ? 128 : 64, r_pad, bytes, 512) : 64;
   // On a GPU the token blocks' programs share D as one full wave: long programs,
   // whose dB partial sums and activation gathers are paid once per more columns

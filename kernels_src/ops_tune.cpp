@@ -5,6 +5,7 @@
 #include <cstring>
 #include <map>
 
+#include "kerf/cache/log.h"
 #include "kerf/error.h"
 #include "kerf/jit/launch.h"
 #include "ops_checks.h"
@@ -233,9 +234,77 @@ thread_local uint64_t provisional_count = 0;
 
 uint64_t provisional_configs() { return provisional_count; }
 
+int config_shared_memory(const TuneRequest& q, const Config& config, const std::string& arch) {
+  int most = 0;
+  for (const autotune::KernelCall& k : q.kernels(config))
+    most = std::max(most, autotune::shared_memory_bytes(*k.kernel, k.args, k.meta, arch));
+  return most;
+}
+
+Config untuned_config(const TuneRequest& q, const std::string& arch, int limit, UntunedFit* fit) {
+  UntunedFit f;
+  f.own_bytes = f.bytes = config_shared_memory(q, {}, arch);
+  Config chosen;
+  if (f.own_bytes <= limit) {
+    if (fit) *fit = f;
+    return chosen;
+  }
+  // The tuner's candidates, then (none fitting: GPUs of 99 KiB at ranks of 128 and up)
+  // small tiles on two stages.
+  const std::vector<autotune::Config> small = autotune::product({{q.block_m_name, {64, 32, 16}},
+                                                                 {q.block_k_name, {64, 32, 16}},
+                                                                 {"num_warps", {4}},
+                                                                 {"num_stages", {2}}});
+  for (const std::vector<autotune::Config>* list : {&q.gpu_candidates, &small}) {
+    const autotune::Config* best = nullptr;
+    int best_bytes = -1;
+    for (const autotune::Config& c : *list) {
+      const Config cfg = config_of(q, c);
+      // Tiles far beyond the problem only waste work (the smallest ones stay).
+      if (q.extent_m && cfg.block_m > 16 && cfg.block_m > next_pow2(q.extent_m)) continue;
+      if (q.extent_k && cfg.block_k > 16 && cfg.block_k > next_pow2(q.extent_k)) continue;
+      const int n = config_shared_memory(q, cfg, arch);
+      if (n <= limit && n > best_bytes) {
+        best = &c;
+        best_bytes = n;
+      }
+    }
+    if (best) {
+      chosen = config_of(q, *best);
+      f.bytes = best_bytes;
+      f.candidate = autotune::config_text(*best);
+      break;
+    }
+  }
+  if (fit) *fit = f;
+  return chosen;
+}
+
+namespace {
+
+// untuned_config on the device of `q` (the op's own config on the CPU), said once per
+// problem and choice at KERF_LOG=info when the op's own tiles do not fit.
+Config untuned_on_device(const TuneRequest& q) {
+  const Device& dev = q.problem.device;
+  if (!dev.is_cuda() || q.gpu_candidates.empty()) return {};
+  const std::string arch = device_arch(dev.index);
+  const int limit = autotune::max_shared_memory(dev.index);
+  UntunedFit f;
+  const Config chosen = untuned_config(q, arch, limit, &f);
+  if (!f.candidate.empty())
+    log::once(log::Level::info, "untuned-fit:" + q.problem.op + ":" + f.candidate + ":" + arch,
+              q.problem.op + ": its own tiles need " + std::to_string(f.own_bytes) + " bytes of shared memory, " +
+                  arch + " device " + std::to_string(dev.index) + " allows " + std::to_string(limit) +
+                  "; untuned, it runs the tuner's candidate " + f.candidate + " (" + std::to_string(f.bytes) +
+                  " bytes)");
+  return chosen;
+}
+
+}  // namespace
+
 Config tuned_config(const TuneRequest& q) {
   const Device& dev = q.problem.device;
-  if (!autotune::enabled_for(dev)) return {};
+  if (!autotune::enabled_for(dev)) return untuned_on_device(q);
   const bool gpu = dev.is_cuda();
   // Each CPU candidate is an LLVM compile: a few tile sizes only.
   std::vector<autotune::Config> candidates =
@@ -313,7 +382,12 @@ Config tuned_config(const TuneRequest& q) {
   if (gpu) options.finalist_variants = q.finalist_variants;
   options.lookup_only = capturing(dev, q.stream);
   const autotune::Choice choice = autotune::choose(q.problem, candidates, {}, hooks, options);
-  if (options.lookup_only && choice.from == autotune::Choice::From::defaults) ++provisional_count;
+  if (choice.from == autotune::Choice::From::defaults) {
+    // A capture with no stored choice, or no candidate could run (on a GPU with less
+    // shared memory than the candidates want): the untuned config for the device.
+    if (options.lookup_only) ++provisional_count;
+    return untuned_on_device(q);
+  }
   return config_of(q, choice.config);
 }
 

@@ -144,8 +144,28 @@ std::vector<autotune::Config> with_stream_tiles(std::vector<autotune::Config> ca
 // finalist variant that only sets one of them is not compiled and timed again.
 autotune::Config stream_canonical(autotune::Config c);
 
-// The autotuner's choice for `request` (its defaults, all zero, when tuning is off
-// for the device). On the CPU back end only two tile sizes of each are tried.
+// The autotuner's choice for `request`; when tuning is off for the device, or a call
+// inside a graph capture finds no stored choice, untuned_config's for the device (the
+// op's own, all zero, wherever its tiles fit). On the CPU back end only two tile sizes
+// of each are tried.
 Config tuned_config(const TuneRequest& request);
+
+// The most shared memory a block of `config`'s kernels (request.kernels) takes on `arch`.
+int config_shared_memory(const TuneRequest& request, const Config& config, const std::string& arch);
+// What untuned_config found: the bytes of the op's own tiles, of the config it returns,
+// and the tuner's candidate it took ("" when none: the op's own).
+struct UntunedFit {
+  int own_bytes = 0, bytes = 0;
+  std::string candidate;
+};
+// The config an untuned call runs (KERF_AUTOTUNE=0, or a capture with no stored
+// choice, or a tuning pass none of whose candidates could run) on a GPU of `arch` whose
+// blocks hold `limit` bytes of shared memory: the op's own (empty) where its tiles fit,
+// else the candidate of request.gpu_candidates that fits with the most shared memory
+// (deeper pipelines, larger tiles; the first such), else the same among small tiles
+// (16 to 64 each way, 4 warps, two stages); tiles far beyond the problem left out; the
+// op's own when nothing fits (its launch then names the bytes needed and allowed).
+// tuned_config asks it for the device at hand.
+Config untuned_config(const TuneRequest& request, const std::string& arch, int limit, UntunedFit* fit = nullptr);
 
 }  // namespace kerf::ops::detail

@@ -462,7 +462,7 @@ TEST_CASE(
 
 // Untuned (KERF_AUTOTUNE=0, or a first call in a capture): the op's own tiles, narrowed at
 // ranks >= 128 to fit the shared memory, both ways, on every product.
-TEST_CASE("lora_embedding and its backward with their untuned tiles at ranks 128 and 256 match a float64 "
+TEST_CASE("lora_embedding and its backward with their untuned tiles at ranks 64 to 256 match a float64 "
           "reference on the GPU",
           "[gpu][ops][embedding][large_rank]") {
   KERF_REQUIRE_GPU();
@@ -473,6 +473,9 @@ TEST_CASE("lora_embedding and its backward with their untuned tiles at ranks 128
       {{50}, 77, 33, 256, DType::i32, DType::f32, DType::f32, DType::f32, true},
       {{4, 16}, 512, 256, 128, DType::i64, DType::bf16, DType::f32, DType::bf16},
       {{70}, 400, 96, 256, DType::i64, DType::bf16, DType::f32, DType::bf16},
+      // Rank 64 with fp32 adapters on a half table (64-token blocks; 282624 bytes before).
+      {{3, 37}, 1000, 130, 64, DType::i64, DType::bf16, DType::f32, DType::bf16},
+      {{70}, 400, 96, 64, DType::i64, DType::f16, DType::f32, DType::f16},
   };
   uint64_t seed = 4800;
   for (const EmbCase& c : forward) check_forward(c, Device::cuda(0), seed++);
@@ -484,6 +487,9 @@ TEST_CASE("lora_embedding and its backward with their untuned tiles at ranks 128
       // PEFT's fp32 adapters with bf16 grad_out at rank 256 (half-height token blocks).
       {111, 1000, 130, 256, DType::bf16, DType::f32, DType::f32, std::nullopt, false},
       {64, 512, 256, 256, DType::bf16, DType::f32, DType::bf16, 3, true},
+      // Rank 64 with fp32 adapters (64-column steps; 247808 bytes before, 321536 in TF32).
+      {111, 1000, 130, 64, DType::bf16, DType::f32, DType::f32, std::nullopt, false},
+      {200, 300, 200, 64, DType::f16, DType::f32, DType::bf16, 7, true},
   };
   for (BackCase c : backward) {
     check_backward(c, Device::cuda(0), seed++);

@@ -672,7 +672,7 @@ TEST_CASE("every op's default GPU tiles fit an H100's shared memory at ranks 128
   int planned = 0;
   for (const autotune::TunableOp& op : autotune::tunable_ops())
     for (const DType t : {DType::bf16, DType::f16, DType::f32})
-      for (const int64_t r : {128, 256})
+      for (const int64_t r : {16, 64, 128, 256})
         for (const int64_t size : {1024, 130, 72}) {  // tiles and steps that do not divide every size too
           CAPTURE(op.name, dtype_name(t), r, size);
           std::vector<int64_t> shape;
@@ -696,5 +696,5 @@ TEST_CASE("every op's default GPU tiles fit an H100's shared memory at ranks 128
             }
           }
         }
-  CHECK(planned >= 7 * 5 * 2 * 3);  // dora_norm, its 4-bit form, merge, MoE and its backward, embedding both ways
+  CHECK(planned >= 7 * 5 * 4 * 3);  // dora_norm, its 4-bit form, merge, MoE and its backward, embedding both ways
 }

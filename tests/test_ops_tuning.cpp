@@ -1,6 +1,7 @@
 // Every autotuned op gives, when it tunes, the answer of its default config:
 // the candidates' timed runs leave no trace (in-place ops are restored between
 // and after them), and the chosen config computes the same function.
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -325,4 +326,81 @@ TEST_CASE("a STREAM config runs as one without the entries its plan overrides", 
     CHECK(plan(with) == plan(plain));
     CHECK(stream_canonical(with) == plain);
   }
+}
+
+namespace {
+
+// `c` in the names an op's registered kernels read (the reverse of config_from).
+autotune::Config candidate_of(const ops::Config& c, const std::string& m, const std::string& k) {
+  autotune::Config a;
+  if (c.block_m) a[m] = c.block_m;
+  if (c.block_k) a[k] = c.block_k;
+  if (c.split_k) a["split_k"] = c.split_k;
+  if (c.num_warps) a["num_warps"] = c.num_warps;
+  if (c.num_stages) a["num_stages"] = c.num_stages;
+  for (const auto& [name, value] : c.meta) a[name] = value;
+  return a;
+}
+
+}  // namespace
+
+// An untuned call (KERF_AUTOTUNE=0, or a first call in a capture) on a GPU whose blocks hold
+// less shared memory than an H100's runs, where the op's own tiles would not fit, the tuner's
+// candidate that fits with the most; on an H100 the op's own tiles at every rank up to 256.
+// Each op planned (not run) at r = 64, 128 and 256 in bf16, fp32 and fp32 adapters on bf16,
+// for an A100's 163 KiB and the 99 KiB of sm_86/sm_89 GPUs.
+TEST_CASE("untuned calls on GPUs with less shared memory than an H100 run the candidate that fits",
+          "[autotune][cuda][codegen]") {
+  using ops::detail::TuneRequest;
+  using ops::detail::UntunedFit;
+  const std::map<std::string, std::pair<std::string, std::string>> names = {
+      {"dora_norm", {"BLOCK_M", "BLOCK_K"}},         {"dora_norm_4bit", {"BLOCK_M", "BLOCK_K"}},
+      {"lora_merge", {"BLOCK_M", "BLOCK_K"}},        {"moe_lora_materialize", {"BLOCK_N", "BLOCK_K"}},
+      {"moe_lora_materialize_backward", {"BLOCK_N", "BLOCK_K"}}, {"lora_embedding", {"BLOCK_T", "BLOCK_D"}},
+      {"lora_embedding_backward", {"BLOCK_T", "BLOCK_D"}}};
+  void* const p = reinterpret_cast<void*>(uintptr_t(1) << 16);
+  int fitted = 0, planned = 0;
+  for (const autotune::TunableOp& op : autotune::tunable_ops()) {
+    const auto nm = names.find(op.name);
+    REQUIRE(nm != names.end());
+    for (const DType t : {DType::bf16, DType::f32})
+      for (const bool fp32_adapters : {false, true}) {
+        if (fp32_adapters && t == DType::f32) continue;
+        for (const int64_t r : {64, 128, 256}) {
+          CAPTURE(op.name, dtype_name(t), fp32_adapters, r);
+          std::vector<int64_t> shape;
+          for (const std::string& n : op.shape_names) shape.push_back(n == "r" ? r : n == "E" ? 4 : 1024);
+          std::vector<TensorView> views;
+          for (const autotune::Operand& o : op.operands(shape, t)) {
+            const bool adapter = std::find(o.shape.begin(), o.shape.end(), r) != o.shape.end();
+            views.push_back(
+                TensorView::contiguous(p, fp32_adapters && adapter ? DType::f32 : o.dtype, o.shape, Device::cuda(0)));
+          }
+          TuneRequest q;
+          q.problem.op = op.name;
+          q.block_m_name = nm->second.first;
+          q.block_k_name = nm->second.second;
+          q.gpu_candidates = op.gpu_candidates();
+          q.kernels = [&](const ops::Config& c) {
+            return op.kernels(views, candidate_of(c, q.block_m_name, q.block_k_name), 132);
+          };
+          UntunedFit h100;
+          CHECK_FALSE(ops::detail::has_config(ops::detail::untuned_config(q, "sm_90a", 232448, &h100)));
+          CHECK(h100.candidate.empty());
+          for (const char* arch : {"sm_80", "sm_89"}) {
+            CAPTURE(arch);
+            const int limit = autotune::typical_max_shared_memory(arch);
+            UntunedFit f;
+            const ops::Config c = ops::detail::untuned_config(q, arch, limit, &f);
+            CHECK(f.bytes <= limit);
+            CHECK(ops::detail::config_shared_memory(q, c, arch) == f.bytes);
+            CHECK(f.candidate.empty() == (f.own_bytes <= limit));
+            if (!f.candidate.empty()) ++fitted;
+            ++planned;
+          }
+        }
+      }
+  }
+  CHECK(planned == 7 * 3 * 3 * 2);
+  CHECK(fitted > 0);  // some of the op's own tiles need more than 99 KiB
 }
