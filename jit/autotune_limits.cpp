@@ -1,7 +1,9 @@
 // What pruning rules compare candidates against: the shared memory a kernel
 // needs (from the code generator, without compiling) and what a device allows.
+#include <cstdint>
 #include <map>
 #include <mutex>
+#include <string>
 
 #include "kerf/jit/autotune.h"
 #include "kerf/jit/cuda_codegen.h"
@@ -23,7 +25,30 @@ int arch_number(const std::string& arch) {
 
 int shared_memory_bytes(const dsl::Kernel& kernel, const std::vector<Arg>& args, const Config& meta,
                         const std::string& arch) {
-  return jit::cuda::generate(kernel.trace(arg_specs(args), meta), arch).smem_bytes;
+  // The trace sees only the arguments' kinds, dtypes, ranks and facts (never sizes) and
+  // the meta: one code generation per distinct set, remembered for the process (the
+  // untuned and pruning checks ask again for every call shape).
+  const std::vector<dsl::ArgSpec> specs = arg_specs(args);
+  std::string key = kernel.name() + "@" + std::to_string(reinterpret_cast<uintptr_t>(&kernel)) + "|" + arch + "|";
+  for (const auto& [name, value] : meta) key += name + "=" + std::to_string(value) + ",";
+  for (const dsl::ArgSpec& a : specs) {
+    const ir::TensorFacts& f = a.facts;
+    key += "|" + std::to_string(int(a.kind)) + ":" + std::to_string(int(a.dtype)) + ":" + std::to_string(a.rank) +
+           ":" + std::to_string(f.contiguous_last) + std::to_string(f.aligned16) + ":" +
+           std::to_string(f.dims_div16) + ":" + std::to_string(f.strides_div16) + ":" + std::to_string(f.dims_div8) +
+           ":" + std::to_string(f.strides_div8);
+  }
+  static std::mutex mu;
+  static std::map<std::string, int> known;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    const auto it = known.find(key);
+    if (it != known.end()) return it->second;
+  }
+  const int bytes = jit::cuda::generate(kernel.trace(specs, meta), arch).smem_bytes;
+  std::lock_guard<std::mutex> lock(mu);
+  known.emplace(std::move(key), bytes);
+  return bytes;
 }
 
 int max_shared_memory(int device) {

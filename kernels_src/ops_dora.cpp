@@ -56,7 +56,8 @@ DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, Product w_dtype, bool gpu
   const bool wide = own_tiles && !four_bit && !big_rank && (is_half(dot) || dot.tf32) && r_pad >= 32;
   const int64_t bm = config.block_m ? config.block_m : (wide ? 128 : gpu ? 64 : 16);
   // The 4-bit kernel keeps fp32 adapters as they are in shared memory: from rank 128, steps
-  // of 64 (rank 128 on 64x128 steps, three stages: 312592 bytes).
+  // of 64 whatever the adapters (rank 128 with fp32 ones on 64x128 steps, three stages:
+  // 312592 bytes).
   int64_t bk_default = big_rank ? 32 : wide ? 64 : gpu && !(four_bit && r_pad >= 128) ? 128 : 64;
   if (four_bit) {  // by default a step stays inside a scale block when it can
     const int64_t b = std::clamp<int64_t>(blocksize, 32, bk_default);

@@ -352,12 +352,12 @@ EmbeddingLaunch plan_embedding(const EmbeddingForward& c, const Config& config, 
   // rows do not fit in shared memory), D shared by one full wave of programs (the
   // tuner's choice at 8192x128256x4096 in bf16 on an H100: 58.6 us against 67.3
   // us for 32-token blocks split for about three waves). 64-token blocks too where the
-  // rank's operands take 4 bytes at rank 64 and up (fp32 adapters on a half table: 282624
-  // bytes on 128-token blocks at rank 64).
+  // rank's operands take 4 bytes at rank 64 and up (fp32 adapters or a TF32 product on a
+  // half table: 282624 bytes on 128-token blocks at rank 64).
   const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
   const int64_t bytes = rank_bytes(dot, c.A.dtype, c.B.dtype);
   const int64_t bt = config.block_m ? config.block_m
-                     : gpu          ? (dtype_size_bytes(c.weight.dtype) > 2 || r_pad * bytes >= 256 ? 64 : 128)
+                     : gpu          ? (dtype_size_bytes(c.weight.dtype) > 2 || (bytes >= 4 && r_pad >= 64) ? 64 : 128)
                                     : 16;
   const int64_t bd = config.block_k ? config.block_k : (gpu ? rank_narrowed(128, r_pad, bytes, 256) : 64);
   const int64_t blocks = cdiv(T, bt), steps = cdiv(D, bd);
@@ -549,9 +549,11 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
   const int64_t r_pad = std::max<int64_t>(16, next_pow2(r));
   const int64_t bytes = rank_bytes(dot, c.act ? c.act->dtype : c.A.dtype, c.B.dtype);
   // Tall token blocks: dB's atomics per element of grad_out are R_PAD / BLOCK_T. Half as
-  // tall where a block's activations alone would take 128 KiB of shared memory (fp32
-  // adapters at rank 256 with bf16 grad_out: 279552 bytes on 128-token blocks).
-  const int64_t bt = config.block_m ? config.block_m : (gpu ? (r_pad * bytes >= 1024 ? 64 : 128) : 16);
+  // tall at rank 256 with 4-byte operands beside half grad_out (fp32 adapters with bf16
+  // grad_out: 279552 bytes on 128-token blocks; an fp32 grad_out fits them).
+  const int64_t bt = config.block_m ? config.block_m
+                     : gpu ? (r_pad * bytes >= 1024 && dtype_size_bytes(c.g2.dtype) < bytes ? 64 : 128)
+                           : 16;
   // 128 columns per step on a GPU where three stages of such tiles fit (2-byte
   // grad_out, r up to 64): such tiles may start beside the zero-fill (release_early),
   // 44-45 us at 8192x128256x4096 on an H100 against 46-48 us for 128x64. Not at rank 64

@@ -259,6 +259,7 @@ Config untuned_config(const TuneRequest& q, const std::string& arch, int limit, 
     const autotune::Config* best = nullptr;
     int best_bytes = -1;
     for (const autotune::Config& c : *list) {
+      if (c.count("split_waves")) continue;  // a tile's splits: the tile itself is in the list
       const Config cfg = config_of(q, c);
       // Tiles far beyond the problem only waste work (the smallest ones stay).
       if (q.extent_m && cfg.block_m > 16 && cfg.block_m > next_pow2(q.extent_m)) continue;
@@ -272,7 +273,7 @@ Config untuned_config(const TuneRequest& q, const std::string& arch, int limit, 
     if (best) {
       chosen = config_of(q, *best);
       f.bytes = best_bytes;
-      f.candidate = autotune::config_text(*best);
+      f.candidate = (list == &small ? "small tiles " : "the tuner's candidate ") + autotune::config_text(*best);
       break;
     }
   }
@@ -283,7 +284,7 @@ Config untuned_config(const TuneRequest& q, const std::string& arch, int limit, 
 namespace {
 
 // untuned_config on the device of `q` (the op's own config on the CPU), said once per
-// problem and choice at KERF_LOG=info when the op's own tiles do not fit.
+// op, choice and architecture at KERF_LOG=info when the op's own tiles do not fit.
 Config untuned_on_device(const TuneRequest& q) {
   const Device& dev = q.problem.device;
   if (!dev.is_cuda() || q.gpu_candidates.empty()) return {};
@@ -295,7 +296,7 @@ Config untuned_on_device(const TuneRequest& q) {
     log::once(log::Level::info, "untuned-fit:" + q.problem.op + ":" + f.candidate + ":" + arch,
               q.problem.op + ": its own tiles need " + std::to_string(f.own_bytes) + " bytes of shared memory, " +
                   arch + " device " + std::to_string(dev.index) + " allows " + std::to_string(limit) +
-                  "; untuned, it runs the tuner's candidate " + f.candidate + " (" + std::to_string(f.bytes) +
+                  "; untuned, it runs " + f.candidate + " (" + std::to_string(f.bytes) +
                   " bytes)");
   return chosen;
 }
@@ -382,10 +383,12 @@ Config tuned_config(const TuneRequest& q) {
   if (gpu) options.finalist_variants = q.finalist_variants;
   options.lookup_only = capturing(dev, q.stream);
   const autotune::Choice choice = autotune::choose(q.problem, candidates, {}, hooks, options);
-  if (choice.from == autotune::Choice::From::defaults) {
-    // A capture with no stored choice, or no candidate could run (on a GPU with less
-    // shared memory than the candidates want): the untuned config for the device.
-    if (options.lookup_only) ++provisional_count;
+  // A capture with no stored choice, or a pass none of whose candidates could run (on a
+  // GPU with less shared memory than they want), then remembered as the empty config for
+  // the problem's bucket: the untuned config for the device. (A pass choosing the op's
+  // own config names it: {"defaults", 1}.)
+  if (choice.from == autotune::Choice::From::defaults || choice.config.empty()) {
+    if (options.lookup_only && choice.from == autotune::Choice::From::defaults) ++provisional_count;
     return untuned_on_device(q);
   }
   return config_of(q, choice.config);

@@ -144,9 +144,10 @@ std::vector<autotune::Config> with_stream_tiles(std::vector<autotune::Config> ca
 // finalist variant that only sets one of them is not compiled and timed again.
 autotune::Config stream_canonical(autotune::Config c);
 
-// The autotuner's choice for `request`; when tuning is off for the device, or a call
-// inside a graph capture finds no stored choice, untuned_config's for the device (the
-// op's own, all zero, wherever its tiles fit). On the CPU back end only two tile sizes
+// The autotuner's choice for `request`; when tuning is off for the device, a call
+// inside a graph capture finds no stored choice, or no candidate could run (then for
+// every later call of the problem too), untuned_config's for the device (the op's own,
+// all zero, wherever its tiles fit). On the CPU back end only two tile sizes
 // of each are tried.
 Config tuned_config(const TuneRequest& request);
 

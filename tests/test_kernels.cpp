@@ -255,6 +255,9 @@ TEST_CASE("dora_norm with its untuned tiles at ranks 128 and 256 matches a float
       {257, 333, 256, DType::f16, DType::f32, 0},   {257, 333, 128, DType::f16, DType::f16, 0},
       {130, 400, 128, DType::f32, DType::f32, 0},   {130, 400, 256, DType::f32, DType::f32, 0},
       {1000, 1500, 256, DType::bf16, DType::bf16, 0},
+      // Small tiles on two stages, as an untuned call runs them on GPUs of 99 KiB.
+      {300, 700, 256, DType::bf16, DType::f32, 0, 2, 0, 32, 4, 0, 0, 16},
+      {257, 333, 128, DType::f16, DType::f32, 0, 2, 0, 16, 4, 0, 0, 32},
   };
   uint64_t seed = 4400;
   for (const DoraCase& c : cases) check_dora(c, Device::cuda(0), seed++);
@@ -282,6 +285,8 @@ TEST_CASE("moe_lora_materialize with its untuned tiles at ranks 128 and 256 matc
       // PEFT's fp32 adapters on a bf16 W (a bf16 product, the adapters staged as fp32).
       {2, 100, 130, 256, DType::bf16, true, ops::Config{}, DType::f32},
       {2, 72, 264, 128, DType::bf16, false, ops::Config{}, DType::f32},
+      // Small tiles on two stages, as an untuned call runs them on GPUs of 99 KiB.
+      {2, 64, 130, 256, DType::bf16, true, ops::Config{16, 32, 0, 4, 2}, DType::f32},
   };
   uint64_t seed = 4500;
   for (const MoeCase& c : cases) check_moe(c, Device::cuda(0), seed++);

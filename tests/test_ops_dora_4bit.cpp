@@ -192,6 +192,8 @@ TEST_CASE("dora_norm_4bit with its untuned tiles at ranks 128 and 256 matches fl
       {64, 256, 256, 64, DType::bf16, DType::bf16, {}},
       {33, 322, 256, 128, DType::f16, DType::f32, {}},
       {96, 512, 256, 128, DType::f32, DType::f32, {}},
+      // Small tiles on two stages, as an untuned call runs them on GPUs of 99 KiB.
+      {64, 256, 256, 64, DType::f32, DType::f32, ops::Config{16, 32, 0, 4, 2}},
   };
   uint64_t seed = 4900;
   for (const Case4& c : cases) check_4bit(c, Device::cuda(0), seed++);

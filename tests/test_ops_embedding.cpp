@@ -476,6 +476,8 @@ TEST_CASE("lora_embedding and its backward with their untuned tiles at ranks 64 
       // Rank 64 with fp32 adapters on a half table (64-token blocks; 282624 bytes before).
       {{3, 37}, 1000, 130, 64, DType::i64, DType::bf16, DType::f32, DType::bf16},
       {{70}, 400, 96, 64, DType::i64, DType::f16, DType::f32, DType::f16},
+      // Small tiles on two stages, as an untuned call runs them on GPUs of 99 KiB.
+      {{40}, 300, 96, 256, DType::i64, DType::bf16, DType::f32, DType::bf16, false, ops::Config{16, 32, 0, 4, 2}},
   };
   uint64_t seed = 4800;
   for (const EmbCase& c : forward) check_forward(c, Device::cuda(0), seed++);
@@ -490,6 +492,9 @@ TEST_CASE("lora_embedding and its backward with their untuned tiles at ranks 64 
       // Rank 64 with fp32 adapters (64-column steps; 247808 bytes before, 321536 in TF32).
       {111, 1000, 130, 64, DType::bf16, DType::f32, DType::f32, std::nullopt, false},
       {200, 300, 200, 64, DType::f16, DType::f32, DType::bf16, 7, true},
+      // Small tiles on two stages, as an untuned call runs them on GPUs of 99 KiB.
+      {111, 1000, 130, 256, DType::bf16, DType::f32, DType::f32, std::nullopt, false, 0, false, false, 0, false, 16,
+       32},
   };
   for (BackCase c : backward) {
     check_backward(c, Device::cuda(0), seed++);
