@@ -983,6 +983,8 @@ const bool embedding_registered = [] {
       };
       op.gpu_candidates = embedding_gpu_candidates;
     }
+    op.block_m_name = "BLOCK_T";
+    op.block_k_name = "BLOCK_D";
     autotune::register_op(std::move(op));
   }
   return true;

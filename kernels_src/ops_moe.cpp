@@ -205,6 +205,7 @@ const bool moe_registered = [] {
     return moe_calls(p, v[0], v[1], v[2], v[3]);
   };
   op.gpu_candidates = moe_gpu_candidates;
+  op.block_m_name = "BLOCK_N";
   autotune::register_op(std::move(op));
   return true;
 }();

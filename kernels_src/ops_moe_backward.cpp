@@ -259,6 +259,7 @@ const bool moe_backward_registered = [] {
         moe_backward_kernel(v[0], v[1], v[2], 1.0, v[3], v[4], sm_count, config_from(c, "BLOCK_N", "BLOCK_K"))};
   };
   op.gpu_candidates = moe_backward_gpu_candidates;
+  op.block_m_name = "BLOCK_N";
   autotune::register_op(std::move(op));
   return true;
 }();

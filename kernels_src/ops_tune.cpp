@@ -272,6 +272,7 @@ Config untuned_config(const TuneRequest& q, const std::string& arch, int limit, 
     }
     if (best) {
       chosen = config_of(q, *best);
+      f.chosen = *best;
       f.bytes = best_bytes;
       f.candidate = (list == &small ? "small tiles " : "the tuner's candidate ") + autotune::config_text(*best);
       break;
@@ -279,6 +280,29 @@ Config untuned_config(const TuneRequest& q, const std::string& arch, int limit, 
   }
   if (fit) *fit = f;
   return chosen;
+}
+
+autotune::Config untuned_candidate(const autotune::TunableOp& op, const std::vector<TensorView>& views,
+                                   const std::string& arch, int limit, int sm_count, UntunedFit* fit) {
+  TuneRequest q;
+  q.problem.op = op.name;
+  q.block_m_name = op.block_m_name;
+  q.block_k_name = op.block_k_name;
+  q.gpu_candidates = op.gpu_candidates();
+  q.kernels = [&](const Config& c) {
+    autotune::Config a;  // c in the names the registered kernels read
+    if (c.block_m) a[op.block_m_name] = c.block_m;
+    if (c.block_k) a[op.block_k_name] = c.block_k;
+    if (c.split_k) a["split_k"] = c.split_k;
+    if (c.num_warps) a["num_warps"] = c.num_warps;
+    if (c.num_stages) a["num_stages"] = c.num_stages;
+    for (const auto& [name, value] : c.meta) a[name] = value;
+    return op.kernels(views, a, sm_count);
+  };
+  UntunedFit f;
+  untuned_config(q, arch, limit, &f);
+  if (fit) *fit = f;
+  return f.chosen;
 }
 
 namespace {

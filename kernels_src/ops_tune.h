@@ -158,6 +158,7 @@ int config_shared_memory(const TuneRequest& request, const Config& config, const
 struct UntunedFit {
   int own_bytes = 0, bytes = 0;
   std::string candidate;
+  autotune::Config chosen;  // the candidate itself (empty: the op's own)
 };
 // The config an untuned call runs (KERF_AUTOTUNE=0, or a capture with no stored
 // choice, or a tuning pass none of whose candidates could run) on a GPU of `arch` whose
@@ -168,5 +169,10 @@ struct UntunedFit {
 // op's own when nothing fits (its launch then names the bytes needed and allowed).
 // tuned_config asks it for the device at hand.
 Config untuned_config(const TuneRequest& request, const std::string& arch, int limit, UntunedFit* fit = nullptr);
+// The same for a registered op on `views` (they may be fake) with `sm_count`
+// multiprocessors, as kerf-cache warm compiles for a target: the candidate in the names
+// the op's kernels read, empty where the op's own tiles fit or nothing does.
+autotune::Config untuned_candidate(const autotune::TunableOp& op, const std::vector<TensorView>& views,
+                                   const std::string& arch, int limit, int sm_count, UntunedFit* fit = nullptr);
 
 }  // namespace kerf::ops::detail

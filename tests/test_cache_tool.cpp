@@ -1,5 +1,6 @@
 // kerf-cache as a user runs it: warm, list, inspect --json, pack, verify, prune.
 #include <sys/time.h>
+#include <algorithm>
 #include <map>
 #include <filesystem>
 #include <unistd.h>
@@ -12,7 +13,9 @@
 #include "kerf/cache/bundle.h"
 #include "kerf/cache/disk_cache.h"
 #include "kerf/jit/cpu_backend.h"
+#include "kerf/jit/autotune.h"
 #include "kerf/jit/nvrtc.h"
+#include "kernels_src/ops_tune.h"
 #include "test_cache_util.h"
 
 using namespace kerf;
@@ -251,4 +254,55 @@ TEST_CASE("kerf-cache warms every tunable op, on the CPU back end and for a GPU 
   }
   const auto [rc, out] = tool(dir / "cache", {"list"});
   for (const auto& [op, shape] : ops) CHECK(out.find(op) != std::string::npos);
+}
+
+// For a GPU whose blocks hold less shared memory than an op's own tiles need (sm_86: 99
+// KiB; merge at rank 256 in bf16 takes 145920 bytes), warm compiles what an untuned call
+// there runs instead (README, "Untuned calls"), not the tiles that could not launch.
+TEST_CASE("kerf-cache warm compiles what an untuned call runs on a GPU with less shared memory",
+          "[cache][tool]") {
+  if (!*kTool) {
+    std::printf("KERF-SKIPPED: kerf-cache was not built with the tests\n");
+    return;
+  }
+  if (!nvrtc::available()) {
+    std::printf("KERF-SKIPPED: no NVRTC to compile for sm_86\n");
+    return;
+  }
+  const std::vector<autotune::TunableOp> ops = autotune::tunable_ops();
+  const auto op = std::find_if(ops.begin(), ops.end(), [](const autotune::TunableOp& o) { return o.name == "lora_merge"; });
+  REQUIRE(op != ops.end());
+  void* const p = reinterpret_cast<void*>(uintptr_t(1) << 20);
+  std::vector<TensorView> views;
+  for (const autotune::Operand& o : op->operands({1024, 1024, 256}, DType::bf16))
+    views.push_back(TensorView::contiguous(p, o.dtype, o.shape, Device::cuda(0)));
+  const int limit = autotune::typical_max_shared_memory("sm_86"), sms = autotune::typical_sm_count("sm_86");
+  ops::detail::UntunedFit fit;
+  const autotune::Config chosen = ops::detail::untuned_candidate(*op, views, "sm_86", limit, sms, &fit);
+  REQUIRE_FALSE(chosen.empty());
+  CHECK(fit.own_bytes > limit);
+  const autotune::Config own = op->kernels(views, {}, sms).at(0).meta;
+  const autotune::Config runs = op->kernels(views, chosen, sms).at(0).meta;
+  REQUIRE(own != runs);
+  test::TempDir dir;
+  const auto [rc, out] = tool(dir / "cache", {"warm", "--op", "lora_merge", "--shape", "1024x1024x256", "--dtype",
+                                              "bf16", "--arch", "sm_86", "--no-tune"});
+  INFO(out);
+  CHECK(rc == 0);
+  CHECK(out.find(" 0 failed") != std::string::npos);
+  // The one kernel stored is the fitted one: `list` shows its meta (with the kernel's own
+  // defaults for the rest).
+  const auto [lrc, listed] = tool(dir / "cache", {"list"});
+  INFO(listed);
+  CHECK(lrc == 0);
+  CHECK(listed.find("1 entries") != std::string::npos);
+  const auto shows = [&](const autotune::Config& meta) {
+    for (const auto& [name, value] : meta)
+      if (listed.find(name + "=" + std::to_string(value) + ",") == std::string::npos &&
+          listed.find(name + "=" + std::to_string(value) + "\n") == std::string::npos)
+        return false;
+    return true;
+  };
+  CHECK(shows(runs));
+  CHECK_FALSE(shows(own));
 }

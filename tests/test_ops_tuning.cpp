@@ -328,22 +328,6 @@ TEST_CASE("a STREAM config runs as one without the entries its plan overrides", 
   }
 }
 
-namespace {
-
-// `c` in the names an op's registered kernels read (the reverse of config_from).
-autotune::Config candidate_of(const ops::Config& c, const std::string& m, const std::string& k) {
-  autotune::Config a;
-  if (c.block_m) a[m] = c.block_m;
-  if (c.block_k) a[k] = c.block_k;
-  if (c.split_k) a["split_k"] = c.split_k;
-  if (c.num_warps) a["num_warps"] = c.num_warps;
-  if (c.num_stages) a["num_stages"] = c.num_stages;
-  for (const auto& [name, value] : c.meta) a[name] = value;
-  return a;
-}
-
-}  // namespace
-
 // An untuned call (KERF_AUTOTUNE=0, or a first call in a capture) on a GPU whose blocks hold
 // less shared memory than an H100's runs, where the op's own tiles would not fit, the tuner's
 // candidate that fits with the most; on an H100 the op's own tiles at every rank up to 256.
@@ -351,18 +335,10 @@ autotune::Config candidate_of(const ops::Config& c, const std::string& m, const 
 // for an A100's 163 KiB and the 99 KiB of sm_86/sm_89 GPUs.
 TEST_CASE("untuned calls on GPUs with less shared memory than an H100 run the candidate that fits",
           "[autotune][cuda][codegen]") {
-  using ops::detail::TuneRequest;
   using ops::detail::UntunedFit;
-  const std::map<std::string, std::pair<std::string, std::string>> names = {
-      {"dora_norm", {"BLOCK_M", "BLOCK_K"}},         {"dora_norm_4bit", {"BLOCK_M", "BLOCK_K"}},
-      {"lora_merge", {"BLOCK_M", "BLOCK_K"}},        {"moe_lora_materialize", {"BLOCK_N", "BLOCK_K"}},
-      {"moe_lora_materialize_backward", {"BLOCK_N", "BLOCK_K"}}, {"lora_embedding", {"BLOCK_T", "BLOCK_D"}},
-      {"lora_embedding_backward", {"BLOCK_T", "BLOCK_D"}}};
   void* const p = reinterpret_cast<void*>(uintptr_t(1) << 16);
   int fitted = 0, planned = 0;
   for (const autotune::TunableOp& op : autotune::tunable_ops()) {
-    const auto nm = names.find(op.name);
-    REQUIRE(nm != names.end());
     for (const DType t : {DType::bf16, DType::f32})
       for (const bool fp32_adapters : {false, true}) {
         if (fp32_adapters && t == DType::f32) continue;
@@ -376,25 +352,21 @@ TEST_CASE("untuned calls on GPUs with less shared memory than an H100 run the ca
             views.push_back(
                 TensorView::contiguous(p, fp32_adapters && adapter ? DType::f32 : o.dtype, o.shape, Device::cuda(0)));
           }
-          TuneRequest q;
-          q.problem.op = op.name;
-          q.block_m_name = nm->second.first;
-          q.block_k_name = nm->second.second;
-          q.gpu_candidates = op.gpu_candidates();
-          q.kernels = [&](const ops::Config& c) {
-            return op.kernels(views, candidate_of(c, q.block_m_name, q.block_k_name), 132);
-          };
           UntunedFit h100;
-          CHECK_FALSE(ops::detail::has_config(ops::detail::untuned_config(q, "sm_90a", 232448, &h100)));
+          CHECK(ops::detail::untuned_candidate(op, views, "sm_90a", 232448, 132, &h100).empty());
           CHECK(h100.candidate.empty());
           for (const char* arch : {"sm_80", "sm_89"}) {
             CAPTURE(arch);
             const int limit = autotune::typical_max_shared_memory(arch);
             UntunedFit f;
-            const ops::Config c = ops::detail::untuned_config(q, arch, limit, &f);
+            const autotune::Config c = ops::detail::untuned_candidate(op, views, arch, limit, 132, &f);
             CHECK(f.bytes <= limit);
-            CHECK(ops::detail::config_shared_memory(q, c, arch) == f.bytes);
-            CHECK(f.candidate.empty() == (f.own_bytes <= limit));
+            CHECK(c.empty() == (f.own_bytes <= limit));
+            // The candidate's kernels, planned as a caller's Config, take what it said.
+            int most = 0;
+            for (const autotune::KernelCall& k : op.kernels(views, c, 132))
+              most = std::max(most, autotune::shared_memory_bytes(*k.kernel, k.args, k.meta, arch));
+            CHECK(most == f.bytes);
             if (!f.candidate.empty()) ++fitted;
             ++planned;
           }

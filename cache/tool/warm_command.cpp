@@ -24,6 +24,7 @@
 #include "kerf/jit/cuda_codegen.h"
 #include "kerf/jit/launch.h"
 #include "kerf/runtime/cuda.h"
+#include "kernels_src/ops_tune.h"
 
 namespace kerf::cache_tool {
 namespace {
@@ -265,21 +266,24 @@ int warm(Args& args) {
       run_items.push_back(&item);
       continue;
     }
-    std::vector<autotune::Config> configs = {{}};
+    const std::vector<TensorView> views = fake_operands(item);
+    const int sms = sm_count > 0 ? sm_count : autotune::typical_sm_count(item.arch);
+    const int smem_limit = autotune::typical_max_shared_memory(item.arch);
+    // The op's own config, or where its tiles would not fit the target's shared memory
+    // what an untuned call there runs instead (README, "Untuned calls").
+    std::vector<autotune::Config> configs = {
+        ops::detail::untuned_candidate(*item.op, views, item.arch, smem_limit, sms)};
     if (all_candidates && tune) {
       const std::vector<autotune::Config> c = item.op->gpu_candidates();
       configs.insert(configs.end(), c.begin(), c.end());
     }
-    const std::vector<TensorView> views = fake_operands(item);
-    const int sms = sm_count > 0 ? sm_count : autotune::typical_sm_count(item.arch);
-    const int smem_limit = autotune::typical_max_shared_memory(item.arch);
     std::set<std::string> seen;  // candidates that plan to the same kernel compile once
     for (const autotune::Config& config : configs)
       for (const autotune::KernelCall& call : item.op->kernels(views, config, sms)) {
         ir::Function fn = call.kernel->trace(arg_specs(call.args), call.meta);
         const std::string id = ir::hash(fn).hex();
         if (!seen.insert(id).second) continue;
-        if (!config.empty() && jit::cuda::generate(fn, item.arch).smem_bytes > smem_limit) {
+        if (&config != &configs.front() && jit::cuda::generate(fn, item.arch).smem_bytes > smem_limit) {
           ++totals.skipped;  // the tuner on the target would prune it too
           continue;
         }

@@ -166,6 +166,9 @@ struct TunableOp {
                                         int sm_count)>
       kernels;
   std::function<std::vector<Config>()> gpu_candidates;
+  // The meta-parameters its kernels take a row and a column tile from (ops::Config's
+  // block_m and block_k).
+  std::string block_m_name = "BLOCK_M", block_k_name = "BLOCK_K";
 };
 // Ops register themselves at load time (kernels_src/ops_*.cpp).
 void register_op(TunableOp op);
