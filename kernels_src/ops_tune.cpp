@@ -244,10 +244,9 @@ int config_shared_memory(const TuneRequest& q, const Config& config, const std::
 Config untuned_config(const TuneRequest& q, const std::string& arch, int limit, UntunedFit* fit) {
   UntunedFit f;
   f.own_bytes = f.bytes = config_shared_memory(q, {}, arch);
-  Config chosen;
   if (f.own_bytes <= limit) {
     if (fit) *fit = f;
-    return chosen;
+    return {};
   }
   // The tuner's candidates, then (none fitting: GPUs of 99 KiB at ranks of 128 and up)
   // small tiles on two stages.
@@ -271,7 +270,6 @@ Config untuned_config(const TuneRequest& q, const std::string& arch, int limit, 
       }
     }
     if (best) {
-      chosen = config_of(q, *best);
       f.chosen = *best;
       f.bytes = best_bytes;
       f.candidate = (list == &small ? "small tiles " : "the tuner's candidate ") + autotune::config_text(*best);
@@ -279,7 +277,7 @@ Config untuned_config(const TuneRequest& q, const std::string& arch, int limit, 
     }
   }
   if (fit) *fit = f;
-  return chosen;
+  return f.chosen.empty() ? Config{} : config_of(q, f.chosen);
 }
 
 autotune::Config untuned_candidate(const autotune::TunableOp& op, const std::vector<TensorView>& views,
@@ -354,12 +352,7 @@ Config tuned_config(const TuneRequest& q) {
     const Config cfg = config_of(q, c);
     if (q.extent_m && cfg.block_m > std::max(smallest_m, next_pow2(q.extent_m))) return false;
     if (q.extent_k && cfg.block_k > std::max(smallest_k, next_pow2(q.extent_k))) return false;
-    if (!gpu) return true;
-    const std::string arch = device_arch(dev.index);
-    const int limit = autotune::max_shared_memory(dev.index);
-    for (const autotune::KernelCall& k : q.kernels(cfg))
-      if (autotune::shared_memory_bytes(*k.kernel, k.args, k.meta, arch) > limit) return false;
-    return true;
+    return !gpu || config_shared_memory(q, cfg, device_arch(dev.index)) <= autotune::max_shared_memory(dev.index);
   };
   hooks.canonical = [&q](autotune::Config c) {
     c = stream_canonical(std::move(c));

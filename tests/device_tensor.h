@@ -179,6 +179,13 @@ inline void sync(const Device& dev) {
 // Tolerance by the lowest-precision dtype involved.
 inline double tolerance(DType t) { return is_half(t) ? 1e-2 : 1e-5; }
 
+// `v` rounded once to `t` (to nearest even) where t is bf16 or f16; as it is otherwise.
+inline double round_to(DType t, double v) {
+  if (t == DType::bf16) return bf16_to_float(float_to_bf16(float(v)));
+  if (t == DType::f16) return f16_to_float(float_to_f16(float(v)));
+  return v;
+}
+
 // What the GPU's tensor cores take an f32 operand of a TF32 dot as: rounded to 10
 // mantissa bits, to nearest with ties away from zero (cvt.rna.tf32.f32).
 inline double tf32(double x) {

@@ -23,12 +23,6 @@ using kerf::test::TestTensor;
 
 namespace {
 
-double round_to(DType t, double v) {
-  if (t == DType::bf16) return bf16_to_float(float_to_bf16(float(v)));
-  if (t == DType::f16) return f16_to_float(float_to_f16(float(v)));
-  return v;
-}
-
 struct Case4 {
   int64_t out, in, r, blocksize;
   DType ab, m;
@@ -74,7 +68,7 @@ Norms reference_norms(const Quantized& W, const TestTensor& A, const TestTensor&
       double ba = 0, ba_rounded = 0;
       for (int64_t k = 0; k < r; ++k) {
         ba += B.get(i * r + k) * A.get(k * in + j);
-        ba_rounded += round_to(dot, float(B.get(i * r + k)) * float(s)) * round_to(dot, A.get(k * in + j));
+        ba_rounded += test::round_to(dot, float(B.get(i * r + k)) * float(s)) * test::round_to(dot, A.get(k * in + j));
       }
       const double w = W.w(i * in + j, blocksize);
       ss += (w + s * ba) * (w + s * ba);

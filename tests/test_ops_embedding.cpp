@@ -100,7 +100,7 @@ void check_forward(const EmbCase& c, Device dev, uint64_t seed) {
   // much as out's own); the exact product is checked within twice the tolerance.
   const bool rounded = c.ab == DType::f32 && c.out != DType::f32;
   const auto promise = [&](double v) {
-    if (rounded && c.w == DType::bf16) return double(bf16_to_float(float_to_bf16(float(v))));
+    if (rounded && c.w == DType::bf16) return test::round_to(DType::bf16, v);
     if (rounded && c.w == DType::f16 && dev.is_cuda()) return test::tf32(float(v));
     return v;
   };
@@ -229,7 +229,7 @@ void check_backward(const BackCase& c, Device dev, uint64_t seed) {
   // grad_out, TF32 on the GPU for f16 grad_out with fp32 or bf16 adapters; the reference
   // rounds them so (an id repeated by 16 tokens sums 16 rows of the product's rounding).
   const auto promise = [&](double v) {
-    if (c.g == DType::bf16) return double(bf16_to_float(float_to_bf16(float(v))));
+    if (c.g == DType::bf16) return test::round_to(DType::bf16, v);
     if (c.g == DType::f16 && c.ab != DType::f16 && dev.is_cuda()) return test::tf32(float(v));
     return v;
   };
