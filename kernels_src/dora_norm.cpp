@@ -49,16 +49,20 @@ Value row_sum_of_squares(Builder& k, const Tensor& W, const Tensor& A, const Ten
 
   const Value rk = arange(R);
   const Value row_ok = rows.col() < n_out;
-  // s * B, rounded once to the product's dtype, so the tensor cores add s*B@A to W directly.
-  const Value bs =
-      (load(B, {rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(DType::f32) * s).to(dot_t);
+  // s * B, rounded once to the product's dtype, so the tensor cores add s*B@A to W
+  // directly; with SCALE_AFTER (f16 adapters: s*B could pass f16's 65504) B as it is,
+  // and s applied in fp32 to the product.
+  const bool scale_after = k.meta("SCALE_AFTER", 0) != 0;
+  const Value b = load(B, {rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(DType::f32);
+  const Value bs = scale_after ? b.to(dot_t) : (b * s).to(dot_t);
 
   const Value acc = for_range(range.lo, range.hi, range.step, zeros({BM, BK}), [&](const Value& k0, const Value& acc) {
     const Value cols = k0 + arange(BK);
     const Value col_ok = cols.row() < n_in;
     const Value a = load(A, {rk.col(), cols.row()}, (rk.col() < rank) & col_ok, reused_hint(evict)).to(dot_t);
     const Value w = load(W, {rows.col(), cols.row()}, row_ok & col_ok, streamed_hint(evict)).to(DType::f32);
-    const Value v = dot(bs, a, w, warps_n, dm.precision);  // W + s * B @ A
+    const Value v = scale_after ? w + s * dot(bs, a, Value(), warps_n, dm.precision)
+                                : dot(bs, a, w, warps_n, dm.precision);  // W + s * B @ A
     return acc + v * v;
   });
   return sum(acc, 1);
@@ -92,8 +96,9 @@ Value row_sum_of_squares_4bit(Builder& k, const Tensor& packed, const Tensor& ab
   const Value rk = arange(R);
   const Value row_ok = rows.col() < n_out;
   const Value rank_ok = rk.col() < rank;  // [R, 1]
-  const Value bs =
-      (load(B, {rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(DType::f32) * s).to(dot_t);
+  const bool scale_after = k.meta("SCALE_AFTER", 0) != 0;  // as row_sum_of_squares
+  const Value b = load(B, {rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(DType::f32);
+  const Value bs = scale_after ? b.to(dot_t) : (b * s).to(dot_t);
   const Value row_base = rows.col().to(DType::i64) * n_in;  // [BM, 1]
   const Value c16 = arange(16);
   const Value codes = load(code, {c16}, c16 < code.dim(0));  // [16]
@@ -112,7 +117,8 @@ Value row_sum_of_squares_4bit(Builder& k, const Tensor& packed, const Tensor& ab
     const Value w = interleave(gather(codes, byte >> 4) * scale, gather(codes, byte & 15) * scale);
     const Value cols = 2 * h0 + arange(BK);
     const Value a = load(A, {rk.col(), cols.row()}, rank_ok & (cols.row() < n_in), reused_hint(evict)).to(dot_t);
-    const Value v = dot(bs, a, w, warps_n, dm.precision);  // W + s * B @ A, [BM, BK]
+    const Value v = scale_after ? w + s * dot(bs, a, Value(), warps_n, dm.precision)
+                                : dot(bs, a, w, warps_n, dm.precision);  // W + s * B @ A, [BM, BK]
     return acc + v * v;
   });
   return sum(acc, 1);

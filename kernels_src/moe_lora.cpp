@@ -30,7 +30,11 @@ const dsl::Kernel& moe_lora_materialize() {
     const Value rows = program_id(axes.rows) * BN + arange(BN);
     const Value rk = arange(R);
     const Value row_ok = rows.col() < n_rows;
-    const Value bs = (load(B, {e, rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(DType::f32) * s).to(dot_t);
+    // SCALE_AFTER (adapters of the product's half dtype): B is exact in it and s is
+    // applied in fp32 after the dot, as lora_merge does; otherwise s*B rounded once.
+    const bool scale_after = k.meta("SCALE_AFTER", 0) != 0;
+    const Value b = load(B, {e, rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(DType::f32);
+    const Value bs = scale_after ? b.to(dot_t) : (b * s).to(dot_t);
     const auto [lo, hi] = split_range(n_cols, BK, axes.slices);
     for_range(lo, hi, BK, [&](const Value& k0) {
       const Value cols = k0 + arange(BK);
@@ -39,7 +43,9 @@ const dsl::Kernel& moe_lora_materialize() {
           load(A, {e, rk.col(), cols.row()}, (rk.col() < rank) & col_ok, reused_hint(evict)).to(dot_t);
       const Value ok = row_ok & col_ok;
       const Value w = load(W, {e, rows.col(), cols.row()}, ok, streamed_hint(evict)).to(DType::f32);
-      store(out, {e, rows.col(), cols.row()}, dot(bs, a, w, warps_n, dm.precision).to(out.dtype()), ok, streamed_hint(evict));  // W + s*B@A
+      const Value v = scale_after ? w + s * dot(bs, a, Value(), warps_n, dm.precision)
+                                  : dot(bs, a, w, warps_n, dm.precision);  // W + s*B@A
+      store(out, {e, rows.col(), cols.row()}, v.to(out.dtype()), ok, streamed_hint(evict));
     });
   });
   return k;

@@ -10,10 +10,29 @@
 
 namespace kerf::ops::detail {
 
-void expect_element_aligned(const char* op, const char* name, const TensorView& t) {
+void expect_addressable(const char* op, const char* name, const TensorView& t) {
+  if (t.numel() == 0) return;
   const auto addr = reinterpret_cast<uintptr_t>(t.data);
   const int size = dtype_size_bytes(t.dtype);
-  if (t.numel() == 0 || addr % uintptr_t(size) == 0) return;
+  if (t.data == nullptr)
+    throw InvalidArgument(std::string(op) + ": " + name + " (" + t.describe() +
+                          ") has a null data pointer; a tensor with elements needs memory");
+  // Every element's byte offset from t.data, and the sum of the reaches of all
+  // dims, must fit in int64: no address kerf computes from t may wrap.
+  int64_t lo = 0, hi = 0;
+  bool wraps = false;
+  for (int d = 0; d < t.rank && !wraps; ++d) {
+    int64_t reach = 0;
+    wraps = __builtin_mul_overflow(t.shape[size_t(d)] - 1, t.strides[size_t(d)], &reach) ||
+            __builtin_mul_overflow(reach, int64_t(size), &reach) ||
+            __builtin_add_overflow(reach < 0 ? lo : hi, reach, reach < 0 ? &lo : &hi);
+  }
+  if (wraps || hi > INT64_MAX - size || uintptr_t(hi) + uintptr_t(size) > UINTPTR_MAX - addr ||
+      uintptr_t(0) - uintptr_t(lo) > addr)
+    throw InvalidArgument(std::string(op) + ": " + name + " (" + t.describe() +
+                          ") has strides that reach beyond the address space from address " +
+                          std::to_string(addr));
+  if (addr % uintptr_t(size) == 0) return;
   throw InvalidArgument(std::string(op) + ": " + name +
                         " must start at a multiple of its element size (" + std::to_string(size) +
                         " bytes for " + dtype_name(t.dtype) + "), got address " +

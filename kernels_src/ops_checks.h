@@ -16,9 +16,11 @@ inline const std::vector<DType>& float_dtypes() {
   return f;
 }
 
-// Throws InvalidArgument unless t's address is a multiple of its element size
-// (a GPU cannot load a misaligned element; kerf never tries).
-void expect_element_aligned(const char* op, const char* name, const TensorView& t);
+// Throws InvalidArgument unless a view with elements has memory (a non-null
+// pointer), starts at a multiple of its element size (a GPU cannot load a
+// misaligned element; kerf never tries) and reaches every element at a byte
+// offset that fits in 64 bits (so no address computed for it wraps around).
+void expect_addressable(const char* op, const char* name, const TensorView& t);
 
 // Throws InvalidArgument when two distinct indices of output `t` reach one
 // element (a zero or overlapping stride): writes would race.

@@ -345,4 +345,12 @@ int parallelism(const Device& dev) {
   return n;
 }
 
+namespace {
+thread_local bool t_checks_only = false;
+}  // namespace
+
+bool checks_only() { return t_checks_only; }
+ChecksOnly::ChecksOnly() : before_(t_checks_only) { t_checks_only = true; }
+ChecksOnly::~ChecksOnly() { t_checks_only = before_; }
+
 }  // namespace kerf::ops::detail

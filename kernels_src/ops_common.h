@@ -130,6 +130,29 @@ inline void expect_device(const char* op, const std::vector<NamedTensor>& ts) {
   expect_device(op, ts.data(), ts.size());
 }
 
+// The DoRA norms' SCALE_AFTER: f16 products (f16 adapters) take s in fp32 after the
+// product, since s*B rounded to f16 would be inf beyond 65504; bf16 products keep s*B
+// rounded once (bf16 has fp32's range; 2^-9 of the LoRA term, as documented).
+inline void set_dora_scale_meta(dsl::MetaMap& meta, Product dot) {
+  if (dot.dtype == DType::f16 && !dot.tf32) meta["SCALE_AFTER"] = 1;
+}
+
+// kerf-cache warm's compile-only items (a target with no device here): inside a
+// ChecksOnly scope, an op called on views that are never dereferenced runs
+// every check of its arguments, then returns before it plans, tunes, reads or
+// launches anything. One thread's scope; they nest.
+bool checks_only();
+class ChecksOnly {
+ public:
+  ChecksOnly();
+  ~ChecksOnly();
+  ChecksOnly(const ChecksOnly&) = delete;
+  ChecksOnly& operator=(const ChecksOnly&) = delete;
+
+ private:
+  bool before_;
+};
+
 // Whether the caller set any field of an ops::Config (it then wins over the autotuner).
 inline bool has_config(const Config& c) {
   return c.block_m || c.block_k || c.split_k || c.num_warps || c.num_stages || !c.meta.empty();

@@ -62,7 +62,7 @@ void dora_norm_partial(const TensorView& W, const TensorView& A, const TensorVie
   expect_dtype(op, "sumsq", sumsq, {DType::f32});
   expect_device(op, {{"W", &W}, {"A", &A}, {"B", &B}, {"sumsq", &sumsq}});
   for (const auto& [n, t] : {std::pair{"W", &W}, {"A", &A}, {"B", &B}, {"sumsq", &sumsq}}) {
-    expect_element_aligned(op, n, *t);
+    expect_addressable(op, n, *t);
     expect_int32_dims(op, n, *t);
   }
   expect_no_self_overlap(op, "sumsq", sumsq);
@@ -91,7 +91,9 @@ void dora_norm_partial(const TensorView& W, const TensorView& A, const TensorVie
                        {"R_PAD", r_pad},
                        {"num_warps", config.num_warps ? config.num_warps : 4},
                        {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
-  set_product_meta(meta, product_dtype(W.dtype, A.dtype, B.dtype), config);
+  const Product dot = product_dtype(W.dtype, A.dtype, B.dtype);
+  set_product_meta(meta, dot, config);
+  set_dora_scale_meta(meta, dot);
   launch(kernels::dora_norm_partial(), {W, A, B, Scalar(s), sumsq},
          Grid{uint32_t(blocks), uint32_t(split), 1}, meta, options);
 }
@@ -115,7 +117,7 @@ void dora_norm_finish(const TensorView& sumsq, const TensorView& m, double eps,
   expect_device(op, {{"sumsq", &sumsq}, {"m", &m}, {"norm", &norm}, {"scale", &scale}});
   for (const auto& [n, t] :
        {std::pair{"sumsq", &sumsq}, {"m", &m}, {"norm", &norm}, {"scale", &scale}}) {
-    expect_element_aligned(op, n, *t);
+    expect_addressable(op, n, *t);
     expect_int32_dims(op, n, *t);
   }
   expect_eps(op, eps);
@@ -150,7 +152,7 @@ void dora_norm_backward(const TensorView& norm, const TensorView& grad_scale,
   expect_device(op, {{"norm", &norm}, {"grad_scale", &grad_scale}, {"grad_m", &grad_m}});
   for (const auto& [n, t] :
        {std::pair{"norm", &norm}, {"grad_scale", &grad_scale}, {"grad_m", &grad_m}}) {
-    expect_element_aligned(op, n, *t);
+    expect_addressable(op, n, *t);
     expect_int32_dims(op, n, *t);
   }
   expect_no_self_overlap(op, "grad_m", grad_m);

@@ -285,7 +285,7 @@ void moe_lora_materialize_backward(const TensorView& dW, const TensorView& A, co
       {"dW_eff", &dW}, {"A", &A}, {"B", &B}, {"dA", &dA}, {"dB", &dB}};
   for (const auto& [n, t] : all) {
     expect_dtype(op, n, *t, float_dtypes());
-    expect_element_aligned(op, n, *t);
+    expect_addressable(op, n, *t);
     expect_int32_dims(op, n, *t);
   }
   expect_device(op, all);
@@ -301,7 +301,7 @@ void moe_lora_materialize_backward(const TensorView& dW, const TensorView& A, co
       expect_disjoint(op, n, *t, in_name, *in);
   }
   expect_disjoint(op, "dB", dB, "dA", dA);
-  if (E == 0 || r == 0) return;
+  if (E == 0 || r == 0 || checks_only()) return;
 
   const std::string text = layout.canonical();
   LaunchOptions options;

@@ -160,6 +160,23 @@ TEST_CASE("kerf-cache refuses arguments that would lose entries or store nothing
 
   const bool gpu_code = nvrtc::available(), cpu = jit::cpu::available();
   if (!gpu_code && !cpu) return;
+  // What the op would refuse is refused for a target with no device here too (it was
+  // compiled and stored, and warm passed): a dtype the op does not take, a rank above
+  // 256, more experts than a call takes.
+  for (const std::vector<std::string>& refused :
+       {std::vector<std::string>{"--op", "dora_norm", "--shape", "8x8x8", "--dtype", "i32"},
+        {"--op", "lora_merge", "--shape", "8x8x8", "--dtype", "u8"},
+        {"--op", "dora_norm", "--shape", "8x8x300"},
+        {"--op", "moe_lora_materialize", "--shape", "70000x8x8x4"},
+        {"--op", "lora_embedding", "--shape", "8x8x8x4", "--dtype", "i64"}}) {
+    std::vector<std::string> warm = {"warm"};
+    warm.insert(warm.end(), refused.begin(), refused.end());
+    warm.insert(warm.end(), {"--arch", gpu_code ? "sm_90a" : "cpu"});
+    CAPTURE(warm);
+    const test::TempDir refused_dir;
+    CHECK(tool(refused_dir / "cache", warm).first == 2);
+    CHECK(cache::DiskCache(refused_dir / "cache", cache::DiskMode::readonly).list().empty());
+  }
   // Entries under a directory whose name holds ".tmp-" are entries, not a writer's leftovers.
   const std::string cache_dir = dir / "proj.tmp-x/cache";
   std::vector<std::string> warm = {"warm", "--op", "dora_norm", "--shape", "64x96x4", "--dtype", "f32", "--no-tune",
@@ -202,6 +219,16 @@ TEST_CASE("kerf-cache does not pack or verify a cache that is not there, nor one
   CHECK(tool(dir / "no-such-cache", {"pack", bundle}).first == 2);
   CHECK_FALSE(std::filesystem::exists(bundle));
   CHECK(tool(dir / "no-such-cache", {"verify"}).first == 2);
+  // Nor a directory that is there but holds no cache (the entries' folder itself, its
+  // parent, any other folder).
+  std::filesystem::create_directories(dir / "other");
+  for (const std::string& not_a_cache : {dir / "other", dir.path()}) {
+    CAPTURE(not_a_cache);
+    const auto [rc, out] = tool(not_a_cache, {"pack", bundle});
+    CHECK(rc == 2);
+    CHECK(tool(not_a_cache, {"verify"}).first == 2);
+  }
+  CHECK_FALSE(std::filesystem::exists(bundle));
   // Without a home, the /tmp fallback that another user could have filled: the library
   // leaves it alone, and so do the tools (unless given a directory).
   const std::string fallback = "/tmp/kerf-cache-" + std::to_string(::getuid());

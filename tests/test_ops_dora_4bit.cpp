@@ -68,7 +68,10 @@ Norms reference_norms(const Quantized& W, const TestTensor& A, const TestTensor&
       double ba = 0, ba_rounded = 0;
       for (int64_t k = 0; k < r; ++k) {
         ba += B.get(i * r + k) * A.get(k * in + j);
-        ba_rounded += test::round_to(dot, float(B.get(i * r + k)) * float(s)) * test::round_to(dot, A.get(k * in + j));
+        // bf16: s*B and A rounded once to bf16; f16 adapters are exact, s applied after the product.
+        ba_rounded += dot == DType::f16 ? s * B.get(i * r + k) * A.get(k * in + j)
+                                        : test::round_to(dot, float(B.get(i * r + k)) * float(s)) *
+                                              test::round_to(dot, A.get(k * in + j));
       }
       const double w = W.w(i * in + j, blocksize);
       ss += (w + s * ba) * (w + s * ba);

@@ -176,6 +176,68 @@ void check_half_range(Device dev) {
   }
 }
 
+// All f16: W, A and B in f16 (each within its range) and s large, so that s*B lies
+// beyond 65504 (s*B rounded to f16 first was inf: the DoRA norms came out NaN, the MoE
+// forward inf). The products are exact in f16 and s is applied in fp32 after them, so
+// every answer is the float64 one to f16's tolerance.
+void check_all_f16_large_scale(Device dev) {
+  CAPTURE(dev.str());
+  std::mt19937_64 rng(9200);
+  const int64_t out = 70, in = 130, r = 5;
+  const double s = 100.0, tol = test::tolerance(DType::f16);
+  TestTensor W(DType::f16, {out, in}, dev), A(DType::f16, {r, in}, dev), B(DType::f16, {out, r}, dev);
+  fill(W, rng, 1.0);
+  fill(A, rng, 1e-2);
+  fill(B, rng, 2e3);  // s*B up to 2e5
+  const std::vector<double> w0 = values(W), delta = lora_delta(A, B, out, in, r, s, [](double x) { return x; });
+  std::vector<double> rn, ref(w0.size());
+  for (size_t i = 0; i < ref.size(); ++i) ref[i] = w0[i] + delta[i];
+  for (int64_t o = 0; o < out; ++o) {
+    double ss = 0;
+    for (int64_t i = 0; i < in; ++i) ss += ref[size_t(o * in + i)] * ref[size_t(o * in + i)];
+    rn.push_back(std::sqrt(ss));
+  }
+  {
+    INFO("dora_norm");
+    TestTensor m(DType::f16, {out}, dev), norm(DType::f32, {out}, dev), scale(DType::f32, {out}, dev);
+    fill(m, rng, 1.0);
+    norm.poison();
+    scale.poison();
+    ops::dora_norm(W.view(), A.view(), B.view(), m.view(), s, norm.view(), scale.view());
+    test::sync(dev);
+    CHECK(test::max_relative_error(values(norm), rn) <= tol);
+    INFO("dora_norm_partial");
+    TestTensor sumsq(DType::f32, {out}, dev);
+    sumsq.poison();
+    ops::dora_norm_partial(W.view(), A.view(), B.view(), s, sumsq.view());
+    test::sync(dev);
+    std::vector<double> partial_norm;
+    for (double v : values(sumsq)) partial_norm.push_back(std::sqrt(v));
+    CHECK(test::max_relative_error(partial_norm, rn) <= tol);
+  }
+  {
+    INFO("moe_lora_materialize");
+    TestTensor W3(DType::f16, {1, out, in}, dev), A3(DType::f16, {1, r, in}, dev), B3(DType::f16, {1, out, r}, dev),
+        W_eff(DType::f16, {1, out, in}, dev);
+    for (int64_t i = 0; i < W.numel(); ++i) W3.set(i, w0[size_t(i)]);
+    for (int64_t i = 0; i < A.numel(); ++i) A3.set(i, A.get(i));
+    for (int64_t i = 0; i < B.numel(); ++i) B3.set(i, B.get(i));
+    W3.upload();
+    A3.upload();
+    B3.upload();
+    W_eff.poison();
+    ops::moe_lora_materialize(W3.view(), A3.view(), B3.view(), s, W_eff.view());
+    test::sync(dev);
+    CHECK(test::max_relative_error(values(W_eff), ref, 1.0) <= tol);
+  }
+  {
+    INFO("lora_merge");
+    ops::lora_merge(W.view(), A.view(), B.view(), s);
+    test::sync(dev);
+    CHECK(test::max_relative_error(values(W), ref, 1.0) <= tol);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("f16 bases with fp32 adapters beyond f16's range give finite right answers on the CPU",
@@ -220,4 +282,14 @@ TEST_CASE("Config.meta TF32 = 0 keeps an f16 base's fp32 products exact; other v
   bad.meta["TF32"] = 2;
   CHECK_THROWS_WITH(ops::lora_merge(W.view(), Af.view(), Bf.view(), 1.0, nullptr, bad),
                     Catch::Contains("Config.meta TF32 must be in [0, 1], got 2"));
+}
+
+TEST_CASE("all-f16 calls whose s*B passes f16's range give finite right answers on the CPU", "[cpu][ops][dtypes]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  check_all_f16_large_scale(Device::cpu());
+}
+
+TEST_CASE("all-f16 calls whose s*B passes f16's range give finite right answers on the GPU", "[gpu][ops][dtypes]") {
+  KERF_REQUIRE_GPU();
+  check_all_f16_large_scale(Device::cuda(0));
 }

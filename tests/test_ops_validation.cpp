@@ -304,6 +304,55 @@ TEST_CASE("lora_embedding rejects bad ids, shapes, options and overlapping outpu
                 "lora_embedding: layout: after_a P(None, None, 'dp')");
 }
 
+TEST_CASE("every op refuses views with elements but no memory, or strides that wrap the address space",
+          "[ops][validation]") {
+  // A null pointer was caught only by the launcher, one kernel at a time: after an
+  // earlier launch of the same call had written outputs (the backwards zero their
+  // gradients first), or never (the CPU reads the ids before any launch).
+  const auto null = [](TensorView v) {
+    v.data = nullptr;
+    return v;
+  };
+  const TensorView W = t({8, 12}), A = t({2, 12}, DType::f32, 4096), B = t({8, 2}, DType::f32, 8192);
+  const TensorView m = t({8}, DType::f32, 12100), norm = t({8}, DType::f32, 12200),
+                   scale = t({8}, DType::f32, 12300);
+  CHECK_REJECTS(InvalidArgument, ops::lora_merge(null(W), A, B, 1.0),
+                "lora_merge: W (f32[8,12] strides [12,1] on cpu) has a null data pointer");
+  CHECK_REJECTS(InvalidArgument, ops::dora_norm(W, A, null(B), m, 1.0, norm, scale),
+                "dora_norm: B (f32[8,2] strides [2,1] on cpu) has a null data pointer");
+  CHECK_REJECTS(InvalidArgument, ops::dora_norm(W, A, B, m, 1.0, norm, null(scale)),
+                "dora_norm: scale (f32[8] strides [1] on cpu) has a null data pointer");
+  CHECK_REJECTS(InvalidArgument, ops::dora_norm_backward(null(norm), scale, m),
+                "dora_norm_backward: norm (f32[8] strides [1] on cpu) has a null data pointer");
+  const TensorView W3 = t({2, 8, 12}), A3 = t({2, 3, 12}, DType::f32, 4096), B3 = t({2, 8, 3}, DType::f32, 8192);
+  const TensorView dA = t({2, 3, 12}, DType::f32, 12000), dB = t({2, 8, 3}, DType::f32, 13000);
+  CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize_backward(W3, A3, B3, 1.0, dA, null(dB)),
+                "moe_lora_materialize_backward: dB (f32[2,8,3] strides [24,3,1] on cpu) has a null data pointer");
+  CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize(W3, null(A3), B3, 1.0, W3),
+                "moe_lora_materialize: A (f32[2,3,12] strides [36,12,1] on cpu) has a null data pointer");
+  const TensorView x = t({2, 3}, DType::i64, 16000), E = t({10, 4}, DType::f32, 4096),
+                   eA = t({2, 10}, DType::f32, 8192), eB = t({4, 2}, DType::f32, 9000),
+                   out = t({2, 3, 4}, DType::f32, 10000);
+  CHECK_REJECTS(InvalidArgument, ops::lora_embedding(null(x), E, eA, eB, 1.0, out),
+                "lora_embedding: x (i64[2,3] strides [3,1] on cpu) has a null data pointer");
+  const TensorView gA = t({2, 10}, DType::f32, 11000), gB = t({4, 2}, DType::f32, 12000);
+  CHECK_REJECTS(InvalidArgument, ops::lora_embedding_backward(x, eA, eB, null(out), 1.0, gA, gB),
+                "lora_embedding_backward: grad_out (f32[2,3,4] strides [12,4,1] on cpu) has a null data pointer");
+  // Empty views need no memory.
+  CHECK_NOTHROW(ops::lora_merge(null(t({0, 12})), null(t({0, 12})), null(t({0, 0})), 1.0));
+
+  // Strides whose byte offsets do not fit in 64 bits (an output's reach wrapped to
+  // a small address, or overflowed the overlap check).
+  const int64_t huge = int64_t(1) << 61;
+  CHECK_REJECTS(InvalidArgument, ops::dora_norm(W, A, B, m, 1.0, at(50000, {8}, {huge}), scale),
+                "dora_norm: norm (f32[8] strides [2305843009213693952] on cpu) has strides that reach beyond the "
+                "address space");
+  CHECK_REJECTS(InvalidArgument, ops::dora_norm(W, A, B, m, 1.0, at(50000, {8}, {-huge}), scale),
+                "has strides that reach beyond the address space");
+  CHECK_REJECTS(InvalidArgument, ops::lora_merge(at(0, {8, 12}, {huge / 4, 1}), A, B, 1.0),
+                "lora_merge: W (f32[8,12] strides [576460752303423488,1] on cpu) has strides that reach beyond");
+}
+
 TEST_CASE("misaligned and strided views take the general path and give the same answer on the CPU",
           "[cpu][ops][validation]") {
   KERF_REQUIRE_CPU_BACKEND();

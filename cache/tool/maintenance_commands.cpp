@@ -34,6 +34,12 @@ std::vector<cache::DiskCache::Listed> listed_entries(const char* command, const 
   std::error_code ec;
   if (!std::filesystem::is_directory(disk.root(), ec))
     throw InvalidArgument(std::string(command) + ": there is no kernel cache at " + disk.root());
+  // A directory without the entries' folder (its parent, the folder itself, another
+  // directory) holds no cache either: nothing packed or verified there would pass.
+  if (!std::filesystem::is_directory(disk.dir(), ec))
+    throw InvalidArgument(std::string(command) + ": " + disk.root() + " holds no kernel cache (no folder " +
+                          std::filesystem::path(disk.dir()).filename().string() +
+                          " of entries in it); give the cache's root, as KERF_CACHE_DIR names it");
   return disk.list(unreadable);
 }
 

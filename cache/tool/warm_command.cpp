@@ -134,7 +134,10 @@ std::vector<TensorView> fake_operands(const Item& item) {
   for (const autotune::Operand& spec : item.op->operands(item.shape, item.dtype)) {
     views.push_back(TensorView::contiguous(reinterpret_cast<void*>(next), spec.dtype, spec.shape,
                                            Device::cuda(0)));
-    next += uintptr_t(1) << 20;
+    // Apart, as real tensors are (the op's checks refuse outputs overlapping inputs).
+    size_t bytes = size_t(dtype_size_bytes(spec.dtype));
+    for (int64_t d : spec.shape) bytes *= size_t(d);
+    next += (bytes / (uintptr_t(1) << 20) + 1) << 20;
   }
   return views;
 }
@@ -267,6 +270,14 @@ int warm(Args& args) {
       continue;
     }
     const std::vector<TensorView> views = fake_operands(item);
+    try {
+      // What the op itself would refuse (a dtype it does not take, a rank above 256,
+      // too many experts) is refused here too: entries no call could use are not stored.
+      const ops::detail::ChecksOnly checks_only;
+      item.op->call(views, nullptr);
+    } catch (const Error& e) {
+      throw InvalidArgument("warm: " + item.text() + ": " + e.what());
+    }
     const int sms = sm_count > 0 ? sm_count : autotune::typical_sm_count(item.arch);
     const int smem_limit = autotune::typical_max_shared_memory(item.arch);
     // The op's own config, or where its tiles would not fit the target's shared memory

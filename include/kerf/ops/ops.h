@@ -79,7 +79,8 @@ TensorView nf4_code_tensor(const Device& device);
 
 // dora_norm of a 4-bit weight, dequantized in registers and never written
 // out: W is [B.shape[0], A.shape[1]] (in even). The LoRA term is formed on
-// tensor cores in f16 when A and B are both f16, else in bf16 (s*B and A
+// tensor cores in f16 when A and B are both f16 (s applied in fp32 after the
+// product), else in bf16 (s*B and A
 // rounded once: 2^-9 of the LoRA term, well below the 4-bit weight's own
 // error), accumulating in fp32; other arguments as dora_norm.
 void dora_norm_4bit(const Weight4bit& W, const TensorView& A, const TensorView& B, const TensorView& m, double s,
