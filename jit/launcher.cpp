@@ -18,6 +18,7 @@
 #include "common/env_switch.h"
 #include "kerf/cache/cpu_kernel.h"
 #include "kerf/cache/cuda_binary.h"
+#include "kerf/cache/log.h"
 #include "kerf/error.h"
 #include "kerf/jit/abi.h"
 #include "kerf/jit/cpu_backend.h"
@@ -435,7 +436,11 @@ std::shared_ptr<Compiled> build_cpu(const ir::Function& fn, std::string_view lay
 bool may_overlap(const ir::Function& fn, int device) {
   static const bool enabled = [] {
     const char* v = std::getenv("KERF_OVERLAP_LAUNCHES");
-    return !(v && detail::is_off_word(detail::switch_word(v)));
+    const std::string w = v ? detail::switch_word(v) : std::string();
+    if (!w.empty() && !detail::is_off_word(w) && !detail::is_on_word(w))
+      log::once(log::Level::warn, "settings:KERF_OVERLAP_LAUNCHES",
+                       std::string("KERF_OVERLAP_LAUNCHES='") + v + "' is not one of 0 (off), 1 (on); using on");
+    return !detail::is_off_word(w);
   }();
   if (!enabled || cuda::device_info(device).cc_major < 9) return false;
   return ir::contains(fn.body, ir::OpKind::GridWait);

@@ -8,7 +8,10 @@
 namespace kerf {
 
 std::string Device::str() const {
-  return kind == Kind::cpu ? "cpu" : "cuda:" + std::to_string(index);
+  // A CPU device other than 0 (only a caller's hand-built view) is named with its index,
+  // so that a message about two devices never names them alike.
+  if (kind == Kind::cpu) return index == 0 ? "cpu" : "cpu:" + std::to_string(index);
+  return "cuda:" + std::to_string(index);
 }
 
 TensorView TensorView::contiguous(void* data, DType dtype, const std::vector<int64_t>& shape,

@@ -144,7 +144,8 @@ TEST_CASE("kerf-cache refuses arguments that would lose entries or store nothing
        {std::vector<std::string>{"prune", "--max-age", "30"}, {"prune", "--max-age", "inf"},
         {"prune", "--max-size", "0x10"}, {"prune", "--max-size", "nan"}, {"prune", "--max-size", "1e30"},
         {"prune", "--max-size", "-1"}, {"warm", "--op", "dora_norm", "--shape", "8x8x2", "-j", "abc"},
-        {"warm", "--op", "dora_norm", "--shape", "8x8x2", "--arch", "bogus"}}) {
+        {"warm", "--op", "dora_norm", "--shape", "8x8x2", "--arch", "bogus"},
+        {"warm", "--op", "dora_norm", "--shape", "99999999999999999999999x8x2"}, {"--dir", dir / "b", "list"}}) {
     CAPTURE(bad);
     CHECK(tool(dir / "cache", bad).first == 2);
   }

@@ -67,6 +67,9 @@ TEST_CASE("lora_merge rejects bad shapes, dtypes, devices, alignment and overlap
                 "lora_merge: A must be one of {bf16, f16, f32}, got f64");
   CHECK_REJECTS(InvalidArgument, ops::lora_merge(W, on_gpu(A), B, 1.0),
                 "lora_merge: A is on cuda:0 but W is on cpu");
+  TensorView other_cpu = A;  // a hand-built view of another CPU "device": named apart
+  other_cpu.device.index = 1;
+  CHECK_REJECTS(InvalidArgument, ops::lora_merge(W, other_cpu, B, 1.0), "lora_merge: A is on cpu:1 but W is on cpu");
   CHECK_REJECTS(InvalidArgument, ops::lora_merge(at(2, {8, 12}, {12, 1}), A, B, 1.0),
                 "lora_merge: W must start at a multiple of its element size (4 bytes for f32)");
   CHECK_REJECTS(InvalidArgument, ops::lora_merge(W, t({2, 12}, DType::f32, 40), B, 1.0),

@@ -89,6 +89,7 @@ int main(int argc, char** argv) {
       if (dir.empty()) throw kerf::InvalidArgument("--dir needs a directory, got an empty string");
       ::setenv("KERF_CACHE_DIR", dir.c_str(), 1);
       command = args.next();
+      if (command == "--dir") throw kerf::InvalidArgument("--dir given twice");
     }
     kerf::cache::reload_settings();
     if (command == "warm") return warm(args);

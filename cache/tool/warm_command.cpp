@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -47,8 +48,9 @@ std::vector<int64_t> parse_shape(const std::string& text) {
   std::vector<int64_t> dims;
   for (const std::string& d : split(text, 'x')) {
     char* end = nullptr;
+    errno = 0;
     const long long v = std::strtoll(d.c_str(), &end, 10);
-    if (d.empty() || *end != '\0' || v <= 0)
+    if (d.empty() || *end != '\0' || v <= 0 || errno == ERANGE)
       throw InvalidArgument(
           "--shape wants positive sizes joined by 'x' (e.g. 4096x4096x16), got '" + text + "'");
     dims.push_back(v);
