@@ -323,7 +323,7 @@ std::vector<DiskCache::Listed> DiskCache::list(std::vector<std::string>* unreada
     } else if (too_large) {
       l.decoded.problem = EntryProblem::too_large;
     } else {
-      l.decoded.problem = EntryProblem::empty;
+      l.decoded.problem = EntryProblem::unreadable;
       l.decoded.detail = "cannot be read: " + errno_text(errno);
     }
     out.push_back(std::move(l));

@@ -55,6 +55,8 @@ const char* entry_problem_name(EntryProblem p) {
       return "entry for another key";
     case EntryProblem::too_large:
       return "larger than any entry";
+    case EntryProblem::unreadable:
+      return "unreadable";
   }
   return "?";
 }

@@ -99,30 +99,48 @@ TensorView error_record(const char* op, const Device& dev, void* stream) {
   return record_view(dev, device_record(dev, stream));
 }
 
-std::string bad_id_message(const char* op, int64_t count, int64_t pos, int64_t id, int64_t vocab) {
-  std::string m = std::string(op) + ": token id x[" + std::to_string(pos) +
-                  "] = " + std::to_string(id) + " is outside the vocabulary [0, " +
-                  std::to_string(vocab) + ")";
+// Where token `pos` (x's elements counted in order) lies in x: "x[1, 1]" for a 2-d x
+// when the call's x is known, else "x[pos]".
+std::string id_position(int64_t pos, const TensorView* x) {
+  if (!x || x->rank <= 1) return "x[" + std::to_string(pos) + "]";
+  std::vector<int64_t> index(size_t(x->rank), 0);
+  for (int d = x->rank - 1; d >= 0; --d) {
+    const int64_t n = x->shape[size_t(d)];
+    index[size_t(d)] = n > 0 ? pos % n : 0;
+    pos = n > 0 ? pos / n : 0;
+  }
+  std::string text = "x[";
+  for (size_t d = 0; d < index.size(); ++d) text += (d ? ", " : "") + std::to_string(index[d]);
+  return text + "]";
+}
+
+std::string bad_id_message(const char* op, int64_t count, int64_t pos, int64_t id, int64_t vocab,
+                           const TensorView* x) {
+  std::string m = std::string(op) + ": token id " + id_position(pos, x) + " = " + std::to_string(id) +
+                  " is outside the vocabulary [0, " + std::to_string(vocab) + ")";
   if (count > 1) m += " (" + std::to_string(count) + " ids out of range in all)";
   return m;
 }
 
 // Reads `rec` after `stream`'s work (not the whole device's: other streams' work, NCCL's
 // say, runs on) and clears it; throws when it holds a bad id.
-void throw_if_recorded(const std::string& op, cuda::DeviceBuffer& rec, void* stream) {
+void throw_if_recorded(const std::string& op, cuda::DeviceBuffer& rec, void* stream, const TensorView* x) {
   int64_t host[kRecordSlots] = {0, 0, 0, 0};
   rec.copy_to_host_after(stream, host, sizeof host);
   if (host[0] == 0) return;
   rec.fill_bytes_async(0, stream);
   cuda::stream_synchronize(stream, rec.device());
-  throw InvalidArgument(bad_id_message(op.c_str(), host[0], host[1], host[2], host[3]));
+  throw InvalidArgument(bad_id_message(op.c_str(), host[0], host[1], host[2], host[3], x));
 }
 
 // Waits for `stream`, reads its GPU record and clears it; throws when it holds a bad
 // id. Then the same for the device's graph record, once a captured call has used it.
 // A call being captured checks nothing: its launches run later, from the graph, and
 // record into the graph record, which the next check on the device reads.
-void throw_recorded_bad_ids(const char* op, const Device& dev, void* stream, bool from_op) {
+// `x`: the ids of the call that checks (null for a later check, which cannot tell whose
+// ids the record holds).
+void throw_recorded_bad_ids(const char* op, const Device& dev, void* stream, const TensorView* x) {
+  const bool from_op = x != nullptr;
   if (capturing(dev, stream)) {
     if (from_op) return;
     // Before device_record: a stream's first record would be allocated, which a capture refuses.
@@ -130,7 +148,7 @@ void throw_recorded_bad_ids(const char* op, const Device& dev, void* stream, boo
                           ": cannot wait for a CUDA stream while it captures a graph; check after the capture");
   }
   cuda::DeviceBuffer& rec = device_record(dev, stream);
-  throw_if_recorded(op, rec, stream);
+  throw_if_recorded(op, rec, stream, x);
   Records& r = records();
   cuda::DeviceBuffer* graphs = nullptr;
   {
@@ -138,11 +156,11 @@ void throw_recorded_bad_ids(const char* op, const Device& dev, void* stream, boo
     const auto it = r.for_graphs.find(dev.index);
     if (it != r.for_graphs.end() && it->second.used) graphs = &it->second.buf;
   }
-  if (graphs) throw_if_recorded(std::string(op) + " (a launch of a captured CUDA graph)", *graphs, stream);
+  if (graphs) throw_if_recorded(std::string(op) + " (a launch of a captured CUDA graph)", *graphs, stream, nullptr);
 }
 
 // Ids on the host: check them all before anything runs.
-void check_host_ids(const char* op, const TensorView& x1, int64_t vocab) {
+void check_host_ids(const char* op, const TensorView& x, const TensorView& x1, int64_t vocab) {
   const auto* base = static_cast<const uint8_t*>(x1.data);
   const int64_t n = x1.shape[0], stride = x1.strides[0];
   int64_t count = 0, first_pos = -1, first_id = 0;
@@ -161,7 +179,7 @@ void check_host_ids(const char* op, const TensorView& x1, int64_t vocab) {
       first_id = id;
     }
   }
-  if (count) throw InvalidArgument(bad_id_message(op, count, first_pos, first_id, vocab));
+  if (count) throw InvalidArgument(bad_id_message(op, count, first_pos, first_id, vocab, &x));
 }
 
 // x's token dims as one [T]; refused when their strides do not nest (a transposed or
@@ -1001,7 +1019,7 @@ void check_ids_only(const char* op, const TensorView& x, const TensorView& A, co
                     const EmbeddingOptions& options, void* stream) {
   if (x.numel() == 0) return;
   const TensorView x1 = flatten_ids(op, x);
-  if (!x.device.is_cuda()) return check_host_ids(op, x1, vr.total);
+  if (!x.device.is_cuda()) return check_host_ids(op, x, x1, vr.total);
   TensorView a0 = A;
   a0.shape[0] = 0;
   TensorView act = TensorView::contiguous(unused_memory(), A.dtype, {x1.shape[0], 0}, A.device);
@@ -1011,7 +1029,7 @@ void check_ids_only(const char* op, const TensorView& x, const TensorView& A, co
   launch(kernels::lora_embedding_gather(),
          {x1, a0, act, error_record(op, x.device, stream), Scalar(vr.start), Scalar(vr.total)},
          Grid{uint32_t(cdiv(x1.shape[0], bt)), 1, 1}, {{"BLOCK_T", bt}, {"R_PAD", 16}}, lo);
-  if (options.id_check == IdCheck::sync) throw_recorded_bad_ids(op, x.device, stream, true);
+  if (options.id_check == IdCheck::sync) throw_recorded_bad_ids(op, x.device, stream, &x);
 }
 
 }  // namespace
@@ -1067,7 +1085,7 @@ void lora_embedding(const TensorView& x, const TensorView& weight, const TensorV
   TensorView x1, out2;
   flatten_tokens(op, x, "out", out, &x1, &out2);
   const int64_t T = x1.shape[0];
-  if (!x.device.is_cuda()) check_host_ids(op, x1, vr.total);
+  if (!x.device.is_cuda()) check_host_ids(op, x, x1, vr.total);
 
   const std::string text = layout.canonical();
   LaunchOptions lo;
@@ -1085,7 +1103,7 @@ void lora_embedding(const TensorView& x, const TensorView& weight, const TensorV
     return EmbeddingPlan{plan_embedding(call, cfg, parallelism(x.device)), {}};
   });
   run_embedding(call, p->launch, error_record(op, x.device, stream), &p->memo);
-  if (x.device.is_cuda() && options.id_check == IdCheck::sync) throw_recorded_bad_ids(op, x.device, stream, true);
+  if (x.device.is_cuda() && options.id_check == IdCheck::sync) throw_recorded_bad_ids(op, x.device, stream, &x);
 }
 
 void lora_embedding_backward(const TensorView& x, const TensorView& A, const TensorView& B,
@@ -1156,7 +1174,7 @@ void lora_embedding_backward(const TensorView& x, const TensorView& A, const Ten
   TensorView x1, g2;
   flatten_tokens(op, x, "grad_out", grad_out, &x1, &g2);
   const int64_t T = x1.shape[0];
-  if (!x.device.is_cuda()) check_host_ids(op, x1, vr.total);
+  if (!x.device.is_cuda()) check_host_ids(op, x, x1, vr.total);
 
   const EmbeddingBackward call{x1, A, B, g2, s, dA3, dB3, options.scale_grad_by_freq, vr, padding, lo,
                                flat_after_a(op, options, x)};
@@ -1168,12 +1186,12 @@ void lora_embedding_backward(const TensorView& x, const TensorView& A, const Ten
   run_embedding_backward(
       call, has_config(config) ? config : *tuned.get(key, [&] { return tuned_embedding_backward_config(call); }),
       error_record(op, x.device, stream));
-  if (x.device.is_cuda() && options.id_check == IdCheck::sync) throw_recorded_bad_ids(op, x.device, stream, true);
+  if (x.device.is_cuda() && options.id_check == IdCheck::sync) throw_recorded_bad_ids(op, x.device, stream, &x);
 }
 
 void check_embedding_ids(const Device& device, void* stream) {
   if (!device.is_cuda()) return;
-  throw_recorded_bad_ids("lora_embedding", device, stream, false);
+  throw_recorded_bad_ids("lora_embedding", device, stream, nullptr);
 }
 
 }  // namespace kerf::ops

@@ -227,6 +227,22 @@ TEST_CASE("a folder of the cache that cannot be read is named; the others are li
   CHECK(r.first_failure.find("Permission denied") != std::string::npos);
   CHECK(r.bytes_left > 0);
   ::chmod(closed.c_str(), 0755);
+  // An entry that cannot be read is listed as unreadable, with the reason (it was
+  // listed as "empty").
+  cache::DiskCache fresh(dir.path(), cache::DiskMode::on);  // the prunes above removed the others
+  REQUIRE(fresh.store(key_for("sm_90a"), entry_for("sm_90a")));
+  const std::string entry = fresh.path_for(key_for("sm_90a"));
+  REQUIRE(::chmod(entry.c_str(), 0) == 0);
+  bool seen = false;
+  for (const cache::DiskCache::Listed& l : fresh.list()) {
+    if (l.path != entry) continue;
+    seen = true;
+    CHECK(l.decoded.problem == cache::EntryProblem::unreadable);
+    CHECK(std::string(cache::entry_problem_name(l.decoded.problem)) == "unreadable");
+    CHECK(l.decoded.detail.find("Permission denied") != std::string::npos);
+  }
+  CHECK(seen);
+  ::chmod(entry.c_str(), 0644);
 }
 
 TEST_CASE("a writer killed mid-write leaves no entry that reads as valid", "[cache]") {

@@ -556,7 +556,7 @@ TEST_CASE("lora_embedding rejects ids out of range on the CPU before anything ru
     Bad b(Device::cpu(), ids);
     CHECK_THROWS_WITH(
         b.call(),
-        Catch::Contains("lora_embedding: token id x[3] = 50 is outside the vocabulary [0, 50)") &&
+        Catch::Contains("lora_embedding: token id x[0, 3] = 50 is outside the vocabulary [0, 50)") &&
             Catch::Contains("(2 ids out of range in all)"));
     b.out.download();
     for (int64_t i = 0; i < b.out.numel(); ++i) CHECK(std::isnan(b.out.get(i)));  // untouched
@@ -568,7 +568,7 @@ TEST_CASE("lora_embedding rejects ids out of range on the CPU before anything ru
       ops::lora_embedding_backward(b.X.view(), b.A.view(), b.B.view(), G.view(), 1.0, dA.view(),
                                    dB.view()),
       Catch::Contains(
-          "lora_embedding_backward: token id x[3] = 50 is outside the vocabulary [0, 50)"));
+          "lora_embedding_backward: token id x[0, 3] = 50 is outside the vocabulary [0, 50)"));
 }
 
 TEST_CASE("lora_embedding masks ids out of range on the GPU and reports them",

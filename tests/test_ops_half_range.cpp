@@ -38,6 +38,17 @@ std::vector<double> lora_delta(TestTensor& A, TestTensor& B, int64_t out, int64_
   return d;
 }
 
+// t as one expert, [1, ...t's shape]: its dtype, device and values (the MoE ops' W, A, B).
+TestTensor one_expert(TestTensor& t) {
+  std::vector<int64_t> shape = t.shape();
+  shape.insert(shape.begin(), 1);
+  TestTensor e(t.dtype(), shape, t.view().device);
+  const std::vector<double> v = values(t);
+  for (size_t i = 0; i < v.size(); ++i) e.set(int64_t(i), v[i]);
+  e.upload();
+  return e;
+}
+
 void check_half_range(Device dev) {
   CAPTURE(dev.str());
   // Every answer is checked against products of the adapters as the kernels multiply
@@ -93,14 +104,7 @@ void check_half_range(Device dev) {
   }
   {
     INFO("moe_lora_materialize");
-    TestTensor W3(DType::f16, {1, out, in}, dev), A3(DType::f32, {1, r, in}, dev), B3(DType::f32, {1, out, r}, dev),
-        W_eff(DType::f16, {1, out, in}, dev);
-    for (int64_t i = 0; i < W.numel(); ++i) W3.set(i, w0[size_t(i)]);
-    for (int64_t i = 0; i < A.numel(); ++i) A3.set(i, A.get(i));
-    for (int64_t i = 0; i < B.numel(); ++i) B3.set(i, B.get(i));
-    W3.upload();
-    A3.upload();
-    B3.upload();
+    TestTensor W3 = one_expert(W), A3 = one_expert(A), B3 = one_expert(B), W_eff(DType::f16, {1, out, in}, dev);
     W_eff.poison();
     ops::moe_lora_materialize(W3.view(), A3.view(), B3.view(), s, W_eff.view());
     test::sync(dev);
@@ -217,14 +221,7 @@ void check_all_f16_large_scale(Device dev) {
   }
   {
     INFO("moe_lora_materialize");
-    TestTensor W3(DType::f16, {1, out, in}, dev), A3(DType::f16, {1, r, in}, dev), B3(DType::f16, {1, out, r}, dev),
-        W_eff(DType::f16, {1, out, in}, dev);
-    for (int64_t i = 0; i < W.numel(); ++i) W3.set(i, w0[size_t(i)]);
-    for (int64_t i = 0; i < A.numel(); ++i) A3.set(i, A.get(i));
-    for (int64_t i = 0; i < B.numel(); ++i) B3.set(i, B.get(i));
-    W3.upload();
-    A3.upload();
-    B3.upload();
+    TestTensor W3 = one_expert(W), A3 = one_expert(A), B3 = one_expert(B), W_eff(DType::f16, {1, out, in}, dev);
     W_eff.poison();
     ops::moe_lora_materialize(W3.view(), A3.view(), B3.view(), s, W_eff.view());
     test::sync(dev);

@@ -175,8 +175,14 @@ ops::Layout layout_of(py::handle obj) {
                             " must be a tuple with an axis name or None per dimension (like "
                             "jax.sharding.PartitionSpec), got " +
                             type_name(spec));
-          for (const py::handle a : spec)
+          for (const py::handle a : spec) {
+            if (layout_sequence(a))
+              throw TypeError("layout: an entry of " + operand + "'s spec names several mesh axes (" +
+                              std::string(py::repr(a)) +
+                              "); kerf splits a dimension over one axis: name one axis whose size is their "
+                              "product");
             dims.push_back(a.is_none() ? "" : layout_axis_name(a, "an entry of " + operand + "'s spec"));
+          }
         }
         layout.specs[operand] = ops::PartitionSpec(std::move(dims));
       }

@@ -22,6 +22,7 @@
 
 #include "jit/cpu/stack_budget.h"
 #include "kerf/error.h"
+#include "common/env_switch.h"
 #include "kerf/jit/cpu_backend.h"
 
 namespace kerf::jit::cpu {
@@ -30,10 +31,12 @@ namespace {
 constexpr uint64_t kChunksPerWorker = 4;  // more chunks than workers balance uneven programs
 
 int configured_threads() {
-  if (const char* env = std::getenv("KERF_CPU_THREADS"); env && *env) {  // set empty: as unset, like kerf's other switches
+  const char* env = std::getenv("KERF_CPU_THREADS");
+  // Blanks around the number dropped, and set empty (or blank): as unset, like kerf's other switches.
+  if (const std::string word = env ? kerf::detail::switch_word(env) : std::string(); !word.empty()) {
     char* end = nullptr;
-    const long n = std::strtol(env, &end, 10);
-    if (end == env || *end != '\0' || n < 1 || n > 4096)
+    const long n = std::strtol(word.c_str(), &end, 10);
+    if (end == word.c_str() || *end != '\0' || n < 1 || n > 4096)
       throw InvalidArgument(
           std::string("KERF_CPU_THREADS must be a whole number from 1 to 4096, got '") + env + "'");
     return int(n);

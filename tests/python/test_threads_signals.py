@@ -124,3 +124,37 @@ def test_ctrl_c_stops_an_autotuning_pass_within_a_candidate(kerf_cpu, tmp_path):
     assert how == "interrupted"
     # Without the tuner's interrupt check the call would return only after the whole pass.
     assert seconds < 0.8 * full, f"interrupted after {seconds:.2f} s of a {full:.2f} s tuning pass"
+
+
+THREADS_SCRIPT = textwrap.dedent("""
+    import numpy as np
+    import kerf
+    rng = np.random.default_rng(5)
+    W, A, B = (rng.standard_normal(s, dtype=np.float32) for s in [(40, 72), (4, 72), (40, 4)])
+    expected = W + 0.5 * (B.astype(np.float64) @ A)
+    try:
+        kerf.ops.lora_merge(W, A, B, 0.5)
+    except ValueError as e:
+        print("refused", e)
+    else:
+        print("ran", float(np.max(np.abs(W - expected))))
+""")
+
+
+@pytest.mark.parametrize("value,outcome", [
+    ("3", "ran"), (" 3\t", "ran"), ("   ", "ran"),  # blanks around a number, or only blanks (as unset)
+    ("abc", "refused"), ("0", "refused"), ("4097", "refused"), ("2 threads", "refused"),
+])
+def test_kerf_cpu_threads_takes_a_whole_number_with_blanks_around_it(kerf_cpu, tmp_path, value, outcome):
+    # The CPU back end's thread pool reads KERF_CPU_THREADS once per process.
+    env = dict(os.environ, KERF_CPU_THREADS=value, KERF_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    out = subprocess.run([sys.executable, "-c", THREADS_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    how, detail = out.stdout.split(maxsplit=1)
+    assert how == outcome, out.stdout
+    if how == "ran":
+        assert float(detail) <= 1e-5
+    else:
+        assert "KERF_CPU_THREADS must be a whole number from 1 to 4096" in detail

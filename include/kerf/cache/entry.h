@@ -58,6 +58,7 @@ enum class EntryProblem {
   corrupt_payload,  // payload checksum does not hold, or it does not parse
   wrong_key,        // a valid entry, for another key (another arch, kernel, compiler ...)
   too_large,        // a file over kMaxEntryBytes (not read)
+  unreadable,       // the file could not be read (permissions, I/O error)
 };
 const char* entry_problem_name(EntryProblem p);
 
