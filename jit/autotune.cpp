@@ -271,7 +271,20 @@ Choice choose(const Problem& p, const std::vector<Config>& candidates, const Con
   const bool force = cache::current_settings().autotune == cache::AutotuneMode::force;
   if (o.persist && !force) {
     if (std::optional<cache::Found> f = cache::lookup(key)) {
-      Config stored = parse_config(f->entry.prop("config"));
+      const std::string stored_text = f->entry.prop("config");
+      Config stored = parse_config(stored_text);
+      // A record whose config does not parse, or that this build's tuner would prune (a
+      // tile over this device's shared memory), is tuned again, and says so.
+      const char* refused = nullptr;
+      if (f->entry.kind == cache::EntryKind::tune_choice && stored.empty() && !stored_text.empty())
+        refused = "its config does not parse";
+      else if (f->entry.kind == cache::EntryKind::tune_choice && !stored.empty() && hooks.keep && !hooks.keep(stored))
+        refused = "it is not among this device's candidates (its shared memory, or its tiles)";
+      if (refused)
+        log::once(log::Level::warn, "autotune-unusable:" + key.id.hex(),
+                  "autotune " + what + ": the stored choice '" + stored_text + "' (cache entry " + key.id.hex() +
+                      ") cannot be used here (" + refused + "); " +
+                      (o.lookup_only ? "the defaults this time" : "tuning again"));
       if (f->entry.kind == cache::EntryKind::tune_choice && !stored.empty() &&
           (!hooks.keep || hooks.keep(stored))) {
         std::string unusable = hooks.usable ? hooks.usable(stored) : std::string();

@@ -417,11 +417,16 @@ TEST_CASE("a stored choice is reused, also when candidates are added", "[autotun
     autotune::Hooks h = again.hooks();
     h.keep = [](const autotune::Config& c) { return c.at("BLOCK") != 64; };
     autotune::forget_choices();
+    test::ScopedEnv warn({{"KERF_LOG", "warn"}});
+    test::LogCapture logs;
     const autotune::Choice f =
         autotune::choose(fake_problem(), kCandidates, cand(32, 4), h, options_with(&again.timer));
     CHECK(f.from == autotune::Choice::From::tuned);
     CHECK(f.config == cand(256, 8));
     CHECK(f.pruned == 1);
+    // Said, not silent.
+    CHECK(logs.count("the stored choice 'BLOCK=64,num_warps=4'") == 1);
+    CHECK(logs.count("cannot be used here (it is not among this device's candidates") == 1);
   }
 }
 

@@ -122,6 +122,19 @@ TEST_CASE("kerf-cache warms, lists, packs, verifies and prunes", "[cache][tool]"
   std::tie(rc, out) = tool(cache_dir, {"pack", dir / "partial.kbundle"});
   CHECK(rc == 1);
   CHECK(out.find("(1 skipped)") != std::string::npos);
+  // A damaged entry of a bundle given to --add is skipped as one on disk is (the
+  // whole pack failed): the rest is packed, and the exit status says it is partial.
+  {
+    const cache::Bundle::Record first = cache::Bundle(bundle).records().front();
+    std::vector<char> image = *cache::read_file(bundle, size_t(1) << 30);
+    image[size_t(first.offset + first.bytes / 2)] ^= 0x40;
+    std::ofstream(dir / "damaged.kbundle", std::ios::binary).write(image.data(), std::streamsize(image.size()));
+  }
+  std::tie(rc, out) = tool(cache_dir, {"pack", dir / "merged2.kbundle", "--add", dir / "damaged.kbundle"});
+  CHECK(rc == 1);
+  CHECK(out.find("(2 skipped)") != std::string::npos);
+  // Each damaged copy has a good one on the other side, unless both are the same entry.
+  CHECK(cache::Bundle(dir / "merged2.kbundle").records().size() + 1 >= entries);
 
   std::tie(rc, out) = tool(cache_dir, {"prune", "--max-size", "0"});
   CHECK(rc == 0);
@@ -177,6 +190,15 @@ TEST_CASE("kerf-cache refuses arguments that would lose entries or store nothing
     const test::TempDir refused_dir;
     CHECK(tool(refused_dir / "cache", warm).first == 2);
     CHECK(cache::DiskCache(refused_dir / "cache", cache::DiskMode::readonly).list().empty());
+  }
+  // KERF_AUTOTUNE set blank is unset for warm as for the library: warm tunes (it did not).
+  if (cpu) {
+    const test::TempDir blank;
+    test::Child child({kTool, "--dir", blank / "cache", "warm", "--op", "dora_norm", "--shape", "64x96x4", "--dtype",
+                       "f32", "--arch", "cpu"},
+                      {{"KERF_LOG", "off"}, {"KERF_AUTOTUNE", " "}});
+    CHECK(child.wait() == 0);
+    CHECK(tool(blank / "cache", {"list"}).second.find("tune-choice") != std::string::npos);
   }
   // Entries under a directory whose name holds ".tmp-" are entries, not a writer's leftovers.
   const std::string cache_dir = dir / "proj.tmp-x/cache";

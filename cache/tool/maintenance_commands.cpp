@@ -173,8 +173,19 @@ int pack(Args& args) {
       }
     }
   }
-  for (const auto& b : added)
-    for (const cache::Bundle::Record& r : b->records()) writer.add(b->image(r));
+  // A damaged entry of a bundle is skipped as one on disk is, naming the bundle.
+  for (size_t i = 0; i < added.size(); ++i) {
+    size_t n = 0;
+    for (const cache::Bundle::Record& r : added[i]->records()) {
+      ++n;
+      try {
+        writer.add(added[i]->image(r));
+      } catch (const CacheError& e) {
+        std::fprintf(stderr, "pack: skipping entry %zu of %s: %s\n", n, merge[i].c_str(), e.what());
+        ++skipped;
+      }
+    }
+  }
   writer.write(out, {{"kerf_version", cache::kerf_version()},
                      {"created", now_text()},
                      {"source", disk.dir()},

@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "cache/tool/tool.h"
+#include "common/env_switch.h"
 #include "kerf/cache/cuda_binary.h"
 #include "kerf/cache/store.h"
 #include "kerf/error.h"
@@ -206,7 +207,7 @@ int warm(Args& args) {
   const char* autotune_env = std::getenv("KERF_AUTOTUNE");
   if (!tune)
     ::setenv("KERF_AUTOTUNE", "0", 1);
-  else if (!autotune_env || !*autotune_env)  // unset, or set empty (which the library reads as unset)
+  else if (!autotune_env || detail::switch_word(autotune_env).empty())  // unset, or blank (the library reads it so)
     ::setenv("KERF_AUTOTUNE", "1", 1);      // warm means tune, CPU too
   cache::reload_settings();
   (void)cache_dir();  // refuses a directory the library refuses
