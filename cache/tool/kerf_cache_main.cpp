@@ -35,7 +35,7 @@ namespace {
 constexpr const char* kUsage = R"(usage: kerf-cache [--dir DIR] COMMAND ...
 
   warm     compile (and, on a GPU of that architecture, tune) ops for shapes:
-             --op NAME       repeatable; default: all of
+             --op NAME       repeatable or a,b; default: all of
                                dora_norm, dora_norm_4bit, lora_merge  shape out x in x r
                                moe_lora_materialize,
                                moe_lora_materialize_backward          shape E x N x K x r
@@ -43,14 +43,14 @@ constexpr const char* kUsage = R"(usage: kerf-cache [--dir DIR] COMMAND ...
                                lora_embedding_backward                shape T x vocab x dim x r
              --shape S       sizes joined by 'x' in the op's order (repeatable; each
                              op takes the shapes of its own length)
-             --dtype T       bf16, f16, f32: every operand's (repeatable; default bf16);
+             --dtype T       bf16, f16, f32: every operand's (repeatable or a,b; default bf16);
                              mixed calls (bf16 W, fp32 adapters) are warmed by running them
              --layout L      sharding layout text (repeatable; default unsharded)
              --arch A        sm_90a, sm_80, ..., cpu, or native (repeatable or a,b;
                              default: the GPU's, else cpu). An architecture without a
                              device here is compiled but not tuned.
              --all-candidates  without a device, compile every autotune candidate
-                             (so that the target can tune without NVRTC)
+                             (so that the target can tune without NVRTC; not with --no-tune)
              --sm-count N    multiprocessors to plan for without a device
              --no-tune       compile the default configurations only
              -j N            compile threads without a device (default: all cores)
@@ -66,7 +66,8 @@ constexpr const char* kUsage = R"(usage: kerf-cache [--dir DIR] COMMAND ...
 DIR defaults to $KERF_CACHE_DIR, else ${XDG_CACHE_HOME:-~/.cache}/kerf.
 Exit status: 0 done; 1 done but something is wrong or missing (a damaged entry,
 a folder that could not be read, a file prune could not remove, an entry warm
-could not store); 2 refused (bad arguments, no such cache directory).
+could not store); 2 refused (bad arguments; for pack and verify, a --dir that holds
+no cache). list and prune of a directory that is not there find 0 entries.
 )";
 
 }  // namespace

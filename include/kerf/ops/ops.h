@@ -122,7 +122,7 @@ void dora_norm_finish(const TensorView& sumsq, const TensorView& m, double eps,
 
 // Backward of scale = m / norm with the norm a constant (DoRA detaches it):
 //   grad_m[i] = grad_scale[i] / norm[i]
-// norm [out] (f32, as dora_norm writes it), grad_scale and grad_m [out] any
+// norm [out] (f32 as dora_norm writes it, or any float dtype), grad_scale and grad_m [out] any
 // float dtypes. A zero norm gives inf/NaN as the division does (see eps).
 // Layout operands norm, grad_scale, grad_m (dim "out"): local.
 void dora_norm_backward(const TensorView& norm, const TensorView& grad_scale,
