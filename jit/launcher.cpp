@@ -367,6 +367,11 @@ void check_tensor(const TensorView& t, size_t index, const std::string& kernel_n
   }
   if (t.data == nullptr && t.numel() > 0)
     throw InvalidArgument(where() + " has a null data pointer");
+  // A GPU cannot load a misaligned element (the fault would end the CUDA context).
+  if (t.numel() > 0 && reinterpret_cast<uintptr_t>(t.data) % uintptr_t(dtype_size_bytes(t.dtype)) != 0)
+    throw InvalidArgument(where() + " starts at address " + std::to_string(reinterpret_cast<uintptr_t>(t.data)) +
+                          ", not a multiple of its element size (" + std::to_string(dtype_size_bytes(t.dtype)) +
+                          " bytes for " + dtype_name(t.dtype) + ")");
 }
 
 // program_id and num_programs are i32 in every kernel: a grid axis past INT32_MAX would
@@ -649,6 +654,9 @@ LaunchInfo launch(const ResolvedKernel& kernel, const std::vector<Arg>& args, Gr
                             ", but the kernel was resolved on cuda:" + std::to_string(c.module.device()));
     if (t->data == nullptr && t->numel() > 0)
       throw InvalidArgument("kernel '" + c.name + "': argument " + std::to_string(i) + " has a null data pointer");
+    if (t->numel() > 0 && reinterpret_cast<uintptr_t>(t->data) % uintptr_t(dtype_size_bytes(t->dtype)) != 0)
+      throw InvalidArgument("kernel '" + c.name + "': argument " + std::to_string(i) +
+                            " does not start at a multiple of its element size");
     // Its code assumes the alignment, contiguity and divisibility facts of the call that
     // resolved it (masks and vector widths follow from them): a view without one of them
     // would be read as if it had it.

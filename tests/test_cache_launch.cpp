@@ -407,6 +407,15 @@ void check_resolved_kernel(const Device& dev) {
   null_out.data = nullptr;
   CHECK_THAT(test::thrown<InvalidArgument>([&] { launch(rk, {views[0], null_out, Scalar(1.0), Scalar(0.0)}, grid, {}); }),
              Catch::Contains("argument 1 has a null data pointer"));
+  // A pointer off its element size: refused (a GPU faults on it, ending the context).
+  TensorView skewed = views[2];
+  skewed.data = static_cast<char*>(skewed.data) + 2;
+  skewed.shape[0] -= 1;
+  CHECK_THAT(test::thrown<InvalidArgument>([&] { launch(rk, {views[0], skewed, Scalar(1.0), Scalar(0.0)}, grid, {}); }),
+             Catch::Contains("argument 1 does not start at a multiple of its element size"));
+  CHECK_THAT(test::thrown<InvalidArgument>(
+                 [&] { launch(axpb_kernel(), {views[0], skewed, Scalar(1.0), Scalar(0.0)}, grid, meta); }),
+             Catch::Contains("argument 1 starts at address") && Catch::Contains("not a multiple of its element size (4 bytes for f32)"));
   // Another dtype, rank or kind of device than it was resolved for: refused (a u8 input
   // was read as floats, past its end).
   TensorView bytes = views[0];
