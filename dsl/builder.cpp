@@ -70,6 +70,7 @@ const std::string& Builder::kernel_name() const { return impl_->fn.name; }
 Tensor Builder::tensor(const std::string& name, int rank) {
   Impl& s = *impl_;
   const int index = int(s.fn.params.size());
+  if (name.empty()) s.fail("tensor", "argument " + std::to_string(index) + " needs a name");
   if (rank < 1 || rank > 8) s.fail("tensor", "'" + name + "' must have rank 1..8");
   if (size_t(index) >= s.args.size())
     s.fail("tensor", "argument " + std::to_string(index) + " '" + name +
@@ -109,6 +110,7 @@ Tensor Builder::tensor(const std::string& name, int rank, DType fixed) {
 Value Builder::scalar(const std::string& name, DType dtype) {
   Impl& s = *impl_;
   const int index = int(s.fn.params.size());
+  if (name.empty()) s.fail("scalar", "argument " + std::to_string(index) + " needs a name");
   if (size_t(index) >= s.args.size())
     s.fail("scalar", "argument " + std::to_string(index) + " '" + name +
                          "' is declared, but the call passes only " +

@@ -219,6 +219,13 @@ TEST_CASE("arguments that disagree with the declaration are definition errors", 
       {"vec_add", "rank 1", "rank-2"});
   expect_definition_error([&] { vec_add().trace({ArgSpec::tensor(DType::f32, 1)}, {{"BLOCK", 64}}); },
                           {"vec_add", "passes only 1"});
+  // Every argument has a name (an empty one was taken, and messages named it '').
+  const Kernel unnamed_tensor("unnamed_tensor", [](Builder& k) { (void)k.tensor("", 1); });
+  expect_definition_error([&] { unnamed_tensor.trace({ArgSpec::tensor(DType::f32, 1)}, {}); },
+                          {"unnamed_tensor", "argument 0 needs a name"});
+  const Kernel unnamed_scalar("unnamed_scalar", [](Builder& k) { (void)k.scalar("", DType::f32); });
+  expect_definition_error([&] { unnamed_scalar.trace({ArgSpec::scalar()}, {}); },
+                          {"unnamed_scalar", "argument 0 needs a name"});
 }
 
 TEST_CASE("loop-carried values must keep their type", "[dsl][errors]") {
