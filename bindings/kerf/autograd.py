@@ -34,6 +34,7 @@ the norm kerf computed.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import Any, Dict, Optional, Tuple
 
@@ -104,6 +105,8 @@ def dora_weight_norm(W: Tensor, A: Tensor, B: Tensor, s: float, eps: float = 0.0
     bitsandbytes 4-bit weight (its quant_state is read; nothing is dequantized
     into memory)."""
     _expect_tensors("dora_weight_norm", W=W, A=A, B=B)
+    if B.dim() != 2:
+        raise ValueError(f"dora_weight_norm: B must be [out, r], got shape {list(B.shape)}")
     # The op also produces m / norm; a ones magnitude keeps that output harmless.
     m = torch.ones(B.shape[0], dtype=torch.float32, device=B.device)
     norm, _ = _dora_norm_and_scale(W, A, B, m, s, eps)
@@ -295,7 +298,10 @@ class DoraNormCache:
         return DoraNormCache()
 
     def norm(self, W: Tensor, A: Tensor, B: Tensor, s: float, eps: float = 0.0) -> Tensor:
-        """The (detached, float32) norm, cached until the next optimizer step."""
+        """The (detached, float32) norm, cached until the next optimizer step.
+
+        The tensor returned is the cached one, shared by every hit: read it, do not
+        modify it in place (a copy, ``.clone()``, is yours to change)."""
         _expect_tensors("DoraNormCache.norm", W=W, A=A, B=B)
         if torch.is_inference_mode_enabled() or any(t.is_inference() for t in (W, A, B)):
             # An inference tensor would be served to a later training forward, which cannot
@@ -411,12 +417,13 @@ class LoraEmbedding(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, W: Tensor, A: Tensor, B: Tensor, s: float, padding_idx: Optional[int],
-                m: Optional[Tensor], id_check: str = "sync") -> Tensor:
+                m: Optional[Tensor], id_check: str = "sync", scale_grad_by_freq: bool = False) -> Tensor:
         same_half = W.dtype == A.dtype == B.dtype and W.dtype in (torch.float16, torch.bfloat16)
         dt = W.dtype if same_half else torch.promote_types(torch.promote_types(W.dtype, A.dtype), torch.float32)
         if padding_idx is not None and padding_idx < 0:  # as F.embedding: counted from the end
             padding_idx += W.shape[0]
         ctx.s, ctx.padding_idx, ctx.vocab, ctx.id_check = float(s), padding_idx, W.shape[0], id_check
+        ctx.by_freq = bool(scale_grad_by_freq)
         ctx.dtypes = (W.dtype, A.dtype, B.dtype, None if m is None else m.dtype)
         out = torch.empty(*x.shape, W.shape[1], dtype=torch.float32 if dt == torch.float64 else dt,
                           device=W.device)
@@ -435,21 +442,28 @@ class LoraEmbedding(torch.autograd.Function):
         # n[h] = ||W[:, h] + s * (B @ A)[h, :]|| over the vocabulary: kerf's dora_norm on the view W^T.
         n = dora_weight_norm(W.t(), A, B, s).to(dt)
         ms = m.detach().to(dt) / n
-        ctx.save_for_backward(x, A, B, pre, n, ms, W, m)  # W and m: for second derivatives
+        ctx.save_for_backward(x, A, B, pre, n, ms)
+        # W and m only for second derivatives (create_graph=True), kept as they are: not saved
+        # tensors, so a frozen or inference-mode W works, as in PEFT, which saves nothing of W.
+        ctx.W, ctx.m = W, m
         return pre * ms
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor):
         x, A, B, *dora = ctx.saved_tensors
         s, (w_dtype, a_dtype, b_dtype, m_dtype) = ctx.s, ctx.dtypes
+        # As F.embedding(x, table, padding_idx, scale_grad_by_freq=...) differentiates its table.
+        table_grad = {"padding_idx": ctx.padding_idx, "scale_grad_by_freq": ctx.by_freq}
         dt = torch.promote_types(grad.dtype, torch.float32)
         H = grad.shape[-1]
         g = grad.reshape(-1, H).to(dt)
         dm = dW = dA = dB = None
         if dora:
-            pre, n, ms, W, m = dora
+            pre, n, ms = dora
+            W, m = ctx.W, ctx.m
             if torch.is_grad_enabled():  # create_graph=True: pre and m / n with their history
-                pre = F.embedding(x, W.to(dt)) + s * (F.embedding(x, A.to(dt).t()) @ B.to(dt).t())
+                pre = (F.embedding(x, W.to(dt), **table_grad) +
+                       s * (F.embedding(x, A.to(dt).t(), **table_grad) @ B.to(dt).t()))
                 ms = m.to(dt) / n.to(dt)
             if ctx.needs_input_grad[6]:
                 dm = ((g * pre.reshape(-1, H).to(dt)).sum(0) / n.to(dt)).to(m_dtype)  # out = m * pre / n
@@ -459,16 +473,21 @@ class LoraEmbedding(torch.autograd.Function):
             xf = x.reshape(-1)
             At, Bt = A.to(dt), B.to(dt)
             gp = g if ctx.padding_idx is None else g.masked_fill((xf == ctx.padding_idx)[:, None], 0)
+            if ctx.by_freq:
+                gp = gp / torch.bincount(xf, minlength=A.shape[1])[xf].to(dt)[:, None]
             if ctx.needs_input_grad[2]:
                 dA = (ctx.s * torch.zeros(A.shape[1], A.shape[0], dtype=dt, device=g.device)
                       .index_add(0, xf, gp @ Bt)).t().to(a_dtype)
             if ctx.needs_input_grad[3]:
-                dB = (ctx.s * g.t() @ At.t()[xf]).to(b_dtype)
+                # The activations as a lookup that, differentiated again, passes no gradient to
+                # A's padding column (and divides by the counts), as PEFT's F.embedding does.
+                dB = (ctx.s * g.t() @ F.embedding(xf, At.t(), **table_grad)).to(b_dtype)
             ctx.act = None
         elif ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
             gA, gB = _ops.lora_embedding_backward(x.detach(), _for_kerf(A), _for_kerf(B),
                                                   _for_kerf(g).reshape(*x.shape, H), s, padding_idx=ctx.padding_idx,
-                                                  id_check=ctx.id_check, after_a=ctx.act)
+                                                  scale_grad_by_freq=ctx.by_freq, id_check=ctx.id_check,
+                                                  after_a=ctx.act)
             ctx.act = None
             dA = gA.to(a_dtype) if ctx.needs_input_grad[2] else None
             dB = gB.to(b_dtype) if ctx.needs_input_grad[3] else None
@@ -476,8 +495,10 @@ class LoraEmbedding(torch.autograd.Function):
             xf = x.reshape(-1)
             if ctx.padding_idx is not None:  # in [0, V): the forward counted a negative one from the end
                 g = g.masked_fill((xf == ctx.padding_idx)[:, None], 0)
+            if ctx.by_freq:
+                g = g / torch.bincount(xf, minlength=ctx.vocab)[xf].to(dt)[:, None]
             dW = torch.zeros(ctx.vocab, H, dtype=dt, device=g.device).index_add_(0, xf, g).to(w_dtype)
-        return None, dW, dA, dB, None, None, dm, None
+        return None, dW, dA, dB, None, None, dm, None, None
 
 
 def lora_embedding(
@@ -490,6 +511,7 @@ def lora_embedding(
     padding_idx: Optional[int] = None,
     magnitude: Optional[Tensor] = None,
     id_check: str = "sync",
+    scale_grad_by_freq: bool = False,
 ) -> Tensor:
     """LoRA embedding lookup ``W[x] + s * A^T[x] @ B^T`` (in the half dtype W, A and B share, else
     float32, or float64 for float64 inputs), DoRA-scaled by
@@ -499,6 +521,9 @@ def lora_embedding(
     An id outside [0, V) raises ValueError; on CUDA, ``id_check="deferred"`` keeps
     the forward and backward asynchronous and leaves the report to
     :func:`kerf.ops.check_embedding_ids` (e.g. once per training step).
+    ``padding_idx`` and ``scale_grad_by_freq`` as :func:`torch.nn.functional.embedding`
+    (PEFT passes the base layer's): no gradient for the padding row, and each row's
+    gradient divided by its id's count in x. x may have any shape (a single id too).
     """
     _expect_tensors("lora_embedding", x=x, W=W, A=A, B=B, **({} if magnitude is None else {"magnitude": magnitude}))
     if W.dim() != 2:
@@ -506,12 +531,19 @@ def lora_embedding(
     vocab, dim = W.shape
     if padding_idx is not None:
         # As torch.nn.functional.embedding: within [-V, V), a negative one counting from the end.
-        if isinstance(padding_idx, bool) or not isinstance(padding_idx, int):
+        if isinstance(padding_idx, bool) or not hasattr(type(padding_idx), "__index__"):
             raise TypeError(f"lora_embedding: padding_idx must be an int, got {type(padding_idx).__name__}")
+        padding_idx = operator.index(padding_idx)  # a NumPy or torch integer too
         if not -vocab <= padding_idx < vocab:
             raise ValueError(f"lora_embedding: padding_idx must be within [-{vocab}, {vocab}) "
                              f"(W has {vocab} rows), got {padding_idx}")
     if magnitude is not None and tuple(magnitude.shape) != (dim,):
         raise ValueError(f"lora_embedding: magnitude must be [H] = [{dim}] (one per column of W), "
                          f"got shape {list(magnitude.shape)}")
-    return LoraEmbedding.apply(x, W, A, B, float(s), padding_idx, magnitude, id_check)
+    # Ids of any layout, as F.embedding takes them: kerf's op wants token dims that flatten
+    # to one (a contiguous copy of the ids where they do not; ids are small) and at least one dim.
+    ids = x if x.is_contiguous() else x.contiguous()
+    if ids.dim() == 0:
+        return LoraEmbedding.apply(ids.reshape(1), W, A, B, float(s), padding_idx, magnitude, id_check,
+                                   bool(scale_grad_by_freq)).reshape(dim)
+    return LoraEmbedding.apply(ids, W, A, B, float(s), padding_idx, magnitude, id_check, bool(scale_grad_by_freq))

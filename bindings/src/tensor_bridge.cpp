@@ -282,7 +282,22 @@ void prepare_torch_write(const TorchApi& api, py::handle obj, const char* op, co
   if (steal(PyObject_GetAttrString(obj.ptr(), "requires_grad")).ptr() == Py_True && api.is_grad_enabled &&
       steal(PyObject_CallNoArgs(api.is_grad_enabled)).ptr() == Py_True)
     throw_written_needs_grad(op, name);
-  if (api.increment_version) steal(PyObject_CallOneArg(api.increment_version, obj.ptr()));
+  if (api.increment_version) {
+    steal(PyObject_CallOneArg(api.increment_version, obj.ptr()));
+    return;
+  }
+  // An older torch: an in-place op on an empty view of the tensor bumps the counter
+  // the view shares with it, and touches no element (nor launches a kernel). An
+  // inference tensor keeps no counter (and takes no in-place op outside inference mode).
+  if (PyObject* inference = PyObject_CallMethod(obj.ptr(), "is_inference", nullptr)) {
+    const bool is_inference = inference == Py_True;
+    Py_DECREF(inference);
+    if (is_inference) return;
+  } else {
+    PyErr_Clear();  // a torch before inference mode (1.9)
+  }
+  const py::object empty = steal(PyObject_CallMethod(obj.ptr(), "as_strided", "((i)(i))", 0, 1));
+  steal(PyObject_CallMethod(empty.ptr(), "add_", "(i)", 0));
 }
 
 TensorView torch_view(const TorchApi& api, py::handle obj, bool written, const char* op,

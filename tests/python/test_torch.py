@@ -9,6 +9,7 @@ KERF_BUILD_DIR=<build> python3 -m pytest tests/python. Cases that need what an
 old torch lacks (optimizer step hooks: 2.0; fused AdamW on the CPU: 2.4) say so
 when they skip."""
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (tools/test.sh installs Debian's python3-torch)")
@@ -116,18 +117,11 @@ def test_bridge_and_attribute_paths_read_tensors_alike(device):
         kerf._kerf._set_torch_bridge(was)
 
 
-def bumps_versions(path):
-    """Whether kerf can tell autograd of its writes on this path: the bridge bumps the
-    version counter in C++; the attribute path needs torch.autograd.graph.increment_version."""
-    if path == "bridge" and kerf._kerf._torch_bridge_status().startswith("active"):
-        return True
-    return hasattr(getattr(torch.autograd, "graph", None), "increment_version")
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_write_into_a_tensor_autograd_saved_fails_its_backward_as_an_in_place_op_would(device, torch_path):
-    if not bumps_versions(torch_path):
-        pytest.skip(f"torch {torch.__version__} without kerf._torch_bridge has no increment_version (2.1 added it)")
+    # Every path bumps the version counter: the bridge in C++, the attribute path through
+    # torch.autograd.graph.increment_version (torch >= 2.1) or an in-place op on an empty
+    # view (older torch, as Debian's 1.13: without it the backward used the new values).
     x = torch.randn(3, 24, device=device, requires_grad=True)
     W = torch.randn(16, 24, device=device)
     y = (x @ W.t()).sum()  # saves W for x's gradient
@@ -143,6 +137,13 @@ def test_a_write_into_a_tensor_autograd_saved_fails_its_backward_as_an_in_place_
     v = norm._version
     kerf.ops.dora_norm(Wd, A, B, m, 0.5, norm=norm, scale=scale)
     assert norm._version > v
+    # An inference tensor keeps no version counter; kerf writes it all the same.
+    with torch.inference_mode():
+        Wi = torch.randn(16, 24, device=device)
+    A4, B16 = torch.randn(4, 24, device=device), torch.randn(16, 4, device=device)
+    want = Wi.double() + B16.double() @ A4.double()
+    kerf.ops.lora_merge(Wi, A4, B16, 1.0)
+    assert torch.allclose(Wi.double(), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -463,6 +464,72 @@ def test_lora_embedding_padding_idx_as_torch_reads_it(device):
         for got, want in ((W.grad, Wr.grad), (A.grad, Ar.grad), (B.grad, Br.grad)):
             torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-5)
         assert torch.count_nonzero(W.grad[pad]) == 0
+
+
+def peft_embedding(x, W, A, B, s, padding_idx, by_freq, m=None):
+    """PEFT's LoRA (and DoRA) embedding in PyTorch: the reference kerf's autograd follows."""
+    kw = {"padding_idx": padding_idx, "scale_grad_by_freq": by_freq}
+    pre = F.embedding(x, W, **kw) + s * (F.embedding(x, A.t(), **kw) @ B.t())
+    if m is None:
+        return pre
+    return pre * (m / torch.linalg.vector_norm(W.t() + s * B @ A, dim=1).detach())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dora", [False, True])
+@pytest.mark.parametrize("padding_idx", [None, 3])
+@pytest.mark.parametrize("by_freq", [False, True])
+def test_lora_embedding_follows_f_embedding_in_first_and_second_derivatives(device, dora, padding_idx, by_freq):
+    """padding_idx and scale_grad_by_freq as F.embedding (PEFT passes the base layer's) in
+    the gradients of W, A, B and m, also with create_graph=True; and second derivatives
+    with padding_idx (they reached A's and W's padding row). With scale_grad_by_freq,
+    torch's own double backward of F.embedding ignores the scaling, so only first
+    derivatives are compared there."""
+    torch.manual_seed(11)
+    x = torch.tensor([[1, 3, 3, 7], [5, 1, 1, 3]], device=device)
+    W, A, B = (torch.randn(*sh, dtype=torch.float64, device=device).requires_grad_() for sh in [(9, 5), (3, 9), (5, 3)])
+    m = (torch.rand(5, dtype=torch.float64, device=device) + 0.5).requires_grad_() if dora else None
+    ins = [W, A, B] + ([m] if dora else [])
+    got = ka.lora_embedding(x, W, A, B, 0.7, padding_idx=padding_idx, magnitude=m, scale_grad_by_freq=by_freq)
+    want = peft_embedding(x, W, A, B, 0.7, padding_idx, by_freq, m)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    g = torch.randn_like(want)
+    # kerf's backward (no create_graph), then the differentiable one.
+    for create_graph in (False, True):
+        g_got = torch.autograd.grad(got, ins, g, retain_graph=True, create_graph=create_graph)
+        g_want = torch.autograd.grad(want, ins, g, retain_graph=True, create_graph=create_graph)
+        for a, b in zip(g_got, g_want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    if by_freq:
+        return
+    h_got = torch.autograd.grad(sum((t * t).sum() for t in g_got), ins, allow_unused=True)
+    h_want = torch.autograd.grad(sum((t * t).sum() for t in g_want), ins, allow_unused=True)
+    for t, a, b in zip(ins, h_got, h_want):
+        torch.testing.assert_close(torch.zeros_like(t) if a is None else a, torch.zeros_like(t) if b is None else b,
+                                   rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lora_embedding_takes_ids_as_f_embedding_does(device):
+    """A single id (0-dim), ids that do not flatten (transposed, expanded), a NumPy integer
+    padding_idx; and an inference-mode base weight with a trainable magnitude (it was saved
+    for second derivatives, which torch refuses for inference tensors)."""
+    torch.manual_seed(12)
+    W, A, B = torch.randn(8, 4, device=device), torch.randn(2, 8, device=device), torch.randn(4, 2, device=device)
+    for x in (torch.tensor(3, device=device), torch.tensor([[1, 2], [3, 4]], device=device).t(),
+              torch.tensor([1, 6], device=device).expand(3, 2)):
+        torch.testing.assert_close(ka.lora_embedding(x, W, A, B, 0.5), peft_embedding(x, W, A, B, 0.5, None, False),
+                                   rtol=1e-5, atol=1e-6)
+    x = torch.tensor([1, 3, 3], device=device)
+    torch.testing.assert_close(ka.lora_embedding(x, W, A, B, 0.5, padding_idx=np.int64(3)),
+                               peft_embedding(x, W, A, B, 0.5, 3, False), rtol=1e-5, atol=1e-6)
+    with pytest.raises(TypeError, match="padding_idx must be an int, got float"):
+        ka.lora_embedding(x, W, A, B, 0.5, padding_idx=3.0)
+    with torch.inference_mode():
+        Wi = torch.randn(8, 4, device=device)
+    m = torch.ones(4, device=device, requires_grad=True)
+    ka.lora_embedding(x, Wi, A.clone().requires_grad_(), B, 0.5, magnitude=m).sum().backward()
+    assert m.grad is not None and torch.isfinite(m.grad).all()
 
 
 @CUDA_ONLY
@@ -906,3 +973,9 @@ def test_norm_cache_copies_start_empty_inference_mode_is_not_cached_dead_entries
         cache.norm(W.t().t(), A, B, 0.5)  # a fresh view each time: misses, the dead ones dropped
     assert len(cache) <= 2
     cache.close()
+
+
+def test_dora_weight_norm_refuses_a_b_that_is_not_a_matrix():
+    W, A = torch.randn(4, 6), torch.randn(2, 6)
+    with pytest.raises(ValueError, match=r"dora_weight_norm: B must be \[out, r\], got shape \[\]"):
+        ka.dora_weight_norm(W, A, torch.tensor(1.0), 0.5)  # was an IndexError from B.shape[0]
