@@ -114,23 +114,25 @@ std::string id_position(int64_t pos, const TensorView* x) {
   return text + "]";
 }
 
+// `hint`: what the message adds (how the vocabulary's size was reckoned, where a layout did).
 std::string bad_id_message(const char* op, int64_t count, int64_t pos, int64_t id, int64_t vocab,
-                           const TensorView* x) {
+                           const TensorView* x, const std::string& hint = {}) {
   std::string m = std::string(op) + ": token id " + id_position(pos, x) + " = " + std::to_string(id) +
                   " is outside the vocabulary [0, " + std::to_string(vocab) + ")";
   if (count > 1) m += " (" + std::to_string(count) + " ids out of range in all)";
-  return m;
+  return m + hint;
 }
 
 // Reads `rec` after `stream`'s work (not the whole device's: other streams' work, NCCL's
 // say, runs on) and clears it; throws when it holds a bad id.
-void throw_if_recorded(const std::string& op, cuda::DeviceBuffer& rec, void* stream, const TensorView* x) {
+void throw_if_recorded(const std::string& op, cuda::DeviceBuffer& rec, void* stream, const TensorView* x,
+                       const std::string& hint = {}) {
   int64_t host[kRecordSlots] = {0, 0, 0, 0};
   rec.copy_to_host_after(stream, host, sizeof host);
   if (host[0] == 0) return;
   rec.fill_bytes_async(0, stream);
   cuda::stream_synchronize(stream, rec.device());
-  throw InvalidArgument(bad_id_message(op.c_str(), host[0], host[1], host[2], host[3], x));
+  throw InvalidArgument(bad_id_message(op.c_str(), host[0], host[1], host[2], host[3], x, hint));
 }
 
 // Waits for `stream`, reads its GPU record and clears it; throws when it holds a bad
@@ -139,7 +141,8 @@ void throw_if_recorded(const std::string& op, cuda::DeviceBuffer& rec, void* str
 // record into the graph record, which the next check on the device reads.
 // `x`: the ids of the call that checks (null for a later check, which cannot tell whose
 // ids the record holds).
-void throw_recorded_bad_ids(const char* op, const Device& dev, void* stream, const TensorView* x) {
+void throw_recorded_bad_ids(const char* op, const Device& dev, void* stream, const TensorView* x,
+                            const std::string& hint = {}) {
   const bool from_op = x != nullptr;
   if (capturing(dev, stream)) {
     if (from_op) return;
@@ -148,7 +151,7 @@ void throw_recorded_bad_ids(const char* op, const Device& dev, void* stream, con
                           ": cannot wait for a CUDA stream while it captures a graph; check after the capture");
   }
   cuda::DeviceBuffer& rec = device_record(dev, stream);
-  throw_if_recorded(op, rec, stream, x);
+  throw_if_recorded(op, rec, stream, x, hint);
   Records& r = records();
   cuda::DeviceBuffer* graphs = nullptr;
   {
@@ -160,7 +163,8 @@ void throw_recorded_bad_ids(const char* op, const Device& dev, void* stream, con
 }
 
 // Ids on the host: check them all before anything runs.
-void check_host_ids(const char* op, const TensorView& x, const TensorView& x1, int64_t vocab) {
+void check_host_ids(const char* op, const TensorView& x, const TensorView& x1, int64_t vocab,
+                    const std::string& hint = {}) {
   const auto* base = static_cast<const uint8_t*>(x1.data);
   const int64_t n = x1.shape[0], stride = x1.strides[0];
   int64_t count = 0, first_pos = -1, first_id = 0;
@@ -179,7 +183,7 @@ void check_host_ids(const char* op, const TensorView& x, const TensorView& x1, i
       first_id = id;
     }
   }
-  if (count) throw InvalidArgument(bad_id_message(op, count, first_pos, first_id, vocab, &x));
+  if (count) throw InvalidArgument(bad_id_message(op, count, first_pos, first_id, vocab, &x, hint));
 }
 
 // x's token dims as one [T]; refused when their strides do not nest (a transposed or
@@ -252,6 +256,9 @@ std::vector<OperandDims> with_after_a(const EmbeddingOptions& options, const Ten
 // The vocabulary this shard holds: ids [start, start + local) of `total`.
 struct VocabRange {
   int64_t start = 0, total = 0;
+  // Where the size was reckoned from even shards (a split with no vocab_start): what an
+  // out-of-range id's message adds, since uneven shards would show up as such an id.
+  std::string hint;
 };
 
 VocabRange vocab_range(const char* op, const Layout& layout, const LayoutSplits& splits, int64_t local,
@@ -262,31 +269,36 @@ VocabRange vocab_range(const char* op, const Layout& layout, const LayoutSplits&
       throw InvalidArgument(std::string(op) + ": vocab_start and vocab_size go together (a shard's first id and "
                             "the whole vocabulary's size), got only " +
                             (options.vocab_start ? "vocab_start" : "vocab_size"));
-    if (axis.empty())
+    const int64_t start = *options.vocab_start, total = *options.vocab_size;
+    // The whole vocabulary as the one shard of a vocab split over a mesh axis of size 1 (as
+    // code sizing its mesh from the world size gives on one device) says nothing wrong.
+    const auto names_axis = [&](const char* operand, size_t dim) {
+      const auto it = layout.specs.find(operand);
+      return it != layout.specs.end() && !it->second.axis_of(dim).empty();
+    };
+    const bool one_shard = names_axis("weight", 0) || names_axis("A", 1) || names_axis("grad_A", 1);
+    if (axis.empty() && !(one_shard && start == 0 && total == local))
       throw InvalidArgument(std::string(op) + ": vocab_start and vocab_size describe a vocabulary shard, but the "
                             "layout does not split 'vocab' (weight's dim 0, A's dim 1)");
-    const int64_t start = *options.vocab_start, total = *options.vocab_size;
     if (start < 0 || total < local || start > total - local)
       throw InvalidArgument(std::string(op) + ": this shard's ids [" + std::to_string(start) + ", " +
                             std::to_string(start) + " + " + std::to_string(local) +
                             ") do not lie in the vocabulary [0, " + std::to_string(total) + ")");
-    // With this device's coordinate given too, the two must tell the same shard: the c-th
-    // of even shards starts at c * local; of uneven ones (in order, as torch.chunk and
-    // np.array_split cut), only the first starts at 0 and only the last ends at total.
+    // With this device's coordinate given too, the two must not contradict each other.
+    // Shards lie in coordinate order but may be of any sizes (custom cuts, torch.chunk's
+    // empty trailing ones), so one shard tells only this much: the first (c = 0) starts at
+    // 0, and the last (c = n - 1) ends at the vocabulary's size.
     if (!layout.coords.empty() && local > 0 && layout.axis_size(axis) > 1) {
       const int64_t n = layout.axis_size(axis), c = layout.coord(axis);
-      const bool even = total % n == 0 && total / n == local;
-      const bool agree = even ? start == c * local
-                              : ((c == 0) == (start == 0)) && ((c == n - 1) == (start + local == total));
-      if (!agree)
+      const bool first_ok = c != 0 || start == 0, last_ok = c != n - 1 || start + local == total;
+      if (!first_ok || !last_ok)
         throw InvalidArgument(std::string(op) + ": vocab_start " + std::to_string(start) + " (ids [" +
                               std::to_string(start) + ", " + std::to_string(start + local) + ") of " +
                               std::to_string(total) + ") disagrees with the layout's coordinate " +
-                              std::to_string(c) + " of " + std::to_string(n) + " on '" + axis + "'" +
-                              (even ? " (shard " + std::to_string(c) + " of even shards starts at " +
-                                          std::to_string(c * local) + ")"
-                                    : std::string(" (in order, only the first shard starts at 0 and only the "
-                                                  "last ends at the vocabulary's size)")));
+                              std::to_string(c) + " of " + std::to_string(n) + " on '" + axis + "' (" +
+                              (first_ok ? "the last shard ends at the vocabulary's size"
+                                        : "the first shard starts at 0") +
+                              ")");
     }
     return {start, total};
   }
@@ -306,6 +318,10 @@ VocabRange vocab_range(const char* op, const Layout& layout, const LayoutSplits&
   if (__builtin_mul_overflow(c, local, &r.start) || __builtin_mul_overflow(n, local, &r.total))
     throw InvalidArgument(std::string(op) + ": layout: " + std::to_string(n) + " vocabulary shards of " +
                           std::to_string(local) + " ids overflow 64 bits");
+  if (n > 1)
+    r.hint = " (the layout splits the vocabulary over '" + axis + "' into " + std::to_string(n) +
+             " even shards of this shard's " + std::to_string(local) + " ids; shards of other sizes need "
+             "vocab_start and vocab_size)";
   return r;
 }
 
@@ -1019,7 +1035,7 @@ void check_ids_only(const char* op, const TensorView& x, const TensorView& A, co
                     const EmbeddingOptions& options, void* stream) {
   if (x.numel() == 0) return;
   const TensorView x1 = flatten_ids(op, x);
-  if (!x.device.is_cuda()) return check_host_ids(op, x, x1, vr.total);
+  if (!x.device.is_cuda()) return check_host_ids(op, x, x1, vr.total, vr.hint);
   TensorView a0 = A;
   a0.shape[0] = 0;
   TensorView act = TensorView::contiguous(unused_memory(), A.dtype, {x1.shape[0], 0}, A.device);
@@ -1029,7 +1045,7 @@ void check_ids_only(const char* op, const TensorView& x, const TensorView& A, co
   launch(kernels::lora_embedding_gather(),
          {x1, a0, act, error_record(op, x.device, stream), Scalar(vr.start), Scalar(vr.total)},
          Grid{uint32_t(cdiv(x1.shape[0], bt)), 1, 1}, {{"BLOCK_T", bt}, {"R_PAD", 16}}, lo);
-  if (options.id_check == IdCheck::sync) throw_recorded_bad_ids(op, x.device, stream, &x);
+  if (options.id_check == IdCheck::sync) throw_recorded_bad_ids(op, x.device, stream, &x, vr.hint);
 }
 
 }  // namespace
@@ -1085,7 +1101,7 @@ void lora_embedding(const TensorView& x, const TensorView& weight, const TensorV
   TensorView x1, out2;
   flatten_tokens(op, x, "out", out, &x1, &out2);
   const int64_t T = x1.shape[0];
-  if (!x.device.is_cuda()) check_host_ids(op, x, x1, vr.total);
+  if (!x.device.is_cuda()) check_host_ids(op, x, x1, vr.total, vr.hint);
 
   const std::string text = layout.canonical();
   LaunchOptions lo;
@@ -1103,7 +1119,7 @@ void lora_embedding(const TensorView& x, const TensorView& weight, const TensorV
     return EmbeddingPlan{plan_embedding(call, cfg, parallelism(x.device)), {}};
   });
   run_embedding(call, p->launch, error_record(op, x.device, stream), &p->memo);
-  if (x.device.is_cuda() && options.id_check == IdCheck::sync) throw_recorded_bad_ids(op, x.device, stream, &x);
+  if (x.device.is_cuda() && options.id_check == IdCheck::sync) throw_recorded_bad_ids(op, x.device, stream, &x, vr.hint);
 }
 
 void lora_embedding_backward(const TensorView& x, const TensorView& A, const TensorView& B,
@@ -1174,7 +1190,7 @@ void lora_embedding_backward(const TensorView& x, const TensorView& A, const Ten
   TensorView x1, g2;
   flatten_tokens(op, x, "grad_out", grad_out, &x1, &g2);
   const int64_t T = x1.shape[0];
-  if (!x.device.is_cuda()) check_host_ids(op, x, x1, vr.total);
+  if (!x.device.is_cuda()) check_host_ids(op, x, x1, vr.total, vr.hint);
 
   const EmbeddingBackward call{x1, A, B, g2, s, dA3, dB3, options.scale_grad_by_freq, vr, padding, lo,
                                flat_after_a(op, options, x)};
@@ -1186,7 +1202,7 @@ void lora_embedding_backward(const TensorView& x, const TensorView& A, const Ten
   run_embedding_backward(
       call, has_config(config) ? config : *tuned.get(key, [&] { return tuned_embedding_backward_config(call); }),
       error_record(op, x.device, stream));
-  if (x.device.is_cuda() && options.id_check == IdCheck::sync) throw_recorded_bad_ids(op, x.device, stream, &x);
+  if (x.device.is_cuda() && options.id_check == IdCheck::sync) throw_recorded_bad_ids(op, x.device, stream, &x, vr.hint);
 }
 
 void check_embedding_ids(const Device& device, void* stream) {

@@ -137,10 +137,12 @@ LayoutSplits check_layout(const char* op, const Layout& layout,
       throw InvalidArgument(p + "there is no operand '" + name + "' (the operands are " + known +
                             ")");
     }
-    if (spec.dims.size() > od->dims.size())
-      throw InvalidArgument(p + name + " has rank " + std::to_string(od->dims.size()) +
-                            " but its spec " + spec.str() + " names " +
-                            std::to_string(spec.dims.size()) + " dimensions");
+    if (spec.dims.size() > od->dims.size()) {
+      std::string all;  // every entry, trailing Nones too (str() drops them)
+      for (const std::string& a : spec.dims) all += (all.empty() ? "" : ", ") + (a.empty() ? "None" : "'" + a + "'");
+      throw InvalidArgument(p + name + " has rank " + std::to_string(od->dims.size()) + " but its spec P(" + all +
+                            ") names " + std::to_string(spec.dims.size()) + " dimensions");
+    }
     std::set<std::string> seen;
     for (const std::string& a : spec.dims) {
       if (a.empty()) continue;

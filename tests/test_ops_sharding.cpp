@@ -8,6 +8,7 @@
 #include <random>
 
 #include "catch.h"
+#include "kernels_src/ops_common.h"
 #include "cpu_test_util.h"
 #include "device_tensor.h"
 #include "error_test_util.h"
@@ -485,6 +486,8 @@ TEST_CASE("layouts that cannot work together are rejected before any launch, nam
              Catch::Contains("mesh axis 'tp' is named twice"));
   CHECK_THAT(partial(layout_of({{"tp", 2}}, {{"sumsq", {"", "tp"}}})),
              Catch::Contains("sumsq has rank 1 but its spec P(None, 'tp') names 2 dimensions"));
+  CHECK_THAT(partial(layout_of({{"tp", 2}}, {{"sumsq", {"", "", ""}}})),  // trailing Nones named too
+             Catch::Contains("sumsq has rank 1 but its spec P(None, None, None) names 3 dimensions"));
   norm.download();
   for (int64_t i = 0; i < 8; ++i) CHECK(std::isnan(norm.get(i)));  // nothing ran
 
@@ -554,7 +557,7 @@ TEST_CASE("layouts that cannot work together are rejected before any launch, nam
                         layout_of({{"vp", 2}}, {{"weight", {"vp"}}, {"A", {"", "vp"}}}, {1}));
   });
   CHECK_THAT(msg, Catch::Contains("lora_embedding: vocab_start 0 (ids [0, 10) of 20) disagrees with the layout's "
-                                  "coordinate 1 of 2 on 'vp' (shard 1 of even shards starts at 10)"));
+                                  "coordinate 1 of 2 on 'vp' (the last shard ends at the vocabulary's size)"));
   ops::EmbeddingOptions uneven;
   uneven.vocab_start = 5;
   uneven.vocab_size = 23;
@@ -562,8 +565,23 @@ TEST_CASE("layouts that cannot work together are rejected before any launch, nam
     ops::lora_embedding(X.view(), Wt.view(), Ae.view(), Be.view(), 1.0, out.view(), uneven, nullptr, {},
                         layout_of({{"vp", 2}}, {{"weight", {"vp"}}, {"A", {"", "vp"}}}, {0}));
   });
-  CHECK_THAT(msg, Catch::Contains("disagrees with the layout's coordinate 0 of 2 on 'vp' (in order, only the "
-                                  "first shard starts at 0"));
+  CHECK_THAT(msg, Catch::Contains("disagrees with the layout's coordinate 0 of 2 on 'vp' (the first shard starts "
+                                  "at 0)"));
+  // Shards of any sizes in coordinate order pass with their coordinates: a middle shard
+  // as long as an even one would be (cuts 12/10/8 of 30: it was refused as an even shard
+  // that must start at 10), and a shard that ends the vocabulary before the last
+  // coordinate (torch.chunk's cuts leave trailing devices empty: ids [2, 12) of 12 on
+  // the fourth of five devices).
+  for (const auto& [start, total, coord, n] :
+       {std::tuple<int64_t, int64_t, int64_t, int64_t>{12, 30, 1, 3}, {2, 12, 3, 5}}) {
+    ops::EmbeddingOptions cut;
+    cut.vocab_start = start;
+    cut.vocab_size = total;
+    CAPTURE(start, total, coord, n);
+    const ops::detail::ChecksOnly checks_only;  // the checks alone: nothing runs, no back end needed
+    CHECK_NOTHROW(ops::lora_embedding(X.view(), Wt.view(), Ae.view(), Be.view(), 1.0, out.view(), cut, nullptr, {},
+                                      layout_of({{"vp", n}}, {{"weight", {"vp"}}, {"A", {"", "vp"}}}, {coord})));
+  }
   // Coordinates are checked where given, even by an op whose layout does not need them.
   msg = kerf::test::thrown<InvalidArgument>([&] {
     ops::moe_lora_materialize(Wm.view(), Am.view(), Bm.view(), 1.0, Wm.view(), nullptr, {},
@@ -631,4 +649,40 @@ TEST_CASE("a mesh axis of size 1 splits nothing and needs no coordinate", "[ops]
     ops::dora_norm(W.view(), A.view(), B.view(), m.view(), 1.0, norm.view(), scale.view(), -1.0, nullptr, {}, in1);
   });
   CHECK_THAT(msg, Catch::Contains("eps must be >= 0"));  // past the layout check: the layout was accepted
+  // The vocabulary split over an axis of size 1 takes vocab_start and vocab_size that
+  // describe the whole vocabulary (it refused them as describing a shard of no split).
+  TestTensor X(DType::i64, {3}, cpu), Wt(DType::f32, {10, 4}, cpu), Ae(DType::f32, {2, 10}, cpu),
+      Be(DType::f32, {4, 2}, cpu), out(DType::f32, {3, 4}, cpu);
+  ops::EmbeddingOptions whole;
+  whole.vocab_start = 0;
+  whole.vocab_size = 10;
+  const ops::detail::ChecksOnly checks_only;  // the checks alone: nothing runs
+  CHECK_NOTHROW(ops::lora_embedding(X.view(), Wt.view(), Ae.view(), Be.view(), 1.0, out.view(), whole, nullptr, {},
+                                    layout_of({{"vp", 1}}, {{"weight", {"vp"}}, {"A", {"", "vp"}}})));
+  whole.vocab_start = 2;
+  whole.vocab_size = 12;
+  CHECK_THAT(kerf::test::thrown<InvalidArgument>([&] {
+               ops::lora_embedding(X.view(), Wt.view(), Ae.view(), Be.view(), 1.0, out.view(), whole, nullptr, {},
+                                   layout_of({{"vp", 1}}, {{"weight", {"vp"}}, {"A", {"", "vp"}}}));
+             }),
+             Catch::Contains("the layout does not split 'vocab'"));
+}
+
+TEST_CASE("an id past even vocabulary shards says how the layout sized the vocabulary", "[cpu][ops][sharding]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  // np.array_split's 11/11/11/10 of 43 ids, the last shard given only its coordinate: its
+  // range was reckoned as [30, 40) of 40, and id 42 reported as outside the vocabulary
+  // with nothing about the layout.
+  const Device cpu = Device::cpu();
+  TestTensor X(DType::i64, {2}, cpu), Wt(DType::f32, {10, 4}, cpu), Ae(DType::f32, {2, 10}, cpu),
+      Be(DType::f32, {4, 2}, cpu), out(DType::f32, {2, 4}, cpu);
+  X.set(0, 31);
+  X.set(1, 42);
+  const std::string msg = kerf::test::thrown<InvalidArgument>([&] {
+    ops::lora_embedding(X.view(), Wt.view(), Ae.view(), Be.view(), 1.0, out.view(), {}, nullptr, {},
+                        layout_of({{"vp", 4}}, {{"weight", {"vp"}}, {"A", {"", "vp"}}}, {3}));
+  });
+  CHECK_THAT(msg, Catch::Contains("token id x[1] = 42 is outside the vocabulary [0, 40)") &&
+                      Catch::Contains("(the layout splits the vocabulary over 'vp' into 4 even shards of this "
+                                      "shard's 10 ids; shards of other sizes need vocab_start and vocab_size)"));
 }
