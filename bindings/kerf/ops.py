@@ -21,6 +21,19 @@ Sharding: ops that take ``layout=`` receive each operand's local shard and a
 dict like ``{"mesh": {"tp": 4}, "specs": {"W": (None, "tp"), "A": (None, "tp")}}``
 (a jax.sharding.PartitionSpec-like entry per dimension; ``"coords"``: this
 device's coordinate per mesh axis where an op needs it). See docs/ops.md.
+The specs name each op's operands, outputs too (allocated ones included):
+
+- dora_norm: W (out, in), A (r, in), B (out, r), m, norm, scale (out); "out" local.
+- dora_norm_partial: W, A, B, sumsq (out); "in" split: sumsq is a partial sum.
+- dora_norm_finish: sumsq, m, norm, scale; dora_norm_backward: norm, grad_scale, grad_m.
+- moe_lora_materialize: W, W_eff (E, N, K), A (E, r, K), B (E, N, r).
+- moe_lora_materialize_backward: dW_eff (E, N, K), A, dA (E, r, K), B, dB (E, N, r);
+  dA is a partial sum over N's axis, dB over K's.
+- lora_embedding: x (x0, ...), weight (vocab, dim), A (r, vocab), B (dim, r),
+  out (x0, ..., dim), after_a (x0, ..., r); out is a partial sum over the vocab axis.
+- lora_embedding_backward: x, A, B, grad_out, grad_A (r, vocab), grad_B (dim, r),
+  after_a; grad_B is a partial sum over vocab and token axes, grad_A over token and
+  dim axes. (The forward's "weight" and "out" are not its operands.)
 
 These functions are not differentiable: ``kerf.autograd`` wraps them in
 torch.autograd.Function objects.
