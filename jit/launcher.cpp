@@ -350,6 +350,21 @@ Device common_device(const std::vector<Arg>& args, const std::string& kernel_nam
   return dev;
 }
 
+// A tensor argument's memory: a pointer when it has elements, aligned to its element size
+// (a GPU cannot load a misaligned element; the fault would end the CUDA context). For
+// launch() and a resolved kernel's relaunch alike; messages built only when wrong.
+void check_memory(const TensorView& t, size_t index, const std::string& kernel_name) {
+  if (t.numel() == 0) return;
+  const auto addr = reinterpret_cast<uintptr_t>(t.data);
+  if (addr == 0)
+    throw InvalidArgument("kernel '" + kernel_name + "': argument " + std::to_string(index) +
+                          " has a null data pointer");
+  if (addr % uintptr_t(dtype_size_bytes(t.dtype)) != 0)
+    throw InvalidArgument("kernel '" + kernel_name + "': argument " + std::to_string(index) + " starts at address " +
+                          std::to_string(addr) + ", not a multiple of its element size (" +
+                          std::to_string(dtype_size_bytes(t.dtype)) + " bytes for " + dtype_name(t.dtype) + ")");
+}
+
 // The message is built only when something is wrong: this runs on every launch.
 void check_tensor(const TensorView& t, size_t index, const std::string& kernel_name) {
   const auto where = [&] {
@@ -365,13 +380,7 @@ void check_tensor(const TensorView& t, size_t index, const std::string& kernel_n
                             " along dimension " + std::to_string(d) +
                             "; kerf kernels index dimensions with 32-bit integers");
   }
-  if (t.data == nullptr && t.numel() > 0)
-    throw InvalidArgument(where() + " has a null data pointer");
-  // A GPU cannot load a misaligned element (the fault would end the CUDA context).
-  if (t.numel() > 0 && reinterpret_cast<uintptr_t>(t.data) % uintptr_t(dtype_size_bytes(t.dtype)) != 0)
-    throw InvalidArgument(where() + " starts at address " + std::to_string(reinterpret_cast<uintptr_t>(t.data)) +
-                          ", not a multiple of its element size (" + std::to_string(dtype_size_bytes(t.dtype)) +
-                          " bytes for " + dtype_name(t.dtype) + ")");
+  check_memory(t, index, kernel_name);
 }
 
 // program_id and num_programs are i32 in every kernel: a grid axis past INT32_MAX would
@@ -652,11 +661,7 @@ LaunchInfo launch(const ResolvedKernel& kernel, const std::vector<Arg>& args, Gr
     if (c.function && t->device.index != c.module.device())
       throw InvalidArgument("kernel '" + c.name + "': argument " + std::to_string(i) + " is on " + t->device.str() +
                             ", but the kernel was resolved on cuda:" + std::to_string(c.module.device()));
-    if (t->data == nullptr && t->numel() > 0)
-      throw InvalidArgument("kernel '" + c.name + "': argument " + std::to_string(i) + " has a null data pointer");
-    if (t->numel() > 0 && reinterpret_cast<uintptr_t>(t->data) % uintptr_t(dtype_size_bytes(t->dtype)) != 0)
-      throw InvalidArgument("kernel '" + c.name + "': argument " + std::to_string(i) +
-                            " does not start at a multiple of its element size");
+    check_memory(*t, i, c.name);
     // Its code assumes the alignment, contiguity and divisibility facts of the call that
     // resolved it (masks and vector widths follow from them): a view without one of them
     // would be read as if it had it.

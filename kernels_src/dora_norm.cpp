@@ -49,20 +49,18 @@ Value row_sum_of_squares(Builder& k, const Tensor& W, const Tensor& A, const Ten
 
   const Value rk = arange(R);
   const Value row_ok = rows.col() < n_out;
-  // s * B, rounded once to the product's dtype, so the tensor cores add s*B@A to W
-  // directly; with SCALE_AFTER (f16 adapters: s*B could pass f16's 65504) B as it is,
-  // and s applied in fp32 to the product.
+  // s * B rounded once to the product's dtype, or B itself with SCALE_AFTER (f16
+  // adapters), as lora_left_operand says.
   const bool scale_after = k.meta("SCALE_AFTER", 0) != 0;
   const Value b = load(B, {rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(DType::f32);
-  const Value bs = scale_after ? b.to(dot_t) : (b * s).to(dot_t);
+  const Value bs = lora_left_operand(b, s, scale_after, dot_t);
 
   const Value acc = for_range(range.lo, range.hi, range.step, zeros({BM, BK}), [&](const Value& k0, const Value& acc) {
     const Value cols = k0 + arange(BK);
     const Value col_ok = cols.row() < n_in;
     const Value a = load(A, {rk.col(), cols.row()}, (rk.col() < rank) & col_ok, reused_hint(evict)).to(dot_t);
     const Value w = load(W, {rows.col(), cols.row()}, row_ok & col_ok, streamed_hint(evict)).to(DType::f32);
-    const Value v = scale_after ? w + s * dot(bs, a, Value(), warps_n, dm.precision)
-                                : dot(bs, a, w, warps_n, dm.precision);  // W + s * B @ A
+    const Value v = base_plus_lora(w, bs, a, s, scale_after, warps_n, dm.precision);  // W + s * B @ A
     return acc + v * v;
   });
   return sum(acc, 1);
@@ -96,9 +94,9 @@ Value row_sum_of_squares_4bit(Builder& k, const Tensor& packed, const Tensor& ab
   const Value rk = arange(R);
   const Value row_ok = rows.col() < n_out;
   const Value rank_ok = rk.col() < rank;  // [R, 1]
-  const bool scale_after = k.meta("SCALE_AFTER", 0) != 0;  // as row_sum_of_squares
+  const bool scale_after = k.meta("SCALE_AFTER", 0) != 0;
   const Value b = load(B, {rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(DType::f32);
-  const Value bs = scale_after ? b.to(dot_t) : (b * s).to(dot_t);
+  const Value bs = lora_left_operand(b, s, scale_after, dot_t);
   const Value row_base = rows.col().to(DType::i64) * n_in;  // [BM, 1]
   const Value c16 = arange(16);
   const Value codes = load(code, {c16}, c16 < code.dim(0));  // [16]
@@ -117,8 +115,7 @@ Value row_sum_of_squares_4bit(Builder& k, const Tensor& packed, const Tensor& ab
     const Value w = interleave(gather(codes, byte >> 4) * scale, gather(codes, byte & 15) * scale);
     const Value cols = 2 * h0 + arange(BK);
     const Value a = load(A, {rk.col(), cols.row()}, rank_ok & (cols.row() < n_in), reused_hint(evict)).to(dot_t);
-    const Value v = scale_after ? w + s * dot(bs, a, Value(), warps_n, dm.precision)
-                                : dot(bs, a, w, warps_n, dm.precision);  // W + s * B @ A, [BM, BK]
+    const Value v = base_plus_lora(w, bs, a, s, scale_after, warps_n, dm.precision);  // W + s * B @ A, [BM, BK]
     return acc + v * v;
   });
   return sum(acc, 1);

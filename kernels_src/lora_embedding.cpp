@@ -218,7 +218,7 @@ const dsl::Kernel& lora_embedding() {
     const Value rk = arange(R);
     const Value a_raw =
         load(A, {rk.row(), t.local.col()}, t.in_shard.col() & (rk.row() < rank)).to(DType::f32);
-    const Value a = scale_after ? a_raw.to(dot_t) : (a_raw * s).to(dot_t);  // [BT, R]
+    const Value a = lora_left_operand(a_raw, s, scale_after, dot_t);  // [BT, R]
     // The activations for the backward, by the first program of the token block (zeros
     // for ids outside the shard, as the sum over shards wants).
     if (k.meta("STORE_ACT", 0))
@@ -232,8 +232,7 @@ const dsl::Kernel& lora_embedding() {
           load(weight, {t.local.col(), d.row()}, t.in_shard.col() & d_ok).to(DType::f32);
       const Value bt =
           trans(load(B, {d.col(), rk.row()}, (d.col() < n_dim) & (rk.row() < rank)).to(dot_t));
-      const Value v = scale_after ? e + s * dot(a, bt, Value(), warps_n, precision)
-                                    : dot(a, bt, e, warps_n, precision);  // [BT, BD]
+      const Value v = base_plus_lora(e, a, bt, s, scale_after, warps_n, precision);  // [BT, BD]
       store(out, {t.tok.col(), d.row()}, v.to(out.dtype()), t.tok_ok.col() & d_ok);
     });
   });

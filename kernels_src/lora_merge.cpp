@@ -36,7 +36,7 @@ const dsl::Kernel& lora_merge() {
         load(B, {g, rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(DType::f32);
     // SCALE_AFTER: B is exact in the product's dtype, so s is applied in fp32 after
     // the dot; otherwise s*B is rounded once to that dtype and the dot adds onto W.
-    const Value b = scale_after ? b_raw.to(dot_t) : (b_raw * s).to(dot_t);
+    const Value b = lora_left_operand(b_raw, s, scale_after, dot_t);
 
     const auto [lo, hi] = split_range(n_in, BK, axes.slices);
     for_range(lo, hi, BK, [&](const Value& k0) {
@@ -46,8 +46,7 @@ const dsl::Kernel& lora_merge() {
           load(A, {g, rk.col(), cols.row()}, (rk.col() < rank) & col_ok, reused_hint(evict)).to(dot_t);
       const Value ok = row_ok & col_ok;
       const Value w = load(W, {g, rows.col(), cols.row()}, ok, streamed_hint(evict)).to(DType::f32);
-      const Value v = scale_after ? w + s * dot(b, a, Value(), warps_n, dm.precision)
-                                  : dot(b, a, w, warps_n, dm.precision);
+      const Value v = base_plus_lora(w, b, a, s, scale_after, warps_n, dm.precision);
       store(W, {g, rows.col(), cols.row()}, v.to(W.dtype()), ok, streamed_hint(evict));
     });
   });

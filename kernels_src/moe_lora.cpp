@@ -34,7 +34,7 @@ const dsl::Kernel& moe_lora_materialize() {
     // applied in fp32 after the dot, as lora_merge does; otherwise s*B rounded once.
     const bool scale_after = k.meta("SCALE_AFTER", 0) != 0;
     const Value b = load(B, {e, rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(DType::f32);
-    const Value bs = scale_after ? b.to(dot_t) : (b * s).to(dot_t);
+    const Value bs = lora_left_operand(b, s, scale_after, dot_t);
     const auto [lo, hi] = split_range(n_cols, BK, axes.slices);
     for_range(lo, hi, BK, [&](const Value& k0) {
       const Value cols = k0 + arange(BK);
@@ -43,8 +43,7 @@ const dsl::Kernel& moe_lora_materialize() {
           load(A, {e, rk.col(), cols.row()}, (rk.col() < rank) & col_ok, reused_hint(evict)).to(dot_t);
       const Value ok = row_ok & col_ok;
       const Value w = load(W, {e, rows.col(), cols.row()}, ok, streamed_hint(evict)).to(DType::f32);
-      const Value v = scale_after ? w + s * dot(bs, a, Value(), warps_n, dm.precision)
-                                  : dot(bs, a, w, warps_n, dm.precision);  // W + s*B@A
+      const Value v = base_plus_lora(w, bs, a, s, scale_after, warps_n, dm.precision);  // W + s*B@A
       store(out, {e, rows.col(), cols.row()}, v.to(out.dtype()), ok, streamed_hint(evict));
     });
   });

@@ -29,6 +29,22 @@ inline DotMeta dot_meta(dsl::Builder& k, DType fallback) {
           k.meta("TF32", 0) ? dsl::DotPrecision::tf32 : dsl::DotPrecision::ieee};
 }
 
+// The LoRA term beside a base tile, base + s * left @ right, after the SCALE_AFTER
+// meta-parameter: without it s*left is rounded once to the product's dtype and the dot
+// adds it times right onto the base directly; with it (adapters exact in the product's
+// dtype: an f16 s*B could pass 65504) left enters as it is and s is applied in fp32 to the
+// product. lora_left_operand gives the dot's left operand from its values read as f32
+// (B's rows, or the embedding's A columns); base_plus_lora the sum.
+inline dsl::Value lora_left_operand(const dsl::Value& left, const dsl::Value& s, bool scale_after, DType dot_t) {
+  return scale_after ? left.to(dot_t) : (left * s).to(dot_t);
+}
+inline dsl::Value base_plus_lora(const dsl::Value& base, const dsl::Value& left, const dsl::Value& right,
+                                 const dsl::Value& s, bool scale_after, int64_t warps_n,
+                                 dsl::DotPrecision precision) {
+  return scale_after ? base + s * dsl::dot(left, right, dsl::Value(), warps_n, precision)
+                     : dsl::dot(left, right, base, warps_n, precision);
+}
+
 // [lo, hi) of [0, n): part `part`'s share of `parts` slices, in whole `step`s (lo may pass
 // n, leaving the slice empty).
 inline std::pair<dsl::Value, dsl::Value> split_range(const dsl::Value& n, int64_t step, const dsl::Value& part,

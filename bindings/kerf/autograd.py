@@ -399,6 +399,16 @@ def moe_lora_materialize_peft(W: Tensor, lora_A: Tensor, lora_B: Tensor, s: floa
 
 
 # ---------------------------------------------------------------- LoRA embedding
+def _table_rows(g: Tensor, xf: Tensor, padding_idx: Optional[int], by_freq: bool, vocab: int) -> Tensor:
+    """The rows of ``g`` [T, n] as F.embedding's backward adds them into its table at ids
+    ``xf``: none at padding_idx, each divided by its id's count with scale_grad_by_freq."""
+    if padding_idx is not None:
+        g = g.masked_fill((xf == padding_idx)[:, None], 0)
+    if by_freq:
+        g = g / torch.bincount(xf, minlength=vocab)[xf].to(g.dtype)[:, None]
+    return g
+
+
 class LoraEmbedding(torch.autograd.Function):
     """``pre = W[x] + s * A^T[x] @ B^T``; ``out = pre``, or ``(m / n) * pre`` with a DoRA
     magnitude m [H] and ``n = ||W^T + s * B @ A||`` over the vocabulary (detached).
@@ -472,9 +482,7 @@ class LoraEmbedding(torch.autograd.Function):
             # create_graph=True: the same sums in PyTorch, which keep a history (kerf's do not).
             xf = x.reshape(-1)
             At, Bt = A.to(dt), B.to(dt)
-            gp = g if ctx.padding_idx is None else g.masked_fill((xf == ctx.padding_idx)[:, None], 0)
-            if ctx.by_freq:
-                gp = gp / torch.bincount(xf, minlength=A.shape[1])[xf].to(dt)[:, None]
+            gp = _table_rows(g, xf, ctx.padding_idx, ctx.by_freq, ctx.vocab)
             if ctx.needs_input_grad[2]:
                 dA = (ctx.s * torch.zeros(A.shape[1], A.shape[0], dtype=dt, device=g.device)
                       .index_add(0, xf, gp @ Bt)).t().to(a_dtype)
@@ -493,10 +501,8 @@ class LoraEmbedding(torch.autograd.Function):
             dB = gB.to(b_dtype) if ctx.needs_input_grad[3] else None
         if ctx.needs_input_grad[1]:  # a trainable base weight (PEFT freezes it)
             xf = x.reshape(-1)
-            if ctx.padding_idx is not None:  # in [0, V): the forward counted a negative one from the end
-                g = g.masked_fill((xf == ctx.padding_idx)[:, None], 0)
-            if ctx.by_freq:
-                g = g / torch.bincount(xf, minlength=ctx.vocab)[xf].to(dt)[:, None]
+            # padding_idx is in [0, V): the forward counted a negative one from the end.
+            g = _table_rows(g, xf, ctx.padding_idx, ctx.by_freq, ctx.vocab)
             dW = torch.zeros(ctx.vocab, H, dtype=dt, device=g.device).index_add_(0, xf, g).to(w_dtype)
         return None, dW, dA, dB, None, None, dm, None, None
 
@@ -543,7 +549,6 @@ def lora_embedding(
     # Ids of any layout, as F.embedding takes them: kerf's op wants token dims that flatten
     # to one (a contiguous copy of the ids where they do not; ids are small) and at least one dim.
     ids = x if x.is_contiguous() else x.contiguous()
-    if ids.dim() == 0:
-        return LoraEmbedding.apply(ids.reshape(1), W, A, B, float(s), padding_idx, magnitude, id_check,
-                                   bool(scale_grad_by_freq)).reshape(dim)
-    return LoraEmbedding.apply(ids, W, A, B, float(s), padding_idx, magnitude, id_check, bool(scale_grad_by_freq))
+    out = LoraEmbedding.apply(ids.reshape(1) if ids.dim() == 0 else ids, W, A, B, float(s), padding_idx, magnitude,
+                              id_check, bool(scale_grad_by_freq))
+    return out.reshape(dim) if ids.dim() == 0 else out
