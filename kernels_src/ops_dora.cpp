@@ -742,13 +742,13 @@ void dora_norm(const TensorView& W, const TensorView& A, const TensorView& B, co
   detail::expect_unsplit(
       op, layout, splits, "r",
       "the norm of W + s*B@A needs the whole product, so B and A keep every rank");
-  if (!splits.of("in").empty())
+  if (splits.split("in"))
     throw InvalidArgument(
-        std::string(op) + ": layout: " + detail::spec_text(layout, "W") + " splits in over '" +
-        splits.of("in") +
-        "': a row's norm needs every column; call dora_norm_partial on each shard, sum sumsq "
-        "over '" +
-        splits.of("in") + "' (all-reduce), then dora_norm_finish");
+        std::string(op) + ": layout: " + detail::spec_text(layout, "W") + " splits in over " +
+        splits.of("in").str() +
+        ": a row's norm needs every column; call dora_norm_partial on each shard, sum sumsq "
+        "over " +
+        splits.of("in").str() + " (all-reduce), then dora_norm_finish");
   run_dora_norm(W, A, B, m, s, norm, scale, eps, stream, config, layout.canonical());
 }
 

@@ -263,65 +263,59 @@ struct VocabRange {
 
 VocabRange vocab_range(const char* op, const Layout& layout, const LayoutSplits& splits, int64_t local,
                        const EmbeddingOptions& options) {
-  const std::string& axis = splits.of("vocab");
+  const DimSplit& split = splits.of("vocab");
+  const std::string over = split.str();  // "'vp'", "('dp', 'tp')"
   if (options.vocab_start || options.vocab_size) {
     if (!options.vocab_start || !options.vocab_size)
       throw InvalidArgument(std::string(op) + ": vocab_start and vocab_size go together (a shard's first id and "
                             "the whole vocabulary's size), got only " +
                             (options.vocab_start ? "vocab_start" : "vocab_size"));
     const int64_t start = *options.vocab_start, total = *options.vocab_size;
-    // The whole vocabulary as the one shard of a vocab split over a mesh axis of size 1 (as
+    // The whole vocabulary as the one shard of a vocab split over mesh axes of size 1 (as
     // code sizing its mesh from the world size gives on one device) says nothing wrong.
-    const auto names_axis = [&](const char* operand, size_t dim) {
-      const auto it = layout.specs.find(operand);
-      return it != layout.specs.end() && !it->second.axis_of(dim).empty();
-    };
-    const bool one_shard = names_axis("weight", 0) || names_axis("A", 1) || names_axis("grad_A", 1);
-    if (axis.empty() && !(one_shard && start == 0 && total == local))
+    const bool one_shard = splits.named.count("vocab") != 0;
+    if (split.empty() && !(one_shard && start == 0 && total == local))
       throw InvalidArgument(std::string(op) + ": vocab_start and vocab_size describe a vocabulary shard, but the "
                             "layout does not split 'vocab' (weight's dim 0, A's dim 1)");
     if (start < 0 || total < local || start > total - local)
       throw InvalidArgument(std::string(op) + ": this shard's ids [" + std::to_string(start) + ", " +
                             std::to_string(start) + " + " + std::to_string(local) +
                             ") do not lie in the vocabulary [0, " + std::to_string(total) + ")");
-    // With this device's coordinate given too, the two must not contradict each other.
+    // With this device's coordinates given too, the two must not contradict each other.
     // Shards lie in coordinate order but may be of any sizes (custom cuts, torch.chunk's
     // empty trailing ones), so one shard tells only this much: the first (c = 0) starts at
     // 0, and the last (c = n - 1) ends at the vocabulary's size.
-    if (!layout.coords.empty() && local > 0 && layout.axis_size(axis) > 1) {
-      const int64_t n = layout.axis_size(axis), c = layout.coord(axis);
+    if (!layout.coords.empty() && local > 0 && !split.empty()) {
+      const int64_t n = layout.shard_count(split), c = layout.shard_index(split);
       const bool first_ok = c != 0 || start == 0, last_ok = c != n - 1 || start + local == total;
       if (!first_ok || !last_ok)
         throw InvalidArgument(std::string(op) + ": vocab_start " + std::to_string(start) + " (ids [" +
                               std::to_string(start) + ", " + std::to_string(start + local) + ") of " +
-                              std::to_string(total) + ") disagrees with the layout's coordinate " +
-                              std::to_string(c) + " of " + std::to_string(n) + " on '" + axis + "' (" +
+                              std::to_string(total) + ") disagrees with the layout's " +
+                              (split.axes.size() > 1 ? "shard " : "coordinate ") + std::to_string(c) + " of " +
+                              std::to_string(n) + " on " + over + " (" +
                               (first_ok ? "the last shard ends at the vocabulary's size"
                                         : "the first shard starts at 0") +
                               ")");
     }
     return {start, total};
   }
-  if (axis.empty()) return {0, local};
-  const int64_t n = layout.axis_size(axis);
-  // A mesh axis of one shard needs no coordinate; otherwise this device's (check_layout has
-  // checked any coordinates given: they are there or absent).
-  int64_t c = 0;
-  if (n > 1) {
-    if (layout.coords.empty())
-      throw InvalidArgument(std::string(op) + ": layout: the vocabulary is split over '" + axis +
-                            "', so this device's coordinates are needed (Layout::coords, one per mesh axis: " +
-                            std::to_string(layout.mesh.size()) + "), got " + std::to_string(layout.coords.size()));
-    c = layout.coord(axis);
-  }
+  if (split.empty()) return {0, local};
+  // check_layout has left out axes of size 1 and checked any coordinates given: they are
+  // there or absent.
+  const int64_t n = layout.shard_count(split);
+  if (layout.coords.empty())
+    throw InvalidArgument(std::string(op) + ": layout: the vocabulary is split over " + over +
+                          ", so this device's coordinates are needed (Layout::coords, one per mesh axis: " +
+                          std::to_string(layout.mesh.size()) + "), got " + std::to_string(layout.coords.size()));
+  const int64_t c = layout.shard_index(split);
   VocabRange r;
   if (__builtin_mul_overflow(c, local, &r.start) || __builtin_mul_overflow(n, local, &r.total))
     throw InvalidArgument(std::string(op) + ": layout: " + std::to_string(n) + " vocabulary shards of " +
                           std::to_string(local) + " ids overflow 64 bits");
-  if (n > 1)
-    r.hint = " (the layout splits the vocabulary over '" + axis + "' into " + std::to_string(n) +
-             " even shards of this shard's " + std::to_string(local) + " ids; shards of other sizes need "
-             "vocab_start and vocab_size)";
+  r.hint = " (the layout splits the vocabulary over " + over + " into " + std::to_string(n) +
+           " even shards of this shard's " + std::to_string(local) + " ids; shards of other sizes need "
+           "vocab_start and vocab_size)";
   return r;
 }
 

@@ -15,10 +15,20 @@ bool splits_along(const Layout& layout, const std::string& axis) {
   return !axis.empty() && layout.axis_size(axis) != 1;
 }
 
+std::string quoted(const std::string& axis) { return "'" + axis + "'"; }
+
 }  // namespace
 
-const std::string& PartitionSpec::axis_of(size_t dim) const {
-  static const std::string none;
+std::string DimSplit::str() const {
+  if (axes.empty()) return "None";
+  if (axes.size() == 1) return quoted(axes[0]);
+  std::string s = "(";
+  for (size_t i = 0; i < axes.size(); ++i) s += (i ? ", " : "") + quoted(axes[i]);
+  return s + ")";
+}
+
+const DimSplit& PartitionSpec::axes_of(size_t dim) const {
+  static const DimSplit none;
   return dim < dims.size() ? dims[dim] : none;
 }
 
@@ -26,8 +36,7 @@ std::string PartitionSpec::str() const {
   size_t n = dims.size();
   while (n > 0 && dims[n - 1].empty()) --n;
   std::string s = "P(";
-  for (size_t i = 0; i < n; ++i)
-    s += (i ? ", " : "") + (dims[i].empty() ? "None" : "'" + dims[i] + "'");
+  for (size_t i = 0; i < n; ++i) s += (i ? ", " : "") + dims[i].str();
   return s + ")";
 }
 
@@ -52,27 +61,61 @@ int64_t Layout::coord(const std::string& axis) const {
   throw InvalidArgument("layout: the mesh has no axis '" + axis + "'");
 }
 
+int64_t Layout::shard_count(const DimSplit& split) const {
+  int64_t n = 1;
+  for (const std::string& a : split.axes) {
+    const int64_t size = axis_size(a);
+    if (size < 1) throw InvalidArgument("layout: the mesh has no axis '" + a + "'");
+    if (__builtin_mul_overflow(n, size, &n))
+      throw InvalidArgument("layout: the shard count of " + split.str() + " overflows 64 bits");
+  }
+  return n;
+}
+
+int64_t Layout::shard_index(const DimSplit& split) const {
+  (void)shard_count(split);  // every axis is in the mesh, and no index below overflows
+  int64_t c = 0;
+  for (const std::string& a : split.axes) {
+    const int64_t size = axis_size(a);
+    if (size > 1) c = c * size + coord(a);  // an axis of size 1 needs no coordinate
+  }
+  return c;
+}
+
 bool Layout::sharded() const {
   for (const auto& [name, spec] : specs)
-    for (const std::string& a : spec.dims)
-      if (splits_along(*this, a)) return true;
+    for (const DimSplit& d : spec.dims)
+      for (const std::string& a : d.axes)
+        if (splits_along(*this, a)) return true;
   return false;
 }
 
 std::string Layout::canonical() const {
   // A split over an axis of size 1 splits nothing, and the mesh's axes are listed by name:
-  // layouts that mean the same give the same text.
+  // layouts that mean the same give the same text. A dimension split over several axes
+  // prints them in order, in parentheses; one left of them prints as that axis alone.
   std::set<std::string> used;
   std::string ops_text;
+  const auto effective = [&](const DimSplit& d) {
+    std::vector<std::string> axes;
+    for (const std::string& a : d.axes)
+      if (splits_along(*this, a)) axes.push_back(a);
+    return axes;
+  };
   for (const auto& [name, spec] : specs) {  // std::map: sorted by operand name
     size_t n = spec.dims.size();
-    while (n > 0 && !splits_along(*this, spec.dims[n - 1])) --n;
+    while (n > 0 && effective(spec.dims[n - 1]).empty()) --n;
     if (n == 0) continue;
     ops_text += " " + name + "[";
     for (size_t i = 0; i < n; ++i) {
-      const bool split = splits_along(*this, spec.dims[i]);
-      ops_text += (i ? "," : "") + (split ? spec.dims[i] : std::string());
-      if (split) used.insert(spec.dims[i]);
+      const std::vector<std::string> axes = effective(spec.dims[i]);
+      std::string text;
+      for (const std::string& a : axes) {
+        text += (text.empty() ? "" : ",") + a;
+        used.insert(a);
+      }
+      if (axes.size() > 1) text = "(" + text + ")";
+      ops_text += (i ? "," : "") + text;
     }
     ops_text += "]";
   }
@@ -85,10 +128,10 @@ std::string Layout::canonical() const {
 
 namespace detail {
 
-const std::string& LayoutSplits::of(const std::string& dim) const {
-  static const std::string none;
-  auto it = axis.find(dim);
-  return it == axis.end() ? none : it->second;
+const DimSplit& LayoutSplits::of(const std::string& dim) const {
+  static const DimSplit none;
+  auto it = axes.find(dim);
+  return it == axes.end() ? none : it->second;
 }
 
 std::string spec_text(const Layout& layout, const std::string& operand) {
@@ -98,8 +141,8 @@ std::string spec_text(const Layout& layout, const std::string& operand) {
 
 namespace {
 
-std::string split_words(const std::string& axis) {
-  return axis.empty() ? "not split" : "'" + axis + "'";
+std::string split_words(const DimSplit& split) {
+  return split.empty() ? "not split" : split.str();
 }
 
 }  // namespace
@@ -139,20 +182,24 @@ LayoutSplits check_layout(const char* op, const Layout& layout,
     }
     if (spec.dims.size() > od->dims.size()) {
       std::string all;  // every entry, trailing Nones too (str() drops them)
-      for (const std::string& a : spec.dims) all += (all.empty() ? "" : ", ") + (a.empty() ? "None" : "'" + a + "'");
+      for (const DimSplit& d : spec.dims) all += (all.empty() ? "" : ", ") + d.str();
       throw InvalidArgument(p + name + " has rank " + std::to_string(od->dims.size()) + " but its spec P(" + all +
                             ") names " + std::to_string(spec.dims.size()) + " dimensions");
     }
-    std::set<std::string> seen;
-    for (const std::string& a : spec.dims) {
-      if (a.empty()) continue;
-      if (!names.count(a))
-        throw InvalidArgument(p + spec_text(layout, name) + " names mesh axis '" + a +
-                              "', which the mesh lacks");
-      if (!seen.insert(a).second)
-        throw InvalidArgument(p + spec_text(layout, name) +
-                              " splits two dimensions over mesh axis '" + a + "'");
-    }
+    std::map<std::string, size_t> seen;  // axis -> the dimension it splits
+    for (size_t d = 0; d < spec.dims.size(); ++d)
+      for (const std::string& a : spec.dims[d].axes) {
+        if (a.empty())
+          throw InvalidArgument(p + spec_text(layout, name) + " names a mesh axis with an empty name");
+        if (!names.count(a))
+          throw InvalidArgument(p + spec_text(layout, name) + " names mesh axis '" + a +
+                                "', which the mesh lacks");
+        const auto [at, fresh] = seen.emplace(a, d);
+        if (!fresh)
+          throw InvalidArgument(p + spec_text(layout, name) +
+                                (at->second == d ? " names mesh axis '" + a + "' twice for one dimension"
+                                                 : " splits two dimensions over mesh axis '" + a + "'"));
+      }
   }
   LayoutSplits s;
   for (const OperandDims& o : operands) {
@@ -161,48 +208,60 @@ LayoutSplits check_layout(const char* op, const Layout& layout,
     const PartitionSpec& spec = it == layout.specs.end() ? none : it->second;
     for (size_t d = 0; d < o.dims.size(); ++d) {
       const std::string& dim = o.dims[d];
-      // A mesh axis of size 1 splits nothing: the dimension is whole.
-      static const std::string whole;
-      const std::string& axis = splits_along(layout, spec.axis_of(d)) ? spec.axis_of(d) : whole;
-      auto known = s.axis.find(dim);
-      if (known == s.axis.end()) {
-        s.axis[dim] = axis;
+      // A mesh axis of size 1 splits nothing: such axes are dropped, and a dimension
+      // left with none is whole.
+      DimSplit split;
+      for (const std::string& a : spec.axes_of(d).axes)
+        if (splits_along(layout, a)) split.axes.push_back(a);
+      if (!spec.axes_of(d).empty()) s.named.insert(dim);
+      auto known = s.axes.find(dim);
+      if (known == s.axes.end()) {
+        s.axes[dim] = split;
         s.fixed_by[dim] = o.name;
         s.fixed_at[dim] = d;
         continue;
       }
-      if (known->second == axis) continue;
+      if (known->second == split) continue;
       const std::string& other = s.fixed_by[dim];
       // Where each operand holds the dimension: two specs may print alike and split different dims.
       throw InvalidArgument(p + spec_text(layout, o.name) + " and " + spec_text(layout, other) +
                             " split dimension '" + dim + "' (" + o.name + "'s dim " + std::to_string(d) + ", " +
                             other + "'s dim " + std::to_string(s.fixed_at[dim]) + ") differently (" +
-                            split_words(axis) + " vs " + split_words(known->second) +
+                            split_words(split) + " vs " + split_words(known->second) +
                             "); operands sharing a dimension must split it alike");
     }
   }
   // Two logical dimensions may not share a mesh axis either (a shard would then
   // hold a block that is not a product of local ranges).
   std::map<std::string, std::string> dim_of_axis;
-  for (const auto& [dim, axis] : s.axis) {
-    if (axis.empty()) continue;
-    auto [it, fresh] = dim_of_axis.emplace(axis, dim);
-    if (!fresh)
-      throw InvalidArgument(p + spec_text(layout, s.fixed_by[dim]) + " and " +
-                            spec_text(layout, s.fixed_by[it->second]) + " split dimensions '" +
-                            it->second + "' and '" + dim + "' over the same mesh axis '" + axis +
-                            "'");
-  }
+  for (const auto& [dim, split] : s.axes)
+    for (const std::string& axis : split.axes) {
+      auto [it, fresh] = dim_of_axis.emplace(axis, dim);
+      if (!fresh)
+        throw InvalidArgument(p + spec_text(layout, s.fixed_by[dim]) + " and " +
+                              spec_text(layout, s.fixed_by[it->second]) + " split dimensions '" +
+                              it->second + "' and '" + dim + "' over the same mesh axis '" + axis +
+                              "'");
+    }
+  // Shard counts past 64 bits (a product of axis sizes) are refused here, once.
+  for (const auto& [dim, split] : s.axes)
+    if (split.axes.size() > 1) {
+      int64_t n = 1;
+      for (const std::string& a : split.axes)
+        if (__builtin_mul_overflow(n, layout.axis_size(a), &n))
+          throw InvalidArgument(p + spec_text(layout, s.fixed_by[dim]) + " splits dimension '" + dim +
+                                "' into more shards than 64 bits count (" + split.str() + ")");
+    }
   return s;
 }
 
 void expect_unsplit(const char* op, const Layout& layout, const LayoutSplits& splits,
                     const std::string& dim, const std::string& why) {
-  const std::string& axis = splits.of(dim);
-  if (axis.empty()) return;
+  const DimSplit& split = splits.of(dim);
+  if (split.empty()) return;
   throw InvalidArgument(std::string(op) + ": layout: " +
                         spec_text(layout, splits.fixed_by.at(dim)) + " splits dimension '" + dim +
-                        "' over '" + axis + "', which this op does not support: " + why);
+                        "' over " + split.str() + ", which this op does not support: " + why);
 }
 
 }  // namespace detail

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <map>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -17,25 +18,29 @@ struct OperandDims {
   std::vector<std::string> dims;
 };
 
-// The mesh axis that splits each logical dimension ("" when it is whole).
+// The mesh axes that split each logical dimension (none when it is whole; axes of
+// size 1 left out, as they split nothing).
 struct LayoutSplits {
-  std::map<std::string, std::string> axis;
+  std::map<std::string, DimSplit> axes;
   // Which operand first fixed each logical dimension's split, for messages.
   std::map<std::string, std::string> fixed_by;
   std::map<std::string, size_t> fixed_at;  // and at which of its dimensions
-  const std::string& of(const std::string& dim) const;
+  // The logical dimensions some spec names a mesh axis for, axes of size 1 included.
+  std::set<std::string> named;
+  const DimSplit& of(const std::string& dim) const;
+  bool split(const std::string& dim) const { return !of(dim).empty(); }
 };
 
-// Checks the mesh (names unique and non-empty, sizes >= 1), that every spec
-// names one of the op's operands, fits its rank and names mesh axes, that no
-// operand uses an axis twice, and that operands sharing a logical dimension
-// split it the same way. Throws InvalidArgument (naming both specs on a
-// disagreement) before anything runs.
 // An unsharded call's layout (no mesh, no specs): every dimension whole, nothing to check.
 inline bool names_nothing(const Layout& layout) {
   return layout.mesh.empty() && layout.specs.empty() && layout.coords.empty();
 }
 
+// Checks the mesh (names unique and non-empty, sizes >= 1), that every spec
+// names one of the op's operands, fits its rank and names mesh axes, that no
+// operand uses an axis twice, that operands sharing a logical dimension split
+// it the same way, and that no mesh axis splits two logical dimensions.
+// Throws InvalidArgument (naming both specs on a disagreement) before anything runs.
 LayoutSplits check_layout(const char* op, const Layout& layout,
                           const std::vector<OperandDims>& operands);
 

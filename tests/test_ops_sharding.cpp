@@ -111,6 +111,27 @@ void check_dora_layouts(Device dev) {
       CHECK(test::max_relative_error(values(n2), ref_n) <= tol);
       CHECK(test::max_relative_error(values(s2), ref_s) <= tol);
     }
+    // out over two mesh axes at once (JAX's P(("x", "y"))): 2 x 2 shards of 15 rows, shard
+    // x * 2 + y (the mesh lists the axes in the other order: the spec's order counts).
+    {
+      TestTensor n2(DType::f32, {out}, dev), s2(DType::f32, {out}, dev);
+      n2.poison();
+      s2.poison();
+      for (int64_t x = 0; x < 2; ++x)
+        for (int64_t y = 0; y < 2; ++y) {
+          const ops::DimSplit xy{"x", "y"};
+          const ops::Layout l = layout_of({{"y", 2}, {"x", 2}},
+                                          {{"W", {xy}}, {"B", {xy}}, {"m", {xy}}, {"norm", {xy}}, {"scale", {xy}}},
+                                          {y, x});
+          const int64_t c = l.shard_index(xy);
+          CHECK(c == x * 2 + y);
+          ops::dora_norm(block(W, c * 15, 15, 0, in), A.view(), block(B, c * 15, 15, 0, r), range1(m, c * 15, 15),
+                         s, range1(n2, c * 15, 15), range1(s2, c * 15, 15), eps, nullptr, {}, l);
+        }
+      test::sync(dev);
+      CHECK(test::max_relative_error(values(n2), ref_n) <= tol);
+      CHECK(test::max_relative_error(values(s2), ref_s) <= tol);
+    }
     // A 2-D mesh: out over "x" (2), in over "y" (3): partials per (x, y), summed over y, finished
     // per x.
     {
@@ -165,6 +186,24 @@ void check_moe_layouts(Device dev) {
       ops::moe_lora_materialize(slice0(W.view(), c * 2, 2), slice0(v.A, c * 2, 2),
                                 slice0(v.B, c * 2, 2), s, slice0(got.view(), c * 2, 2), nullptr, {},
                                 ep);
+    test::sync(dev);
+    CHECK(test::max_relative_error(values(got), values(ref), 1.0) <= test::tolerance(DType::bf16));
+  }
+  // Forward, experts split over two mesh axes at once (2 x 2 shards of one expert, shard
+  // a * 2 + b): views of the PEFT-layout adapters again.
+  {
+    TestTensor ref(DType::bf16, {E, N, K}, dev), got(DType::bf16, {E, N, K}, dev);
+    ops::moe_lora_materialize(W.view(), v.A, v.B, s, ref.view());
+    got.poison();
+    const ops::DimSplit ab{"a", "b"};
+    for (int64_t a = 0; a < 2; ++a)
+      for (int64_t b = 0; b < 2; ++b) {
+        const ops::Layout l = layout_of({{"a", 2}, {"b", 2}},
+                                        {{"W", {ab}}, {"A", {ab}}, {"B", {ab}}, {"W_eff", {ab}}}, {a, b});
+        const int64_t e = l.shard_index(ab);
+        ops::moe_lora_materialize(slice0(W.view(), e, 1), slice0(v.A, e, 1), slice0(v.B, e, 1), s,
+                                  slice0(got.view(), e, 1), nullptr, {}, l);
+      }
     test::sync(dev);
     CHECK(test::max_relative_error(values(got), values(ref), 1.0) <= test::tolerance(DType::bf16));
   }
@@ -297,6 +336,38 @@ void check_embedding_layouts(Device dev) {
       if (act) CHECK(act_sum == values(act_all));  // exactly: one shard wrote each, the others zeros
     }
 
+  // Vocab split over two mesh axes at once (JAX's P(None, ("x", "y"))): 2 x 3 shards of 20
+  // ids; shard x * 3 + y holds ids [20 (x * 3 + y), + 20) (the mesh lists y first, and the
+  // coordinates follow the mesh's order).
+  {
+    const int64_t nx = 2, ny = 3, Vs = V / (nx * ny);
+    std::vector<double> out_sum(size_t(T * D), 0.0), b_sum(size_t(D * r), 0.0);
+    TestTensor gA(DType::f32, {r, V}, dev);
+    gA.poison();
+    for (int64_t x = 0; x < nx; ++x)
+      for (int64_t y = 0; y < ny; ++y) {
+        const ops::DimSplit xy{"x", "y"};
+        const std::vector<ops::MeshAxis> mesh{{"y", ny}, {"x", nx}};
+        const ops::Layout fwd = layout_of(mesh, {{"weight", {xy}}, {"A", {"", xy}}}, {y, x});
+        const ops::Layout bwd = layout_of(mesh, {{"A", {"", xy}}, {"grad_A", {"", xy}}}, {y, x});
+        const int64_t lo = (x * ny + y) * Vs;
+        TestTensor po(DType::f32, {T, D}, dev), pb(DType::f32, {D, r}, dev);
+        po.poison();
+        pb.poison();
+        ops::lora_embedding(X.view(), block(Wt, lo, Vs, 0, D), block(A, 0, r, lo, Vs), B.view(), s, po.view(), {},
+                            nullptr, {}, fwd);
+        ops::lora_embedding_backward(X.view(), block(A, 0, r, lo, Vs), B.view(), G.view(), s,
+                                     block(gA, 0, r, lo, Vs), pb.view(), o, nullptr, {}, bwd);
+        test::sync(dev);
+        const std::vector<double> a = values(po), b = values(pb);
+        for (size_t i = 0; i < a.size(); ++i) out_sum[i] += a[i];
+        for (size_t i = 0; i < b.size(); ++i) b_sum[i] += b[i];
+      }
+    CHECK(test::max_relative_error(out_sum, ref_out, 1.0) <= 1e-5);
+    CHECK(scaled_error(values(gA), ref_a) <= 1e-5);
+    CHECK(scaled_error(b_sum, ref_b) <= 1e-5);
+  }
+
   // Vocab split unevenly, as torch.chunk(120 ids, 3) would not but np.array_split-like cuts
   // do (50, 50, 20 ids): each shard says where it starts (vocab_start, vocab_size), no coords.
   {
@@ -405,6 +476,124 @@ TEST_CASE("Layout::canonical is the same for layouts that mean the same thing", 
   CHECK(layout_of({{"tp", 2}}, {{"W", {"", "tp"}}}).canonical() != a.canonical());
   CHECK(ops::PartitionSpec{"", "tp", ""}.str() == "P(None, 'tp')");
   CHECK(ops::PartitionSpec{}.str() == "P()");
+}
+
+TEST_CASE("a dimension split over several mesh axes, as JAX's P(None, ('dp', 'tp'))", "[ops][sharding]") {
+  const std::vector<ops::MeshAxis> mesh{{"tp", 4}, {"dp", 2}, {"one", 1}};
+  // Braces: one entry naming two axes, or two entries naming one each.
+  CHECK(ops::PartitionSpec{"", {"dp", "tp"}}.str() == "P(None, ('dp', 'tp'))");
+  CHECK(ops::PartitionSpec{{"dp", "tp"}}.str() == "P(('dp', 'tp'))");
+  CHECK(ops::PartitionSpec{"dp", "tp"}.str() == "P('dp', 'tp')");
+  CHECK(ops::DimSplit{}.str() == "None");
+  CHECK(ops::DimSplit("").empty());
+  const ops::Layout l = layout_of(mesh, {{"W", {"", {"dp", "tp"}}}, {"A", {"", {"dp", "tp"}}}});
+  CHECK(l.sharded());
+  CHECK(l.canonical() == "mesh(dp=2,tp=4) A[,(dp,tp)] W[,(dp,tp)]");
+  // The order of the axes is part of the meaning (dp major vs tp major); an axis of size 1
+  // in the list splits nothing, and one axis left prints as that axis alone.
+  CHECK(layout_of(mesh, {{"W", {"", {"tp", "dp"}}}}).canonical() == "mesh(dp=2,tp=4) W[,(tp,dp)]");
+  CHECK(layout_of(mesh, {{"W", {"", {"one", "tp"}}}}).canonical() ==
+        layout_of(mesh, {{"W", {"", "tp"}}}).canonical());
+  CHECK_FALSE(layout_of(mesh, {{"W", {"", {"one"}}}}).sharded());
+  // Shard counts and this device's shard: coordinates follow the mesh's order, the shard
+  // number the spec's (major to minor).
+  ops::Layout at = l;
+  at.coords = {3, 1, 0};  // tp = 3, dp = 1
+  CHECK(at.shard_count({"dp", "tp"}) == 8);
+  CHECK(at.shard_index({"dp", "tp"}) == 1 * 4 + 3);
+  CHECK(at.shard_index({"tp", "dp"}) == 3 * 2 + 1);
+  CHECK(at.shard_index({"one", "tp"}) == 3);
+  CHECK(at.shard_index({}) == 0);
+  CHECK_THAT(kerf::test::thrown<InvalidArgument>([&] { (void)l.shard_index({"dp", "tp"}); }),
+             Catch::Contains("this device's coordinates are needed"));
+  CHECK_THAT(kerf::test::thrown<InvalidArgument>([&] { (void)at.shard_count({"dp", "pp"}); }),
+             Catch::Contains("the mesh has no axis 'pp'"));
+
+  // Operands sharing a dimension must list the same axes in the same order (size-1 axes
+  // aside); an axis may split one dimension once.
+  const Device cpu = Device::cpu();
+  TestTensor W(DType::f32, {8, 12}, cpu), A(DType::f32, {2, 12}, cpu), B(DType::f32, {8, 2}, cpu),
+      sumsq(DType::f32, {8}, cpu);
+  const auto partial = [&](const ops::Layout& lay) {
+    return kerf::test::thrown<InvalidArgument>(
+        [&] { ops::dora_norm_partial(W.view(), A.view(), B.view(), 1.0, sumsq.view(), nullptr, {}, lay); });
+  };
+  CHECK_THAT(partial(layout_of(mesh, {{"W", {"", {"dp", "tp"}}}, {"A", {"", {"tp", "dp"}}}})),
+             Catch::Contains("A P(None, ('tp', 'dp')) and W P(None, ('dp', 'tp')) split dimension 'in'") &&
+                 Catch::Contains("differently (('tp', 'dp') vs ('dp', 'tp'))"));
+  CHECK_THAT(partial(layout_of(mesh, {{"W", {"", {"dp", "dp"}}}, {"A", {"", {"dp", "dp"}}}})),
+             Catch::Contains("A P(None, ('dp', 'dp')) names mesh axis 'dp' twice for one dimension"));
+  CHECK_THAT(partial(layout_of(mesh, {{"W", {"dp", {"dp", "tp"}}}, {"A", {"", {"dp", "tp"}}}})),
+             Catch::Contains("W P('dp', ('dp', 'tp')) splits two dimensions over mesh axis 'dp'"));
+  CHECK_THAT(partial(layout_of(mesh, {{"W", {"", {"dp", "pp"}}}})),
+             Catch::Contains("names mesh axis 'pp', which the mesh lacks"));
+  CHECK_THAT(partial(layout_of(mesh, {{"W", {"", {"dp", ""}}}})),
+             Catch::Contains("names a mesh axis with an empty name"));
+  // A size-1 axis in one operand's list and not in the other's: alike.
+  const ops::detail::ChecksOnly checks_only;
+  CHECK_NOTHROW(ops::dora_norm_partial(W.view(), A.view(), B.view(), 1.0, sumsq.view(), nullptr, {},
+                                       layout_of(mesh, {{"W", {"", {"one", "tp"}}}, {"A", {"", "tp"}}})));
+  // dora_norm's message for in split names both axes.
+  TestTensor m(DType::f32, {8}, cpu), norm(DType::f32, {8}, cpu), scale(DType::f32, {8}, cpu);
+  CHECK_THAT(kerf::test::thrown<InvalidArgument>([&] {
+               ops::dora_norm(W.view(), A.view(), B.view(), m.view(), 1.0, norm.view(), scale.view(), 0.0, nullptr,
+                              {}, layout_of(mesh, {{"W", {"", {"dp", "tp"}}}, {"A", {"", {"dp", "tp"}}}}));
+             }),
+             Catch::Contains("splits in over ('dp', 'tp'): a row's norm needs every column") &&
+                 Catch::Contains("sum sumsq over ('dp', 'tp') (all-reduce)"));
+  // The vocabulary over two axes: the message for missing coordinates and the even-shard hint
+  // name both; with vocab_start, the layout's shard number is checked against it.
+  TestTensor X(DType::i64, {2}, cpu), Wt(DType::f32, {10, 4}, cpu), Ae(DType::f32, {2, 10}, cpu),
+      Be(DType::f32, {4, 2}, cpu), out(DType::f32, {2, 4}, cpu);
+  X.set(0, 1);
+  X.set(1, 85);
+  const ops::Layout vocab = layout_of(mesh, {{"weight", {{"dp", "tp"}}}, {"A", {"", {"dp", "tp"}}}});
+  CHECK_THAT(kerf::test::thrown<InvalidArgument>([&] {
+               ops::lora_embedding(X.view(), Wt.view(), Ae.view(), Be.view(), 1.0, out.view(), {}, nullptr, {},
+                                   vocab);
+             }),
+             Catch::StartsWith("lora_embedding: layout: the vocabulary is split over ('dp', 'tp'), so this "
+                               "device's coordinates are needed"));
+  ops::Layout vocab_at = vocab;
+  vocab_at.coords = {3, 1, 0};  // tp = 3, dp = 1: shard 7 of 8, the last
+  ops::EmbeddingOptions first;
+  first.vocab_start = 0;
+  first.vocab_size = 80;
+  CHECK_THAT(kerf::test::thrown<InvalidArgument>([&] {
+               ops::lora_embedding(X.view(), Wt.view(), Ae.view(), Be.view(), 1.0, out.view(), first, nullptr, {},
+                                   vocab_at);
+             }),
+             Catch::Contains("disagrees with the layout's shard 7 of 8 on ('dp', 'tp') (the last shard ends at "
+                             "the vocabulary's size)"));
+  // Two logical dims over overlapping axis lists (the tokens over 'dp', the vocabulary over
+  // dp and tp): one axis would split both.
+  CHECK_THAT(kerf::test::thrown<InvalidArgument>([&] {
+               ops::lora_embedding(X.view(), Wt.view(), Ae.view(), Be.view(), 1.0, out.view(), {}, nullptr, {},
+                                   layout_of(mesh,
+                                             {{"x", {"dp"}},
+                                              {"out", {"dp"}},
+                                              {"weight", {{"dp", "tp"}}},
+                                              {"A", {"", {"dp", "tp"}}}},
+                                             {0, 0, 0}));
+             }),
+             Catch::Contains("split dimensions") && Catch::Contains("over the same mesh axis 'dp'"));
+}
+
+TEST_CASE("an id past even shards of a vocabulary split over two mesh axes names both", "[cpu][ops][sharding]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  const Device cpu = Device::cpu();
+  TestTensor X(DType::i64, {2}, cpu), Wt(DType::f32, {10, 4}, cpu), Ae(DType::f32, {2, 10}, cpu),
+      Be(DType::f32, {4, 2}, cpu), out(DType::f32, {2, 4}, cpu);
+  X.set(0, 41);
+  X.set(1, 85);
+  const std::string msg = kerf::test::thrown<InvalidArgument>([&] {
+    ops::lora_embedding(X.view(), Wt.view(), Ae.view(), Be.view(), 1.0, out.view(), {}, nullptr, {},
+                        layout_of({{"tp", 4}, {"dp", 2}}, {{"weight", {{"dp", "tp"}}}, {"A", {"", {"dp", "tp"}}}},
+                                  {0, 1}));
+  });
+  CHECK_THAT(msg, Catch::Contains("token id x[1] = 85 is outside the vocabulary [0, 80)") &&
+                      Catch::Contains("(the layout splits the vocabulary over ('dp', 'tp') into 8 even shards of "
+                                      "this shard's 10 ids;"));
 }
 
 TEST_CASE("every DoRA norm layout matches the unsharded op on the CPU", "[cpu][ops][sharding]") {

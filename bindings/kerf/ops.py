@@ -19,8 +19,10 @@ before the call returns.
 
 Sharding: ops that take ``layout=`` receive each operand's local shard and a
 dict like ``{"mesh": {"tp": 4}, "specs": {"W": (None, "tp"), "A": (None, "tp")}}``
-(a jax.sharding.PartitionSpec-like entry per dimension; ``"coords"``: this
-device's coordinate per mesh axis where an op needs it). See docs/ops.md.
+(a jax.sharding.PartitionSpec-like entry per dimension: an axis name, None, or a
+tuple of names for a dimension split over several axes, major to minor, as
+``("dp", "tp")``; ``"coords"``: this device's coordinate per mesh axis where an
+op needs it). See docs/ops.md.
 The specs name each op's operands, outputs too (allocated ones included):
 
 - dora_norm: W (out, in), A (r, in), B (out, r), m, norm, scale (out); "out" local.
@@ -51,7 +53,7 @@ from ._kerf import Config
 TensorLike = Any
 #: None, an int CUstream, torch.cuda.Stream, cupy.cuda.Stream, or an object with __cuda_stream__.
 StreamLike = Any
-#: None or {"mesh": {axis: size}, "specs": {operand: (axis or None, ...)}, "coords": [...]}.
+#: None or {"mesh": {axis: size}, "specs": {operand: (axis, None or (axis, ...), ...)}, "coords": [...]}.
 LayoutLike = Optional[Dict[str, Any]]
 
 __all__ = [

@@ -123,7 +123,8 @@ py::dict view_info(py::handle obj, py::handle stream) {
 
 // A sharding layout from Python: None, or a dict
 //   {"mesh": {"tp": 4} or [("tp", 4), ...], "specs": {"W": (None, "tp"), ...}, "coords": [c, ...]}
-// (specs as jax.sharding.PartitionSpec entries: an axis name or None per dimension;
+// (specs as jax.sharding.PartitionSpec entries: an axis name, a tuple of axis names
+// (a dimension split over several axes, major to minor) or None per dimension;
 // a spec of None is an unsplit operand). Anything else is a TypeError saying what was expected.
 std::string layout_axis_name(py::handle h, const std::string& what) {
   if (!PyUnicode_Check(h.ptr()))
@@ -168,20 +169,22 @@ ops::Layout layout_of(py::handle obj) {
         throw TypeError("layout: specs must be a dict {operand: spec}, got " + type_name(value));
       for (const auto& [name, spec] : py::reinterpret_borrow<py::dict>(value)) {
         const std::string operand = layout_axis_name(name, "a specs key (an operand's name)");
-        std::vector<std::string> dims;
+        std::vector<ops::DimSplit> dims;
         if (!spec.is_none()) {
           if (!layout_sequence(spec))
             throw TypeError("layout: the spec of " + operand +
-                            " must be a tuple with an axis name or None per dimension (like "
-                            "jax.sharding.PartitionSpec), got " +
+                            " must be a tuple with an axis name, a tuple of axis names or None per dimension "
+                            "(like jax.sharding.PartitionSpec), got " +
                             type_name(spec));
           for (const py::handle a : spec) {
-            if (layout_sequence(a))
-              throw TypeError("layout: an entry of " + operand + "'s spec names several mesh axes (" +
-                              std::string(py::repr(a)) +
-                              "); kerf splits a dimension over one axis: name one axis whose size is their "
-                              "product");
-            dims.push_back(a.is_none() ? "" : layout_axis_name(a, "an entry of " + operand + "'s spec"));
+            const std::string what = "an entry of " + operand + "'s spec";
+            if (layout_sequence(a)) {  // several axes, major to minor, as JAX's P(("dp", "tp"))
+              std::vector<std::string> axes;
+              for (const py::handle one : a) axes.push_back(layout_axis_name(one, "each axis in " + what));
+              dims.emplace_back(std::move(axes));
+            } else {
+              dims.emplace_back(a.is_none() ? std::string() : layout_axis_name(a, what));
+            }
           }
         }
         layout.specs[operand] = ops::PartitionSpec(std::move(dims));

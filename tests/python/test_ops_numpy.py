@@ -240,6 +240,14 @@ def test_dora_norm_with_a_layout_refuses_an_in_split_naming_the_remedy(kerf_cpu)
         kerf_cpu.ops.dora_norm(W, A, B, m, 0.5, layout=layout)
     with pytest.raises(ValueError, match="unknown key"):
         kerf_cpu.ops.dora_norm(W, A, B, m, 0.5, layout={"axes": {}})
+    # in split over two mesh axes at once: the same remedy, naming both.
+    both = {"mesh": {"tp": 2, "dp": 2}, "specs": {"W": (None, ("dp", "tp")), "A": (None, ("dp", "tp"))}}
+    with pytest.raises(ValueError, match=r"splits in over \('dp', 'tp'\): a row's norm needs every column"):
+        kerf_cpu.ops.dora_norm(W, A, B, m, 0.5, layout=both)
+    # Operands sharing a dimension list the same axes in the same order.
+    swapped = {"mesh": {"tp": 2, "dp": 2}, "specs": {"W": (None, ("dp", "tp")), "A": (None, ("tp", "dp"))}}
+    with pytest.raises(ValueError, match=r"differently \(\('tp', 'dp'\) vs \('dp', 'tp'\)\)"):
+        kerf_cpu.ops.dora_norm_partial(W, A, B, 0.5, layout=swapped)
 
 
 def test_dora_norm_backward_divides_by_the_norm(kerf_cpu):
@@ -329,6 +337,35 @@ def test_lora_embedding_after_a_over_vocab_shards_sums_to_the_unsharded_op(kerf_
             np.testing.assert_allclose(pA, gA[:, c * lo:(c + 1) * lo], rtol=1e-5, atol=1e-5)
             gB_sum += pB
         np.testing.assert_allclose(gB_sum, gB, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_embedding_over_a_vocab_split_over_two_mesh_axes_sums_to_the_unsharded_op(kerf_cpu):
+    # JAX's P(None, ("dp", "tp")): 2 x 3 shards of 8 ids, shard dp * 3 + tp; coordinates in
+    # the mesh's order (tp first here), the shard number in the spec's.
+    V, H, r, s, ndp, ntp = 48, 12, 4, 0.5, 2, 3
+    x = np.array([[1, 0, 7, 47], [9, 33, 12, 20]], np.int64)
+    W = rng.standard_normal((V, H)).astype(np.float32)
+    A = rng.standard_normal((r, V)).astype(np.float32)
+    B = rng.standard_normal((H, r)).astype(np.float32)
+    g = rng.standard_normal((2, 4, H)).astype(np.float32)
+    out = kerf_cpu.ops.lora_embedding(x, W, A, B, s)
+    gA, gB = kerf_cpu.ops.lora_embedding_backward(x, A, B, g, s)
+    lo = V // (ndp * ntp)
+    out_sum, gB_sum = np.zeros_like(out), np.zeros_like(gB)
+    for dp in range(ndp):
+        for tp in range(ntp):
+            mesh = [("tp", ntp), ("dp", ndp)]
+            fwd = {"mesh": mesh, "specs": {"weight": (("dp", "tp"),), "A": (None, ["dp", "tp"])}, "coords": [tp, dp]}
+            bwd = {"mesh": mesh, "specs": {"A": (None, ("dp", "tp")), "grad_A": (None, ("dp", "tp"))},
+                   "coords": [tp, dp]}
+            c = dp * ntp + tp
+            cols = slice(c * lo, (c + 1) * lo)
+            out_sum += kerf_cpu.ops.lora_embedding(x, W[cols], A[:, cols], B, s, layout=fwd)
+            pA, pB = kerf_cpu.ops.lora_embedding_backward(x, A[:, cols], B, g, s, layout=bwd)
+            np.testing.assert_allclose(pA, gA[:, cols], rtol=1e-5, atol=1e-5)
+            gB_sum += pB
+    np.testing.assert_allclose(out_sum, out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gB_sum, gB, rtol=1e-5, atol=1e-5)
 
 
 def test_lora_embedding_over_uneven_vocab_shards_sums_to_the_unsharded_op(kerf_cpu):

@@ -10,10 +10,15 @@
 //   tp.specs["A"] = {"", "tp"};                   // A [r, in]:  the same
 //   ops::dora_norm_partial(W_local, A_local, B, s, sumsq, stream, {}, tp);
 //
+// A dimension may be split over several mesh axes at once, as JAX's
+// P(None, ("dp", "tp")): tp.specs["W"] = {"", {"dp", "tp"}} (an entry in braces of
+// its own lists the axes, major to minor).
+//
 // Operands not named in `specs` are replicated; a spec shorter than the
 // operand's rank leaves the remaining dimensions whole. Splits are even:
 // shard c of an axis of size n holds elements [c*local, (c+1)*local) of the
-// dimension it splits. Operands whose specs cannot work together are
+// dimension it splits; a dimension split over several axes ({"dp", "tp"})
+// has as many shards as their sizes' product, numbered major to minor. Operands whose specs cannot work together are
 // rejected before any launch, with a message that names both specs. Each op
 // documents the layouts it takes (docs/ops.md) and which of its outputs are
 // then partial sums to be summed over a mesh axis by the caller (e.g.
@@ -34,17 +39,39 @@ struct MeshAxis {
   int64_t size = 1;
 };
 
-// Per dimension of one operand, the mesh axis that splits it ("" = not split).
+// The mesh axes splitting one dimension of an operand, major to minor, as a
+// jax.sharding.PartitionSpec entry: none ("" or {}), one axis ("tp"), or several
+// ({"dp", "tp"}: the dimension is split over their product, dp's coordinate the
+// major one: shard dp_coord * tp_size + tp_coord).
+struct DimSplit {
+  std::vector<std::string> axes;
+
+  DimSplit() = default;
+  DimSplit(const char* axis) : DimSplit(std::string(axis)) {}  // NOLINT: "" = not split
+  DimSplit(std::string axis) {                                  // NOLINT
+    if (!axis.empty()) axes.push_back(std::move(axis));
+  }
+  DimSplit(std::initializer_list<std::string> a) : axes(a) {}  // NOLINT
+  explicit DimSplit(std::vector<std::string> a) : axes(std::move(a)) {}
+
+  bool empty() const { return axes.empty(); }
+  // As JAX prints it: "None", "'tp'", "('dp', 'tp')".
+  std::string str() const;
+  bool operator==(const DimSplit& o) const { return axes == o.axes; }
+  bool operator!=(const DimSplit& o) const { return axes != o.axes; }
+};
+
+// Per dimension of one operand, the mesh axes that split it (none = whole).
 struct PartitionSpec {
-  std::vector<std::string> dims;
+  std::vector<DimSplit> dims;
 
   PartitionSpec() = default;
-  PartitionSpec(std::initializer_list<std::string> d) : dims(d) {}  // NOLINT
-  explicit PartitionSpec(std::vector<std::string> d) : dims(std::move(d)) {}
+  PartitionSpec(std::initializer_list<DimSplit> d) : dims(d) {}  // NOLINT
+  explicit PartitionSpec(std::vector<DimSplit> d) : dims(std::move(d)) {}
 
-  // The axis splitting dimension `dim` ("" when not split, or past the end).
-  const std::string& axis_of(size_t dim) const;
-  // As JAX prints it: "P(None, 'tp')"; "P()" when nothing is split.
+  // The axes splitting dimension `dim` (empty when not split, or past the end).
+  const DimSplit& axes_of(size_t dim) const;
+  // As JAX prints it: "P(None, 'tp')", "P(None, ('dp', 'tp'))"; "P()" when nothing is split.
   std::string str() const;
 };
 
@@ -60,6 +87,11 @@ struct Layout {
   int64_t axis_size(const std::string& axis) const;
   // This device's coordinate on `axis` (throws InvalidArgument when coords do not give it).
   int64_t coord(const std::string& axis) const;
+  // How many shards the axes of `split` cut a dimension into (the product of their sizes),
+  // and this device's shard among them (coordinates read major to minor; throws
+  // InvalidArgument when coords do not give them).
+  int64_t shard_count(const DimSplit& split) const;
+  int64_t shard_index(const DimSplit& split) const;
   // Whether any operand is split (over a mesh axis of size > 1).
   bool sharded() const;
   // A canonical text: the same for layouts that mean the same thing (trailing
