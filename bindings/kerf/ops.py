@@ -19,10 +19,10 @@ before the call returns.
 
 Sharding: ops that take ``layout=`` receive each operand's local shard and a
 dict like ``{"mesh": {"tp": 4}, "specs": {"W": (None, "tp"), "A": (None, "tp")}}``
-(a jax.sharding.PartitionSpec-like entry per dimension: an axis name, None, or a
-tuple of names for a dimension split over several axes, major to minor, as
-``("dp", "tp")``; ``"coords"``: this device's coordinate per mesh axis where an
-op needs it). See docs/ops.md.
+(a spec is a jax.sharding.PartitionSpec, or a tuple or list like one: per
+dimension an axis name, None, or a tuple of names for a dimension split over
+several axes, major to minor, as ``("dp", "tp")``; ``"coords"``: this device's
+coordinate per mesh axis where an op needs it). See docs/ops.md.
 The specs name each op's operands, outputs too (allocated ones included):
 
 - dora_norm: W (out, in), A (r, in), B (out, r), m, norm, scale (out); "out" local.

@@ -140,6 +140,14 @@ bool layout_sequence(py::handle h) {
   return PyList_Check(h.ptr()) || PyTuple_Check(h.ptr());
 }
 
+// A spec, or one entry's list of axes: a list, a tuple, or another sequence that is not
+// text (jax.sharding.PartitionSpec is no tuple in newer JAX releases).
+bool spec_sequence(py::handle h) {
+  PyObject* o = h.ptr();
+  return layout_sequence(h) || (PySequence_Check(o) && !PyUnicode_Check(o) && !PyBytes_Check(o) &&
+                                !PyByteArray_Check(o) && !PyDict_Check(o));
+}
+
 ops::Layout layout_of(py::handle obj) {
   ops::Layout layout;
   if (!obj || obj.is_none()) return layout;
@@ -171,14 +179,14 @@ ops::Layout layout_of(py::handle obj) {
         const std::string operand = layout_axis_name(name, "a specs key (an operand's name)");
         std::vector<ops::DimSplit> dims;
         if (!spec.is_none()) {
-          if (!layout_sequence(spec))
+          if (!spec_sequence(spec))
             throw TypeError("layout: the spec of " + operand +
                             " must be a tuple with an axis name, a tuple of axis names or None per dimension "
                             "(like jax.sharding.PartitionSpec), got " +
                             type_name(spec));
           for (const py::handle a : spec) {
             const std::string what = "an entry of " + operand + "'s spec";
-            if (layout_sequence(a)) {  // several axes, major to minor, as JAX's P(("dp", "tp"))
+            if (spec_sequence(a)) {  // several axes, major to minor, as JAX's P(("dp", "tp"))
               std::vector<std::string> axes;
               for (const py::handle one : a) axes.push_back(layout_axis_name(one, "each axis in " + what));
               dims.emplace_back(std::move(axes));

@@ -160,6 +160,43 @@ def test_a_malformed_layout_is_a_type_error_saying_what_was_expected(layout, mes
         kerf.ops.dora_norm_partial(W, A, B, 1.0, layout=layout)
 
 
+class SpecSequence:
+    """A partition spec that is a sequence but no tuple, as jax.sharding.PartitionSpec is in newer JAX."""
+
+    def __init__(self, *entries):
+        self._entries = entries
+
+    def __len__(self):
+        return len(self._entries)
+
+    def __getitem__(self, i):
+        return self._entries[i]
+
+
+def swapped_axes_layout(P):
+    return {"mesh": {"tp": 2, "dp": 2}, "specs": {"W": P(None, ("dp", "tp")), "A": P(None, ("tp", "dp"))}}
+
+
+SWAPPED_AXES = r"A P\(None, \('tp', 'dp'\)\) and W P\(None, \('dp', 'tp'\)\) split dimension 'in'"
+
+
+def test_a_spec_may_be_any_sequence_of_entries():
+    # The layout check reads the specs (and refuses the swapped axis order) before anything runs.
+    W, A, B, m = dora_inputs()
+    with pytest.raises(ValueError, match=SWAPPED_AXES):
+        kerf.ops.dora_norm_partial(W, A, B, 1.0, layout=swapped_axes_layout(SpecSequence))
+    nested = {"mesh": {"tp": 2, "dp": 2}, "specs": {"W": (None, SpecSequence("dp", "tp")), "A": (None, "dp")}}
+    with pytest.raises(ValueError, match=r"W P\(None, \('dp', 'tp'\)\)"):
+        kerf.ops.dora_norm_partial(W, A, B, 1.0, layout=nested)
+
+
+def test_jax_partition_specs_are_taken_as_they_are():
+    P = pytest.importorskip("jax.sharding").PartitionSpec
+    W, A, B, m = dora_inputs()
+    with pytest.raises(ValueError, match=SWAPPED_AXES):
+        kerf.ops.dora_norm_partial(W, A, B, 1.0, layout=swapped_axes_layout(P))
+
+
 @pytest.mark.parametrize("stream,error,message", [
     ("x", TypeError, "stream must be None, an int CUstream handle"),
     (2.5, TypeError, "got float"),
