@@ -54,17 +54,27 @@ DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, Product w_dtype, bool gpu
   const bool own_tiles = gpu && !config.block_m && !config.block_k;  // the op's tiles, not a caller's
   const bool big_rank = own_tiles && r_pad >= (dtype_size_bytes(dot) == 4 && !dot.tf32 ? 128 : 256);
   const bool wide = own_tiles && !four_bit && !big_rank && (is_half(dot) || dot.tf32) && r_pad >= 32;
+  // Products that hold more registers per tile than bf16's: f16 adapters (SCALE_AFTER:
+  // the product does not start from W's tile, so both are live) and TF32 (fp32 or bf16
+  // adapters on an f16 base, PEFT's fp16 default: twice the registers per fragment).
+  // Their own tiles use four warps where the wide tile has eight, and the narrow tile
+  // takes 64-column steps: on an H100 (8192x8192, untuned) TF32 r=64 took
+  // 119.9 us on eight warps, 90.8-94.3 on four (tuned: 77.2), r=16 61.4 us on 64x128
+  // steps, 58.1 on 64x64 (tuned 56.2); all-f16 r=16 64.5 and 57.2 (tuned 53.8), r=64
+  // 75.3 on eight warps, 65.2-67.1 on four (tuned 55.8).
+  const bool heavy_product = dot.tf32 || dot.dtype == DType::f16;
   const int64_t bm = config.block_m ? config.block_m : (wide ? 128 : gpu ? 64 : 16);
   // The 4-bit kernel keeps fp32 adapters as they are in shared memory: from rank 128, steps
   // of 64 whatever the adapters (rank 128 with fp32 ones on 64x128 steps, three stages:
   // 312592 bytes).
-  int64_t bk_default = big_rank ? 32 : wide ? 64 : gpu && !(four_bit && r_pad >= 128) ? 128 : 64;
+  const bool narrow_steps = (four_bit && r_pad >= 128) || (own_tiles && !four_bit && heavy_product);
+  int64_t bk_default = big_rank ? 32 : wide ? 64 : gpu && !narrow_steps ? 128 : 64;
   if (four_bit) {  // by default a step stays inside a scale block when it can
     const int64_t b = std::clamp<int64_t>(blocksize, 32, bk_default);
     if (in % b == 0 && blocksize % b == 0) bk_default = b;
   }
   const int64_t bk = config.block_k ? config.block_k : bk_default;
-  const int64_t warps = config.num_warps ? config.num_warps : (wide ? 8 : 4);
+  const int64_t warps = config.num_warps ? config.num_warps : (wide && !heavy_product ? 8 : 4);
   DoraPlan p;
   p.blocks_m = cdiv(out, bm);
   const int64_t steps = cdiv(in, bk);
