@@ -116,6 +116,17 @@ Config config_from(const autotune::Config& c, const std::string& block_m_name, c
   return cfg;
 }
 
+autotune::Config candidate_from(const Config& c, const std::string& block_m_name, const std::string& block_k_name) {
+  autotune::Config a;
+  if (c.block_m) a[block_m_name] = c.block_m;
+  if (c.block_k) a[block_k_name] = c.block_k;
+  if (c.split_k) a["split_k"] = c.split_k;
+  if (c.num_warps) a["num_warps"] = c.num_warps;
+  if (c.num_stages) a["num_stages"] = c.num_stages;
+  for (const auto& [name, value] : c.meta) a[name] = value;
+  return a;
+}
+
 std::vector<autotune::Config> with_wave_splits(const std::vector<autotune::Config>& base,
                                                const std::string& block_m_name, int64_t rows,
                                                const std::string& block_k_name, int64_t cols, int64_t batch,
@@ -288,14 +299,7 @@ autotune::Config untuned_candidate(const autotune::TunableOp& op, const std::vec
   q.block_k_name = op.block_k_name;
   q.gpu_candidates = op.gpu_candidates();
   q.kernels = [&](const Config& c) {
-    autotune::Config a;  // c in the names the registered kernels read
-    if (c.block_m) a[op.block_m_name] = c.block_m;
-    if (c.block_k) a[op.block_k_name] = c.block_k;
-    if (c.split_k) a["split_k"] = c.split_k;
-    if (c.num_warps) a["num_warps"] = c.num_warps;
-    if (c.num_stages) a["num_stages"] = c.num_stages;
-    for (const auto& [name, value] : c.meta) a[name] = value;
-    return op.kernels(views, a, sm_count);
+    return op.kernels(views, candidate_from(c, op.block_m_name, op.block_k_name), sm_count);
   };
   UntunedFit f;
   untuned_config(q, arch, limit, &f);

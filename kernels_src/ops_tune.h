@@ -71,6 +71,10 @@ class SavedBytes {
 // (ops::Config::block_m carries BLOCK_N for the MoE ops, BLOCK_T for the embedding).
 Config config_from(const autotune::Config& candidate, const std::string& block_m_name,
                    const std::string& block_k_name);
+// The inverse: the candidate an ops::Config stands for, in the names the op's registered
+// kernels read (fields left 0 are left out, as the op's defaults).
+autotune::Config candidate_from(const Config& config, const std::string& block_m_name,
+                                const std::string& block_k_name);
 // The ops::Config of a candidate of `request`.
 Config config_of(const TuneRequest& request, const autotune::Config& candidate);
 
