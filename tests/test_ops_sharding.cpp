@@ -579,23 +579,6 @@ TEST_CASE("a dimension split over several mesh axes, as JAX's P(None, ('dp', 'tp
              Catch::Contains("split dimensions") && Catch::Contains("over the same mesh axis 'dp'"));
 }
 
-TEST_CASE("an id past even shards of a vocabulary split over two mesh axes names both", "[cpu][ops][sharding]") {
-  KERF_REQUIRE_CPU_BACKEND();
-  const Device cpu = Device::cpu();
-  TestTensor X(DType::i64, {2}, cpu), Wt(DType::f32, {10, 4}, cpu), Ae(DType::f32, {2, 10}, cpu),
-      Be(DType::f32, {4, 2}, cpu), out(DType::f32, {2, 4}, cpu);
-  X.set(0, 41);
-  X.set(1, 85);
-  const std::string msg = kerf::test::thrown<InvalidArgument>([&] {
-    ops::lora_embedding(X.view(), Wt.view(), Ae.view(), Be.view(), 1.0, out.view(), {}, nullptr, {},
-                        layout_of({{"tp", 4}, {"dp", 2}}, {{"weight", {{"dp", "tp"}}}, {"A", {"", {"dp", "tp"}}}},
-                                  {0, 1}));
-  });
-  CHECK_THAT(msg, Catch::Contains("token id x[1] = 85 is outside the vocabulary [0, 80)") &&
-                      Catch::Contains("(the layout splits the vocabulary over ('dp', 'tp') into 8 even shards of "
-                                      "this shard's 10 ids;"));
-}
-
 TEST_CASE("every DoRA norm layout matches the unsharded op on the CPU", "[cpu][ops][sharding]") {
   KERF_REQUIRE_CPU_BACKEND();
   check_dora_layouts(Device::cpu());
@@ -859,19 +842,28 @@ TEST_CASE("a mesh axis of size 1 splits nothing and needs no coordinate", "[ops]
 
 TEST_CASE("an id past even vocabulary shards says how the layout sized the vocabulary", "[cpu][ops][sharding]") {
   KERF_REQUIRE_CPU_BACKEND();
-  // np.array_split's 11/11/11/10 of 43 ids, the last shard given only its coordinate: its
-  // range was reckoned as [30, 40) of 40, and id 42 reported as outside the vocabulary
-  // with nothing about the layout.
   const Device cpu = Device::cpu();
   TestTensor X(DType::i64, {2}, cpu), Wt(DType::f32, {10, 4}, cpu), Ae(DType::f32, {2, 10}, cpu),
       Be(DType::f32, {4, 2}, cpu), out(DType::f32, {2, 4}, cpu);
-  X.set(0, 31);
-  X.set(1, 42);
-  const std::string msg = kerf::test::thrown<InvalidArgument>([&] {
-    ops::lora_embedding(X.view(), Wt.view(), Ae.view(), Be.view(), 1.0, out.view(), {}, nullptr, {},
-                        layout_of({{"vp", 4}}, {{"weight", {"vp"}}, {"A", {"", "vp"}}}, {3}));
-  });
-  CHECK_THAT(msg, Catch::Contains("token id x[1] = 42 is outside the vocabulary [0, 40)") &&
-                      Catch::Contains("(the layout splits the vocabulary over 'vp' into 4 even shards of this "
-                                      "shard's 10 ids; shards of other sizes need vocab_start and vocab_size)"));
+  const auto message = [&](int64_t id0, int64_t id1, const ops::Layout& layout) {
+    X.set(0, double(id0));
+    X.set(1, double(id1));
+    return kerf::test::thrown<InvalidArgument>([&] {
+      ops::lora_embedding(X.view(), Wt.view(), Ae.view(), Be.view(), 1.0, out.view(), {}, nullptr, {}, layout);
+    });
+  };
+  // np.array_split's 11/11/11/10 of 43 ids, the last shard given only its coordinate: its
+  // range was reckoned as [30, 40) of 40, and id 42 reported as outside the vocabulary
+  // with nothing about the layout.
+  CHECK_THAT(message(31, 42, layout_of({{"vp", 4}}, {{"weight", {"vp"}}, {"A", {"", "vp"}}}, {3})),
+             Catch::Contains("token id x[1] = 42 is outside the vocabulary [0, 40)") &&
+                 Catch::Contains("(the layout splits the vocabulary over 'vp' into 4 even shards of this "
+                                 "shard's 10 ids; shards of other sizes need vocab_start and vocab_size)"));
+  // The vocabulary over two mesh axes: both named, their shards counted together.
+  CHECK_THAT(message(41, 85,
+                     layout_of({{"tp", 4}, {"dp", 2}}, {{"weight", {{"dp", "tp"}}}, {"A", {"", {"dp", "tp"}}}},
+                               {0, 1})),
+             Catch::Contains("token id x[1] = 85 is outside the vocabulary [0, 80)") &&
+                 Catch::Contains("(the layout splits the vocabulary over ('dp', 'tp') into 8 even shards of "
+                                 "this shard's 10 ids;"));
 }

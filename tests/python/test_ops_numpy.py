@@ -275,12 +275,17 @@ def test_moe_lora_materialize_backward_matches_float64(kerf_cpu):
         kerf_cpu.ops.moe_lora_materialize(dW, A, B, 0.5, config=kerf_cpu.Config(meta={"ROTATE": 1}))
 
 
+def embedding_tensors(V, H, r, tokens=(1,)):
+    """A table [V, H], PEFT's adapters A [r, V] and B [H, r], and a gradient for tokens of that shape, fp32."""
+    return (rng.standard_normal((V, H)).astype(np.float32), rng.standard_normal((r, V)).astype(np.float32),
+            rng.standard_normal((H, r)).astype(np.float32),
+            rng.standard_normal((*tokens, H)).astype(np.float32))
+
+
 def test_lora_embedding_forward_and_backward_match_float64(kerf_cpu):
     V, H, r, s = 30, 12, 4, 0.5
     x = np.array([[1, 0, 7, 29], [7, 7, 2, 0]], np.int64)
-    W = rng.standard_normal((V, H)).astype(np.float32)
-    A = rng.standard_normal((r, V)).astype(np.float32)
-    B = rng.standard_normal((H, r)).astype(np.float32)
+    W, A, B, _ = embedding_tensors(V, H, r)
     out = kerf_cpu.ops.lora_embedding(x, W, A, B, s)
     assert out.shape == (2, 4, H)
     ref = W[x].astype(np.float64) + s * A.T[x].astype(np.float64) @ B.T
@@ -312,10 +317,7 @@ def test_lora_embedding_forward_and_backward_match_float64(kerf_cpu):
 def test_lora_embedding_after_a_over_vocab_shards_sums_to_the_unsharded_op(kerf_cpu):
     V, H, r, s, n = 30, 12, 4, 0.5, 3
     x = np.array([[1, 0, 7, 29], [7, 7, 12, 20]], np.int64)
-    W = rng.standard_normal((V, H)).astype(np.float32)
-    A = rng.standard_normal((r, V)).astype(np.float32)
-    B = rng.standard_normal((H, r)).astype(np.float32)
-    g = rng.standard_normal((2, 4, H)).astype(np.float32)
+    W, A, B, g = embedding_tensors(V, H, r, x.shape)
     gA, gB = kerf_cpu.ops.lora_embedding_backward(x, A, B, g, s)
     lo = V // n
     acts, parts = [], []
@@ -344,10 +346,7 @@ def test_lora_embedding_over_a_vocab_split_over_two_mesh_axes_sums_to_the_unshar
     # the mesh's order (tp first here), the shard number in the spec's.
     V, H, r, s, ndp, ntp = 48, 12, 4, 0.5, 2, 3
     x = np.array([[1, 0, 7, 47], [9, 33, 12, 20]], np.int64)
-    W = rng.standard_normal((V, H)).astype(np.float32)
-    A = rng.standard_normal((r, V)).astype(np.float32)
-    B = rng.standard_normal((H, r)).astype(np.float32)
-    g = rng.standard_normal((2, 4, H)).astype(np.float32)
+    W, A, B, g = embedding_tensors(V, H, r, x.shape)
     out = kerf_cpu.ops.lora_embedding(x, W, A, B, s)
     gA, gB = kerf_cpu.ops.lora_embedding_backward(x, A, B, g, s)
     lo = V // (ndp * ntp)
@@ -372,10 +371,7 @@ def test_lora_embedding_over_uneven_vocab_shards_sums_to_the_unsharded_op(kerf_c
     # np.array_split's shards of 31 ids over 3: 11, 10, 10; each says where it starts.
     V, H, r, s = 31, 12, 4, 0.5
     x = np.array([[1, 0, 7, 30], [11, 21, 12, 20]], np.int64)
-    W = rng.standard_normal((V, H)).astype(np.float32)
-    A = rng.standard_normal((r, V)).astype(np.float32)
-    B = rng.standard_normal((H, r)).astype(np.float32)
-    g = rng.standard_normal((2, 4, H)).astype(np.float32)
+    W, A, B, g = embedding_tensors(V, H, r, x.shape)
     out = kerf_cpu.ops.lora_embedding(x, W, A, B, s)
     gA, gB = kerf_cpu.ops.lora_embedding_backward(x, A, B, g, s, padding_idx=7)
     bounds = np.cumsum([0] + [len(p) for p in np.array_split(np.arange(V), 3)])
@@ -401,9 +397,7 @@ def test_lora_embedding_id_check_options_on_the_cpu(kerf_cpu):
     # CPU ids are checked before every call: "deferred" still raises at once, and
     # check_embedding_ids has nothing to report.
     V, H, r = 10, 8, 2
-    W = rng.standard_normal((V, H)).astype(np.float32)
-    A = rng.standard_normal((r, V)).astype(np.float32)
-    B = rng.standard_normal((H, r)).astype(np.float32)
+    W, A, B, _ = embedding_tensors(V, H, r)
     x = np.array([3, V + 2], np.int64)
     with pytest.raises(ValueError, match="outside"):
         kerf_cpu.ops.lora_embedding(x, W, A, B, 0.5, id_check="deferred")
