@@ -336,58 +336,26 @@ void check_embedding_layouts(Device dev) {
       if (act) CHECK(act_sum == values(act_all));  // exactly: one shard wrote each, the others zeros
     }
 
-  // Vocab split over two mesh axes at once (JAX's P(None, ("x", "y"))): 2 x 3 shards of 20
-  // ids; shard x * 3 + y holds ids [20 (x * 3 + y), + 20) (the mesh lists y first, and the
-  // coordinates follow the mesh's order).
-  {
-    const int64_t nx = 2, ny = 3, Vs = V / (nx * ny);
+  // A vocab-parallel pass over shards of their own layouts and options: each runs forward
+  // and backward on its ids [lo, lo + size); the partial outputs and grad_B are summed,
+  // grad_A's columns written in place.
+  struct VocabShard {
+    int64_t lo, size;
+    ops::Layout fwd, bwd;
+    ops::EmbeddingOptions fo, bo;
+  };
+  const auto check_vocab_shards = [&](const std::vector<VocabShard>& shards) {
     std::vector<double> out_sum(size_t(T * D), 0.0), b_sum(size_t(D * r), 0.0);
     TestTensor gA(DType::f32, {r, V}, dev);
     gA.poison();
-    for (int64_t x = 0; x < nx; ++x)
-      for (int64_t y = 0; y < ny; ++y) {
-        const ops::DimSplit xy{"x", "y"};
-        const std::vector<ops::MeshAxis> mesh{{"y", ny}, {"x", nx}};
-        const ops::Layout fwd = layout_of(mesh, {{"weight", {xy}}, {"A", {"", xy}}}, {y, x});
-        const ops::Layout bwd = layout_of(mesh, {{"A", {"", xy}}, {"grad_A", {"", xy}}}, {y, x});
-        const int64_t lo = (x * ny + y) * Vs;
-        TestTensor po(DType::f32, {T, D}, dev), pb(DType::f32, {D, r}, dev);
-        po.poison();
-        pb.poison();
-        ops::lora_embedding(X.view(), block(Wt, lo, Vs, 0, D), block(A, 0, r, lo, Vs), B.view(), s, po.view(), {},
-                            nullptr, {}, fwd);
-        ops::lora_embedding_backward(X.view(), block(A, 0, r, lo, Vs), B.view(), G.view(), s,
-                                     block(gA, 0, r, lo, Vs), pb.view(), o, nullptr, {}, bwd);
-        test::sync(dev);
-        const std::vector<double> a = values(po), b = values(pb);
-        for (size_t i = 0; i < a.size(); ++i) out_sum[i] += a[i];
-        for (size_t i = 0; i < b.size(); ++i) b_sum[i] += b[i];
-      }
-    CHECK(test::max_relative_error(out_sum, ref_out, 1.0) <= 1e-5);
-    CHECK(scaled_error(values(gA), ref_a) <= 1e-5);
-    CHECK(scaled_error(b_sum, ref_b) <= 1e-5);
-  }
-
-  // Vocab split unevenly, as torch.chunk(120 ids, 3) would not but np.array_split-like cuts
-  // do (50, 50, 20 ids): each shard says where it starts (vocab_start, vocab_size), no coords.
-  {
-    const int64_t starts[] = {0, 50, 100}, sizes[] = {50, 50, 20};
-    std::vector<double> out_sum(size_t(T * D), 0.0), b_sum(size_t(D * r), 0.0);
-    TestTensor gA(DType::f32, {r, V}, dev);
-    gA.poison();
-    for (int64_t c = 0; c < n; ++c) {
-      const ops::Layout fwd = layout_of({{"vp", n}}, {{"weight", {"vp"}}, {"A", {"", "vp"}}});
-      const ops::Layout bwd = layout_of({{"vp", n}}, {{"A", {"", "vp"}}, {"grad_A", {"", "vp"}}});
+    for (const VocabShard& sh : shards) {
       TestTensor po(DType::f32, {T, D}, dev), pb(DType::f32, {D, r}, dev);
       po.poison();
       pb.poison();
-      ops::EmbeddingOptions fo, bo = o;
-      fo.vocab_start = bo.vocab_start = starts[c];
-      fo.vocab_size = bo.vocab_size = V;
-      ops::lora_embedding(X.view(), block(Wt, starts[c], sizes[c], 0, D), block(A, 0, r, starts[c], sizes[c]),
-                          B.view(), s, po.view(), fo, nullptr, {}, fwd);
-      ops::lora_embedding_backward(X.view(), block(A, 0, r, starts[c], sizes[c]), B.view(), G.view(), s,
-                                   block(gA, 0, r, starts[c], sizes[c]), pb.view(), bo, nullptr, {}, bwd);
+      ops::lora_embedding(X.view(), block(Wt, sh.lo, sh.size, 0, D), block(A, 0, r, sh.lo, sh.size), B.view(), s,
+                          po.view(), sh.fo, nullptr, {}, sh.fwd);
+      ops::lora_embedding_backward(X.view(), block(A, 0, r, sh.lo, sh.size), B.view(), G.view(), s,
+                                   block(gA, 0, r, sh.lo, sh.size), pb.view(), sh.bo, nullptr, {}, sh.bwd);
       test::sync(dev);
       const std::vector<double> a = values(po), b = values(pb);
       for (size_t i = 0; i < a.size(); ++i) out_sum[i] += a[i];
@@ -396,6 +364,36 @@ void check_embedding_layouts(Device dev) {
     CHECK(test::max_relative_error(out_sum, ref_out, 1.0) <= 1e-5);
     CHECK(scaled_error(values(gA), ref_a) <= 1e-5);
     CHECK(scaled_error(b_sum, ref_b) <= 1e-5);
+  };
+
+  // Vocab split over two mesh axes at once (JAX's P(None, ("x", "y"))): 2 x 3 shards of 20
+  // ids; shard x * 3 + y holds ids [20 (x * 3 + y), + 20) (the mesh lists y first, and the
+  // coordinates follow the mesh's order).
+  {
+    const int64_t nx = 2, ny = 3, Vs = V / (nx * ny);
+    const ops::DimSplit xy{"x", "y"};
+    const std::vector<ops::MeshAxis> mesh{{"y", ny}, {"x", nx}};
+    std::vector<VocabShard> shards;
+    for (int64_t x = 0; x < nx; ++x)
+      for (int64_t y = 0; y < ny; ++y)
+        shards.push_back({(x * ny + y) * Vs, Vs, layout_of(mesh, {{"weight", {xy}}, {"A", {"", xy}}}, {y, x}),
+                          layout_of(mesh, {{"A", {"", xy}}, {"grad_A", {"", xy}}}, {y, x}), {}, o});
+    check_vocab_shards(shards);
+  }
+
+  // Vocab split unevenly, as torch.chunk(120 ids, 3) would not but np.array_split-like cuts
+  // do (50, 50, 20 ids): each shard says where it starts (vocab_start, vocab_size), no coords.
+  {
+    const int64_t starts[] = {0, 50, 100}, sizes[] = {50, 50, 20};
+    std::vector<VocabShard> shards;
+    for (int64_t c = 0; c < n; ++c) {
+      ops::EmbeddingOptions fo, bo = o;
+      fo.vocab_start = bo.vocab_start = starts[c];
+      fo.vocab_size = bo.vocab_size = V;
+      shards.push_back({starts[c], sizes[c], layout_of({{"vp", n}}, {{"weight", {"vp"}}, {"A", {"", "vp"}}}),
+                        layout_of({{"vp", n}}, {{"A", {"", "vp"}}, {"grad_A", {"", "vp"}}}), fo, bo});
+    }
+    check_vocab_shards(shards);
   }
 
   // Tokens split over "dp" (3 shards of 19): outputs local; grad_A and grad_B partial. (Counts for
