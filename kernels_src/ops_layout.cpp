@@ -1,6 +1,7 @@
 // Sharding layouts: canonical text and the checks every sharded op runs first.
 #include "ops_layout.h"
 
+#include <algorithm>
 #include <set>
 
 #include "kerf/error.h"
@@ -65,7 +66,11 @@ int64_t Layout::shard_count(const DimSplit& split) const {
   int64_t n = 1;
   for (const std::string& a : split.axes) {
     const int64_t size = axis_size(a);
-    if (size < 1) throw InvalidArgument("layout: the mesh has no axis '" + a + "'");
+    if (size < 1) {
+      const bool named = std::any_of(mesh.begin(), mesh.end(), [&](const MeshAxis& m) { return m.name == a; });
+      throw InvalidArgument(named ? "layout: mesh axis '" + a + "' must have size >= 1, got " + std::to_string(size)
+                                  : "layout: the mesh has no axis '" + a + "'");
+    }
     if (__builtin_mul_overflow(n, size, &n))
       throw InvalidArgument("layout: the shard count of " + split.str() + " overflows 64 bits");
   }
@@ -154,6 +159,11 @@ LayoutSplits check_layout(const char* op, const Layout& layout,
   std::set<std::string> names;
   for (const MeshAxis& a : layout.mesh) {
     if (a.name.empty()) throw InvalidArgument(p + "a mesh axis has an empty name");
+    // canonical() (a part of cache keys) writes names between these characters: a name
+    // holding one could make two different layouts print alike.
+    if (a.name.find_first_of("()[],= \t\n") != std::string::npos)
+      throw InvalidArgument(p + "mesh axis name '" + a.name +
+                            "' holds one of ( ) [ ] , = or a blank, which kerf's layout texts use");
     if (!names.insert(a.name).second)
       throw InvalidArgument(p + "mesh axis '" + a.name + "' is named twice");
     if (a.size < 1)
@@ -239,9 +249,8 @@ LayoutSplits check_layout(const char* op, const Layout& layout,
       auto [it, fresh] = dim_of_axis.emplace(axis, dim);
       if (!fresh)
         throw InvalidArgument(p + spec_text(layout, s.fixed_by[dim]) + " and " +
-                              spec_text(layout, s.fixed_by[it->second]) + " split dimensions '" +
-                              it->second + "' and '" + dim + "' over the same mesh axis '" + axis +
-                              "'");
+                              spec_text(layout, s.fixed_by[it->second]) + " split dimensions '" + dim +
+                              "' and '" + it->second + "' over the same mesh axis '" + axis + "'");
     }
   // Shard counts past 64 bits (a product of axis sizes) are refused here, once.
   for (const auto& [dim, split] : s.axes)
@@ -250,7 +259,7 @@ LayoutSplits check_layout(const char* op, const Layout& layout,
       for (const std::string& a : split.axes)
         if (__builtin_mul_overflow(n, layout.axis_size(a), &n))
           throw InvalidArgument(p + spec_text(layout, s.fixed_by[dim]) + " splits dimension '" + dim +
-                                "' into more shards than 64 bits count (" + split.str() + ")");
+                                "' over " + split.str() + ", more shards than 64 bits count");
     }
   return s;
 }

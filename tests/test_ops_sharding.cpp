@@ -506,6 +506,8 @@ TEST_CASE("a dimension split over several mesh axes, as JAX's P(None, ('dp', 'tp
              Catch::Contains("this device's coordinates are needed"));
   CHECK_THAT(kerf::test::thrown<InvalidArgument>([&] { (void)at.shard_count({"dp", "pp"}); }),
              Catch::Contains("the mesh has no axis 'pp'"));
+  CHECK_THAT(kerf::test::thrown<InvalidArgument>([&] { (void)layout_of({{"tp", 0}}, {}).shard_count({"tp"}); }),
+             Catch::Contains("mesh axis 'tp' must have size >= 1, got 0"));
 
   // Operands sharing a dimension must list the same axes in the same order (size-1 axes
   // aside); an axis may split one dimension once.
@@ -527,6 +529,11 @@ TEST_CASE("a dimension split over several mesh axes, as JAX's P(None, ('dp', 'tp
              Catch::Contains("names mesh axis 'pp', which the mesh lacks"));
   CHECK_THAT(partial(layout_of(mesh, {{"W", {"", {"dp", ""}}}})),
              Catch::Contains("names a mesh axis with an empty name"));
+  // Names holding the characters of the layout's text (part of cache keys) are refused: a
+  // mesh axis named "(a,b)" would print like the axes a and b together.
+  for (const char* name : {"(a,b)", "a,b", "x=2", "w[0]", "a b"})
+    CHECK_THAT(partial(layout_of({{name, 2}}, {{"W", {"", name}}, {"A", {"", name}}})),
+               Catch::Contains("mesh axis name '" + std::string(name) + "' holds one of ( ) [ ] , = or a blank"));
   // A size-1 axis in one operand's list and not in the other's: alike.
   const ops::detail::ChecksOnly checks_only;
   CHECK_NOTHROW(ops::dora_norm_partial(W.view(), A.view(), B.view(), 1.0, sumsq.view(), nullptr, {},

@@ -140,12 +140,23 @@ bool layout_sequence(py::handle h) {
   return PyList_Check(h.ptr()) || PyTuple_Check(h.ptr());
 }
 
-// A spec, or one entry's list of axes: a list, a tuple, or another sequence that is not
-// text (jax.sharding.PartitionSpec is no tuple in newer JAX releases).
-bool spec_sequence(py::handle h) {
-  PyObject* o = h.ptr();
-  return layout_sequence(h) || (PySequence_Check(o) && !PyUnicode_Check(o) && !PyBytes_Check(o) &&
-                                !PyByteArray_Check(o) && !PyDict_Check(o));
+// A jax.sharding.PartitionSpec, by its class's name (newer JAX releases make it no tuple).
+bool jax_partition_spec(py::handle h) {
+  return std::string(Py_TYPE(h.ptr())->tp_name).find("PartitionSpec") != std::string::npos;
+}
+
+// The axes a PartitionSpec leaves unreduced or reduced (newer JAX: partial sums): kerf's
+// layouts have no such operands, so a spec naming any is refused rather than read as
+// replicated.
+void expect_no_reduced_axes(py::handle spec, const std::string& operand) {
+  for (const char* attr : {"unreduced", "reduced"}) {
+    if (!py::hasattr(spec, attr)) continue;
+    const py::object axes = spec.attr(attr);
+    if (!axes.is_none() && py::len(axes) > 0)
+      throw InvalidArgument("layout: the spec of " + operand + " has " + attr + " axes " +
+                            std::string(py::repr(axes)) + "; kerf's layouts take no " + attr +
+                            " operands (an op's partial sums are its outputs, summed by the caller)");
+  }
 }
 
 ops::Layout layout_of(py::handle obj) {
@@ -179,19 +190,29 @@ ops::Layout layout_of(py::handle obj) {
         const std::string operand = layout_axis_name(name, "a specs key (an operand's name)");
         std::vector<ops::DimSplit> dims;
         if (!spec.is_none()) {
-          if (!spec_sequence(spec))
+          const bool jax_spec = jax_partition_spec(spec);
+          if (!layout_sequence(spec) && !jax_spec)
             throw TypeError("layout: the spec of " + operand +
-                            " must be a tuple with an axis name, a tuple of axis names or None per dimension "
-                            "(like jax.sharding.PartitionSpec), got " +
+                            " must be a jax.sharding.PartitionSpec or a tuple with an axis name, a tuple of axis "
+                            "names or None per dimension, got " +
                             type_name(spec));
+          if (jax_spec) expect_no_reduced_axes(spec, operand);
           for (const py::handle a : spec) {
             const std::string what = "an entry of " + operand + "'s spec";
-            if (spec_sequence(a)) {  // several axes, major to minor, as JAX's P(("dp", "tp"))
+            if (layout_sequence(a)) {  // several axes, major to minor, as JAX's P(("dp", "tp"))
               std::vector<std::string> axes;
               for (const py::handle one : a) axes.push_back(layout_axis_name(one, "each axis in " + what));
               dims.emplace_back(std::move(axes));
+            } else if (a.is_none()) {
+              dims.emplace_back();
+            } else if (!PyUnicode_Check(a.ptr())) {
+              throw TypeError("layout: " + what + " must be an axis name (str), a tuple of axis names or None, got " +
+                              std::string(py::repr(a)) +
+                              (std::string(py::repr(a)).find("UNCONSTRAINED") != std::string::npos
+                                   ? " (kerf needs each dimension's split: name its axes, or None)"
+                                   : ""));
             } else {
-              dims.emplace_back(a.is_none() ? std::string() : layout_axis_name(a, what));
+              dims.emplace_back(layout_axis_name(a, what));
             }
           }
         }

@@ -147,7 +147,7 @@ def test_a_config_tile_that_is_not_a_power_of_two_is_a_value_error(kerf_cpu):
 @pytest.mark.parametrize("layout,message", [
     ({"mesh": [("tp",)], "specs": {}}, r"mesh entries must be \(axis name, size\) pairs"),
     ({"mesh": {"tp": "2"}, "specs": {}}, "a mesh axis size must be an int, got str"),
-    ({"mesh": {"tp": 2}, "specs": {"W": "tp"}}, "the spec of W must be a tuple"),
+    ({"mesh": {"tp": 2}, "specs": {"W": "tp"}}, "the spec of W must be a jax.sharding.PartitionSpec or a tuple"),
     ({"mesh": {"tp": 2}, "specs": {"W": (1, None)}}, "an entry of W's spec must be an axis name"),
     ({"mesh": {"tp": 2, "dp": 2}, "specs": {"W": (None, ("tp", None))}},
      "each axis in an entry of W's spec must be an axis name \\(str\\), got NoneType"),
@@ -160,17 +160,24 @@ def test_a_malformed_layout_is_a_type_error_saying_what_was_expected(layout, mes
         kerf.ops.dora_norm_partial(W, A, B, 1.0, layout=layout)
 
 
-class SpecSequence:
-    """A partition spec that is a sequence but no tuple, as jax.sharding.PartitionSpec is in newer JAX."""
+class PartitionSpec:
+    """A stand-in for jax.sharding.PartitionSpec as newer JAX has it: a sequence, no tuple,
+    with the axes it leaves unreduced."""
 
-    def __init__(self, *entries):
+    def __init__(self, *entries, unreduced=()):
         self._entries = entries
+        self.unreduced = frozenset(unreduced)
 
     def __len__(self):
         return len(self._entries)
 
     def __getitem__(self, i):
         return self._entries[i]
+
+
+class Unconstrained:
+    def __repr__(self):
+        return "UNCONSTRAINED"
 
 
 def swapped_axes_layout(P):
@@ -180,14 +187,25 @@ def swapped_axes_layout(P):
 SWAPPED_AXES = r"A P\(None, \('tp', 'dp'\)\) and W P\(None, \('dp', 'tp'\)\) split dimension 'in'"
 
 
-def test_a_spec_may_be_any_sequence_of_entries():
+def test_a_partition_spec_that_is_no_tuple_is_read_as_one():
     # The layout check reads the specs (and refuses the swapped axis order) before anything runs.
     W, A, B, m = dora_inputs()
     with pytest.raises(ValueError, match=SWAPPED_AXES):
-        kerf.ops.dora_norm_partial(W, A, B, 1.0, layout=swapped_axes_layout(SpecSequence))
-    nested = {"mesh": {"tp": 2, "dp": 2}, "specs": {"W": (None, SpecSequence("dp", "tp")), "A": (None, "dp")}}
-    with pytest.raises(ValueError, match=r"W P\(None, \('dp', 'tp'\)\)"):
-        kerf.ops.dora_norm_partial(W, A, B, 1.0, layout=nested)
+        kerf.ops.dora_norm_partial(W, A, B, 1.0, layout=swapped_axes_layout(PartitionSpec))
+    mesh = {"tp": 2, "dp": 2}
+    with pytest.raises(ValueError, match=r"the spec of W has unreduced axes frozenset\(\{'dp'\}\); kerf's layouts "
+                                         "take no unreduced operands"):
+        kerf.ops.dora_norm_partial(W, A, B, 1.0, layout={"mesh": mesh, "specs": {"W": PartitionSpec(None, "tp",
+                                                                                                     unreduced=("dp",))}})
+    with pytest.raises(TypeError, match=r"an entry of W's spec must be an axis name \(str\), a tuple of axis names "
+                                        r"or None, got UNCONSTRAINED \(kerf needs each dimension's split"):
+        kerf.ops.dora_norm_partial(W, A, B, 1.0, layout={"mesh": mesh, "specs": {"W": PartitionSpec(None,
+                                                                                                     Unconstrained())}})
+    # Other sequences are not specs: a str is no tuple of its letters, a mapping no tuple of its keys.
+    import collections
+    for spec in ("tp", collections.OrderedDict([(None, 0), ("tp", 1)]), collections.UserString("tp")):
+        with pytest.raises(TypeError, match="the spec of W must be a jax.sharding.PartitionSpec or a tuple"):
+            kerf.ops.dora_norm_partial(W, A, B, 1.0, layout={"mesh": mesh, "specs": {"W": spec}})
 
 
 def test_jax_partition_specs_are_taken_as_they_are():
