@@ -132,9 +132,11 @@ if [[ ,$stages, == *,python,* ]]; then
   echo "== Python (pytest on the GPU, overhead benchmark, PEFT example)"
   t0=$SECONDS
   export PYTHONPATH="$build/python${PYTHONPATH:+:$PYTHONPATH}" KERF_BUILD_DIR="$build"
-  PYTHONUNBUFFERED=1 python3 -m pytest tests/python -q -rs > "$out/pytest.log" 2>&1
+  PYTHONUNBUFFERED=1 python3 -m pytest tests/python -q -rfEs > "$out/pytest.log" 2>&1
   rc=$?
   tail -15 "$out/pytest.log"
+  # Failures with their last lines, wherever the skips put them in the summary.
+  grep -E "^(FAILED|ERROR) " "$out/pytest.log" | head -20
   note "pytest: $(tail -1 "$out/pytest.log") (exit $rc, $((SECONDS - t0)) s)"
   ((rc)) && status=1
   PYTHONUNBUFFERED=1 python3 tests/bench/python_overhead.py > "$out/python-overhead.log" 2>&1

@@ -140,8 +140,17 @@ bool layout_sequence(py::handle h) {
   return PyList_Check(h.ptr()) || PyTuple_Check(h.ptr());
 }
 
-// A jax.sharding.PartitionSpec, by its class's name (newer JAX releases make it no tuple).
+// A jax.sharding.PartitionSpec (newer JAX releases make it no tuple, and name its class
+// P): an instance of the class where JAX is imported, else a class named so.
 bool jax_partition_spec(py::handle h) {
+  if (PyObject* sharding = PyDict_GetItemString(PyImport_GetModuleDict(), "jax.sharding")) {  // borrowed
+    const py::object cls = py::getattr(py::handle(sharding), "PartitionSpec", py::none());
+    if (!cls.is_none() && PyType_Check(cls.ptr())) {
+      const int is = PyObject_IsInstance(h.ptr(), cls.ptr());
+      if (is < 0) throw py::error_already_set();
+      if (is) return true;
+    }
+  }
   return std::string(Py_TYPE(h.ptr())->tp_name).find("PartitionSpec") != std::string::npos;
 }
 

@@ -1,5 +1,7 @@
 """C++ errors arrive as ValueError / TypeError / RuntimeError with kerf's message."""
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -206,6 +208,22 @@ def test_a_partition_spec_that_is_no_tuple_is_read_as_one():
     for spec in ("tp", collections.OrderedDict([(None, 0), ("tp", 1)]), collections.UserString("tp")):
         with pytest.raises(TypeError, match="the spec of W must be a jax.sharding.PartitionSpec or a tuple"):
             kerf.ops.dora_norm_partial(W, A, B, 1.0, layout={"mesh": mesh, "specs": {"W": spec}})
+
+
+def test_a_partition_spec_is_known_by_its_class_where_jax_sharding_is_imported(monkeypatch):
+    # Newer JAX names the class P: an instance of jax.sharding.PartitionSpec is a spec
+    # whatever its class is called.
+    import types
+
+    class P(PartitionSpec):
+        pass
+
+    fake = types.ModuleType("jax.sharding")
+    fake.PartitionSpec = P
+    monkeypatch.setitem(sys.modules, "jax.sharding", fake)
+    W, A, B, m = dora_inputs()
+    with pytest.raises(ValueError, match=SWAPPED_AXES):
+        kerf.ops.dora_norm_partial(W, A, B, 1.0, layout=swapped_axes_layout(P))
 
 
 def test_jax_partition_specs_are_taken_as_they_are():
