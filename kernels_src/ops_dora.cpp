@@ -11,6 +11,7 @@
 #include "kerf/ops/ops.h"
 #include "ops_checks.h"
 #include "ops_common.h"
+#include "ops_layout.h"
 #include "ops_tune.h"
 
 namespace kerf::ops {
@@ -441,13 +442,13 @@ const bool dora_registered = [] {
   autotune::TunableOp op;
   op.name = "dora_norm";
   op.shape_names = {"out", "in", "r"};
-  op.layouts = {""};
+  op.takes_layout = true;
   op.operands = [](const std::vector<int64_t>& s, DType t) {
     return std::vector<autotune::Operand>{{{s[0], s[1]}, t}, {{s[2], s[1]}, t}, {{s[0], s[2]}, t},
                                           {{s[0]}, t},       {{s[0]}, DType::f32}, {{s[0]}, DType::f32}};
   };
-  op.call = [](const std::vector<TensorView>& v, void* stream) {
-    dora_norm(v[0], v[1], v[2], v[3], 1.0, v[4], v[5], 0.0, stream);
+  op.call = [](const std::vector<TensorView>& v, void* stream, const std::string& layout) {
+    dora_norm(v[0], v[1], v[2], v[3], 1.0, v[4], v[5], 0.0, stream, {}, detail::layout_at_origin(layout));
   };
   op.kernels = [](const std::vector<TensorView>& v, const autotune::Config& c, int sm_count) {
     const DoraPlan p = plan_dora(v[0].shape[0], v[0].shape[1], v[1].shape[0],
@@ -702,14 +703,13 @@ const bool dora_4bit_registered = [] {
   autotune::TunableOp op;
   op.name = "dora_norm_4bit";
   op.shape_names = {"out", "in", "r"};
-  op.layouts = {""};
   op.operands = [](const std::vector<int64_t>& s, DType t) {
     return std::vector<autotune::Operand>{{{s[0] * s[1] / 2}, DType::u8}, {{cdiv(s[0] * s[1], 64)}, DType::f32},
                                           {{16}, DType::f32},            {{s[2], s[1]}, t},
                                           {{s[0], s[2]}, t},             {{s[0]}, t},
                                           {{s[0]}, DType::f32},          {{s[0]}, DType::f32}};
   };
-  op.call = [](const std::vector<TensorView>& v, void* stream) {
+  op.call = [](const std::vector<TensorView>& v, void* stream, const std::string&) {
     dora_norm_4bit(Weight4bit{v[0], v[1], v[2], 64}, v[3], v[4], v[5], 1.0, v[6], v[7], 0.0, stream);
   };
   op.kernels = [](const std::vector<TensorView>& v, const autotune::Config& c, int sm_count) {
@@ -737,7 +737,6 @@ const bool dora_4bit_registered = [] {
 // Kept apart from the unsharded path above: the layout is checked first, then
 // the local shards run the same plan, launched with the layout's canonical
 // text (part of the kernel's cache key).
-#include "ops_layout.h"
 
 namespace kerf::ops {
 

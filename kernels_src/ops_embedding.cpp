@@ -986,11 +986,11 @@ const bool embedding_registered = [] {
     autotune::TunableOp op;
     op.name = backward ? "lora_embedding_backward" : "lora_embedding";
     op.shape_names = {"T", "vocab", "dim", "r"};
-    op.layouts = {""};
+    op.takes_layout = true;
     op.operands = [backward](const std::vector<int64_t>& s, DType t) { return embedding_operands(s, t, backward); };
     if (backward) {
-      op.call = [](const std::vector<TensorView>& v, void* stream) {
-        lora_embedding_backward(v[0], v[1], v[2], v[3], 1.0, v[4], v[5], {}, stream);
+      op.call = [](const std::vector<TensorView>& v, void* stream, const std::string& layout) {
+        lora_embedding_backward(v[0], v[1], v[2], v[3], 1.0, v[4], v[5], {}, stream, {}, layout_at_origin(layout));
       };
       op.kernels = [](const std::vector<TensorView>& v, const autotune::Config& c, int sm_count) {
         const EmbeddingBackward call{v[0], v[1], v[2], v[3], 1.0, as_3d(v[4]), as_3d(v[5]),
@@ -1000,8 +1000,8 @@ const bool embedding_registered = [] {
       };
       op.gpu_candidates = embedding_backward_gpu_candidates;
     } else {
-      op.call = [](const std::vector<TensorView>& v, void* stream) {
-        lora_embedding(v[0], v[1], v[2], v[3], 1.0, v[4], {}, stream);
+      op.call = [](const std::vector<TensorView>& v, void* stream, const std::string& layout) {
+        lora_embedding(v[0], v[1], v[2], v[3], 1.0, v[4], {}, stream, {}, layout_at_origin(layout));
       };
       op.kernels = [](const std::vector<TensorView>& v, const autotune::Config& c, int sm_count) {
         const EmbeddingForward call{v[0], v[1], v[2], v[3], 1.0, v[4], VocabRange{0, v[1].shape[0]}, LaunchOptions{}};

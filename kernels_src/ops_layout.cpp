@@ -131,6 +131,94 @@ std::string Layout::canonical() const {
   return "mesh(" + mesh_text + ")" + ops_text;
 }
 
+namespace {
+
+// A reader of canonical() text: names end at the characters the text uses around them.
+class LayoutText {
+ public:
+  explicit LayoutText(const std::string& text) : t_(text) {}
+  bool done() const { return i_ == t_.size(); }
+  bool peek(char c) const { return i_ < t_.size() && t_[i_] == c; }
+  void expect(char c) {
+    if (!peek(c)) fail(std::string("'") + c + "'");
+    ++i_;
+  }
+  void expect(const std::string& word) {
+    if (t_.compare(i_, word.size(), word) != 0) fail("'" + word + "'");
+    i_ += word.size();
+  }
+  std::string name() {
+    const size_t end = t_.find_first_of("()[],= \t\n", i_);
+    const size_t stop = end == std::string::npos ? t_.size() : end;
+    if (stop == i_) fail("a name");
+    std::string n = t_.substr(i_, stop - i_);
+    i_ = stop;
+    return n;
+  }
+  int64_t size() {
+    size_t j = i_;
+    int64_t v = 0;
+    while (j < t_.size() && t_[j] >= '0' && t_[j] <= '9') {
+      if (__builtin_mul_overflow(v, 10, &v) || __builtin_add_overflow(v, int64_t(t_[j] - '0'), &v))
+        fail("a size within 64 bits");
+      ++j;
+    }
+    if (j == i_) fail("a size");
+    i_ = j;
+    return v;
+  }
+  [[noreturn]] void fail(const std::string& wanted) const {
+    throw InvalidArgument("layout text '" + t_ + "': expected " + wanted + " at position " + std::to_string(i_) +
+                          " (the form Layout::canonical() writes, e.g. \"mesh(tp=4) A[,tp] W[,tp]\")");
+  }
+
+ private:
+  const std::string& t_;
+  size_t i_ = 0;
+};
+
+}  // namespace
+
+Layout Layout::parse(const std::string& text) {
+  Layout l;
+  if (text.empty()) return l;
+  LayoutText in(text);
+  in.expect("mesh(");
+  do {
+    if (!l.mesh.empty()) in.expect(',');
+    MeshAxis a;
+    a.name = in.name();
+    in.expect('=');
+    a.size = in.size();
+    l.mesh.push_back(a);
+  } while (!in.peek(')'));
+  in.expect(')');
+  while (!in.done()) {
+    in.expect(' ');
+    const std::string operand = in.name();
+    in.expect('[');
+    PartitionSpec spec;
+    for (bool first = true; !in.peek(']'); first = false) {
+      if (!first) in.expect(',');
+      DimSplit d;
+      if (in.peek('(')) {
+        in.expect('(');
+        do {
+          if (!d.axes.empty()) in.expect(',');
+          d.axes.push_back(in.name());
+        } while (!in.peek(')'));
+        in.expect(')');
+      } else if (!in.peek(',') && !in.peek(']')) {
+        d.axes.push_back(in.name());
+      }
+      spec.dims.push_back(std::move(d));
+    }
+    in.expect(']');
+    if (!l.specs.emplace(operand, std::move(spec)).second) in.fail("each operand once, not '" + operand + "' again");
+  }
+  return l;
+}
+
 namespace detail {
 
 const DimSplit& LayoutSplits::of(const std::string& dim) const {
@@ -262,6 +350,12 @@ LayoutSplits check_layout(const char* op, const Layout& layout,
                                 "' over " + split.str() + ", more shards than 64 bits count");
     }
   return s;
+}
+
+Layout layout_at_origin(const std::string& text) {
+  Layout l = Layout::parse(text);
+  l.coords.assign(l.mesh.size(), 0);
+  return l;
 }
 
 void expect_unsplit(const char* op, const Layout& layout, const LayoutSplits& splits,

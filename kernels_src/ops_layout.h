@@ -56,6 +56,10 @@ LayoutSplits check_layout(const char* op, const Layout& layout, MakeOperands&& m
 void expect_unsplit(const char* op, const Layout& layout, const LayoutSplits& splits,
                     const std::string& dim, const std::string& why);
 
+// The layout a canonical() text stands for (Layout::parse), this device at coordinate 0
+// of every mesh axis: what kerf-cache warm runs and compiles a sharded op's kernels with.
+Layout layout_at_origin(const std::string& text);
+
 // "W P(None, 'tp')": an operand's name and its spec as the layout gives it.
 std::string spec_text(const Layout& layout, const std::string& operand);
 

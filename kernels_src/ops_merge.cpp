@@ -261,11 +261,12 @@ const bool merge_registered = [] {
   autotune::TunableOp op;
   op.name = "lora_merge";
   op.shape_names = {"out", "in", "r"};
-  op.layouts = {""};
   op.operands = [](const std::vector<int64_t>& s, DType t) {
     return std::vector<autotune::Operand>{{{s[0], s[1]}, t}, {{s[2], s[1]}, t}, {{s[0], s[2]}, t}};
   };
-  op.call = [](const std::vector<TensorView>& v, void* stream) { lora_merge(v[0], v[1], v[2], 1.0, stream); };
+  op.call = [](const std::vector<TensorView>& v, void* stream, const std::string&) {
+    lora_merge(v[0], v[1], v[2], 1.0, stream);
+  };
   op.kernels = [](const std::vector<TensorView>& v, const autotune::Config& c, int sm_count) {
     const TensorView W3 = as_batch_of_one(v[0]), A3 = as_batch_of_one(v[1]), B3 = as_batch_of_one(v[2]);
     const MergePlan p = plan_merge(W3, A3, B3, true, sm_count, config_from(c, "BLOCK_M", "BLOCK_K"));

@@ -8,6 +8,7 @@
 #include "kerf/ops/ops.h"
 #include "kerf/runtime/cuda.h"
 #include "ops_common.h"
+#include "ops_layout.h"
 #include "ops_tune.h"
 
 namespace kerf::ops {
@@ -196,13 +197,13 @@ const bool moe_registered = [] {
   autotune::TunableOp op;
   op.name = "moe_lora_materialize";
   op.shape_names = {"E", "N", "K", "r"};
-  op.layouts = {""};
+  op.takes_layout = true;
   op.operands = [](const std::vector<int64_t>& s, DType t) {
     return std::vector<autotune::Operand>{
         {{s[0], s[1], s[2]}, t}, {{s[0], s[3], s[2]}, t}, {{s[0], s[1], s[3]}, t}, {{s[0], s[1], s[2]}, t}};
   };
-  op.call = [](const std::vector<TensorView>& v, void* stream) {
-    moe_lora_materialize(v[0], v[1], v[2], 1.0, v[3], stream);
+  op.call = [](const std::vector<TensorView>& v, void* stream, const std::string& layout) {
+    moe_lora_materialize(v[0], v[1], v[2], 1.0, v[3], stream, {}, detail::layout_at_origin(layout));
   };
   op.kernels = [](const std::vector<TensorView>& v, const autotune::Config& c, int) {
     const MoePlan p = plan_moe(v[0], v[1].dtype, v[2].dtype, v[1].shape[1], true, config_from(c, "BLOCK_N", "BLOCK_K"));
@@ -223,7 +224,6 @@ const bool moe_registered = [] {
 // each element is read before it is written, by the program that writes it);
 // any other overlap of W_eff with an input is rejected.
 #include "ops_checks.h"
-#include "ops_layout.h"
 
 namespace kerf::ops {
 namespace detail {

@@ -245,14 +245,14 @@ const bool moe_backward_registered = [] {
   autotune::TunableOp op;
   op.name = "moe_lora_materialize_backward";
   op.shape_names = {"E", "N", "K", "r"};
-  op.layouts = {""};
+  op.takes_layout = true;
   op.operands = [](const std::vector<int64_t>& s, DType t) {
     return std::vector<autotune::Operand>{{{s[0], s[1], s[2]}, t}, {{s[0], s[3], s[2]}, t},
                                           {{s[0], s[1], s[3]}, t}, {{s[0], s[3], s[2]}, t},
                                           {{s[0], s[1], s[3]}, t}};
   };
-  op.call = [](const std::vector<TensorView>& v, void* stream) {
-    moe_lora_materialize_backward(v[0], v[1], v[2], 1.0, v[3], v[4], stream);
+  op.call = [](const std::vector<TensorView>& v, void* stream, const std::string& layout) {
+    moe_lora_materialize_backward(v[0], v[1], v[2], 1.0, v[3], v[4], stream, {}, layout_at_origin(layout));
   };
   op.kernels = [](const std::vector<TensorView>& v, const autotune::Config& c, int sm_count) {
     return std::vector<autotune::KernelCall>{

@@ -306,6 +306,63 @@ TEST_CASE("kerf-cache warms every tunable op, on the CPU back end and for a GPU 
   for (const auto& [op, shape] : ops) CHECK(out.find(op) != std::string::npos);
 }
 
+// A layout given to warm: the op runs (or its kernels compile) with it, stored under its
+// canonical text, which a sharded call of the same local shapes then finds.
+TEST_CASE("kerf-cache warm stores a sharded op's kernels under its layout", "[cache][tool][sharding]") {
+  if (!*kTool) {
+    std::printf("KERF-SKIPPED: kerf-cache was not built with the tests\n");
+    return;
+  }
+  const bool gpu_code = nvrtc::available(), cpu = jit::cpu::available();
+  if (!gpu_code && !cpu) {
+    std::printf("KERF-SKIPPED: nothing here can compile (no NVRTC, no LLVM)\n");
+    return;
+  }
+  test::TempDir dir;
+  const std::string cache_dir = dir / "cache";
+  const auto warm = [&](const std::string& op, const std::string& shape, const std::vector<std::string>& layout) {
+    std::vector<std::string> args = {"warm", "--op", op, "--shape", shape, "--dtype", "f32"};
+    if (gpu_code) args.insert(args.end(), {"--arch", "sm_90a"});
+    if (cpu) args.insert(args.end(), {"--arch", "cpu"});
+    for (const std::string& l : layout) args.insert(args.end(), {"--layout", l});
+    return tool(cache_dir, args);
+  };
+  // Out split over tp (local shards), written in another order and with an unused mesh axis:
+  // the same layout as its canonical text.
+  auto [rc, out] = warm("dora_norm", "64x96x4", {"mesh(tp=2,dp=4) W[tp] B[tp] m[tp] norm[tp] scale[tp]"});
+  INFO(out);
+  REQUIRE(rc == 0);
+  CHECK(out.find(" 0 failed") != std::string::npos);
+  std::tie(rc, out) = warm("dora_norm", "64x96x4", {"mesh(tp=2) B[tp] W[tp] m[tp] norm[tp] scale[tp]"});
+  CHECK(rc == 0);
+  CHECK(out.find(" 0 kernel(s) compiled") != std::string::npos);
+  std::tie(rc, out) = tool(cache_dir, {"inspect"});
+  CHECK(out.find("layout: mesh(tp=2) B[tp] W[tp] m[tp] norm[tp] scale[tp]") != std::string::npos);
+  // The unsharded op's kernels are other entries (compiled for sm_90a again; the CPU run
+  // finds what its tuning trials compiled, which carry no layout).
+  std::tie(rc, out) = warm("dora_norm", "64x96x4", {});
+  CHECK(rc == 0);
+  if (gpu_code) CHECK(out.find(" 0 kernel(s) compiled") == std::string::npos);
+  // A vocabulary split over two axes (coordinates 0), experts split.
+  std::tie(rc, out) = warm("lora_embedding", "17x300x48x4", {"mesh(dp=2,tp=4) A[,(dp,tp)] weight[(dp,tp)]"});
+  CHECK(rc == 0);
+  std::tie(rc, out) = warm("moe_lora_materialize_backward", "2x40x72x4",
+                           {"mesh(ep=4) A[ep] B[ep] dA[ep] dB[ep] dW_eff[ep]"});
+  CHECK(rc == 0);
+  // Refused (exit 2, stderr says why): text canonical() would not write, an op that takes
+  // no layout, a layout the op refuses (W split on in: dora_norm_partial's), an operand
+  // the op lacks.
+  for (const auto& [op, layout] : std::vector<std::pair<std::string, std::string>>{
+           {"dora_norm", "W[tp]"},
+           {"lora_merge", "mesh(tp=2) W[tp]"},
+           {"dora_norm", "mesh(tp=2) A[,tp] W[,tp]"},
+           {"dora_norm", "mesh(tp=2) X[tp]"}}) {
+    std::tie(rc, out) = warm(op, "64x96x4", {layout});
+    CAPTURE(op, layout);
+    CHECK(rc == 2);
+  }
+}
+
 // For a GPU whose blocks hold less shared memory than an op's own tiles need (sm_86: 99
 // KiB; merge at rank 256 in bf16 takes 145920 bytes), warm compiles what an untuned call
 // there runs instead (README, "Untuned calls"), not the tiles that could not launch.

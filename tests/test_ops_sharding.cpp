@@ -476,6 +476,33 @@ TEST_CASE("Layout::canonical is the same for layouts that mean the same thing", 
   CHECK(ops::PartitionSpec{}.str() == "P()");
 }
 
+TEST_CASE("Layout::parse reads what canonical() writes", "[ops][sharding]") {
+  const std::vector<ops::Layout> layouts = {
+      {},
+      layout_of({{"tp", 4}}, {{"W", {"", "tp"}}, {"A", {"", "tp"}}}),
+      layout_of({{"tp", 4}, {"dp", 2}, {"one", 1}}, {{"W", {{"dp", "tp"}, ""}}, {"x", {"one", "", {"tp", "one"}}}}),
+      layout_of({{"ep", 8}, {"x", 2}}, {{"W", {"ep", "", "x"}}, {"B", {"ep"}}, {"A", {"ep", "", "x"}}})};
+  for (const ops::Layout& l : layouts) {
+    const std::string text = l.canonical();
+    CAPTURE(text);
+    const ops::Layout back = ops::Layout::parse(text);
+    CHECK(back.canonical() == text);
+    CHECK(back.coords.empty());
+  }
+  CHECK(ops::Layout::parse("mesh(dp=2,tp=4) W[,(dp,tp)]").specs.at("W").axes_of(1) == ops::DimSplit{"dp", "tp"});
+  for (const auto& [text, where] : std::vector<std::pair<std::string, std::string>>{
+           {"mesh(tp=4)W[,tp]", "expected ' ' at position 10"},
+           {"mesh(tp) W[,tp]", "expected '=' at position 7"},
+           {"mesh(tp=x) W[,tp]", "expected a size at position 8"},
+           {"mesh(tp=99999999999999999999) W[tp]", "expected a size within 64 bits"},
+           {"W[,tp]", "expected 'mesh(' at position 0"},
+           {"mesh(tp=4) W[,tp", "expected ',' at position 16"},
+           {"mesh(tp=4) W[tp] W[tp]", "expected each operand once, not 'W' again"},
+           {"mesh(tp=4) W[(tp]", "expected ',' at position 16"}})
+    CHECK_THAT(kerf::test::thrown<InvalidArgument>([&] { (void)ops::Layout::parse(text); }),
+               Catch::Contains("layout text '" + text + "': " + where));
+}
+
 TEST_CASE("a dimension split over several mesh axes, as JAX's P(None, ('dp', 'tp'))", "[ops][sharding]") {
   const std::vector<ops::MeshAxis> mesh{{"tp", 4}, {"dp", 2}, {"one", 1}};
   // Braces: one entry naming two axes, or two entries naming one each.

@@ -45,7 +45,9 @@ constexpr const char* kUsage = R"(usage: kerf-cache [--dir DIR] COMMAND ...
                              op takes the shapes of its own length)
              --dtype T       bf16, f16, f32: every operand's (repeatable or a,b; default bf16);
                              mixed calls (bf16 W, fp32 adapters) are warmed by running them
-             --layout L      sharding layout text (repeatable; default unsharded)
+             --layout L      a sharding layout as ops::Layout::canonical() writes it, e.g.
+                             "mesh(tp=4) B[tp] W[tp] m[tp] norm[tp] scale[tp]" (repeatable;
+                             default unsharded; --shape gives the local shards' sizes)
              --arch A        sm_90a, sm_80, ..., cpu, or native (repeatable or a,b;
                              default: the GPU's, else cpu). An architecture without a
                              device here is compiled but not tuned.

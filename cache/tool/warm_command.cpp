@@ -177,7 +177,14 @@ int warm(Args& args) {
         dtypes.push_back(*d);
       }
     } else if (a == "--layout") {
-      layouts.push_back(args.value_of(a));
+      // As the ops key their kernels: the canonical text of what it stands for (the
+      // same for "mesh(tp=4,dp=2) W[,tp]" and "mesh(tp=4) W[,tp,]").
+      const std::string text = args.value_of(a);
+      try {
+        layouts.push_back(ops::Layout::parse(text).canonical());
+      } catch (const InvalidArgument& e) {
+        throw InvalidArgument(std::string("warm: --layout: ") + e.what());
+      }
     } else if (a == "--arch") {
       for (const std::string& x : split(args.value_of(a), ',')) archs.push_back(x);
     } else if (a == "--all-candidates") {
@@ -254,9 +261,8 @@ int warm(Args& args) {
       }
       for (DType t : dtypes)
         for (const std::string& layout : layouts) {
-          if (std::find(op->layouts.begin(), op->layouts.end(), layout) == op->layouts.end())
-            throw InvalidArgument("warm: " + op->name + " takes no sharding layout '" + layout +
-                                  "' yet");
+          if (!layout.empty() && !op->takes_layout)
+            throw InvalidArgument("warm: " + op->name + " takes no sharding layout (got '" + layout + "')");
           for (const std::string& arch : archs) items.push_back(Item{op, shape, t, layout, arch});
         }
     }
@@ -277,7 +283,7 @@ int warm(Args& args) {
       // What the op itself would refuse (a dtype it does not take, a rank above 256,
       // too many experts) is refused here too: entries no call could use are not stored.
       const ops::detail::ChecksOnly checks_only;
-      item.op->call(views, nullptr);
+      item.op->call(views, nullptr, item.layout);
     } catch (const Error& e) {
       throw InvalidArgument("warm: " + item.text() + ": " + e.what());
     }
@@ -313,7 +319,7 @@ int warm(Args& args) {
     const bool gpu = item->arch != "cpu";
     Operands o = make_operands(*item, gpu);
     const cache::Stats before = cache::stats();
-    item->op->call(o.views, nullptr);
+    item->op->call(o.views, nullptr, item->layout);
     if (gpu) cuda::device_synchronize(0);
     const cache::Stats after = cache::stats();
     totals.compiled += int(after.compiles - before.compiles);

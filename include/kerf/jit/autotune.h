@@ -156,10 +156,13 @@ struct KernelCall {
 struct TunableOp {
   std::string name;                      // "dora_norm"
   std::vector<std::string> shape_names;  // the sizes a shape lists: {"out", "in", "r"}
-  std::vector<std::string> layouts;      // the sharding layouts the op takes ("" only, today)
+  // Whether the op takes a sharding layout (ops::Layout) with its local shards.
+  bool takes_layout = false;
   std::function<std::vector<Operand>(const std::vector<int64_t>& shape, DType dtype)> operands;
-  // Runs the op once on `views` (made from `operands`), tuning it where tuning is on.
-  std::function<void(const std::vector<TensorView>& views, void* stream)> call;
+  // Runs the op once on `views` (made from `operands`), tuning it where tuning is on,
+  // with the layout that `layout` (ops::Layout::canonical() text; "" for none) stands
+  // for, this device at coordinate 0 of every mesh axis.
+  std::function<void(const std::vector<TensorView>& views, void* stream, const std::string& layout)> call;
   // The kernels the op launches with `config` (empty: its default) on views that
   // may be fake (never dereferenced), for a GPU with `sm_count` multiprocessors.
   std::function<std::vector<KernelCall>(const std::vector<TensorView>& views, const Config& config,

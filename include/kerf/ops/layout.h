@@ -101,6 +101,10 @@ struct Layout {
   // kernel cache keys (the autotuner keys its choices by the local shapes the
   // shard runs, which is what its kernels see). Example: "mesh(tp=4) A[,tp] W[,tp]".
   std::string canonical() const;
+  // The layout a canonical() text stands for ("" for none; coords left empty), e.g. to
+  // name a layout on a command line (kerf-cache warm --layout). Throws InvalidArgument,
+  // saying where, for text canonical() would not write.
+  static Layout parse(const std::string& text);
 };
 
 }  // namespace kerf::ops
