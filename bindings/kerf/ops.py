@@ -65,6 +65,7 @@ __all__ = [
     "dora_norm_backward",
     "dora_norm_finish",
     "dora_norm_partial",
+    "layout_text",
     "lora_embedding",
     "lora_embedding_backward",
     "lora_merge",
@@ -351,6 +352,14 @@ def lora_embedding_backward(x: TensorLike, A: TensorLike, B: TensorLike, grad_ou
     vocabulary split, a shard counts the rows of ids outside its range as zeros: its own
     forward's after_a or their sum over shards give the same gradients. vocab_start,
     vocab_size: a shard of its own size, as in :func:`lora_embedding`."""
+
+
+def layout_text(layout: LayoutLike) -> str:
+    """The canonical text of a sharding layout (``layout=`` of the ops): the same
+    for layouts that mean the same thing, ``""`` when nothing is split, e.g.
+    ``"mesh(tp=4) A[,tp] W[,tp]"``. kerf keys a sharded call's kernels by it, and
+    ``kerf-cache warm --layout`` takes it to warm them."""
+    return _kerf._layout_text(layout)
 
 
 @_bound(_kerf.check_embedding_ids)

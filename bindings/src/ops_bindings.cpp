@@ -525,6 +525,10 @@ void bind_ops(py::module_& m) {
       py::arg("tensor"), py::arg("stream").none(true) = py::none(),
       "ops::check_embedding_ids on the device of `tensor`; see kerf.ops.check_embedding_ids.");
 
+  m.def(
+      "_layout_text", [](py::handle layout) { return layout_of(layout).canonical(); }, py::arg("layout"),
+      "ops::Layout::canonical() of a layout dict; see kerf.ops.layout_text.");
+
   // ---------------------------------------------------------------- introspection
   m.def("_torch_bridge_status", &torch_bridge_status,
         "How torch tensors are read: 'active (...)' when in C++ through kerf._torch_bridge, "

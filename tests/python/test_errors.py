@@ -226,6 +226,18 @@ def test_a_partition_spec_is_known_by_its_class_where_jax_sharding_is_imported(m
         kerf.ops.dora_norm_partial(W, A, B, 1.0, layout=swapped_axes_layout(P))
 
 
+def test_layout_text_is_the_text_sharded_kernels_are_keyed_by():
+    # What kerf-cache warm --layout takes: the same for layouts that mean the same.
+    tp = {"mesh": {"tp": 4, "dp": 2}, "specs": {"W": (None, "tp"), "A": [None, "tp", None], "m": None}}
+    assert kerf.ops.layout_text(tp) == "mesh(tp=4) A[,tp] W[,tp]"
+    assert kerf.ops.layout_text(None) == ""
+    assert kerf.ops.layout_text({"mesh": {"tp": 1}, "specs": {"W": ("tp",)}}) == ""
+    both = {"mesh": [("tp", 4), ("dp", 2)], "specs": {"weight": (("dp", "tp"),)}}
+    assert kerf.ops.layout_text(both) == "mesh(dp=2,tp=4) weight[(dp,tp)]"
+    with pytest.raises(TypeError, match="layout must be None or a dict"):
+        kerf.ops.layout_text([("tp", 2)])
+
+
 def test_jax_partition_specs_are_taken_as_they_are():
     P = pytest.importorskip("jax.sharding").PartitionSpec
     W, A, B, m = dora_inputs()
