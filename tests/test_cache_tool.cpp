@@ -36,18 +36,25 @@ std::pair<int, std::string> tool(const std::string& dir, std::vector<std::string
   return {rc, child.output()};
 }
 
+// Whether kerf-cache was built with the tests and something here compiles kernels (NVRTC
+// or LLVM); says why not as a skip otherwise.
+bool tool_can_compile() {
+  if (!*kTool) {
+    std::printf("KERF-SKIPPED: kerf-cache was not built with the tests\n");
+    return false;
+  }
+  if (!nvrtc::available() && !jit::cpu::available()) {
+    std::printf("KERF-SKIPPED: nothing here can compile (no NVRTC, no LLVM)\n");
+    return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 TEST_CASE("kerf-cache warms, lists, packs, verifies and prunes", "[cache][tool]") {
-  if (!*kTool) {
-    std::printf("KERF-SKIPPED: kerf-cache was not built with the tests\n");
-    return;
-  }
+  if (!tool_can_compile()) return;
   const bool gpu_code = nvrtc::available(), cpu = jit::cpu::available();
-  if (!gpu_code && !cpu) {
-    std::printf("KERF-SKIPPED: nothing here can compile (no NVRTC, no LLVM)\n");
-    return;
-  }
   test::TempDir dir;
   const std::string cache_dir = dir / "cache";
   // sm_80 has no device here: compiled, not tuned. The CPU runs (and tunes) the op itself.
@@ -277,15 +284,8 @@ TEST_CASE("kerf-cache does not pack or verify a cache that is not there, nor one
 
 TEST_CASE("kerf-cache warms every tunable op, on the CPU back end and for a GPU architecture",
           "[cache][tool]") {
-  if (!*kTool) {
-    std::printf("KERF-SKIPPED: kerf-cache was not built with the tests\n");
-    return;
-  }
+  if (!tool_can_compile()) return;
   const bool gpu_code = nvrtc::available(), cpu = jit::cpu::available();
-  if (!gpu_code && !cpu) {
-    std::printf("KERF-SKIPPED: nothing here can compile (no NVRTC, no LLVM)\n");
-    return;
-  }
   test::TempDir dir;
   const std::vector<std::pair<std::string, std::string>> ops = {
       {"lora_merge", "70x90x5"},
@@ -309,15 +309,8 @@ TEST_CASE("kerf-cache warms every tunable op, on the CPU back end and for a GPU 
 // A layout given to warm: the op runs (or its kernels compile) with it, stored under its
 // canonical text, which a sharded call of the same local shapes then finds.
 TEST_CASE("kerf-cache warm stores a sharded op's kernels under its layout", "[cache][tool][sharding]") {
-  if (!*kTool) {
-    std::printf("KERF-SKIPPED: kerf-cache was not built with the tests\n");
-    return;
-  }
+  if (!tool_can_compile()) return;
   const bool gpu_code = nvrtc::available(), cpu = jit::cpu::available();
-  if (!gpu_code && !cpu) {
-    std::printf("KERF-SKIPPED: nothing here can compile (no NVRTC, no LLVM)\n");
-    return;
-  }
   test::TempDir dir;
   const std::string cache_dir = dir / "cache";
   const auto warm = [&](const std::string& op, const std::string& shape, const std::vector<std::string>& layout) {
