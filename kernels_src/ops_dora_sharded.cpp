@@ -4,12 +4,14 @@
 #include <algorithm>
 #include <string>
 
+#include "kerf/jit/autotune.h"
 #include "kerf/jit/launch.h"
 #include "kerf/kernels/kernels.h"
 #include "kerf/ops/ops.h"
 #include "ops_checks.h"
 #include "ops_common.h"
 #include "ops_layout.h"
+#include "ops_tune.h"
 
 namespace kerf::ops {
 
@@ -23,12 +25,6 @@ const std::vector<OperandDims>& partial_operands() {
   return o;
 }
 
-// Zeroes a 1-D f32 tensor (any stride).
-void zero_1d(const TensorView& t, const LaunchOptions& options) {
-  launch(kernels::fill(), {t, Scalar(0.0)}, Grid{uint32_t(cdiv(t.shape[0], 1024)), 1, 1},
-         {{"BLOCK", 1024}}, options);
-}
-
 // In-place elementwise ops may write where they read, element for element;
 // any other overlap of an output with an input is rejected.
 void expect_disjoint_or_same(const char* op, const char* out_name, const TensorView& out,
@@ -38,6 +34,67 @@ void expect_disjoint_or_same(const char* op, const char* out_name, const TensorV
       std::equal(out.strides.begin(), out.strides.begin() + out.rank, in.strides.begin());
   if (!same) expect_disjoint(op, out_name, out, in_name, in);
 }
+
+// The partial sums' launches: sumsq zeroed, then the shard's columns added into it (none
+// when `in` is 0). `programs`: the multiprocessors (CPU threads) to fill.
+struct PartialLaunch {
+  autotune::KernelCall call;
+  Grid grid;
+};
+
+std::vector<PartialLaunch> partial_calls(const TensorView& W, const TensorView& A, const TensorView& B, double s,
+                                         const TensorView& sumsq, const Config& config, int64_t programs) {
+  const int64_t out = W.shape[0], in = W.shape[1], r = A.shape[0];
+  std::vector<PartialLaunch> calls;
+  calls.push_back({{&kernels::fill(), {sumsq, Scalar(0.0)}, {{"BLOCK", 1024}}}, Grid{uint32_t(cdiv(out, 1024)), 1, 1}});
+  if (in == 0) return calls;
+  const bool gpu = W.device.is_cuda();
+  const Product dot = product_dtype(W.dtype, A.dtype, B.dtype);
+  const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
+  // 64x128 steps, narrowed from rank 128 so that A's and B's tiles leave the shared memory
+  // an H100 has (at 64x128 on three stages rank 128 with fp32 products took 337920 bytes,
+  // rank 256 in bf16 294912).
+  const int64_t bm = config.block_m ? config.block_m : (gpu ? 64 : 16);
+  const int64_t bk = config.block_k ? config.block_k
+                                    : (gpu ? rank_narrowed(128, r_pad, rank_bytes(dot, A.dtype, B.dtype), 512) : 64);
+  const int64_t blocks = cdiv(out, bm);
+  const int64_t split = config.split_k ? config.split_k : split_for(blocks, programs, cdiv(in, bk));
+  dsl::MetaMap meta = {{"BLOCK_M", bm},
+                       {"BLOCK_K", bk},
+                       {"R_PAD", r_pad},
+                       {"num_warps", config.num_warps ? config.num_warps : 4},
+                       {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
+  set_product_meta(meta, dot, config);
+  set_dora_scale_meta(meta, dot);
+  calls.push_back({{&kernels::dora_norm_partial(), {W, A, B, Scalar(s), sumsq}, meta},
+                   Grid{uint32_t(blocks), uint32_t(split), 1}});
+  return calls;
+}
+
+// For kerf-cache warm (and the planning tests): the partial sums of a shard, with its layout.
+const bool partial_registered = [] {
+  autotune::TunableOp op;
+  op.name = "dora_norm_partial";
+  op.shape_names = {"out", "in", "r"};
+  op.takes_layout = true;
+  op.operands = [](const std::vector<int64_t>& s, DType t) {
+    return std::vector<autotune::Operand>{
+        {{s[0], s[1]}, t}, {{s[2], s[1]}, t}, {{s[0], s[2]}, t}, {{s[0]}, DType::f32}};
+  };
+  op.call = [](const std::vector<TensorView>& v, void* stream, const std::string& layout) {
+    dora_norm_partial(v[0], v[1], v[2], 1.0, v[3], stream, {}, layout_at_origin(layout));
+  };
+  op.kernels = [](const std::vector<TensorView>& v, const autotune::Config& c, int sm_count) {
+    std::vector<autotune::KernelCall> calls;
+    for (const PartialLaunch& l : partial_calls(v[0], v[1], v[2], 1.0, v[3], config_from(c, "BLOCK_M", "BLOCK_K"),
+                                                sm_count))
+      calls.push_back(l.call);
+    return calls;
+  };
+  op.gpu_candidates = [] { return std::vector<autotune::Config>{}; };
+  autotune::register_op(std::move(op));
+  return true;
+}();
 
 }  // namespace
 
@@ -71,31 +128,14 @@ void dora_norm_partial(const TensorView& W, const TensorView& A, const TensorVie
   if (r > 256)
     throw InvalidArgument(std::string(op) + ": rank " + std::to_string(r) +
                           " is above the supported 256");
-  if (out == 0) return;
+  if (out == 0 || checks_only()) return;
 
   const std::string text = layout.canonical();
   LaunchOptions options;
   options.stream = stream;
   options.layout = text;
-  zero_1d(sumsq, options);
-  if (in == 0) return;
-  const bool gpu = W.device.is_cuda();
-  const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
-  const int64_t bm = config.block_m ? config.block_m : (gpu ? 64 : 16);
-  const int64_t bk = config.block_k ? config.block_k : (gpu ? 128 : 64);
-  const int64_t blocks = cdiv(out, bm);
-  const int64_t split =
-      config.split_k ? config.split_k : split_for(blocks, parallelism(W.device), cdiv(in, bk));
-  dsl::MetaMap meta = {{"BLOCK_M", bm},
-                       {"BLOCK_K", bk},
-                       {"R_PAD", r_pad},
-                       {"num_warps", config.num_warps ? config.num_warps : 4},
-                       {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
-  const Product dot = product_dtype(W.dtype, A.dtype, B.dtype);
-  set_product_meta(meta, dot, config);
-  set_dora_scale_meta(meta, dot);
-  launch(kernels::dora_norm_partial(), {W, A, B, Scalar(s), sumsq},
-         Grid{uint32_t(blocks), uint32_t(split), 1}, meta, options);
+  for (const PartialLaunch& l : partial_calls(W, A, B, s, sumsq, config, parallelism(W.device)))
+    launch(*l.call.kernel, l.call.args, l.grid, l.call.meta, options);
 }
 
 void dora_norm_finish(const TensorView& sumsq, const TensorView& m, double eps,

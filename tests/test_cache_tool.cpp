@@ -339,6 +339,9 @@ TEST_CASE("kerf-cache warm stores a sharded op's kernels under its layout", "[ca
   std::tie(rc, out) = warm("dora_norm", "64x96x4", {});
   CHECK(rc == 0);
   if (gpu_code) CHECK(out.find(" 0 kernel(s) compiled") == std::string::npos);
+  // W split on in: dora_norm_partial's (row-parallel layers' partial sums).
+  std::tie(rc, out) = warm("dora_norm_partial", "64x48x4", {"mesh(tp=2) A[,tp] W[,tp]"});
+  CHECK(rc == 0);
   // A vocabulary split over two axes (coordinates 0), experts split.
   std::tie(rc, out) = warm("lora_embedding", "17x300x48x4", {"mesh(dp=2,tp=4) A[,(dp,tp)] weight[(dp,tp)]"});
   CHECK(rc == 0);
@@ -346,8 +349,8 @@ TEST_CASE("kerf-cache warm stores a sharded op's kernels under its layout", "[ca
                            {"mesh(ep=4) A[ep] B[ep] dA[ep] dB[ep] dW_eff[ep]"});
   CHECK(rc == 0);
   // Refused (exit 2, stderr says why): text canonical() would not write, an op that takes
-  // no layout, a layout the op refuses (W split on in: dora_norm_partial's), an operand
-  // the op lacks.
+  // no layout, a layout the op refuses (dora_norm with W split on in: dora_norm_partial's),
+  // an operand the op lacks.
   for (const auto& [op, layout] : std::vector<std::pair<std::string, std::string>>{
            {"dora_norm", "W[tp]"},
            {"lora_merge", "mesh(tp=2) W[tp]"},

@@ -36,7 +36,8 @@ constexpr const char* kUsage = R"(usage: kerf-cache [--dir DIR] COMMAND ...
 
   warm     compile (and, on a GPU of that architecture, tune) ops for shapes:
              --op NAME       repeatable or a,b; default: all of
-                               dora_norm, dora_norm_4bit, lora_merge  shape out x in x r
+                               dora_norm, dora_norm_4bit,
+                               dora_norm_partial, lora_merge          shape out x in x r
                                moe_lora_materialize,
                                moe_lora_materialize_backward          shape E x N x K x r
                                lora_embedding,
