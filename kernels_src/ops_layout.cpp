@@ -18,6 +18,26 @@ bool splits_along(const Layout& layout, const std::string& axis) {
 
 std::string quoted(const std::string& axis) { return "'" + axis + "'"; }
 
+// The axes of `split` that split anything (size-1 axes dropped): what the split means.
+DimSplit effective(const Layout& layout, const DimSplit& split) {
+  DimSplit e;
+  for (const std::string& a : split.axes)
+    if (splits_along(layout, a)) e.axes.push_back(a);
+  return e;
+}
+
+// The product of the sizes of `split`'s axes into *n; false when it passes 64 bits.
+bool shard_product(const Layout& layout, const DimSplit& split, int64_t* n) {
+  *n = 1;
+  for (const std::string& a : split.axes)
+    if (__builtin_mul_overflow(*n, layout.axis_size(a), n)) return false;
+  return true;
+}
+
+// The characters canonical() writes around names: a name holding one could make two
+// different layouts print alike, and would end a name where parse() reads one.
+constexpr const char* kLayoutSyntax = "()[],= \t\n";
+
 }  // namespace
 
 std::string DimSplit::str() const {
@@ -63,7 +83,6 @@ int64_t Layout::coord(const std::string& axis) const {
 }
 
 int64_t Layout::shard_count(const DimSplit& split) const {
-  int64_t n = 1;
   for (const std::string& a : split.axes) {
     const int64_t size = axis_size(a);
     if (size < 1) {
@@ -71,9 +90,10 @@ int64_t Layout::shard_count(const DimSplit& split) const {
       throw InvalidArgument(named ? "layout: mesh axis '" + a + "' must have size >= 1, got " + std::to_string(size)
                                   : "layout: the mesh has no axis '" + a + "'");
     }
-    if (__builtin_mul_overflow(n, size, &n))
-      throw InvalidArgument("layout: the shard count of " + split.str() + " overflows 64 bits");
   }
+  int64_t n;
+  if (!shard_product(*this, split, &n))
+    throw InvalidArgument("layout: the shard count of " + split.str() + " overflows 64 bits");
   return n;
 }
 
@@ -90,8 +110,7 @@ int64_t Layout::shard_index(const DimSplit& split) const {
 bool Layout::sharded() const {
   for (const auto& [name, spec] : specs)
     for (const DimSplit& d : spec.dims)
-      for (const std::string& a : d.axes)
-        if (splits_along(*this, a)) return true;
+      if (!effective(*this, d).empty()) return true;
   return false;
 }
 
@@ -101,25 +120,19 @@ std::string Layout::canonical() const {
   // prints them in order, in parentheses; one left of them prints as that axis alone.
   std::set<std::string> used;
   std::string ops_text;
-  const auto effective = [&](const DimSplit& d) {
-    std::vector<std::string> axes;
-    for (const std::string& a : d.axes)
-      if (splits_along(*this, a)) axes.push_back(a);
-    return axes;
-  };
   for (const auto& [name, spec] : specs) {  // std::map: sorted by operand name
     size_t n = spec.dims.size();
-    while (n > 0 && effective(spec.dims[n - 1]).empty()) --n;
+    while (n > 0 && effective(*this, spec.dims[n - 1]).empty()) --n;
     if (n == 0) continue;
     ops_text += " " + name + "[";
     for (size_t i = 0; i < n; ++i) {
-      const std::vector<std::string> axes = effective(spec.dims[i]);
+      const DimSplit e = effective(*this, spec.dims[i]);
       std::string text;
-      for (const std::string& a : axes) {
+      for (const std::string& a : e.axes) {
         text += (text.empty() ? "" : ",") + a;
         used.insert(a);
       }
-      if (axes.size() > 1) text = "(" + text + ")";
+      if (e.axes.size() > 1) text = "(" + text + ")";
       ops_text += (i ? "," : "") + text;
     }
     ops_text += "]";
@@ -148,7 +161,7 @@ class LayoutText {
     i_ += word.size();
   }
   std::string name() {
-    const size_t end = t_.find_first_of("()[],= \t\n", i_);
+    const size_t end = t_.find_first_of(kLayoutSyntax, i_);
     const size_t stop = end == std::string::npos ? t_.size() : end;
     if (stop == i_) fail("a name");
     std::string n = t_.substr(i_, stop - i_);
@@ -247,9 +260,7 @@ LayoutSplits check_layout(const char* op, const Layout& layout,
   std::set<std::string> names;
   for (const MeshAxis& a : layout.mesh) {
     if (a.name.empty()) throw InvalidArgument(p + "a mesh axis has an empty name");
-    // canonical() (a part of cache keys) writes names between these characters: a name
-    // holding one could make two different layouts print alike.
-    if (a.name.find_first_of("()[],= \t\n") != std::string::npos)
+    if (a.name.find_first_of(kLayoutSyntax) != std::string::npos)
       throw InvalidArgument(p + "mesh axis name '" + a.name +
                             "' holds one of ( ) [ ] , = or a blank, which kerf's layout texts use");
     if (!names.insert(a.name).second)
@@ -308,9 +319,7 @@ LayoutSplits check_layout(const char* op, const Layout& layout,
       const std::string& dim = o.dims[d];
       // A mesh axis of size 1 splits nothing: such axes are dropped, and a dimension
       // left with none is whole.
-      DimSplit split;
-      for (const std::string& a : spec.axes_of(d).axes)
-        if (splits_along(layout, a)) split.axes.push_back(a);
+      const DimSplit split = effective(layout, spec.axes_of(d));
       if (!spec.axes_of(d).empty()) s.named.insert(dim);
       auto known = s.axes.find(dim);
       if (known == s.axes.end()) {
@@ -341,14 +350,12 @@ LayoutSplits check_layout(const char* op, const Layout& layout,
                               "' and '" + it->second + "' over the same mesh axis '" + axis + "'");
     }
   // Shard counts past 64 bits (a product of axis sizes) are refused here, once.
-  for (const auto& [dim, split] : s.axes)
-    if (split.axes.size() > 1) {
-      int64_t n = 1;
-      for (const std::string& a : split.axes)
-        if (__builtin_mul_overflow(n, layout.axis_size(a), &n))
-          throw InvalidArgument(p + spec_text(layout, s.fixed_by[dim]) + " splits dimension '" + dim +
-                                "' over " + split.str() + ", more shards than 64 bits count");
-    }
+  for (const auto& [dim, split] : s.axes) {
+    int64_t n;
+    if (!shard_product(layout, split, &n))
+      throw InvalidArgument(p + spec_text(layout, s.fixed_by[dim]) + " splits dimension '" + dim + "' over " +
+                            split.str() + ", more shards than 64 bits count");
+  }
   return s;
 }
 

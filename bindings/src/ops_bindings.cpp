@@ -215,9 +215,10 @@ ops::Layout layout_of(py::handle obj) {
             } else if (a.is_none()) {
               dims.emplace_back();
             } else if (!PyUnicode_Check(a.ptr())) {
+              const std::string got = py::repr(a);
               throw TypeError("layout: " + what + " must be an axis name (str), a tuple of axis names or None, got " +
-                              std::string(py::repr(a)) +
-                              (std::string(py::repr(a)).find("UNCONSTRAINED") != std::string::npos
+                              got +
+                              (got.find("UNCONSTRAINED") != std::string::npos
                                    ? " (kerf needs each dimension's split: name its axes, or None)"
                                    : ""));
             } else {
