@@ -26,6 +26,9 @@ inline int64_t next_pow2(int64_t x) {
   return p;
 }
 
+// A rank as the kernels' tiles hold it (R_PAD): the next power of two, at least 16.
+inline int64_t rank_pad(int64_t r) { return std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1))); }
+
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // A kernel's LoRA product: the dtype its operands are converted into, and for f32

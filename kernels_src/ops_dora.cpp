@@ -39,7 +39,7 @@ DoraPlan plan_dora(int64_t out, int64_t in, int64_t r, Product w_dtype, bool gpu
                    const Config& config, int64_t blocksize = 0) {
   const bool four_bit = blocksize > 0;
   const Product dot = is_half(w_dtype) ? w_dtype : Product(DType::f32, w_dtype.tf32);
-  const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
+  const int64_t r_pad = rank_pad(r);
   // The GPU default for ranks of 32 and up on tensor cores (the op's own tile, not
   // a candidate's): 128x64, 8 warps, 2 stages, the columns split for two waves of
   // programs. On an H100 (bf16, untuned) it took r=64 from 32.5 / 74.4 / 71.5 /
@@ -393,7 +393,7 @@ Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorV
   const int64_t programs = parallelism(W.device);
   TuneRequest q;
   q.problem = {"dora_norm",
-               {next_pow2(out), next_pow2(in), std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)))},
+               {next_pow2(out), next_pow2(in), rank_pad(r)},
                {W.dtype, A.dtype, B.dtype, m.dtype},
                "",
                W.device};
@@ -552,7 +552,7 @@ Config tuned_dora_4bit_config(const TensorView& packed2, const Weight4bit& W, co
   // The scale block size decides which steps read one scale per row; it joins
   // the key when it is not bitsandbytes' default (64, what kerf-cache warm tunes).
   std::vector<int64_t> shape = {next_pow2(out), next_pow2(in),
-                                std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)))};
+                                rank_pad(r)};
   if (W.blocksize != 64) shape.push_back(W.blocksize);
   // So does in's largest power-of-two divisor when it is below the block size: the
   // candidates then differ (dora_4bit_candidates), and a choice made for in = 4096 must

@@ -50,7 +50,7 @@ std::vector<PartialLaunch> partial_calls(const TensorView& W, const TensorView& 
   if (in == 0) return calls;
   const bool gpu = W.device.is_cuda();
   const Product dot = product_dtype(W.dtype, A.dtype, B.dtype);
-  const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
+  const int64_t r_pad = rank_pad(r);
   // 64x128 steps, narrowed from rank 128 so that A's and B's tiles leave the shared memory
   // an H100 has (at 64x128 on three stages rank 128 with fp32 products took 337920 bytes,
   // rank 256 in bf16 294912).

@@ -382,7 +382,7 @@ EmbeddingLaunch plan_embedding(const EmbeddingForward& c, const Config& config, 
   // us for 32-token blocks split for about three waves). 64-token blocks too where the
   // rank's operands take 4 bytes at rank 64 and up (fp32 adapters or a TF32 product on a
   // half table: 282624 bytes on 128-token blocks at rank 64).
-  const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
+  const int64_t r_pad = rank_pad(r);
   const int64_t bytes = rank_bytes(dot, c.A.dtype, c.B.dtype);
   const int64_t bt = config.block_m ? config.block_m
                      : gpu          ? (dtype_size_bytes(c.weight.dtype) > 2 || (bytes >= 4 && r_pad >= 64) ? 64 : 128)
@@ -497,7 +497,7 @@ Config tuned_embedding_config(const EmbeddingForward& c) {
   const int64_t T = c.x1.shape[0], V = c.weight.shape[0], D = c.weight.shape[1], r = c.A.shape[0];
   TuneRequest q;
   q.problem = {"lora_embedding",
-               {next_pow2(T), next_pow2(V), next_pow2(D), std::max<int64_t>(16, next_pow2(r))},
+               {next_pow2(T), next_pow2(V), next_pow2(D), rank_pad(r)},
                {c.weight.dtype, c.A.dtype, c.B.dtype, c.out2.dtype, c.x1.dtype},
                "",
                c.x1.device};
@@ -574,7 +574,7 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
   const bool gpu = c.x1.device.is_cuda();
   // grad_out's products with the activations (from A, or after_a) and with B.
   const Product dot = product_dtype(c.g2.dtype, c.act ? c.act->dtype : c.A.dtype, c.B.dtype);
-  const int64_t r_pad = std::max<int64_t>(16, next_pow2(r));
+  const int64_t r_pad = rank_pad(r);
   const int64_t bytes = rank_bytes(dot, c.act ? c.act->dtype : c.A.dtype, c.B.dtype);
   // Tall token blocks: dB's atomics per element of grad_out are R_PAD / BLOCK_T. Half as
   // tall at rank 256 with 4-byte operands beside half grad_out (fp32 adapters with bf16
@@ -822,7 +822,7 @@ GatheredBackward plan_gathered(const EmbeddingBackward& c, const Config& config,
   p.db_moe = p.gB;
   p.moe = config;
   p.moe.meta = {{"BY_COLUMNS", 1}, {"ROTATE", meta_or(config, "ROTATE", 0)}};
-  const int64_t r_pad = std::max<int64_t>(16, next_pow2(r));
+  const int64_t r_pad = rank_pad(r);
   const int64_t bt = std::clamp<int64_t>(4096 / r_pad, 16, 128);
   p.gather_meta = {{"BLOCK_T", bt}, {"R_PAD", r_pad}};
   p.scatter_meta = {{"BLOCK_T", bt}, {"R_PAD", r_pad}, {"BY_FREQ", c.by_freq ? 1 : 0}};
@@ -943,7 +943,7 @@ Config tuned_embedding_backward_config(const EmbeddingBackward& c) {
   TuneRequest q;
   q.problem = {std::string(c.by_freq ? "lora_embedding_backward_by_freq" : "lora_embedding_backward") +
                    (c.act ? "_saved_act" : ""),
-               {next_pow2(T), next_pow2(V), next_pow2(D), std::max<int64_t>(16, next_pow2(r))},
+               {next_pow2(T), next_pow2(V), next_pow2(D), rank_pad(r)},
                {c.A.dtype, c.B.dtype, c.g2.dtype, c.dA3.dtype, c.dB3.dtype, c.x1.dtype},
                "",
                dev};

@@ -35,7 +35,7 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
   const int64_t G = W3.shape[0], out = W3.shape[1], in = W3.shape[2], r = A3.shape[1];
   bool scale_after = false;
   const Product dot = merge_dot_dtype(W3.dtype, A3.dtype, B3.dtype, &scale_after);
-  const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
+  const int64_t r_pad = rank_pad(r);
   // B's rows stay in registers: fewer rows per program at large ranks.
   const int64_t bm_default = gpu ? std::clamp<int64_t>(8192 / r_pad, 16, 64) : 16;
   const int64_t bm = config.block_m ? config.block_m : bm_default;
@@ -82,7 +82,7 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
   const int64_t G = W3.shape[0], out = W3.shape[1], in = W3.shape[2], r = A3.shape[1];
   TuneRequest q;
   q.problem = {"lora_merge",
-               {next_pow2(G), next_pow2(out), next_pow2(in), std::max<int64_t>(16, next_pow2(r))},
+               {next_pow2(G), next_pow2(out), next_pow2(in), rank_pad(r)},
                {W3.dtype, A3.dtype, B3.dtype},
                "",
                W3.device};

@@ -27,7 +27,7 @@ struct MoePlan {
 MoePlan plan_moe(const TensorView& W, DType a, DType b, int64_t r, bool gpu, const Config& config) {
   const int64_t E = W.shape[0], N = W.shape[1];
   const Product dot = product_dtype(W.dtype, a, b);
-  const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
+  const int64_t r_pad = rank_pad(r);
   const int64_t bn = config.block_m ? config.block_m : (gpu ? 64 : 16);
   const int64_t bk =
       config.block_k ? config.block_k : (gpu ? rank_narrowed(128, r_pad, rank_bytes(dot, a, b), 512) : 64);
@@ -160,7 +160,7 @@ Config tuned_moe_config(const TensorView& W, const TensorView& A, const TensorVi
   const int64_t E = W.shape[0], N = W.shape[1], K = W.shape[2], r = A.shape[1];
   TuneRequest q;
   q.problem = {"moe_lora_materialize",
-               {next_pow2(E), next_pow2(N), next_pow2(K), std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)))},
+               {next_pow2(E), next_pow2(N), next_pow2(K), rank_pad(r)},
                {W.dtype, A.dtype, B.dtype},
                "",
                W.device};

@@ -37,7 +37,7 @@ MoeBackwardPlan plan_launch(const TensorView& dW, DType a, DType b, int64_t r, b
                             const Config& config) {
   const int64_t E = dW.shape[0], N = dW.shape[1], K = dW.shape[2];
   const Product dot = product_dtype(dW.dtype, a, b);
-  const int64_t r_pad = std::max<int64_t>(16, next_pow2(std::max<int64_t>(r, 1)));
+  const int64_t r_pad = rank_pad(r);
   const int64_t rotate = meta_or(config, "ROTATE", 0);
   // CLUSTER: programs of neighbouring blocks sum each step's atomics on chip first. Not
   // among the tuner's candidates: on an H100 (r=64, 64x2816x2048, 256x64 WGMMA tiles) it
@@ -218,7 +218,7 @@ Config tuned_moe_backward_config(const TensorView& dW, const TensorView& A, cons
   const int64_t E = dW.shape[0], N = dW.shape[1], K = dW.shape[2], r = A.shape[1];
   TuneRequest q;
   q.problem = {"moe_lora_materialize_backward",
-               {next_pow2(E), next_pow2(N), next_pow2(K), std::max<int64_t>(16, next_pow2(r))},
+               {next_pow2(E), next_pow2(N), next_pow2(K), rank_pad(r)},
                {dW.dtype, A.dtype, B.dtype, dA.dtype, dB.dtype},
                "",
                dW.device};
