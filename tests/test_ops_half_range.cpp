@@ -38,6 +38,24 @@ std::vector<double> lora_delta(TestTensor& A, TestTensor& B, int64_t out, int64_
   return d;
 }
 
+// W + delta, element by element: the merged weight the ops' answers are checked against.
+std::vector<double> merged_weight(const std::vector<double>& w, const std::vector<double>& delta) {
+  std::vector<double> v(w.size());
+  for (size_t i = 0; i < v.size(); ++i) v[i] = w[i] + delta[i];
+  return v;
+}
+
+// The 2-norm of each row of a row-major [rows, cols] matrix, in float64.
+std::vector<double> row_norms(const std::vector<double>& v, int64_t rows, int64_t cols) {
+  std::vector<double> n;
+  for (int64_t o = 0; o < rows; ++o) {
+    double ss = 0;
+    for (int64_t i = 0; i < cols; ++i) ss += v[size_t(o * cols + i)] * v[size_t(o * cols + i)];
+    n.push_back(std::sqrt(ss));
+  }
+  return n;
+}
+
 // t as one expert, [1, ...t's shape]: its dtype, device and values (the MoE ops' W, A, B).
 TestTensor one_expert(TestTensor& t) {
   std::vector<int64_t> shape = t.shape();
@@ -64,13 +82,12 @@ void check_half_range(Device dev) {
   fill(W, rng, 1.0);
   fill(A, rng, 1e-4);
   fill(B, rng, 2e5);
-  const std::vector<double> w0 = values(W), delta = lora_delta(A, B, out, in, r, s, as_multiplied);
+  const std::vector<double> w0 = values(W);
+  const std::vector<double> ref = merged_weight(w0, lora_delta(A, B, out, in, r, s, as_multiplied));
   {
     INFO("lora_merge");
     ops::lora_merge(W.view(), A.view(), B.view(), s);
     test::sync(dev);
-    std::vector<double> ref(w0.size());
-    for (size_t i = 0; i < ref.size(); ++i) ref[i] = w0[i] + delta[i];
     CHECK(test::max_relative_error(values(W), ref, 1.0) <= tol);
     // Back within the rounding of the merged values (f16: half an ulp, 2^-11 relative).
     double merged = 0;
@@ -89,16 +106,9 @@ void check_half_range(Device dev) {
     scale.poison();
     ops::dora_norm(W.view(), A.view(), B.view(), m.view(), s, norm.view(), scale.view());
     test::sync(dev);
-    std::vector<double> rn, rs;
-    for (int64_t o = 0; o < out; ++o) {
-      double ss = 0;
-      for (int64_t i = 0; i < in; ++i) {
-        const double v = w0[size_t(o * in + i)] + delta[size_t(o * in + i)];
-        ss += v * v;
-      }
-      rn.push_back(std::sqrt(ss));
-      rs.push_back(m.get(o) / rn.back());
-    }
+    const std::vector<double> rn = row_norms(ref, out, in);
+    std::vector<double> rs;
+    for (int64_t o = 0; o < out; ++o) rs.push_back(m.get(o) / rn[size_t(o)]);
     CHECK(test::max_relative_error(values(norm), rn) <= tol);
     CHECK(test::max_relative_error(values(scale), rs) <= tol);
   }
@@ -108,8 +118,6 @@ void check_half_range(Device dev) {
     W_eff.poison();
     ops::moe_lora_materialize(W3.view(), A3.view(), B3.view(), s, W_eff.view());
     test::sync(dev);
-    std::vector<double> ref(w0.size());
-    for (size_t i = 0; i < ref.size(); ++i) ref[i] = w0[i] + delta[i];
     CHECK(test::max_relative_error(values(W_eff), ref, 1.0) <= tol);
 
     INFO("moe_lora_materialize_backward");
@@ -147,16 +155,16 @@ void check_half_range(Device dev) {
     y.poison();
     ops::lora_embedding(x.view(), weight.view(), Ae.view(), Be.view(), s, y.view());
     test::sync(dev);
-    std::vector<double> ref;
+    std::vector<double> ref_y;
     for (int64_t t = 0; t < T; ++t) {
       const int64_t v = int64_t(x.get(t));
       for (int64_t d = 0; d < D; ++d) {
         double l = 0;
         for (int64_t k = 0; k < r; ++k) l += as_multiplied(Ae.get(k * V + v)) * as_multiplied(Be.get(d * r + k));
-        ref.push_back(weight.get(v * D + d) + s * l);
+        ref_y.push_back(weight.get(v * D + d) + s * l);
       }
     }
-    CHECK(test::max_relative_error(values(y), ref, 1.0) <= tol);
+    CHECK(test::max_relative_error(values(y), ref_y, 1.0) <= tol);
     // Backward with grad_out f16 and both adapters beyond f16's range.
     TestTensor g(DType::f16, {T, D}, dev), Bb(DType::f32, {D, r}, dev), dAe(DType::f32, {r, V}, dev),
         dBe(DType::f32, {D, r}, dev);
@@ -193,14 +201,8 @@ void check_all_f16_large_scale(Device dev) {
   fill(W, rng, 1.0);
   fill(A, rng, 1e-2);
   fill(B, rng, 2e3);  // s*B up to 2e5
-  const std::vector<double> w0 = values(W), delta = lora_delta(A, B, out, in, r, s, [](double x) { return x; });
-  std::vector<double> rn, ref(w0.size());
-  for (size_t i = 0; i < ref.size(); ++i) ref[i] = w0[i] + delta[i];
-  for (int64_t o = 0; o < out; ++o) {
-    double ss = 0;
-    for (int64_t i = 0; i < in; ++i) ss += ref[size_t(o * in + i)] * ref[size_t(o * in + i)];
-    rn.push_back(std::sqrt(ss));
-  }
+  const std::vector<double> ref = merged_weight(values(W), lora_delta(A, B, out, in, r, s, [](double x) { return x; }));
+  const std::vector<double> rn = row_norms(ref, out, in);
   {
     INFO("dora_norm");
     TestTensor m(DType::f16, {out}, dev), norm(DType::f32, {out}, dev), scale(DType::f32, {out}, dev);

@@ -5,6 +5,7 @@
 // unsharded op. Layouts that cannot work together are rejected before any
 // launch, with messages naming both specs.
 #include <cmath>
+#include <functional>
 #include <random>
 
 #include "catch.h"
@@ -174,38 +175,38 @@ void check_moe_layouts(Device dev) {
   lB.randomize(rng, -0.5, 0.5);
   const ops::MoeLoraViews v = ops::peft_moe_lora_views(W.view(), lA.view(), lB.view());
   const double s = 0.5;
-  // Forward, experts split over "ep" (2 shards of 2 experts): PEFT's flat adapters sliced by
-  // expert.
+  // Forward, against the unsharded op: experts split over "ep" (2 shards of 2 experts), and
+  // over two mesh axes at once (2 x 2 shards of one expert, shard a * 2 + b). PEFT's flat
+  // adapters sliced by expert.
   {
-    TestTensor ref(DType::bf16, {E, N, K}, dev), got(DType::bf16, {E, N, K}, dev);
+    TestTensor ref(DType::bf16, {E, N, K}, dev);
     ops::moe_lora_materialize(W.view(), v.A, v.B, s, ref.view());
-    got.poison();
-    const ops::Layout ep =
-        layout_of({{"ep", 2}}, {{"W", {"ep"}}, {"A", {"ep"}}, {"B", {"ep"}}, {"W_eff", {"ep"}}});
-    for (int64_t c = 0; c < 2; ++c)
-      ops::moe_lora_materialize(slice0(W.view(), c * 2, 2), slice0(v.A, c * 2, 2),
-                                slice0(v.B, c * 2, 2), s, slice0(got.view(), c * 2, 2), nullptr, {},
-                                ep);
     test::sync(dev);
-    CHECK(test::max_relative_error(values(got), values(ref), 1.0) <= test::tolerance(DType::bf16));
-  }
-  // Forward, experts split over two mesh axes at once (2 x 2 shards of one expert, shard
-  // a * 2 + b): views of the PEFT-layout adapters again.
-  {
-    TestTensor ref(DType::bf16, {E, N, K}, dev), got(DType::bf16, {E, N, K}, dev);
-    ops::moe_lora_materialize(W.view(), v.A, v.B, s, ref.view());
-    got.poison();
-    const ops::DimSplit ab{"a", "b"};
-    for (int64_t a = 0; a < 2; ++a)
-      for (int64_t b = 0; b < 2; ++b) {
-        const ops::Layout l = layout_of({{"a", 2}, {"b", 2}},
-                                        {{"W", {ab}}, {"A", {ab}}, {"B", {ab}}, {"W_eff", {ab}}}, {a, b});
-        const int64_t e = l.shard_index(ab);
-        ops::moe_lora_materialize(slice0(W.view(), e, 1), slice0(v.A, e, 1), slice0(v.B, e, 1), s,
-                                  slice0(got.view(), e, 1), nullptr, {}, l);
+    const std::vector<double> want = values(ref);
+    // `n` shards of E / n experts each, shard c run with the layout `layout_at(c)` into one
+    // output, checked against the unsharded op.
+    const auto check_shards = [&](int64_t n, const std::function<ops::Layout(int64_t)>& layout_at) {
+      TestTensor got(DType::bf16, {E, N, K}, dev);
+      got.poison();
+      for (int64_t c = 0; c < n; ++c) {
+        const int64_t e0 = c * (E / n), ne = E / n;
+        ops::moe_lora_materialize(slice0(W.view(), e0, ne), slice0(v.A, e0, ne), slice0(v.B, e0, ne), s,
+                                  slice0(got.view(), e0, ne), nullptr, {}, layout_at(c));
       }
-    test::sync(dev);
-    CHECK(test::max_relative_error(values(got), values(ref), 1.0) <= test::tolerance(DType::bf16));
+      test::sync(dev);
+      CHECK(test::max_relative_error(values(got), want, 1.0) <= test::tolerance(DType::bf16));
+    };
+    check_shards(2, [](int64_t) {
+      return layout_of({{"ep", 2}}, {{"W", {"ep"}}, {"A", {"ep"}}, {"B", {"ep"}}, {"W_eff", {"ep"}}});
+    });
+    const ops::DimSplit ab{"a", "b"};
+    check_shards(4, [&](int64_t c) {
+      // Coordinates a = c / 2, b = c % 2: the layout's shard number must be c.
+      const ops::Layout l =
+          layout_of({{"a", 2}, {"b", 2}}, {{"W", {ab}}, {"A", {ab}}, {"B", {ab}}, {"W_eff", {ab}}}, {c / 2, c % 2});
+      CHECK(l.shard_index(ab) == c);
+      return l;
+    });
   }
   // Backward, experts split: each shard writes its experts' rows of the PEFT-layout gradients.
   TestTensor dW(DType::bf16, {E, N, K}, dev);
