@@ -8,6 +8,9 @@
 #   tools/gpu-check.sh                     # everything
 #   tools/gpu-check.sh --stages test,bench # a subset: build is implied
 #   tools/gpu-check.sh --quick             # fewer benchmark configurations
+#   tools/gpu-check.sh --stages test --jobs 4
+#                                          # the test cases in 4 processes at once; those tagged
+#                                          # [autotune] or [threads] (which time kernels) run alone after
 #   tools/gpu-check.sh --stages build      # only build (C++ and, with pybind11, the Python module)
 #   tools/gpu-check.sh --stages bench --bench-op dora_norm,lora_merge
 #                                          # only the benchmark cases whose names contain one of these
@@ -30,6 +33,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 stages="test,sanitize,bench,python"
 quick=""
+jobs=1
 bench_op=""
 bench_args=()
 test_filter="[gpu]"
@@ -39,6 +43,7 @@ while (($#)); do
   case "$1" in
     --stages) stages="$2"; shift 2 ;;
     --quick) quick="--quick"; shift ;;
+    --jobs) jobs="$2"; shift 2 ;;
     --bench-op) bench_op="$2"; shift 2 ;;
     --bench-args) read -r -a bench_args <<< "$2"; shift 2 ;;
     --filter) test_filter="$2"; shift 2 ;;
@@ -68,6 +73,43 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm 
   > "$out/device.txt" 2>&1 || true
 device=$(sed -n 2p "$out/device.txt" | cut -d, -f1)
 
+# The names of the test cases a Catch2 filter selects, one a line (Catch2 v2 or v3).
+list_tests() {
+  if "$build/tests/kerf_tests" --list-test-names-only "$1" > /dev/null 2>&1; then
+    "$build/tests/kerf_tests" --list-test-names-only "$1" | sed '/^$/d'
+  else
+    "$build/tests/kerf_tests" --list-tests --verbosity quiet "$1" | sed '/^$/d'
+  fi
+}
+
+# --jobs N: the filter's test cases dealt round-robin to N processes at once, then those
+# tagged [autotune] or [threads] (they time kernels, or start threads of their own) one
+# process after them. Each process's log goes into $2 in turn; the last line says how many
+# cases ran and failed in all.
+run_parallel_tests() {
+  local filter=$1 log=$2 dir="$out/test-shards" rc=0 i
+  rm -rf "$dir"; mkdir -p "$dir"
+  list_tests "$filter" | sort > "$dir/all"
+  list_tests "[autotune],[threads]" | sort > "$dir/serial-all"
+  comm -12 "$dir/all" "$dir/serial-all" > "$dir/serial"
+  comm -23 "$dir/all" "$dir/serial-all" | awk -v n="$jobs" -v d="$dir" '{ print > (d "/shard" (NR % n)) }'
+  local pids=()
+  for f in "$dir"/shard*; do
+    "$build/tests/kerf_tests" -f "$f" -r compact > "$f.log" 2>&1 &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || rc=1; done
+  if [[ -s "$dir/serial" ]]; then
+    "$build/tests/kerf_tests" -f "$dir/serial" -r compact > "$dir/serial.log" 2>&1 || rc=1
+  fi
+  : > "$log"
+  for f in "$dir"/*.log; do { echo "== $(basename "$f" .log)"; cat "$f"; } >> "$log"; done
+  local failed
+  failed=$(grep -hE "^(.*: )?FAILED|failed$" "$dir"/*.log | grep -c . || true)
+  echo "test cases: $(wc -l < "$dir/all") in $jobs processes + $(wc -l < "$dir/serial") alone; exit $rc; failure lines: $failed" >> "$log"
+  return $rc
+}
+
 echo "== build"
 t0=$SECONDS
 python_args=(-DKERF_BUILD_PYTHON=OFF)
@@ -94,8 +136,13 @@ if [[ ,$stages, == *,test,* ]]; then
   note "demo: $(tail -1 "$out/demo.log")"
   echo "== [gpu] tests"
   t0=$SECONDS
-  "$build/tests/kerf_tests" "$test_filter" -r compact > "$out/gpu-tests.log" 2>&1
-  rc=$?
+  if ((jobs > 1)); then
+    run_parallel_tests "$test_filter" "$out/gpu-tests.log"
+    rc=$?
+  else
+    "$build/tests/kerf_tests" "$test_filter" -r compact > "$out/gpu-tests.log" 2>&1
+    rc=$?
+  fi
   tail -5 "$out/gpu-tests.log"
   grep -E "failed|FAILED" "$out/gpu-tests.log" | head -40
   note "[gpu] tests: $(grep -E 'Passed all|test cases' "$out/gpu-tests.log" | tail -1) (exit $rc, $((SECONDS - t0)) s)"
