@@ -118,6 +118,47 @@ std::vector<autotune::KernelCall> with_cast_a(const DoraPlan& p, const TensorVie
   return calls;
 }
 
+// dora_norm_partial's plan: dora_norm's tiles, split and variants (the same sums of
+// squares), run by the kernel that adds each slice's sums into sumsq, with no workspace
+// and no finish. W must have columns.
+DoraPlan plan_dora_partial(int64_t out, int64_t in, int64_t r, Product product, bool gpu, int64_t programs,
+                           const Config& config) {
+  DoraPlan p = plan_dora(out, in, r, product, gpu, programs, config);
+  p.kernel = &kernels::dora_norm_partial();
+  p.ws_floats = 0;
+  if (p.split == 1) {  // plan_dora's one-program-per-row-block kernel has no slices' grid axis
+    pass_meta(config, p.meta, {"INTERLEAVE"});
+    p.grid = row_slice_grid(p.blocks_m, 1, 1, config, p.meta);
+  }
+  return p;
+}
+
+// The partial sums' kernels: sumsq zeroed, then, when W has columns, A's cast where the
+// plan makes one and the kernel that adds each slice's sums of squares into sumsq.
+std::vector<autotune::KernelCall> partial_kernels(const DoraPlan* p, const TensorView& W, const TensorView& A,
+                                                  const TensorView& B, double s, const TensorView& sumsq) {
+  std::vector<autotune::KernelCall> calls = {{&kernels::fill(), {sumsq, Scalar(0.0)}, {{"BLOCK", 1024}}}};
+  if (!p) return calls;
+  for (autotune::KernelCall& c : with_cast_a(*p, A, [&](const TensorView& a) {
+         return autotune::KernelCall{p->kernel, {W, a, B, Scalar(s), sumsq}, p->meta};
+       }))
+    calls.push_back(std::move(c));
+  return calls;
+}
+
+// Runs them (`p` null: W has no columns, sumsq is only zeroed); the partial sums' kernel
+// finds itself in the plan's memo.
+void run_partial(const DoraPlan* p, const TensorView& W, const TensorView& A, const TensorView& B, double s,
+                 const TensorView& sumsq, LaunchOptions options) {
+  options.memo = nullptr;
+  launch(kernels::fill(), {sumsq, Scalar(0.0)}, Grid{uint32_t(cdiv(sumsq.shape[0], 1024)), 1, 1}, {{"BLOCK", 1024}},
+         options);
+  if (!p) return;
+  const RunA a = run_a(A, p->cast_a, options);
+  options.memo = &p->memo;
+  launch(*p->kernel, {W, a.a, B, Scalar(s), sumsq}, p->grid, p->meta, options);
+}
+
 // A contiguous vector view (no allocation: every call makes its workspace views).
 TensorView vector_view(void* data, DType dtype, int64_t n, const Device& dev) {
   TensorView t;
@@ -386,17 +427,17 @@ std::vector<autotune::Config> with_interleave_variants(std::vector<autotune::Con
   return variants;
 }
 
-Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& m,
-                         const TensorView& norm, const TensorView& scale, void* stream) {
+// The tuning request dora_norm and dora_norm_partial share (their kernels sum the same
+// squares over the same tiles): the problem, named `op` with the operands' dtypes `dtypes`,
+// its candidates, the finalists' variants and the form a candidate runs as. The caller
+// sets kernels, run and stream.
+TuneRequest dora_tune_request(const char* op, const TensorView& W, const TensorView& A, const TensorView& B,
+                              std::vector<DType> dtypes) {
   const bool gpu = W.device.is_cuda();
   const int64_t out = W.shape[0], in = W.shape[1], r = A.shape[0];
   const int64_t programs = parallelism(W.device);
   TuneRequest q;
-  q.problem = {"dora_norm",
-               {next_pow2(out), next_pow2(in), rank_pad(r)},
-               {W.dtype, A.dtype, B.dtype, m.dtype},
-               "",
-               W.device};
+  q.problem = {op, {next_pow2(out), next_pow2(in), rank_pad(r)}, std::move(dtypes), "", W.device};
   add_memory_order(q.problem.shape_bucket, W);
   q.block_m_name = "BLOCK_M";
   q.block_k_name = "BLOCK_K";
@@ -407,7 +448,7 @@ Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorV
       with_l2_prefetch_variants(with_warps_n_variants(evict_and_cast_variants(A, product), product)), product,
       W.device)));
   // One program per row block: no slices to order or interleave.
-  q.canonical = [&](autotune::Config c) {
+  q.canonical = [=](autotune::Config c) {
     if (plan_dora(out, in, r, product, gpu, programs, config_from(c, "BLOCK_M", "BLOCK_K")).split == 1) {
       c.erase("INTERLEAVE");
       c.erase("COLS_FIRST");
@@ -417,6 +458,16 @@ Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorV
   q.extent_m = out;
   q.extent_k = in;
   q.split_programs = programs;
+  return q;
+}
+
+Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& m,
+                         const TensorView& norm, const TensorView& scale, void* stream) {
+  const bool gpu = W.device.is_cuda();
+  const int64_t out = W.shape[0], in = W.shape[1], r = A.shape[0];
+  const int64_t programs = parallelism(W.device);
+  const Product product = product_dtype(W.dtype, A.dtype, B.dtype);
+  TuneRequest q = dora_tune_request("dora_norm", W, A, B, {W.dtype, A.dtype, B.dtype, m.dtype});
   q.kernels = [&](const Config& c) {
     const DoraPlan p = plan_dora(out, in, r, product, gpu, programs, c);
     return with_cast_a(p, A, [&](const TensorView& a) {
@@ -432,6 +483,28 @@ Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorV
     options.stream = stream;
     const RunA a = run_a(A, p.cast_a, options);
     launch(*p.kernel, dora_args(p, W, a.a, B, m, 1.0, 0.0, norm, scale, ws.data), p.grid, p.meta, options);
+  };
+  q.stream = stream;
+  return tuned_config(q);
+}
+
+Config tuned_partial_config(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& sumsq,
+                            void* stream) {
+  const bool gpu = W.device.is_cuda();
+  const int64_t out = W.shape[0], in = W.shape[1], r = A.shape[0];
+  const int64_t programs = parallelism(W.device);
+  const Product product = product_dtype(W.dtype, A.dtype, B.dtype);
+  TuneRequest q = dora_tune_request("dora_norm_partial", W, A, B, {W.dtype, A.dtype, B.dtype});
+  q.kernels = [&](const Config& c) {
+    const DoraPlan p = plan_dora_partial(out, in, r, product, gpu, programs, c);
+    return partial_kernels(&p, W, A, B, 1.0, sumsq);
+  };
+  // sumsq is an output the run zeroes first: nothing needs restoring.
+  q.run = [&](const Config& c) {
+    const DoraPlan p = plan_dora_partial(out, in, r, product, gpu, programs, c);
+    LaunchOptions options;
+    options.stream = stream;
+    run_partial(&p, W, A, B, 1.0, sumsq, options);
   };
   q.stream = stream;
   return tuned_config(q);
@@ -458,6 +531,31 @@ const bool dora_registered = [] {
       return autotune::KernelCall{
           p.kernel, dora_args(p, v[0], a, v[2], v[3], 1.0, 0.0, v[4], v[5], unused_memory()), p.meta};
     });
+  };
+  op.gpu_candidates = [] { return dora_gpu_candidates(); };
+  autotune::register_op(std::move(op));
+  return true;
+}();
+
+// For kerf-cache warm (and the planning tests): the partial sums of a shard, with its layout.
+const bool partial_registered = [] {
+  autotune::TunableOp op;
+  op.name = "dora_norm_partial";
+  op.shape_names = {"out", "in", "r"};
+  op.takes_layout = true;
+  op.operands = [](const std::vector<int64_t>& s, DType t) {
+    return std::vector<autotune::Operand>{
+        {{s[0], s[1]}, t}, {{s[2], s[1]}, t}, {{s[0], s[2]}, t}, {{s[0]}, DType::f32}};
+  };
+  op.call = [](const std::vector<TensorView>& v, void* stream, const std::string& layout) {
+    dora_norm_partial(v[0], v[1], v[2], 1.0, v[3], stream, {}, detail::layout_at_origin(layout));
+  };
+  op.kernels = [](const std::vector<TensorView>& v, const autotune::Config& c, int sm_count) {
+    if (v[0].shape[1] == 0) return partial_kernels(nullptr, v[0], v[1], v[2], 1.0, v[3]);
+    const DoraPlan p = plan_dora_partial(v[0].shape[0], v[0].shape[1], v[1].shape[0],
+                                         product_dtype(v[0].dtype, v[1].dtype, v[2].dtype), true, sm_count,
+                                         config_from(c, "BLOCK_M", "BLOCK_K"));
+    return partial_kernels(&p, v[0], v[1], v[2], 1.0, v[3]);
   };
   op.gpu_candidates = [] { return dora_gpu_candidates(); };
   autotune::register_op(std::move(op));
@@ -759,6 +857,60 @@ void dora_norm(const TensorView& W, const TensorView& A, const TensorView& B, co
         "over " +
         splits.of("in").str() + " (all-reduce), then dora_norm_finish");
   run_dora_norm(W, A, B, m, s, norm, scale, eps, stream, config, layout.canonical());
+}
+
+void dora_norm_partial(const TensorView& W, const TensorView& A, const TensorView& B, double s,
+                       const TensorView& sumsq, void* stream, const Config& config, const Layout& layout) {
+  using namespace detail;
+  const char* op = "dora_norm_partial";
+  expect_finite_scale(op, s);
+  expect_meta(op, config,
+              {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"INTERLEAVE", 0, 1}, kWarpsN, kL2Prefetch, kWgmma, kColsFirst, kTf32});
+  const LayoutSplits splits = check_layout(op, layout, [] {
+    return std::vector<OperandDims>{{"W", {"out", "in"}}, {"A", {"r", "in"}}, {"B", {"out", "r"}}, {"sumsq", {"out"}}};
+  });
+  expect_unsplit(op, layout, splits, "r",
+                 "the norm of W + s*B@A needs the whole product, so B and A keep every rank");
+  expect_shape(op, "W", W, {-1, -1});
+  const int64_t out = W.shape[0], in = W.shape[1];
+  expect_shape(op, "A", A, {-1, in});
+  const int64_t r = A.shape[0];
+  expect_shape(op, "B", B, {out, r});
+  expect_shape(op, "sumsq", sumsq, {out});
+  expect_dtype(op, "W", W, float_dtypes());
+  expect_dtype(op, "A", A, float_dtypes());
+  expect_dtype(op, "B", B, float_dtypes());
+  expect_dtype(op, "sumsq", sumsq, {DType::f32});
+  expect_device(op, {{"W", &W}, {"A", &A}, {"B", &B}, {"sumsq", &sumsq}});
+  for (const auto& [n, t] : {std::pair{"W", &W}, {"A", &A}, {"B", &B}, {"sumsq", &sumsq}}) {
+    expect_addressable(op, n, *t);
+    expect_int32_dims(op, n, *t);
+  }
+  expect_no_self_overlap(op, "sumsq", sumsq);
+  for (const auto& [n, t] : {std::pair{"W", &W}, {"A", &A}, {"B", &B}}) expect_disjoint(op, "sumsq", sumsq, n, *t);
+  if (r > 256)
+    throw InvalidArgument(std::string(op) + ": rank " + std::to_string(r) + " is above the supported 256");
+  if (out == 0 || checks_only()) return;
+
+  const std::string text = layout.canonical();
+  LaunchOptions options;
+  options.stream = stream;
+  options.layout = text;
+  if (in == 0) {  // no columns: every row's partial sum is 0
+    run_partial(nullptr, W, A, B, s, sumsq, options);
+    return;
+  }
+  // A caller's Config wins; otherwise the autotuner's choice (its defaults when tuning is off).
+  static PlanMemo<DoraPlan> plans;
+  CallKey key;
+  key.add(W).add(A).add(B.dtype).add(W.device);
+  key.add(config);
+  const std::shared_ptr<const DoraPlan> p = plans.get(key, [&] {
+    const Config cfg = has_config(config) ? config : tuned_partial_config(W, A, B, sumsq, stream);
+    return plan_dora_partial(out, in, r, product_dtype(W.dtype, A.dtype, B.dtype), W.device.is_cuda(),
+                             parallelism(W.device), cfg);
+  });
+  run_partial(p.get(), W, A, B, s, sumsq, options);
 }
 
 }  // namespace kerf::ops

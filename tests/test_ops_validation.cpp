@@ -393,7 +393,8 @@ TEST_CASE("an op refuses Config.meta names it does not take and values out of ra
   CHECK_REJECTS(InvalidArgument, ops::lora_merge(W, A, B, 1.0, nullptr, cols2), "COLS_FIRST");
   CHECK_REJECTS(InvalidArgument,
                 ops::dora_norm_partial(W, A, B, 1.0, t({8}, DType::f32, 12400), nullptr, rotate),
-                "dora_norm_partial: Config.meta names 'ROTATE', which this op does not take (it takes TF32)");
+                "dora_norm_partial: Config.meta names 'ROTATE', which this op does not take (it takes EVICT, "
+                "CAST_A, INTERLEAVE, WARPS_N, L2_PREFETCH, WGMMA, COLS_FIRST, TF32)");
   CHECK_REJECTS(InvalidArgument, ops::lora_merge(W, A, B, 1.0, nullptr, rotate),
                 "lora_merge: Config.meta names 'ROTATE'");
   const TensorView dW = t({2, 8, 12}), mA = t({2, 2, 12}, DType::f32, 4096), mB = t({2, 8, 2}, DType::f32, 8192);

@@ -109,17 +109,18 @@ struct DoraSets {
   DType wt;
   double bytes;
   DType at;  // the adapters' dtype (PEFT keeps fp32 adapters on a bf16 base)
+  bool partial = false;  // dora_norm_partial: sumsq (into `norm`) only, no m or scale
   struct Set {
     cuda::DeviceBuffer W, A, B, m, norm, scale;
   };
   std::vector<Set> sets;
 };
 
-DoraSets make_dora(int64_t out, int64_t in, int64_t r, DType wt, DType at) {
+DoraSets make_dora(int64_t out, int64_t in, int64_t r, DType wt, DType at, bool partial = false) {
   DoraSets d{out, in, r, wt,
              double(out * in) * dtype_size_bytes(wt) + double(r * in + out * r) * dtype_size_bytes(at) +
-                 double(out) * 4 * 3,
-             at, {}};
+                 double(out) * 4 * (partial ? 1 : 3),
+             at, partial, {}};
   const int n = int(std::max<double>(2, std::ceil(300e6 / d.bytes)));
   d.sets.resize(size_t(n));
   for (int i = 0; i < n; ++i) {
@@ -151,6 +152,13 @@ Result bench_dora(DoraSets& d, const ops::Config& cfg, cuda::StreamHandle stream
   const DType wt = d.wt;
   auto run = [&](int i) {
     auto& x = d.sets[size_t(i) % d.sets.size()];
+    if (d.partial) {
+      ops::dora_norm_partial(TensorView::contiguous(x.W.data(), wt, {out, in}, dev),
+                             TensorView::contiguous(x.A.data(), d.at, {r, in}, dev),
+                             TensorView::contiguous(x.B.data(), d.at, {out, r}, dev), 2.0,
+                             TensorView::contiguous(x.norm.data(), DType::f32, {out}, dev), stream, cfg);
+      return;
+    }
     ops::dora_norm(TensorView::contiguous(x.W.data(), wt, {out, in}, dev),
                    TensorView::contiguous(x.A.data(), d.at, {r, in}, dev),
                    TensorView::contiguous(x.B.data(), d.at, {out, r}, dev),
@@ -159,7 +167,7 @@ Result bench_dora(DoraSets& d, const ops::Config& cfg, cuda::StreamHandle stream
                    TensorView::contiguous(x.scale.data(), DType::f32, {out}, dev), 0.0, stream, cfg);
   };
   Result res;
-  res.op = "dora_norm r=" + std::to_string(r) + (wt != DType::bf16 ? std::string(" ") + dtype_name(wt) + " W" : "") +
+  res.op = std::string(d.partial ? "dora_norm_partial" : "dora_norm") + " r=" + std::to_string(r) + (wt != DType::bf16 ? std::string(" ") + dtype_name(wt) + " W" : "") +
            (d.at != wt ? std::string(" ") + dtype_name(d.at) + " adapters" : "");
   res.shape = shape_str({out, in});
   res.config = config_str(cfg);
@@ -705,6 +713,14 @@ int main(int argc, char** argv) {
         measure([&](const ops::Config& c) { return bench_dora(sets, c, stream.handle()); }, cfgs);
       }
     }
+    // A row-parallel layer's shard (W split on in over two devices): 8192x8192 and
+    // 4096x14336 halved, as dora_norm_partial sees them.
+    for (int64_t r : {16, 64})
+      for (auto [o, i] : std::vector<std::pair<int64_t, int64_t>>{{8192, 4096}, {4096, 7168}}) {
+        if (!wanted("dora_norm_partial r=" + std::to_string(r))) break;
+        DoraSets sets = make_dora(o, i, r, DType::bf16, DType::bf16, true);
+        measure([&](const ops::Config& c) { return bench_dora(sets, c, stream.handle()); }, dora_cfgs);
+      }
     // PEFT's usual case: fp32 adapters on a bf16 base (the adapters converted per
     // step, or once per call with CAST_A).
     std::vector<ops::Config> dora_f32a_cfgs = dora_cfgs;

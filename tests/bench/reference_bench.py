@@ -117,12 +117,13 @@ def best_triton(run_with_config, configs, sets):
     return best
 
 
-def bench_dora(out, inn, r, results, adapters=torch.bfloat16):
+def bench_dora(out, inn, r, results, adapters=torch.bfloat16, partial=False):
     """DoRA's norm; `adapters` is A's and B's dtype (PEFT keeps them in fp32 on a
-    bf16 base, and then forms W + s*B@A in fp32)."""
+    bf16 base, and then forms W + s*B@A in fp32). `partial`: a shard's sums of
+    squares only (dora_norm_partial, W split on in)."""
     dt = torch.bfloat16
     at = adapters
-    nbytes = (out * inn) * 2 + (r * inn + out * r) * at.itemsize + out * 4 * 3
+    nbytes = (out * inn) * 2 + (r * inn + out * r) * at.itemsize + out * 4 * (1 if partial else 3)
     nsets = max(2, math.ceil(300e6 / nbytes))
     sets = []
     for _ in range(nsets):
@@ -134,17 +135,19 @@ def bench_dora(out, inn, r, results, adapters=torch.bfloat16):
                          scale=torch.empty(out, device="cuda")))
     s = 2.0
     shape = f"{out}x{inn}"
-    op = f"dora_norm r={r}" + ("" if at == dt else " f32 adapters")
+    op = ("dora_norm_partial" if partial else "dora_norm") + f" r={r}" + ("" if at == dt else " f32 adapters")
     cg = copy_gbps(nbytes)
 
     def eager(x):
-        n = torch.linalg.norm(x["W"] + s * (x["B"] @ x["A"]), dim=1)
-        return x["m"] / n.float()
+        v = x["W"] + s * (x["B"] @ x["A"])
+        if partial:
+            return v.float().square().sum(1)
+        return x["m"] / torch.linalg.norm(v, dim=1).float()
 
     us = median_us(eager, sets)
     results.append(dict(impl="torch eager", op=op, shape=shape, median_us=us, bytes=nbytes,
                         gbps=nbytes / (us * 1e3), copy_gbps=cg))
-    if triton is not None and at == dt:
+    if triton is not None and at == dt and not partial:
         def run(x, cfg):
             bm, bk, warps = cfg
             dora_norm_tiled[(triton.cdiv(out, bm),)](
@@ -365,6 +368,9 @@ def main():
     for r in (16, 32, 64):
         for out, inn in shapes:
             run(f"dora_norm r={r}", bench_dora, out, inn, r)
+    for r in (16, 64):
+        for out, inn in [(8192, 4096), (4096, 7168)]:
+            run(f"dora_norm_partial r={r}", functools.partial(bench_dora, partial=True), out, inn, r)
     for out, inn in [(4096, 4096), (8192, 8192)]:
         run("dora_norm r=16 f32 adapters", functools.partial(bench_dora, adapters=torch.float32), out, inn, 16)
     for E, N, K, r in [(128, 1536, 2048, 16), (128, 2048, 768, 16), (64, 2816, 2048, 64)]:
