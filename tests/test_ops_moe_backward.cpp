@@ -11,6 +11,7 @@
 #include "gpu_test_util.h"
 #include "kerf/error.h"
 #include "kerf/ops/ops.h"
+#include "kernels_src/ops_accumulate.h"
 #include "test_cache_util.h"
 
 using namespace kerf;
@@ -321,6 +322,65 @@ TEST_CASE("moe_lora_materialize_backward with its untuned tiles at ranks 128 and
   };
   uint64_t seed = 4700;
   for (const BackwardCase& c : cases) check_backward(c, Device::cuda(0), seed++);
+}
+
+// An untuned call at ranks up to 64 with a 16-bit product runs the column-owning kernel
+// (64x256, staged dB adds, warpgroup dots on sm_90a): sizes its tile does not divide, the
+// PEFT layouts, fp32 adapters and gradients of every float dtype.
+TEST_CASE("moe_lora_materialize_backward with its untuned tiles at ranks up to 64 matches a float64 reference "
+          "on the GPU",
+          "[gpu][ops][moe]") {
+  KERF_REQUIRE_GPU();
+  test::ScopedEnv env({{"KERF_AUTOTUNE", "0"}});
+  const std::vector<BackwardCase> cases = {
+      {3, 100, 300, 16, DType::bf16, DType::bf16, DType::bf16, MoeLayout::peft},
+      {2, 130, 520, 64, DType::bf16, DType::f32, DType::f32, MoeLayout::plain},
+      {2, 72, 260, 48, DType::f16, DType::f16, DType::f16, MoeLayout::peft_transposed},
+      {1, 257, 250, 64, DType::bf16, DType::bf16, DType::f32, MoeLayout::peft},
+      {2, 64, 72, 7, DType::f16, DType::f16, DType::bf16, MoeLayout::plain},
+  };
+  uint64_t seed = 4800;
+  for (const BackwardCase& c : cases) check_backward(c, Device::cuda(0), seed++);
+}
+
+// What an untuned GPU call plans (nothing is launched): the column-owning kernel's own
+// tile for 16-bit products up to rank 64; the row-owning kernel otherwise, or when the
+// Config names tiles or the kernel.
+TEST_CASE("the MoE backward's own GPU config is the column-owning 64x256 tile for 16-bit products up to rank 64",
+          "[ops][moe]") {
+  const Device dev = Device::cuda(0);
+  void* const p = reinterpret_cast<void*>(uintptr_t(1) << 16);
+  const auto planned = [&](DType w, DType ab, int64_t r, const ops::Config& c) {
+    const auto t = [&](DType d, std::initializer_list<int64_t> shape) { return TensorView::contiguous(p, d, shape, dev); };
+    return ops::detail::moe_backward_kernel(t(w, {4, 512, 1024}), t(ab, {4, r, 1024}), t(ab, {4, 512, r}), 1.0,
+                                            t(w, {4, r, 1024}), t(w, {4, 512, r}), 132, c);
+  };
+  const auto by_columns = [](const autotune::KernelCall& k) {
+    return k.kernel->name() == std::string("moe_lora_backward_by_columns");
+  };
+  for (const auto& [w, ab] : {std::pair{DType::bf16, DType::bf16}, {DType::bf16, DType::f32}, {DType::f16, DType::f16}})
+    for (const int64_t r : {1, 16, 64}) {
+      CAPTURE(dtype_name(w), dtype_name(ab), r);
+      const autotune::KernelCall k = planned(w, ab, r, {});
+      CHECK(by_columns(k));
+      CHECK(k.meta.at("BLOCK_N") == 64);
+      CHECK(k.meta.at("BLOCK_K") == 256);
+      CHECK(k.meta.at("num_warps") == 8);
+      CHECK(k.meta.at("wgmma") == 1);
+      CHECK(k.meta.at("staged_adds") == 1);
+    }
+  CHECK_FALSE(by_columns(planned(DType::bf16, DType::bf16, 128, {})));  // large ranks: the tiles that fit
+  CHECK_FALSE(by_columns(planned(DType::f32, DType::f32, 16, {})));     // fp32 products
+  CHECK_FALSE(by_columns(planned(DType::f16, DType::f32, 16, {})));     // TF32
+  ops::Config rows;
+  rows.meta["BY_COLUMNS"] = 0;
+  CHECK_FALSE(by_columns(planned(DType::bf16, DType::bf16, 16, rows)));
+  CHECK_FALSE(by_columns(planned(DType::bf16, DType::bf16, 16, ops::Config{128, 64, 0, 8, 3})));
+  ops::Config rotate;  // other meta keep the own tile
+  rotate.meta["ROTATE"] = 1;
+  const autotune::KernelCall k = planned(DType::bf16, DType::bf16, 16, rotate);
+  CHECK(by_columns(k));
+  CHECK(k.meta.at("ROTATE") == 1);
 }
 
 TEST_CASE("moe_lora_materialize follows PEFT's layout for transposed experts on the CPU",
