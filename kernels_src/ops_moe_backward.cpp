@@ -37,9 +37,10 @@ struct MoeBackwardPlan {
 // kernel named in its Config: untuned, or a first call inside a graph capture): the
 // column-owning kernel's 64x256 on 8 warps and 3 stages, dB's per-step shares staged
 // (STAGED_ADDS) and warpgroup dots (WGMMA; targets other than sm_90a ignore it), the
-// tuner's usual choice. The row-owning 128x64 it replaces took 657.6 us on an H100 where
-// this took 391.0 (r=64, 64x2816x2048, bf16 gradients). Larger ranks and fp32 products
-// keep the row-owning kernel's tiles, which fit an H100's shared memory at every rank.
+// tuner's usual choice. On an H100 (r=64, 64x2816x2048) the row-owning 128x64 it replaces
+// took 657.0 / 658.4 us with f32 / bf16 gradients, this 377.4 / 384.7 (tuned: 377.7 /
+// 387.7). Larger ranks and fp32 or TF32 products keep the row-owning kernel's tiles,
+// which fit an H100's shared memory at every rank.
 Config own_config(const Config& config, Product dot, int64_t r_pad, bool gpu) {
   if (!gpu || config.block_m || config.block_k || config.meta.count("BY_COLUMNS") || !is_half(dot) || r_pad > 64)
     return config;

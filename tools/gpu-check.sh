@@ -116,7 +116,9 @@ run_parallel_tests() {
   for f in "$dir"/*.log; do { echo "== $(basename "$f" .log)"; cat "$f"; } >> "$log"; done
   local failed
   failed=$(grep -hE "^(.*: )?FAILED|failed$" "$dir"/*.log | grep -c . || true)
-  echo "test cases: $(wc -l < "$dir/all") in $jobs processes + $(wc -l < "$dir/serial") alone; exit $rc; failure lines: $failed" >> "$log"
+  local all serial
+  all=$(wc -l < "$dir/all"); serial=$(wc -l < "$dir/serial")
+  echo "test cases: $all ($((all - serial)) in $jobs processes, then $serial alone); exit $rc; failure lines: $failed" >> "$log"
   return $rc
 }
 
