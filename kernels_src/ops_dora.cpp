@@ -126,12 +126,27 @@ DoraPlan plan_dora_partial(int64_t out, int64_t in, int64_t r, Product product, 
   DoraPlan p = plan_dora(out, in, r, product, gpu, programs, config);
   p.kernel = &kernels::dora_norm_partial();
   p.ws_floats = 0;
-  if (p.split == 1) {  // plan_dora's one-program-per-row-block kernel has no slices' grid axis
-    pass_meta(config, p.meta, {"INTERLEAVE"});
-    p.grid = row_slice_grid(p.blocks_m, 1, 1, config, p.meta);
-  }
+  // plan_dora's one-program-per-row-block kernel has no slices' grid axis; this one does.
+  if (p.split == 1) p.grid = row_slice_grid(p.blocks_m, 1, 1, config, p.meta);
   return p;
 }
+
+// What plan_dora reads of a call besides its Config: the sizes, the product and the device.
+struct DoraShape {
+  int64_t out, in, r;
+  Product product;
+  bool gpu;
+  int64_t programs;  // multiprocessors (CPU threads) to fill
+  DoraShape(const TensorView& W, const TensorView& A, const TensorView& B)
+      : out(W.shape[0]),
+        in(W.shape[1]),
+        r(A.shape[0]),
+        product(product_dtype(W.dtype, A.dtype, B.dtype)),
+        gpu(W.device.is_cuda()),
+        programs(parallelism(W.device)) {}
+  DoraPlan plan(const Config& c) const { return plan_dora(out, in, r, product, gpu, programs, c); }
+  DoraPlan partial(const Config& c) const { return plan_dora_partial(out, in, r, product, gpu, programs, c); }
+};
 
 // The partial sums' kernels: sumsq zeroed, then, when W has columns, A's cast where the
 // plan makes one and the kernel that adds each slice's sums of squares into sumsq.
@@ -316,8 +331,7 @@ std::shared_ptr<const DoraPlan> checked_dora_plan(const TensorView& W, const Ten
     const Config cfg = has_config(config)
                            ? config
                            : tuned_dora_config(W, A, B, m, norm, scale, stream);
-    return plan_dora(out, in, r, product_dtype(W.dtype, A.dtype, B.dtype), W.device.is_cuda(), parallelism(W.device),
-                     cfg);
+    return DoraShape(W, A, B).plan(cfg);
   });
 }
 
@@ -431,45 +445,38 @@ std::vector<autotune::Config> with_interleave_variants(std::vector<autotune::Con
 // squares over the same tiles): the problem, named `op` with the operands' dtypes `dtypes`,
 // its candidates, the finalists' variants and the form a candidate runs as. The caller
 // sets kernels, run and stream.
-TuneRequest dora_tune_request(const char* op, const TensorView& W, const TensorView& A, const TensorView& B,
+TuneRequest dora_tune_request(const char* op, const TensorView& W, const TensorView& A, const DoraShape& d,
                               std::vector<DType> dtypes) {
-  const bool gpu = W.device.is_cuda();
-  const int64_t out = W.shape[0], in = W.shape[1], r = A.shape[0];
-  const int64_t programs = parallelism(W.device);
   TuneRequest q;
-  q.problem = {op, {next_pow2(out), next_pow2(in), rank_pad(r)}, std::move(dtypes), "", W.device};
+  q.problem = {op, {next_pow2(d.out), next_pow2(d.in), rank_pad(d.r)}, std::move(dtypes), "", W.device};
   add_memory_order(q.problem.shape_bucket, W);
   q.block_m_name = "BLOCK_M";
   q.block_k_name = "BLOCK_K";
-  const Product product = product_dtype(W.dtype, A.dtype, B.dtype);
-  q.gpu_candidates =
-      dora_gpu_candidates(out, in, programs, with_wgmma_tiles(dora_gpu_candidates(), dora_wgmma_tiles(), product, W.device));
+  q.gpu_candidates = dora_gpu_candidates(
+      d.out, d.in, d.programs, with_wgmma_tiles(dora_gpu_candidates(), dora_wgmma_tiles(), d.product, W.device));
   q.finalist_variants = with_interleave_variants(with_cols_first_variants(with_wgmma_variant(
-      with_l2_prefetch_variants(with_warps_n_variants(evict_and_cast_variants(A, product), product)), product,
+      with_l2_prefetch_variants(with_warps_n_variants(evict_and_cast_variants(A, d.product), d.product)), d.product,
       W.device)));
   // One program per row block: no slices to order or interleave.
-  q.canonical = [=](autotune::Config c) {
-    if (plan_dora(out, in, r, product, gpu, programs, config_from(c, "BLOCK_M", "BLOCK_K")).split == 1) {
+  q.canonical = [d](autotune::Config c) {
+    if (d.plan(config_from(c, "BLOCK_M", "BLOCK_K")).split == 1) {
       c.erase("INTERLEAVE");
       c.erase("COLS_FIRST");
     }
     return c;
   };
-  q.extent_m = out;
-  q.extent_k = in;
-  q.split_programs = programs;
+  q.extent_m = d.out;
+  q.extent_k = d.in;
+  q.split_programs = d.programs;
   return q;
 }
 
 Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& m,
                          const TensorView& norm, const TensorView& scale, void* stream) {
-  const bool gpu = W.device.is_cuda();
-  const int64_t out = W.shape[0], in = W.shape[1], r = A.shape[0];
-  const int64_t programs = parallelism(W.device);
-  const Product product = product_dtype(W.dtype, A.dtype, B.dtype);
-  TuneRequest q = dora_tune_request("dora_norm", W, A, B, {W.dtype, A.dtype, B.dtype, m.dtype});
+  const DoraShape d(W, A, B);
+  TuneRequest q = dora_tune_request("dora_norm", W, A, d, {W.dtype, A.dtype, B.dtype, m.dtype});
   q.kernels = [&](const Config& c) {
-    const DoraPlan p = plan_dora(out, in, r, product, gpu, programs, c);
+    const DoraPlan p = d.plan(c);
     return with_cast_a(p, A, [&](const TensorView& a) {
       return autotune::KernelCall{p.kernel, dora_args(p, W, a, B, m, 1.0, 0.0, norm, scale, unused_memory()), p.meta};
     });
@@ -477,7 +484,7 @@ Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorV
   // The candidates run on the caller's tensors: norm and scale are outputs only, and
   // the split workspace is zero again after every launch, so nothing needs restoring.
   q.run = [&](const Config& c) {
-    const DoraPlan p = plan_dora(out, in, r, product, gpu, programs, c);
+    const DoraPlan p = d.plan(c);
     const WorkspaceLease ws = p.split == 1 ? WorkspaceLease{} : lease_workspace(W.device, stream, workspace_bytes(p));
     LaunchOptions options;
     options.stream = stream;
@@ -490,18 +497,15 @@ Config tuned_dora_config(const TensorView& W, const TensorView& A, const TensorV
 
 Config tuned_partial_config(const TensorView& W, const TensorView& A, const TensorView& B, const TensorView& sumsq,
                             void* stream) {
-  const bool gpu = W.device.is_cuda();
-  const int64_t out = W.shape[0], in = W.shape[1], r = A.shape[0];
-  const int64_t programs = parallelism(W.device);
-  const Product product = product_dtype(W.dtype, A.dtype, B.dtype);
-  TuneRequest q = dora_tune_request("dora_norm_partial", W, A, B, {W.dtype, A.dtype, B.dtype});
+  const DoraShape d(W, A, B);
+  TuneRequest q = dora_tune_request("dora_norm_partial", W, A, d, {W.dtype, A.dtype, B.dtype});
   q.kernels = [&](const Config& c) {
-    const DoraPlan p = plan_dora_partial(out, in, r, product, gpu, programs, c);
+    const DoraPlan p = d.partial(c);
     return partial_kernels(&p, W, A, B, 1.0, sumsq);
   };
   // sumsq is an output the run zeroes first: nothing needs restoring.
   q.run = [&](const Config& c) {
-    const DoraPlan p = plan_dora_partial(out, in, r, product, gpu, programs, c);
+    const DoraPlan p = d.partial(c);
     LaunchOptions options;
     options.stream = stream;
     run_partial(&p, W, A, B, 1.0, sumsq, options);
@@ -906,9 +910,7 @@ void dora_norm_partial(const TensorView& W, const TensorView& A, const TensorVie
   key.add(W).add(A).add(B.dtype).add(W.device);
   key.add(config);
   const std::shared_ptr<const DoraPlan> p = plans.get(key, [&] {
-    const Config cfg = has_config(config) ? config : tuned_partial_config(W, A, B, sumsq, stream);
-    return plan_dora_partial(out, in, r, product_dtype(W.dtype, A.dtype, B.dtype), W.device.is_cuda(),
-                             parallelism(W.device), cfg);
+    return DoraShape(W, A, B).partial(has_config(config) ? config : tuned_partial_config(W, A, B, sumsq, stream));
   });
   run_partial(p.get(), W, A, B, s, sumsq, options);
 }

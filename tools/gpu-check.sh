@@ -89,10 +89,10 @@ for t in E.parse(sys.stdin).iter("TestCase"): print(t.findtext("Name"))' 2>/dev/
 
 # --jobs N: the filter's test cases dealt round-robin to N processes at once, then those
 # tagged [autotune] or [threads] (they time kernels, or start threads of their own) one
-# process after them. Each process's log goes into $2 in turn; the last line says how many
-# cases ran and failed in all.
+# process after them. Each process's log goes into $2 in turn; the last line counts the
+# cases listed and the failure lines.
 run_parallel_tests() {
-  local filter=$1 log=$2 dir="$out/test-shards" rc=0 i
+  local filter=$1 log=$2 dir="$out/test-shards" rc=0
   rm -rf "$dir"; mkdir -p "$dir"
   list_tests "$filter" | sort > "$dir/all"
   list_tests "[autotune],[threads]" | sort > "$dir/serial-all"

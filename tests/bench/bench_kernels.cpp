@@ -167,7 +167,8 @@ Result bench_dora(DoraSets& d, const ops::Config& cfg, cuda::StreamHandle stream
                    TensorView::contiguous(x.scale.data(), DType::f32, {out}, dev), 0.0, stream, cfg);
   };
   Result res;
-  res.op = std::string(d.partial ? "dora_norm_partial" : "dora_norm") + " r=" + std::to_string(r) + (wt != DType::bf16 ? std::string(" ") + dtype_name(wt) + " W" : "") +
+  res.op = std::string(d.partial ? "dora_norm_partial" : "dora_norm") + " r=" + std::to_string(r) +
+           (wt != DType::bf16 ? std::string(" ") + dtype_name(wt) + " W" : "") +
            (d.at != wt ? std::string(" ") + dtype_name(d.at) + " adapters" : "");
   res.shape = shape_str({out, in});
   res.config = config_str(cfg);
