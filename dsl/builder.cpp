@@ -218,6 +218,10 @@ ir::Function Kernel::trace(const std::vector<ArgSpec>& args, const MetaMap& meta
   };
   // wgmma=1: tensor-core dots may use Hopper's warpgroup instructions (on sm_90a).
   expect_flag("wgmma");
+  // wgmma_ss=1: those warpgroup dots read both operands from shared memory: A too where
+  // its tile is kept in their 128-byte-swizzled layout (no fragments in registers), and
+  // B tiles of 16 columns in their 32-byte-swizzled layout.
+  expect_flag("wgmma_ss");
   // staged_adds=1: f32 atomic adds of a dot's accumulator go out through shared memory, as
   // whole-row vectors, instead of from the accumulator's registers.
   expect_flag("staged_adds");

@@ -60,6 +60,12 @@ Tokens load_tokens(Builder& k, const Tensor& x, const Tensor& err, const Value& 
   return t;
 }
 
+// Whether the backward's activations are kept by rank, [R, BLOCK_T] (meta wgmma, Hopper's
+// warpgroup dots): dB's product g^T @ act then reads them as wgmma's K-major B operand,
+// whose tile needs 64 columns where the rank gives 16 or 32; by token ([BLOCK_T, R]) mma.sync
+// keeps their fragments in registers.
+bool activations_by_rank(Builder& k) { return k.meta("wgmma", 0) != 0; }
+
 // A [BLOCK_M, BLOCK_K] tile of t [M, K] for the programs after the first `before`:
 // program before + q takes tile q, numbered column block fastest.
 struct TileAfter {
@@ -112,12 +118,19 @@ Value backward_pass(Builder& k, const Tokens& t, const Tensor& A, const Tensor& 
   const Value n_dim = g.dim(1);
   const Value rk = arange(R);
   const Value rk_ok = rk.row() < A.dim(0);  // [1, R]
-  // The LoRA activations of these tokens (zero outside the shard): dB's right factor.
+  // The LoRA activations of these tokens (zero outside the shard): dB's right factor,
+  // [BT, R], or [R, BT] read through trans() with warpgroup dots (activations_by_rank).
   // ACT_IN_SHARD: the saved ones of tokens outside a vocab shard are set to zero here (a
   // shard's forward wrote zeros there, but a caller may pass every shard's sum).
-  Value act = saved.valid() ? saved : load(A, {rk.row(), t.local.col()}, t.in_shard.col() & rk_ok).to(dot_t);
+  const bool by_rank = activations_by_rank(k);
+  Value act = saved;
+  if (!saved.valid())
+    act = by_rank ? load(A, {rk.col(), t.local.row()}, t.in_shard.row() & (rk.col() < A.dim(0))).to(dot_t)
+                  : load(A, {rk.row(), t.local.col()}, t.in_shard.col() & rk_ok).to(dot_t);
   const bool act_in_shard = k.meta("ACT_IN_SHARD", 0) != 0;
-  if (saved.valid() && act_in_shard) act = where(t.in_shard.col(), act, 0.0);  // [BT, R]
+  if (saved.valid() && act_in_shard)
+    act = by_rank ? where(t.in_shard.row(), act, 0.0) : where(t.in_shard.col(), act, 0.0);
+  const Value act_dot = by_rank ? trans(act) : act;  // [BT, R]
   const auto [lo, hi] = split_range(n_dim, BD);
   return for_range(lo, hi, BD, zeros({BT, R}), [&](const Value& iv, const Value& acc) {
     const Value d0 = rotate ? rotated_step(iv, lo, hi, BD, program_id(0)) : iv;
@@ -127,22 +140,24 @@ Value backward_pass(Builder& k, const Tokens& t, const Tensor& A, const Tensor& 
         load(g, {t.tok.col(), d.row()}, t.tok_ok.col() & (d.row() < n_dim)).to(dot_t);  // [BT, BD]
     const Value b = load(B, {d.col(), rk.row()}, d_ok & rk_ok).to(dot_t);               // [BD, R]
     if (wait_fill) wait_prior_grid();
-    atomic_add(dB, {d.col(), rk.row()}, dot(trans(gt), act, Value(), 0, precision) * s, d_ok & rk_ok);
+    atomic_add(dB, {d.col(), rk.row()}, dot(trans(gt), act_dot, Value(), 0, precision) * s, d_ok & rk_ok);
     return dot(gt, b, acc, 0, precision);
   });
 }
 
 // SAVED_ACT: the activations from `saved` [T, r] (A[:, x[t]]^T, zeros where the forward
-// found an id outside the shard), rows by token, in the dots' dtype; read before the ids,
-// which they do not wait for (nor for a gather of r scattered elements a token), so that
-// they and the pass's first copies (the kernels' meta early_prologue) are on their way
-// together. Else nothing.
+// found an id outside the shard), rows by token (or by rank: activations_by_rank), in the
+// dots' dtype; read before the ids, which they do not wait for (nor for a gather of r
+// scattered elements a token), so that they and the pass's first copies (the kernels'
+// meta early_prologue) are on their way together. Else nothing.
 Value saved_activations(Builder& k, const Tensor& x, const Tensor& A, const Tensor& saved) {
   if (!k.meta("SAVED_ACT", 0)) return Value();
   const int64_t BT = k.meta("BLOCK_T"), R = k.meta("R_PAD");
   const DType dot_t = dot_meta(k, DType::f32).dtype;
   const Value tok = program_id(0) * BT + arange(BT);
   const Value rk = arange(R);
+  if (activations_by_rank(k))
+    return load(saved, {tok.row(), rk.col()}, (tok < x.dim(0)).row() & (rk.col() < A.dim(0))).to(dot_t);
   return load(saved, {tok.col(), rk.row()}, (tok < x.dim(0)).col() & (rk.row() < A.dim(0))).to(dot_t);
 }
 

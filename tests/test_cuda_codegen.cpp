@@ -153,6 +153,15 @@ std::vector<Case> all_cases() {
                    {{"BLOCK_N", 32}, {"BLOCK_K", 256}, {"R_PAD", 16}, {"DOT", int64_t(DType::bf16)},
                     {"cluster_size", 4}, {"num_warps", 8}, {"num_stages", 2}},
                    "moe_lora_backward_by_columns"});
+  // The embedding backward's products as warpgroup dots with both operands in shared memory.
+  for (int64_t ss : {0, 1}) {
+    const kernels::LibraryEntry* e = kernels::find_in_library("lora_embedding_backward_fused");
+    cases.push_back({&e->kernel(), e->example_args(DType::bf16),
+                     {{"BLOCK_T", 128}, {"BLOCK_D", 128}, {"R_PAD", 16}, {"DOT", int64_t(DType::bf16)},
+                      {"ROTATE", 1}, {"staged_adds", 1}, {"BLOCK_V", 64}, {"BLOCK_M", 64}, {"num_warps", 4},
+                      {"num_stages", 3}, {"wgmma", 1}, {"wgmma_ss", ss}},
+                     "lora_embedding_backward_fused"});
+  }
   cases.push_back({&test::ticket_kernel(), {t(DType::i32, 1), t(DType::i32, 1), t(DType::f32, 1), t(DType::f32, 1)},
                    {{"BLOCK", 64}}, "ticket"});
   return cases;
@@ -519,6 +528,45 @@ TEST_CASE("a dot's B operand defined before its loop has its fragments loaded on
   };
   CHECK(count("const unsigned* bf = bfrag_") == 1);  // the dot with the activations
   CHECK(count("kerf_dev::ldmatrix_x4_trans(bf, sb + ") == 1);  // g @ B still reads B's step tile
+}
+
+TEST_CASE("with wgmma_ss the embedding backward's two products read both operands from shared memory",
+          "[cuda][codegen]") {
+  // g's step tile [BLOCK_T, BLOCK_D] is A of g @ B (K-major) and, through its transpose, of
+  // g^T @ act (MN-major), 128-byte swizzled in its ring; B's step tile [BLOCK_D, 16] is an
+  // MN-major B in the 32-byte swizzle; the activations [16, BLOCK_T] (kept by rank) a
+  // K-major B. No ldmatrix fragments and no mma.sync remain in the loop; without wgmma_ss
+  // the same meta keeps A in registers and B's step tile on mma.sync.
+  const kernels::LibraryEntry* e = kernels::find_in_library("lora_embedding_backward_fused");
+  REQUIRE(e != nullptr);
+  const auto source = [&](int64_t ss, int64_t warps, int64_t bt) {
+    return jit::cuda::generate(e->kernel().trace(e->example_args(DType::bf16),
+                                                 {{"BLOCK_T", bt}, {"BLOCK_D", 128}, {"R_PAD", 16},
+                                                  {"DOT", int64_t(DType::bf16)}, {"ROTATE", 1},
+                                                  {"staged_adds", 1}, {"BLOCK_V", 64}, {"BLOCK_M", 64},
+                                                  {"num_warps", warps}, {"num_stages", 3}, {"wgmma", 1},
+                                                  {"wgmma_ss", ss}}),
+                               "sm_90a")
+        .source;
+  };
+  for (const auto& [warps, bt] : {std::pair<int64_t, int64_t>{4, 128}, {8, 128}, {4, 64}}) {
+    CAPTURE(warps, bt);
+    const std::string src = source(1, warps, bt);
+    INFO(src);
+    const size_t loop = src.find("// this iteration's copies have landed");
+    REQUIRE(loop != std::string::npos);
+    const std::string body = src.substr(loop);
+    CHECK(body.find("kerf_dev::wgmma_ss_bf16_n16<1, 0>(") != std::string::npos);  // g^T @ act
+    CHECK(body.find("kerf_dev::wgmma_ss_bf16_n16<0, 1>(") != std::string::npos);  // g @ B
+    CHECK(body.find("kerf_dev::wgmma_desc32(sb_addr") != std::string::npos);
+    CHECK(body.find("kerf_dev::ldmatrix_x") == std::string::npos);
+    CHECK(body.find("kerf_dev::mma_bf16_16816(") == std::string::npos);
+    CHECK(src.find("kerf_dev::cp_async<16>(ring + kerf_dev::sw32(") != std::string::npos);
+    const std::string rs = source(0, warps, bt);
+    CHECK(rs.find("kerf_dev::wgmma_ss_bf16") == std::string::npos);
+    CHECK(rs.find("kerf_dev::mma_bf16_16816(") != std::string::npos);
+    CHECK(rs.find("kerf_dev::sw32(") == std::string::npos);
+  }
 }
 
 TEST_CASE("with early_prologue a pipelined loop's first copies go out before loads they do not need",

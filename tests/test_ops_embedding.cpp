@@ -165,12 +165,15 @@ struct BackCase {
   // Config.meta EARLY_PROLOGUE (-1: kerf's choice, on for a GPU): the pass's first copies
   // before the ids' load, or (0) where its loop begins.
   int early = -1;
+  // Config.meta WGMMA: dB's product as Hopper's warpgroup dots (sm_90a; elsewhere the same
+  // kernel with mma.sync or, on the CPU, loops), the activations kept by rank.
+  bool wgmma = false;
 };
 
 void check_backward(const BackCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.T, c.V, c.D, c.r, dtype_name(c.g), dtype_name(c.ab), dtype_name(c.grads),
           c.padding.value_or(-999), c.by_freq, c.split, c.rotate, c.gather, c.l2_prefetch, c.staged, c.block_t,
-          c.block_d, c.group, c.fused, c.after_a, c.early, seed, dev.str());
+          c.block_d, c.group, c.fused, c.after_a, c.early, c.wgmma, seed, dev.str());
   std::mt19937_64 rng(seed);
   TestTensor X(DType::i64, {c.T}, dev), A(c.ab, {c.r, c.V}, dev), B(c.ab, {c.D, c.r}, dev);
   TestTensor G(c.g, {c.T, c.D}, dev), dA(c.grads, {c.r, c.V}, dev), dB(c.grads, {c.D, c.r}, dev);
@@ -202,6 +205,7 @@ void check_backward(const BackCase& c, Device dev, uint64_t seed) {
   if (c.group >= 0) cfg.meta["GROUP_BY_ID"] = c.group;
   if (c.fused >= 0) cfg.meta["FUSED"] = c.fused;
   if (c.early >= 0) cfg.meta["EARLY_PROLOGUE"] = c.early;
+  if (c.wgmma) cfg.meta["WGMMA"] = 1;
   const double act_scale = c.after_a == 2 ? 2.0 : 1.0;
   TestTensor act(c.ab, {c.T, c.r}, dev);
   if (c.after_a) {
@@ -320,6 +324,33 @@ void run_backward_cases(Device dev) {
       c.after_a = c.r % 2 ? 0 : 1;
       check_backward(c, dev, seed++);
     }
+  // WGMMA (dB's product g^T @ act from shared memory, both tiles through descriptors, where
+  // the tiles are 64 tokens and 64 columns wide or more): 8 warps on 128-token blocks, 4 on
+  // 64; ranks 5 (padded to 16), 16, 32 and 64; bf16 and f16 products (fp32 adapters beside
+  // bf16 grad_out); D, T and V not multiples of the tile; gathering and with after_a; on a
+  // GPU also as the one cooperative kernel. 32-token blocks keep mma.sync for that product.
+  std::vector<BackCase> wg = {
+      {300, 1000, 200, 16, DType::bf16, DType::bf16, DType::bf16, std::nullopt, false, 0, true, false, 0, true, 128,
+       128},
+      {333, 2000, 330, 5, DType::bf16, DType::f32, DType::f32, 0, true, 0, false, false, 0, false, 64, 128},
+      {200, 300, 330, 64, DType::f16, DType::f16, DType::f32, 7, false, 2, false, false, 0, true, 128, 64},
+      {257, 4000, 512, 32, DType::bf16, DType::bf16, DType::bf16, -1, false, 0, true, false, 0, true, 128, 128},
+      {100, 500, 200, 16, DType::bf16, DType::bf16, DType::f32, std::nullopt, true, 0, true, false, 0, true, 32, 64},
+  };
+  for (BackCase c : wg) {
+    c.wgmma = true;
+    for (const int after_a : {0, 1}) {
+      c.after_a = after_a;
+      c.fused = -1;
+      c.group = -1;
+      check_backward(c, dev, seed++);
+      if (dev.is_cuda()) {
+        c.fused = 1;
+        c.group = 1;
+        check_backward(c, dev, seed++);
+      }
+    }
+  }
 }
 
 // axolotl's regression tests: TestEmbeddingPaddingIdxGrad and TestEmbeddingScaleGradByFreq.

@@ -27,6 +27,7 @@ Codegen::Codegen(const ir::Function& f, const std::string& arch) : f_(f), arch_(
   sm_ = parse_sm(arch);
   // wgmma needs the architecture-specific target (sm_90a); elsewhere the meta is ignored.
   wgmma_ = f.meta_value("wgmma", 0) != 0 && sm_ == 90 && !arch.empty() && arch.back() == 'a';
+  wgmma_ss_ = wgmma_ && f.meta_value("wgmma_ss", 0) != 0;
   acc_col_run_ = int(f.meta_value("acc_col_run", 0));
   staged_adds_ = f.meta_value("staged_adds", 0) != 0;
   early_prologue_ = f.meta_value("early_prologue", 0) != 0;
@@ -210,15 +211,35 @@ int64_t Codegen::smem_pad(ValueId v) const {
   return 8;
 }
 
-bool Codegen::wgmma_dot(const Operation& op) const {
+bool Codegen::wgmma_split(const Operation& op, int64_t* cols_per_warpgroup) const {
   if (!wgmma_ || !mma_eligible(op) || num_warps_ % 4) return false;
   const Shape& shape = type(op.results[0]).shape;
   int wm, wn;
   mma_warp_split(shape, num_warps_, int(op.attrs.axis), &wm, &wn);
   if (wm % 4 || shape[0] % (16 * wm)) return false;
-  const int64_t nw = shape[1] / wn;  // columns of one warpgroup
+  *cols_per_warpgroup = shape[1] / wn;
+  return true;
+}
+
+bool Codegen::sw32_candidate(ValueId v) const {
+  if (!wgmma_ss_) return false;
+  const ir::Type& t = type(v);
+  if (t.shape.size() != 2 || !is_half(t.dtype) || t.shape[0] % 8 || t.shape[1] != 16) return false;
+  const auto it = users_.find(v);
+  if (it == users_.end() || it->second.empty()) return false;
+  for (const auto& [op, i] : it->second) {
+    int64_t nw = 0;
+    if (op->kind != OpKind::Dot || i != 1 || !wgmma_split(*op, &nw) || nw != 16) return false;
+  }
+  return true;
+}
+
+bool Codegen::wgmma_dot(const Operation& op) const {
+  int64_t nw = 0;  // columns of one warpgroup
+  if (!wgmma_split(op, &nw)) return false;
   bool transposed;
   const ValueId b = dot_source(op.operands[1], &transposed);
+  if (!transposed && nw == 16 && sw32_candidate(b)) return true;
   if (!sw128_candidate(b)) return false;
   // K-major (smem holds B^T [N, K]): one instruction of N = nw <= 256.
   // MN-major ([K, N]): instructions of 64 columns, or one of 16 or 32.
@@ -600,8 +621,11 @@ void Codegen::emit_prologue(const Operation& op, int lv) {
     const ir::Type& t = type(ld->results[0]);
     AsyncLoad a;
     a.pitch = smem_pitches(t.shape, dtype_size_bytes(t.dtype), smem_pad(ld->results[0]));
-    if (sw128_candidate(ld->results[0])) {
-      a.sw_rows = t.shape[0];
+    const bool sw32 = sw32_candidate(ld->results[0]);
+    if (sw128_candidate(ld->results[0]) || sw32) {
+      a.sw_rows = sw32 ? 0 : t.shape[0];
+      a.sw32 = sw32;
+      if (sw32) a.pitch = {16, 1};
       a.stage_bytes = t.shape[0] * t.shape[1] * dtype_size_bytes(t.dtype);
       a.region_bytes = a.stage_bytes * S_ + 1024;
       a.base = alloc_smem_1024(lv, a.stage_bytes * S_, &a.ring_offset);
@@ -730,7 +754,10 @@ void Codegen::emit_for(const Operation& op, int lv) {
   const int S_ = num_stages_;
   const std::string it = "it" + S(ivid);
   bool swizzled_rings = false;
-  for (const Operation* ld : pipelined) swizzled_rings = swizzled_rings || async_.at(ld->results[0]).sw_rows != 0;
+  for (const Operation* ld : pipelined) {
+    const AsyncLoad& a = async_.at(ld->results[0]);
+    swizzled_rings = swizzled_rings || a.sw_rows != 0 || a.sw32;
+  }
 
   open_frame(inner);
   for (size_t i = 0; i < n; ++i)

@@ -20,7 +20,7 @@ Staged Codegen::stage(ValueId v) {
   const auto cols = staged_cols_.find(v);
   if (auto a = async_.find(v); a != async_.end()) {
     if (cols != staged_cols_.end()) throw InternalError("CUDA codegen: a pipelined B operand in runs order");
-    return Staged{async_slot_offset(a->second), a->second.pitch[0], false, a->second.sw_rows};
+    return Staged{async_slot_offset(a->second), a->second.pitch[0], false, a->second.sw_rows, a->second.sw32};
   }
   // cond ? x : y for a condition the same in every thread (a splat scalar) and tiles
   // defined before the loop that holds the choice (or such choices among them): each
@@ -29,7 +29,7 @@ Staged Codegen::stage(ValueId v) {
   if (cols == staged_cols_.end() && invariant_choice(v, level_of_[size_t(v)])) {
     const Operation* d = def_op_[size_t(v)];
     const Staged sx = stage(d->operands[1]), sy = stage(d->operands[2]);
-    if (sx.pitch == sy.pitch && sx.sw_rows == sy.sw_rows && sx.transposed == sy.transposed) {
+    if (sx.pitch == sy.pitch && sx.sw_rows == sy.sw_rows && sx.sw32 == sy.sw32 && sx.transposed == sy.transposed) {
       Staged s = sx;
       s.offset = "(" + scalar(def_op_[size_t(d->operands[0])]->operands[0]) + " ? (" + sx.offset + ") : (" +
                  sy.offset + "))";
@@ -47,10 +47,12 @@ Staged Codegen::stage(ValueId v) {
   }
   const int lv = level_of_[size_t(v)];
   const int64_t sw_rows = sw128_candidate(v) ? type(v).shape[0] : 0;
+  const bool sw32 = !sw_rows && sw32_candidate(v);
   const DType dt = type(v).dtype;
-  const std::vector<int64_t> pitch = smem_pitches(type(v).shape, dtype_size_bytes(dt), smem_pad(v));
+  const std::vector<int64_t> pitch =
+      sw32 ? std::vector<int64_t>{16, 1} : smem_pitches(type(v).shape, dtype_size_bytes(dt), smem_pad(v));
   std::string where;
-  if (sw_rows) {
+  if (sw_rows || sw32) {
     int unused = 0;
     where = alloc_smem_1024(lv, type(v).shape[0] * type(v).shape[1] * dtype_size_bytes(dt), &unused);
   } else {
@@ -68,11 +70,11 @@ Staged Codegen::stage(ValueId v) {
   // The B operand of a dot whose accumulator is in runs of columns: each column
   // where the mma instructions read the column that the runs layout puts there.
   const int lw = cols == staged_cols_.end() ? l : intern(map_dim_bits(layouts_[size_t(l)], 1, cols->second));
-  write_smem(lv, t, lw, dt, buf, pitch, sw_rows);
+  write_smem(lv, t, lw, dt, buf, pitch, sw_rows, sw32);
   line(lv, "}");
-  if (sw_rows) line(lv, "asm volatile(\"fence.proxy.async.shared::cta;\" ::: \"memory\");");
+  if (sw_rows || sw32) line(lv, "asm volatile(\"fence.proxy.async.shared::cta;\" ::: \"memory\");");
   line(lv, "__syncthreads();");
-  Staged s{where, pitch[0], false, sw_rows};
+  Staged s{where, pitch[0], false, sw_rows, sw32};
   staged_[v] = s;
   return s;
 }
@@ -118,7 +120,9 @@ Tile Codegen::emit_dot(const Operation& op, int h) {
     // and f32 rows of 16 bytes hold 4 of them; fragments are rounded to TF32 once loaded.
     const bool tf32 = ta.dtype == DType::f32;
     const int64_t KS = tf32 ? 8 : 16;  // k per instruction
-    if (tf32 && (wg || sa.sw_rows || sb.sw_rows)) throw InternalError("CUDA codegen: a TF32 dot on wgmma tiles");
+    if (tf32 && (wg || sa.sw_rows || sb.sw_rows || sb.sw32))
+      throw InternalError("CUDA codegen: a TF32 dot on wgmma tiles");
+    if (sb.sw32 && !wg) throw InternalError("CUDA codegen: a 32-byte-swizzled B operand of a dot not on wgmma");
     const std::string mma = tf32                       ? "kerf_dev::mma_tf32_1688"
                             : ta.dtype == DType::bf16 ? "kerf_dev::mma_bf16_16816"
                                                       : "kerf_dev::mma_f16_16816";
@@ -131,10 +135,13 @@ Tile Codegen::emit_dot(const Operation& op, int h) {
                  S(wn - 1) + ";");
     // A's fragments: loaded once where A is defined when the dot sits in a
     // loop that A does not depend on (e.g. B's rows in DoRA).
+    // wgmma with A from shared memory too (meta wgmma_ss, A's tile swizzled): no
+    // fragments; each warpgroup's instructions read A through descriptors.
+    const bool ss = wg && wgmma_ss_ && sa.sw_rows;
     const int la = level_of_[size_t(a)];
     const auto frag_key = std::make_pair(a, int64_t(wm) << 32 | int64_t(wn));
     std::string af = afrags_.count(frag_key) ? afrags_[frag_key] : "";
-    if (af.empty()) {
+    if (af.empty() && !ss) {
       af = fresh("afrag");
       const std::string base =
           la < lv ? "reinterpret_cast<const " + at + "*>(kerf_smem + (" + sa.offset + "))" : "sa";
@@ -167,11 +174,27 @@ Tile Codegen::emit_dot(const Operation& op, int h) {
       const int64_t nw = N / wn;
       const int64_t chunk = sb.transposed ? nw : std::min<int64_t>(nw, 64);
       wgmma_sizes_.insert(int(chunk));
-      const std::string fn = std::string("kerf_dev::wgmma_") + (ta.dtype == DType::bf16 ? "bf16" : "f16") +
-                             "_n" + S(chunk) + "<" + (sb.transposed ? "0" : "1") + ">";
+      const std::string fn = std::string("kerf_dev::wgmma_") + (ss ? "ss_" : "") +
+                             (ta.dtype == DType::bf16 ? "bf16" : "f16") + "_n" + S(chunk) + "<" +
+                             (ss ? (sa.transposed ? "1, " : "0, ") : "") + (sb.transposed ? "0" : "1") + ">";
       const int64_t rows = sb.sw_rows;
+      // A 32-byte-swizzled B [K, 16] (MN-major): rows of 32 bytes, one instruction of 16 columns.
+      const std::string b_desc = sb.sw32 ? "kerf_dev::wgmma_desc32" : "kerf_dev::wgmma_desc";
       line(lv, "const unsigned sb_addr = (unsigned)__cvta_generic_to_shared(sb);");
       line(lv, "const int n0 = wn * " + S(nw) + ";");
+      std::string a_arg = af + "[ki][mi]";
+      if (ss) {
+        // The warpgroup's m tile mi: rows mi * 16 * wm + 64 * (its index among the wm / 4
+        // warpgroups along M), as the warps' fragments of the register form would be.
+        line(lv, "const unsigned sa_addr = (unsigned)__cvta_generic_to_shared(sa);");
+        line(lv, "const int wg_m = ((warp & " + S(wm - 1) + ") >> 2) * 64;");
+        const std::string m0 = "(mi * " + S(16 * wm) + " + wg_m)";
+        const std::string a_off =
+            sa.transposed  // A^T [K, M] in shared memory: MN-major, 64 m's a block
+                ? "(" + m0 + " >> 6) * " + S(sa.sw_rows * 128) + " + ki * 16 * 128"
+                : "((ki * 16) >> 6) * " + S(sa.sw_rows * 128) + " + " + m0 + " * 128 + ((ki * 16) & 63) * 2";
+        a_arg = "kerf_dev::wgmma_desc(sa_addr + " + a_off + ")";
+      }
       line(lv, "kerf_dev::wgmma_fence();");
       line(lv, "#pragma unroll");
       line(lv, "for (int ki = 0; ki < " + S(K / 16) + "; ++ki) {");
@@ -179,14 +202,16 @@ Tile Codegen::emit_dot(const Operation& op, int h) {
       line(lv, "  for (int mi = 0; mi < " + S(MT) + "; ++mi) {");
       line(lv, "    #pragma unroll");
       line(lv, "    for (int c = 0; c < " + S(nw / chunk) + "; ++c) {");
-      if (sb.transposed)  // B^T [N, K] in shared memory: K-major
+      if (sb.sw32)
+        line(lv, "      const unsigned off = ki * 16 * 32;");
+      else if (sb.transposed)  // B^T [N, K] in shared memory: K-major
         line(lv, "      const unsigned off = ((ki * 16) >> 6) * " + S(rows * 128) +
                      " + (n0 + c * " + S(chunk) + ") * 128 + ((ki * 16) & 63) * 2;");
       else  // B [K, N]: MN-major
         line(lv, "      const unsigned off = ((n0 + c * " + S(chunk) + ") >> 6) * " + S(rows * 128) +
                      " + ki * 16 * 128 + ((n0 + c * " + S(chunk) + ") & 63) * 2;");
       line(lv, "      " + fn + "(&" + name + "[((c * " + S(chunk / 8) + ") << 2) | (mi << " +
-                   S(2 + log2i(int(NT))) + ")], " + af + "[ki][mi], kerf_dev::wgmma_desc(sb_addr + off));");
+                   S(2 + log2i(int(NT))) + ")], " + a_arg + ", " + b_desc + "(sb_addr + off));");
       line(lv, "    }");
       line(lv, "  }");
       line(lv, "}");

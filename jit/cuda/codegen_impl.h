@@ -138,6 +138,8 @@ struct Staged {        // a rank-2 tile written row-major into shared memory
   // Non-zero: the tile is in wgmma's 128-byte-swizzled layout (see sw128_candidate)
   // with this many rows, not row-major with `pitch`.
   int64_t sw_rows = 0;
+  // The tile is [rows, 16] in wgmma's 32-byte-swizzled layout (see sw32_candidate).
+  bool sw32 = false;
 };
 
 // Code and emitted tiles of one loop level.
@@ -157,6 +159,7 @@ struct AsyncLoad {
   std::vector<int64_t> pitch;
   std::string stage;  // C++ expression: the ring slot of this iteration
   int64_t sw_rows = 0;   // non-zero: slots in wgmma's 128-byte-swizzled layout (Staged::sw_rows)
+  bool sw32 = false;     // slots in wgmma's 32-byte-swizzled layout (Staged::sw32)
   std::string base;      // C++ expression: the byte offset of slot 0 (1024-aligned when swizzled)
   int64_t region_bytes = 0;  // bytes allocated for the ring
 };
@@ -197,6 +200,15 @@ class Codegen {
   // The value a dot operand is staged from (under a trans() of the same dtype).
   ValueId dot_source(ValueId v, bool* transposed) const;
   bool sw128_candidate(ValueId v) const;
+  // With meta wgmma_ss, a 16-bit [rows, 16] tile with rows % 8 == 0, read by nothing but
+  // dots as their B operand (no trans()) whose warp split gives each warpgroup all 16
+  // columns: it may live in
+  // shared memory in the 32-byte-swizzled layout wgmma reads as an MN-major B (rows of
+  // 32 bytes, the 16-byte chunk c/8 of row r at chunk (c/8) ^ ((r / 4) % 2)).
+  bool sw32_candidate(ValueId v) const;
+  // Whether a tensor-core dot's warp split lets it run as wgmma (each warpgroup 64
+  // consecutive rows per m tile); sets the columns of one warpgroup.
+  bool wgmma_split(const Operation& op, int64_t* cols_per_warpgroup) const;
   // The row padding (elements) of `v`'s tile in shared memory: 8 floats where every use
   // reads it one 32-bit register at a time for a TF32 dot (rows k, a warp's lanes 4 k's by
   // 8 columns: conflict-free at a pitch of 8 mod 32 words, i.e. rows of 16 floats or more
@@ -380,7 +392,7 @@ class Codegen {
   int64_t smem_bytes_for(const Shape& shape, int elem_bytes, int64_t pad = -1) const;
 
   std::string smem_offset(int l, const std::vector<int64_t>& pitch, const std::string& r,
-                          int64_t sw_rows = 0);
+                          int64_t sw_rows = 0, bool sw32 = false);
   // The byte offset expression of a 1024-aligned region of `bytes` (1024 more are allocated).
   std::string alloc_smem_1024(int lv, int64_t bytes, int* offset);
 
@@ -394,7 +406,7 @@ class Codegen {
 
   // Writes a tile into shared memory (row-major, padded). Emitted at `lv`.
   void write_smem(int lv, const Tile& t, int l, DType dt, const std::string& buf,
-                  const std::vector<int64_t>& pitch, int64_t sw_rows = 0);
+                  const std::vector<int64_t>& pitch, int64_t sw_rows = 0, bool sw32 = false);
 
   Tile convert_tile(ValueId v, const Tile& src, int from, int to);
 
@@ -504,6 +516,9 @@ class Codegen {
   int num_stages_ = 1;
   int l2_prefetch_ = 0;  // meta l2_prefetch: the L2 prefetch size hint of cp.async copies (bytes)
   bool wgmma_ = false;        // meta wgmma=1 on an sm_90a target
+  // meta wgmma_ss: wgmma reads a swizzled A tile from shared memory, and B tiles 16 wide
+  // in the 32-byte swizzle (sw32_candidate)
+  bool wgmma_ss_ = false;
   std::set<int> wgmma_sizes_;  // N of the wgmma instructions emitted (their wrappers go in the source)
   int grid_arrivals_ = 0;       // grid_sync and grid_arrive arrivals emitted so far
   const Operation* last_grid_barrier_ = nullptr;  // the kernel's last grid_sync, grid_arrive or grid_await

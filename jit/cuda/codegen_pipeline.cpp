@@ -13,7 +13,7 @@ Tile Codegen::from_async(ValueId v, int l) {
   const AsyncLoad& a = async_.at(v);
   const DType dt = type(v).dtype;
   const std::string st = storage_type(dt);
-  if (a.sw_rows) throw InternalError("CUDA codegen: a swizzled tile read outside a dot");
+  if (a.sw_rows || a.sw32) throw InternalError("CUDA codegen: a swizzled tile read outside a dot");
   return read_smem(level_of_[size_t(v)], v,
                    "reinterpret_cast<const " + st + "*>(kerf_smem + " + async_slot_offset(a) + ")",
                    l, dt, a.pitch);
@@ -173,10 +173,10 @@ void Codegen::emit_prefetch(const Operation& op, int target, int inner, ValueId 
   const std::string pol = l2_policy(op);
   const std::string size = S(w * eb) + (l2_prefetch_ ? ", " + S(l2_prefetch_) : "");
   if (pol.empty())
-    line(inner, "  kerf_dev::cp_async<" + size + ">(ring + " + smem_offset(l, a.pitch, "r", a.sw_rows) +
+    line(inner, "  kerf_dev::cp_async<" + size + ">(ring + " + smem_offset(l, a.pitch, "r", a.sw_rows, a.sw32) +
                     ", ok ? " + ptr + " + off : " + ptr + ", ok);");
   else
-    line(inner, "  kerf_dev::cp_async_hint<" + size + ">(ring + " + smem_offset(l, a.pitch, "r", a.sw_rows) +
+    line(inner, "  kerf_dev::cp_async_hint<" + size + ">(ring + " + smem_offset(l, a.pitch, "r", a.sw_rows, a.sw32) +
                     ", ok ? " + ptr + " + off : " + ptr + ", ok, " + pol + ");");
   line(inner, "}");
   if (!own.empty()) line(inner, "}");

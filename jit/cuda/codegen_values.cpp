@@ -276,8 +276,9 @@ int64_t Codegen::smem_bytes_for(const Shape& shape, int elem_bytes, int64_t pad)
 }
 
 std::string Codegen::smem_offset(int l, const std::vector<int64_t>& pitch, const std::string& r,
-                                 int64_t sw_rows) {
+                                 int64_t sw_rows, bool sw32) {
   if (sw_rows) return "kerf_dev::sw128(" + coord(l, 0, r) + ", " + coord(l, 1, r) + ", " + S(sw_rows) + ")";
+  if (sw32) return "kerf_dev::sw32(" + coord(l, 0, r) + ", " + coord(l, 1, r) + ")";
   std::string e;
   for (int d = 0; d < layouts_[size_t(l)].rank(); ++d) {
     const std::string c = coord(l, d, r);
@@ -304,7 +305,7 @@ Codegen::SmemTile Codegen::alloc_smem_tile(ValueId v) {
 
 // Writes a tile into shared memory (row-major, padded). Emitted at `lv`.
 void Codegen::write_smem(int lv, const Tile& t, int l, DType dt, const std::string& buf,
-                         const std::vector<int64_t>& pitch, int64_t sw_rows) {
+                         const std::vector<int64_t>& pitch, int64_t sw_rows, bool sw32) {
   const Layout& L = layouts_[size_t(l)];
   const int eb = dtype_size_bytes(dt);
   const int rank = L.rank();
@@ -318,13 +319,13 @@ void Codegen::write_smem(int lv, const Tile& t, int l, DType dt, const std::stri
   line(lv, "  for (int q = 0; q < " + S(n / w) + "; ++q) {");
   line(lv, "    const int r = q * " + S(w) + ";");
   if (w == 1) {
-    line(lv, "    " + buf + "[" + smem_offset(l, pitch, "r", sw_rows) + "] = " + elem(t, "r") + ";");
+    line(lv, "    " + buf + "[" + smem_offset(l, pitch, "r", sw_rows, sw32) + "] = " + elem(t, "r") + ";");
   } else {
     line(lv, "    kerf_dev::Pack<" + st + ", " + S(w) + "> pk;");
     line(lv, "    #pragma unroll");
     line(lv, "    for (int j = 0; j < " + S(w) + "; ++j) pk.v[j] = " + elem(t, "r + j") + ";");
     line(lv, "    kerf_dev::st<" + st + ", " + S(w) + ">(" + buf + " + " +
-                 smem_offset(l, pitch, "r", sw_rows) + ", pk);");
+                 smem_offset(l, pitch, "r", sw_rows, sw32) + ", pk);");
   }
   line(lv, "  }");
   line(lv, "}");

@@ -400,6 +400,11 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 __device__ __forceinline__ int sw128(int r, int c, int rows) {
   return (c >> 6) * (rows * 64) + r * 64 + ((((c >> 3) & 7) ^ (r & 7)) << 3) + (c & 7);
 }
+// The same in the 32-byte-swizzled layout of a [rows, 16] tile: rows of 32 bytes, the
+// 16-byte chunk c/8 of row r at chunk (c/8) ^ ((r / 4) % 2).
+__device__ __forceinline__ int sw32(int r, int c) {
+  return r * 16 + ((((c >> 3) & 1) ^ ((r >> 2) & 1)) << 3) + (c & 7);
+}
 
 }  // namespace kerf_dev
 )KERF";
@@ -456,11 +461,15 @@ __device__ __forceinline__ unsigned ld_cluster_u8(const unsigned char* local, un
 
 const char* wgmma_helpers_source() {
   // A shared-memory descriptor of a 128-byte-swizzled operand (8-row groups
-  // 1024 bytes apart), and the warpgroup's ordering steps.
+  // 1024 bytes apart), of a 32-byte-swizzled one, and the warpgroup's ordering steps.
   return R"KERF(
 namespace kerf_dev {
 __device__ __forceinline__ unsigned long long wgmma_desc(unsigned smem_addr) {
   return (unsigned long long)((smem_addr >> 4) & 0x3FFF) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+// The same for a 32-byte-swizzled MN-major operand 16 wide: 8-row groups 256 bytes apart.
+__device__ __forceinline__ unsigned long long wgmma_desc32(unsigned smem_addr) {
+  return (unsigned long long)((smem_addr >> 4) & 0x3FFF) | (1ull << 16) | (16ull << 32) | (3ull << 62);
 }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -473,6 +482,7 @@ std::string wgmma_wrapper_source(int n) {
   std::string out;
   // D[64, n] += A[64, 16] (registers, mma.sync's A fragment per warp) @ B[16, n]
   // (shared memory, descriptor); TB = 1: B is MN-major (n contiguous), 0: K-major.
+  // Then the same with A from shared memory too (wgmma_ss_*).
   const int regs = n / 2;
   for (const char* t : {"bf16", "f16"}) {
     std::string d, outs;
@@ -490,7 +500,19 @@ std::string wgmma_wrapper_source(int n) {
            std::to_string(n) + "k16.f32." + t + "." + t + " {" + d + "}, {" + a + "}, %" +
            std::to_string(regs + 4) + ", p, 1, 1, %" + std::to_string(regs + 5) + ";\\n}\\n\"\n" +
            "               : " + outs + "\n"
-           "               : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(desc), \"n\"(TB));\n}\n}  // namespace kerf_dev\n";
+           "               : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(desc), \"n\"(TB));\n}\n";
+    // D[64, n] += A[64, 16] @ B[16, n], both from shared memory through descriptors;
+    // TA = 1: A is MN-major (shared memory holds A^T, m contiguous), 0: K-major.
+    out += "template <int TA, int TB>\n__device__ __forceinline__ void wgmma_ss_" + std::string(t) + "_n" +
+           std::to_string(n) +
+           "(float* d, unsigned long long da, unsigned long long db) {\n"
+           "  asm volatile(\"{\\n.reg .pred p;\\nsetp.ne.b32 p, 1, 0;\\n\"\n"
+           "               \"wgmma.mma_async.sync.aligned.m64n" +
+           std::to_string(n) + "k16.f32." + t + "." + t + " {" + d + "}, %" + std::to_string(regs) + ", %" +
+           std::to_string(regs + 1) + ", p, 1, 1, %" + std::to_string(regs + 2) + ", %" +
+           std::to_string(regs + 3) + ";\\n}\\n\"\n" +
+           "               : " + outs + "\n"
+           "               : \"l\"(da), \"l\"(db), \"n\"(TA), \"n\"(TB));\n}\n}  // namespace kerf_dev\n";
   }
   return out;
 }
