@@ -168,12 +168,13 @@ struct BackCase {
   // Config.meta WGMMA: dB's product as Hopper's warpgroup dots (sm_90a; elsewhere the same
   // kernel with mma.sync or, on the CPU, loops), the activations kept by rank.
   bool wgmma = false;
+  int64_t warps = 0;  // Config::num_warps (0: kerf's, 8 on a GPU for 128-token blocks, else 4)
 };
 
 void check_backward(const BackCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.T, c.V, c.D, c.r, dtype_name(c.g), dtype_name(c.ab), dtype_name(c.grads),
           c.padding.value_or(-999), c.by_freq, c.split, c.rotate, c.gather, c.l2_prefetch, c.staged, c.block_t,
-          c.block_d, c.group, c.fused, c.after_a, c.early, c.wgmma, seed, dev.str());
+          c.block_d, c.group, c.fused, c.after_a, c.early, c.wgmma, c.warps, seed, dev.str());
   std::mt19937_64 rng(seed);
   TestTensor X(DType::i64, {c.T}, dev), A(c.ab, {c.r, c.V}, dev), B(c.ab, {c.D, c.r}, dev);
   TestTensor G(c.g, {c.T, c.D}, dev), dA(c.grads, {c.r, c.V}, dev), dB(c.grads, {c.D, c.r}, dev);
@@ -206,6 +207,7 @@ void check_backward(const BackCase& c, Device dev, uint64_t seed) {
   if (c.fused >= 0) cfg.meta["FUSED"] = c.fused;
   if (c.early >= 0) cfg.meta["EARLY_PROLOGUE"] = c.early;
   if (c.wgmma) cfg.meta["WGMMA"] = 1;
+  cfg.num_warps = c.warps;
   const double act_scale = c.after_a == 2 ? 2.0 : 1.0;
   TestTensor act(c.ab, {c.T, c.r}, dev);
   if (c.after_a) {
@@ -324,11 +326,12 @@ void run_backward_cases(Device dev) {
       c.after_a = c.r % 2 ? 0 : 1;
       check_backward(c, dev, seed++);
     }
-  // WGMMA (dB's product g^T @ act from shared memory, both tiles through descriptors, where
-  // the tiles are 64 tokens and 64 columns wide or more): 8 warps on 128-token blocks, 4 on
-  // 64; ranks 5 (padded to 16), 16, 32 and 64; bf16 and f16 products (fp32 adapters beside
-  // bf16 grad_out); D, T and V not multiples of the tile; gathering and with after_a; on a
-  // GPU also as the one cooperative kernel. 32-token blocks keep mma.sync for that product.
+  // WGMMA (both products of a step from shared memory, both tiles through descriptors, where
+  // the tiles are 64 tokens and 64 columns wide or more): 8 and 4 warps on 128-token blocks
+  // (4: each warpgroup two m tiles), 4 on 64; ranks 5 (padded to 16), 16, 32 and 64; bf16
+  // and f16 products (fp32 adapters beside bf16 grad_out); D, T and V not multiples of the
+  // tile; gathering and with after_a; on a GPU also as the one cooperative kernel. 32-token
+  // blocks keep mma.sync for g^T @ act.
   std::vector<BackCase> wg = {
       {300, 1000, 200, 16, DType::bf16, DType::bf16, DType::bf16, std::nullopt, false, 0, true, false, 0, true, 128,
        128},
@@ -337,6 +340,15 @@ void run_backward_cases(Device dev) {
       {257, 4000, 512, 32, DType::bf16, DType::bf16, DType::bf16, -1, false, 0, true, false, 0, true, 128, 128},
       {100, 500, 200, 16, DType::bf16, DType::bf16, DType::f32, std::nullopt, true, 0, true, false, 0, true, 32, 64},
   };
+  // The tuner's usual choice at 8192x128256x4096 on an H100: 128x128 on 4 warps.
+  BackCase four = wg[0];
+  four.T = 521;
+  four.D = 390;
+  four.warps = 4;
+  wg.push_back(four);
+  four.by_freq = true;
+  four.grads = DType::f32;
+  wg.push_back(four);
   for (BackCase c : wg) {
     c.wgmma = true;
     for (const int after_a : {0, 1}) {
