@@ -290,6 +290,7 @@ void expect_meta(const char* op, const Config& config, std::initializer_list<Met
 void add_codegen_hints(const Config& config, dsl::MetaMap& meta) {
   if (const int64_t bytes = meta_or(config, "L2_PREFETCH", 0)) meta["l2_prefetch"] = bytes;
   if (meta_or(config, "WGMMA", 0)) meta["wgmma"] = 1;
+  if (meta_or(config, "WGMMA", 0) && meta_or(config, "WGMMA_SS", 0)) meta["wgmma_ss"] = 1;
   if (meta_or(config, "STAGED_ADDS", 0)) meta["staged_adds"] = 1;
 }
 

@@ -180,6 +180,10 @@ inline constexpr MetaRange kWarpsN{"WARPS_N", 0, 32, zero_or_pow2, "0 (kerf choo
 inline constexpr MetaRange kL2Prefetch{"L2_PREFETCH", 0, 256, dsl::is_l2_prefetch_size, "0, 64, 128 or 256 (bytes)"};
 // Config.meta WGMMA (0 or 1), for ops whose tensor-core dots may run on Hopper's warpgroup instructions.
 inline constexpr MetaRange kWgmma{"WGMMA", 0, 1};
+// Config.meta WGMMA_SS (0 or 1), with WGMMA: the warpgroup dots read A from shared memory
+// too where its tile is swizzled, and 16-column B tiles in the 32-byte swizzle (kernel
+// meta wgmma_ss).
+inline constexpr MetaRange kWgmmaSs{"WGMMA_SS", 0, 1};
 // Config.meta CLUSTER (1..8), for ops whose per-step atomics may be summed over
 // thread-block clusters of that many neighbouring programs first (kernel meta
 // cluster_size; sm_90 and later, plain atomics elsewhere).

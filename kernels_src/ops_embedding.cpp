@@ -614,9 +614,10 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
   set_product_meta(p.meta, dot, config);
   add_codegen_hints(config, p.meta);
-  // WGMMA: dB's product g^T @ act as warpgroup dots reading both tiles from shared memory
-  // (g's tile through its transpose, the activations kept by rank).
-  if (p.meta.count("wgmma")) p.meta["wgmma_ss"] = 1;
+  // WGMMA: both products of a step as warpgroup dots reading both tiles from shared memory
+  // (g's tile, through its transpose for g^T @ act; B's step tile; the activations kept
+  // by rank), unless WGMMA_SS=0 (A's fragments in registers, B's step tile on mma.sync).
+  if (p.meta.count("wgmma") && meta_or(config, "WGMMA_SS", 1)) p.meta["wgmma_ss"] = 1;
   // On a GPU the kernel waits for the grid before it, the fill, before its first atomics,
   // so that its launch may overlap the fill (LaunchOptions::overlap_prior).
   if (gpu) p.meta["WAIT_PRIOR"] = 1;
@@ -1137,7 +1138,7 @@ void lora_embedding_backward(const TensorView& x, const TensorView& A, const Ten
                              void* stream, const Config& config, const Layout& layout) {
   const char* op = "lora_embedding_backward";
   expect_finite_scale(op, s);
-  expect_meta(op, config, {{"ROTATE", 0, 1}, {"GATHER", 0, 1}, {"GROUP_BY_ID", 0, 1}, {"FUSED", 0, 1}, {"L2_KEEP", 0, 1}, kL2Prefetch, kStagedAdds, kEarlyPrologue, kTf32, kWgmma});
+  expect_meta(op, config, {{"ROTATE", 0, 1}, {"GATHER", 0, 1}, {"GROUP_BY_ID", 0, 1}, {"FUSED", 0, 1}, {"L2_KEEP", 0, 1}, kL2Prefetch, kStagedAdds, kEarlyPrologue, kTf32, kWgmma, kWgmmaSs});
   expect_ids(op, x);
   const LayoutSplits splits = check_layout(op, layout, [&] {
     return with_after_a(options, x,

@@ -294,7 +294,7 @@ void moe_lora_materialize_backward(const TensorView& dW, const TensorView& A, co
                                    void* stream, const Config& config, const Layout& layout) {
   const char* op = "moe_lora_materialize_backward";
   expect_finite_scale(op, s);
-  expect_meta(op, config, {{"ROTATE", 0, 1}, {"BY_COLUMNS", 0, 1}, kL2Prefetch, kWgmma, kCluster, kStagedAdds, kTf32});
+  expect_meta(op, config, {{"ROTATE", 0, 1}, {"BY_COLUMNS", 0, 1}, kL2Prefetch, kWgmma, kWgmmaSs, kCluster, kStagedAdds, kTf32});
   const LayoutSplits splits = check_layout(op, layout, backward_operands());
   expect_unsplit(op, layout, splits, "r", "each expert's product B[e] @ A[e] needs every rank");
   expect_shape(op, "dW_eff", dW, {-1, -1, -1});

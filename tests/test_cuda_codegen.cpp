@@ -139,14 +139,23 @@ std::vector<Case> all_cases() {
   for (int64_t cluster : {1, 2, 4})
     cases.push_back({&test::cluster_sum_kernel(), {t(DType::bf16, 2), t(DType::f32, 1), t(DType::f32, 1)},
                      {{"BM", 32}, {"BN", 64}, {"cluster_size", cluster}, {"num_stages", 2}}, "cluster_sum"});
-  // The MoE backward's step atomics summed over clusters, mma.sync and warpgroup dots.
-  for (int64_t wgmma : {0, 1})
+  // The MoE backward's step atomics summed over clusters, mma.sync and warpgroup dots (A's
+  // fragments in registers, or A from shared memory too).
+  for (int64_t wgmma : {0, 1, 2})
     cases.push_back({&kernels::moe_lora_backward(),
                      {t(DType::bf16, 3), t(DType::bf16, 3), t(DType::bf16, 3), ArgSpec::scalar(), t(DType::f32, 3),
                       t(DType::bf16, 3)},
                      {{"BLOCK_N", 128}, {"BLOCK_K", 64}, {"R_PAD", 64}, {"DOT", int64_t(DType::bf16)},
-                      {"ROTATE", 1}, {"cluster_size", 2}, {"num_warps", 8}, {"num_stages", 3}, {"wgmma", wgmma}},
+                      {"ROTATE", 1}, {"cluster_size", 2}, {"num_warps", 8}, {"num_stages", 3},
+                      {"wgmma", wgmma ? 1 : 0}, {"wgmma_ss", wgmma == 2 ? 1 : 0}},
                      "moe_lora_backward"});
+  // The column-owning 64x256 tile with warpgroup dots reading both operands from shared memory.
+  cases.push_back({&kernels::moe_lora_backward_by_columns(),
+                   {t(DType::bf16, 3), t(DType::bf16, 3), t(DType::bf16, 3), ArgSpec::scalar(), t(DType::bf16, 3),
+                    t(DType::f32, 3)},
+                   {{"BLOCK_N", 64}, {"BLOCK_K", 256}, {"R_PAD", 64}, {"DOT", int64_t(DType::bf16)},
+                    {"staged_adds", 1}, {"num_warps", 8}, {"num_stages", 3}, {"wgmma", 1}, {"wgmma_ss", 1}},
+                   "moe_lora_backward_by_columns"});
   cases.push_back({&kernels::moe_lora_backward_by_columns(),
                    {t(DType::bf16, 3), t(DType::bf16, 3), t(DType::bf16, 3), ArgSpec::scalar(), t(DType::bf16, 3),
                     t(DType::f32, 3)},

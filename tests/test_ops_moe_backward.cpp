@@ -51,12 +51,13 @@ struct BackwardCase {
   bool wgmma = false;  // Config.meta WGMMA: Hopper's warpgroup dots, 128-row blocks of 8 warps
   int64_t cluster = 0;  // Config.meta CLUSTER: each step's atomics summed over clusters of blocks first
   bool staged = false;  // Config.meta STAGED_ADDS: each step's atomics through shared memory, whole rows
+  bool wgmma_ss = false;  // Config.meta WGMMA_SS: with WGMMA, A from shared memory too
 };
 
 void check_backward(const BackwardCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.E, c.d1, c.d2, c.r, dtype_name(c.w), dtype_name(c.ab), dtype_name(c.grads),
           layout_name(c.layout), c.split, seed, dev.str(), c.rotate, c.by_columns, c.l2_prefetch, c.wgmma,
-          c.cluster, c.staged);
+          c.cluster, c.staged, c.wgmma_ss);
   std::mt19937_64 rng(seed);
   const int64_t E = c.E, d1 = c.d1, d2 = c.d2, r = c.r;
   TestTensor dW(c.w, {E, d1, d2}, dev);
@@ -105,6 +106,7 @@ void check_backward(const BackwardCase& c, Device dev, uint64_t seed) {
     cfg.num_warps = 8;
     cfg.num_stages = 3;
     cfg.meta["WGMMA"] = 1;
+    if (c.wgmma_ss) cfg.meta["WGMMA_SS"] = 1;
   }
   if (c.staged) cfg.meta["STAGED_ADDS"] = 1;
   if (c.cluster) {
@@ -238,6 +240,12 @@ void run_backward_cases(Device dev) {
   };
   uint64_t seed = 5100;
   for (const BackwardCase& c : cases) check_backward(c, dev, seed++);
+  // Each WGMMA case again with both operands of its warpgroup dots in shared memory.
+  for (BackwardCase c : cases)
+    if (c.wgmma) {
+      c.wgmma_ss = true;
+      check_backward(c, dev, seed++);
+    }
 }
 
 // The forward through PEFT's layout for transposed experts: W_eff[e][i, o] =
