@@ -298,6 +298,20 @@ TEST_CASE("COLS_FIRST joins the finalist variants alone and beside each WGMMA va
                                              {{"WGMMA", 1}, {"COLS_FIRST", 1}}});
 }
 
+TEST_CASE("WGMMA_SS asks for shared-memory A operands only beside WGMMA", "[autotune][cpu]") {
+  const auto hints = [](const std::map<std::string, int64_t>& m) {
+    ops::Config cfg;
+    cfg.meta = m;
+    dsl::MetaMap meta;
+    ops::detail::add_codegen_hints(cfg, meta);
+    return meta;
+  };
+  CHECK(hints({{"WGMMA", 1}}) == dsl::MetaMap{{"wgmma", 1}});
+  CHECK(hints({{"WGMMA", 1}, {"WGMMA_SS", 1}}) == dsl::MetaMap{{"wgmma", 1}, {"wgmma_ss", 1}});
+  CHECK(hints({{"WGMMA", 1}, {"WGMMA_SS", 0}}) == dsl::MetaMap{{"wgmma", 1}});
+  CHECK(hints({{"WGMMA_SS", 1}}).empty());  // nothing to read from shared memory without wgmma
+}
+
 TEST_CASE("a STREAM config runs as one without the entries its plan overrides", "[autotune][cpu]") {
   using ops::detail::stream_canonical;
   const autotune::Config tiled = {{"BLOCK_M", 64}, {"BLOCK_K", 128}, {"num_stages", 3}, {"split_k", 4},
