@@ -331,7 +331,7 @@ void run_backward_cases(Device dev) {
   // (4: each warpgroup two m tiles), 4 on 64; ranks 5 (padded to 16), 16, 32 and 64; bf16
   // and f16 products (fp32 adapters beside bf16 grad_out); D, T and V not multiples of the
   // tile; gathering and with after_a; on a GPU also as the one cooperative kernel. 32-token
-  // blocks keep mma.sync for g^T @ act.
+  // blocks keep mma.sync for g^T @ act. Ranks 128 and 256 below.
   std::vector<BackCase> wg = {
       {300, 1000, 200, 16, DType::bf16, DType::bf16, DType::bf16, std::nullopt, false, 0, true, false, 0, true, 128,
        128},
@@ -340,6 +340,11 @@ void run_backward_cases(Device dev) {
       {257, 4000, 512, 32, DType::bf16, DType::bf16, DType::bf16, -1, false, 0, true, false, 0, true, 128, 128},
       {100, 500, 200, 16, DType::bf16, DType::bf16, DType::f32, std::nullopt, true, 0, true, false, 0, true, 32, 64},
   };
+  // Ranks 128 and 256 on 64x64 tiles (B's step tile [64, r] in 64-column blocks, the
+  // activations [r, 64] one instruction of r columns a warpgroup).
+  wg.push_back({200, 700, 200, 128, DType::bf16, DType::bf16, DType::f32, std::nullopt, false, 0, true, false, 0,
+                true, 64, 64});
+  wg.push_back({150, 300, 130, 256, DType::f16, DType::f16, DType::f16, 3, true, 0, false, false, 0, true, 64, 64});
   // The tuner's usual choice at 8192x128256x4096 on an H100: 128x128 on 4 warps.
   BackCase four = wg[0];
   four.T = 521;
