@@ -340,6 +340,11 @@ void run_backward_cases(Device dev) {
       {257, 4000, 512, 32, DType::bf16, DType::bf16, DType::bf16, -1, false, 0, true, false, 0, true, 128, 128},
       {100, 500, 200, 16, DType::bf16, DType::bf16, DType::f32, std::nullopt, true, 0, true, false, 0, true, 32, 64},
   };
+  // Steps of 32 columns (g's tile not swizzled: A's fragments in registers, B's step tile
+  // still a 32-byte-swizzled wgmma operand), and 256-token blocks on 8 warps.
+  wg.push_back({300, 1000, 200, 16, DType::bf16, DType::bf16, DType::bf16, std::nullopt, false, 0, true, false, 0,
+                true, 128, 32});
+  wg.push_back({600, 2000, 260, 16, DType::bf16, DType::f32, DType::f32, 0, true, 0, true, false, 0, true, 256, 64});
   // Ranks 128 and 256 on 64x64 tiles (B's step tile [64, r] in 64-column blocks, the
   // activations [r, 64] one instruction of r columns a warpgroup).
   wg.push_back({200, 700, 200, 128, DType::bf16, DType::bf16, DType::f32, std::nullopt, false, 0, true, false, 0,
