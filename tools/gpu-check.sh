@@ -16,6 +16,10 @@
 #                                          # only the benchmark cases whose names contain one of these
 #   tools/gpu-check.sh --stages bench --bench-args --tuned-only
 #                                          # more kerf_bench options (here: the autotuner's choice only, no sweep)
+#   tools/gpu-check.sh --stages bench --bench-op "moe_backward r=64" \
+#       --bench-args "--config 64,256,0,8,3 --meta BY_COLUMNS=1,WGMMA=1 --variants ;WGMMA_SS=1 --rounds 3"
+#                                          # an A/B in one process: each case with each variant in turns
+#                                          # (KERF_AUTOTUNE is not needed: a --config call is not tuned)
 #   tools/gpu-check.sh --stages profile --profile-kernel lora_embedding_backward_fused \
 #       --profile-op "embedding_backward r=16 bf16 grads" \
 #       --bench-args "--config 128,128,0,4,3 --meta GROUP_BY_ID=1,FUSED=1"

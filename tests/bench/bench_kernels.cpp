@@ -515,6 +515,8 @@ int main(int argc, char** argv) {
   std::string json_path, only, op_filter, with_meta;
   std::optional<ops::Config> forced;
   std::map<std::string, int64_t> meta;
+  std::vector<std::map<std::string, int64_t>> variants;  // --variants: meta added to --config's, in turns
+  int rounds = 3;
   bool quick = false, tuned_only = false;
   long long l2_persist_mib = -1;  // --l2-persist-mb: left as the driver set it when negative
   for (int i = 1; i < argc; ++i) {
@@ -544,6 +546,29 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--tuned-only")) tuned_only = true;
     // --l2-persist-mb N: the L2 set-aside for persisting (evict-last) lines, in MiB, for this run.
     if (!std::strcmp(argv[i], "--l2-persist-mb") && i + 1 < argc) l2_persist_mib = std::atoll(argv[++i]);
+    // --variants "M1;M2;...": with --config, each case runs once per variant in turns,
+    // --rounds times (default 3), each Mi (NAME=V[,NAME=V...], or empty) added to --meta;
+    // a row per variant with its median round, after every round's time (an A/B in one
+    // process: the same inputs, machine state and copy measurement for every variant).
+    if (!std::strcmp(argv[i], "--variants") && i + 1 < argc) {
+      const std::string list = argv[++i];
+      for (size_t at = 0; at <= list.size();) {
+        const size_t semi = std::min(list.find(';', at), list.size());
+        std::map<std::string, int64_t> v;
+        for (const std::string& item : comma_items(list.substr(at, semi - at))) {
+          const size_t eq = item.find('=');
+          if (item.empty()) continue;
+          if (eq == std::string::npos) {
+            std::fprintf(stderr, "--variants wants NAME=VALUE[,NAME=VALUE...] items separated by ';'\n");
+            return 2;
+          }
+          v[item.substr(0, eq)] = std::atoll(item.c_str() + eq + 1);
+        }
+        variants.push_back(std::move(v));
+        at = semi + 1;
+      }
+    }
+    if (!std::strcmp(argv[i], "--rounds") && i + 1 < argc) rounds = std::max(1, std::atoi(argv[++i]));
     // --meta NAME=V[,NAME=V...]: Config.meta for --only and --config (e.g. WARPS_N=2).
     if (!std::strcmp(argv[i], "--meta") && i + 1 < argc) {
       for (const std::string& item : comma_items(argv[++i])) {
@@ -557,6 +582,10 @@ int main(int argc, char** argv) {
     }
   }
   if (forced) forced->meta = meta;
+  if (!variants.empty() && !forced) {
+    std::fprintf(stderr, "--variants needs --config\n");
+    return 2;
+  }
   std::vector<std::string> filters;  // --op A,B: the cases whose name contains A or B
   for (const std::string& f : comma_items(op_filter))
     if (!f.empty()) filters.push_back(f);
@@ -636,6 +665,28 @@ int main(int argc, char** argv) {
     // One case: the best of `cfgs` (or the forced config), the tuned-vs-default line, the row.
     const auto measure = [&](const std::function<Result(const ops::Config&)>& run,
                              const std::vector<ops::Config>& cfgs) {
+      if (forced && !variants.empty()) {  // --variants: in turns, a row per variant
+        std::vector<std::vector<Result>> got(variants.size());
+        for (int round = 0; round < rounds; ++round)
+          for (size_t v = 0; v < variants.size(); ++v) {
+            ops::Config c = *forced;
+            for (const auto& [name, value] : variants[v]) c.meta[name] = value;
+            try {
+              got[v].push_back(run(c));
+            } catch (const kerf::Error& e) {
+              std::fprintf(stderr, "  variant skipped: %s\n", e.what());
+            }
+          }
+        for (std::vector<Result>& rs : got) {
+          if (rs.empty()) continue;
+          std::printf("  rounds [%s]:", rs.front().config.c_str());
+          for (const Result& r : rs) std::printf(" %.1f", r.median_us);
+          std::printf(" us\n");
+          std::sort(rs.begin(), rs.end(), [](const Result& a, const Result& b) { return a.median_us < b.median_us; });
+          report(rs[rs.size() / 2]);
+        }
+        return;
+      }
       std::vector<ops::Config> tried = forced ? std::vector<ops::Config>{*forced} : cfgs;
       if (!forced && !with_meta.empty())
         std::erase_if(tried, [&](const ops::Config& c) { return !c.meta.count(with_meta); });
