@@ -202,9 +202,9 @@ class Codegen {
   bool sw128_candidate(ValueId v) const;
   // With meta wgmma_ss, a 16-bit [rows, 16] tile with rows % 8 == 0, read by nothing but
   // dots as their B operand (no trans()) whose warp split gives each warpgroup all 16
-  // columns: it may live in
-  // shared memory in the 32-byte-swizzled layout wgmma reads as an MN-major B (rows of
-  // 32 bytes, the 16-byte chunk c/8 of row r at chunk (c/8) ^ ((r / 4) % 2)).
+  // columns: it may live in shared memory in the 32-byte-swizzled layout wgmma reads as
+  // an MN-major B (rows of 32 bytes, the 16-byte chunk c/8 of row r at chunk
+  // (c/8) ^ ((r / 4) % 2)).
   bool sw32_candidate(ValueId v) const;
   // Whether a tensor-core dot's warp split lets it run as wgmma (each warpgroup 64
   // consecutive rows per m tile); sets the columns of one warpgroup.
