@@ -569,12 +569,15 @@ bool groups_by_default(const EmbeddingBackward& c) {
   return c.x1.device.is_cuda() && (c.dA3.dtype != DType::f32 || c.by_freq) && c.x1.shape[0] <= c.A.shape[1];
 }
 
-EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const Config& config, int64_t programs) {
+EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const Config& given, int64_t programs) {
   const int64_t T = c.x1.shape[0], D = c.B.shape[0], r = c.A.shape[0];
   const bool gpu = c.x1.device.is_cuda();
   // grad_out's products with the activations (from A, or after_a) and with B.
   const Product dot = product_dtype(c.g2.dtype, c.act ? c.act->dtype : c.A.dtype, c.B.dtype);
   const int64_t r_pad = rank_pad(r);
+  const bool grouped_by_default = groups_by_default(c);
+  const Config config = embedding_backward_own_config(
+      given, dot, r_pad, meta_or(given, "GROUP_BY_ID", grouped_by_default ? 1 : 0) != 0, gpu);
   const int64_t bytes = rank_bytes(dot, c.act ? c.act->dtype : c.A.dtype, c.B.dtype);
   // Tall token blocks: dB's atomics per element of grad_out are R_PAD / BLOCK_T. Half as
   // tall at rank 256 with 4-byte operands beside half grad_out (fp32 adapters with bf16
@@ -604,7 +607,7 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
   // scale_grad_by_freq 49.2-49.9 -> 47.6-47.8 us; plain f32 dA, whose atomics add into dA
   // itself, 42.3-42.7 against 47.1-47.4 us. Only with no more tokens than ids: its
   // [T, r] workspace is then no larger than the f32 copy of dA it replaces.
-  p.grouped = meta_or(config, "GROUP_BY_ID", groups_by_default(c) ? 1 : 0) != 0;
+  p.grouped = meta_or(config, "GROUP_BY_ID", grouped_by_default ? 1 : 0) != 0;
   p.meta = {{"BLOCK_T", bt},
             {"BLOCK_D", bd},
             {"R_PAD", r_pad},

@@ -10,6 +10,7 @@
 #include "gpu_test_util.h"
 #include "kerf/cache/store.h"
 #include "kerf/error.h"
+#include "kerf/jit/autotune.h"
 #include "kerf/jit/launch.h"
 #include "kerf/ops/ops.h"
 #include "test_cache_util.h"
@@ -556,6 +557,27 @@ TEST_CASE("lora_embedding and its backward with their untuned tiles at ranks 64 
   }
 }
 
+// Untuned up to rank 16 with 16-bit products: the fused 128x128 warpgroup tile on 4 warps
+// (grouped calls), the same tile in three launches where the call does not group (fp32
+// grad_A without scale_grad_by_freq); sizes it does not divide, padding_idx, after_a.
+TEST_CASE("lora_embedding_backward with its untuned tile at ranks up to 16 matches a float64 reference on the GPU",
+          "[gpu][ops][embedding]") {
+  KERF_REQUIRE_GPU();
+  test::ScopedEnv env({{"KERF_AUTOTUNE", "0"}});
+  const std::vector<BackCase> backward = {
+      {521, 3000, 390, 16, DType::bf16, DType::bf16, DType::bf16, std::nullopt, false},
+      {300, 1000, 200, 5, DType::f16, DType::f16, DType::f32, 0, true},
+      {257, 2000, 130, 16, DType::bf16, DType::f32, DType::f32, -1, false},
+      {129, 400, 260, 8, DType::bf16, DType::bf16, DType::bf16, 7, true},
+  };
+  uint64_t seed = 4900;
+  for (BackCase c : backward) {
+    check_backward(c, Device::cuda(0), seed++);
+    c.after_a = 1;
+    check_backward(c, Device::cuda(0), seed++);
+  }
+}
+
 TEST_CASE("lora_embedding_backward with FUSED runs one kernel where the grouped form runs three",
           "[gpu][ops][embedding]") {
   KERF_REQUIRE_GPU();
@@ -600,6 +622,57 @@ TEST_CASE(
     "[gpu][ops][embedding]") {
   KERF_REQUIRE_GPU();
   check_axolotl_regressions(Device::cuda(0));
+}
+
+// Untuned on a GPU (KERF_AUTOTUNE=0, a first call inside a graph capture): 16-bit products
+// up to rank 16 run the tuner's usual choice on an H100, 128x128 on 4 warps with warpgroup
+// dots, one cooperative kernel where the call groups by id; otherwise the plan's own tiles.
+TEST_CASE("the embedding backward's own GPU config is the fused 128x128 warpgroup tile up to rank 16",
+          "[ops][embedding]") {
+  const std::vector<autotune::TunableOp> ops = autotune::tunable_ops();
+  const auto op = std::find_if(ops.begin(), ops.end(),
+                               [](const autotune::TunableOp& o) { return o.name == "lora_embedding_backward"; });
+  REQUIRE(op != ops.end());
+  void* const p = reinterpret_cast<void*>(uintptr_t(1) << 20);
+  const auto planned = [&](int64_t r, DType t, const autotune::Config& c) {
+    std::vector<TensorView> views;
+    for (const autotune::Operand& o : op->operands({8192, 128256, 4096, r}, t))
+      views.push_back(TensorView::contiguous(p, o.dtype, o.shape, Device::cuda(0)));
+    return op->kernels(views, c, 132);
+  };
+  for (const DType t : {DType::bf16, DType::f16})
+    for (const int64_t r : {1, 5, 16}) {
+      CAPTURE(dtype_name(t), r);
+      const std::vector<autotune::KernelCall> k = planned(r, t, {});
+      REQUIRE(k.size() == 1);  // grouped by id (16-bit gradients), fused
+      CHECK(k[0].kernel->name() == std::string("lora_embedding_backward_fused"));
+      CHECK(k[0].meta.at("BLOCK_T") == 128);
+      CHECK(k[0].meta.at("BLOCK_D") == 128);
+      CHECK(k[0].meta.at("num_warps") == 4);
+      CHECK(k[0].meta.at("num_stages") == 3);
+      CHECK(k[0].meta.at("ROTATE") == 1);
+      CHECK(k[0].meta.at("staged_adds") == 1);
+      CHECK(k[0].meta.at("wgmma") == 1);
+      CHECK(k[0].meta.at("wgmma_ss") == 1);
+    }
+  // Rank 32, fp32 products, a tile named: the plan's own tiles (8 warps, mma.sync, three
+  // launches for grouped calls).
+  for (const auto& [r, t] : {std::pair<int64_t, DType>{32, DType::bf16}, {16, DType::f32}}) {
+    CAPTURE(r, dtype_name(t));
+    const std::vector<autotune::KernelCall> k = planned(r, t, {});
+    for (const autotune::KernelCall& call : k) CHECK_FALSE(call.meta.count("wgmma"));
+  }
+  const std::vector<autotune::KernelCall> named = planned(16, DType::bf16, {{"BLOCK_T", 64}, {"BLOCK_D", 64}});
+  REQUIRE(named.size() == 3);
+  CHECK(named[1].meta.at("BLOCK_T") == 64);
+  CHECK_FALSE(named[1].meta.count("wgmma"));
+  // Meta given without a tile keep the own tile and win over its meta.
+  const std::vector<autotune::KernelCall> unfused = planned(16, DType::bf16, {{"FUSED", 0}});
+  REQUIRE(unfused.size() == 3);
+  CHECK(unfused[1].kernel->name() == std::string("lora_embedding_backward"));
+  CHECK(unfused[1].meta.at("BLOCK_T") == 128);
+  CHECK(unfused[1].meta.at("num_warps") == 4);
+  CHECK(unfused[1].meta.at("wgmma") == 1);
 }
 
 TEST_CASE("lora_embedding rejects ids out of range on the CPU before anything runs",
