@@ -287,6 +287,17 @@ void expect_meta(const char* op, const Config& config, std::initializer_list<Met
   }
 }
 
+Config with_own_tile(const Config& given, int64_t block_m, int64_t block_k, int64_t warps, int64_t stages,
+                     const std::map<std::string, int64_t>& meta) {
+  Config c = given;
+  c.block_m = block_m;
+  c.block_k = block_k;
+  if (!c.num_warps) c.num_warps = warps;
+  if (!c.num_stages) c.num_stages = stages;
+  for (const auto& [name, value] : meta) c.meta.emplace(name, value);
+  return c;
+}
+
 void add_codegen_hints(const Config& config, dsl::MetaMap& meta) {
   if (const int64_t bytes = meta_or(config, "L2_PREFETCH", 0)) meta["l2_prefetch"] = bytes;
   if (meta_or(config, "WGMMA", 0)) meta["wgmma"] = 1;

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <initializer_list>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -217,6 +218,10 @@ Config stream_plan(const Config& config, DType w, int64_t steps, dsl::MetaMap& m
 // COLS_FIRST meta to match. Where the row blocks would not fit grid axis 1
 // (65535), the slices stay on axis 1: the same work in another order.
 Grid row_slice_grid(int64_t row_blocks, int64_t slices, int64_t batch, const Config& config, dsl::MetaMap& meta);
+// An op's own GPU config (for a call whose Config names no tile): `given` with the tile
+// block_m x block_k, and the warps, stages and meta entries it does not name itself.
+Config with_own_tile(const Config& given, int64_t block_m, int64_t block_k, int64_t warps, int64_t stages,
+                     const std::map<std::string, int64_t>& meta);
 // The code-generation hints of Config.meta as the kernel metas that carry them:
 // L2_PREFETCH (0, 64, 128 or 256 bytes) as l2_prefetch, the L2 prefetch size hint
 // of the kernel's pipelined copies, and WGMMA 1 as wgmma.

@@ -44,15 +44,7 @@ struct MoeBackwardPlan {
 Config own_config(const Config& config, Product dot, int64_t r_pad, bool gpu) {
   if (!gpu || config.block_m || config.block_k || config.meta.count("BY_COLUMNS") || !is_half(dot) || r_pad > 64)
     return config;
-  Config c = config;
-  c.block_m = 64;
-  c.block_k = 256;
-  if (!c.num_warps) c.num_warps = 8;
-  if (!c.num_stages) c.num_stages = 3;
-  c.meta["BY_COLUMNS"] = 1;
-  c.meta.emplace("STAGED_ADDS", 1);
-  c.meta.emplace("WGMMA", 1);
-  return c;
+  return with_own_tile(config, 64, 256, 8, 3, {{"BY_COLUMNS", 1}, {"STAGED_ADDS", 1}, {"WGMMA", 1}});
 }
 
 MoeBackwardPlan plan_launch(const TensorView& dW, DType a, DType b, int64_t r, bool gpu, int64_t programs,

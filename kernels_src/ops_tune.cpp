@@ -187,14 +187,7 @@ Config embedding_backward_own_config(const Config& given, Product product, int64
   if (!gpu || given.block_m || given.block_k || given.meta.count("GATHER") || !is_half(product) || product.tf32 ||
       r_pad > 16)
     return given;
-  Config c = given;
-  c.block_m = 128;
-  c.block_k = 128;
-  if (!c.num_warps) c.num_warps = 4;
-  if (!c.num_stages) c.num_stages = 3;
-  c.meta.emplace("ROTATE", 1);
-  c.meta.emplace("STAGED_ADDS", 1);
-  c.meta.emplace("WGMMA", 1);
+  Config c = with_own_tile(given, 128, 128, 4, 3, {{"ROTATE", 1}, {"STAGED_ADDS", 1}, {"WGMMA", 1}});
   if (grouped) c.meta.emplace("FUSED", 1);
   return c;
 }
