@@ -569,16 +569,42 @@ bool groups_by_default(const EmbeddingBackward& c) {
   return c.x1.device.is_cuda() && (c.dA3.dtype != DType::f32 || c.by_freq) && c.x1.shape[0] <= c.A.shape[1];
 }
 
+// The dtype of the activations the backward multiplies grad_out by (after_a's, else A's).
+DType activation_dtype(const EmbeddingBackward& c) { return c.act ? c.act->dtype : c.A.dtype; }
+
+// grad_out's products with the activations and with B.
+Product backward_product(const EmbeddingBackward& c) {
+  return product_dtype(c.g2.dtype, activation_dtype(c), c.B.dtype);
+}
+
+// The backward's own config on a GPU (a call whose Config names no tile: untuned, or a
+// first call inside a graph capture), `given` with what it leaves unsaid filled in: for a
+// 16-bit product up to rank 16, the tuner's usual choice on an H100, 128x128 tiles on 4
+// warps and 3 stages with ROTATE, STAGED_ADDS and WGMMA (targets other than sm_90a ignore
+// it), and FUSED where the call groups by id (`grouped`). Otherwise `given` as it is (the
+// plan's own tiles). On an H100 at 8192 tokens, vocab 128256, dim 4096, r=16 the plan's
+// own 128x128 on 8 warps (mma.sync, three launches) took about 44-45 us with bf16
+// gradients, these 39.7-39.9 (fused; 41.1-41.4 with fp32 gradients fused, 39.2 tuned
+// without FUSED, which fp32 gradients do not group). Before WGMMA the tuner chose the same
+// tile, FUSED, ROTATE and STAGED_ADDS on mma.sync (42.4-43.0 us).
+Config own_config(const Config& given, Product product, int64_t r_pad, bool grouped, bool gpu) {
+  if (!gpu || given.block_m || given.block_k || given.meta.count("GATHER") || !is_half(product) || product.tf32 ||
+      r_pad > 16)
+    return given;
+  Config c = with_own_tile(given, 128, 128, 4, 3, {{"ROTATE", 1}, {"STAGED_ADDS", 1}, {"WGMMA", 1}});
+  if (grouped) c.meta.emplace("FUSED", 1);
+  return c;
+}
+
 EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const Config& given, int64_t programs) {
   const int64_t T = c.x1.shape[0], D = c.B.shape[0], r = c.A.shape[0];
   const bool gpu = c.x1.device.is_cuda();
-  // grad_out's products with the activations (from A, or after_a) and with B.
-  const Product dot = product_dtype(c.g2.dtype, c.act ? c.act->dtype : c.A.dtype, c.B.dtype);
+  const Product dot = backward_product(c);
   const int64_t r_pad = rank_pad(r);
   const bool grouped_by_default = groups_by_default(c);
-  const Config config = embedding_backward_own_config(
-      given, dot, r_pad, meta_or(given, "GROUP_BY_ID", grouped_by_default ? 1 : 0) != 0, gpu);
-  const int64_t bytes = rank_bytes(dot, c.act ? c.act->dtype : c.A.dtype, c.B.dtype);
+  const Config config =
+      own_config(given, dot, r_pad, meta_or(given, "GROUP_BY_ID", grouped_by_default ? 1 : 0) != 0, gpu);
+  const int64_t bytes = rank_bytes(dot, activation_dtype(c), c.B.dtype);
   // Tall token blocks: dB's atomics per element of grad_out are R_PAD / BLOCK_T. Half as
   // tall at rank 256 with 4-byte operands beside half grad_out (fp32 adapters with bf16
   // grad_out: 279552 bytes on 128-token blocks; an fp32 grad_out fits them).
@@ -972,7 +998,7 @@ Config tuned_embedding_backward_config(const EmbeddingBackward& c) {
   // 8192x128256x4096, r=16 on an H100 (128x128, 4 warps, FUSED) bf16 gradients 41.9-42.2
   // -> 39.7-39.9 us, scale_grad_by_freq 44.3-44.8 -> 41.7-41.9, with after_a 39.5-39.7 ->
   // 38.0 us.
-  const Product dot = product_dtype(c.g2.dtype, c.act ? c.act->dtype : c.A.dtype, c.B.dtype);
+  const Product dot = backward_product(c);
   // Up to rank 64, the ranks whose warpgroup tiles an H100 has run against float64 so far.
   const size_t plain = rank_pad(r) <= 64 ? q.finalist_variants.size() : 0;
   for (size_t i = 0; i < plain; ++i)

@@ -178,20 +178,6 @@ std::vector<autotune::Config> with_wgmma_variant(std::vector<autotune::Config> v
   return variants;
 }
 
-// On an H100 at 8192 tokens, vocab 128256, dim 4096, r=16 the plan's own tiles (128x128
-// on 8 warps, mma.sync, three launches) took about 44-45 us with bf16 gradients, these
-// 39.7-39.9 (fused; 41.1-41.4 with fp32 gradients fused, 39.2 tuned without FUSED, which
-// fp32 gradients do not group). Before WGMMA the tuner chose the same tile, FUSED, ROTATE
-// and STAGED_ADDS on mma.sync (42.4-43.0 us).
-Config embedding_backward_own_config(const Config& given, Product product, int64_t r_pad, bool grouped, bool gpu) {
-  if (!gpu || given.block_m || given.block_k || given.meta.count("GATHER") || !is_half(product) || product.tf32 ||
-      r_pad > 16)
-    return given;
-  Config c = with_own_tile(given, 128, 128, 4, 3, {{"ROTATE", 1}, {"STAGED_ADDS", 1}, {"WGMMA", 1}});
-  if (grouped) c.meta.emplace("FUSED", 1);
-  return c;
-}
-
 std::vector<autotune::Config> with_wgmma_tiles(std::vector<autotune::Config> candidates,
                                                const std::vector<autotune::Config>& tiles, DType product,
                                                const Device& device) {

@@ -118,14 +118,6 @@ std::vector<autotune::Config> with_l2_prefetch_variants(std::vector<autotune::Co
 std::vector<autotune::Config> with_wgmma_variant(std::vector<autotune::Config> variants, DType product,
                                                  const Device& device);
 
-// The embedding backward's own config on a GPU (a call whose Config names no tile:
-// untuned, or a first call inside a graph capture), `given` with what it leaves unsaid
-// filled in: for a 16-bit product up to rank 16, the tuner's usual choice on an H100,
-// 128x128 tiles on 4 warps and 3 stages with ROTATE, STAGED_ADDS and WGMMA (targets other
-// than sm_90a ignore it), and FUSED where the call groups by id (`grouped`). Otherwise
-// `given` as it is (the plan's own tiles).
-Config embedding_backward_own_config(const Config& given, Product product, int64_t r_pad, bool grouped, bool gpu);
-
 // `variants` and COLS_FIRST 1 (the column slices of a row block on grid axis 0,
 // so that the programs running together cover a few whole rows), alone and with
 // each variant that sets WGMMA. At fixed configs on an H100 it took the merge at
