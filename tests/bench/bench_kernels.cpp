@@ -469,6 +469,17 @@ std::vector<std::string> comma_items(const std::string& list) {
   return items;
 }
 
+// NAME=VALUE[,NAME=VALUE...] (Config.meta entries) added to `into`; false at an item
+// without '='.
+bool parse_meta_items(const std::string& list, std::map<std::string, int64_t>& into) {
+  for (const std::string& item : comma_items(list)) {
+    const size_t eq = item.find('=');
+    if (eq == std::string::npos) return false;
+    into[item.substr(0, eq)] = std::atoll(item.c_str() + eq + 1);
+  }
+  return true;
+}
+
 template <class F>
 Result best_of(const std::vector<ops::Config>& configs, F run_one) {
   Result best;
@@ -555,14 +566,9 @@ int main(int argc, char** argv) {
       for (size_t at = 0; at <= list.size();) {
         const size_t semi = std::min(list.find(';', at), list.size());
         std::map<std::string, int64_t> v;
-        for (const std::string& item : comma_items(list.substr(at, semi - at))) {
-          const size_t eq = item.find('=');
-          if (item.empty()) continue;
-          if (eq == std::string::npos) {
-            std::fprintf(stderr, "--variants wants NAME=VALUE[,NAME=VALUE...] items separated by ';'\n");
-            return 2;
-          }
-          v[item.substr(0, eq)] = std::atoll(item.c_str() + eq + 1);
+        if (!parse_meta_items(list.substr(at, semi - at), v)) {
+          std::fprintf(stderr, "--variants wants NAME=VALUE[,NAME=VALUE...] items separated by ';'\n");
+          return 2;
         }
         variants.push_back(std::move(v));
         at = semi + 1;
@@ -570,15 +576,9 @@ int main(int argc, char** argv) {
     }
     if (!std::strcmp(argv[i], "--rounds") && i + 1 < argc) rounds = std::max(1, std::atoi(argv[++i]));
     // --meta NAME=V[,NAME=V...]: Config.meta for --only and --config (e.g. WARPS_N=2).
-    if (!std::strcmp(argv[i], "--meta") && i + 1 < argc) {
-      for (const std::string& item : comma_items(argv[++i])) {
-        const size_t eq = item.find('=');
-        if (eq == std::string::npos) {
-          std::fprintf(stderr, "--meta wants NAME=VALUE[,NAME=VALUE...]\n");
-          return 2;
-        }
-        meta[item.substr(0, eq)] = std::atoll(item.c_str() + eq + 1);
-      }
+    if (!std::strcmp(argv[i], "--meta") && i + 1 < argc && !parse_meta_items(argv[++i], meta)) {
+      std::fprintf(stderr, "--meta wants NAME=VALUE[,NAME=VALUE...]\n");
+      return 2;
     }
   }
   if (forced) forced->meta = meta;
