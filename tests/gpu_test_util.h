@@ -18,6 +18,17 @@
     }                                                                                          \
   } while (false)
 
+// For tests of several GPUs at once (one GPU is not enough: they say so and return).
+#define KERF_REQUIRE_TWO_GPUS()                                                \
+  do {                                                                         \
+    KERF_REQUIRE_GPU();                                                        \
+    if (kerf::cuda::device_count() < 2) {                                      \
+      std::cout << "KERF-SKIPPED: needs two CUDA devices, the driver reports " \
+                << kerf::cuda::device_count() << std::endl;                    \
+      return;                                                                  \
+    }                                                                          \
+  } while (false)
+
 #define KERF_REQUIRE_NVRTC()                                                                  \
   do {                                                                                        \
     if (!kerf::nvrtc::available()) {                                                          \
