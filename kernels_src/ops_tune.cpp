@@ -58,7 +58,7 @@ SavedBytes::SavedBytes(const TensorView& input, const TensorView& written, void*
     bytes_ = dense;
     if (device_.is_cuda()) {
       device_copy_ = cuda::DeviceBuffer(bytes_, device_.index);
-      cuda::memcpy_device_to_device(device_copy_.data(), first_, bytes_, stream_);
+      cuda::memcpy_device_to_device(device_copy_.data(), first_, bytes_, stream_, device_.index);
     } else {
       const char* p = static_cast<const char*>(first_);
       host_copy_.assign(p, p + bytes_);
@@ -96,7 +96,7 @@ void SavedBytes::restore() const {
   if (packed_.data) {
     copy_elements(packed_, view_, stream_);
   } else if (device_.is_cuda()) {
-    cuda::memcpy_device_to_device(first_, device_copy_.data(), bytes_, stream_);
+    cuda::memcpy_device_to_device(first_, device_copy_.data(), bytes_, stream_, device_.index);
   } else {
     std::memcpy(first_, host_copy_.data(), bytes_);
   }

@@ -812,13 +812,28 @@ Graph& Graph::operator=(Graph&& o) noexcept {
 
 // ---------------------------------------------------------------- copies and synchronization
 
-void memcpy_device_to_device(void* dst, const void* src, size_t bytes, StreamHandle stream) {
-  if (bytes == 0) return;
+namespace {
+
+void copy_in_scope(void* dst, const void* src, size_t bytes, StreamHandle stream) {
   if (!dst || !src) throw InvalidArgument("memcpy_device_to_device: a pointer is null");
-  const ContextScope scope = stream_scope(stream);
   check(
       api().MemcpyDtoDAsync(device_ptr(dst), device_ptr(src), bytes, static_cast<CUstream>(stream)),
       [&] { return "copying " + std::to_string(bytes) + " bytes between device buffers"; });
+}
+
+}  // namespace
+
+void memcpy_device_to_device(void* dst, const void* src, size_t bytes, StreamHandle stream) {
+  if (bytes == 0) return;
+  const ContextScope scope = stream_scope(stream);
+  copy_in_scope(dst, src, bytes, stream);
+}
+
+void memcpy_device_to_device(void* dst, const void* src, size_t bytes, StreamHandle stream,
+                             int device) {
+  if (bytes == 0) return;
+  const ContextScope scope = stream_scope(stream, device);
+  copy_in_scope(dst, src, bytes, stream);
 }
 
 void memset_device_async(void* dst, uint8_t value, size_t bytes, StreamHandle stream) {
@@ -876,6 +891,9 @@ Event::Event(int device) {
   CUevent event = nullptr;
   check(api().EventCreate(&event, CU_EVENT_DEFAULT), "creating a CUDA event");
   handle_ = event;
+  CUcontext context = nullptr;
+  check(api().CtxGetCurrent(&context), "querying this thread's current CUDA context");
+  context_ = context;
 }
 
 Event::~Event() {
@@ -883,6 +901,8 @@ Event::~Event() {
 }
 
 void Event::record(StreamHandle stream) {
+  // The event's context current: a null stream is then its device's legacy stream.
+  const ContextScope scope(static_cast<CUcontext>(context_));
   check(api().EventRecord(static_cast<CUevent>(handle_), static_cast<CUstream>(stream)),
         "recording a CUDA event on a stream");
 }

@@ -671,6 +671,36 @@ TEST_CASE("a thread with no current context can launch, copy and time", "[gpu]")
   for (const uint16_t v : out) CHECK(bf16_to_float(v) == 2.0f);
 }
 
+TEST_CASE("events and device copies on a device's legacy stream need no current context", "[gpu]") {
+  KERF_REQUIRE_GPU();
+  const int last = cuda::device_count() - 1;
+  cuda::DeviceBuffer src(4096, last), dst(4096, last);
+  std::vector<uint8_t> bytes(4096);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = uint8_t(i * 7 + 3);
+  src.copy_from_host(bytes.data(), bytes.size());
+  std::string error;
+  std::vector<uint8_t> back(4096);
+  // A new thread has no current context: a null stream is the event's (or the given
+  // device's) legacy stream, as when the autotuner times a call on the null stream of
+  // the tensors' device while another device is current.
+  std::thread worker([&] {
+    try {
+      cuda::Event start(last), stop(last);
+      start.record(nullptr);
+      cuda::memcpy_device_to_device(dst.data(), src.data(), 4096, nullptr, last);
+      stop.record(nullptr);
+      (void)cuda::Event::elapsed_ms(start, stop);
+      cuda::stream_synchronize(nullptr, last);
+      dst.copy_to_host(back.data(), back.size());
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  });
+  worker.join();
+  CHECK(error.empty());
+  CHECK(back == bytes);
+}
+
 TEST_CASE("current_device is the device of the thread's current context, 0 without one", "[gpu]") {
   KERF_REQUIRE_GPU();
   std::vector<int> seen;

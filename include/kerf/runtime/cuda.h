@@ -198,7 +198,13 @@ class Graph {
   void* exec_ = nullptr;
 };
 
+// cuMemcpyDtoDAsync on `stream`; a null stream is the legacy stream of the thread's
+// current context (of device 0 when it has none).
 void memcpy_device_to_device(void* dst, const void* src, size_t bytes, StreamHandle stream);
+// The same, where a null stream is `device`'s legacy stream (memory of `device`, while
+// another device may be current).
+void memcpy_device_to_device(void* dst, const void* src, size_t bytes, StreamHandle stream,
+                             int device);
 // cuMemsetD8Async: `bytes` bytes at `dst` set to `value`, queued on `stream`.
 void memset_device_async(void* dst, uint8_t value, size_t bytes, StreamHandle stream);
 void stream_synchronize(StreamHandle stream);
@@ -228,6 +234,7 @@ class Event {
   ~Event();
   Event(const Event&) = delete;
   Event& operator=(const Event&) = delete;
+  // A null stream is the legacy stream of the event's device, whatever is current.
   void record(StreamHandle stream);
   void synchronize() const;
   // Milliseconds between two recorded events.
@@ -235,6 +242,7 @@ class Event {
 
  private:
   void* handle_ = nullptr;
+  void* context_ = nullptr;  // the context it was created in
 };
 
 // Where a pointer lives: Device::cpu() for host memory the driver does not know,
