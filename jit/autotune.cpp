@@ -316,6 +316,8 @@ Choice choose(const Problem& p, const std::vector<Config>& candidates, const Con
                                      "a stream captures a CUDA graph): the default config this time");
     return c;
   }
+  // Timing on a stream of another device would fail candidate by candidate: say why first.
+  if (p.device.is_cuda()) cuda::expect_stream_on(o.stream, p.device.index);
   std::lock_guard<std::mutex> one_at_a_time(m.tuning_lock(p.device));
   if (auto r = remembered()) return *r;  // another thread tuned it meanwhile
 

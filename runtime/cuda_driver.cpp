@@ -604,12 +604,60 @@ void launch(void* function, Grid grid, int block_threads, int dynamic_smem_bytes
                  cooperative);
 }
 
+namespace {
+
+// The device index of a context.
+int context_device(CUcontext context) {
+  const ContextScope scope(context);
+  CUdevice device = 0;
+  check(api().CtxGetDevice(&device), "querying the device of a CUDA context");
+  for (int i = 0; i < device_count(); ++i)
+    if (device_handle(i) == device) return i;
+  return int(device);
+}
+
+// A stream of another device (or context) than `context`'s is the caller's mistake, said
+// in words rather than as the driver's "invalid resource handle" of a failed launch.
+// Returns when the stream is the context's (or the driver cannot say whose it is).
+void refuse_foreign_stream(CUcontext context, StreamHandle stream) {
+  CUcontext owner = nullptr;
+  if (!stream || api().StreamGetCtx(static_cast<CUstream>(stream), &owner) != CUDA_SUCCESS || owner == context)
+    return;
+  const int want = context_device(context), got = context_device(owner);
+  throw InvalidArgument(
+      "the stream given belongs to CUDA device " + std::to_string(got) +
+      (got == want ? " (another context of it)" : std::string()) + ", but the kernel runs on device " +
+      std::to_string(want) + ", where its tensors are: pass a stream of that device, or none for its default stream");
+}
+
+}  // namespace
+
+void expect_stream_on(StreamHandle stream, int device) {
+  if (!stream) return;
+  require_device(device);
+  refuse_foreign_stream(primary_context(device), stream);
+}
+
 void launch_in(void* context, void* function, Grid grid, int block_threads, int dynamic_smem_bytes,
                StreamHandle stream, void** params, bool overlap_prior, unsigned cluster_x, bool cooperative) {
   if (!context) throw InvalidArgument("cuda::launch_in: the context is null");
   const ContextScope scope(static_cast<CUcontext>(context));  // the caller's context is current again after
-  launch_current(function, grid, block_threads, dynamic_smem_bytes, stream, params, overlap_prior, cluster_x,
-                 cooperative);
+  // A stream of another context is refused before the launch; each thread remembers the
+  // last pair it checked, so a stream used again costs no driver call.
+  thread_local StreamHandle checked_stream = nullptr;
+  thread_local void* checked_context = nullptr;
+  if (stream && (stream != checked_stream || context != checked_context)) {
+    refuse_foreign_stream(static_cast<CUcontext>(context), stream);
+    checked_stream = stream;
+    checked_context = context;
+  }
+  try {
+    launch_current(function, grid, block_threads, dynamic_smem_bytes, stream, params, overlap_prior, cluster_x,
+                   cooperative);
+  } catch (const CudaError&) {
+    refuse_foreign_stream(static_cast<CUcontext>(context), stream);
+    throw;
+  }
 }
 
 // ---------------------------------------------------------------- DeviceBuffer

@@ -12,7 +12,9 @@
 
 #include "catch.h"
 #include "device_tensor.h"
+#include "error_test_util.h"
 #include "gpu_test_util.h"
+#include "kerf/error.h"
 #include "kerf/ops/ops.h"
 
 using namespace kerf;
@@ -449,4 +451,36 @@ TEST_CASE("sharded ops with one shard per GPU, combined on the host, match float
     CHECK(scaled_error(da_all, ref_da) <= 1e-2);
     CHECK(scaled_error(db_all, ref_db) <= 1e-2);
   }
+}
+
+TEST_CASE("a stream of another GPU than the tensors' is refused, naming both", "[gpu][multigpu]") {
+  KERF_REQUIRE_TWO_GPUS();
+  const CurrentDeviceZero zero;
+  const int last = cuda::device_count() - 1;
+  const Device dev = Device::cuda(last);
+  std::mt19937_64 rng(9400);
+  const int64_t out = 96, in = 160, r = 8;
+  TestTensor W = tensor_of(DType::f32, {out, in}, dev, uniform(rng, out * in, -1, 1)),
+             A = tensor_of(DType::f32, {r, in}, dev, uniform(rng, r * in, -1, 1)),
+             B = tensor_of(DType::f32, {out, r}, dev, uniform(rng, out * r, -1, 1));
+  const cuda::Stream other(0);
+  const std::string want = "runs on device " + std::to_string(last);
+  // A given config (no tuning): the launch fails, and says why.
+  const std::string untuned = test::thrown<InvalidArgument>([&] {
+    ops::lora_merge(W.view(), A.view(), B.view(), 0.5, other.handle(),
+                    ops::Config{64, 64, 1, 4, 2});
+  });
+  CHECK_THAT(untuned, Catch::Contains("belongs to CUDA device 0"));
+  CHECK_THAT(untuned, Catch::Contains(want));
+  // The tuner's own calls (a shape not tuned before): refused before any candidate is timed.
+  TestTensor W2 = tensor_of(DType::f32, {out + 1, in}, dev, uniform(rng, (out + 1) * in, -1, 1)),
+             B2 = tensor_of(DType::f32, {out + 1, r}, dev, uniform(rng, (out + 1) * r, -1, 1));
+  const std::string tuned = test::thrown<InvalidArgument>(
+      [&] { ops::lora_merge(W2.view(), A.view(), B2.view(), 0.5, other.handle()); });
+  CHECK_THAT(tuned, Catch::Contains("belongs to CUDA device 0"));
+  CHECK_THAT(tuned, Catch::Contains(want));
+  // With the right stream the same calls run.
+  const cuda::Stream own(last);
+  ops::lora_merge(W.view(), A.view(), B.view(), 0.5, own.handle(), ops::Config{64, 64, 1, 4, 2});
+  own.synchronize();
 }

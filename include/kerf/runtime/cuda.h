@@ -212,6 +212,9 @@ void stream_synchronize(StreamHandle stream);
 // context's, which may be another device's).
 void stream_synchronize(StreamHandle stream, int device);
 void device_synchronize(int device);
+// Throws InvalidArgument, naming both devices, when `stream` (not null) is not a stream
+// of `device` (of its primary context, where kerf loads its kernels).
+void expect_stream_on(StreamHandle stream, int device);
 
 class Stream {
  public:
