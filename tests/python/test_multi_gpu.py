@@ -4,6 +4,7 @@ torch's current device as it was; a row-parallel DoRA norm over two processes,
 one GPU each, its partial sums all-reduced by torch.distributed (NCCL), as a
 tensor-parallel training job would call it. Skipped with fewer than two GPUs."""
 
+import datetime
 import os
 import tempfile
 
@@ -74,7 +75,8 @@ def _row_parallel_rank(rank, world, init_file, result_dir):
     import torch.distributed as dist
 
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))  # a hang fails the test, not the run
     try:
         dev = torch.device("cuda", rank)
         g = torch.Generator().manual_seed(11)  # the same whole tensors on every rank
