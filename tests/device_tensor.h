@@ -163,6 +163,15 @@ inline double max_relative_error(const std::vector<double>& got, const std::vect
   return worst;
 }
 
+// Errors relative to the reference's root-mean-square: sums taken in another order
+// differ by rounding of the tensor's scale, not of each element.
+inline double rms_scaled_error(const std::vector<double>& got, const std::vector<double>& ref) {
+  double ss = 0;
+  for (double r : ref) ss += r * r;
+  const double rms = ref.empty() ? 0.0 : std::sqrt(ss / double(ref.size()));
+  return max_relative_error(got, ref, std::max(rms, 1e-30));
+}
+
 // Every element of `t` (downloaded first) as doubles, in order.
 inline std::vector<double> values(TestTensor& t) {
   t.download();

@@ -22,14 +22,7 @@ using kerf::test::TestTensor;
 
 namespace {
 
-// Errors relative to the reference's root-mean-square (sums taken in another order
-// differ by rounding of the tensor's scale, not of each element).
-double scaled_error(const std::vector<double>& got, const std::vector<double>& ref) {
-  double ss = 0;
-  for (double r : ref) ss += r * r;
-  return test::max_relative_error(
-      got, ref, std::max(std::sqrt(ss / double(std::max<size_t>(ref.size(), 1))), 1e-30));
-}
+using test::rms_scaled_error;
 
 // A tensor on `dev` holding `values` (rounded to its dtype).
 TestTensor tensor_of(DType t, std::vector<int64_t> shape, Device dev,
@@ -64,6 +57,72 @@ std::vector<double> merged(const std::vector<double>& W, const std::vector<doubl
       for (int64_t j = 0; j < in; ++j) y[size_t(i * in + j)] += b * A[size_t(k * in + j)];
     }
   return y;
+}
+
+// DoRA's norm and scale of W + s * B @ A per row, float64.
+struct DoraRef {
+  std::vector<double> norm, scale;
+};
+DoraRef dora_reference(const std::vector<double>& W, const std::vector<double>& A,
+                       const std::vector<double>& B, const std::vector<double>& m, double s,
+                       int64_t out, int64_t in, int64_t r) {
+  const std::vector<double> y = merged(W, A, B, s, out, in, r);
+  DoraRef ref{std::vector<double>(size_t(out)), std::vector<double>(size_t(out))};
+  for (int64_t i = 0; i < out; ++i) {
+    double ss = 0;
+    for (int64_t j = 0; j < in; ++j) ss += y[size_t(i * in + j)] * y[size_t(i * in + j)];
+    ref.norm[size_t(i)] = std::sqrt(ss);
+    ref.scale[size_t(i)] = m[size_t(i)] / ref.norm[size_t(i)];
+  }
+  return ref;
+}
+
+// The LoRA embedding's output and gradients (PEFT's layout), float64.
+struct EmbeddingRef {
+  std::vector<double> out, grad_a, grad_b;
+};
+EmbeddingRef embedding_reference(const std::vector<double>& ids, const std::vector<double>& table,
+                                 const std::vector<double>& A, const std::vector<double>& B,
+                                 const std::vector<double>& grad_out, double s, int64_t V,
+                                 int64_t D, int64_t r) {
+  const int64_t T = int64_t(ids.size());
+  EmbeddingRef ref{std::vector<double>(size_t(T * D)), std::vector<double>(size_t(r * V), 0.0),
+                   std::vector<double>(size_t(D * r), 0.0)};
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t v = int64_t(ids[size_t(t)]);
+    for (int64_t d = 0; d < D; ++d) {
+      double acc = table[size_t(v * D + d)];
+      for (int64_t q = 0; q < r; ++q) acc += s * A[size_t(q * V + v)] * B[size_t(d * r + q)];
+      ref.out[size_t(t * D + d)] = acc;
+      const double g = grad_out[size_t(t * D + d)];
+      for (int64_t q = 0; q < r; ++q) {
+        ref.grad_a[size_t(q * V + v)] += s * g * B[size_t(d * r + q)];
+        ref.grad_b[size_t(d * r + q)] += s * g * A[size_t(q * V + v)];
+      }
+    }
+  }
+  return ref;
+}
+
+// The MoE backward's dA [E, r, K] and dB [E, N, r] of dW [E, N, K], float64.
+struct MoeGrads {
+  std::vector<double> da, db;
+};
+MoeGrads moe_backward_reference(const std::vector<double>& dW, const std::vector<double>& A,
+                                const std::vector<double>& B, double s, int64_t E, int64_t N,
+                                int64_t K, int64_t r) {
+  MoeGrads ref{std::vector<double>(size_t(E * r * K), 0.0),
+               std::vector<double>(size_t(E * N * r), 0.0)};
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k) {
+        const double g = dW[size_t((e * N + n) * K + k)];
+        for (int64_t q = 0; q < r; ++q) {
+          ref.da[size_t((e * r + q) * K + k)] += s * B[size_t((e * N + n) * r + q)] * g;
+          ref.db[size_t((e * N + n) * r + q)] += s * g * A[size_t((e * r + q) * K + k)];
+        }
+      }
+  return ref;
 }
 
 // The device of every other test is 0: put it back however a case ends.
@@ -107,16 +166,9 @@ void check_ops_on(Device dev, void* stream, std::mt19937_64& rng) {
                    stream);
     CHECK(cuda::current_device() == 0);
     sync();
-    const std::vector<double> y = merged(w, a, b, s, out, in, r);
-    std::vector<double> ref_n(static_cast<size_t>(out)), ref_s(static_cast<size_t>(out));
-    for (int64_t i = 0; i < out; ++i) {
-      double ss = 0;
-      for (int64_t j = 0; j < in; ++j) ss += y[size_t(i * in + j)] * y[size_t(i * in + j)];
-      ref_n[size_t(i)] = std::sqrt(ss);
-      ref_s[size_t(i)] = m[size_t(i)] / ref_n[size_t(i)];
-    }
-    CHECK(test::max_relative_error(test::values(norm), ref_n) <= 1e-2);
-    CHECK(test::max_relative_error(test::values(scale), ref_s) <= 1e-2);
+    const DoraRef ref = dora_reference(w, a, b, m, s, out, in, r);
+    CHECK(test::max_relative_error(test::values(norm), ref.norm) <= 1e-2);
+    CHECK(test::max_relative_error(test::values(scale), ref.scale) <= 1e-2);
   }
   // LoRA merge in place, fp32.
   {
@@ -130,7 +182,7 @@ void check_ops_on(Device dev, void* stream, std::mt19937_64& rng) {
     ops::lora_merge(W.view(), A.view(), B.view(), s, stream);
     CHECK(cuda::current_device() == 0);
     sync();
-    CHECK(scaled_error(test::values(W), merged(w, a, b, s, out, in, r)) <= 1e-5);
+    CHECK(rms_scaled_error(test::values(W), merged(w, a, b, s, out, in, r)) <= 1e-5);
   }
   // MoE materialize forward and backward, bf16 (the backward's bf16 gradients are summed in
   // an fp32 workspace of the device and flushed into them).
@@ -155,8 +207,7 @@ void check_ops_on(Device dev, void* stream, std::mt19937_64& rng) {
                                        stream);
     CHECK(cuda::current_device() == 0);
     sync();
-    std::vector<double> ref_w, ref_da(static_cast<size_t>(E * r * K), 0.0),
-        ref_db(static_cast<size_t>(E * N * r), 0.0);
+    std::vector<double> ref_w;
     for (int64_t e = 0; e < E; ++e) {
       const auto part = [e](const std::vector<double>& v, int64_t n) {
         return std::vector<double>(v.begin() + e * n, v.begin() + (e + 1) * n);
@@ -164,18 +215,11 @@ void check_ops_on(Device dev, void* stream, std::mt19937_64& rng) {
       const std::vector<double> we =
           merged(part(w, N * K), part(a, r * K), part(b, N * r), s, N, K, r);
       ref_w.insert(ref_w.end(), we.begin(), we.end());
-      for (int64_t n = 0; n < N; ++n)
-        for (int64_t k = 0; k < K; ++k) {
-          const double gv = g[size_t((e * N + n) * K + k)];
-          for (int64_t q = 0; q < r; ++q) {
-            ref_da[size_t((e * r + q) * K + k)] += s * b[size_t((e * N + n) * r + q)] * gv;
-            ref_db[size_t((e * N + n) * r + q)] += s * gv * a[size_t((e * r + q) * K + k)];
-          }
-        }
     }
+    const MoeGrads ref = moe_backward_reference(g, a, b, s, E, N, K, r);
     CHECK(test::max_relative_error(test::values(W_eff), ref_w, 1e-1) <= 1e-2);
-    CHECK(scaled_error(test::values(dA), ref_da) <= 1e-2);
-    CHECK(scaled_error(test::values(dB), ref_db) <= 1e-2);
+    CHECK(rms_scaled_error(test::values(dA), ref.da) <= 1e-2);
+    CHECK(rms_scaled_error(test::values(dB), ref.db) <= 1e-2);
   }
   // LoRA embedding forward and backward (ids with repeats; fp32 tables, bf16 gradient).
   {
@@ -203,25 +247,11 @@ void check_ops_on(Device dev, void* stream, std::mt19937_64& rng) {
                                  {}, stream);
     CHECK(cuda::current_device() == 0);
     sync();
-    std::vector<double> ref_out(static_cast<size_t>(T * D)),
-        ref_ga(static_cast<size_t>(r * V), 0.0), ref_gb(static_cast<size_t>(D * r), 0.0);
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t v = int64_t(ids[size_t(t)]);
-      for (int64_t d = 0; d < D; ++d) {
-        double acc = wt[size_t(v * D + d)];
-        for (int64_t q = 0; q < r; ++q) acc += s * a[size_t(q * V + v)] * b[size_t(d * r + q)];
-        ref_out[size_t(t * D + d)] = acc;
-        const double gv = g[size_t(t * D + d)];
-        for (int64_t q = 0; q < r; ++q) {
-          ref_ga[size_t(q * V + v)] += s * gv * b[size_t(d * r + q)];
-          ref_gb[size_t(d * r + q)] += s * gv * a[size_t(q * V + v)];
-        }
-      }
-    }
-    CHECK(scaled_error(test::values(out), ref_out) <= 1e-5);
+    const EmbeddingRef ref = embedding_reference(ids, wt, a, b, g, s, V, D, r);
+    CHECK(rms_scaled_error(test::values(out), ref.out) <= 1e-5);
     // grad_out is bf16 (products in bf16: the adapters hold bf16 values, so none is rounded).
-    CHECK(scaled_error(test::values(gA), ref_ga) <= 1e-2);
-    CHECK(scaled_error(test::values(gB), ref_gb) <= 1e-2);
+    CHECK(rms_scaled_error(test::values(gA), ref.grad_a) <= 1e-2);
+    CHECK(rms_scaled_error(test::values(gB), ref.grad_b) <= 1e-2);
   }
 }
 
@@ -268,13 +298,7 @@ TEST_CASE("two threads, each driving its own GPU, get their own answers", "[gpu]
           norm.poison();
           ops::dora_norm(W.view(), A.view(), B.view(), M.view(), s, norm.view(), scale.view());
           cuda::device_synchronize(d);
-          const std::vector<double> y = merged(w, a, b, s, out, in, r);
-          std::vector<double> ref(static_cast<size_t>(out));
-          for (int64_t i = 0; i < out; ++i) {
-            double ss = 0;
-            for (int64_t j = 0; j < in; ++j) ss += y[size_t(i * in + j)] * y[size_t(i * in + j)];
-            ref[size_t(i)] = std::sqrt(ss);
-          }
+          const std::vector<double> ref = dora_reference(w, a, b, m, s, out, in, r).norm;
           const double err = test::max_relative_error(test::values(norm), ref);
           if (!(err <= 1e-5))
             throw std::runtime_error("round " + std::to_string(round) + ": relative error " +
@@ -329,16 +353,9 @@ TEST_CASE("sharded ops with one shard per GPU, combined on the host, match float
                M = tensor_of(DType::f32, {out}, g1, m);
     TestTensor norm(DType::f32, {out}, g1), scale(DType::f32, {out}, g1);
     ops::dora_norm_finish(sumsq.view(), M.view(), 0.0, norm.view(), scale.view());
-    const std::vector<double> y = merged(w, a, b, s, out, in, r);
-    std::vector<double> ref_n(static_cast<size_t>(out)), ref_s(static_cast<size_t>(out));
-    for (int64_t i = 0; i < out; ++i) {
-      double ss = 0;
-      for (int64_t j = 0; j < in; ++j) ss += y[size_t(i * in + j)] * y[size_t(i * in + j)];
-      ref_n[size_t(i)] = std::sqrt(ss);
-      ref_s[size_t(i)] = m[size_t(i)] / ref_n[size_t(i)];
-    }
-    CHECK(test::max_relative_error(test::values(norm), ref_n) <= 1e-2);
-    CHECK(test::max_relative_error(test::values(scale), ref_s) <= 1e-2);
+    const DoraRef ref = dora_reference(w, a, b, m, s, out, in, r);
+    CHECK(test::max_relative_error(test::values(norm), ref.norm) <= 1e-2);
+    CHECK(test::max_relative_error(test::values(scale), ref.scale) <= 1e-2);
   }
 
   SECTION(
@@ -388,23 +405,10 @@ TEST_CASE("sharded ops with one shard per GPU, combined on the host, match float
         for (int64_t v = 0; v < Vh; ++v)
           ga_all[size_t(q * V + c * Vh + v)] = ga[size_t(q * Vh + v)];
     }
-    std::vector<double> ref_out(static_cast<size_t>(T * D)),
-        ref_ga(static_cast<size_t>(r * V), 0.0), ref_gb(static_cast<size_t>(D * r), 0.0);
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t v = int64_t(ids[size_t(t)]);
-      for (int64_t d = 0; d < D; ++d) {
-        double acc = wt[size_t(v * D + d)];
-        for (int64_t q = 0; q < r; ++q) acc += s * a[size_t(q * V + v)] * b[size_t(d * r + q)];
-        ref_out[size_t(t * D + d)] = acc;
-        for (int64_t q = 0; q < r; ++q) {
-          ref_ga[size_t(q * V + v)] += s * g[size_t(t * D + d)] * b[size_t(d * r + q)];
-          ref_gb[size_t(d * r + q)] += s * g[size_t(t * D + d)] * a[size_t(q * V + v)];
-        }
-      }
-    }
-    CHECK(scaled_error(out_sum, ref_out) <= 1e-5);
-    CHECK(scaled_error(ga_all, ref_ga) <= 1e-5);
-    CHECK(scaled_error(gb_sum, ref_gb) <= 1e-5);
+    const EmbeddingRef ref = embedding_reference(ids, wt, a, b, g, s, V, D, r);
+    CHECK(rms_scaled_error(out_sum, ref.out) <= 1e-5);
+    CHECK(rms_scaled_error(ga_all, ref.grad_a) <= 1e-5);
+    CHECK(rms_scaled_error(gb_sum, ref.grad_b) <= 1e-5);
   }
 
   SECTION(
@@ -437,19 +441,10 @@ TEST_CASE("sharded ops with one shard per GPU, combined on the host, match float
       da_all.insert(da_all.end(), da.begin(), da.end());
       db_all.insert(db_all.end(), db.begin(), db.end());
     }
-    std::vector<double> ref_da(static_cast<size_t>(E * r * K), 0.0),
-        ref_db(static_cast<size_t>(E * N * r), 0.0);
-    for (int64_t e = 0; e < E; ++e)
-      for (int64_t n = 0; n < N; ++n)
-        for (int64_t k = 0; k < K; ++k)
-          for (int64_t q = 0; q < r; ++q) {
-            const double gv = g[size_t((e * N + n) * K + k)];
-            ref_da[size_t((e * r + q) * K + k)] += s * b[size_t((e * N + n) * r + q)] * gv;
-            ref_db[size_t((e * N + n) * r + q)] += s * gv * a[size_t((e * r + q) * K + k)];
-          }
+    const MoeGrads ref = moe_backward_reference(g, a, b, s, E, N, K, r);
     // fp32 adapters holding bf16 values on a bf16 gradient (products in bf16, nothing rounded).
-    CHECK(scaled_error(da_all, ref_da) <= 1e-2);
-    CHECK(scaled_error(db_all, ref_db) <= 1e-2);
+    CHECK(rms_scaled_error(da_all, ref.da) <= 1e-2);
+    CHECK(rms_scaled_error(db_all, ref.db) <= 1e-2);
   }
 }
 

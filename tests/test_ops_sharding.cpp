@@ -22,13 +22,7 @@ using kerf::test::TestTensor;
 
 namespace {
 
-// Errors relative to the reference's root-mean-square: sums taken in another
-// order differ by fp32 rounding of the tensor's scale, not of each element.
-double scaled_error(const std::vector<double>& got, const std::vector<double>& ref) {
-  double ss = 0;
-  for (double r : ref) ss += r * r;
-  return test::max_relative_error(got, ref, std::max(std::sqrt(ss / double(ref.size())), 1e-30));
-}
+using test::rms_scaled_error;
 
 // A 2-D view of rows [r0, r0 + nr) and columns [c0, c0 + nc) of a row-major [rows, cols] tensor.
 TensorView block(TestTensor& t, int64_t r0, int64_t nr, int64_t c0, int64_t nc) {
@@ -332,8 +326,8 @@ void check_embedding_layouts(Device dev) {
         }
       }
       CHECK(test::max_relative_error(out_sum, ref_out, 1.0) <= 1e-5);
-      CHECK(scaled_error(values(gA), ref_a) <= 1e-5);
-      CHECK(scaled_error(b_sum, ref_b) <= 1e-5);
+      CHECK(rms_scaled_error(values(gA), ref_a) <= 1e-5);
+      CHECK(rms_scaled_error(b_sum, ref_b) <= 1e-5);
       if (act) CHECK(act_sum == values(act_all));  // exactly: one shard wrote each, the others zeros
     }
 
@@ -363,8 +357,8 @@ void check_embedding_layouts(Device dev) {
       for (size_t i = 0; i < b.size(); ++i) b_sum[i] += b[i];
     }
     CHECK(test::max_relative_error(out_sum, ref_out, 1.0) <= 1e-5);
-    CHECK(scaled_error(values(gA), ref_a) <= 1e-5);
-    CHECK(scaled_error(b_sum, ref_b) <= 1e-5);
+    CHECK(rms_scaled_error(values(gA), ref_a) <= 1e-5);
+    CHECK(rms_scaled_error(b_sum, ref_b) <= 1e-5);
   };
 
   // Vocab split over two mesh axes at once (JAX's P(None, ("x", "y"))): 2 x 3 shards of 20
@@ -433,8 +427,8 @@ void check_embedding_layouts(Device dev) {
       for (size_t i = 0; i < b.size(); ++i) bb_sum[i] += b[i];
     }
     CHECK(test::max_relative_error(values(o2), ref_out, 1.0) <= 1e-5);
-    CHECK(scaled_error(a_sum, ra) <= 1e-5);
-    CHECK(scaled_error(bb_sum, rb) <= 1e-5);
+    CHECK(rms_scaled_error(a_sum, ra) <= 1e-5);
+    CHECK(rms_scaled_error(bb_sum, rb) <= 1e-5);
   }
   // dim split over "tp" (2 shards of 24): forward local; grad_B rows local, grad_A partial.
   {
@@ -457,8 +451,8 @@ void check_embedding_layouts(Device dev) {
       for (size_t i = 0; i < a.size(); ++i) a_sum[i] += a[i];
     }
     CHECK(test::max_relative_error(values(o2), ref_out, 1.0) <= 1e-5);
-    CHECK(scaled_error(a_sum, ref_a) <= 1e-5);
-    CHECK(scaled_error(values(gB), ref_b) <= 1e-5);
+    CHECK(rms_scaled_error(a_sum, ref_a) <= 1e-5);
+    CHECK(rms_scaled_error(values(gB), ref_b) <= 1e-5);
   }
 }
 
