@@ -298,10 +298,10 @@ Config with_own_tile(const Config& given, int64_t block_m, int64_t block_k, int6
   return c;
 }
 
-void add_codegen_hints(const Config& config, dsl::MetaMap& meta) {
+void add_codegen_hints(const Config& config, dsl::MetaMap& meta, int64_t wgmma_ss_default) {
   if (const int64_t bytes = meta_or(config, "L2_PREFETCH", 0)) meta["l2_prefetch"] = bytes;
   if (meta_or(config, "WGMMA", 0)) meta["wgmma"] = 1;
-  if (meta_or(config, "WGMMA", 0) && meta_or(config, "WGMMA_SS", 0)) meta["wgmma_ss"] = 1;
+  if (meta_or(config, "WGMMA", 0) && meta_or(config, "WGMMA_SS", wgmma_ss_default)) meta["wgmma_ss"] = 1;
   if (meta_or(config, "STAGED_ADDS", 0)) meta["staged_adds"] = 1;
 }
 

@@ -224,8 +224,9 @@ Config with_own_tile(const Config& given, int64_t block_m, int64_t block_k, int6
                      const std::map<std::string, int64_t>& meta);
 // The code-generation hints of Config.meta as the kernel metas that carry them:
 // L2_PREFETCH (0, 64, 128 or 256 bytes) as l2_prefetch, the L2 prefetch size hint
-// of the kernel's pipelined copies, and WGMMA 1 as wgmma.
-void add_codegen_hints(const Config& config, dsl::MetaMap& meta);
+// of the kernel's pipelined copies, WGMMA 1 as wgmma, with it WGMMA_SS 1 (unset: the
+// op's `wgmma_ss_default`) as wgmma_ss, and STAGED_ADDS 1 as staged_adds.
+void add_codegen_hints(const Config& config, dsl::MetaMap& meta, int64_t wgmma_ss_default = 0);
 // Each of `names` that config.meta sets to a non-zero value, as the kernel
 // meta-parameter of that name (EVICT, WARPS_N: kernels read 0 when unset).
 void pass_meta(const Config& config, dsl::MetaMap& meta, std::initializer_list<const char*> names);

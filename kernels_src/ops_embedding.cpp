@@ -642,11 +642,10 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
             {"num_warps", config.num_warps ? config.num_warps : (gpu && bt >= 128 ? 8 : 4)},
             {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
   set_product_meta(p.meta, dot, config);
-  add_codegen_hints(config, p.meta);
   // WGMMA: both products of a step as warpgroup dots reading both tiles from shared memory
   // (g's tile, through its transpose for g^T @ act; B's step tile; the activations kept
   // by rank), unless WGMMA_SS=0 (A's fragments in registers, B's step tile on mma.sync).
-  if (p.meta.count("wgmma") && meta_or(config, "WGMMA_SS", 1)) p.meta["wgmma_ss"] = 1;
+  add_codegen_hints(config, p.meta, /*wgmma_ss_default=*/1);
   // On a GPU the kernel waits for the grid before it, the fill, before its first atomics,
   // so that its launch may overlap the fill (LaunchOptions::overlap_prior).
   if (gpu) p.meta["WAIT_PRIOR"] = 1;
