@@ -27,6 +27,10 @@
 #                                          # match, in kerf_bench's first case named so (tuner off): ncu.log,
 #                                          # and ncu-source.csv.gz (each SASS instruction's stall samples)
 #
+# On a machine with two or more GPUs the [multigpu] test cases and
+# tests/python/test_multi_gpu.py run too (with one they say they were skipped):
+#   tools/gpu-check.sh --stages test,python --filter "[multigpu]"
+#
 # The benchmark logs and JSON are written to $OUT as they grow, so a run
 # stopped by a time limit still leaves every case it finished.
 #
