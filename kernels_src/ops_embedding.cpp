@@ -601,9 +601,17 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
   const bool gpu = c.x1.device.is_cuda();
   const Product dot = backward_product(c);
   const int64_t r_pad = rank_pad(r);
-  const bool grouped_by_default = groups_by_default(c);
-  const Config config =
-      own_config(given, dot, r_pad, meta_or(given, "GROUP_BY_ID", grouped_by_default ? 1 : 0) != 0, gpu);
+  // Grouped by default (on a GPU) where dA is not f32: dA is then written once in its
+  // dtype, where the scattered atomics need an f32 workspace flushed into dA after the
+  // kernel; and with scale_grad_by_freq, whose counts the grouping makes, where the
+  // scattered form counts in a launch before the fill and clears in one after. On an
+  // H100 at 8192x128256x4096, r=16: bf16 dA and dB 52.2-52.6 -> 45.4-45.5 us, f32 with
+  // scale_grad_by_freq 49.2-49.9 -> 47.6-47.8 us; plain f32 dA, whose atomics add into dA
+  // itself, 42.3-42.7 against 47.1-47.4 us. Only with no more tokens than ids: its
+  // [T, r] workspace is then no larger than the f32 copy of dA it replaces.
+  // own_config never names GROUP_BY_ID, so this is the plan's config's choice too.
+  const bool grouped = meta_or(given, "GROUP_BY_ID", groups_by_default(c) ? 1 : 0) != 0;
+  const Config config = own_config(given, dot, r_pad, grouped, gpu);
   const int64_t bytes = rank_bytes(dot, activation_dtype(c), c.B.dtype);
   // Tall token blocks: dB's atomics per element of grad_out are R_PAD / BLOCK_T. Half as
   // tall at rank 256 with 4-byte operands beside half grad_out (fp32 adapters with bf16
@@ -625,15 +633,7 @@ EmbeddingBackwardPlan plan_embedding_backward(const EmbeddingBackward& c, const 
                         : gpu          ? split_for_waves(blocks, programs, steps, 1)
                                        : split_for(blocks, programs, steps);
   EmbeddingBackwardPlan p;
-  // Grouped by default (on a GPU) where dA is not f32: dA is then written once in its
-  // dtype, where the scattered atomics need an f32 workspace flushed into dA after the
-  // kernel; and with scale_grad_by_freq, whose counts the grouping makes, where the
-  // scattered form counts in a launch before the fill and clears in one after. On an
-  // H100 at 8192x128256x4096, r=16: bf16 dA and dB 52.2-52.6 -> 45.4-45.5 us, f32 with
-  // scale_grad_by_freq 49.2-49.9 -> 47.6-47.8 us; plain f32 dA, whose atomics add into dA
-  // itself, 42.3-42.7 against 47.1-47.4 us. Only with no more tokens than ids: its
-  // [T, r] workspace is then no larger than the f32 copy of dA it replaces.
-  p.grouped = meta_or(config, "GROUP_BY_ID", grouped_by_default ? 1 : 0) != 0;
+  p.grouped = grouped;
   p.meta = {{"BLOCK_T", bt},
             {"BLOCK_D", bd},
             {"R_PAD", r_pad},

@@ -299,17 +299,21 @@ TEST_CASE("COLS_FIRST joins the finalist variants alone and beside each WGMMA va
 }
 
 TEST_CASE("WGMMA_SS asks for shared-memory A operands only beside WGMMA", "[autotune][cpu]") {
-  const auto hints = [](const std::map<std::string, int64_t>& m) {
+  const auto hints = [](const std::map<std::string, int64_t>& m, int64_t wgmma_ss_default = 0) {
     ops::Config cfg;
     cfg.meta = m;
     dsl::MetaMap meta;
-    ops::detail::add_codegen_hints(cfg, meta);
+    ops::detail::add_codegen_hints(cfg, meta, wgmma_ss_default);
     return meta;
   };
   CHECK(hints({{"WGMMA", 1}}) == dsl::MetaMap{{"wgmma", 1}});
   CHECK(hints({{"WGMMA", 1}, {"WGMMA_SS", 1}}) == dsl::MetaMap{{"wgmma", 1}, {"wgmma_ss", 1}});
   CHECK(hints({{"WGMMA", 1}, {"WGMMA_SS", 0}}) == dsl::MetaMap{{"wgmma", 1}});
   CHECK(hints({{"WGMMA_SS", 1}}).empty());  // nothing to read from shared memory without wgmma
+  // An op whose default is on (the embedding backward): unset means on, 0 still off.
+  CHECK(hints({{"WGMMA", 1}}, 1) == dsl::MetaMap{{"wgmma", 1}, {"wgmma_ss", 1}});
+  CHECK(hints({{"WGMMA", 1}, {"WGMMA_SS", 0}}, 1) == dsl::MetaMap{{"wgmma", 1}});
+  CHECK(hints({}, 1).empty());
 }
 
 TEST_CASE("a STREAM config runs as one without the entries its plan overrides", "[autotune][cpu]") {
