@@ -116,6 +116,15 @@ inline void add_memory_order(std::vector<int64_t>& bucket, const TensorView& t) 
   const int64_t bits = unit_stride_dims(t);
   if (t.rank > 0 && bits != int64_t(1) << (t.rank - 1)) bucket.push_back(-1 - bits);  // negative: no size is
 }
+// The same for an op's two adapters, in one word of its own range (-65536 and below,
+// apart from the main operand's): PEFT's flat expert lora_B, read as B[e] with its rank
+// columns E apart, is tuned apart from a row-major [E, d1, r] (a kernel that reads B's
+// tile per step may lose most of its speed to that gather; another tile may not).
+inline void add_adapter_order(std::vector<int64_t>& bucket, const TensorView& a, const TensorView& b) {
+  const int64_t ba = unit_stride_dims(a), bb = unit_stride_dims(b);
+  const bool row_major = (a.rank == 0 || ba == int64_t(1) << (a.rank - 1)) && (b.rank == 0 || bb == int64_t(1) << (b.rank - 1));
+  if (!row_major) bucket.push_back(-65536 - (ba << 8 | bb));
+}
 
 // Throws InvalidArgument unless the scale s is finite, also as a float32 (an inf or NaN
 // s, or one beyond float's range, would write NaN into every element, in place for the

@@ -115,7 +115,7 @@ void run_moe_lora_materialize(const TensorView& W, const TensorView& A, const Te
 
   static PlanMemo<MoePlan> plans;
   CallKey key;
-  key.add(W).add(A).add(B.dtype).add(W.device);
+  key.add(W).add(A).add(B).add(W.device);  // B: its memory order too (PEFT's flat lora_B)
   key.add(config);
   const std::shared_ptr<const MoePlan> p = plans.get(key, [&] {
     // A caller's Config wins; otherwise the autotuner's choice (its defaults when tuning is off).
@@ -165,6 +165,7 @@ Config tuned_moe_config(const TensorView& W, const TensorView& A, const TensorVi
                "",
                W.device};
   add_memory_order(q.problem.shape_bucket, W);
+  add_adapter_order(q.problem.shape_bucket, A, B);
   q.block_m_name = "BLOCK_N";
   q.block_k_name = "BLOCK_K";
   const Product product = product_dtype(W.dtype, A.dtype, B.dtype);

@@ -238,6 +238,7 @@ Config tuned_moe_backward_config(const TensorView& dW, const TensorView& A, cons
                "",
                dW.device};
   add_memory_order(q.problem.shape_bucket, dW);
+  add_adapter_order(q.problem.shape_bucket, A, B);
   q.block_m_name = "BLOCK_N";
   q.block_k_name = "BLOCK_K";
   const Product product = product_dtype(dW.dtype, A.dtype, B.dtype);
@@ -328,7 +329,7 @@ void moe_lora_materialize_backward(const TensorView& dW, const TensorView& A, co
   }
   static PlanMemo<Config> tuned;
   CallKey key;
-  key.add(dW).add(A.dtype).add(B.dtype).add(dA.dtype).add(dB.dtype).add(r).add(dW.device);
+  key.add(dW).add(A).add(B).add(dA.dtype).add(dB.dtype).add(dW.device);  // A and B: their memory orders too
   const Config cfg =
       has_config(config) ? config : *tuned.get(key, [&] { return tuned_moe_backward_config(dW, A, B, s, dA, dB, stream); });
   run_moe_backward(dW, A, B, s, dA, dB, options, cfg);

@@ -708,6 +708,42 @@ TEST_CASE("a column-major weight (W.T) is tuned apart from a row-major one of th
   CHECK(logs.count("lora_merge [1x64x128x16x-3]") >= 1);  // its bucket says which dims have stride 1 (-1 - bits)
 }
 
+TEST_CASE("PEFT's flat expert adapters are tuned apart from plain [E, d1, r] ones of the same shapes",
+          "[autotune][cpu]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  test::TempDir dir;
+  test::ScopedEnv env({{"KERF_CACHE_DIR", dir.path()}, {"KERF_AUTOTUNE", "1"}, {"KERF_LOG", "info"}});
+  autotune::forget_choices();
+  test::LogCapture logs;
+  const int64_t E = 3, d1 = 40, d2 = 48, r = 4;
+  std::vector<float> dW(size_t(E * d1 * d2), 0.5f), A(size_t(E * r * d2), 0.25f), B(size_t(E * d1 * r), 0.75f);
+  std::vector<float> dA(A.size()), dB(B.size());
+  const auto t = [](std::vector<float>& v, std::vector<int64_t> shape) {
+    return TensorView::contiguous(v.data(), DType::f32, shape);
+  };
+  ops::moe_lora_materialize_backward(t(dW, {E, d1, d2}), t(A, {E, r, d2}), t(B, {E, d1, r}), 1.0, t(dA, {E, r, d2}),
+                                     t(dB, {E, d1, r}));
+  CHECK(logs.count("chose") == 1);
+  // The same shapes through PEFT's flat lora_A [r*E, d2] and lora_B [d1, r*E]: B[e] has
+  // its rank columns E apart (unit stride on the expert dim).
+  const ops::MoeLoraViews v = ops::peft_moe_lora_views(t(dW, {E, d1, d2}), t(A, {r * E, d2}), t(B, {d1, r * E}));
+  const ops::MoeLoraViews g = ops::peft_moe_lora_views(t(dW, {E, d1, d2}), t(dA, {r * E, d2}), t(dB, {d1, r * E}));
+  ops::moe_lora_materialize_backward(t(dW, {E, d1, d2}), v.A, v.B, 1.0, g.A, g.B);
+  CHECK(logs.count("chose") == 2);
+  // A row-major [E, r, d2] (bits 4) beside B's unit stride on dim 0 (bits 1): -65536 - (4 << 8 | 1).
+  CHECK(logs.count("moe_lora_materialize_backward [4x64x64x16x-66561]") >= 1);
+  // Plain adapters again: their choice is kept, not tuned anew.
+  ops::moe_lora_materialize_backward(t(dW, {E, d1, d2}), t(A, {E, r, d2}), t(B, {E, d1, r}), 1.0, t(dA, {E, r, d2}),
+                                     t(dB, {E, d1, r}));
+  CHECK(logs.count("chose") == 2);
+  // The forward likewise.
+  std::vector<float> out(dW.size());
+  ops::moe_lora_materialize(t(dW, {E, d1, d2}), t(A, {E, r, d2}), t(B, {E, d1, r}), 1.0, t(out, {E, d1, d2}));
+  ops::moe_lora_materialize(t(dW, {E, d1, d2}), v.A, v.B, 1.0, t(out, {E, d1, d2}));
+  CHECK(logs.count("chose") == 4);
+  CHECK(logs.count("moe_lora_materialize [4x64x64x16x-66561]") >= 1);
+}
+
 TEST_CASE("tuning dora_norm for a new shape on the GPU finishes in under 3 s", "[autotune][gpu]") {
   KERF_REQUIRE_GPU();
   KERF_REQUIRE_NVRTC();

@@ -627,6 +627,48 @@ TEST_CASE("staged_adds sends an accumulator's f32 atomics through shared memory 
                     Catch::Contains("staged_adds must be 0 or 1"));
 }
 
+// Regions that wgmma reads with its 128-byte swizzle start at multiples of 1024 bytes
+// into kerf_smem, which the kernel aligns once: one pad, not one per region. The MoE
+// backward's 64x512 column tile on two stages (dW and B rings, A's columns staged, the
+// staged adds' buffer) then fits an H100's 232448 bytes; with a pad per region it took
+// 233472.
+TEST_CASE("1024-aligned shared-memory regions share one pad: the MoE backward's 64x512 tile fits an H100",
+          "[cuda][codegen][ops]") {
+  const std::vector<ArgSpec> args = {T(DType::bf16, 3), T(DType::bf16, 3), T(DType::bf16, 3), S,
+                                     T(DType::bf16, 3), T(DType::f32, 3)};
+  const MetaMap meta = {{"BLOCK_N", 64},   {"BLOCK_K", 512},  {"R_PAD", 64},        {"DOT", int64_t(DType::bf16)},
+                        {"ROTATE", 0},     {"num_warps", 8},  {"num_stages", 2},    {"wgmma", 1},
+                        {"wgmma_ss", 1},   {"staged_adds", 1}, {"DA_ATOMIC", 0}};
+  const ir::Function fn = kernels::moe_lora_backward_by_columns().trace(args, meta);
+  const jit::cuda::KernelCode code = jit::cuda::generate(fn, "sm_90a");
+  INFO(code.source);
+  // dW ring 2 x 64 KiB, B ring 2 x 8 KiB, A's columns 64 KiB, 64 x 68 floats of staged adds, one pad.
+  CHECK(code.smem_bytes == 2 * 65536 + 2 * 8192 + 65536 + 64 * 68 * 4 + 1024);
+  CHECK(code.smem_bytes <= autotune::typical_max_shared_memory("sm_90a"));
+  size_t windows = 0;
+  for (size_t at = code.source.find("kerf_smem_window) & 1023u"); at != std::string::npos;
+       at = code.source.find("kerf_smem_window) & 1023u", at + 1))
+    ++windows;
+  CHECK(windows == 1);
+  CHECK(code.source.find("const int sw_base_0 = 0;") != std::string::npos);
+  check_compiles_for_sm90a_if_nvrtc(code.source, "moe_backward_wide.cu");
+  // With its rows split, dA's columns added to an fp32 accumulator at the end.
+  std::vector<ArgSpec> split_args = args;
+  split_args[4] = T(DType::f32, 3);
+  MetaMap split_meta = meta;
+  split_meta["DA_ATOMIC"] = 1;
+  CHECK(jit::cuda::generate(kernels::moe_lora_backward_by_columns().trace(split_args, split_meta), "sm_90a").smem_bytes <=
+        autotune::typical_max_shared_memory("sm_90a"));
+  // A kernel with no such region keeps kerf_smem as the window itself, with no pad.
+  MetaMap plain = meta;
+  plain.erase("wgmma");
+  plain.erase("wgmma_ss");
+  plain["BLOCK_K"] = 64;
+  const jit::cuda::KernelCode mma = jit::cuda::generate(kernels::moe_lora_backward_by_columns().trace(args, plain), "sm_90a");
+  CHECK(mma.source.find("kerf_smem_window") == std::string::npos);
+  CHECK(mma.source.find("unsigned char kerf_smem[]") != std::string::npos);
+}
+
 // An untuned call (KERF_AUTOTUNE=0, or a capture) runs the op's own tiles: at every
 // rank up to 256 and every product (bf16, f16, TF32, fp32 FMA) they fit the shared
 // memory of an H100. (fp32 products take four bytes an element: rank 256 on the tiles of

@@ -10,6 +10,9 @@
 #include "device_tensor.h"
 #include "gpu_test_util.h"
 #include "kerf/error.h"
+#include "kerf/jit/autotune.h"
+#include "kerf/jit/cuda_codegen.h"
+#include "kerf/jit/launch.h"
 #include "kerf/ops/ops.h"
 #include "kernels_src/ops_accumulate.h"
 #include "test_cache_util.h"
@@ -52,12 +55,13 @@ struct BackwardCase {
   int64_t cluster = 0;  // Config.meta CLUSTER: each step's atomics summed over clusters of blocks first
   bool staged = false;  // Config.meta STAGED_ADDS: each step's atomics through shared memory, whole rows
   bool wgmma_ss = false;  // Config.meta WGMMA_SS: with WGMMA, A from shared memory too
+  bool wide = false;  // with WGMMA and by_columns: 512 columns per program on two stages
 };
 
 void check_backward(const BackwardCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.E, c.d1, c.d2, c.r, dtype_name(c.w), dtype_name(c.ab), dtype_name(c.grads),
           layout_name(c.layout), c.split, seed, dev.str(), c.rotate, c.by_columns, c.l2_prefetch, c.wgmma,
-          c.cluster, c.staged, c.wgmma_ss);
+          c.cluster, c.staged, c.wgmma_ss, c.wide);
   std::mt19937_64 rng(seed);
   const int64_t E = c.E, d1 = c.d1, d2 = c.d2, r = c.r;
   TestTensor dW(c.w, {E, d1, d2}, dev);
@@ -107,6 +111,10 @@ void check_backward(const BackwardCase& c, Device dev, uint64_t seed) {
     cfg.num_stages = 3;
     cfg.meta["WGMMA"] = 1;
     if (c.wgmma_ss) cfg.meta["WGMMA_SS"] = 1;
+    if (c.wide) {
+      cfg.block_k = 512;
+      cfg.num_stages = 2;
+    }
   }
   if (c.staged) cfg.meta["STAGED_ADDS"] = 1;
   if (c.cluster) {
@@ -237,12 +245,20 @@ void run_backward_cases(Device dev) {
       {3, 100, 130, 5, DType::f32, DType::f32, DType::f32, MoeLayout::plain, 1, true, true, 0, false, 0, true},
       {3, 150, 130, 5, DType::bf16, DType::f32, DType::bf16, MoeLayout::peft, 2, false, false, 0, true, 0, true},
       {2, 64, 300, 16, DType::bf16, DType::bf16, DType::f32, MoeLayout::plain, 3, true, false, 0, false, 0, true},
+      // The column-owning 64x512 tile on two stages, the dW tile read by both products
+      // from shared memory (the tuner's wide candidate; over an H100's shared memory where
+      // a tile cannot be copied whole, see below): columns past the last whole block of
+      // 512, dB through the workspace or in place, rotated, rows split.
+      {2, 300, 1104, 64, DType::bf16, DType::bf16, DType::bf16, MoeLayout::plain, 0, false, true, 0, true, 0, true,
+       true, true},
+      {2, 150, 600, 16, DType::bf16, DType::bf16, DType::f32, MoeLayout::plain, 2, true, true, 0, true, 0, true, true,
+       true},
   };
   uint64_t seed = 5100;
   for (const BackwardCase& c : cases) check_backward(c, dev, seed++);
   // Each WGMMA case again with both operands of its warpgroup dots in shared memory.
   for (BackwardCase c : cases)
-    if (c.wgmma) {
+    if (c.wgmma && !c.wgmma_ss) {
       c.wgmma_ss = true;
       check_backward(c, dev, seed++);
     }
@@ -451,4 +467,38 @@ TEST_CASE("peft_moe_lora_views follows PEFT's index formulas and rejects mismatc
   const TensorView badB = TensorView::contiguous(&dummy, DType::f32, {d1, r * E + 2});
   CHECK_THROWS_WITH(ops::peft_moe_lora_views(W, lA, badB),
                     Catch::Contains("lora_B must have shape [6, 12]"));
+}
+
+// The tuner's wide column tile (64x512 on two stages, warpgroup dots reading dW's tile
+// from shared memory, staged adds) fits an H100's shared memory where every tile goes
+// through the copy ring (rows of dW, A and B a multiple of 16 bytes), with its rows split
+// (dA added at the end) or not, either gradient dtype. Elsewhere (PEFT's flat B, whose
+// rank columns are E apart; odd ranks; other row lengths) some tile is loaded outside the
+// ring, which then stays in use after the loop, and the tile takes 289792 to 355328 bytes:
+// the tuner measures the shared memory of each candidate and leaves such ones out.
+TEST_CASE("the MoE backward's 64x512 column tile fits an H100's shared memory where its tiles are copied whole",
+          "[ops][moe]") {
+  const Device dev = Device::cuda(0);  // planned and generated only
+  void* const p = reinterpret_cast<void*>(uintptr_t(1) << 16);
+  const int64_t E = 4, d1 = 300, d2 = 1104;  // a last column block of 80
+  ops::Config wide{64, 512, 0, 8, 2};
+  for (const auto& [name, value] : {std::pair<const char*, int64_t>{"BY_COLUMNS", 1}, {"WGMMA", 1}, {"WGMMA_SS", 1},
+                                    {"STAGED_ADDS", 1}})
+    wide.meta[name] = value;
+  const auto t = [&](DType d, std::vector<int64_t> shape) { return TensorView::contiguous(p, d, shape, dev); };
+  for (const DType grads : {DType::bf16, DType::f32})
+    for (const int64_t r : {16, 64})
+      for (const int64_t split : {1, 3}) {
+        CAPTURE(dtype_name(grads), r, split);
+        ops::Config c = wide;
+        c.split_k = split;
+        const autotune::KernelCall k =
+            ops::detail::moe_backward_kernel(t(DType::bf16, {E, d1, d2}), t(DType::bf16, {E, r, d2}),
+                                             t(DType::bf16, {E, d1, r}), 1.0, t(grads, {E, r, d2}),
+                                             t(grads, {E, d1, r}), 132, c);
+        CHECK(k.meta.at("BLOCK_K") == 512);
+        const int bytes = jit::cuda::generate(k.kernel->trace(arg_specs(k.args), k.meta), "sm_90a").smem_bytes;
+        CAPTURE(bytes);
+        CHECK(bytes <= autotune::typical_max_shared_memory("sm_90a"));
+      }
 }

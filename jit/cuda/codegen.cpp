@@ -60,7 +60,9 @@ KernelCode Codegen::run() {
 
   KernelCode out;
   out.threads = 32 * num_warps_;
-  out.smem_bytes = smem_top_;
+  // With 1024-aligned regions the dynamic shared memory has one pad of up to
+  // 1024 bytes before kerf_smem (the window's base is only 16-byte aligned).
+  out.smem_bytes = smem_top_ + (smem_1024_ ? 1024 : 0);
   out.num_slots = int(slot_count(f_.params));
   const ir::Hash128 h = ir::hash(f_);
   out.entry = "kerf_" + f_.name + "_" + h.hex().substr(0, 12);
@@ -75,7 +77,13 @@ KernelCode Codegen::run() {
   if (!cluster_phases_.empty()) src << cluster_helpers_source();
   src << "\nextern \"C\" __global__ void __launch_bounds__(" << out.threads << ") " << out.entry
       << "(const __grid_constant__ kerf_dev::Args<" << std::max(1, out.num_slots) << "> args) {\n";
-  src << "  extern __shared__ __align__(16) unsigned char kerf_smem[];\n";
+  if (smem_1024_) {
+    src << "  extern __shared__ __align__(16) unsigned char kerf_smem_window[];\n";
+    src << "  unsigned char* const kerf_smem = kerf_smem_window + ((1024u - ((unsigned)__cvta_generic_to_shared("
+           "kerf_smem_window) & 1023u)) & 1023u);  // 1024-aligned\n";
+  } else {
+    src << "  extern __shared__ __align__(16) unsigned char kerf_smem[];\n";
+  }
   src << "  const int lane = threadIdx.x & 31;\n";
   src << "  const int warp = threadIdx.x >> 5;\n";
   src << "  (void)lane; (void)warp;\n";
@@ -513,11 +521,14 @@ std::string Codegen::fresh(const std::string& base) {
   return base + "_" + S(counter_++);
 }
 
+// A region at a multiple of 1024 bytes into kerf_smem, which the kernel then
+// places at a 1024-byte boundary once (one pad for all such regions).
 std::string Codegen::alloc_smem_1024(int lv, int64_t bytes, int* offset) {
-  *offset = alloc_smem(bytes + 1024);
+  smem_1024_ = true;
+  smem_top_ = (smem_top_ + 1023) & ~1023;
+  *offset = alloc_smem(bytes);
   const std::string name = fresh("sw_base");
-  line(lv, "const int " + name + " = " + S(*offset) + " + ((1024 - (int)(((unsigned)__cvta_generic_to_shared(kerf_smem) + " +
-               S(*offset) + "u) & 1023u)) & 1023);  // 1024-aligned, for wgmma's swizzle");
+  line(lv, "const int " + name + " = " + S(*offset) + ";  // 1024-aligned, for wgmma's swizzle");
   return name;
 }
 
@@ -627,8 +638,8 @@ void Codegen::emit_prologue(const Operation& op, int lv) {
       a.sw32 = sw32;
       if (sw32) a.pitch = {16, 1};
       a.stage_bytes = t.shape[0] * t.shape[1] * dtype_size_bytes(t.dtype);
-      a.region_bytes = a.stage_bytes * S_ + 1024;
-      a.base = alloc_smem_1024(lv, a.stage_bytes * S_, &a.ring_offset);
+      a.region_bytes = a.stage_bytes * S_;
+      a.base = alloc_smem_1024(lv, a.region_bytes, &a.ring_offset);
     } else {
       a.stage_bytes =
           (smem_bytes_for(t.shape, dtype_size_bytes(t.dtype), smem_pad(ld->results[0])) + 15) & ~int64_t(15);

@@ -569,6 +569,7 @@ class Codegen {
   std::string pointer_lines_;
   int counter_ = 0;
   int smem_top_ = 0;
+  bool smem_1024_ = false;  // some region is 1024-aligned (alloc_smem_1024): kerf_smem is too
 
  public:
   const std::string& pointer_lines() const;

@@ -322,10 +322,12 @@ OpCase make_dora_4bit(int64_t out, int64_t in, int64_t r) {
 }
 
 // dA = s B^T dW, dB = s dW A^T per expert; bf16 dW and adapters, gradients in `grads`.
-OpCase make_moe_backward(int64_t E, int64_t N, int64_t K, int64_t r, DType grads) {
+// With `peft`, adapters and gradients are PEFT's flat expert parameters (lora_A [r*E, K],
+// lora_B [N, r*E], seen through peft_moe_lora_views: B[e]'s rank columns E apart).
+OpCase make_moe_backward(int64_t E, int64_t N, int64_t K, int64_t r, DType grads, bool peft = false) {
   const Device dev = Device::cuda(0);
   OpCase c;
-  c.op = std::string("moe_backward r=") + std::to_string(r) + " " + dtype_name(grads) + " grads";
+  c.op = std::string("moe_backward r=") + std::to_string(r) + " " + dtype_name(grads) + " grads" + (peft ? " peft" : "");
   c.shape = shape_str({E, N, K});
   c.bytes = double(E * N * K + E * r * K + E * N * r) * 2 + double(E * r * K + E * N * r) * dtype_size_bytes(grads);
   for (int i = 0; i < set_count(c.bytes); ++i) {
@@ -338,8 +340,18 @@ OpCase make_moe_backward(int64_t E, int64_t N, int64_t K, int64_t r, DType grads
     c.sets.push_back(std::move(b));
   }
   c.run = [=](std::vector<cuda::DeviceBuffer>& b, const ops::Config& cfg, cuda::StreamHandle stream) {
-    ops::moe_lora_materialize_backward(TensorView::contiguous(b[0].data(), DType::bf16, {E, N, K}, dev),
-                                       TensorView::contiguous(b[1].data(), DType::bf16, {E, r, K}, dev),
+    const TensorView dW = TensorView::contiguous(b[0].data(), DType::bf16, {E, N, K}, dev);
+    if (peft) {
+      const ops::MoeLoraViews v =
+          ops::peft_moe_lora_views(dW, TensorView::contiguous(b[1].data(), DType::bf16, {r * E, K}, dev),
+                                   TensorView::contiguous(b[2].data(), DType::bf16, {N, r * E}, dev));
+      const ops::MoeLoraViews g =
+          ops::peft_moe_lora_views(dW, TensorView::contiguous(b[3].data(), grads, {r * E, K}, dev),
+                                   TensorView::contiguous(b[4].data(), grads, {N, r * E}, dev));
+      ops::moe_lora_materialize_backward(dW, v.A, v.B, 0.5, g.A, g.B, stream, cfg);
+      return;
+    }
+    ops::moe_lora_materialize_backward(dW, TensorView::contiguous(b[1].data(), DType::bf16, {E, r, K}, dev),
                                        TensorView::contiguous(b[2].data(), DType::bf16, {E, N, r}, dev), 0.5,
                                        TensorView::contiguous(b[3].data(), grads, {E, r, K}, dev),
                                        TensorView::contiguous(b[4].data(), grads, {E, N, r}, dev), stream, cfg);
@@ -878,6 +890,8 @@ int main(int argc, char** argv) {
     for (const MoeCase& c : {MoeCase{128, 1536, 2048, 16}, MoeCase{128, 2048, 768, 16}, MoeCase{64, 2816, 2048, 64}})
       for (DType grads : {DType::f32, DType::bf16})
         if (family("moe_backward")) run_case(make_moe_backward(c.E, c.N, c.K, c.r, grads), moe_bwd_cfgs);
+    // PEFT's own layout (the adapters as PEFT >= 0.19 stores expert parameters), r=64.
+    if (family("moe_backward")) run_case(make_moe_backward(64, 2816, 2048, 64, DType::bf16, true), moe_bwd_cfgs);
     std::vector<ops::Config> emb_cfgs = {ops::Config{}}, emb_bwd_cfgs = {ops::Config{}};
     if (!quick) {
       for (int64_t bt : {16, 32, 64, 128})
