@@ -194,6 +194,41 @@ TEST_CASE("every sample and library kernel compiles with NVRTC for sm_80 and sm_
   }
 }
 
+TEST_CASE("ptxas_usage reads registers, spills and advisories from an NVRTC log", "[cuda]") {
+  // A log as NVRTC 13 gives it with --ptxas-options=-v (a compiler warning first).
+  const std::string log =
+      "k.cu(709): warning #177-D: variable \"wm\" was declared but never referenced\n"
+      "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+      "insufficient register resources for the function 'k'\n"
+      "ptxas info    : 1 bytes gmem\n"
+      "ptxas info    : Compiling entry function 'k' for 'sm_90a'\n"
+      "ptxas info    : Function properties for k\n"
+      "ptxas         .     432 bytes stack frame, 432 bytes spill stores, 428 bytes spill loads\n"
+      "ptxas info    : Used 255 registers, used 1 barriers, 432 bytes cumulative stack size\n"
+      "ptxas info    : Compile time = 873.469 ms";
+  const nvrtc::PtxasUsage u = nvrtc::ptxas_usage(log);
+  CHECK(u.registers == 255);
+  CHECK(u.spill_store_bytes == 432);
+  CHECK(u.spill_load_bytes == 428);
+  CHECK(u.stack_frame_bytes == 432);
+  REQUIRE(u.advisories.size() == 1);
+  CHECK(u.advisories[0].rfind("(C7512) Potential Performance Loss: wgmma.mma_async", 0) == 0);
+  // Nothing said: nothing known.
+  const nvrtc::PtxasUsage none = nvrtc::ptxas_usage("k.cu(3): warning #177-D: unused");
+  CHECK(none.registers == -1);
+  CHECK(none.spill_store_bytes == -1);
+  CHECK(none.advisories.empty());
+  // From NVRTC itself, where it is installed: a kernel's own figures.
+  if (!nvrtc::available()) return;
+  const Case c = all_cases().front();
+  const jit::cuda::KernelCode code = jit::cuda::generate(c.kernel->trace(c.args, c.meta), "sm_90a");
+  const nvrtc::PtxasUsage real =
+      nvrtc::ptxas_usage(nvrtc::compile(code.source, code.entry + ".cu", "sm_90a", {nvrtc::kPtxasVerbose}).log);
+  INFO(c.what);
+  CHECK(real.registers > 0);
+  CHECK(real.spill_store_bytes == 0);
+}
+
 TEST_CASE("KERF_DISABLE_NVRTC turns NVRTC off for 1/yes/on and leaves it on for 0/false/no/off", "[cuda]") {
   KERF_REQUIRE_NVRTC();
   for (const char* off : {"1", "yes", "ON", "true", "anything"}) {

@@ -132,7 +132,7 @@ Tile Codegen::emit_dot(const Operation& op, int h) {
       return "(" + row + ") * " + S(st.pitch) + " + " + col;
     };
     line(lv, "const int wm = warp & " + S(wm - 1) + ", wn = (warp >> " + S(log2i(wm)) + ") & " +
-                 S(wn - 1) + ";");
+                 S(wn - 1) + ";  (void)wm; (void)wn;  // a warpgroup dot may use neither");
     // A's fragments: loaded once where A is defined when the dot sits in a
     // loop that A does not depend on (e.g. B's rows in DoRA).
     // wgmma with A from shared memory too (meta wgmma_ss, A's tile swizzled): no

@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cstdlib>
 #include <regex>
@@ -412,6 +413,45 @@ Output compile(const std::string& source, const std::string& name, const std::st
   out.compile_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   return out;
+}
+
+namespace {
+
+// The integer just before `unit` in `line` ("432 bytes spill stores" -> 432), or -1.
+int number_before(const std::string& line, const std::string& unit) {
+  const size_t at = line.find(unit);
+  if (at == std::string::npos) return -1;
+  size_t end = at;
+  while (end > 0 && line[end - 1] == ' ') --end;
+  size_t begin = end;
+  while (begin > 0 && std::isdigit(static_cast<unsigned char>(line[begin - 1]))) --begin;
+  if (begin == end || end - begin > 9) return -1;
+  return std::stoi(line.substr(begin, end - begin));
+}
+
+}  // namespace
+
+PtxasUsage ptxas_usage(const std::string& log) {
+  PtxasUsage u;
+  size_t pos = 0;
+  while (pos < log.size()) {
+    size_t end = log.find('\n', pos);
+    if (end == std::string::npos) end = log.size();
+    const std::string line = log.substr(pos, end - pos);
+    pos = end + 1;
+    if (line.rfind("ptxas", 0) != 0) continue;
+    if (line.find("Used ") != std::string::npos && line.find(" registers") != std::string::npos) {
+      u.registers = number_before(line, " registers");
+    } else if (line.find("spill stores") != std::string::npos) {
+      u.spill_store_bytes = number_before(line, " bytes spill stores");
+      u.spill_load_bytes = number_before(line, " bytes spill loads");
+      u.stack_frame_bytes = number_before(line, " bytes stack frame");
+    } else if (line.find("Performance") != std::string::npos || line.find("serialized") != std::string::npos) {
+      const size_t colon = line.find(": ");
+      u.advisories.push_back(colon == std::string::npos ? line : line.substr(colon + 2));
+    }
+  }
+  return u;
 }
 
 }  // namespace kerf::nvrtc

@@ -4,8 +4,10 @@
 //   kerf-inspect KERNEL [--dtype bf16] [--meta NAME=VALUE ...]   IR text and hash
 //   kerf-inspect KERNEL ... --hash                              the hash alone
 //   kerf-inspect KERNEL ... --cuda sm_90a                       the generated CUDA C++
-//   kerf-inspect KERNEL ... --compile sm_90a                    NVRTC compile; prints sizes and time
+//   kerf-inspect KERNEL ... --compile sm_90a                    NVRTC compile; prints sizes, time, and
+//                                                               ptxas' registers, spills and advisories
 //   kerf-inspect KERNEL ... --compile sm_90a --save k.cubin     and writes the image (for cuobjdump -sass)
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -94,10 +96,17 @@ int main(int argc, char** argv) {
     }
     if (!compile_arch.empty()) {
       const jit::cuda::KernelCode code = jit::cuda::generate(fn, compile_arch);
-      const nvrtc::Output out = nvrtc::compile(code.source, code.entry + ".cu", compile_arch);
+      const nvrtc::Output out = nvrtc::compile(code.source, code.entry + ".cu", compile_arch, {nvrtc::kPtxasVerbose});
       std::printf("%s: %zu bytes of %s for %s in %.1f ms; %d threads, %d bytes of shared memory\n",
                   code.entry.c_str(), out.image.size(), out.is_cubin ? "cubin" : "PTX", compile_arch.c_str(),
                   out.compile_ms, code.threads, code.smem_bytes);
+      // What ptxas said of the kernel's resources (a cubin; PTX is assembled later, by the driver).
+      const nvrtc::PtxasUsage usage = nvrtc::ptxas_usage(out.log);
+      if (usage.registers >= 0)
+        std::printf("ptxas: %d registers a thread, %d bytes spilled (stores) / %d (loads), %d bytes of stack\n",
+                    usage.registers, std::max(usage.spill_store_bytes, 0), std::max(usage.spill_load_bytes, 0),
+                    std::max(usage.stack_frame_bytes, 0));
+      for (const std::string& a : usage.advisories) std::printf("ptxas: %s\n", a.c_str());
       if (!save_path.empty()) {
         cache::write_file_atomically(save_path, out.image);
         std::printf("written to %s\n", save_path.c_str());

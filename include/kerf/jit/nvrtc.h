@@ -33,4 +33,20 @@ struct Output {
 Output compile(const std::string& source, const std::string& name, const std::string& arch,
                const std::vector<std::string>& extra_options = {});
 
+// The option that makes ptxas report each kernel's resources in the log
+// (cubin targets only), for ptxas_usage below.
+inline const char* const kPtxasVerbose = "--ptxas-options=-v";
+
+// What ptxas reported for the one kernel of a log compiled with kPtxasVerbose:
+// registers per thread, spilled bytes, the stack frame, and its performance
+// advisories (e.g. wgmma instructions serialized for want of registers), each a
+// line of its own. -1 where the log does not say (PTX targets, no option).
+struct PtxasUsage {
+  int registers = -1;
+  int spill_store_bytes = -1, spill_load_bytes = -1;
+  int stack_frame_bytes = -1;
+  std::vector<std::string> advisories;  // "Potential Performance Loss: ..." and the like
+};
+PtxasUsage ptxas_usage(const std::string& log);
+
 }  // namespace kerf::nvrtc
