@@ -689,12 +689,18 @@ TEST_CASE("tuning an in-place merge of a strided view never writes the memory be
   CHECK(wrong_right == 0);
 }
 
+// A cache of its own, tuning on the CPU back end too with each choice logged, and no
+// choice remembered from earlier in the process.
+struct FreshTuning {
+  test::TempDir dir;
+  test::ScopedEnv env{{{"KERF_CACHE_DIR", dir.path()}, {"KERF_AUTOTUNE", "1"}, {"KERF_LOG", "info"}}};
+  FreshTuning() { autotune::forget_choices(); }
+};
+
 TEST_CASE("a column-major weight (W.T) is tuned apart from a row-major one of the same shape",
           "[autotune][cpu]") {
   KERF_REQUIRE_CPU_BACKEND();
-  test::TempDir dir;
-  test::ScopedEnv env({{"KERF_CACHE_DIR", dir.path()}, {"KERF_AUTOTUNE", "1"}, {"KERF_LOG", "info"}});
-  autotune::forget_choices();
+  const FreshTuning fresh;
   test::LogCapture logs;
   const int64_t out = 48, in = 80, r = 4;
   std::vector<float> W(size_t(out * in), 1.0f), A(size_t(r * in), 0.5f), B(size_t(out * r), 0.25f);
@@ -711,9 +717,7 @@ TEST_CASE("a column-major weight (W.T) is tuned apart from a row-major one of th
 TEST_CASE("PEFT's flat expert adapters are tuned apart from plain [E, d1, r] ones of the same shapes",
           "[autotune][cpu]") {
   KERF_REQUIRE_CPU_BACKEND();
-  test::TempDir dir;
-  test::ScopedEnv env({{"KERF_CACHE_DIR", dir.path()}, {"KERF_AUTOTUNE", "1"}, {"KERF_LOG", "info"}});
-  autotune::forget_choices();
+  const FreshTuning fresh;
   test::LogCapture logs;
   const int64_t E = 3, d1 = 40, d2 = 48, r = 4;
   std::vector<float> dW(size_t(E * d1 * d2), 0.5f), A(size_t(E * r * d2), 0.25f), B(size_t(E * d1 * r), 0.75f);
