@@ -348,20 +348,24 @@ OpCase make_dora_4bit(int64_t out, int64_t in, int64_t r) {
   return c;
 }
 
-// dA = s B^T dW, dB = s dW A^T per expert; bf16 dW and adapters, gradients in `grads`.
-// With `peft`, adapters and gradients are PEFT's flat expert parameters (lora_A [r*E, K],
-// lora_B [N, r*E], seen through peft_moe_lora_views: B[e]'s rank columns E apart).
-OpCase make_moe_backward(int64_t E, int64_t N, int64_t K, int64_t r, DType grads, bool peft = false) {
+// dA = s B^T dW, dB = s dW A^T per expert; bf16 dW, adapters in `adapters` (bf16 unless
+// named), gradients in `grads`. With `peft`, adapters and gradients are PEFT's flat expert
+// parameters (lora_A [r*E, K], lora_B [N, r*E], seen through peft_moe_lora_views: B[e]'s
+// rank columns E apart); PEFT keeps them in fp32.
+OpCase make_moe_backward(int64_t E, int64_t N, int64_t K, int64_t r, DType grads, bool peft = false,
+                         DType adapters = DType::bf16) {
   const Device dev = Device::cuda(0);
   OpCase c;
-  c.op = std::string("moe_backward r=") + std::to_string(r) + " " + dtype_name(grads) + " grads" + (peft ? " peft" : "");
+  c.op = std::string("moe_backward r=") + std::to_string(r) + " " + dtype_name(grads) + " grads" +
+         (adapters != DType::bf16 ? std::string(" ") + dtype_name(adapters) + " adapters" : "") + (peft ? " peft" : "");
   c.shape = shape_str({E, N, K});
-  c.bytes = double(E * N * K + E * r * K + E * N * r) * 2 + double(E * r * K + E * N * r) * dtype_size_bytes(grads);
+  c.bytes = double(E * N * K) * 2 + double(E * r * K + E * N * r) * dtype_size_bytes(adapters) +
+            double(E * r * K + E * N * r) * dtype_size_bytes(grads);
   for (int i = 0; i < set_count(c.bytes); ++i) {
     std::vector<cuda::DeviceBuffer> b;
     b.push_back(random_buffer(DType::bf16, size_t(E * N * K), 201 + i));
-    b.push_back(random_buffer(DType::bf16, size_t(E * r * K), 203 + i, 0.1f));
-    b.push_back(random_buffer(DType::bf16, size_t(E * N * r), 207 + i, 0.1f));
+    b.push_back(random_buffer(adapters, size_t(E * r * K), 203 + i, 0.1f));
+    b.push_back(random_buffer(adapters, size_t(E * N * r), 207 + i, 0.1f));
     b.emplace_back(size_t(E * r * K) * dtype_size_bytes(grads));
     b.emplace_back(size_t(E * N * r) * dtype_size_bytes(grads));
     c.sets.push_back(std::move(b));
@@ -370,16 +374,16 @@ OpCase make_moe_backward(int64_t E, int64_t N, int64_t K, int64_t r, DType grads
     const TensorView dW = TensorView::contiguous(b[0].data(), DType::bf16, {E, N, K}, dev);
     if (peft) {
       const ops::MoeLoraViews v =
-          ops::peft_moe_lora_views(dW, TensorView::contiguous(b[1].data(), DType::bf16, {r * E, K}, dev),
-                                   TensorView::contiguous(b[2].data(), DType::bf16, {N, r * E}, dev));
+          ops::peft_moe_lora_views(dW, TensorView::contiguous(b[1].data(), adapters, {r * E, K}, dev),
+                                   TensorView::contiguous(b[2].data(), adapters, {N, r * E}, dev));
       const ops::MoeLoraViews g =
           ops::peft_moe_lora_views(dW, TensorView::contiguous(b[3].data(), grads, {r * E, K}, dev),
                                    TensorView::contiguous(b[4].data(), grads, {N, r * E}, dev));
       ops::moe_lora_materialize_backward(dW, v.A, v.B, 0.5, g.A, g.B, stream, cfg);
       return;
     }
-    ops::moe_lora_materialize_backward(dW, TensorView::contiguous(b[1].data(), DType::bf16, {E, r, K}, dev),
-                                       TensorView::contiguous(b[2].data(), DType::bf16, {E, N, r}, dev), 0.5,
+    ops::moe_lora_materialize_backward(dW, TensorView::contiguous(b[1].data(), adapters, {E, r, K}, dev),
+                                       TensorView::contiguous(b[2].data(), adapters, {E, N, r}, dev), 0.5,
                                        TensorView::contiguous(b[3].data(), grads, {E, r, K}, dev),
                                        TensorView::contiguous(b[4].data(), grads, {E, N, r}, dev), stream, cfg);
   };
@@ -917,8 +921,13 @@ int main(int argc, char** argv) {
     for (const MoeCase& c : {MoeCase{128, 1536, 2048, 16}, MoeCase{128, 2048, 768, 16}, MoeCase{64, 2816, 2048, 64}})
       for (DType grads : {DType::f32, DType::bf16})
         if (family("moe_backward")) run_case(make_moe_backward(c.E, c.N, c.K, c.r, grads), moe_bwd_cfgs);
-    // PEFT's own layout (the adapters as PEFT >= 0.19 stores expert parameters), r=64.
-    if (family("moe_backward")) run_case(make_moe_backward(64, 2816, 2048, 64, DType::bf16, true), moe_bwd_cfgs);
+    // PEFT's own layout (the adapters as PEFT >= 0.19 stores expert parameters), r=64: bf16
+    // adapters and gradients, and PEFT's usual fp32 ones (beside the plain layout's).
+    if (family("moe_backward")) {
+      run_case(make_moe_backward(64, 2816, 2048, 64, DType::bf16, true), moe_bwd_cfgs);
+      run_case(make_moe_backward(64, 2816, 2048, 64, DType::f32, false, DType::f32), moe_bwd_cfgs);
+      run_case(make_moe_backward(64, 2816, 2048, 64, DType::f32, true, DType::f32), moe_bwd_cfgs);
+    }
     std::vector<ops::Config> emb_cfgs = {ops::Config{}}, emb_bwd_cfgs = {ops::Config{}};
     if (!quick) {
       for (int64_t bt : {16, 32, 64, 128})
