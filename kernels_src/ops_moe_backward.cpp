@@ -111,11 +111,15 @@ MoeBackwardPlan plan_launch(const TensorView& dW, DType a, DType b, int64_t r, b
 
 // The launch for gradients of these dtypes: on GPUs, a kernel followed by a flush of an
 // fp32 accumulator lets the flush's launch start before its own end (RELEASE_END).
+// With Config.meta DB_WORKSPACE an f32 dB the kernel adds to is summed in the contiguous
+// fp32 workspace and flushed into it too, as a bf16 one is: for a dB whose rank columns are
+// not adjacent (PEFT's flat lora_B gradient, columns E apart), whose atomics cannot go out
+// as whole-line vectors.
 MoeBackwardPlan plan_moe_backward(const TensorView& dW, DType a, DType b, int64_t r, bool gpu, int64_t programs,
                                   const Config& config, DType da_dtype, DType db_dtype) {
   MoeBackwardPlan p = plan_launch(dW, a, b, r, gpu, programs, config);
   p.flush_da = p.da_atomic && da_dtype != DType::f32;
-  p.flush_db = p.db_atomic && db_dtype != DType::f32;
+  p.flush_db = p.db_atomic && (db_dtype != DType::f32 || meta_or(config, "DB_WORKSPACE", 0) != 0);
   if (gpu && (p.flush_da || p.flush_db)) p.meta["RELEASE_END"] = 1;
   return p;
 }
@@ -244,6 +248,9 @@ Config tuned_moe_backward_config(const TensorView& dW, const TensorView& A, cons
   const Product product = product_dtype(dW.dtype, A.dtype, B.dtype);
   q.gpu_candidates = with_wgmma_tiles(moe_backward_gpu_candidates(), moe_backward_wgmma_tiles(), product, dW.device);
   q.finalist_variants = with_wgmma_variant(with_l2_prefetch_variants({}), product, dW.device);
+  // An f32 dB whose rank columns are not adjacent (PEFT's flat layout): also summed in the
+  // workspace and flushed into it.
+  if (dB.dtype == DType::f32 && r > 1 && dB.strides[2] != 1) q.finalist_variants.push_back({{"DB_WORKSPACE", 1}});
   q.extent_m = N;
   q.extent_k = K;
   q.kernels = [&](const Config& c) {
@@ -287,7 +294,9 @@ void moe_lora_materialize_backward(const TensorView& dW, const TensorView& A, co
                                    void* stream, const Config& config, const Layout& layout) {
   const char* op = "moe_lora_materialize_backward";
   expect_finite_scale(op, s);
-  expect_meta(op, config, {{"ROTATE", 0, 1}, {"BY_COLUMNS", 0, 1}, kL2Prefetch, kWgmma, kWgmmaSs, kCluster, kStagedAdds, kTf32});
+  expect_meta(op, config,
+              {{"ROTATE", 0, 1}, {"BY_COLUMNS", 0, 1}, {"DB_WORKSPACE", 0, 1}, kL2Prefetch, kWgmma, kWgmmaSs, kCluster,
+               kStagedAdds, kTf32});
   const LayoutSplits splits = check_layout(op, layout, backward_operands());
   expect_unsplit(op, layout, splits, "r", "each expert's product B[e] @ A[e] needs every rank");
   expect_shape(op, "dW_eff", dW, {-1, -1, -1});

@@ -56,12 +56,13 @@ struct BackwardCase {
   bool staged = false;  // Config.meta STAGED_ADDS: each step's atomics through shared memory, whole rows
   bool wgmma_ss = false;  // Config.meta WGMMA_SS: with WGMMA, A from shared memory too
   bool wide = false;  // with WGMMA and by_columns: 512 columns per program on two stages
+  bool db_workspace = false;  // Config.meta DB_WORKSPACE: an f32 dB summed in the workspace, then flushed
 };
 
 void check_backward(const BackwardCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.E, c.d1, c.d2, c.r, dtype_name(c.w), dtype_name(c.ab), dtype_name(c.grads),
           layout_name(c.layout), c.split, seed, dev.str(), c.rotate, c.by_columns, c.l2_prefetch, c.wgmma,
-          c.cluster, c.staged, c.wgmma_ss, c.wide);
+          c.cluster, c.staged, c.wgmma_ss, c.wide, c.db_workspace);
   std::mt19937_64 rng(seed);
   const int64_t E = c.E, d1 = c.d1, d2 = c.d2, r = c.r;
   TestTensor dW(c.w, {E, d1, d2}, dev);
@@ -117,6 +118,7 @@ void check_backward(const BackwardCase& c, Device dev, uint64_t seed) {
     }
   }
   if (c.staged) cfg.meta["STAGED_ADDS"] = 1;
+  if (c.db_workspace) cfg.meta["DB_WORKSPACE"] = 1;
   if (c.cluster) {
     cfg.meta["CLUSTER"] = c.cluster;
     if (!c.wgmma && !c.rotate && !c.by_columns) {
@@ -253,6 +255,18 @@ void run_backward_cases(Device dev) {
        true, true},
       {2, 150, 600, 16, DType::bf16, DType::bf16, DType::f32, MoeLayout::plain, 2, true, true, 0, true, 0, true, true,
        true},
+      // An f32 dB summed in the fp32 workspace and flushed into it (DB_WORKSPACE): PEFT's
+      // flat gradient (rank columns E apart) from the column-owning kernel, with and
+      // without WGMMA and staged adds; the row-owning kernel's split rows; PEFT's transposed
+      // experts.
+      {3, 100, 130, 5, DType::bf16, DType::f32, DType::f32, MoeLayout::peft, 1, false, true, 0, false, 0, false, false,
+       false, true},
+      {2, 300, 600, 64, DType::bf16, DType::f32, DType::f32, MoeLayout::peft, 0, false, true, 0, true, 0, true, false,
+       false, true},
+      {2, 64, 300, 16, DType::bf16, DType::bf16, DType::f32, MoeLayout::plain, 3, true, false, 0, false, 0, false, false,
+       false, true},
+      {2, 90, 150, 33, DType::f16, DType::f32, DType::f32, MoeLayout::peft_transposed, 2, false, true, 0, false, 0, true,
+       false, false, true},
   };
   uint64_t seed = 5100;
   for (const BackwardCase& c : cases) check_backward(c, dev, seed++);
@@ -501,4 +515,36 @@ TEST_CASE("the MoE backward's 64x512 column tile fits an H100's shared memory wh
         CAPTURE(bytes);
         CHECK(bytes <= autotune::typical_max_shared_memory("sm_90a"));
       }
+}
+
+// DB_WORKSPACE: an f32 dB the kernel adds to goes through the contiguous fp32 workspace (the
+// kernel's dB argument) and a flush into it, instead of atomics into its own strides.
+TEST_CASE("DB_WORKSPACE sends an f32 dB's atomics to the contiguous workspace", "[ops][moe]") {
+  const Device dev = Device::cuda(0);  // planned only
+  void* const p = reinterpret_cast<void*>(uintptr_t(1) << 16);
+  const int64_t E = 4, N = 256, K = 512, r = 16;
+  const auto t = [&](DType d, std::vector<int64_t> shape) { return TensorView::contiguous(p, d, shape, dev); };
+  const TensorView dW = t(DType::bf16, {E, N, K});
+  const ops::MoeLoraViews v = ops::peft_moe_lora_views(dW, t(DType::f32, {r * E, K}), t(DType::f32, {N, r * E}));
+  const ops::MoeLoraViews g = ops::peft_moe_lora_views(dW, t(DType::f32, {r * E, K}), t(DType::f32, {N, r * E}));
+  REQUIRE(g.B.strides[2] == E);  // PEFT's flat gradient: rank columns E apart
+  ops::Config c{64, 256, 1, 8, 3, {{"BY_COLUMNS", 1}}};
+  const auto db_arg = [&](const ops::Config& cfg) {
+    const autotune::KernelCall k = ops::detail::moe_backward_kernel(dW, v.A, v.B, 1.0, g.A, g.B, 132, cfg);
+    return std::get<TensorView>(k.args[5]);
+  };
+  CHECK(db_arg(c).strides[2] == E);  // the gradient itself
+  c.meta["DB_WORKSPACE"] = 1;
+  const TensorView ws = db_arg(c);
+  CHECK(ws.dtype == DType::f32);
+  CHECK(ws.strides[2] == 1);
+  CHECK(ws.strides[1] == r);
+  // Checked like the other meta.
+  std::vector<float> host(size_t(E * N * K));
+  const auto h = [&](std::vector<int64_t> shape) { return TensorView::contiguous(host.data(), DType::f32, shape); };
+  ops::Config bad;
+  bad.meta["DB_WORKSPACE"] = 2;
+  CHECK_THROWS_WITH(ops::moe_lora_materialize_backward(h({E, N, K}), h({E, r, K}), h({E, N, r}), 1.0, h({E, r, K}),
+                                                       h({E, N, r}), nullptr, bad),
+                    Catch::Contains("DB_WORKSPACE"));
 }
