@@ -249,8 +249,9 @@ Config tuned_moe_backward_config(const TensorView& dW, const TensorView& A, cons
   q.gpu_candidates = with_wgmma_tiles(moe_backward_gpu_candidates(), moe_backward_wgmma_tiles(), product, dW.device);
   q.finalist_variants = with_wgmma_variant(with_l2_prefetch_variants({}), product, dW.device);
   // An f32 dB whose rank columns are not adjacent (PEFT's flat layout): also summed in the
-  // workspace and flushed into it.
-  if (dB.dtype == DType::f32 && r > 1 && dB.strides[2] != 1) q.finalist_variants.push_back({{"DB_WORKSPACE", 1}});
+  // workspace and flushed into it (on GPUs, whose atomics move whole sectors).
+  if (dW.device.is_cuda() && dB.dtype == DType::f32 && r > 1 && dB.strides[2] != 1)
+    q.finalist_variants.push_back({{"DB_WORKSPACE", 1}});
   q.extent_m = N;
   q.extent_k = K;
   q.kernels = [&](const Config& c) {
