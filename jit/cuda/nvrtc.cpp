@@ -433,12 +433,7 @@ int number_before(const std::string& line, const std::string& unit) {
 
 PtxasUsage ptxas_usage(const std::string& log) {
   PtxasUsage u;
-  size_t pos = 0;
-  while (pos < log.size()) {
-    size_t end = log.find('\n', pos);
-    if (end == std::string::npos) end = log.size();
-    const std::string line = log.substr(pos, end - pos);
-    pos = end + 1;
+  for (const std::string& line : split_lines(log)) {
     if (line.rfind("ptxas", 0) != 0) continue;
     if (line.find("Used ") != std::string::npos && line.find(" registers") != std::string::npos) {
       u.registers = number_before(line, " registers");
