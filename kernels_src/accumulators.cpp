@@ -88,4 +88,23 @@ const dsl::Kernel& cast_3d() {
   return k;
 }
 
+const dsl::Kernel& transpose_3d() {
+  static const Kernel k("transpose_3d", [](Builder& k) {
+    const Tensor x = k.tensor("x", 3), out = k.tensor("out", 3);
+    // WAIT_PRIOR (a flush): launched to overlap the end of the kernel that adds into x.
+    if (k.meta("WAIT_PRIOR", 0)) wait_prior_grid();
+    const int64_t BI = k.meta("BLOCK_M"), BJ = k.meta("BLOCK_K");
+    // Program (column block fastest, then dim 0) on grid x, row block on grid y: dim 0 may
+    // be longer than grid z allows.
+    const Value col_blocks = cdiv(x.dim(2), literal(BJ));
+    const Value g = program_id(0) / col_blocks;
+    const Value i = program_id(1) * BI + arange(BI), j = (program_id(0) % col_blocks) * BJ + arange(BJ);
+    const Value v = load(x, {g, i.col(), j.row()}, (i.col() < x.dim(1)) & (j.row() < x.dim(2)));  // [BI, BJ]
+    store(out, {g, j.col(), i.row()}, trans(v).to(out.dtype()), (j.col() < x.dim(2)) & (i.row() < x.dim(1)));
+    if (k.meta("FLUSH", 0))
+      store(x, {g, i.col(), j.row()}, zeros({BI, BJ}), (i.col() < x.dim(1)) & (j.row() < x.dim(2)));
+  });
+  return k;
+}
+
 }  // namespace kerf::kernels

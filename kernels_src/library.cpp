@@ -248,6 +248,13 @@ const std::vector<LibraryEntry>& library() {
                  [](DType) {
                    return dsl::MetaMap{{"BLOCK_M", 16}, {"BLOCK_K", 128}};
                  }});
+    e.push_back({"transpose_3d", transpose_3d,
+                 [=](DType t) {
+                   return std::vector<dsl::ArgSpec>{tensor(t, 3), tensor(t, 3)};
+                 },
+                 [](DType) {
+                   return dsl::MetaMap{{"BLOCK_M", 64}, {"BLOCK_K", 64}};
+                 }});
     e.push_back({"fill", fill, [=](DType t) { return std::vector<dsl::ArgSpec>{tensor(t, 1), scalar}; },
                  [](DType) { return dsl::MetaMap{{"BLOCK", 1024}}; }});
     return e;

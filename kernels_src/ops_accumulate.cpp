@@ -1,8 +1,10 @@
 #include "ops_accumulate.h"
 
 #include <algorithm>
+#include <climits>
 
 #include "kerf/kernels/kernels.h"
+#include "ops_checks.h"
 #include "ops_common.h"
 
 namespace kerf::ops::detail {
@@ -18,7 +20,51 @@ dsl::MetaMap tile_meta(const TensorView& t, Grid* grid) {
   return {{"BLOCK_M", bm}, {"BLOCK_K", bk}};
 }
 
+// The dim along which t's elements are adjacent (the last such; -1: none). Dims of size 1
+// have no neighbours.
+int unit_dim(const TensorView& t) {
+  for (int d = 2; d >= 0; --d)
+    if (t.strides[size_t(d)] == 1 && t.shape[size_t(d)] > 1) return d;
+  return -1;
+}
+
+TensorView permuted(const TensorView& t, int d0, int d1, int d2) {
+  const auto dim = [&](int d) { return size_t(d); };
+  return restride(t, {t.shape[dim(d0)], t.shape[dim(d1)], t.shape[dim(d2)]},
+                  {t.strides[dim(d0)], t.strides[dim(d1)], t.strides[dim(d2)]});
+}
+
+// cast_3d's tile: [BLOCK_M, BLOCK_K] of a rank-3 view per program.
+constexpr int64_t kCastRows = 8, kCastCols = 256;
+
 }  // namespace
+
+CopyLaunch plan_copy_3d(const TensorView& x, const TensorView& out, bool flush) {
+  const int ux = unit_dim(x), uo = unit_dim(out);
+  if (ux >= 0 && uo >= 0 && ux != uo) {
+    // x as [D0, D1, D2] with its unit stride last and out's on D1; out as [D0, D2, D1].
+    const int rest = 3 - ux - uo;
+    const TensorView xk = permuted(x, rest, uo, ux), ok = permuted(out, rest, ux, uo);
+    const int64_t d0 = xk.shape[0], d1 = xk.shape[1], d2 = xk.shape[2];
+    // Tiles of 4096 elements at most, each side at least 8 (a 16-byte vector of 2-byte elements).
+    const int64_t bj = std::clamp<int64_t>(next_pow2(d2), 8, 64);
+    const int64_t bi = std::clamp<int64_t>(next_pow2(d1), 8, std::max<int64_t>(64, 4096 / bj));
+    const int64_t programs_x = cdiv(d2, bj) * d0;
+    if (programs_x <= int64_t(INT32_MAX) && cdiv(d1, bi) <= 65535) {
+      dsl::MetaMap meta = {{"BLOCK_M", bi}, {"BLOCK_K", bj}};
+      if (flush) meta["FLUSH"] = 1;
+      return {{&kernels::transpose_3d(), {xk, ok}, meta}, Grid{uint32_t(programs_x), uint32_t(cdiv(d1, bi)), 1}};
+    }
+  }
+  if (flush) {
+    Grid grid;
+    const dsl::MetaMap meta = tile_meta(out, &grid);
+    return {{&kernels::flush_accumulator(), {x, out}, meta}, grid};
+  }
+  return {{&kernels::cast_3d(), {x, out}, {{"BLOCK_M", kCastRows}, {"BLOCK_K", kCastCols}}},
+          Grid{uint32_t(cdiv(out.shape[2], kCastCols)), uint32_t(cdiv(out.shape[1], kCastRows)),
+               uint32_t(out.shape[0])}};
+}
 
 bool fill_3d(const TensorView& t, double value, const LaunchOptions& options, bool release, bool keep_in_l2) {
   if (t.numel() == 0) return false;
@@ -56,14 +102,13 @@ bool zero_fills(const TensorView& a, bool zero_a, const TensorView& b, bool zero
 void flush_accumulator(const TensorView& acc, const TensorView& out, const LaunchOptions& options,
                        bool overlap) {
   if (out.numel() == 0) return;
-  Grid grid;
-  dsl::MetaMap meta = tile_meta(out, &grid);
+  CopyLaunch c = plan_copy_3d(acc, out, true);
   LaunchOptions o = options;
   if (overlap && out.device.is_cuda()) {
-    meta["WAIT_PRIOR"] = 1;
+    c.call.meta["WAIT_PRIOR"] = 1;
     o.overlap_prior = true;
   }
-  launch(kernels::flush_accumulator(), {acc, out}, grid, meta, o);
+  launch(*c.call.kernel, c.call.args, c.grid, c.call.meta, o);
 }
 
 size_t carved_bytes(int64_t d0, int64_t d1, int64_t d2) {

@@ -25,6 +25,18 @@ bool fill_pair_3d(const TensorView& a, const TensorView& b, double value, const 
 // launch when both.
 bool zero_fills(const TensorView& a, bool zero_a, const TensorView& b, bool zero_b, const LaunchOptions& options,
                 bool release = false, bool keep_in_l2 = false);
+// One launch that copies x into out (rank 3, one shape), rounded to out's dtype: with
+// `flush`, kernels::flush_accumulator (x f32, left zero), else kernels::cast_3d, both
+// tiled along dims 1 and 2; or, where x and out have their unit strides on different dims
+// (a batched transpose, such as PEFT's flat lora_B and a contiguous copy of it),
+// kernels::transpose_3d over permuted views, whose loads and stores then both move whole
+// vectors (the plain kernels would gather or scatter one element per sector on one side).
+struct CopyLaunch {
+  autotune::KernelCall call;
+  Grid grid;
+};
+CopyLaunch plan_copy_3d(const TensorView& x, const TensorView& out, bool flush);
+
 // out = acc rounded to out's dtype, then acc = 0; both rank 3 with one shape.
 // With overlap (GPUs), the flush is launched to overlap the end of the kernel before
 // it (LaunchOptions::overlap_prior) and waits for it before reading.

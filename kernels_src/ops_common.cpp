@@ -12,6 +12,7 @@
 #include "kerf/jit/cpu_backend.h"
 #include "kerf/kernels/kernels.h"
 #include "kerf/runtime/cuda.h"
+#include "ops_accumulate.h"
 #include "ops_checks.h"
 
 namespace kerf::ops::detail {
@@ -181,18 +182,13 @@ std::unique_lock<std::mutex> scratch_lock(const Device& dev, void* stream) {
   return stream_lock(1, dev, stream);
 }
 
-// cast_3d's tile: [BLOCK_M, BLOCK_K] of a rank-3 view per program.
-constexpr int64_t kCastRows = 8, kCastCols = 256;
-
-// The cast of A (seen as rank 3) into `dst`, and the copy it writes, in A's shape.
-std::pair<autotune::KernelCall, TensorView> cast_of(const TensorView& A, DType to, void* dst) {
-  const TensorView a3 = A.rank == 3 ? A
-                                    : restride(A, {1, A.shape[0], A.shape[1]},
-                                               {A.shape[0] * A.strides[0], A.strides[0], A.strides[1]});
-  const TensorView copy3 =
-      TensorView::contiguous(dst, to, {a3.shape[0], a3.shape[1], a3.shape[2]}, A.device);
-  const TensorView copy = A.rank == 3 ? copy3 : TensorView::contiguous(dst, to, {A.shape[0], A.shape[1]}, A.device);
-  return {{&kernels::cast_3d(), {a3, copy3}, {{"BLOCK_M", kCastRows}, {"BLOCK_K", kCastCols}}}, copy};
+// A (rank 2 or 3) as rank 3, and a rank-3 copy of it seen in A's rank.
+TensorView rank3_of(const TensorView& A) {
+  return A.rank == 3 ? A
+                     : restride(A, {1, A.shape[0], A.shape[1]}, {A.shape[0] * A.strides[0], A.strides[0], A.strides[1]});
+}
+TensorView in_rank_of(const TensorView& A, const TensorView& copy3) {
+  return A.rank == 3 ? copy3 : TensorView::contiguous(copy3.data, copy3.dtype, {A.shape[0], A.shape[1]}, A.device);
 }
 
 bool casts(const TensorView& A, DType to) { return to != DType::f32 && A.dtype == DType::f32; }
@@ -201,33 +197,54 @@ bool casts(const TensorView& A, DType to) { return to != DType::f32 && A.dtype =
 
 TensorView compiled_a(const TensorView& A, DType to, std::vector<autotune::KernelCall>& calls) {
   if (!casts(A, to)) return A;
-  auto [call, copy] = cast_of(A, to, unused_memory());
-  calls.push_back(std::move(call));
-  return copy;
+  const RunCopies c = run_copies({{rank3_of(A), to}}, nullptr);
+  calls.push_back(c.calls[0]);
+  return in_rank_of(A, c.copies[0]);
 }
 
 RunA run_a(const TensorView& A, DType to, const LaunchOptions& options) {
   if (!casts(A, to)) return {A, {}};
+  RunCopies c = run_copies({{rank3_of(A), to}}, &options);
   RunA r;
-  const size_t bytes = size_t(A.numel()) * size_t(dtype_size_bytes(to));
-  void* dst = nullptr;
-  if (bytes && capturing(A.device, options.stream)) {
-    r.graph_owned = cuda::StreamOrderedBuffer(bytes, options.stream);
-    dst = r.graph_owned.data();
-  } else {
-    r.lock = scratch_lock(A.device, options.stream);
-    dst = scratch(A.device, options.stream, bytes);
+  r.a = in_rank_of(A, c.copies[0]);
+  r.lock = std::move(c.lock);
+  r.graph_owned = std::move(c.graph_owned);
+  return r;
+}
+
+RunCopies run_copies(const std::vector<std::pair<TensorView, DType>>& xs, const LaunchOptions* options) {
+  RunCopies r;
+  if (xs.empty()) return r;
+  const Device dev = xs[0].first.device;
+  const auto bytes_of = [](const TensorView& x, DType to) {
+    return (size_t(x.numel()) * size_t(dtype_size_bytes(to)) + 15) / 16 * 16;
+  };
+  size_t bytes = 0;
+  for (const auto& [x, to] : xs) bytes += bytes_of(x, to);
+  char* at = static_cast<char*>(unused_memory());
+  if (options && bytes) {
+    if (capturing(dev, options->stream)) {
+      r.graph_owned = cuda::StreamOrderedBuffer(bytes, options->stream);
+      at = static_cast<char*>(r.graph_owned.data());
+    } else {
+      r.lock = scratch_lock(dev, options->stream);
+      at = static_cast<char*>(scratch(dev, options->stream, bytes));
+    }
   }
-  const auto [call, copy] = cast_of(A, to, dst);
-  run_cast_3d(std::get<TensorView>(call.args[0]), std::get<TensorView>(call.args[1]), options);
-  r.a = copy;
+  for (const auto& [x, to] : xs) {
+    const TensorView copy = TensorView::contiguous(at, to, {x.shape[0], x.shape[1], x.shape[2]}, dev);
+    at += bytes_of(x, to);
+    const CopyLaunch c = plan_copy_3d(x, copy, false);
+    if (options && copy.numel()) launch(*c.call.kernel, c.call.args, c.grid, c.call.meta, *options);
+    r.copies.push_back(copy);
+    r.calls.push_back(c.call);
+  }
   return r;
 }
 
 void run_cast_3d(const TensorView& x, const TensorView& out, const LaunchOptions& options) {
-  launch(kernels::cast_3d(), {x, out},
-         Grid{uint32_t(cdiv(out.shape[2], kCastCols)), uint32_t(cdiv(out.shape[1], kCastRows)), uint32_t(out.shape[0])},
-         {{"BLOCK_M", kCastRows}, {"BLOCK_K", kCastCols}}, options);
+  const CopyLaunch c = plan_copy_3d(x, out, false);
+  launch(*c.call.kernel, c.call.args, c.grid, c.call.meta, options);
 }
 
 CallKey& CallKey::add(const TensorView& t) {

@@ -119,11 +119,13 @@ inline void add_memory_order(std::vector<int64_t>& bucket, const TensorView& t) 
 // The same for an op's two adapters, in one word of its own range (-65536 and below,
 // apart from the main operand's): PEFT's flat expert lora_B, read as B[e] with its rank
 // columns E apart, is tuned apart from a row-major [E, d1, r] (a kernel that reads B's
-// tile per step may lose most of its speed to that gather; another tile may not).
-inline void add_adapter_order(std::vector<int64_t>& bucket, const TensorView& a, const TensorView& b) {
+// tile per step may lose most of its speed to that gather; another tile may not). An
+// op's two gradients of that shape take the next range down (`gradients`).
+inline void add_adapter_order(std::vector<int64_t>& bucket, const TensorView& a, const TensorView& b,
+                              bool gradients = false) {
   const int64_t ba = unit_stride_dims(a), bb = unit_stride_dims(b);
   const bool row_major = (a.rank == 0 || ba == int64_t(1) << (a.rank - 1)) && (b.rank == 0 || bb == int64_t(1) << (b.rank - 1));
-  if (!row_major) bucket.push_back(-65536 - (ba << 8 | bb));
+  if (!row_major) bucket.push_back((gradients ? -131072 : -65536) - (ba << 8 | bb));
 }
 
 // Throws InvalidArgument unless the scale s is finite, also as a float32 (an inf or NaN
@@ -307,9 +309,20 @@ struct RunA {
   cuda::StreamOrderedBuffer graph_owned;
 };
 RunA run_a(const TensorView& A, DType to, const LaunchOptions& options);
+// Contiguous copies of rank-3 views, each rounded to its dtype, in one stretch of the same
+// stream-private scratch (as run_a, which is one such copy): `copies[i]` is xs[i].first in
+// dtype xs[i].second. `at`: where the copies lie (unused_memory() for compile lists: views
+// only, nothing launched); else the scratch is taken and the copies queued.
+struct RunCopies {
+  std::vector<TensorView> copies;
+  std::vector<autotune::KernelCall> calls;  // the copies' launches
+  std::unique_lock<std::mutex> lock;
+  cuda::StreamOrderedBuffer graph_owned;
+};
+RunCopies run_copies(const std::vector<std::pair<TensorView, DType>>& xs, const LaunchOptions* options);
 
 // out = x element by element, rounded to out's dtype (rank-3 views of one shape): one
-// launch of kernels::cast_3d on `options`'s stream.
+// launch (plan_copy_3d's, ops_accumulate.h) on `options`'s stream.
 void run_cast_3d(const TensorView& x, const TensorView& out, const LaunchOptions& options);
 
 // ---------------------------------------------------------------- plans of repeated calls

@@ -853,7 +853,8 @@ GatheredBackward plan_gathered(const EmbeddingBackward& c, const Config& config,
   p.da_moe = restride(p.db_acc, {1, r, D}, {p.db_acc.strides[0], p.db_acc.strides[2], p.db_acc.strides[1]});
   p.db_moe = p.gB;
   p.moe = config;
-  p.moe.meta = {{"BY_COLUMNS", 1}, {"ROTATE", meta_or(config, "ROTATE", 0)}};
+  // PACK 0: no copies or workspace of its own (this call holds the workspace already).
+  p.moe.meta = {{"BY_COLUMNS", 1}, {"ROTATE", meta_or(config, "ROTATE", 0)}, {"PACK", 0}};
   const int64_t r_pad = rank_pad(r);
   const int64_t bt = std::clamp<int64_t>(4096 / r_pad, 16, 128);
   p.gather_meta = {{"BLOCK_T", bt}, {"R_PAD", r_pad}};

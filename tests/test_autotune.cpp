@@ -714,7 +714,7 @@ TEST_CASE("a column-major weight (W.T) is tuned apart from a row-major one of th
   CHECK(logs.count("lora_merge [1x64x128x16x-3]") >= 1);  // its bucket says which dims have stride 1 (-1 - bits)
 }
 
-TEST_CASE("PEFT's flat expert adapters are tuned apart from plain [E, d1, r] ones of the same shapes",
+TEST_CASE("PEFT's flat expert adapters and gradients are tuned apart from plain [E, d1, r] ones of the same shapes",
           "[autotune][cpu]") {
   KERF_REQUIRE_CPU_BACKEND();
   const FreshTuning fresh;
@@ -734,17 +734,22 @@ TEST_CASE("PEFT's flat expert adapters are tuned apart from plain [E, d1, r] one
   const ops::MoeLoraViews g = ops::peft_moe_lora_views(t(dW, {E, d1, d2}), t(dA, {r * E, d2}), t(dB, {d1, r * E}));
   ops::moe_lora_materialize_backward(t(dW, {E, d1, d2}), v.A, v.B, 1.0, g.A, g.B);
   CHECK(logs.count("chose") == 2);
-  // A row-major [E, r, d2] (bits 4) beside B's unit stride on dim 0 (bits 1): -65536 - (4 << 8 | 1).
-  CHECK(logs.count("moe_lora_materialize_backward [4x64x64x16x-66561]") >= 1);
+  // A row-major [E, r, d2] (bits 4) beside B's unit stride on dim 0 (bits 1): -65536 - (4 << 8 | 1);
+  // the gradients, laid out the same, in the next range down: -131072 - (4 << 8 | 1).
+  CHECK(logs.count("moe_lora_materialize_backward [4x64x64x16x-66561x-132097]") >= 1);
+  // Plain adapters with PEFT's flat gradients: tuned apart from both.
+  ops::moe_lora_materialize_backward(t(dW, {E, d1, d2}), t(A, {E, r, d2}), t(B, {E, d1, r}), 1.0, g.A, g.B);
+  CHECK(logs.count("chose") == 3);
+  CHECK(logs.count("moe_lora_materialize_backward [4x64x64x16x-132097]") >= 1);
   // Plain adapters again: their choice is kept, not tuned anew.
   ops::moe_lora_materialize_backward(t(dW, {E, d1, d2}), t(A, {E, r, d2}), t(B, {E, d1, r}), 1.0, t(dA, {E, r, d2}),
                                      t(dB, {E, d1, r}));
-  CHECK(logs.count("chose") == 2);
+  CHECK(logs.count("chose") == 3);
   // The forward likewise.
   std::vector<float> out(dW.size());
   ops::moe_lora_materialize(t(dW, {E, d1, d2}), t(A, {E, r, d2}), t(B, {E, d1, r}), 1.0, t(out, {E, d1, d2}));
   ops::moe_lora_materialize(t(dW, {E, d1, d2}), v.A, v.B, 1.0, t(out, {E, d1, d2}));
-  CHECK(logs.count("chose") == 4);
+  CHECK(logs.count("chose") == 5);
   CHECK(logs.count("moe_lora_materialize [4x64x64x16x-66561]") >= 1);
 }
 

@@ -228,6 +228,11 @@ std::vector<Case> op_kernel_cases(const std::vector<Variant>& variants = {Varian
                  {{"BLOCK_M", 16}, {"BLOCK_K", 128}},
                  "flush_accumulator",
                  v.arch});
+    c.push_back({&kernels::transpose_3d(),
+                 {T(is_half(w) ? DType::f32 : w, 3, fast), T(w, 3, fast)},
+                 {{"BLOCK_M", 64}, {"BLOCK_K", 64}, {"FLUSH", flag}, {"WAIT_PRIOR", 1 - flag}},
+                 "transpose_3d",
+                 v.arch});
     if (v.tf32)
       for (size_t i = first; i < c.size(); ++i)
         if (c[i].meta.count("DOT") && c[i].meta.at("DOT") == int64_t(DType::f32)) c[i].meta["TF32"] = 1;

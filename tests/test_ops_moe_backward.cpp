@@ -4,6 +4,7 @@
 // layout for transposed expert weights (forward and backward).
 #include <cmath>
 #include <random>
+#include <tuple>
 
 #include "catch.h"
 #include "cpu_test_util.h"
@@ -13,8 +14,10 @@
 #include "kerf/jit/autotune.h"
 #include "kerf/jit/cuda_codegen.h"
 #include "kerf/jit/launch.h"
+#include "kerf/kernels/kernels.h"
 #include "kerf/ops/ops.h"
 #include "kernels_src/ops_accumulate.h"
+#include "kernels_src/ops_common.h"
 #include "test_cache_util.h"
 
 using namespace kerf;
@@ -57,12 +60,13 @@ struct BackwardCase {
   bool wgmma_ss = false;  // Config.meta WGMMA_SS: with WGMMA, A from shared memory too
   bool wide = false;  // with WGMMA and by_columns: 512 columns per program on two stages
   bool db_workspace = false;  // Config.meta DB_WORKSPACE: an f32 dB summed in the workspace, then flushed
+  int64_t pack = -1;  // Config.meta PACK (-1: unset, on for GPUs): strided adapters copied, gradients via workspace
 };
 
 void check_backward(const BackwardCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.E, c.d1, c.d2, c.r, dtype_name(c.w), dtype_name(c.ab), dtype_name(c.grads),
           layout_name(c.layout), c.split, seed, dev.str(), c.rotate, c.by_columns, c.l2_prefetch, c.wgmma,
-          c.cluster, c.staged, c.wgmma_ss, c.wide, c.db_workspace);
+          c.cluster, c.staged, c.wgmma_ss, c.wide, c.db_workspace, c.pack);
   std::mt19937_64 rng(seed);
   const int64_t E = c.E, d1 = c.d1, d2 = c.d2, r = c.r;
   TestTensor dW(c.w, {E, d1, d2}, dev);
@@ -119,6 +123,7 @@ void check_backward(const BackwardCase& c, Device dev, uint64_t seed) {
   }
   if (c.staged) cfg.meta["STAGED_ADDS"] = 1;
   if (c.db_workspace) cfg.meta["DB_WORKSPACE"] = 1;
+  if (c.pack >= 0) cfg.meta["PACK"] = c.pack;
   if (c.cluster) {
     cfg.meta["CLUSTER"] = c.cluster;
     if (!c.wgmma && !c.rotate && !c.by_columns) {
@@ -274,6 +279,14 @@ void run_backward_cases(Device dev) {
   for (BackwardCase c : cases)
     if (c.wgmma && !c.wgmma_ss) {
       c.wgmma_ss = true;
+      check_backward(c, dev, seed++);
+    }
+  // Each case in PEFT's layouts (adapters and gradients strided along their last dims)
+  // again the other way round as to PACK: copied and through the workspace on the CPU
+  // too, read and written in place on the GPU.
+  for (BackwardCase c : cases)
+    if (c.layout != MoeLayout::plain && !c.cluster) {
+      c.pack = dev.is_cuda() ? 0 : 1;
       check_backward(c, dev, seed++);
     }
 }
@@ -517,9 +530,12 @@ TEST_CASE("the MoE backward's 64x512 column tile fits an H100's shared memory wh
       }
 }
 
-// DB_WORKSPACE: an f32 dB the kernel adds to goes through the contiguous fp32 workspace (the
-// kernel's dB argument) and a flush into it, instead of atomics into its own strides.
-TEST_CASE("DB_WORKSPACE sends an f32 dB's atomics to the contiguous workspace", "[ops][moe]") {
+// PACK (on GPUs by default): PEFT's flat B (rank columns E apart) reaches the kernel as a
+// contiguous copy, and a gradient strided so is summed in the contiguous fp32 workspace (the
+// kernel's dB argument) and flushed into it; PACK 0 reads and writes them in place.
+// DB_WORKSPACE sends an f32 dB's atomics to the workspace whatever its strides.
+TEST_CASE("PACK gives the MoE backward contiguous adapters and workspace gradients for PEFT's flat layout",
+          "[ops][moe]") {
   const Device dev = Device::cuda(0);  // planned only
   void* const p = reinterpret_cast<void*>(uintptr_t(1) << 16);
   const int64_t E = 4, N = 256, K = 512, r = 16;
@@ -528,23 +544,117 @@ TEST_CASE("DB_WORKSPACE sends an f32 dB's atomics to the contiguous workspace", 
   const ops::MoeLoraViews v = ops::peft_moe_lora_views(dW, t(DType::f32, {r * E, K}), t(DType::f32, {N, r * E}));
   const ops::MoeLoraViews g = ops::peft_moe_lora_views(dW, t(DType::f32, {r * E, K}), t(DType::f32, {N, r * E}));
   REQUIRE(g.B.strides[2] == E);  // PEFT's flat gradient: rank columns E apart
+  REQUIRE(v.A.strides[2] == 1);  // lora_A's expert-major rows: A[e] row-major
   ops::Config c{64, 256, 1, 8, 3, {{"BY_COLUMNS", 1}}};
-  const auto db_arg = [&](const ops::Config& cfg) {
+  const auto arg = [&](const ops::Config& cfg, size_t i) {
     const autotune::KernelCall k = ops::detail::moe_backward_kernel(dW, v.A, v.B, 1.0, g.A, g.B, 132, cfg);
-    return std::get<TensorView>(k.args[5]);
+    return std::get<TensorView>(k.args[i]);
   };
-  CHECK(db_arg(c).strides[2] == E);  // the gradient itself
+  // Default on a GPU: B copied contiguous, rounded to the bf16 product; A read in place.
+  CHECK(arg(c, 2).strides[2] == 1);
+  CHECK(arg(c, 2).strides[1] == r);
+  CHECK(arg(c, 2).dtype == DType::bf16);
+  CHECK(arg(c, 1).data == v.A.data);
+  CHECK(arg(c, 5).dtype == DType::f32);
+  CHECK(arg(c, 5).strides[2] == 1);
+  CHECK(arg(c, 5).strides[1] == r);
+  c.meta["PACK"] = 0;
+  CHECK(arg(c, 2).data == v.B.data);
+  CHECK(arg(c, 5).strides[2] == E);  // the gradient itself
   c.meta["DB_WORKSPACE"] = 1;
-  const TensorView ws = db_arg(c);
+  const TensorView ws = arg(c, 5);
   CHECK(ws.dtype == DType::f32);
   CHECK(ws.strides[2] == 1);
   CHECK(ws.strides[1] == r);
+  // PEFT's transposed experts: both adapters strided along their last dims, both copied.
+  const ops::MoeLoraViews vt =
+      ops::peft_moe_lora_views(dW, t(DType::bf16, {r * E, N}), t(DType::bf16, {K, r * E}), true);
+  const ops::MoeLoraViews gt =
+      ops::peft_moe_lora_views(dW, t(DType::bf16, {r * E, N}), t(DType::bf16, {K, r * E}), true);
+  REQUIRE(vt.A.strides[2] != 1);
+  REQUIRE(vt.B.strides[2] != 1);
+  const autotune::KernelCall kt =
+      ops::detail::moe_backward_kernel(dW, vt.A, vt.B, 1.0, gt.A, gt.B, 132, ops::Config{64, 256, 1, 8, 3, {{"BY_COLUMNS", 1}}});
+  for (size_t i : {size_t(1), size_t(2), size_t(4), size_t(5)}) {
+    CAPTURE(i);
+    CHECK(std::get<TensorView>(kt.args[i]).strides[2] == 1);
+  }
   // Checked like the other meta.
   std::vector<float> host(size_t(E * N * K));
   const auto h = [&](std::vector<int64_t> shape) { return TensorView::contiguous(host.data(), DType::f32, shape); };
-  ops::Config bad;
-  bad.meta["DB_WORKSPACE"] = 2;
-  CHECK_THROWS_WITH(ops::moe_lora_materialize_backward(h({E, N, K}), h({E, r, K}), h({E, N, r}), 1.0, h({E, r, K}),
-                                                       h({E, N, r}), nullptr, bad),
-                    Catch::Contains("DB_WORKSPACE"));
+  for (const char* name : {"DB_WORKSPACE", "PACK"}) {
+    ops::Config bad;
+    bad.meta[name] = 2;
+    CHECK_THROWS_WITH(ops::moe_lora_materialize_backward(h({E, N, K}), h({E, r, K}), h({E, N, r}), 1.0,
+                                                         h({E, r, K}), h({E, N, r}), nullptr, bad),
+                      Catch::Contains(name));
+  }
+}
+
+namespace {
+
+// A copy between PEFT's flat [d1, r*E] (seen as [E, d1, r], rank columns E apart) and a
+// contiguous [E, d1, r], either way, with a cast; `flush`: from an f32 accumulator, left
+// zero. It must take kernels::transpose_3d, and give every element rounded once.
+void check_transposing_copy(Device dev, int64_t E, int64_t d1, int64_t r, DType from, DType to, bool to_flat,
+                            bool flush, uint64_t seed) {
+  CAPTURE(dev.str(), E, d1, r, dtype_name(from), dtype_name(to), to_flat, flush);
+  std::mt19937_64 rng(seed);
+  const std::vector<int64_t> flat_shape = {d1, r * E}, plain_shape = {E, d1, r};
+  TestTensor x(from, to_flat ? plain_shape : flat_shape, dev), out(to, to_flat ? flat_shape : plain_shape, dev);
+  x.randomize(rng);
+  std::vector<double> before;
+  for (int64_t i = 0; i < x.numel(); ++i) before.push_back(x.get(i));
+  out.poison();
+  const auto flat_view = [&](TestTensor& t) { return t.view({E, d1, r}, {1, r * E, E}); };
+  const TensorView xv = to_flat ? x.view() : flat_view(x), ov = to_flat ? flat_view(out) : out.view();
+  CHECK(ops::detail::plan_copy_3d(xv, ov, flush).call.kernel == &kernels::transpose_3d());
+  if (flush)
+    ops::detail::flush_accumulator(xv, ov, {});
+  else
+    ops::detail::run_cast_3d(xv, ov, {});
+  test::sync(dev);
+  out.download();
+  TestTensor rounded(to, {1}, Device::cpu());
+  int64_t wrong = 0;
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t i = 0; i < d1; ++i)
+      for (int64_t k = 0; k < r; ++k) {
+        const int64_t flat = i * r * E + k * E + e, plain = (e * d1 + i) * r + k;
+        rounded.set(0, before[size_t(to_flat ? plain : flat)]);
+        if (out.get(to_flat ? flat : plain) != rounded.get(0)) ++wrong;
+      }
+  CHECK(wrong == 0);
+  if (flush) {
+    x.download();
+    int64_t left = 0;
+    for (int64_t i = 0; i < x.numel(); ++i) left += x.get(i) != 0.0;
+    CHECK(left == 0);
+  }
+}
+
+void run_transposing_copies(Device dev) {
+  uint64_t seed = 7700;
+  // Shapes not multiples of the tiles (E and r past 64, d1 odd), down to one element per row.
+  for (const auto& [E, d1, r] : {std::tuple<int64_t, int64_t, int64_t>{5, 37, 13}, {3, 100, 70}, {70, 9, 3},
+                                 {2, 3, 1}})
+    for (const bool to_flat : {false, true}) {
+      check_transposing_copy(dev, E, d1, r, DType::f32, DType::bf16, to_flat, false, seed++);
+      check_transposing_copy(dev, E, d1, r, DType::bf16, DType::bf16, to_flat, false, seed++);
+      check_transposing_copy(dev, E, d1, r, DType::f32, to_flat ? DType::f16 : DType::f32, to_flat, true, seed++);
+    }
+}
+
+}  // namespace
+
+TEST_CASE("copies between views with their unit strides on different dims transpose through shared memory on the CPU",
+          "[cpu][ops][moe]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  run_transposing_copies(Device::cpu());
+}
+
+TEST_CASE("copies between views with their unit strides on different dims transpose through shared memory on the GPU",
+          "[gpu][ops][moe]") {
+  KERF_REQUIRE_GPU();
+  run_transposing_copies(Device::cuda(0));
 }

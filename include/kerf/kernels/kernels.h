@@ -201,6 +201,13 @@ const dsl::Kernel& flush_accumulator();
 // out[g, i, j] = x[g, i, j] rounded to out's dtype (fp32 adapters rounded once
 // to a product's dtype). Same grid as fill_3d. Args: x, out (same shape).
 const dsl::Kernel& cast_3d();
+// out[g, j, i] = x[g, i, j] rounded to out's dtype (x [d0, d1, d2], out [d0, d2, d1]):
+// a batched transpose whose loads and stores both run along a unit-stride last dim
+// (through shared memory), for an operand whose unit stride is not on the dim a kernel
+// reads along. With FLUSH, x (f32) is left zero (a transposing flush_accumulator); with
+// WAIT_PRIOR, as flush_accumulator. Grid (cdiv(d2, BLOCK_K) * d0, cdiv(d1, BLOCK_M)).
+// Args: x, out.
+const dsl::Kernel& transpose_3d();
 
 }  // namespace kerf::kernels
 
