@@ -325,6 +325,15 @@ RunCopies run_copies(const std::vector<std::pair<TensorView, DType>>& xs, const 
 // launch (plan_copy_3d's, ops_accumulate.h) on `options`'s stream.
 void run_cast_3d(const TensorView& x, const TensorView& out, const LaunchOptions& options);
 
+// Config.meta PACK of the MoE ops (on GPUs unless 0, on CPUs only with 1): an adapter whose
+// elements are not adjacent along its last dim (PEFT's flat lora_B, B[e]'s rank columns E
+// apart; the transposed layout's lora_A and lora_B) is first copied, once per call, into
+// a contiguous copy the kernel reads (run_copies: a batched transpose, both sides whole
+// vectors).
+inline bool packs(const Config& config, bool gpu) { return meta_or(config, "PACK", gpu ? 1 : 0) != 0; }
+// Whether rank-3 t's last dim is strided (elements not adjacent along it).
+inline bool strided_last(const TensorView& t) { return t.shape[2] > 1 && t.strides[2] != 1; }
+
 // ---------------------------------------------------------------- plans of repeated calls
 // What identifies a call for its plan: sizes, dtypes, device, the caller's Config,
 // whatever the plan depends on, as integers (unused trailing words stay 0).

@@ -22,6 +22,7 @@ struct MoePlan {
   dsl::MetaMap meta;
   Grid grid;
   DType cast_a = DType::f32;  // CAST_A: what an f32 A is rounded to first (f32: nothing)
+  bool pack = false;  // PACK (ops_common.h): adapters strided along their last dims copied first
 };
 
 MoePlan plan_moe(const TensorView& W, DType a, DType b, int64_t r, bool gpu, const Config& config) {
@@ -43,6 +44,7 @@ MoePlan plan_moe(const TensorView& W, DType a, DType b, int64_t r, bool gpu, con
   pass_meta(config, p.meta, {"EVICT", "WARPS_N"});
   add_codegen_hints(config, p.meta);
   p.cast_a = cast_a_dtype(config, dot);
+  p.pack = packs(config, gpu);
   // Column slices per row block (grid axis 1): 1 unless the config asks for more.
   const int64_t steps = cdiv(W.shape[2], bk);
   int64_t split = std::max<int64_t>(1, slices_within(config.split_k, steps));
@@ -51,20 +53,39 @@ MoePlan plan_moe(const TensorView& W, DType a, DType b, int64_t r, bool gpu, con
   return p;
 }
 
-// A plan's compile list: A's cast when it makes one, then the materialization.
+// The adapters as a plan's kernel reads them: A's cast (CAST_A) and the copies PACK makes
+// (in their own dtypes: the same answer), or the views themselves. `options`: the copies
+// are queued on its stream; nullptr: views into unused memory (compile lists).
+struct MoeInputs {
+  TensorView A, B;
+  RunCopies copies;
+};
+MoeInputs moe_inputs(const MoePlan& p, const TensorView& A, const TensorView& B, const LaunchOptions* options) {
+  const bool cast = p.cast_a != DType::f32 && A.dtype == DType::f32;
+  const bool copy_a = cast || (p.pack && strided_last(A)), copy_b = p.pack && strided_last(B);
+  std::vector<std::pair<TensorView, DType>> xs;
+  if (copy_a) xs.push_back({A, cast ? p.cast_a : A.dtype});
+  if (copy_b) xs.push_back({B, B.dtype});
+  MoeInputs m{A, B, run_copies(xs, options)};
+  if (copy_a) m.A = m.copies.copies[0];
+  if (copy_b) m.B = m.copies.copies[copy_a ? 1 : 0];
+  return m;
+}
+
+// A plan's compile list: its copies, then the materialization.
 std::vector<autotune::KernelCall> moe_calls(const MoePlan& p, const TensorView& W, const TensorView& A,
                                             const TensorView& B, const TensorView& W_eff) {
-  std::vector<autotune::KernelCall> calls;
-  const TensorView a = compiled_a(A, p.cast_a, calls);
-  calls.push_back({&kernels::moe_lora_materialize(), {W, a, B, Scalar(1.0), W_eff}, p.meta});
+  const MoeInputs in = moe_inputs(p, A, B, nullptr);
+  std::vector<autotune::KernelCall> calls = in.copies.calls;
+  calls.push_back({&kernels::moe_lora_materialize(), {W, in.A, in.B, Scalar(1.0), W_eff}, p.meta});
   return calls;
 }
 
-// Queues a plan's launches (A's cast when it makes one, then the materialization).
+// Queues a plan's launches (its copies, then the materialization).
 void launch_moe(const MoePlan& p, const TensorView& W, const TensorView& A, const TensorView& B, double s,
                 const TensorView& W_eff, const LaunchOptions& options) {
-  const RunA a = run_a(A, p.cast_a, options);
-  launch(kernels::moe_lora_materialize(), {W, a.a, B, Scalar(s), W_eff}, p.grid, p.meta, options);
+  const MoeInputs in = moe_inputs(p, A, B, &options);
+  launch(kernels::moe_lora_materialize(), {W, in.A, in.B, Scalar(s), W_eff}, p.grid, p.meta, options);
 }
 
 // The tiles that ran best with WGMMA on an H100 (bf16, r=64): 64x128 on one
@@ -96,7 +117,7 @@ void run_moe_lora_materialize(const TensorView& W, const TensorView& A, const Te
                               const TensorView& W_eff, void* stream, const Config& config,
                               const std::string& layout) {
   const char* op = "moe_lora_materialize";
-  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, kStream, kWarpsN, kL2Prefetch, kWgmma, kColsFirst, kTf32});
+  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"PACK", 0, 1}, kStream, kWarpsN, kL2Prefetch, kWgmma, kColsFirst, kTf32});
   expect_finite_scale(op, s);
   expect_shape(op, "W", W, {-1, -1, -1});
   const int64_t E = W.shape[0], N = W.shape[1], K = W.shape[2];
@@ -174,6 +195,8 @@ Config tuned_moe_config(const TensorView& W, const TensorView& A, const TensorVi
   q.finalist_variants = with_wgmma_variant(
       with_l2_prefetch_variants(with_warps_n_variants(evict_and_cast_variants(A, product), product)), product,
       W.device);
+  // Adapters strided along their last dims (PEFT's layouts): also read in place.
+  if (gpu && (strided_last(A) || strided_last(B))) q.finalist_variants.push_back({{"PACK", 0}});
   q.extent_m = N;
   q.extent_k = K;
   q.kernels = [&](const Config& c) { return moe_calls(plan_moe(W, A.dtype, B.dtype, r, gpu, c), W, A, B, W_eff); };

@@ -109,18 +109,12 @@ MoeBackwardPlan plan_launch(const TensorView& dW, DType a, DType b, int64_t r, b
   return p;
 }
 
-// Config.meta PACK (on GPUs unless 0, on CPUs only with 1): an adapter whose elements are
-// not adjacent along its last dim (PEFT's flat lora_B, B[e]'s rank columns E apart; or
-// the transposed layout's lora_A and lora_B) is first copied, once per call, into a
-// contiguous copy the kernel reads (kernels::transpose_3d: both sides whole vectors), in
-// the product's dtype where that is half and it is f32 (rounded where the kernel would
-// round it: the same answer); and a gradient whose last dim is strided so is summed in
-// the contiguous fp32 workspace and flushed into it (transposed, as the copies). Else
-// the kernel gathers such an adapter one element per 32-byte sector at every step: on an
-// H100 (r=64, 64x2816x2048, bf16 adapters and gradients in PEFT's layout) 1254.8 us
-// against 392.3 us for the plain layout.
-bool packs(const Config& config, bool gpu) { return meta_or(config, "PACK", gpu ? 1 : 0) != 0; }
-bool strided_last(const TensorView& t) { return t.shape[2] > 1 && t.strides[2] != 1; }
+// PACK (ops_common.h): the backward's copies are in the product's dtype where that is half
+// and the adapter f32 (rounded where the kernel would round it: the same answer), and its
+// strided gradients are summed in the contiguous fp32 workspace and flushed into them
+// (transposed, as the copies). Else the kernel gathers such an adapter one element per
+// 32-byte sector at every step: on an H100 (r=64, 64x2816x2048, bf16 adapters and
+// gradients in PEFT's layout) 1038.7 us against 414.7 us packed.
 
 // The dtype of a packed copy of an adapter of dtype t for a product in `dot`.
 DType packed_dtype(DType t, const Product& dot) { return t == DType::f32 && is_half(dot) ? DType(dot) : t; }
@@ -268,6 +262,19 @@ std::vector<autotune::Config> moe_backward_wgmma_tiles() {
                                                        {"ROTATE", {0, 1}},
                                                        {"STAGED_ADDS", {0, 1}},
                                                        {"BY_COLUMNS", {1}}});
+  // 512 columns on two stages with dW's tile read by both dots from shared memory
+  // (WGMMA_SS; from registers it spills): half the per-step dB bytes per dW byte. On an
+  // H100 362.9-368.8 us against 376.2-384.5 for 64x256 with f32 gradients, 415.9 against
+  // 392.3 with bf16 ones.
+  for (autotune::Config& wide : autotune::product({{"BLOCK_N", {64}},
+                                                   {"BLOCK_K", {512}},
+                                                   {"num_warps", {8}},
+                                                   {"num_stages", {2}},
+                                                   {"ROTATE", {0, 1}},
+                                                   {"STAGED_ADDS", {1}},
+                                                   {"WGMMA_SS", {1}},
+                                                   {"BY_COLUMNS", {1}}}))
+    c.push_back(std::move(wide));
   for (autotune::Config& rows : autotune::product({{"BLOCK_N", {256}},
                                                    {"BLOCK_K", {64}},
                                                    {"num_warps", {8}},

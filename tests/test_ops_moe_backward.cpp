@@ -2,6 +2,7 @@
 // ops::peft_moe_lora_views, against float64 references written in PEFT's own
 // index formulas: the plain batched layout, PEFT's flat layout, and PEFT's
 // layout for transposed expert weights (forward and backward).
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <tuple>
@@ -291,33 +292,47 @@ void run_backward_cases(Device dev) {
     }
 }
 
-// The forward through PEFT's layout for transposed experts: W_eff[e][i, o] =
-// W[e][i, o] + s * sum_k lora_A[e*r + k, i] * lora_B[o, k*E + e].
-void check_forward_transposed(Device dev, uint64_t seed) {
-  const int64_t E = 3, d1 = 40, d2 = 56, r = 4;
-  CAPTURE(seed, dev.str());
+// The forward through PEFT's layouts. Not transposed: W_eff[e][o, i] = W[e][o, i] +
+// s * sum_k lora_B[o, k*E + e] * lora_A[e*r + k, i]; transposed experts: W_eff[e][i, o] =
+// W[e][i, o] + s * sum_k lora_A[e*r + k, i] * lora_B[o, k*E + e]. `pack`: Config.meta PACK
+// (-1: unset, on for GPUs), the strided adapters copied contiguous first or read in place.
+void check_forward_peft(Device dev, uint64_t seed, bool transposed, int64_t pack, DType ab, int64_t E, int64_t d1,
+                        int64_t d2, int64_t r) {
+  CAPTURE(seed, dev.str(), transposed, pack, dtype_name(ab), E, d1, d2, r);
   std::mt19937_64 rng(seed);
+  const int64_t in = transposed ? d1 : d2, out_dim = transposed ? d2 : d1;
   TestTensor W(DType::bf16, {E, d1, d2}, dev), out(DType::bf16, {E, d1, d2}, dev);
-  TestTensor lA(DType::f32, {r * E, d1}, dev), lB(DType::f32, {d2, r * E}, dev);
+  TestTensor lA(ab, {r * E, in}, dev), lB(ab, {out_dim, r * E}, dev);
   W.randomize(rng);
   lA.randomize(rng, -0.5, 0.5);
   lB.randomize(rng, -0.5, 0.5);
   out.poison();
-  const ops::MoeLoraViews v = ops::peft_moe_lora_views(W.view(), lA.view(), lB.view(), true);
-  ops::moe_lora_materialize(W.view(), v.A, v.B, 0.5, out.view());
+  ops::Config cfg;
+  if (pack >= 0) cfg.meta["PACK"] = pack;
+  const ops::MoeLoraViews v = ops::peft_moe_lora_views(W.view(), lA.view(), lB.view(), transposed);
+  ops::moe_lora_materialize(W.view(), v.A, v.B, 0.5, out.view(), nullptr, cfg);
   test::sync(dev);
   out.download();
   std::vector<double> got, ref;
   for (int64_t e = 0; e < E; ++e)
     for (int64_t i = 0; i < d1; ++i)
-      for (int64_t o = 0; o < d2; ++o) {
+      for (int64_t j = 0; j < d2; ++j) {
+        const int64_t x = transposed ? i : j, o = transposed ? j : i;  // in and out indices
         double d = 0;
-        for (int64_t k = 0; k < r; ++k)
-          d += lA.get((e * r + k) * d1 + i) * lB.get(o * r * E + k * E + e);
-        ref.push_back(W.get((e * d1 + i) * d2 + o) + 0.5 * d);
-        got.push_back(out.get((e * d1 + i) * d2 + o));
+        for (int64_t k = 0; k < r; ++k) d += lA.get((e * r + k) * in + x) * lB.get(o * r * E + k * E + e);
+        ref.push_back(W.get((e * d1 + i) * d2 + j) + 0.5 * d);
+        got.push_back(out.get((e * d1 + i) * d2 + j));
       }
   CHECK(test::max_relative_error(got, ref, 1.0) <= test::tolerance(DType::bf16));
+}
+
+void check_forward_peft_layouts(Device dev) {
+  uint64_t seed = 5200;
+  for (const bool transposed : {true, false})
+    for (const int64_t pack : {int64_t(-1), dev.is_cuda() ? int64_t(0) : int64_t(1)}) {
+      check_forward_peft(dev, seed++, transposed, pack, DType::f32, 3, 40, 56, 4);
+      check_forward_peft(dev, seed++, transposed, pack, DType::bf16, 5, 70, 150, 16);
+    }
 }
 
 void check_backward_edges(Device dev) {
@@ -434,16 +449,16 @@ TEST_CASE("the MoE backward's own GPU config is the column-owning 64x256 tile fo
   CHECK(k.meta.at("ROTATE") == 1);
 }
 
-TEST_CASE("moe_lora_materialize follows PEFT's layout for transposed experts on the CPU",
+TEST_CASE("moe_lora_materialize follows PEFT's layouts, adapters copied or read in place, on the CPU",
           "[cpu][ops][moe]") {
   KERF_REQUIRE_CPU_BACKEND();
-  check_forward_transposed(Device::cpu(), 5200);
+  check_forward_peft_layouts(Device::cpu());
 }
 
-TEST_CASE("moe_lora_materialize follows PEFT's layout for transposed experts on the GPU",
+TEST_CASE("moe_lora_materialize follows PEFT's layouts, adapters copied or read in place, on the GPU",
           "[gpu][ops][moe]") {
   KERF_REQUIRE_GPU();
-  check_forward_transposed(Device::cuda(0), 5200);
+  check_forward_peft_layouts(Device::cuda(0));
 }
 
 TEST_CASE(
@@ -589,6 +604,32 @@ TEST_CASE("PACK gives the MoE backward contiguous adapters and workspace gradien
                                                          h({E, r, K}), h({E, N, r}), nullptr, bad),
                       Catch::Contains(name));
   }
+}
+
+// The forward likewise (its compile list, as kerf-cache warm plans it for a GPU): PEFT's
+// transposed experts give it two strided adapters, each copied by a transpose first;
+// PACK 0 reads them in place.
+TEST_CASE("PACK copies the MoE forward's strided adapters first on GPUs", "[ops][moe]") {
+  const Device dev = Device::cuda(0);  // planned only
+  void* const p = reinterpret_cast<void*>(uintptr_t(1) << 16);
+  const int64_t E = 4, d1 = 256, d2 = 512, r = 16;
+  const auto t = [&](DType d, std::vector<int64_t> shape) { return TensorView::contiguous(p, d, shape, dev); };
+  const TensorView W = t(DType::bf16, {E, d1, d2});
+  const ops::MoeLoraViews v = ops::peft_moe_lora_views(W, t(DType::bf16, {r * E, d1}), t(DType::bf16, {d2, r * E}), true);
+  const std::vector<autotune::TunableOp> registered = autotune::tunable_ops();
+  const auto op = std::find_if(registered.begin(), registered.end(),
+                               [](const autotune::TunableOp& o) { return o.name == "moe_lora_materialize"; });
+  REQUIRE(op != registered.end());
+  const std::vector<autotune::KernelCall> packed = op->kernels({W, v.A, v.B, W}, {}, 132);
+  REQUIRE(packed.size() == 3);
+  CHECK(packed[0].kernel == &kernels::transpose_3d());
+  CHECK(packed[1].kernel == &kernels::transpose_3d());
+  for (size_t i : {size_t(1), size_t(2)}) CHECK(std::get<TensorView>(packed[2].args[i]).strides[2] == 1);
+  autotune::Config in_place;
+  in_place["PACK"] = 0;
+  const std::vector<autotune::KernelCall> direct = op->kernels({W, v.A, v.B, W}, in_place, 132);
+  REQUIRE(direct.size() == 1);
+  CHECK(std::get<TensorView>(direct[0].args[1]).strides[2] == r * E);  // lora_B read in place
 }
 
 namespace {

@@ -210,6 +210,9 @@ struct MoeSets {
   DType wt;
   double bytes;
   DType at;  // the adapters' dtype
+  // 0: plain [E, r, K] / [E, N, r]; 1: PEFT's flat lora_A [r*E, K], lora_B [N, r*E]; 2: PEFT's
+  // transposed experts (W[e] is [in=N, out=K]: lora_A [r*E, N], lora_B [K, r*E]).
+  int peft = 0;
   struct Set {
     cuda::DeviceBuffer W, A, B, out;
   };
@@ -226,11 +229,13 @@ MoeSets make_moe(int64_t E, int64_t N, int64_t K, int64_t r, DType wt, DType at)
     auto& x = d.sets[size_t(i)];
     x.W = cuda::DeviceBuffer(size_t(E * N * K) * dtype_size_bytes(wt));
     x.out = cuda::DeviceBuffer(size_t(E * N * K) * dtype_size_bytes(wt));
-    x.A = cuda::DeviceBuffer(size_t(E * r * K) * dtype_size_bytes(at));
-    x.B = cuda::DeviceBuffer(size_t(E * N * r) * dtype_size_bytes(at));
+    // Room for either layout's adapters (the transposed one swaps their sizes).
+    const int64_t most = E * r * std::max(N, K);
+    x.A = cuda::DeviceBuffer(size_t(most) * dtype_size_bytes(at));
+    x.B = cuda::DeviceBuffer(size_t(most) * dtype_size_bytes(at));
     fill_random(x.W, wt, size_t(E * N * K), 5 + i);
-    fill_random(x.A, at, size_t(E * r * K), 7 + i, 0.1f);
-    fill_random(x.B, at, size_t(E * N * r), 9 + i, 0.1f);
+    fill_random(x.A, at, size_t(most), 7 + i, 0.1f);
+    fill_random(x.B, at, size_t(most), 9 + i, 0.1f);
   }
   return d;
 }
@@ -241,14 +246,23 @@ Result bench_moe(MoeSets& d, const ops::Config& cfg, cuda::StreamHandle stream) 
   const DType wt = d.wt;
   auto run = [&](int i) {
     auto& x = d.sets[size_t(i) % d.sets.size()];
-    ops::moe_lora_materialize(TensorView::contiguous(x.W.data(), wt, {E, N, K}, dev),
-                              TensorView::contiguous(x.A.data(), d.at, {E, r, K}, dev),
-                              TensorView::contiguous(x.B.data(), d.at, {E, N, r}, dev), 0.5,
-                              TensorView::contiguous(x.out.data(), wt, {E, N, K}, dev), stream, cfg);
+    const TensorView W = TensorView::contiguous(x.W.data(), wt, {E, N, K}, dev);
+    TensorView A = TensorView::contiguous(x.A.data(), d.at, {E, r, K}, dev);
+    TensorView B = TensorView::contiguous(x.B.data(), d.at, {E, N, r}, dev);
+    if (d.peft) {
+      const bool t = d.peft == 2;
+      const ops::MoeLoraViews v =
+          ops::peft_moe_lora_views(W, TensorView::contiguous(x.A.data(), d.at, {r * E, t ? N : K}, dev),
+                                   TensorView::contiguous(x.B.data(), d.at, {t ? K : N, r * E}, dev), t);
+      A = v.A;
+      B = v.B;
+    }
+    ops::moe_lora_materialize(W, A, B, 0.5, TensorView::contiguous(x.out.data(), wt, {E, N, K}, dev), stream, cfg);
   };
   Result res;
   res.op = "moe_materialize r=" + std::to_string(r) +
-           (d.at != wt ? std::string(" ") + dtype_name(d.at) + " adapters" : "");
+           (d.at != wt ? std::string(" ") + dtype_name(d.at) + " adapters" : "") +
+           (d.peft == 1 ? " peft" : d.peft == 2 ? " peft transposed" : "");
   res.shape = shape_str({E, N, K});
   res.config = config_str(cfg);
   res.median_us = time_us(run, 50, stream);
@@ -860,6 +874,13 @@ int main(int argc, char** argv) {
                              MoeCase{1, 8192, 8200, 16}}) {
       if (!wanted("moe_materialize r=" + std::to_string(c.r))) continue;
       MoeSets sets = make_moe(c.E, c.N, c.K, c.r, DType::bf16, DType::bf16);
+      measure([&](const ops::Config& cfg) { return bench_moe(sets, cfg, stream.handle()); }, moe_cfgs);
+    }
+    // PEFT's layouts (its flat expert parameters, and those of transposed experts), r=64.
+    for (const int peft : {1, 2}) {
+      if (!wanted(peft == 1 ? "moe_materialize r=64 peft" : "moe_materialize r=64 peft transposed")) continue;
+      MoeSets sets = make_moe(64, 2816, 2048, 64, DType::bf16, DType::bf16);
+      sets.peft = peft;
       measure([&](const ops::Config& cfg) { return bench_moe(sets, cfg, stream.handle()); }, moe_cfgs);
     }
     // fp32 adapters on a bf16 base, converted per step or cast once (CAST_A).
