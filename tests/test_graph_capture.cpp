@@ -167,6 +167,38 @@ TEST_CASE("ops captured into a CUDA graph give an eager call's results launch af
                    103, 3);
   }
 
+  SECTION("moe_lora_materialize and its backward in PEFT's flat layout (strided adapters copied into scratch)") {
+    const int64_t E = 3, N = 96, K = 80, r = 8;
+    TestTensor W(DType::bf16, {E, N, K}, dev), lA(DType::f32, {r * E, K}, dev), lB(DType::f32, {N, r * E}, dev),
+        dW(DType::bf16, {E, N, K}, dev);
+    std::vector<TestTensor> outs;
+    for (int i = 0; i < 2; ++i) {
+      outs.emplace_back(DType::bf16, std::vector<int64_t>{E, N, K}, dev);
+      outs.emplace_back(DType::bf16, std::vector<int64_t>{r * E, K}, dev);
+      outs.emplace_back(DType::bf16, std::vector<int64_t>{N, r * E}, dev);
+    }
+    check_captured({"moe_lora_materialize peft",
+                    [&](std::mt19937_64& rng) {
+                      W.randomize(rng);
+                      lA.randomize(rng, -0.5, 0.5);
+                      lB.randomize(rng, -0.5, 0.5);
+                      dW.randomize(rng);
+                    },
+                    [&](int set, void* stream) {
+                      TestTensor* o = &outs[size_t(3 * set)];
+                      const ops::MoeLoraViews v = ops::peft_moe_lora_views(W.view(), lA.view(), lB.view());
+                      const ops::MoeLoraViews g = ops::peft_moe_lora_views(W.view(), o[1].view(), o[2].view());
+                      ops::moe_lora_materialize(W.view(), v.A, v.B, 0.5, o[0].view(), stream);
+                      ops::moe_lora_materialize_backward(dW.view(), v.A, v.B, 0.5, g.A, g.B, stream);
+                    },
+                    [&](int set) {
+                      TestTensor* o = &outs[size_t(3 * set)];
+                      return std::vector<TestTensor*>{&o[0], &o[1], &o[2]};
+                    },
+                    1e-2},
+                   105, 3);
+  }
+
   SECTION("lora_embedding and its backward in every form") {
     const int64_t T = 300, V = 1000, D = 200, r = 16;
     TestTensor x(DType::i64, {T}, dev), table(DType::bf16, {V, D}, dev), A(DType::bf16, {r, V}, dev),
