@@ -194,8 +194,10 @@ def bench_dora_4bit(out, inn, r, results):
                         bytes=nbytes, gbps=nbytes / (us * 1e3), copy_gbps=copy_gbps(nbytes)))
 
 
-def bench_moe(E, N, K, r, results, adapters=torch.bfloat16):
-    """MoE LoRA materialization; `adapters` is A's and B's dtype (fp32: PEFT's)."""
+def bench_moe(E, N, K, r, results, adapters=torch.bfloat16, peft=False):
+    """MoE LoRA materialization; `adapters` is A's and B's dtype (fp32: PEFT's). With peft,
+    they are PEFT's flat lora_A [r*E, K] and lora_B [N, r*E], taken as axolotl's
+    MoELoRAMaterialize does (B permuted into [E, N, r] first)."""
     dt = torch.bfloat16
     at = adapters
     nbytes = 2 * E * N * K * 2 + (E * r * K + E * N * r) * at.itemsize
@@ -203,13 +205,21 @@ def bench_moe(E, N, K, r, results, adapters=torch.bfloat16):
     sets = []
     for _ in range(nsets):
         sets.append(dict(W=torch.randn(E, N, K, device="cuda", dtype=dt),
-                         A=0.1 * torch.randn(E, r, K, device="cuda", dtype=at),
-                         B=0.1 * torch.randn(E, N, r, device="cuda", dtype=at),
+                         A=0.1 * torch.randn(*((r * E, K) if peft else (E, r, K)), device="cuda", dtype=at),
+                         B=0.1 * torch.randn(*((N, r * E) if peft else (E, N, r)), device="cuda", dtype=at),
                          out=torch.empty(E, N, K, device="cuda", dtype=dt)))
     s = 0.5
     shape = f"{E}x{N}x{K}"
-    op = f"moe_materialize r={r}" + ("" if at == dt else " f32 adapters")
+    op = f"moe_materialize r={r}" + ("" if at == dt else " f32 adapters") + (" peft" if peft else "")
     cg = copy_gbps(nbytes)
+    if peft:
+        def permuted(x):
+            B3 = x["B"].reshape(N, r, E).permute(2, 0, 1).contiguous()
+            return torch.baddbmm(x["W"], B3, x["A"].reshape(E, r, K), alpha=s, out=x["out"])
+        us = median_us(permuted, sets, 50)
+        results.append(dict(impl="torch eager", op=op, shape=shape, median_us=us, bytes=nbytes,
+                            gbps=nbytes / (us * 1e3), copy_gbps=cg))
+        return
     if at == dt:
         us = median_us(lambda x: torch.baddbmm(x["W"], x["B"], x["A"], alpha=s, out=x["out"]), sets, 50)
     else:  # the product in fp32, added to W and rounded into out
@@ -269,14 +279,22 @@ def bench_merge(out, inn, r, results):
                                 config=str(best[1])))
 
 
-def bench_moe_backward(E, N, K, r, results):
-    """dA = s * bmm(B^T, dW), dB = s * bmm(dW, A^T): MoELoRAMaterialize.backward, bf16."""
+def bench_moe_backward(E, N, K, r, results, peft=False):
+    """dA = s * bmm(B^T, dW), dB = s * bmm(dW, A^T): MoELoRAMaterialize.backward, bf16. With
+    peft, the adapters and gradients are PEFT's flat lora_A [r*E, K] and lora_B [N, r*E] (rank
+    columns E apart), taken as axolotl's MoELoRAMaterialize does: B permuted into [E, N, r]
+    first, dB permuted back into lora_B's layout after."""
     dt = torch.bfloat16
     nbytes = (2 * (E * N * K + E * r * K + E * N * r)) + 2 * (E * r * K + E * N * r)
     nsets = max(2, math.ceil(300e6 / nbytes))
-    sets = [dict(dW=torch.randn(E, N, K, device="cuda", dtype=dt),
-                 A=0.1 * torch.randn(E, r, K, device="cuda", dtype=dt),
-                 B=0.1 * torch.randn(E, N, r, device="cuda", dtype=dt)) for _ in range(nsets)]
+    if peft:
+        sets = [dict(dW=torch.randn(E, N, K, device="cuda", dtype=dt),
+                     A=0.1 * torch.randn(r * E, K, device="cuda", dtype=dt),
+                     B=0.1 * torch.randn(N, r * E, device="cuda", dtype=dt)) for _ in range(nsets)]
+    else:
+        sets = [dict(dW=torch.randn(E, N, K, device="cuda", dtype=dt),
+                     A=0.1 * torch.randn(E, r, K, device="cuda", dtype=dt),
+                     B=0.1 * torch.randn(E, N, r, device="cuda", dtype=dt)) for _ in range(nsets)]
     s = 0.5
 
     def two_bmms(x):
@@ -284,9 +302,17 @@ def bench_moe_backward(E, N, K, r, results):
         dB = torch.bmm(x["dW"], x["A"].transpose(1, 2)).mul_(s)
         return dA, dB
 
-    us = median_us(two_bmms, sets, 50)
-    results.append(dict(impl="torch eager", op=f"moe_backward r={r} bf16 grads", shape=f"{E}x{N}x{K}",
-                        median_us=us, bytes=nbytes, gbps=nbytes / (us * 1e3), copy_gbps=copy_gbps(nbytes)))
+    def two_bmms_peft(x):
+        A3 = x["A"].reshape(E, r, K)
+        B3 = x["B"].reshape(N, r, E).permute(2, 0, 1).contiguous()
+        dA = torch.bmm(B3.transpose(1, 2), x["dW"]).mul_(s).reshape(E * r, K)
+        dB = torch.bmm(x["dW"], A3.transpose(1, 2)).mul_(s).permute(1, 2, 0).contiguous().reshape(N, E * r)
+        return dA, dB
+
+    us = median_us(two_bmms_peft if peft else two_bmms, sets, 50)
+    results.append(dict(impl="torch eager", op=f"moe_backward r={r} bf16 grads" + (" peft" if peft else ""),
+                        shape=f"{E}x{N}x{K}", median_us=us, bytes=nbytes, gbps=nbytes / (us * 1e3),
+                        copy_gbps=copy_gbps(nbytes)))
 
 
 def bench_embedding(T, V, D, r, results, grads=torch.float32, by_freq=False, forward=False, after_a=False):
@@ -377,12 +403,14 @@ def main():
         run(f"moe_materialize r={r}", bench_moe, E, N, K, r)
     run("moe_materialize r=16 f32 adapters", functools.partial(bench_moe, adapters=torch.float32),
         128, 1536, 2048, 16)
+    run("moe_materialize r=64 peft", functools.partial(bench_moe, peft=True), 64, 2816, 2048, 64)
     for out, inn in [(4096, 4096), (8192, 8192), (14336, 4096)]:
         run("lora_merge r=16", bench_merge, out, inn, 16)
     for out, inn in [(4096, 4096), (8192, 8192), (14336, 4096)]:
         run("dora_norm_4bit r=16", bench_dora_4bit, out, inn, 16)
     for E, N, K, r in [(128, 1536, 2048, 16), (128, 2048, 768, 16), (64, 2816, 2048, 64)]:
         run(f"moe_backward r={r} bf16 grads", bench_moe_backward, E, N, K, r)
+    run("moe_backward r=64 bf16 grads peft", functools.partial(bench_moe_backward, peft=True), 64, 2816, 2048, 64)
     run("embedding r=16", functools.partial(bench_embedding, forward=True), 8192, 128256, 4096, 16)
     run("embedding_backward r=16", bench_embedding, 8192, 128256, 4096, 16)
     run("embedding_backward r=16 bf16 grads", functools.partial(bench_embedding, grads=torch.bfloat16),
