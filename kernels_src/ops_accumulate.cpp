@@ -28,10 +28,9 @@ int unit_dim(const TensorView& t) {
   return -1;
 }
 
-TensorView permuted(const TensorView& t, int d0, int d1, int d2) {
-  const auto dim = [&](int d) { return size_t(d); };
-  return restride(t, {t.shape[dim(d0)], t.shape[dim(d1)], t.shape[dim(d2)]},
-                  {t.strides[dim(d0)], t.strides[dim(d1)], t.strides[dim(d2)]});
+// t with its dims in the order d0, d1, d2.
+TensorView permuted(const TensorView& t, size_t d0, size_t d1, size_t d2) {
+  return restride(t, {t.shape[d0], t.shape[d1], t.shape[d2]}, {t.strides[d0], t.strides[d1], t.strides[d2]});
 }
 
 // cast_3d's tile: [BLOCK_M, BLOCK_K] of a rank-3 view per program.
@@ -43,8 +42,8 @@ CopyLaunch plan_copy_3d(const TensorView& x, const TensorView& out, bool flush) 
   const int ux = unit_dim(x), uo = unit_dim(out);
   if (ux >= 0 && uo >= 0 && ux != uo) {
     // x as [D0, D1, D2] with its unit stride last and out's on D1; out as [D0, D2, D1].
-    const int rest = 3 - ux - uo;
-    const TensorView xk = permuted(x, rest, uo, ux), ok = permuted(out, rest, ux, uo);
+    const size_t rest = size_t(3 - ux - uo), sx = size_t(ux), so = size_t(uo);
+    const TensorView xk = permuted(x, rest, so, sx), ok = permuted(out, rest, sx, so);
     const int64_t d0 = xk.shape[0], d1 = xk.shape[1], d2 = xk.shape[2];
     // Tiles of 4096 elements at most, each side at least 8 (a 16-byte vector of 2-byte elements).
     const int64_t bj = std::clamp<int64_t>(next_pow2(d2), 8, 64);

@@ -242,6 +242,17 @@ RunCopies run_copies(const std::vector<std::pair<TensorView, DType>>& xs, const 
   return r;
 }
 
+CopiedAdapters copied_adapters(const TensorView& A, std::optional<DType> a_to, const TensorView& B,
+                               std::optional<DType> b_to, const LaunchOptions* options) {
+  std::vector<std::pair<TensorView, DType>> xs;
+  if (a_to) xs.push_back({A, *a_to});
+  if (b_to) xs.push_back({B, *b_to});
+  CopiedAdapters m{A, B, run_copies(xs, options)};
+  if (a_to) m.A = m.copies.copies[0];
+  if (b_to) m.B = m.copies.copies.back();
+  return m;
+}
+
 void run_cast_3d(const TensorView& x, const TensorView& out, const LaunchOptions& options) {
   const CopyLaunch c = plan_copy_3d(x, out, false);
   launch(*c.call.kernel, c.call.args, c.grid, c.call.meta, options);

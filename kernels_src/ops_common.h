@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -320,6 +321,14 @@ struct RunCopies {
   cuda::StreamOrderedBuffer graph_owned;
 };
 RunCopies run_copies(const std::vector<std::pair<TensorView, DType>>& xs, const LaunchOptions* options);
+// Two adapters as a kernel reads them: each given a dtype (`a_to`, `b_to`) copied contiguous
+// into it by run_copies (`options` as there), the other the view itself.
+struct CopiedAdapters {
+  TensorView A, B;
+  RunCopies copies;
+};
+CopiedAdapters copied_adapters(const TensorView& A, std::optional<DType> a_to, const TensorView& B,
+                               std::optional<DType> b_to, const LaunchOptions* options);
 
 // out = x element by element, rounded to out's dtype (rank-3 views of one shape): one
 // launch (plan_copy_3d's, ops_accumulate.h) on `options`'s stream.

@@ -1,6 +1,7 @@
 // ops::moe_lora_materialize: argument checks, configuration, launch.
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include "kerf/jit/autotune.h"
 #include "kerf/jit/launch.h"
@@ -56,26 +57,20 @@ MoePlan plan_moe(const TensorView& W, DType a, DType b, int64_t r, bool gpu, con
 // The adapters as a plan's kernel reads them: A's cast (CAST_A) and the copies PACK makes
 // (in their own dtypes: the same answer), or the views themselves. `options`: the copies
 // are queued on its stream; nullptr: views into unused memory (compile lists).
-struct MoeInputs {
-  TensorView A, B;
-  RunCopies copies;
-};
-MoeInputs moe_inputs(const MoePlan& p, const TensorView& A, const TensorView& B, const LaunchOptions* options) {
-  const bool cast = p.cast_a != DType::f32 && A.dtype == DType::f32;
-  const bool copy_a = cast || (p.pack && strided_last(A)), copy_b = p.pack && strided_last(B);
-  std::vector<std::pair<TensorView, DType>> xs;
-  if (copy_a) xs.push_back({A, cast ? p.cast_a : A.dtype});
-  if (copy_b) xs.push_back({B, B.dtype});
-  MoeInputs m{A, B, run_copies(xs, options)};
-  if (copy_a) m.A = m.copies.copies[0];
-  if (copy_b) m.B = m.copies.copies[copy_a ? 1 : 0];
-  return m;
+CopiedAdapters moe_inputs(const MoePlan& p, const TensorView& A, const TensorView& B, const LaunchOptions* options) {
+  std::optional<DType> a_to, b_to;
+  if (p.cast_a != DType::f32 && A.dtype == DType::f32)
+    a_to = p.cast_a;
+  else if (p.pack && strided_last(A))
+    a_to = A.dtype;
+  if (p.pack && strided_last(B)) b_to = B.dtype;
+  return copied_adapters(A, a_to, B, b_to, options);
 }
 
 // A plan's compile list: its copies, then the materialization.
 std::vector<autotune::KernelCall> moe_calls(const MoePlan& p, const TensorView& W, const TensorView& A,
                                             const TensorView& B, const TensorView& W_eff) {
-  const MoeInputs in = moe_inputs(p, A, B, nullptr);
+  const CopiedAdapters in = moe_inputs(p, A, B, nullptr);
   std::vector<autotune::KernelCall> calls = in.copies.calls;
   calls.push_back({&kernels::moe_lora_materialize(), {W, in.A, in.B, Scalar(1.0), W_eff}, p.meta});
   return calls;
@@ -84,7 +79,7 @@ std::vector<autotune::KernelCall> moe_calls(const MoePlan& p, const TensorView& 
 // Queues a plan's launches (its copies, then the materialization).
 void launch_moe(const MoePlan& p, const TensorView& W, const TensorView& A, const TensorView& B, double s,
                 const TensorView& W_eff, const LaunchOptions& options) {
-  const MoeInputs in = moe_inputs(p, A, B, &options);
+  const CopiedAdapters in = moe_inputs(p, A, B, &options);
   launch(kernels::moe_lora_materialize(), {W, in.A, in.B, Scalar(s), W_eff}, p.grid, p.meta, options);
 }
 

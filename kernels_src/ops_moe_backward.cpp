@@ -1,6 +1,7 @@
 // ops::moe_lora_materialize_backward (one pass over dW_eff) and the views of
 // PEFT's flat expert adapters the MoE ops take.
 #include <algorithm>
+#include <optional>
 #include <string>
 
 #include "kerf/jit/launch.h"
@@ -116,11 +117,14 @@ MoeBackwardPlan plan_launch(const TensorView& dW, DType a, DType b, int64_t r, b
 // 32-byte sector at every step: on an H100 (r=64, 64x2816x2048, bf16 adapters and
 // gradients in PEFT's layout) 1038.7 us against 414.7 us packed.
 
-// The dtype of a packed copy of an adapter of dtype t for a product in `dot`.
-DType packed_dtype(DType t, const Product& dot) { return t == DType::f32 && is_half(dot) ? DType(dot) : t; }
+// The dtype adapter t is copied into for a product in `dot` (PACK), or none: read in place.
+std::optional<DType> packed_dtype(const TensorView& t, const Product& dot, bool pack) {
+  if (!pack || !strided_last(t)) return std::nullopt;
+  return t.dtype == DType::f32 && is_half(dot) ? DType(dot) : t.dtype;
+}
 // The dtype the kernel reads adapter t in.
 DType read_dtype(const TensorView& t, const Product& dot, bool pack) {
-  return pack && strided_last(t) ? packed_dtype(t.dtype, dot) : t.dtype;
+  return packed_dtype(t, dot, pack).value_or(t.dtype);
 }
 
 // The launch for gradients dA and dB: on GPUs, a kernel followed by a flush of an
@@ -144,21 +148,11 @@ MoeBackwardPlan plan_moe_backward(const TensorView& dW, const TensorView& A, con
 
 // The adapters as the kernel reads them: packed copies (PACK) or the views themselves.
 // `options`: the copies are queued on its stream; nullptr: views into unused memory (compile lists).
-struct MoeAdapters {
-  TensorView A, B;
-  RunCopies copies;
-};
-MoeAdapters moe_adapters(const TensorView& dW, const TensorView& A, const TensorView& B, bool gpu,
-                         const Config& config, const LaunchOptions* options) {
+CopiedAdapters moe_adapters(const TensorView& dW, const TensorView& A, const TensorView& B, bool gpu,
+                            const Config& config, const LaunchOptions* options) {
   const Product dot = product_dtype(dW.dtype, A.dtype, B.dtype);
-  const bool pack = packs(config, gpu), pack_a = pack && strided_last(A), pack_b = pack && strided_last(B);
-  std::vector<std::pair<TensorView, DType>> xs;
-  if (pack_a) xs.push_back({A, packed_dtype(A.dtype, dot)});
-  if (pack_b) xs.push_back({B, packed_dtype(B.dtype, dot)});
-  MoeAdapters m{A, B, run_copies(xs, options)};
-  if (pack_a) m.A = m.copies.copies[0];
-  if (pack_b) m.B = m.copies.copies[pack_a ? 1 : 0];
-  return m;
+  const bool pack = packs(config, gpu);
+  return copied_adapters(A, packed_dtype(A, dot, pack), B, packed_dtype(B, dot, pack), options);
 }
 
 const std::vector<OperandDims>& backward_operands() {
@@ -194,7 +188,7 @@ void run_moe_backward(const TensorView& dW, const TensorView& A, const TensorVie
   const TensorView da_acc = da_direct ? dA : carve_f32(&cursor, E, r, K, dW.device);
   const TensorView db_acc = db_direct ? dB : carve_f32(&cursor, E, N, r, dW.device);
   // The workspace's lock before the copies' scratch (ops_common.h).
-  const MoeAdapters in = moe_adapters(dW, A, B, gpu, config, &options);
+  const CopiedAdapters in = moe_adapters(dW, A, B, gpu, config, &options);
   const bool filled = zero_fills(dA, p.da_atomic && da_direct, dB,
                                  p.db_atomic && db_direct && !(db_is_zero && dB.dtype == DType::f32), options, gpu);
   LaunchOptions main = options;
@@ -218,7 +212,7 @@ autotune::KernelCall moe_backward_kernel(const TensorView& dW, const TensorView&
       p.flush_da ? TensorView::contiguous(stand_in, DType::f32, {E, r, K}, dW.device) : dA;
   const TensorView db_acc =
       p.flush_db ? TensorView::contiguous(stand_in, DType::f32, {E, N, r}, dW.device) : dB;
-  const MoeAdapters in = moe_adapters(dW, A, B, true, config, nullptr);
+  const CopiedAdapters in = moe_adapters(dW, A, B, true, config, nullptr);
   return {p.kernel, {dW, in.A, in.B, Scalar(s), da_acc, db_acc}, p.meta};
 }
 
