@@ -265,27 +265,18 @@ Value store_like(OpKind k, const char* opname, const Tensor& t, const std::vecto
   Builder::Impl& s = t.builder().impl();
   s.check_usable(value, opname);
   const std::string& tname = s.fn.params[size_t(t.param())].name;
-  const bool summed_store = cluster_sum && k == OpKind::Store;  // cluster_sum_store: f32 sums, rounded
-  if (summed_store && value.dtype() != DType::f32)
-    s.fail(opname, "the value is " + ir::to_string(value.type()) +
-                       "; cluster_sum_store sums f32 values (it rounds them to the tensor's dtype)");
-  if (summed_store && !is_float(t.dtype()))
-    s.fail(opname, "tensor '" + tname + "' holds " + dtype_name(t.dtype()) +
-                       "; cluster_sum_store stores into float tensors");
-  if (value.dtype() != t.dtype() && !summed_store)
+  if (value.dtype() != t.dtype())
     s.fail(opname, "tensor '" + tname + "' holds " + dtype_name(t.dtype()) + " but the value is " +
                        ir::to_string(value.type()) + "; cast it first with .to(DType::" +
                        dtype_name(t.dtype()) + ")");
   if (k == OpKind::AtomicAdd && (t.dtype() == DType::i1 || t.dtype() == DType::u8))
     s.fail(opname, std::string("atomic_add does not apply to ") + dtype_name(t.dtype()) + " tensors");
-  if (cluster_sum && !summed_store && t.dtype() != DType::f32)
+  if (cluster_sum && t.dtype() != DType::f32)
     s.fail(opname, "tensor '" + tname + "' holds " + dtype_name(t.dtype()) +
                        "; cluster_atomic_add adds into f32 tensors (accumulate there, then convert)");
   Access a = make_access(s, opname, t, idx, mask, &value);
   if (cluster_sum && a.shape.empty())
-    s.fail(opname, std::string("the indices are scalars; ") + opname +
-                       (summed_store ? " stores tiles (use store for one element)"
-                                     : " adds tiles (use atomic_add for one element)"));
+    s.fail(opname, "the indices are scalars; cluster_atomic_add adds tiles (use atomic_add for one element)");
   Value v = to_shape(s, value, a.shape, opname);
   ir::Operation op(k);
   op.attrs.param = t.param();
@@ -733,14 +724,6 @@ Value atomic_add(const Tensor& t, const std::vector<Value>& idx, const Value& va
 void cluster_atomic_add(const Tensor& t, const std::vector<Value>& idx, const Value& value, const Value& mask) {
   t.builder().meta("cluster_size", 1);  // part of the specialization: the codegen reads it
   store_like(OpKind::AtomicAdd, "cluster_atomic_add", t, idx, value, mask, false, Evict::normal, true);
-}
-
-void cluster_sum_store(const Tensor& t, const std::vector<Value>& idx, const Value& value, const Value& mask) {
-  if (t.builder().meta("cluster_size", 1) == 1 && value.valid() && value.dtype() == DType::f32 && is_float(t.dtype())) {
-    store_like(OpKind::Store, "cluster_sum_store", t, idx, value.to(t.dtype()), mask, false);
-    return;
-  }
-  store_like(OpKind::Store, "cluster_sum_store", t, idx, value, mask, false, Evict::normal, true);
 }
 
 void l2_evict_normal(const Tensor& t, const std::vector<Value>& idx, const Value& mask) {

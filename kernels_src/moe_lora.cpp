@@ -2,11 +2,7 @@
 //
 // One program owns BLOCK_N rows of one expert's weight (grid axis 2 is the
 // expert) and a slice of its K columns (the programs of grid axis 1 share
-// them, so the last wave of programs can be made fuller). With EXPERTS_FIRST
-// the expert is grid axis 0 and the row block axis 2 (slices stay axis 1): the
-// programs the GPU starts together are every expert's at the same rows, so
-// adapters that interleave the experts (PEFT's flat lora_B, B_e[o, k] at
-// lora_B[o, k*E + e]) are read from memory once and shared through L2. It keeps that
+// them, so the last wave of programs can be made fuller). It keeps that
 // expert's s*B rows [BLOCK_N, R_PAD] in registers and walks its columns in
 // BLOCK_K steps: read W, let a tensor-core dot add (s*B_e) @ A_e to it in
 // fp32, round once, write W_eff. W is read once and W_eff written once.
@@ -27,11 +23,10 @@ const dsl::Kernel& moe_lora_materialize() {
     const DType dot_t = dm.dtype;
     const int64_t evict = k.meta("EVICT", 0);
     const int64_t warps_n = k.meta("WARPS_N", 0);  // warps sharing a step's columns (0: kerf's choice)
-    const bool experts_first = k.meta("EXPERTS_FIRST", 0) != 0;
-    const Value e = program_id(experts_first ? 0 : 2);
+    const Value e = program_id(2);
     const Value n_rows = W.dim(1), n_cols = W.dim(2), rank = A.dim(1);
 
-    const RowSliceAxes axes = experts_first ? RowSliceAxes{2, 1} : row_slice_axes(k);
+    const RowSliceAxes axes = row_slice_axes(k);
     const Value rows = program_id(axes.rows) * BN + arange(BN);
     const Value rk = arange(R);
     const Value row_ok = rows.col() < n_rows;

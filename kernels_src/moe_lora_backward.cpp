@@ -83,16 +83,12 @@ const dsl::Kernel& moe_lora_backward() {
 // step's dB rows, added with fp32 atomics. dB's atomics per dW element are
 // R_PAD / BLOCK_K: with wide column blocks, fewer than the row-owning kernel's
 // R_PAD / BLOCK_N for dA, whose accumulator [BLOCK_N, R_PAD] holds B's rows too.
-// With DB_STORE the cluster (cluster_size, on sm_90) holds every column block of its
-// row slice: the step's dB shares are summed on chip and the sum stored, rounded once
-// to dB's dtype (cluster_sum_store), so dB needs no zeroed f32 accumulator and no flush.
 const dsl::Kernel& moe_lora_backward_by_columns() {
   static const Kernel k("moe_lora_backward_by_columns", [](Builder& k) {
     const Tensor dW = k.tensor("dW", 3), A = k.tensor("A", 3), B = k.tensor("B", 3);
     const Value s = k.scalar("s");
     const Tensor dA = k.tensor("dA", 3);
-    const bool db_store = k.meta("DB_STORE", 0) != 0;
-    const Tensor dB = db_store ? k.tensor("dB", 3) : k.tensor("dB", 3, DType::f32);
+    const Tensor dB = k.tensor("dB", 3, DType::f32);
     const int64_t BN = k.meta("BLOCK_N"), BK = k.meta("BLOCK_K"), R = k.meta("R_PAD");
     const bool da_atomic = k.meta("DA_ATOMIC", 0) != 0;
     const bool rotate = k.meta("ROTATE", 0) != 0;
@@ -118,11 +114,7 @@ const dsl::Kernel& moe_lora_backward_by_columns() {
       const Value g = load(dW, {e, rows.col(), cols.row()}, row_ok & col_ok).to(dot_t);  // [BN, BK]
       const Value b = load(B, {e, rows.col(), rk.row()}, row_ok & rank_ok).to(dot_t);     // [BN, R]
       if (wait_fill) wait_prior_grid();
-      const Value share = dot(g, at, Value(), 0, dm.precision) * s;  // [BN, R]
-      if (db_store)
-        cluster_sum_store(dB, {e, rows.col(), rk.row()}, share, row_ok & rank_ok);
-      else
-        cluster_atomic_add(dB, {e, rows.col(), rk.row()}, share, row_ok & rank_ok);
+      cluster_atomic_add(dB, {e, rows.col(), rk.row()}, dot(g, at, Value(), 0, dm.precision) * s, row_ok & rank_ok);
       return dot(trans(b), g, acc, 0, dm.precision);  // [R, BK]
     });
     const Value da_ok = (rk.col() < rank) & col_ok;

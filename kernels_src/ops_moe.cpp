@@ -50,14 +50,7 @@ MoePlan plan_moe(const TensorView& W, DType a, DType b, int64_t r, bool gpu, con
   const int64_t steps = cdiv(W.shape[2], bk);
   int64_t split = std::max<int64_t>(1, slices_within(config.split_k, steps));
   const Config order = stream_plan(config, W.dtype, steps, p.meta, &split);
-  if (meta_or(config, "EXPERTS_FIRST", 0) && cdiv(N, bn) <= 65535) {
-    // Every expert's program at the same rows together (moe_lora.cpp).
-    p.meta["EXPERTS_FIRST"] = 1;
-    p.meta.erase("COLS_FIRST");
-    p.grid = Grid{uint32_t(E), uint32_t(split), uint32_t(cdiv(N, bn))};
-  } else {
-    p.grid = row_slice_grid(cdiv(N, bn), split, E, order, p.meta);
-  }
+  p.grid = row_slice_grid(cdiv(N, bn), split, E, order, p.meta);
   return p;
 }
 
@@ -119,7 +112,7 @@ void run_moe_lora_materialize(const TensorView& W, const TensorView& A, const Te
                               const TensorView& W_eff, void* stream, const Config& config,
                               const std::string& layout) {
   const char* op = "moe_lora_materialize";
-  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"PACK", 0, 1}, {"EXPERTS_FIRST", 0, 1}, kStream, kWarpsN, kL2Prefetch, kWgmma, kColsFirst, kTf32});
+  expect_meta(op, config, {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"PACK", 0, 1}, kStream, kWarpsN, kL2Prefetch, kWgmma, kColsFirst, kTf32});
   expect_finite_scale(op, s);
   expect_shape(op, "W", W, {-1, -1, -1});
   const int64_t E = W.shape[0], N = W.shape[1], K = W.shape[2];
@@ -197,12 +190,8 @@ Config tuned_moe_config(const TensorView& W, const TensorView& A, const TensorVi
   q.finalist_variants = with_wgmma_variant(
       with_l2_prefetch_variants(with_warps_n_variants(evict_and_cast_variants(A, product), product)), product,
       W.device);
-  // Adapters strided along their last dims (PEFT's layouts): also read in place, and
-  // read in place by every expert's program at the same rows together.
-  if (gpu && (strided_last(A) || strided_last(B))) {
-    q.finalist_variants.push_back({{"PACK", 0}});
-    q.finalist_variants.push_back({{"PACK", 0}, {"EXPERTS_FIRST", 1}});
-  }
+  // Adapters strided along their last dims (PEFT's layouts): also read in place.
+  if (gpu && (strided_last(A) || strided_last(B))) q.finalist_variants.push_back({{"PACK", 0}});
   q.extent_m = N;
   q.extent_k = K;
   q.kernels = [&](const Config& c) { return moe_calls(plan_moe(W, A.dtype, B.dtype, r, gpu, c), W, A, B, W_eff); };

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <optional>
 #include <string>
-#include <tuple>
 
 #include "kerf/jit/launch.h"
 #include "kerf/kernels/kernels.h"
@@ -73,13 +72,7 @@ MoeBackwardPlan plan_launch(const TensorView& dW, DType a, DType b, int64_t r, b
     p.kernel = &kernels::moe_lora_backward_by_columns();
     p.split = config.split_k ? config.split_k : split_for(cdiv(K, bk) * E, programs, cdiv(N, bn));
     p.da_atomic = p.split > 1;
-    // DB_STORE: a cluster holds all of a row slice's column blocks and stores each step's dB
-    // rows summed on chip (clusters of 2 to 8 need sm_90 or later: the kernel's compile says
-    // so elsewhere; one column block stores directly anywhere, the CPU included). Beyond 8
-    // column blocks dB is added atomically as without it.
-    const int64_t col_blocks = cdiv(K, bk);
-    const bool db_store = meta_or(config, "DB_STORE", 0) && (col_blocks == 1 || (gpu && col_blocks <= 8));
-    p.db_atomic = !db_store;
+    p.db_atomic = true;
     p.meta = {{"BLOCK_N", bn},
               {"BLOCK_K", bk},
               {"R_PAD", r_pad},
@@ -90,12 +83,6 @@ MoeBackwardPlan plan_launch(const TensorView& dW, DType a, DType b, int64_t r, b
     set_product_meta(p.meta, dot, config);
     add_codegen_hints(config, p.meta);
     if (gpu) p.meta["WAIT_PRIOR"] = 1;  // overlaps the zero-fill launched before it
-    if (db_store) {
-      p.meta["DB_STORE"] = 1;
-      if (col_blocks > 1) p.meta["cluster_size"] = col_blocks;
-      p.grid = Grid{uint32_t(col_blocks), uint32_t(p.split), uint32_t(E)};
-      return p;
-    }
     p.grid = Grid{clustered(p, cdiv(K, bk)), uint32_t(p.split), uint32_t(E)};
     return p;
   }
@@ -282,21 +269,6 @@ std::vector<autotune::Config> moe_backward_wgmma_tiles() {
                                                    {"WGMMA_SS", {1}},
                                                    {"BY_COLUMNS", {1}}}))
     c.push_back(std::move(wide));
-  // Column tiles whose step's dB rows are summed over a cluster holding every column block
-  // and stored (DB_STORE; at most 8 column blocks, else dB's atomics as above): no zeroed
-  // f32 accumulator for dB and, for bf16 gradients, no flush. The cluster's buffers take
-  // 34 KiB of shared memory, so 512 columns take 32 rows a step (64 would need 245 KiB).
-  for (const auto& [bn, bk, stages, ss] :
-       {std::tuple<int64_t, int64_t, int64_t, int64_t>{64, 256, 3, 0}, {32, 512, 3, 1}, {32, 512, 2, 1}})
-    for (autotune::Config& stored : autotune::product({{"BLOCK_N", {bn}},
-                                                       {"BLOCK_K", {bk}},
-                                                       {"num_warps", {8}},
-                                                       {"num_stages", {stages}},
-                                                       {"ROTATE", {0, 1}},
-                                                       {"WGMMA_SS", {ss}},
-                                                       {"DB_STORE", {1}},
-                                                       {"BY_COLUMNS", {1}}}))
-      c.push_back(std::move(stored));
   for (autotune::Config& rows : autotune::product({{"BLOCK_N", {256}},
                                                    {"BLOCK_K", {64}},
                                                    {"num_warps", {8}},
@@ -372,8 +344,8 @@ void moe_lora_materialize_backward(const TensorView& dW, const TensorView& A, co
   const char* op = "moe_lora_materialize_backward";
   expect_finite_scale(op, s);
   expect_meta(op, config,
-              {{"ROTATE", 0, 1}, {"BY_COLUMNS", 0, 1}, {"DB_WORKSPACE", 0, 1}, {"PACK", 0, 1}, {"DB_STORE", 0, 1}, kL2Prefetch, kWgmma,
-               kWgmmaSs, kCluster, kStagedAdds, kTf32});
+              {{"ROTATE", 0, 1}, {"BY_COLUMNS", 0, 1}, {"DB_WORKSPACE", 0, 1}, {"PACK", 0, 1}, kL2Prefetch, kWgmma, kWgmmaSs, kCluster,
+               kStagedAdds, kTf32});
   const LayoutSplits splits = check_layout(op, layout, backward_operands());
   expect_unsplit(op, layout, splits, "r", "each expert's product B[e] @ A[e] needs every rank");
   expect_shape(op, "dW_eff", dW, {-1, -1, -1});

@@ -142,25 +142,6 @@ inline const Kernel& cluster_sum_kernel() {
   return k;
 }
 
-// Column sums of x [M, N] stored (not added) by clusters that hold every row block:
-// program i owns rows [i*BM, (i+1)*BM), the grid is exactly cdiv(M, BM) = cluster_size
-// programs, and each step's partial column sums go out through cluster_sum_store,
-// rounded once to out's dtype.
-inline const Kernel& cluster_store_kernel() {
-  static const Kernel k("cluster_store", [](Builder& b) {
-    auto x = b.tensor("x", 2), out = b.tensor("out", 1);
-    const int64_t BM = b.meta("BM"), BN = b.meta("BN");
-    auto rows = program_id(0) * BM + arange(BM);
-    auto row_ok = rows.col() < x.dim(0);
-    for_range(literal(int64_t(0)), x.dim(1), BN, [&](const Value& c0) {
-      auto cols = c0 + arange(BN);
-      auto tile = load(x, {rows.col(), cols.row()}, row_ok & (cols.row() < x.dim(1))).to(DType::f32);
-      cluster_sum_store(out, {cols}, sum(tile, 0), cols < x.dim(1));
-    });
-  });
-  return k;
-}
-
 // A grab bag of elementwise ops, casts and selects over one tile.
 inline const Kernel& elementwise_kernel() {
   static const Kernel k("elementwise_mix", [](Builder& b) {

@@ -627,36 +627,6 @@ TEST_CASE("cluster_atomic_add adds f32 tiles, and cluster_size is 1..8 and part 
                           {"cluster_scalar", "cluster_atomic_add adds tiles"});
 }
 
-TEST_CASE("cluster_sum_store stores f32 sums into float tensors; with cluster_size 1 it is a store", "[dsl][errors]") {
-  const std::vector<ArgSpec> args = {ArgSpec::tensor(DType::f32, 1), ArgSpec::tensor(DType::bf16, 1),
-                                     ArgSpec::tensor(DType::i32, 1)};
-  const auto kernel = [](const char* name, int what) {
-    return Kernel(name, [what](Builder& b) {
-      auto x = b.tensor("x", 1), h = b.tensor("h", 1), n = b.tensor("n", 1);
-      auto i = arange(16);
-      if (what == 0) cluster_sum_store(h, {i}, load(x, {i}), i < x.dim(0));
-      if (what == 1) cluster_sum_store(h, {i}, load(h, {i}));
-      if (what == 2) cluster_sum_store(n, {i}, load(x, {i}));
-      if (what == 3) cluster_sum_store(x, {literal(int64_t(0))}, literal(1.0f));
-    });
-  };
-  const Kernel ok = kernel("store_ok", 0);
-  const std::string two = ir::print(ok.trace(args, {{"cluster_size", 2}}));
-  INFO(two);
-  CHECK(two.find("cluster_sum") != std::string::npos);
-  const std::string one = ir::print(ok.trace(args, {}));  // a plain store of the value rounded to bf16
-  INFO(one);
-  CHECK(one.find("cluster_sum") == std::string::npos);
-  CHECK(one.find("cluster_size=1") != std::string::npos);
-  for (int64_t c : {1, 2})
-    expect_definition_error([&] { kernel("store_bf16_value", 1).trace(args, {{"cluster_size", c}}); },
-                            {"store_bf16_value", "cluster_sum_store sums f32 values"});
-  expect_definition_error([&] { kernel("store_int", 2).trace(args, {{"cluster_size", 2}}); },
-                          {"store_int", "'n' holds i32", "float tensors"});
-  expect_definition_error([&] { kernel("store_scalar", 3).trace(args, {{"cluster_size", 2}}); },
-                          {"store_scalar", "cluster_sum_store stores tiles"});
-}
-
 TEST_CASE("u8 is a storage type: integers meet it as i32, arithmetic on it alone is refused", "[dsl][errors]") {
   const std::vector<ArgSpec> bytes = {ArgSpec::tensor(DType::u8, 1), ArgSpec::tensor(DType::i32, 1),
                                       ArgSpec::tensor(DType::u8, 1)};

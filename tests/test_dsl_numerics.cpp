@@ -192,30 +192,6 @@ void cluster_sums(Device dev, DType d, int64_t rows, int64_t cols, int64_t clust
                       Catch::Contains("must be a multiple of its cluster_size " + std::to_string(cluster)));
 }
 
-// cluster_sum_store: the column sums of all row blocks, each block a program of one
-// cluster of `cluster` (1 to 8; the last block partly past the rows), stored into an
-// out of `od` rounded once; out is poisoned first, so every element must be written.
-void cluster_stores(Device dev, DType d, DType od, int64_t cluster, int64_t cols, uint64_t seed) {
-  const int64_t rows = cluster * 32 - 7;
-  CAPTURE(dev.str(), dtype_name(d), dtype_name(od), rows, cols, cluster, seed);
-  std::mt19937_64 rng(seed);
-  TestTensor x(d, {rows, cols}, dev), out(od, {cols}, dev);
-  x.randomize(rng);
-  out.poison();
-  launch(test::cluster_store_kernel(), {x.view(), out.view()}, Grid{uint32_t(cluster)},
-         {{"BM", 32}, {"BN", 64}, {"cluster_size", cluster}, {"num_stages", 2}});
-  sync(dev);
-  out.download();
-  std::vector<double> got, ref;
-  for (int64_t j = 0; j < cols; ++j) {
-    double s = 0;
-    for (int64_t i = 0; i < rows; ++i) s += x.get(i * cols + j);
-    ref.push_back(s);
-    got.push_back(out.get(j));
-  }
-  CHECK(test::max_relative_error(got, ref, 1.0) <= (od == DType::f32 ? 1e-5 : test::tolerance(od)));
-}
-
 void elementwise(Device dev, DType d, int64_t n, uint64_t seed) {
   CAPTURE(dev.str(), dtype_name(d), n, seed);
   std::mt19937_64 rng(seed);
@@ -644,18 +620,6 @@ void run_all(Device dev) {
   cluster_sums(dev, DType::bf16, 1000, 200, 4, 8, seed++);
   cluster_sums(dev, DType::f32, 70, 130, 3, 2, seed++);
   cluster_sums(dev, DType::f16, 257, 64, 8, 4, seed++);
-  cluster_stores(dev, DType::f32, DType::f32, 1, 100, seed++);
-  cluster_stores(dev, DType::bf16, DType::bf16, 1, 130, seed++);
-  if (dev.is_cuda() && std::stoi(device_arch(dev.index).substr(3)) >= 90) {
-    cluster_stores(dev, DType::f32, DType::f32, 2, 100, seed++);
-    cluster_stores(dev, DType::bf16, DType::bf16, 3, 130, seed++);
-    cluster_stores(dev, DType::f16, DType::f16, 4, 64, seed++);
-    cluster_stores(dev, DType::f32, DType::bf16, 8, 200, seed++);
-  } else {
-    // No clusters (the CPU, GPUs before sm_90): a cluster of 2 is refused by name.
-    CHECK_THROWS_WITH(cluster_stores(dev, DType::f32, DType::f32, 2, 64, seed++),
-                      Catch::Contains("cluster_sum_store") && Catch::Contains("clusters"));
-  }
   for (DType d : {DType::f32, DType::bf16}) elementwise(dev, d, 1000, seed++);
   corners(dev, DType::f32, 4, 8, 16, seed++);
   corners(dev, DType::bf16, 3, 7, 13, seed++);

@@ -226,12 +226,6 @@ void run_moe_cases(Device dev) {
       {2, 72, 264, 16, DType::f16, false, ops::Config{32, 256, 0, 4, 0, {{"STREAM", 1}, {"CAST_A", 1}}}, DType::f32},
       {2, 130, 136, 64, DType::bf16, false, ops::Config{128, 64, 0, 4, 0, {{"STREAM", 1}, {"WARPS_N", 2}}}},
       {2, 64, 256, 16, DType::f32, true, ops::Config{32, 64, 0, 4, 0, {{"STREAM", 1}}}, DType::bf16},
-      // Every expert's program at the same rows together (EXPERTS_FIRST): PEFT's flat lora_B
-      // read in place (PACK 0), whole rows and in slices, warpgroup dots, one tile per program.
-      {5, 100, 130, 5, DType::bf16, true, ops::Config{64, 64, 0, 4, 3, {{"EXPERTS_FIRST", 1}, {"PACK", 0}}}},
-      {3, 100, 200, 16, DType::bf16, true, ops::Config{32, 64, 3, 4, 2, {{"EXPERTS_FIRST", 1}, {"PACK", 0}}}, DType::f32},
-      {3, 130, 200, 16, DType::f16, false, ops::Config{64, 64, 2, 4, 3, {{"EXPERTS_FIRST", 1}, {"WGMMA", 1}}}},
-      {2, 72, 264, 16, DType::bf16, true, ops::Config{32, 64, 0, 4, 0, {{"EXPERTS_FIRST", 1}, {"STREAM", 1}, {"PACK", 0}}}},
   };
   uint64_t seed = 99;
   for (const MoeCase& c : cases) check_moe(c, dev, seed++);

@@ -62,13 +62,12 @@ struct BackwardCase {
   bool wide = false;  // with WGMMA and by_columns: 512 columns per program on two stages
   bool db_workspace = false;  // Config.meta DB_WORKSPACE: an f32 dB summed in the workspace, then flushed
   int64_t pack = -1;  // Config.meta PACK (-1: unset, on for GPUs): strided adapters copied, gradients via workspace
-  bool db_store = false;  // Config.meta DB_STORE: dB's step shares summed over a cluster of all column blocks, stored
 };
 
 void check_backward(const BackwardCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.E, c.d1, c.d2, c.r, dtype_name(c.w), dtype_name(c.ab), dtype_name(c.grads),
           layout_name(c.layout), c.split, seed, dev.str(), c.rotate, c.by_columns, c.l2_prefetch, c.wgmma,
-          c.cluster, c.staged, c.wgmma_ss, c.wide, c.db_workspace, c.pack, c.db_store);
+          c.cluster, c.staged, c.wgmma_ss, c.wide, c.db_workspace, c.pack);
   std::mt19937_64 rng(seed);
   const int64_t E = c.E, d1 = c.d1, d2 = c.d2, r = c.r;
   TestTensor dW(c.w, {E, d1, d2}, dev);
@@ -121,16 +120,11 @@ void check_backward(const BackwardCase& c, Device dev, uint64_t seed) {
     if (c.wide) {
       cfg.block_k = 512;
       cfg.num_stages = 2;
-      if (c.db_store) {  // the cluster's buffers leave room for 32 rows a step on three stages
-        cfg.block_m = 32;
-        cfg.num_stages = 3;
-      }
     }
   }
   if (c.staged) cfg.meta["STAGED_ADDS"] = 1;
   if (c.db_workspace) cfg.meta["DB_WORKSPACE"] = 1;
   if (c.pack >= 0) cfg.meta["PACK"] = c.pack;
-  if (c.db_store) cfg.meta["DB_STORE"] = 1;
   if (c.cluster) {
     cfg.meta["CLUSTER"] = c.cluster;
     if (!c.wgmma && !c.rotate && !c.by_columns) {
@@ -279,30 +273,6 @@ void run_backward_cases(Device dev) {
        false, true},
       {2, 90, 150, 33, DType::f16, DType::f32, DType::f32, MoeLayout::peft_transposed, 2, false, true, 0, false, 0, true,
        false, false, true},
-      // dB's step shares summed over a cluster holding every column block and stored
-      // (DB_STORE): 5 blocks of 32 (the CPU, without clusters, adds them atomically), one
-      // block (stored directly everywhere: strided, bf16), 3 with rows split (dA added), the
-      // 64x256 and 32x512 WGMMA tiles over 3 blocks with bf16 dB stored directly, 2 blocks of
-      // 512 rotated with an f32 dB and rows split, 8 blocks of 256, and 10 (over a cluster's
-      // 8: dB added atomically).
-      {3, 100, 130, 5, DType::bf16, DType::f32, DType::bf16, MoeLayout::peft, 1, false, true, 0, false, 0, false, false,
-       false, false, -1, true},
-      {5, 17, 29, 1, DType::f32, DType::f32, DType::bf16, MoeLayout::peft, 0, false, true, 0, false, 0, false, false,
-       false, false, -1, true},
-      {3, 40, 20, 5, DType::f32, DType::f32, DType::f32, MoeLayout::plain, 1, false, true, 0, false, 0, false, false,
-       false, false, -1, true},
-      {2, 90, 70, 33, DType::f16, DType::f32, DType::f16, MoeLayout::peft_transposed, 2, false, true, 0, false, 0, false,
-       false, false, false, -1, true},
-      {2, 300, 600, 64, DType::bf16, DType::bf16, DType::bf16, MoeLayout::plain, 0, false, true, 0, true, 0, false,
-       false, false, false, -1, true},
-      {2, 300, 1104, 64, DType::bf16, DType::bf16, DType::bf16, MoeLayout::plain, 0, false, true, 0, true, 0, false,
-       true, true, false, -1, true},
-      {2, 150, 600, 16, DType::bf16, DType::bf16, DType::f32, MoeLayout::plain, 2, true, true, 0, true, 0, false, true,
-       true, false, -1, true},
-      {2, 70, 2000, 16, DType::bf16, DType::bf16, DType::bf16, MoeLayout::peft, 1, false, true, 0, true, 0, false, false,
-       false, false, -1, true},
-      {2, 70, 2600, 16, DType::bf16, DType::bf16, DType::bf16, MoeLayout::plain, 1, false, true, 0, true, 0, false,
-       false, false, false, -1, true},
   };
   uint64_t seed = 5100;
   for (const BackwardCase& c : cases) check_backward(c, dev, seed++);
@@ -327,8 +297,8 @@ void run_backward_cases(Device dev) {
 // W[e][i, o] + s * sum_k lora_A[e*r + k, i] * lora_B[o, k*E + e]. `pack`: Config.meta PACK
 // (-1: unset, on for GPUs), the strided adapters copied contiguous first or read in place.
 void check_forward_peft(Device dev, uint64_t seed, bool transposed, int64_t pack, DType ab, int64_t E, int64_t d1,
-                        int64_t d2, int64_t r, bool experts_first = false) {
-  CAPTURE(seed, dev.str(), transposed, pack, dtype_name(ab), E, d1, d2, r, experts_first);
+                        int64_t d2, int64_t r) {
+  CAPTURE(seed, dev.str(), transposed, pack, dtype_name(ab), E, d1, d2, r);
   std::mt19937_64 rng(seed);
   const int64_t in = transposed ? d1 : d2, out_dim = transposed ? d2 : d1;
   TestTensor W(DType::bf16, {E, d1, d2}, dev), out(DType::bf16, {E, d1, d2}, dev);
@@ -339,7 +309,6 @@ void check_forward_peft(Device dev, uint64_t seed, bool transposed, int64_t pack
   out.poison();
   ops::Config cfg;
   if (pack >= 0) cfg.meta["PACK"] = pack;
-  if (experts_first) cfg.meta["EXPERTS_FIRST"] = 1;
   const ops::MoeLoraViews v = ops::peft_moe_lora_views(W.view(), lA.view(), lB.view(), transposed);
   ops::moe_lora_materialize(W.view(), v.A, v.B, 0.5, out.view(), nullptr, cfg);
   test::sync(dev);
@@ -363,12 +332,6 @@ void check_forward_peft_layouts(Device dev) {
     for (const int64_t pack : {int64_t(-1), dev.is_cuda() ? int64_t(0) : int64_t(1)}) {
       check_forward_peft(dev, seed++, transposed, pack, DType::f32, 3, 40, 56, 4);
       check_forward_peft(dev, seed++, transposed, pack, DType::bf16, 5, 70, 150, 16);
-    }
-  // Every expert's program at the same rows together (EXPERTS_FIRST), adapters in place or copied.
-  for (const bool transposed : {true, false})
-    for (const int64_t pack : {int64_t(0), int64_t(1)}) {
-      check_forward_peft(dev, seed++, transposed, pack, DType::f32, 3, 40, 56, 4, true);
-      check_forward_peft(dev, seed++, transposed, pack, DType::bf16, 5, 70, 150, 16, true);
     }
 }
 
@@ -580,46 +543,6 @@ TEST_CASE("the MoE backward's 64x512 column tile fits an H100's shared memory wh
         CAPTURE(bytes);
         CHECK(bytes <= autotune::typical_max_shared_memory("sm_90a"));
       }
-}
-
-// DB_STORE: a cluster of every column block (here 2048 / 256 = 8) sums each step's dB rows
-// and stores them, so a bf16 dB is the kernel's own output (no fp32 workspace, no fill, no
-// flush); beyond 8 blocks dB goes back to the atomics. The tuner's DB_STORE tiles fit an
-// H100's shared memory beside the cluster's buffers with bf16 gradients; with f32 ones only
-// 64x256 does (dA's f32 columns [64, 512] take another 128 KiB on their way out; the
-// tuner measures each candidate's shared memory and leaves such ones out).
-TEST_CASE("DB_STORE stores the MoE backward's dB from cluster sums of every column block", "[ops][moe]") {
-  const Device dev = Device::cuda(0);  // planned and generated only
-  void* const p = reinterpret_cast<void*>(uintptr_t(1) << 16);
-  const int64_t E = 4, N = 300, r = 64;
-  const auto t = [&](DType d, std::vector<int64_t> shape) { return TensorView::contiguous(p, d, shape, dev); };
-  const auto kernel = [&](int64_t K, DType grads, const ops::Config& c) {
-    return ops::detail::moe_backward_kernel(t(DType::bf16, {E, N, K}), t(DType::bf16, {E, r, K}),
-                                            t(DType::bf16, {E, N, r}), 1.0, t(grads, {E, r, K}),
-                                            t(grads, {E, N, r}), 132, c);
-  };
-  ops::Config c{64, 256, 1, 8, 3, {{"BY_COLUMNS", 1}, {"WGMMA", 1}, {"DB_STORE", 1}}};
-  const autotune::KernelCall k = kernel(2048, DType::bf16, c);
-  CHECK(k.meta.at("DB_STORE") == 1);
-  CHECK(k.meta.at("cluster_size") == 8);
-  CHECK(std::get<TensorView>(k.args[5]).dtype == DType::bf16);  // dB itself, not an f32 accumulator
-  const autotune::KernelCall over = kernel(2600, DType::bf16, c);  // 11 column blocks
-  CHECK(over.meta.count("DB_STORE") == 0);
-  CHECK(std::get<TensorView>(over.args[5]).dtype == DType::f32);
-  for (const auto& [bn, bk, stages] : {std::tuple<int64_t, int64_t, int64_t>{64, 256, 3}, {32, 512, 3}, {32, 512, 2}})
-    for (const DType grads : {DType::bf16, DType::f32}) {
-      CAPTURE(bn, bk, stages, dtype_name(grads));
-      ops::Config tile{bn, bk, 1, 8, stages, {{"BY_COLUMNS", 1}, {"WGMMA", 1}, {"WGMMA_SS", bk == 512 ? 1 : 0},
-                                              {"DB_STORE", 1}}};
-      const autotune::KernelCall s = kernel(2048, grads, tile);
-      CHECK(s.meta.at("cluster_size") == 2048 / bk);
-      const int bytes = jit::cuda::generate(s.kernel->trace(arg_specs(s.args), s.meta), "sm_90a").smem_bytes;
-      CAPTURE(bytes);
-      CHECK((bytes <= autotune::typical_max_shared_memory("sm_90a")) == (grads == DType::bf16 || bk == 256));
-    }
-  // Targets without clusters refuse the kernel with a clear message.
-  CHECK_THROWS_WITH(jit::cuda::generate(k.kernel->trace(arg_specs(k.args), k.meta), "sm_80"),
-                    Catch::Contains("cluster_sum_store") && Catch::Contains("sm_90"));
 }
 
 // PACK (on GPUs by default): PEFT's flat B (rank columns E apart) reaches the kernel as a

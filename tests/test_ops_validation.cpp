@@ -403,7 +403,7 @@ TEST_CASE("an op refuses Config.meta names it does not take and values out of ra
   typo.meta["ROTATED"] = 1;
   CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize_backward(dW, mA, mB, 1.0, dA, dB, nullptr, typo),
                 "moe_lora_materialize_backward: Config.meta names 'ROTATED', which this op does not take (it "
-                "takes ROTATE, BY_COLUMNS, DB_WORKSPACE, PACK, DB_STORE, L2_PREFETCH, WGMMA, WGMMA_SS, CLUSTER, STAGED_ADDS, TF32)");
+                "takes ROTATE, BY_COLUMNS, DB_WORKSPACE, PACK, L2_PREFETCH, WGMMA, WGMMA_SS, CLUSTER, STAGED_ADDS, TF32)");
   ops::Config nine;
   nine.meta["CLUSTER"] = 9;
   CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize_backward(dW, mA, mB, 1.0, dA, dB, nullptr, nine),

@@ -528,10 +528,6 @@ class KernelEmitter {
       throw CompileError("kernel '" + f_.name + "': atomic_add on the " + dtype_name(t) + " tensor @" + p.name +
                              " is not supported",
                          "", "");
-    if (op.kind == OpKind::Store && op.attrs.cluster_sum)  // cluster_size 1 traces a plain store
-      throw InvalidArgument("kernel '" + f_.name + "': cluster_sum_store @" + p.name +
-                            " sums over thread block clusters, which the CPU back end does not have "
-                            "(its programs run one after another; cluster_size 1 stores directly)");
     // The old values of an atomic, when the kernel uses them (0 where masked off).
     const ValueId old = op.results.empty() || plan_.uses[size_t(op.results[0])] == 0 ? -1 : op.results[0];
     const Shape& shape = type(value).shape;

@@ -214,27 +214,18 @@ void Codegen::emit_store(const Operation& op, int level) {
   // With staged_adds they go out in a blocked layout of 4-wide vectors, a warp's
   // threads covering whole rows: whole 128-byte lines per instruction.
   const bool staged = vector_red && from_acc && staged_adds_ && type(value).shape.size() == 2;
-  // cluster_sum_store: f32 sums over the cluster, rounded where they are stored.
-  const bool summed_store = !atomic && op.attrs.cluster_sum;
-  if (summed_store && cluster_ <= 1)
-    throw InvalidArgument("kernel '" + f_.name + "': cluster_sum_store @" + p.name + " with cluster_size " +
-                          S(f_.meta_value("cluster_size", 1)) + " needs thread block clusters (sm_90 and later); " +
-                          "the target is sm_" + S(int64_t(sm_)));
   const int l = staged ? intern(blocked_layout(type(value).shape, num_warps_, 4))
-                : (vector_red || summed_store) && from_acc && vector_width(op, pv) >= 2 ? pv
-                                                                                        : store_layout(value);
+                : vector_red && from_acc && vector_width(op, pv) >= 2 ? pv
+                                                                      : store_layout(value);
   const Layout& L = layouts_[size_t(l)];
   std::vector<Tile> idx;
   for (int d = 0; d < p.rank; ++d) idx.push_back(get(op.operands[size_t(d)], l));
   const Tile val = from_acc && pv != l ? convert_tile(value, get(value, pv), pv, l) : get(value, l);
   Tile mask;
   if (op.attrs.has_mask) mask = get(op.operands[size_t(p.rank) + 1], l);
-  const int w = summed_store ? std::min(4, vector_width(op, l))
-                : !atomic     ? vector_width(op, l)
-                : vector_red  ? std::min(4, vector_width(op, l))
-                              : 1;
+  const int w = !atomic ? vector_width(op, l) : vector_red ? std::min(4, vector_width(op, l)) : 1;
   const int n = L.num_regs();
-  if (op.attrs.cluster_sum && cluster_ > 1) {
+  if (atomic && op.attrs.cluster_sum && cluster_ > 1) {
     emit_cluster_add(op, level, l, idx, val, mask, w);
     return;
   }
@@ -357,8 +348,7 @@ void Codegen::emit_cluster_add(const Operation& op, int level, int l, const std:
       "  float* cbuf = reinterpret_cast<float*>(kerf_smem + " + S(off) + ") + " + phase + " * " + S(half) + ";";
   const std::string mbuf = "  unsigned char* mbuf = kerf_smem + " + S(moff) + " + " + phase + " * " +
                            S(int64_t(groups) * threads) + ";";
-  line(level, std::string(op.kind == OpKind::Store ? "// store" : "// atomic_add") + " @" + p.name + " from " +
-                  L.key() + ", " + S(w) + "-wide, summed over clusters of " +
+  line(level, "// atomic_add @" + p.name + " from " + L.key() + ", " + S(w) + "-wide, summed over clusters of " +
                   S(cluster_) + " programs first (the sums at the end of the block)");
   line(level, "{");
   line(level, cbuf);
@@ -374,8 +364,7 @@ void Codegen::emit_cluster_add(const Operation& op, int level, int l, const std:
   line(level, "}");
 
   std::vector<std::string>& rest = cluster_pending_[level];
-  rest.push_back(std::string("// the cluster's sums of the ") + (op.kind == OpKind::Store ? "store" : "atomic_add") +
-                 " @" + p.name + " above");
+  rest.push_back("// the cluster's sums of the atomic_add @" + p.name + " above");
   rest.push_back("{");
   rest.push_back("  kerf_dev::cluster_wait();");
   rest.push_back(cbuf);
@@ -395,14 +384,7 @@ void Codegen::emit_cluster_add(const Operation& op, int level, int l, const std:
   rest.push_back("    }");
   rest.push_back("    if (any) {");
   rest.push_back("      const long long off = " + offset_expr(op, idx, "r") + ";");
-  if (op.kind == OpKind::Store) {  // cluster_sum_store: the whole sum, rounded once
-    const std::string st = storage_type(p.dtype);
-    rest.push_back("      kerf_dev::Pack<" + st + ", " + S(w) + "> out; for (int j = 0; j < " + S(w) +
-                   "; ++j) out.v[j] = " + from_compute(p.dtype, "pk.v[j]") + ";");
-    rest.push_back("      kerf_dev::st<" + st + ", " + S(w) + ">(" + ptr + " + off, out);");
-  } else {
-    rest.push_back("      kerf_dev::red_add<" + S(w) + ">(" + ptr + " + off, pk);");
-  }
+  rest.push_back("      kerf_dev::red_add<" + S(w) + ">(" + ptr + " + off, pk);");
   rest.push_back("    }");
   rest.push_back("  }");
   rest.push_back("  }");

@@ -252,19 +252,15 @@ class Verifier {
           shape = r.shape;
         } else {
           const Type& val = t(op.operands[rank]);
-          if (op.kind == OpKind::Store && a.cluster_sum)  // cluster_sum_store: f32 sums, rounded
-            expect(val.dtype == DType::f32 && is_float(p.dtype) && !val.shape.empty(), op,
-                   "a cluster_sum store takes an f32 tile into a float tensor");
-          else
-            expect(val.dtype == p.dtype, op, "stored value must have the tensor's dtype");
+          expect(val.dtype == p.dtype, op, "stored value must have the tensor's dtype");
           shape = val.shape;
           if (op.kind == OpKind::Store)
             expect(op.results.empty() && !a.acq_rel, op, "has no result and no ordering");
           else
             expect(op.results.empty() || (op.results.size() == 1 && t(op.results[0]) == val), op,
                    "the old values have the added value's type");
-          if (a.cluster_sum && op.kind == OpKind::AtomicAdd)
-            expect(op.results.empty() && !a.acq_rel && p.dtype == DType::f32 &&
+          if (a.cluster_sum)
+            expect(op.kind == OpKind::AtomicAdd && op.results.empty() && !a.acq_rel && p.dtype == DType::f32 &&
                        !val.shape.empty(),
                    op, "cluster_sum adds an f32 tile, relaxed, with no old values");
         }

@@ -295,18 +295,6 @@ Value atomic_add(const Tensor& t, const std::vector<Value>& idx, const Value& va
 void cluster_atomic_add(const Tensor& t, const std::vector<Value>& idx, const Value& value,
                         const Value& mask = {});
 
-// Stores the sum of the f32 `value` over the programs of this program's
-// cluster, rounded once to the tensor's dtype: for a cluster that holds every
-// program contributing to those elements, a sum formed on chip that needs no
-// zeroed f32 accumulator, no atomics and no pass converting it afterwards. As
-// cluster_atomic_add: every program of the cluster reaches it equally often, a
-// program's masked-off values count as zero, and an element is stored where any
-// program's mask is on (at the storing program's indices). With cluster_size 1
-// it is store(t, idx, value.to(t's dtype), mask); larger clusters need the CUDA
-// back end on sm_90 or later (elsewhere compiling it is an error).
-void cluster_sum_store(const Tensor& t, const std::vector<Value>& idx, const Value& value,
-                       const Value& mask = {});
-
 // Programmatic dependent launch (CUDA, sm_90 and later). A kernel launched with
 // LaunchOptions::overlap_prior may start while the kernel launched just before it
 // on the same stream is still running: wait_prior_grid() is the point from which

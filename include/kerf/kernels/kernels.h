@@ -49,9 +49,7 @@ const dsl::Kernel& dora_norm_4bit_split();
 // W, W_eff [E, N, K]; A [E, r, K]; B [E, N, r]; any strides (PEFT's flat
 // lora_A [r*E, K] and lora_B [N, r*E] are such views). fp32 accumulation,
 // rounded once to W_eff's dtype.
-// Grid: (cdiv(N, BLOCK_N), slices, E), the slices sharing K in whole BLOCK_K
-// steps (COLS_FIRST swaps the first two); with EXPERTS_FIRST (E, slices,
-// cdiv(N, BLOCK_N)). Meta: BLOCK_N, BLOCK_K, R_PAD, DOT, EXPERTS_FIRST.
+// Grid: (cdiv(N, BLOCK_N), E). Meta: BLOCK_N, BLOCK_K, R_PAD, DOT.
 // Args: W, A, B, s, W_eff.
 const dsl::Kernel& moe_lora_materialize();
 
@@ -76,12 +74,10 @@ const dsl::Kernel& moe_lora_backward();
 // registers and adding dB with fp32 atomics (dB f32, zero on entry).
 //   dA[e]  = s * B[e]^T @ dW[e]      (stored; added atomically when DA_ATOMIC:
 //                                     dA is then f32 and zero on entry)
-//   dB[e] += s * dW[e] @ A[e]^T      (stored with DB_STORE: any float dtype)
+//   dB[e] += s * dW[e] @ A[e]^T
 // Grid (cdiv(K, BLOCK_K), splits, E): the programs of grid axis 1 share N in
 // whole BLOCK_N steps. Meta: BLOCK_N, BLOCK_K, R_PAD, DOT, DA_ATOMIC, ROTATE,
-// WAIT_PRIOR, DB_STORE (with cluster_size = cdiv(K, BLOCK_K), sm_90 and later:
-// each step's dB rows summed over the cluster on chip and stored).
-// Args: dW, A, B, s, dA, dB.
+// WAIT_PRIOR. Args: dW, A, B, s, dA, dB.
 const dsl::Kernel& moe_lora_backward_by_columns();
 
 // LoRA merge in place, one pass over W (unmerge: the op passes -s):
