@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "kerf/cache/cpu_kernel.h"
@@ -394,6 +395,18 @@ Choice choose(const Problem& p, const std::vector<Config>& candidates, const Con
   // The final rounds' candidates: the finalists, then their variants.
   std::vector<size_t> pool;
   for (size_t f = 0; f < finalists; ++f) pool.push_back(timed[f].second);
+  // The incumbent (Options::incumbent), where it ran, is a finalist wherever it placed.
+  std::optional<size_t> incumbent;
+  double incumbent_ms = -1.0;
+  if (!o.incumbent.empty()) {
+    const Config own = canonical(o.incumbent);
+    for (const auto& [ms, i] : timed)
+      if (kept[i] == own) {
+        incumbent = i;
+        incumbent_ms = ms;
+        if (o.finalists > 0 && std::find(pool.begin(), pool.end(), i) == pool.end()) pool.push_back(i);
+      }
+  }
   if (!o.finalist_variants.empty() && finalists > 0) {
     std::vector<Config> variants;
     for (size_t f = 0; f < finalists; ++f)
@@ -458,6 +471,7 @@ Choice choose(const Problem& p, const std::vector<Config>& candidates, const Con
       const double ms = v[v.size() / 2];
       log::write(log::Level::debug, "autotune " + what + ": finalist " + config_text(kept[pool[f]]) + " " +
                                         ms_text(ms));
+      if (incumbent && pool[f] == *incumbent) incumbent_ms = ms;
       if (!any || ms < best) {
         best = ms;
         c.config = kept[pool[f]];
@@ -465,6 +479,17 @@ Choice choose(const Problem& p, const std::vector<Config>& candidates, const Con
       any = true;
     }
     if (!any) best = -1.0;  // every finalist failed: the defaults below
+    for (size_t f = 0; f < pool.size(); ++f)
+      if (incumbent && pool[f] == *incumbent && dropped[f]) incumbent.reset();  // failed in a final round
+  }
+  // The incumbent stays unless the fastest beats it by more than the margin.
+  if (incumbent && best >= 0 && incumbent_ms >= 0 && c.config != kept[*incumbent] &&
+      best > incumbent_ms * (1.0 - o.incumbent_margin)) {
+    log::write(log::Level::debug, "autotune " + what + ": " + config_text(c.config) + " (" + ms_text(best) +
+                                      ") is within " + std::to_string(o.incumbent_margin * 100.0) +
+                                      "% of the op's own config (" + ms_text(incumbent_ms) + "): keeping it");
+    c.config = kept[*incumbent];
+    best = incumbent_ms;
   }
   // The op's own launch must see the inputs it was given. A restore that fails after a
   // run leaves them changed: that is the op's error, not a reason to go on.

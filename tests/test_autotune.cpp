@@ -130,6 +130,51 @@ TEST_CASE("the tuner times its fastest candidates again before it chooses", "[au
   CHECK(once.config == cand(256, 8));
 }
 
+// Options::incumbent: the op's own config joins the final rounds wherever it placed, and
+// stays unless another is faster by more than the margin (1% by default).
+TEST_CASE("the tuner keeps the op's own config unless another beats it beyond the margin", "[autotune]") {
+  test::TempDir dir;
+  test::ScopedEnv env({{"KERF_CACHE_DIR", dir.path()}, {"KERF_AUTOTUNE", "1"}});
+  struct Case {
+    std::map<int64_t, double> ms;
+    int64_t incumbent, chosen;
+    double margin;
+  };
+  // 128 is the incumbent: 0.5% slower than 64 (kept), 1.5% slower (64 wins), 5% slower with
+  // a 10% margin (kept), or fourth of five in the first round and within the margin (it is
+  // timed again and kept), or slowest by far (64 wins). Without an incumbent the fastest wins.
+  const std::vector<Case> cases = {
+      {{{16, 3.0}, {32, 1.5}, {64, 1.000}, {128, 1.005}, {256, 1.2}}, 128, 128, 0.01},
+      {{{16, 3.0}, {32, 1.5}, {64, 1.000}, {128, 1.015}, {256, 1.2}}, 128, 64, 0.01},
+      {{{16, 3.0}, {32, 1.5}, {64, 1.000}, {128, 1.050}, {256, 1.2}}, 128, 128, 0.10},
+      {{{16, 3.0}, {32, 1.0}, {64, 1.000}, {128, 1.009}, {256, 1.001}}, 128, 128, 0.01},
+      {{{16, 3.0}, {32, 1.5}, {64, 1.000}, {128, 9.0}, {256, 1.2}}, 128, 64, 0.01},
+      {{{16, 3.0}, {32, 1.5}, {64, 1.000}, {128, 1.005}, {256, 1.2}}, 0, 64, 0.01},
+  };
+  int n = 0;
+  for (const Case& k : cases) {
+    CAPTURE(n, k.incumbent, k.margin);
+    FakeTimer timer(k.ms);
+    std::map<int64_t, int> runs;
+    autotune::Hooks h;
+    h.compile = [](const autotune::Config&) {};
+    h.run = [&](const autotune::Config& c) {
+      timer.current = c.at("BLOCK");
+      ++runs[timer.current];
+    };
+    autotune::Options o = options_with(&timer);
+    o.persist = false;
+    if (k.incumbent) o.incumbent = cand(k.incumbent, 4);
+    o.incumbent_margin = k.margin;
+    const autotune::Choice c =
+        autotune::choose(fake_problem("incumbent_op_" + std::to_string(n++)), kCandidates, cand(32, 4), h, o);
+    CHECK(c.config.at("BLOCK") == k.chosen);
+    CHECK(c.best_ms == k.ms.at(k.chosen));
+    // The incumbent ran in the final rounds too (1 + 3 timings of warmup 1 + repeats 3).
+    if (k.incumbent) CHECK(runs[k.incumbent] == 16);
+  }
+}
+
 // Times by BLOCK, and a variant (V=1) by its own table.
 class VariantTimer final : public autotune::Timer {
  public:

@@ -70,6 +70,13 @@ struct Options {
   // times each in turns; the lowest median of those rounds wins.
   int finalists = 3;
   int final_rounds = 3;
+  // The op's own config among the candidates (empty: none). When it ran in the first
+  // round it joins the final rounds wherever it placed, and another candidate replaces
+  // it only with a median lower by more than `incumbent_margin` (a fraction of its
+  // time): a gap inside the clock's noise does not make a tuned call slower than an
+  // untuned one.
+  Config incumbent;
+  double incumbent_margin = 0.01;
   // Overrides also tried on each finalist of the first round (e.g. {"EVICT": 1}:
   // a cache hint on the best tiles, without doubling the first round); each
   // variant is compiled, timed once and joins the final rounds.
