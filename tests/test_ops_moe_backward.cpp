@@ -256,10 +256,12 @@ void run_backward_cases(Device dev) {
       // The column-owning 64x512 tile on two stages, the dW tile read by both products
       // from shared memory (the tuner's wide candidate; over an H100's shared memory where
       // a tile cannot be copied whole, see below): columns past the last whole block of
-      // 512, dB through the workspace or in place, rotated, rows split.
+      // 512, dB through the workspace or in place, rotated, rows split or whole.
       {2, 300, 1104, 64, DType::bf16, DType::bf16, DType::bf16, MoeLayout::plain, 0, false, true, 0, true, 0, true,
        true, true},
       {2, 150, 600, 16, DType::bf16, DType::bf16, DType::f32, MoeLayout::plain, 2, true, true, 0, true, 0, true, true,
+       true},
+      {2, 150, 1104, 64, DType::bf16, DType::bf16, DType::bf16, MoeLayout::plain, 1, false, true, 0, true, 0, true, true,
        true},
       // An f32 dB summed in the fp32 workspace and flushed into it (DB_WORKSPACE): PEFT's
       // flat gradient (rank columns E apart) from the column-owning kernel, with and
