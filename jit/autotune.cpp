@@ -485,9 +485,11 @@ Choice choose(const Problem& p, const std::vector<Config>& candidates, const Con
   // The incumbent stays unless the fastest beats it by more than the margin.
   if (incumbent && best >= 0 && incumbent_ms >= 0 && c.config != kept[*incumbent] &&
       best > incumbent_ms * (1.0 - o.incumbent_margin)) {
+    char margin[32];
+    std::snprintf(margin, sizeof margin, "%.3g%%", o.incumbent_margin * 100.0);
     log::write(log::Level::debug, "autotune " + what + ": " + config_text(c.config) + " (" + ms_text(best) +
-                                      ") is within " + std::to_string(o.incumbent_margin * 100.0) +
-                                      "% of the op's own config (" + ms_text(incumbent_ms) + "): keeping it");
+                                      ") is within " + margin + " of the op's own config " +
+                                      config_text(kept[*incumbent]) + " (" + ms_text(incumbent_ms) + "): keeping it");
     c.config = kept[*incumbent];
     best = incumbent_ms;
   }
