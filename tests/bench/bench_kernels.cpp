@@ -18,6 +18,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <random>
@@ -652,11 +653,18 @@ int main(int argc, char** argv) {
       if (op.find(f) != std::string::npos) return true;
     return false;
   };
-  // Whether some case of this family may be wanted ("moe_backward" for "moe_backward r=64").
+  // Whether some case of this family may be wanted: a filter naming it ("moe_backward r=64" for
+  // "moe_backward"), or one naming no family at all ("peft", "bf16 grads"), which each case's
+  // own name then answers.
   const auto family = [&](const std::string& prefix) {
     if (wanted(prefix)) return true;
-    for (const std::string& f : filters)
+    static const char* const families[] = {"dora_norm", "lora_merge", "moe_materialize", "moe_backward", "embedding"};
+    for (const std::string& f : filters) {
       if (f.find(prefix) != std::string::npos) return true;
+      if (std::none_of(std::begin(families), std::end(families),
+                       [&](const char* name) { return f.find(name) != std::string::npos; }))
+        return true;
+    }
     return false;
   };
   if (!only.empty()) {
