@@ -465,13 +465,17 @@ Choice choose(const Problem& p, const std::vector<Config>& candidates, const Con
       }
     bool any = false;
     for (size_t f = 0; f < pool.size(); ++f) {
-      if (dropped[f]) continue;
+      const bool own = incumbent && pool[f] == *incumbent;
+      if (dropped[f]) {
+        if (own) incumbent.reset();  // failed in a final round: out of the running too
+        continue;
+      }
       std::vector<double>& v = rounds[f];
       std::sort(v.begin(), v.end());
       const double ms = v[v.size() / 2];
       log::write(log::Level::debug, "autotune " + what + ": finalist " + config_text(kept[pool[f]]) + " " +
                                         ms_text(ms));
-      if (incumbent && pool[f] == *incumbent) incumbent_ms = ms;
+      if (own) incumbent_ms = ms;
       if (!any || ms < best) {
         best = ms;
         c.config = kept[pool[f]];
@@ -479,8 +483,6 @@ Choice choose(const Problem& p, const std::vector<Config>& candidates, const Con
       any = true;
     }
     if (!any) best = -1.0;  // every finalist failed: the defaults below
-    for (size_t f = 0; f < pool.size(); ++f)
-      if (incumbent && pool[f] == *incumbent && dropped[f]) incumbent.reset();  // failed in a final round
   }
   // The incumbent stays unless the fastest beats it by more than the margin.
   if (incumbent && best >= 0 && incumbent_ms >= 0 && c.config != kept[*incumbent] &&

@@ -32,6 +32,8 @@ struct MoeBackwardPlan {
   // Which gradient is added to in an fp32 workspace and flushed into it after the kernel
   // (one added atomically that is not f32 itself); the other is the kernel's output directly.
   bool flush_da = false, flush_db = false;
+  // PACK: the dtypes the strided adapters are copied into first (none: read in place).
+  std::optional<DType> pack_a, pack_b;
 };
 
 // The GPU's own config for a 16-bit product up to rank 64 (a call with no tiles and no
@@ -122,10 +124,6 @@ std::optional<DType> packed_dtype(const TensorView& t, const Product& dot, bool 
   if (!pack || !strided_last(t)) return std::nullopt;
   return t.dtype == DType::f32 && is_half(dot) ? DType(dot) : t.dtype;
 }
-// The dtype the kernel reads adapter t in.
-DType read_dtype(const TensorView& t, const Product& dot, bool pack) {
-  return packed_dtype(t, dot, pack).value_or(t.dtype);
-}
 
 // The launch for gradients dA and dB: on GPUs, a kernel followed by a flush of an
 // fp32 accumulator lets the flush's launch start before its own end (RELEASE_END).
@@ -137,22 +135,16 @@ MoeBackwardPlan plan_moe_backward(const TensorView& dW, const TensorView& A, con
                                   int64_t programs, const Config& config, const TensorView& dA, const TensorView& dB) {
   const bool pack = packs(config, gpu);
   const Product dot = product_dtype(dW.dtype, A.dtype, B.dtype);
-  MoeBackwardPlan p = plan_launch(dW, read_dtype(A, dot, pack), read_dtype(B, dot, pack), A.shape[1], gpu, programs,
-                                  config);
+  const std::optional<DType> pack_a = packed_dtype(A, dot, pack), pack_b = packed_dtype(B, dot, pack);
+  MoeBackwardPlan p =
+      plan_launch(dW, pack_a.value_or(A.dtype), pack_b.value_or(B.dtype), A.shape[1], gpu, programs, config);
+  p.pack_a = pack_a;
+  p.pack_b = pack_b;
   p.flush_da = (p.da_atomic && dA.dtype != DType::f32) || (pack && strided_last(dA));
   p.flush_db = (p.db_atomic && (dB.dtype != DType::f32 || meta_or(config, "DB_WORKSPACE", 0) != 0)) ||
                (pack && strided_last(dB));
   if (gpu && (p.flush_da || p.flush_db)) p.meta["RELEASE_END"] = 1;
   return p;
-}
-
-// The adapters as the kernel reads them: packed copies (PACK) or the views themselves.
-// `options`: the copies are queued on its stream; nullptr: views into unused memory (compile lists).
-CopiedAdapters moe_adapters(const TensorView& dW, const TensorView& A, const TensorView& B, bool gpu,
-                            const Config& config, const LaunchOptions* options) {
-  const Product dot = product_dtype(dW.dtype, A.dtype, B.dtype);
-  const bool pack = packs(config, gpu);
-  return copied_adapters(A, packed_dtype(A, dot, pack), B, packed_dtype(B, dot, pack), options);
 }
 
 const std::vector<OperandDims>& backward_operands() {
@@ -188,7 +180,7 @@ void run_moe_backward(const TensorView& dW, const TensorView& A, const TensorVie
   const TensorView da_acc = da_direct ? dA : carve_f32(&cursor, E, r, K, dW.device);
   const TensorView db_acc = db_direct ? dB : carve_f32(&cursor, E, N, r, dW.device);
   // The workspace's lock before the copies' scratch (ops_common.h).
-  const CopiedAdapters in = moe_adapters(dW, A, B, gpu, config, &options);
+  const CopiedAdapters in = copied_adapters(A, p.pack_a, B, p.pack_b, &options);  // PACK's copies, queued
   const bool filled = zero_fills(dA, p.da_atomic && da_direct, dB,
                                  p.db_atomic && db_direct && !(db_is_zero && dB.dtype == DType::f32), options, gpu);
   LaunchOptions main = options;
@@ -212,7 +204,7 @@ autotune::KernelCall moe_backward_kernel(const TensorView& dW, const TensorView&
       p.flush_da ? TensorView::contiguous(stand_in, DType::f32, {E, r, K}, dW.device) : dA;
   const TensorView db_acc =
       p.flush_db ? TensorView::contiguous(stand_in, DType::f32, {E, N, r}, dW.device) : dB;
-  const CopiedAdapters in = moe_adapters(dW, A, B, true, config, nullptr);
+  const CopiedAdapters in = copied_adapters(A, p.pack_a, B, p.pack_b, nullptr);  // views only
   return {p.kernel, {dW, in.A, in.B, Scalar(s), da_acc, db_acc}, p.meta};
 }
 
