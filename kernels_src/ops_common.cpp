@@ -4,6 +4,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdio>
+#include <exception>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -383,6 +384,15 @@ int parallelism(const Device& dev) {
   const int n = cuda::device_info(dev.index).sm_count;
   sms[dev.index] = n;
   return n;
+}
+
+bool wgmma_target(const Device& dev) {
+  if (!dev.is_cuda()) return false;
+  try {
+    return device_arch(dev.index) == "sm_90a";
+  } catch (const std::exception&) {
+    return false;
+  }
 }
 
 namespace {

@@ -258,6 +258,9 @@ inline void set_product_meta(dsl::MetaMap& meta, Product p, const Config& config
 
 // Multiprocessors of the tensors' device (the number of CPU threads on the CPU).
 int parallelism(const Device& dev);
+// Whether `dev` is a GPU that kerf compiles for sm_90a (warpgroup dots, an H100's shared
+// memory); false on the CPU and where no driver answers.
+bool wgmma_target(const Device& dev);
 // The default number of programs sharing a row block's columns: enough for
 // about three programs per multiprocessor (`programs`) over `blocks` row
 // blocks, in whole steps (1 to `steps`).

@@ -39,15 +39,32 @@ struct MoeBackwardPlan {
 // The GPU's own config for a 16-bit product up to rank 64 (a call with no tiles and no
 // kernel named in its Config: untuned, or a first call inside a graph capture): the
 // column-owning kernel's 64x256 on 8 warps and 3 stages, dB's per-step shares staged
-// (STAGED_ADDS) and warpgroup dots (WGMMA; targets other than sm_90a ignore it), the
-// tuner's usual choice. On an H100 (r=64, 64x2816x2048) the row-owning 128x64 it replaces
-// took 657.0 / 658.4 us with f32 / bf16 gradients, this 377.4 / 384.7 (tuned: 377.7 /
-// 387.7). Larger ranks and fp32 or TF32 products keep the row-owning kernel's tiles,
-// which fit an H100's shared memory at every rank.
-Config own_config(const Config& config, Product dot, int64_t r_pad, bool gpu) {
+// (STAGED_ADDS) and warpgroup dots (WGMMA; targets other than sm_90a ignore it). On an
+// H100 (r=64, 64x2816x2048) the row-owning 128x64 it replaced took 657.0 / 658.4 us with
+// f32 / bf16 gradients, this 377.4 / 384.7. Larger ranks and fp32 or TF32 products keep
+// the row-owning kernel's tiles, which fit an H100's shared memory at every rank.
+//
+// At ranks 33 to 64 with 16-bit adapters, where 512-column blocks fill whole waves of
+// programs (`programs` at a time) with little of their last block past K: 64x512 on two
+// stages, dW's tile read by both dots from shared memory (WGMMA_SS), rows whole (split_k
+// 1, so dA is stored once per program). On an H100 (64x2816x2048: 256 blocks, two waves
+// of 132) 342.6-344.0 / 354.6-354.7 us with f32 / bf16 gradients against 64x256's
+// 376.7-378.0 / 384.6, and 376.7 against 406.8-407.2 in PEFT's layout; split in two (as
+// split_for would) it took 362.1 / 409.6. fp32 adapters' tiles do not fit beside it.
+Config own_config(const Config& config, Product dot, DType a, DType b, int64_t r_pad, const TensorView& dW,
+                  int64_t programs, bool gpu) {
   if (!gpu || config.block_m || config.block_k || config.meta.count("BY_COLUMNS") || !is_half(dot) || r_pad > 64)
     return config;
-  return with_own_tile(config, 64, 256, 8, 3, {{"BY_COLUMNS", 1}, {"STAGED_ADDS", 1}, {"WGMMA", 1}});
+  const int64_t E = dW.shape[0], K = dW.shape[2], blocks = cdiv(K, 512) * E;
+  const int64_t waves = cdiv(blocks, std::max<int64_t>(programs, 1));
+  const bool wide = r_pad == 64 && dtype_size_bytes(a) == 2 && dtype_size_bytes(b) == 2 && config.num_stages <= 2 &&
+                    8 * cdiv(K, 512) * 512 <= 9 * K && blocks >= programs && 10 * blocks >= 9 * waves * programs &&
+                    wgmma_target(dW.device);
+  if (!wide) return with_own_tile(config, 64, 256, 8, 3, {{"BY_COLUMNS", 1}, {"STAGED_ADDS", 1}, {"WGMMA", 1}});
+  Config c =
+      with_own_tile(config, 64, 512, 8, 2, {{"BY_COLUMNS", 1}, {"STAGED_ADDS", 1}, {"WGMMA", 1}, {"WGMMA_SS", 1}});
+  if (!c.split_k) c.split_k = 1;
+  return c;
 }
 
 MoeBackwardPlan plan_launch(const TensorView& dW, DType a, DType b, int64_t r, bool gpu, int64_t programs,
@@ -55,7 +72,7 @@ MoeBackwardPlan plan_launch(const TensorView& dW, DType a, DType b, int64_t r, b
   const int64_t E = dW.shape[0], N = dW.shape[1], K = dW.shape[2];
   const Product dot = product_dtype(dW.dtype, a, b);
   const int64_t r_pad = rank_pad(r);
-  const Config config = own_config(given, dot, r_pad, gpu);
+  const Config config = own_config(given, dot, a, b, r_pad, dW, programs, gpu);
   const int64_t rotate = meta_or(config, "ROTATE", 0);
   // CLUSTER: programs of neighbouring blocks sum each step's atomics on chip first. Not
   // among the tuner's candidates: on an H100 (r=64, 64x2816x2048, 256x64 WGMMA tiles) it
@@ -240,7 +257,7 @@ std::vector<autotune::Config> moe_backward_gpu_candidates() {
 // through shared memory (STAGED_ADDS: 64x256 took 384.0 / 393.8 us with f32 /
 // bf16 gradients, against 428.6 / 440.3 us adding from the accumulator). First-
 // round candidates of their own: the finalists' WGMMA variant alone missed the first.
-std::vector<autotune::Config> moe_backward_wgmma_tiles() {
+std::vector<autotune::Config> moe_backward_wgmma_tiles(int64_t E, int64_t N, int64_t K, int64_t programs) {
   std::vector<autotune::Config> c = autotune::product({{"BLOCK_N", {64}},
                                                        {"BLOCK_K", {256}},
                                                        {"num_warps", {8}},
@@ -250,8 +267,9 @@ std::vector<autotune::Config> moe_backward_wgmma_tiles() {
                                                        {"BY_COLUMNS", {1}}});
   // 512 columns on two stages with dW's tile read by both dots from shared memory
   // (WGMMA_SS; from registers it spills): half the per-step dB bytes per dW byte. On an
-  // H100 362.9-368.8 us against 376.2-384.5 for 64x256 with f32 gradients, 415.9 against
-  // 392.3 with bf16 ones.
+  // H100 (64x2816x2048) 362.1-368.8 us against 376.2-384.5 for 64x256 with f32 gradients,
+  // 409.6-415.9 against 384.6-392.3 with bf16 ones, both split in two; with rows whole
+  // (below) 342.6-344.0 and 354.6-354.7.
   for (autotune::Config& wide : autotune::product({{"BLOCK_N", {64}},
                                                    {"BLOCK_K", {512}},
                                                    {"num_warps", {8}},
@@ -268,6 +286,18 @@ std::vector<autotune::Config> moe_backward_wgmma_tiles() {
                                                    {"ROTATE", {0, 1}},
                                                    {"STAGED_ADDS", {0, 1}}}))
     c.push_back(std::move(rows));
+  // Each column tile that split_for would split (few column blocks: E=64, K=2048 gives
+  // the 512-column tile 256 blocks and split 2) also with rows whole (split_k 1): dA is
+  // then stored once per program instead of added, with bf16 gradients through an fp32
+  // workspace, its fill and its flush.
+  for (size_t i = 0, n = c.size(); i < n; ++i) {
+    if (!autotune::value_or_zero(c[i], "BY_COLUMNS")) continue;
+    const int64_t bn = autotune::value_or_zero(c[i], "BLOCK_N"), bk = autotune::value_or_zero(c[i], "BLOCK_K");
+    if (split_for(cdiv(K, bk) * E, programs, cdiv(N, bn)) == 1) continue;
+    autotune::Config whole = c[i];
+    whole["split_k"] = 1;
+    c.push_back(std::move(whole));
+  }
   return c;
 }
 
@@ -286,7 +316,8 @@ Config tuned_moe_backward_config(const TensorView& dW, const TensorView& A, cons
   q.block_m_name = "BLOCK_N";
   q.block_k_name = "BLOCK_K";
   const Product product = product_dtype(dW.dtype, A.dtype, B.dtype);
-  q.gpu_candidates = with_wgmma_tiles(moe_backward_gpu_candidates(), moe_backward_wgmma_tiles(), product, dW.device);
+  q.gpu_candidates = with_wgmma_tiles(moe_backward_gpu_candidates(),
+                                      moe_backward_wgmma_tiles(E, N, K, parallelism(dW.device)), product, dW.device);
   q.finalist_variants = with_wgmma_variant(with_l2_prefetch_variants({}), product, dW.device);
   // Operands strided along their last dim (PEFT's layouts): also without the copies and
   // workspace PACK puts them through on GPUs.

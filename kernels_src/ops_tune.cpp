@@ -167,7 +167,7 @@ namespace {
 
 // Whether an op whose product is `product` can run its dots as wgmma on `device`.
 bool wgmma_applies(DType product, const Device& device) {
-  return is_half(product) && device.is_cuda() && device_arch(device.index) == "sm_90a";
+  return is_half(product) && wgmma_target(device);
 }
 
 }  // namespace

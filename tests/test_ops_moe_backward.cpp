@@ -409,6 +409,12 @@ TEST_CASE("moe_lora_materialize_backward with its untuned tiles at ranks up to 6
   };
   uint64_t seed = 4800;
   for (const BackwardCase& c : cases) check_backward(c, Device::cuda(0), seed++);
+  // One 512-column block per multiprocessor, rank 33-64, 16-bit adapters: on sm_90a the
+  // 64x512 tile with rows whole (the last block partly past K, rows not a multiple of 64).
+  const int64_t E = ops::detail::parallelism(Device::cuda(0));
+  for (const BackwardCase& c : {BackwardCase{E, 70, 500, 64, DType::bf16, DType::bf16, DType::bf16, MoeLayout::plain},
+                                BackwardCase{E, 70, 500, 40, DType::bf16, DType::bf16, DType::f32, MoeLayout::peft}})
+    check_backward(c, Device::cuda(0), seed++);
 }
 
 // What an untuned GPU call plans (nothing is launched): the column-owning kernel's own
@@ -449,6 +455,54 @@ TEST_CASE("the MoE backward's own GPU config is the column-owning 64x256 tile fo
   const autotune::KernelCall k = planned(DType::bf16, DType::bf16, 16, rotate);
   CHECK(by_columns(k));
   CHECK(k.meta.at("ROTATE") == 1);
+}
+
+namespace {
+
+// The tile an untuned GPU call at E x N x K and rank r plans (nothing is launched).
+autotune::KernelCall planned_backward(int64_t E, int64_t N, int64_t K, int64_t r, DType ab, int64_t programs) {
+  const Device dev = Device::cuda(0);
+  void* const p = reinterpret_cast<void*>(uintptr_t(1) << 16);
+  const auto t = [&](DType d, std::initializer_list<int64_t> shape) { return TensorView::contiguous(p, d, shape, dev); };
+  return ops::detail::moe_backward_kernel(t(DType::bf16, {E, N, K}), t(ab, {E, r, K}), t(ab, {E, N, r}), 1.0,
+                                          t(DType::bf16, {E, r, K}), t(DType::bf16, {E, N, r}), programs, {});
+}
+
+bool wide_whole(const autotune::KernelCall& k) {
+  return k.meta.at("BLOCK_K") == 512 && k.meta.at("DA_ATOMIC") == 0 && k.meta.at("num_stages") == 2 &&
+         k.meta.count("wgmma_ss") && k.meta.at("wgmma_ss") == 1;
+}
+
+}  // namespace
+
+// At ranks 33-64 with 16-bit adapters, where 512-column blocks fill whole waves, an
+// untuned call on sm_90a takes the 64x512 tile with rows whole; elsewhere 64x256.
+TEST_CASE("the MoE backward's own config on sm_90a is 64x512 with rows whole where its blocks fill whole waves",
+          "[gpu][ops][moe]") {
+  KERF_REQUIRE_GPU();
+  if (!ops::detail::wgmma_target(Device::cuda(0))) {
+    std::cout << "KERF-SKIPPED: device 0 is not compiled for sm_90a (" << device_arch(0) << ")" << std::endl;
+    return;
+  }
+  CHECK(wide_whole(planned_backward(64, 2816, 2048, 64, DType::bf16, 132)));  // 256 blocks: two waves of 132
+  CHECK(wide_whole(planned_backward(132, 70, 500, 40, DType::f16, 132)));      // one; 12 columns past K
+  CHECK(planned_backward(64, 2816, 2048, 64, DType::bf16, 132).meta.at("BLOCK_N") == 64);
+  const auto narrow = [](const autotune::KernelCall& k) { return k.meta.at("BLOCK_K") == 256; };
+  CHECK(narrow(planned_backward(64, 2816, 2048, 32, DType::bf16, 132)));  // rank 32
+  CHECK(narrow(planned_backward(64, 2816, 2048, 64, DType::f32, 132)));   // fp32 adapters do not fit beside it
+  CHECK(narrow(planned_backward(35, 2816, 2048, 64, DType::bf16, 132)));  // 140 blocks: a second wave of 8
+  CHECK(narrow(planned_backward(64, 2816, 1100, 64, DType::bf16, 132)));  // 436 of 1536 columns past K
+  CHECK(narrow(planned_backward(16, 2816, 2048, 64, DType::bf16, 132)));  // 64 blocks: half a wave
+}
+
+TEST_CASE("the MoE backward's own config is 64x256 where no sm_90a target answers", "[ops][moe]") {
+  if (ops::detail::wgmma_target(Device::cuda(0))) {
+    std::cout << "KERF-SKIPPED: device 0 is compiled for sm_90a (its case is the [gpu] one)" << std::endl;
+    return;
+  }
+  const autotune::KernelCall k = planned_backward(64, 2816, 2048, 64, DType::bf16, 132);
+  CHECK(k.meta.at("BLOCK_K") == 256);
+  CHECK(k.meta.at("num_stages") == 3);
 }
 
 TEST_CASE("moe_lora_materialize follows PEFT's layouts, adapters copied or read in place, on the CPU",
