@@ -44,13 +44,14 @@ struct MoeBackwardPlan {
 // f32 / bf16 gradients, this 377.4 / 384.7. Larger ranks and fp32 or TF32 products keep
 // the row-owning kernel's tiles, which fit an H100's shared memory at every rank.
 //
-// At ranks 33 to 64 with 16-bit adapters, where 512-column blocks fill whole waves of
-// programs (`programs` at a time) with little of their last block past K: 64x512 on two
-// stages, dW's tile read by both dots from shared memory (WGMMA_SS), rows whole (split_k
-// 1, so dA is stored once per program). On an H100 (64x2816x2048: 256 blocks, two waves
-// of 132) 342.6-344.0 / 354.6-354.7 us with f32 / bf16 gradients against 64x256's
-// 376.7-378.0 / 384.6, and 376.7 against 406.8-407.2 in PEFT's layout; split in two (as
-// split_for would) it took 362.1 / 409.6. fp32 adapters' tiles do not fit beside it.
+// At ranks 33 to 64 with 16-bit adapters, where 512-column blocks fill their waves of
+// programs (`programs` at a time) to at least 90%, with at most an eighth of the last
+// block past K: 64x512 on two stages, dW's tile read by both dots from shared memory
+// (WGMMA_SS), rows whole (split_k 1, so dA is stored once per program). On an H100
+// (64x2816x2048: 256 blocks, two waves of 132) 342.6-344.0 / 354.6-354.7 us with f32 /
+// bf16 gradients against 64x256's 376.7-378.0 / 384.6, and 376.7 against 406.8-407.2 in
+// PEFT's layout; split in two (as split_for would) it took 362.1 / 409.6. fp32 adapters'
+// tiles do not fit beside it.
 Config own_config(const Config& config, Product dot, DType a, DType b, int64_t r_pad, const TensorView& dW,
                   int64_t programs, bool gpu) {
   if (!gpu || config.block_m || config.block_k || config.meta.count("BY_COLUMNS") || !is_half(dot) || r_pad > 64)

@@ -420,7 +420,8 @@ TEST_CASE("moe_lora_materialize_backward with its untuned tiles at ranks up to 6
 // What an untuned GPU call plans (nothing is launched): the column-owning kernel's own
 // tile for 16-bit products up to rank 64; the row-owning kernel otherwise, or when the
 // Config names tiles or the kernel.
-TEST_CASE("the MoE backward's own GPU config is the column-owning 64x256 tile for 16-bit products up to rank 64",
+TEST_CASE("the MoE backward's own GPU config is the column-owning kernel for 16-bit products up to rank 64, 64x256 "
+          "at few column blocks",
           "[ops][moe]") {
   const Device dev = Device::cuda(0);
   void* const p = reinterpret_cast<void*>(uintptr_t(1) << 16);
@@ -475,8 +476,8 @@ bool wide_whole(const autotune::KernelCall& k) {
 
 }  // namespace
 
-// At ranks 33-64 with 16-bit adapters, where 512-column blocks fill whole waves, an
-// untuned call on sm_90a takes the 64x512 tile with rows whole; elsewhere 64x256.
+// At ranks 33-64 with 16-bit adapters, where 512-column blocks fill their waves to at least
+// 90%, an untuned call on sm_90a takes the 64x512 tile with rows whole; elsewhere 64x256.
 TEST_CASE("the MoE backward's own config on sm_90a is 64x512 with rows whole where its blocks fill whole waves",
           "[gpu][ops][moe]") {
   KERF_REQUIRE_GPU();
