@@ -44,23 +44,27 @@ struct MoeBackwardPlan {
 // f32 / bf16 gradients, this 377.4 / 384.7. Larger ranks and fp32 or TF32 products keep
 // the row-owning kernel's tiles, which fit an H100's shared memory at every rank.
 //
-// At ranks 33 to 64 with 16-bit adapters, where 512-column blocks fill their waves of
-// programs (`programs` at a time) to at least 90%, with at most an eighth of the last
-// block past K: 64x512 on two stages, dW's tile read by both dots from shared memory
-// (WGMMA_SS), rows whole (split_k 1, so dA is stored once per program). On an H100
+// At ranks 33 to 64 with adapters in the product's 16-bit dtype, where 512-column blocks
+// fill their waves of programs (`programs` at a time) to at least 90%, with at most an
+// eighth of the last block past K, and K and r multiples of 8 (rows of 16-byte multiples:
+// every tile then goes through the copy ring and the tile fits an H100's shared memory;
+// with other row lengths, or adapters converted, it takes up to 355328 bytes): 64x512 on
+// two stages, dW's tile read by both dots from shared memory (WGMMA_SS), rows whole
+// (split_k 1, so dA is stored once per program). On an H100
 // (64x2816x2048: 256 blocks, two waves of 132) 342.6-344.0 / 354.6-354.7 us with f32 /
 // bf16 gradients against 64x256's 376.7-378.0 / 384.6, and 376.7 against 406.8-407.2 in
 // PEFT's layout; split in two (as split_for would) it took 362.1 / 409.6. fp32 adapters'
 // tiles do not fit beside it.
-Config own_config(const Config& config, Product dot, DType a, DType b, int64_t r_pad, const TensorView& dW,
+Config own_config(const Config& config, Product dot, DType a, DType b, int64_t r, const TensorView& dW,
                   int64_t programs, bool gpu) {
+  const int64_t r_pad = rank_pad(r);
   if (!gpu || config.block_m || config.block_k || config.meta.count("BY_COLUMNS") || !is_half(dot) || r_pad > 64)
     return config;
   const int64_t E = dW.shape[0], K = dW.shape[2], blocks = cdiv(K, 512) * E;
   const int64_t waves = cdiv(blocks, std::max<int64_t>(programs, 1));
-  const bool wide = r_pad == 64 && dtype_size_bytes(a) == 2 && dtype_size_bytes(b) == 2 && config.num_stages <= 2 &&
-                    8 * cdiv(K, 512) * 512 <= 9 * K && blocks >= programs && 10 * blocks >= 9 * waves * programs &&
-                    wgmma_target(dW.device);
+  const bool wide = r_pad == 64 && r % 8 == 0 && K % 8 == 0 && a == dot.dtype && b == dot.dtype &&
+                    config.num_stages <= 2 && 8 * cdiv(K, 512) * 512 <= 9 * K && blocks >= programs &&
+                    10 * blocks >= 9 * waves * programs && wgmma_target(dW.device);
   if (!wide) return with_own_tile(config, 64, 256, 8, 3, {{"BY_COLUMNS", 1}, {"STAGED_ADDS", 1}, {"WGMMA", 1}});
   Config c =
       with_own_tile(config, 64, 512, 8, 2, {{"BY_COLUMNS", 1}, {"STAGED_ADDS", 1}, {"WGMMA", 1}, {"WGMMA_SS", 1}});
@@ -73,7 +77,7 @@ MoeBackwardPlan plan_launch(const TensorView& dW, DType a, DType b, int64_t r, b
   const int64_t E = dW.shape[0], N = dW.shape[1], K = dW.shape[2];
   const Product dot = product_dtype(dW.dtype, a, b);
   const int64_t r_pad = rank_pad(r);
-  const Config config = own_config(given, dot, a, b, r_pad, dW, programs, gpu);
+  const Config config = own_config(given, dot, a, b, r, dW, programs, gpu);
   const int64_t rotate = meta_or(config, "ROTATE", 0);
   // CLUSTER: programs of neighbouring blocks sum each step's atomics on chip first. Not
   // among the tuner's candidates: on an H100 (r=64, 64x2816x2048, 256x64 WGMMA tiles) it

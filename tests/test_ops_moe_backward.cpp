@@ -412,8 +412,8 @@ TEST_CASE("moe_lora_materialize_backward with its untuned tiles at ranks up to 6
   // One 512-column block per multiprocessor, rank 33-64, 16-bit adapters: on sm_90a the
   // 64x512 tile with rows whole (the last block partly past K, rows not a multiple of 64).
   const int64_t E = ops::detail::parallelism(Device::cuda(0));
-  for (const BackwardCase& c : {BackwardCase{E, 70, 500, 64, DType::bf16, DType::bf16, DType::bf16, MoeLayout::plain},
-                                BackwardCase{E, 70, 500, 40, DType::bf16, DType::bf16, DType::f32, MoeLayout::peft}})
+  for (const BackwardCase& c : {BackwardCase{E, 70, 504, 64, DType::bf16, DType::bf16, DType::bf16, MoeLayout::plain},
+                                BackwardCase{E, 70, 504, 40, DType::bf16, DType::bf16, DType::f32, MoeLayout::peft}})
     check_backward(c, Device::cuda(0), seed++);
 }
 
@@ -461,12 +461,13 @@ TEST_CASE("the MoE backward's own GPU config is the column-owning kernel for 16-
 namespace {
 
 // The tile an untuned GPU call at E x N x K and rank r plans (nothing is launched).
-autotune::KernelCall planned_backward(int64_t E, int64_t N, int64_t K, int64_t r, DType ab, int64_t programs) {
+autotune::KernelCall planned_backward(int64_t E, int64_t N, int64_t K, int64_t r, DType ab, int64_t programs,
+                                      DType w = DType::bf16) {
   const Device dev = Device::cuda(0);
   void* const p = reinterpret_cast<void*>(uintptr_t(1) << 16);
   const auto t = [&](DType d, std::initializer_list<int64_t> shape) { return TensorView::contiguous(p, d, shape, dev); };
-  return ops::detail::moe_backward_kernel(t(DType::bf16, {E, N, K}), t(ab, {E, r, K}), t(ab, {E, N, r}), 1.0,
-                                          t(DType::bf16, {E, r, K}), t(DType::bf16, {E, N, r}), programs, {});
+  return ops::detail::moe_backward_kernel(t(w, {E, N, K}), t(ab, {E, r, K}), t(ab, {E, N, r}), 1.0, t(w, {E, r, K}),
+                                          t(w, {E, N, r}), programs, {});
 }
 
 bool wide_whole(const autotune::KernelCall& k) {
@@ -486,14 +487,27 @@ TEST_CASE("the MoE backward's own config on sm_90a is 64x512 with rows whole whe
     return;
   }
   CHECK(wide_whole(planned_backward(64, 2816, 2048, 64, DType::bf16, 132)));  // 256 blocks: two waves of 132
-  CHECK(wide_whole(planned_backward(132, 70, 500, 40, DType::f16, 132)));      // one; 12 columns past K
+  CHECK(wide_whole(planned_backward(132, 70, 504, 40, DType::f16, 132, DType::f16)));  // one; 8 columns past K
   CHECK(planned_backward(64, 2816, 2048, 64, DType::bf16, 132).meta.at("BLOCK_N") == 64);
   const auto narrow = [](const autotune::KernelCall& k) { return k.meta.at("BLOCK_K") == 256; };
   CHECK(narrow(planned_backward(64, 2816, 2048, 32, DType::bf16, 132)));  // rank 32
   CHECK(narrow(planned_backward(64, 2816, 2048, 64, DType::f32, 132)));   // fp32 adapters do not fit beside it
+  CHECK(narrow(planned_backward(64, 2816, 2048, 64, DType::f16, 132)));   // nor f16 ones converted for bf16
   CHECK(narrow(planned_backward(35, 2816, 2048, 64, DType::bf16, 132)));  // 140 blocks: a second wave of 8
   CHECK(narrow(planned_backward(64, 2816, 1100, 64, DType::bf16, 132)));  // 436 of 1536 columns past K
   CHECK(narrow(planned_backward(16, 2816, 2048, 64, DType::bf16, 132)));  // 64 blocks: half a wave
+  // Rows not of 16-byte multiples: some tile outside the copy ring, over the shared memory.
+  CHECK(narrow(planned_backward(132, 70, 500, 40, DType::bf16, 132)));
+  CHECK(narrow(planned_backward(132, 70, 512, 36, DType::bf16, 132)));
+  // Where it is chosen, it fits.
+  for (const autotune::KernelCall& k : {planned_backward(64, 2816, 2048, 64, DType::bf16, 132),
+                                        planned_backward(132, 70, 504, 40, DType::f16, 132, DType::f16),
+                                        planned_backward(132, 77, 1528, 56, DType::bf16, 132)}) {
+    REQUIRE(wide_whole(k));
+    const int bytes = jit::cuda::generate(k.kernel->trace(arg_specs(k.args), k.meta), "sm_90a").smem_bytes;
+    CAPTURE(bytes);
+    CHECK(bytes <= autotune::typical_max_shared_memory("sm_90a"));
+  }
 }
 
 TEST_CASE("the MoE backward's own config is 64x256 where no sm_90a target answers", "[ops][moe]") {
