@@ -263,6 +263,11 @@ void run_backward_cases(Device dev) {
        true},
       {2, 150, 1104, 64, DType::bf16, DType::bf16, DType::bf16, MoeLayout::plain, 1, false, true, 0, true, 0, true, true,
        true},
+      // The tuner's choice for PEFT's usual fp32 adapters and gradients on a bf16 base: lora_A
+      // read as fp32 in place, lora_B copied into bf16, dB summed in the workspace and
+      // flushed into PEFT's flat gradient, rows whole.
+      {3, 130, 1104, 64, DType::bf16, DType::f32, DType::f32, MoeLayout::peft, 1, false, true, 0, true, 0, true, true,
+       true},
       // An f32 dB summed in the fp32 workspace and flushed into it (DB_WORKSPACE): PEFT's
       // flat gradient (rank columns E apart) from the column-owning kernel, with and
       // without WGMMA and staged adds; the row-owning kernel's split rows; PEFT's transposed
@@ -614,6 +619,28 @@ TEST_CASE("the MoE backward's 64x512 column tile fits an H100's shared memory wh
         CAPTURE(bytes);
         CHECK(bytes <= autotune::typical_max_shared_memory("sm_90a"));
       }
+  // PEFT's fp32 adapters and gradients (the tuner's choice there): lora_A read as fp32,
+  // lora_B copied into bf16, dB in the fp32 workspace. The plain fp32 layout does not fit.
+  for (const int64_t r : {40, 64}) {
+    CAPTURE(r);
+    ops::Config c = wide;
+    c.split_k = 1;
+    const TensorView dW = t(DType::bf16, {E, d1, d2});
+    const ops::MoeLoraViews v = ops::peft_moe_lora_views(dW, t(DType::f32, {r * E, d2}), t(DType::f32, {d1, r * E}));
+    const ops::MoeLoraViews g = ops::peft_moe_lora_views(dW, t(DType::f32, {r * E, d2}), t(DType::f32, {d1, r * E}));
+    const autotune::KernelCall k = ops::detail::moe_backward_kernel(dW, v.A, v.B, 1.0, g.A, g.B, 132, c);
+    REQUIRE(std::get<TensorView>(k.args[1]).dtype == DType::f32);
+    REQUIRE(std::get<TensorView>(k.args[2]).dtype == DType::bf16);
+    const int bytes = jit::cuda::generate(k.kernel->trace(arg_specs(k.args), k.meta), "sm_90a").smem_bytes;
+    CAPTURE(bytes);
+    CHECK(bytes <= autotune::typical_max_shared_memory("sm_90a"));
+  }
+  const autotune::KernelCall plain =
+      ops::detail::moe_backward_kernel(t(DType::bf16, {E, d1, d2}), t(DType::f32, {E, 64, d2}),
+                                       t(DType::f32, {E, d1, 64}), 1.0, t(DType::f32, {E, 64, d2}),
+                                       t(DType::f32, {E, d1, 64}), 132, wide);
+  CHECK(jit::cuda::generate(plain.kernel->trace(arg_specs(plain.args), plain.meta), "sm_90a").smem_bytes >
+        autotune::typical_max_shared_memory("sm_90a"));
 }
 
 // PACK (on GPUs by default): PEFT's flat B (rank columns E apart) reaches the kernel as a
