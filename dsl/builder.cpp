@@ -225,6 +225,10 @@ ir::Function Kernel::trace(const std::vector<ArgSpec>& args, const MetaMap& meta
   // staged_adds=1: f32 atomic adds of a dot's accumulator go out through shared memory, as
   // whole-row vectors, instead of from the accumulator's registers.
   expect_flag("staged_adds");
+  // acc_store=1: a plain store of a value in a tensor-core dot's accumulator layout goes out
+  // from its registers (each thread's runs of adjacent columns), not through shared memory
+  // into a blocked layout first.
+  expect_flag("acc_store");
   // early_prologue=1: a pipelined loop's first copies go out as soon as the values they
   // need exist (before loads and atomics they do not depend on), not where the loop begins.
   expect_flag("early_prologue");

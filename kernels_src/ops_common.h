@@ -204,6 +204,9 @@ inline constexpr MetaRange kCluster{"CLUSTER", 1, 8};
 // Config.meta STAGED_ADDS (0 or 1): a dot accumulator's per-step fp32 atomics go
 // through shared memory as whole-line vectors (kernel meta staged_adds).
 inline constexpr MetaRange kStagedAdds{"STAGED_ADDS", 0, 1};
+// Config.meta ACC_STORE (0 or 1): stores of a dot accumulator's values go out from its
+// registers, not through shared memory first (kernel meta acc_store).
+inline constexpr MetaRange kAccStore{"ACC_STORE", 0, 1};
 // Config.meta EARLY_PROLOGUE (0 or 1): a pipelined loop's first copies go out as soon as
 // what they need exists, not where the loop begins (kernel meta early_prologue).
 inline constexpr MetaRange kEarlyPrologue{"EARLY_PROLOGUE", 0, 1};
@@ -237,7 +240,8 @@ Config with_own_tile(const Config& given, int64_t block_m, int64_t block_k, int6
 // The code-generation hints of Config.meta as the kernel metas that carry them:
 // L2_PREFETCH (0, 64, 128 or 256 bytes) as l2_prefetch, the L2 prefetch size hint
 // of the kernel's pipelined copies, WGMMA 1 as wgmma, with it WGMMA_SS 1 (unset: the
-// op's `wgmma_ss_default`) as wgmma_ss, and STAGED_ADDS 1 as staged_adds.
+// op's `wgmma_ss_default`) as wgmma_ss, STAGED_ADDS 1 as staged_adds and ACC_STORE 1 as
+// acc_store.
 void add_codegen_hints(const Config& config, dsl::MetaMap& meta, int64_t wgmma_ss_default = 0);
 // Each of `names` that config.meta sets to a non-zero value, as the kernel
 // meta-parameter of that name (EVICT, WARPS_N: kernels read 0 when unset).

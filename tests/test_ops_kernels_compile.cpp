@@ -632,6 +632,33 @@ TEST_CASE("staged_adds sends an accumulator's f32 atomics through shared memory 
                     Catch::Contains("staged_adds must be 0 or 1"));
 }
 
+TEST_CASE("acc_store writes an accumulator's values from its registers without shared-memory staging",
+          "[cuda][codegen][ops]") {
+  const std::vector<ArgSpec> args = {T(DType::bf16, 3), T(DType::bf16, 3), T(DType::bf16, 3), S, T(DType::bf16, 3)};
+  for (const int64_t wgmma : {0, 1}) {
+    CAPTURE(wgmma);
+    MetaMap meta = {{"BLOCK_N", 128}, {"BLOCK_K", 128},  {"R_PAD", 64},     {"DOT", int64_t(DType::bf16)},
+                    {"SCALE_AFTER", 1}, {"num_warps", 8}, {"num_stages", 3}, {"wgmma", wgmma}};
+    const ir::Function staged_fn = kernels::moe_lora_materialize().trace(args, meta);
+    const jit::cuda::KernelCode staged = jit::cuda::generate(staged_fn, "sm_90a");
+    // Without it the sum goes to a blocked layout through shared memory, 8 elements (16 bytes) a store.
+    CHECK(staged.source.find("// store @W_eff from") != std::string::npos);
+    CHECK(staged.source.find(", 8-wide") != std::string::npos);
+    meta["acc_store"] = 1;
+    const ir::Function fn = kernels::moe_lora_materialize().trace(args, meta);
+    const jit::cuda::KernelCode direct = jit::cuda::generate(fn, "sm_90a");
+    INFO(direct.source);
+    // With it: from the accumulator's pairs of adjacent columns, no staging tile.
+    const size_t at = direct.source.find("// store @W_eff from");
+    REQUIRE(at != std::string::npos);
+    CHECK(direct.source.substr(at, direct.source.find('\n', at) - at).find(", 2-wide") != std::string::npos);
+    CHECK(direct.smem_bytes < staged.smem_bytes);
+    check_compiles_for_sm90a_if_nvrtc(direct.source, "moe_acc_store.cu");
+  }
+  MetaMap bad = {{"BLOCK_N", 64}, {"BLOCK_K", 64}, {"R_PAD", 16}, {"acc_store", 2}};
+  CHECK_THROWS_WITH(kernels::moe_lora_materialize().trace(args, bad), Catch::Contains("acc_store must be 0 or 1"));
+}
+
 // Regions that wgmma reads with its 128-byte swizzle start at multiples of 1024 bytes
 // into kerf_smem, which the kernel aligns once: one pad, not one per region. The MoE
 // backward's 64x512 column tile on two stages (dW and B rings, A's columns staged, the

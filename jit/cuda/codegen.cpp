@@ -30,6 +30,7 @@ Codegen::Codegen(const ir::Function& f, const std::string& arch) : f_(f), arch_(
   wgmma_ss_ = wgmma_ && f.meta_value("wgmma_ss", 0) != 0;
   acc_col_run_ = int(f.meta_value("acc_col_run", 0));
   staged_adds_ = f.meta_value("staged_adds", 0) != 0;
+  acc_store_ = f.meta_value("acc_store", 0) != 0;
   early_prologue_ = f.meta_value("early_prologue", 0) != 0;
   // Thread-block clusters exist from sm_90; before it a cluster sum is a plain atomic.
   cluster_ = sm_ >= 90 ? int(f.meta_value("cluster_size", 1)) : 1;

@@ -524,6 +524,7 @@ class Codegen {
   const Operation* last_grid_barrier_ = nullptr;  // the kernel's last grid_sync, grid_arrive or grid_await
   std::string grid_sync_ptr_;   // their counter's pointer
   bool staged_adds_ = false;   // meta staged_adds: accumulators' f32 atomic adds go through shared memory
+  bool acc_store_ = false;     // meta acc_store: stores of an accumulator's values from its registers
   // meta early_prologue: a pipelined loop's first copies go out as soon as what they
   // need exists (emit_block), not where the loop begins.
   bool early_prologue_ = false;

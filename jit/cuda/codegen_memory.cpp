@@ -152,6 +152,8 @@ int Codegen::store_layout(ValueId value) {
   if (p >= 0 && shape.size() == 1) return p;  // reduction results: write in place
   // A dot's accumulator in runs of columns: written from its registers.
   if (p >= 0 && run_kept_.count(p)) return p;
+  // acc_store: any dot's accumulator, from its registers (pairs of adjacent columns).
+  if (acc_store_ && p >= 0 && shape.size() == 2 && acc_layouts_.count(p)) return p;
   return blocked(shape);
 }
 
