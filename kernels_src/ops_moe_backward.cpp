@@ -72,6 +72,12 @@ Config own_config(const Config& config, Product dot, DType a, DType b, int64_t r
   return c;
 }
 
+// The column-owning kernel's default split: programs sharing each column block's rows
+// (BLOCK_N x BLOCK_K tiles, `programs` at a time), as split_for gives it.
+int64_t column_split(const TensorView& dW, int64_t bn, int64_t bk, int64_t programs) {
+  return split_for(cdiv(dW.shape[2], bk) * dW.shape[0], programs, cdiv(dW.shape[1], bn));
+}
+
 MoeBackwardPlan plan_launch(const TensorView& dW, DType a, DType b, int64_t r, bool gpu, int64_t programs,
                             const Config& given) {
   const int64_t E = dW.shape[0], N = dW.shape[1], K = dW.shape[2];
@@ -94,7 +100,7 @@ MoeBackwardPlan plan_launch(const TensorView& dW, DType a, DType b, int64_t r, b
     MoeBackwardPlan p;
     p.by_columns = true;
     p.kernel = &kernels::moe_lora_backward_by_columns();
-    p.split = config.split_k ? config.split_k : split_for(cdiv(K, bk) * E, programs, cdiv(N, bn));
+    p.split = config.split_k ? config.split_k : column_split(dW, bn, bk, programs);
     p.da_atomic = p.split > 1;
     p.db_atomic = true;
     p.meta = {{"BLOCK_N", bn},
@@ -262,7 +268,7 @@ std::vector<autotune::Config> moe_backward_gpu_candidates() {
 // through shared memory (STAGED_ADDS: 64x256 took 384.0 / 393.8 us with f32 /
 // bf16 gradients, against 428.6 / 440.3 us adding from the accumulator). First-
 // round candidates of their own: the finalists' WGMMA variant alone missed the first.
-std::vector<autotune::Config> moe_backward_wgmma_tiles(int64_t E, int64_t N, int64_t K, int64_t programs) {
+std::vector<autotune::Config> moe_backward_wgmma_tiles(const TensorView& dW, int64_t programs) {
   std::vector<autotune::Config> c = autotune::product({{"BLOCK_N", {64}},
                                                        {"BLOCK_K", {256}},
                                                        {"num_warps", {8}},
@@ -298,7 +304,7 @@ std::vector<autotune::Config> moe_backward_wgmma_tiles(int64_t E, int64_t N, int
   for (size_t i = 0, n = c.size(); i < n; ++i) {
     if (!autotune::value_or_zero(c[i], "BY_COLUMNS")) continue;
     const int64_t bn = autotune::value_or_zero(c[i], "BLOCK_N"), bk = autotune::value_or_zero(c[i], "BLOCK_K");
-    if (split_for(cdiv(K, bk) * E, programs, cdiv(N, bn)) == 1) continue;
+    if (column_split(dW, bn, bk, programs) == 1) continue;
     autotune::Config whole = c[i];
     whole["split_k"] = 1;
     c.push_back(std::move(whole));
@@ -322,7 +328,7 @@ Config tuned_moe_backward_config(const TensorView& dW, const TensorView& A, cons
   q.block_k_name = "BLOCK_K";
   const Product product = product_dtype(dW.dtype, A.dtype, B.dtype);
   q.gpu_candidates = with_wgmma_tiles(moe_backward_gpu_candidates(),
-                                      moe_backward_wgmma_tiles(E, N, K, parallelism(dW.device)), product, dW.device);
+                                      moe_backward_wgmma_tiles(dW, parallelism(dW.device)), product, dW.device);
   q.finalist_variants = with_wgmma_variant(with_l2_prefetch_variants({}), product, dW.device);
   // Operands strided along their last dim (PEFT's layouts): also without the copies and
   // workspace PACK puts them through on GPUs.
