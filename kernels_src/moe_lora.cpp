@@ -6,6 +6,8 @@
 // expert's s*B rows [BLOCK_N, R_PAD] in registers and walks its columns in
 // BLOCK_K steps: read W, let a tensor-core dot add (s*B_e) @ A_e to it in
 // fp32, round once, write W_eff. W is read once and W_eff written once.
+// With the PERSISTENT meta the grid is one axis sized to the GPU and each
+// program walks an equal run of all the tiles instead (below).
 #include "kerf/kernels/kernels.h"
 #include "split_range.h"
 
@@ -23,20 +25,14 @@ const dsl::Kernel& moe_lora_materialize() {
     const DType dot_t = dm.dtype;
     const int64_t evict = k.meta("EVICT", 0);
     const int64_t warps_n = k.meta("WARPS_N", 0);  // warps sharing a step's columns (0: kerf's choice)
-    const Value e = program_id(2);
     const Value n_rows = W.dim(1), n_cols = W.dim(2), rank = A.dim(1);
-
-    const RowSliceAxes axes = row_slice_axes(k);
-    const Value rows = program_id(axes.rows) * BN + arange(BN);
-    const Value rk = arange(R);
-    const Value row_ok = rows.col() < n_rows;
     // SCALE_AFTER (adapters of the product's half dtype): B is exact in it and s is
     // applied in fp32 after the dot, as lora_merge does; otherwise s*B rounded once.
     const bool scale_after = k.meta("SCALE_AFTER", 0) != 0;
-    const Value b = load(B, {e, rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(DType::f32);
-    const Value bs = lora_left_operand(b, s, scale_after, dot_t);
-    const auto [lo, hi] = split_range(n_cols, BK, axes.slices);
-    for_range(lo, hi, BK, [&](const Value& k0) {
+    // The tile of expert e's rows `rows` (in range where row_ok) at columns [k0, k0+BK):
+    // read W and A's columns, add the product of bs (the dot's left operand) and A, store.
+    const auto tile = [&](const Value& e, const Value& rows, const Value& row_ok, const Value& rk,
+                          const Value& k0, const Value& bs) {
       const Value cols = k0 + arange(BK);
       const Value col_ok = cols.row() < n_cols;
       const Value a =
@@ -45,7 +41,42 @@ const dsl::Kernel& moe_lora_materialize() {
       const Value w = load(W, {e, rows.col(), cols.row()}, ok, streamed_hint(evict)).to(DType::f32);
       const Value v = base_plus_lora(w, bs, a, s, scale_after, warps_n, dm.precision);  // W + s*B@A
       store(out, {e, rows.col(), cols.row()}, v.to(out.dtype()), ok, streamed_hint(evict));
-    });
+    };
+    // PERSISTENT: a grid of one axis, sized to the GPU. The tiles (expert, row block,
+    // column step; the columns fastest) are dealt out in equal runs, one run a program,
+    // each walked as one loop: its loads run ahead across row blocks and experts, and no
+    // program starts late or ends early. B's rows are read beside each tile.
+    if (k.meta("PERSISTENT", 0)) {
+      const Value col_steps = cdiv(n_cols, literal(BK));
+      const Value per_expert = cdiv(n_rows, literal(BN)) * col_steps;
+      const Value total = W.dim(0) * per_expert;
+      const Value p = program_id(0), programs = num_programs(0);
+      const Value base = total / programs, extra = total % programs;
+      const Value lo = p * base + minimum(p, extra);
+      const Value hi = lo + base + where(p < extra, literal(int64_t(1)), literal(int64_t(0)));
+      for_range(lo, hi, 1, [&](const Value& t) {
+        const Value e = t / per_expert;
+        const Value in_expert = t - e * per_expert;
+        const Value rb = in_expert / col_steps;
+        const Value rows = rb * BN + arange(BN);
+        const Value rk = arange(R);
+        const Value row_ok = rows.col() < n_rows;
+        Value b = load(B, {e, rows.col(), rk.row()}, row_ok & (rk.row() < rank));
+        // Adapters already in the product's dtype go to the dot as they are.
+        if (!(scale_after && B.dtype() == dot_t)) b = lora_left_operand(b.to(DType::f32), s, scale_after, dot_t);
+        tile(e, rows, row_ok, rk, (in_expert - rb * col_steps) * BK, b);
+      });
+      return;
+    }
+    const Value e = program_id(2);
+    const RowSliceAxes axes = row_slice_axes(k);
+    const Value rows = program_id(axes.rows) * BN + arange(BN);
+    const Value rk = arange(R);
+    const Value row_ok = rows.col() < n_rows;
+    const Value b = load(B, {e, rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(DType::f32);
+    const Value bs = lora_left_operand(b, s, scale_after, dot_t);
+    const auto [lo, hi] = split_range(n_cols, BK, axes.slices);
+    for_range(lo, hi, BK, [&](const Value& k0) { tile(e, rows, row_ok, rk, k0, bs); });
   });
   return k;
 }

@@ -51,6 +51,14 @@ MoePlan plan_moe(const TensorView& W, DType a, DType b, int64_t r, bool gpu, con
   int64_t split = std::max<int64_t>(1, slices_within(config.split_k, steps));
   const Config order = stream_plan(config, W.dtype, steps, p.meta, &split);
   p.grid = row_slice_grid(cdiv(N, bn), split, E, order, p.meta);
+  // PERSISTENT: that many programs per multiprocessor (CPU thread), each walking an equal
+  // run of all the tiles; where the tiles would not count in 32 bits, the grid above.
+  const int64_t tiles = E * cdiv(N, bn) * steps;
+  if (const int64_t per_sm = meta_or(config, "PERSISTENT", 0); per_sm && tiles < (int64_t(1) << 31)) {
+    p.meta.erase("COLS_FIRST");
+    p.meta["PERSISTENT"] = 1;
+    p.grid = Grid{uint32_t(std::min(tiles, per_sm * parallelism(W.device))), 1, 1};
+  }
   return p;
 }
 
@@ -114,7 +122,11 @@ void run_moe_lora_materialize(const TensorView& W, const TensorView& A, const Te
   const char* op = "moe_lora_materialize";
   expect_meta(op, config,
               {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"PACK", 0, 1}, kStream, kWarpsN, kL2Prefetch, kWgmma, kColsFirst, kTf32,
-               kAccStore});
+               kAccStore, kWgmmaSs, {"PERSISTENT", 0, 8}});
+  if (meta_or(config, "PERSISTENT", 0) && meta_or(config, "STREAM", 0))
+    throw InvalidArgument(std::string(op) +
+                          ": Config.meta PERSISTENT (programs that walk runs of tiles) and STREAM (one tile a "
+                          "program) do not go together");
   expect_finite_scale(op, s);
   expect_shape(op, "W", W, {-1, -1, -1});
   const int64_t E = W.shape[0], N = W.shape[1], K = W.shape[2];

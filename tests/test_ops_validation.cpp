@@ -404,6 +404,16 @@ TEST_CASE("an op refuses Config.meta names it does not take and values out of ra
   CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize_backward(dW, mA, mB, 1.0, dA, dB, nullptr, typo),
                 "moe_lora_materialize_backward: Config.meta names 'ROTATED', which this op does not take (it "
                 "takes ROTATE, BY_COLUMNS, DB_WORKSPACE, PACK, L2_PREFETCH, WGMMA, WGMMA_SS, CLUSTER, STAGED_ADDS, TF32)");
+  ops::Config persistent9;
+  persistent9.meta["PERSISTENT"] = 9;
+  const TensorView mW_eff = t({2, 8, 12}, DType::f32, 50000);
+  CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize(dW, mA, mB, 1.0, mW_eff, nullptr, persistent9),
+                "moe_lora_materialize: Config.meta PERSISTENT must be in [0, 8], got 9");
+  ops::Config persistent_stream;
+  persistent_stream.meta = {{"PERSISTENT", 1}, {"STREAM", 1}};
+  CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize(dW, mA, mB, 1.0, mW_eff, nullptr, persistent_stream),
+                "moe_lora_materialize: Config.meta PERSISTENT (programs that walk runs of tiles) and STREAM (one "
+                "tile a program) do not go together");
   ops::Config nine;
   nine.meta["CLUSTER"] = 9;
   CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize_backward(dW, mA, mB, 1.0, dA, dB, nullptr, nine),
