@@ -6,8 +6,8 @@
 // expert's s*B rows [BLOCK_N, R_PAD] in registers and walks its columns in
 // BLOCK_K steps: read W, let a tensor-core dot add (s*B_e) @ A_e to it in
 // fp32, round once, write W_eff. W is read once and W_eff written once.
-// With the PERSISTENT meta the grid is one axis sized to the GPU and each
-// program walks an equal run of all the tiles instead (below).
+// With the PERSISTENT meta the grid is one axis sized to the GPU and the
+// programs deal out all the tiles among themselves instead (below).
 #include "kerf/kernels/kernels.h"
 #include "split_range.h"
 
@@ -42,19 +42,16 @@ const dsl::Kernel& moe_lora_materialize() {
       const Value v = base_plus_lora(w, bs, a, s, scale_after, warps_n, dm.precision);  // W + s*B@A
       store(out, {e, rows.col(), cols.row()}, v.to(out.dtype()), ok, streamed_hint(evict));
     };
-    // PERSISTENT: a grid of one axis, sized to the GPU. The tiles (expert, row block,
-    // column step; the columns fastest) are dealt out in equal runs, one run a program,
-    // each walked as one loop: its loads run ahead across row blocks and experts, and no
-    // program starts late or ends early. B's rows are read beside each tile.
+    // PERSISTENT: a grid of one axis, sized to the GPU, whose programs deal out the
+    // tiles (expert, row block, column step; the columns fastest) among themselves: program
+    // p takes tiles p, p + P, p + 2P, ... in one pipelined loop, so its copies run ahead
+    // from one tile to the next, no program starts a wave late or ends it early, and the
+    // programs running together cover neighbouring tiles (A's column tiles and B's rows
+    // read from memory once, then from L2). B's rows are read beside each tile.
     if (k.meta("PERSISTENT", 0)) {
       const Value col_steps = cdiv(n_cols, literal(BK));
       const Value per_expert = cdiv(n_rows, literal(BN)) * col_steps;
-      const Value total = W.dim(0) * per_expert;
-      const Value p = program_id(0), programs = num_programs(0);
-      const Value base = total / programs, extra = total % programs;
-      const Value lo = p * base + minimum(p, extra);
-      const Value hi = lo + base + where(p < extra, literal(int64_t(1)), literal(int64_t(0)));
-      for_range(lo, hi, 1, [&](const Value& t) {
+      for_range(program_id(0), W.dim(0) * per_expert, num_programs(0), [&](const Value& t) {
         const Value e = t / per_expert;
         const Value in_expert = t - e * per_expert;
         const Value rb = in_expert / col_steps;

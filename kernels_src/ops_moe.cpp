@@ -51,10 +51,11 @@ MoePlan plan_moe(const TensorView& W, DType a, DType b, int64_t r, bool gpu, con
   int64_t split = std::max<int64_t>(1, slices_within(config.split_k, steps));
   const Config order = stream_plan(config, W.dtype, steps, p.meta, &split);
   p.grid = row_slice_grid(cdiv(N, bn), split, E, order, p.meta);
-  // PERSISTENT: that many programs per multiprocessor (CPU thread), each walking an equal
-  // run of all the tiles; where the tiles would not count in 32 bits, the grid above.
+  // PERSISTENT: that many programs per multiprocessor (CPU thread), which deal out all
+  // the tiles; where the tiles would not count in 32 bits (with a program's steps ahead),
+  // the grid above.
   const int64_t tiles = E * cdiv(N, bn) * steps;
-  if (const int64_t per_sm = meta_or(config, "PERSISTENT", 0); per_sm && tiles < (int64_t(1) << 31)) {
+  if (const int64_t per_sm = meta_or(config, "PERSISTENT", 0); per_sm && tiles < (int64_t(1) << 30)) {
     p.meta.erase("COLS_FIRST");
     p.meta["PERSISTENT"] = 1;
     p.grid = Grid{uint32_t(std::min(tiles, per_sm * parallelism(W.device))), 1, 1};

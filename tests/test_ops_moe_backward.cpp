@@ -291,9 +291,11 @@ void run_backward_cases(Device dev) {
     }
   // Each case in PEFT's layouts (adapters and gradients strided along their last dims)
   // again the other way round as to PACK: copied and through the workspace on the CPU
-  // too, read and written in place on the GPU.
+  // too, read and written in place on the GPU (not the 64x512 tile with fp32 adapters:
+  // lora_B read in place as fp32 needs 258048 bytes of shared memory there, over an H100's,
+  // and the call refuses it with that message; the tuner measures and leaves it out).
   for (BackwardCase c : cases)
-    if (c.layout != MoeLayout::plain && !c.cluster) {
+    if (c.layout != MoeLayout::plain && !c.cluster && !(dev.is_cuda() && c.wide && c.ab == DType::f32)) {
       c.pack = dev.is_cuda() ? 0 : 1;
       check_backward(c, dev, seed++);
     }
