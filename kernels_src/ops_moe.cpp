@@ -123,10 +123,10 @@ void run_moe_lora_materialize(const TensorView& W, const TensorView& A, const Te
   const char* op = "moe_lora_materialize";
   expect_meta(op, config,
               {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"PACK", 0, 1}, kStream, kWarpsN, kL2Prefetch, kWgmma, kColsFirst, kTf32,
-               kAccStore, kWgmmaSs, {"PERSISTENT", 0, 8}});
+               kAccStore, {"PERSISTENT", 0, 8}});
   if (meta_or(config, "PERSISTENT", 0) && meta_or(config, "STREAM", 0))
     throw InvalidArgument(std::string(op) +
-                          ": Config.meta PERSISTENT (programs that walk runs of tiles) and STREAM (one tile a "
+                          ": Config.meta PERSISTENT (programs that deal out the tiles) and STREAM (one tile a "
                           "program) do not go together");
   expect_finite_scale(op, s);
   expect_shape(op, "W", W, {-1, -1, -1});

@@ -232,9 +232,10 @@ void run_moe_cases(Device dev) {
       {2, 130, 264, 64, DType::bf16, false, ops::Config{128, 128, 2, 8, 3, {{"WGMMA", 1}, {"ACC_STORE", 1}}}},
       {2, 72, 200, 16, DType::f16, true, ops::Config{64, 128, 0, 4, 2, {{"WGMMA", 1}, {"ACC_STORE", 1}}}, DType::f32},
       {2, 64, 256, 16, DType::f32, true, ops::Config{64, 64, 0, 4, 2, {{"ACC_STORE", 1}}}},
-      // Programs walking equal runs of all the tiles (PERSISTENT: runs that cross row blocks
-      // and experts, rows and columns past the tile, more programs than tiles in the last),
-      // on mma.sync and warpgroup dots, PEFT's fp32 adapters (s*B formed per tile), fp32 W.
+      // Programs dealing out all the tiles round-robin (PERSISTENT: each program's tiles in
+      // several row blocks and experts, rows and columns past the tile, more programs than
+      // tiles in the last), on mma.sync and warpgroup dots, PEFT's fp32 adapters (s*B formed
+      // per tile), fp32 W.
       {3, 100, 200, 5, DType::bf16, false, ops::Config{0, 64, 0, 0, 0, {{"PERSISTENT", 1}}}},
       {2, 130, 264, 64, DType::bf16, false,
        ops::Config{128, 128, 0, 8, 3, {{"WGMMA", 1}, {"ACC_STORE", 1}, {"PERSISTENT", 1}}}},

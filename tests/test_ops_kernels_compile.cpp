@@ -659,6 +659,34 @@ TEST_CASE("acc_store writes an accumulator's values from its registers without s
   CHECK_THROWS_WITH(kernels::moe_lora_materialize().trace(args, bad), Catch::Contains("acc_store must be 0 or 1"));
 }
 
+// PERSISTENT: one loop over the tiles a program deals itself, whose expert, row block and
+// column step come from the loop counter; B's rows are copied ahead beside A's columns and W
+// (a tile's B differs from the last one's), and the tiles kerf would measure fit an H100.
+TEST_CASE("the MoE forward's PERSISTENT programs copy each tile's B, A and W ahead in one loop",
+          "[cuda][codegen][ops]") {
+  struct Case {
+    int64_t bn, warps, stages, r_pad;
+    DType ab;
+    int64_t wgmma;
+  };
+  for (const Case& c : {Case{64, 4, 4, 64, DType::bf16, 1}, Case{128, 8, 2, 64, DType::bf16, 1},
+                        Case{64, 4, 3, 16, DType::f32, 0}}) {
+    CAPTURE(c.bn, c.warps, c.stages, c.r_pad, dtype_name(c.ab), c.wgmma);
+    const std::vector<ArgSpec> args = {T(DType::bf16, 3), T(c.ab, 3), T(c.ab, 3), S, T(DType::bf16, 3)};
+    MetaMap meta = {{"BLOCK_N", c.bn},      {"BLOCK_K", 128},         {"R_PAD", c.r_pad},
+                    {"DOT", int64_t(DType::bf16)}, {"num_warps", c.warps}, {"num_stages", c.stages},
+                    {"wgmma", c.wgmma},     {"PERSISTENT", 1}};
+    if (c.ab == DType::bf16) meta["SCALE_AFTER"] = 1;
+    const jit::cuda::KernelCode code =
+        jit::cuda::generate(kernels::moe_lora_materialize().trace(args, meta), "sm_90a");
+    INFO(code.source);
+    for (const char* t : {"B", "A", "W"})
+      CHECK(code.source.find(std::string("// prefetch @") + t + " for iteration") != std::string::npos);
+    CHECK(code.smem_bytes <= autotune::typical_max_shared_memory("sm_90a"));
+    check_compiles_for_sm90a_if_nvrtc(code.source, "moe_persistent.cu");
+  }
+}
+
 // Regions that wgmma reads with its 128-byte swizzle start at multiples of 1024 bytes
 // into kerf_smem, which the kernel aligns once: one pad, not one per region. The MoE
 // backward's 64x512 column tile on two stages (dW and B rings, A's columns staged, the

@@ -412,7 +412,7 @@ TEST_CASE("an op refuses Config.meta names it does not take and values out of ra
   ops::Config persistent_stream;
   persistent_stream.meta = {{"PERSISTENT", 1}, {"STREAM", 1}};
   CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize(dW, mA, mB, 1.0, mW_eff, nullptr, persistent_stream),
-                "moe_lora_materialize: Config.meta PERSISTENT (programs that walk runs of tiles) and STREAM (one "
+                "moe_lora_materialize: Config.meta PERSISTENT (programs that deal out the tiles) and STREAM (one "
                 "tile a program) do not go together");
   ops::Config nine;
   nine.meta["CLUSTER"] = 9;
