@@ -477,6 +477,11 @@ autotune::KernelCall planned_backward(int64_t E, int64_t N, int64_t K, int64_t r
                                           t(w, {E, N, r}), programs, {});
 }
 
+// The shared memory a planned kernel call takes, generated for sm_90a.
+int sm90a_smem_bytes(const autotune::KernelCall& k) {
+  return jit::cuda::generate(k.kernel->trace(arg_specs(k.args), k.meta), "sm_90a").smem_bytes;
+}
+
 bool wide_whole(const autotune::KernelCall& k) {
   return k.meta.at("BLOCK_K") == 512 && k.meta.at("DA_ATOMIC") == 0 && k.meta.at("num_stages") == 2 &&
          k.meta.count("wgmma_ss") && k.meta.at("wgmma_ss") == 1;
@@ -511,7 +516,7 @@ TEST_CASE("the MoE backward's own config on sm_90a is 64x512 with rows whole whe
                                         planned_backward(132, 70, 504, 40, DType::f16, 132, DType::f16),
                                         planned_backward(132, 77, 1528, 56, DType::bf16, 132)}) {
     REQUIRE(wide_whole(k));
-    const int bytes = jit::cuda::generate(k.kernel->trace(arg_specs(k.args), k.meta), "sm_90a").smem_bytes;
+    const int bytes = sm90a_smem_bytes(k);
     CAPTURE(bytes);
     CHECK(bytes <= autotune::typical_max_shared_memory("sm_90a"));
   }
@@ -617,7 +622,7 @@ TEST_CASE("the MoE backward's 64x512 column tile fits an H100's shared memory wh
                                              t(DType::bf16, {E, d1, r}), 1.0, t(grads, {E, r, d2}),
                                              t(grads, {E, d1, r}), 132, c);
         CHECK(k.meta.at("BLOCK_K") == 512);
-        const int bytes = jit::cuda::generate(k.kernel->trace(arg_specs(k.args), k.meta), "sm_90a").smem_bytes;
+        const int bytes = sm90a_smem_bytes(k);
         CAPTURE(bytes);
         CHECK(bytes <= autotune::typical_max_shared_memory("sm_90a"));
       }
@@ -633,7 +638,7 @@ TEST_CASE("the MoE backward's 64x512 column tile fits an H100's shared memory wh
     const autotune::KernelCall k = ops::detail::moe_backward_kernel(dW, v.A, v.B, 1.0, g.A, g.B, 132, c);
     REQUIRE(std::get<TensorView>(k.args[1]).dtype == DType::f32);
     REQUIRE(std::get<TensorView>(k.args[2]).dtype == DType::bf16);
-    const int bytes = jit::cuda::generate(k.kernel->trace(arg_specs(k.args), k.meta), "sm_90a").smem_bytes;
+    const int bytes = sm90a_smem_bytes(k);
     CAPTURE(bytes);
     CHECK(bytes <= autotune::typical_max_shared_memory("sm_90a"));
   }
@@ -641,8 +646,7 @@ TEST_CASE("the MoE backward's 64x512 column tile fits an H100's shared memory wh
       ops::detail::moe_backward_kernel(t(DType::bf16, {E, d1, d2}), t(DType::f32, {E, 64, d2}),
                                        t(DType::f32, {E, d1, 64}), 1.0, t(DType::f32, {E, 64, d2}),
                                        t(DType::f32, {E, d1, 64}), 132, wide);
-  CHECK(jit::cuda::generate(plain.kernel->trace(arg_specs(plain.args), plain.meta), "sm_90a").smem_bytes >
-        autotune::typical_max_shared_memory("sm_90a"));
+  CHECK(sm90a_smem_bytes(plain) > autotune::typical_max_shared_memory("sm_90a"));
 }
 
 // PACK (on GPUs by default): PEFT's flat B (rank columns E apart) reaches the kernel as a
