@@ -240,7 +240,7 @@ void run_moe_cases(Device dev) {
       {2, 130, 264, 64, DType::bf16, false,
        ops::Config{128, 128, 0, 8, 3, {{"WGMMA", 1}, {"ACC_STORE", 1}, {"PERSISTENT", 1}}}},
       {3, 100, 130, 5, DType::bf16, true, ops::Config{64, 64, 0, 4, 3, {{"PERSISTENT", 2}}}, DType::f32},
-      {2, 200, 300, 64, DType::f16, true, ops::Config{128, 128, 0, 8, 3, {{"WGMMA", 1}, {"PERSISTENT", 1}}}, DType::f32},
+      {2, 200, 300, 64, DType::f16, true, ops::Config{128, 128, 0, 8, 2, {{"WGMMA", 1}, {"PERSISTENT", 1}}}, DType::f32},
       {2, 64, 256, 16, DType::f32, true, ops::Config{32, 64, 0, 4, 2, {{"PERSISTENT", 3}}}},
       {1, 20, 24, 4, DType::bf16, false, ops::Config{0, 64, 0, 0, 0, {{"PERSISTENT", 8}}}},
   };
