@@ -18,7 +18,8 @@ using namespace detail;
 
 namespace {
 
-// The launch's meta-parameters and grid for `config` (0 fields: the defaults).
+// The launch's meta-parameters and grid for `config` (0 fields: the defaults), on a device
+// of `programs` multiprocessors (CPU threads); 0: W's device, asked.
 struct MoePlan {
   dsl::MetaMap meta;
   Grid grid;
@@ -26,7 +27,8 @@ struct MoePlan {
   bool pack = false;  // PACK (ops_common.h): adapters strided along their last dims copied first
 };
 
-MoePlan plan_moe(const TensorView& W, DType a, DType b, int64_t r, bool gpu, const Config& config) {
+MoePlan plan_moe(const TensorView& W, DType a, DType b, int64_t r, bool gpu, const Config& config,
+                 int64_t programs = 0) {
   const int64_t E = W.shape[0], N = W.shape[1];
   const Product dot = product_dtype(W.dtype, a, b);
   const int64_t r_pad = rank_pad(r);
@@ -58,7 +60,7 @@ MoePlan plan_moe(const TensorView& W, DType a, DType b, int64_t r, bool gpu, con
   if (const int64_t per_sm = meta_or(config, "PERSISTENT", 0); per_sm && tiles < (int64_t(1) << 30)) {
     p.meta.erase("COLS_FIRST");
     p.meta["PERSISTENT"] = 1;
-    p.grid = Grid{uint32_t(std::min(tiles, per_sm * parallelism(W.device))), 1, 1};
+    p.grid = Grid{uint32_t(std::min(tiles, per_sm * (programs ? programs : parallelism(W.device)))), 1, 1};
   }
   return p;
 }
@@ -239,8 +241,9 @@ const bool moe_registered = [] {
   op.call = [](const std::vector<TensorView>& v, void* stream, const std::string& layout) {
     moe_lora_materialize(v[0], v[1], v[2], 1.0, v[3], stream, {}, detail::layout_at_origin(layout));
   };
-  op.kernels = [](const std::vector<TensorView>& v, const autotune::Config& c, int) {
-    const MoePlan p = plan_moe(v[0], v[1].dtype, v[2].dtype, v[1].shape[1], true, config_from(c, "BLOCK_N", "BLOCK_K"));
+  op.kernels = [](const std::vector<TensorView>& v, const autotune::Config& c, int sm_count) {
+    const MoePlan p =
+        plan_moe(v[0], v[1].dtype, v[2].dtype, v[1].shape[1], true, config_from(c, "BLOCK_N", "BLOCK_K"), sm_count);
     return moe_calls(p, v[0], v[1], v[2], v[3]);
   };
   op.gpu_candidates = moe_gpu_candidates;

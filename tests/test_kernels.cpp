@@ -8,7 +8,9 @@
 #include "catch.h"
 #include "device_tensor.h"
 #include "gpu_test_util.h"
+#include "kerf/jit/autotune.h"
 #include "kerf/jit/cpu_backend.h"
+#include "kerf/jit/cuda_codegen.h"
 #include "kerf/jit/launch.h"
 #include "kerf/kernels/kernels.h"
 #include "kerf/ops/ops.h"
@@ -192,8 +194,8 @@ void check_moe(const MoeCase& c, Device dev, uint64_t seed) {
   CHECK(test::max_relative_error(got, ref, 1.0) <= test::tolerance(is_half(ab) ? ab : c.w));
 }
 
-void run_moe_cases(Device dev) {
-  const std::vector<MoeCase> cases = {
+std::vector<MoeCase> moe_cases() {
+  return {
       {3, 100, 130, 5, DType::f32, false}, {3, 100, 130, 5, DType::bf16, true},
       {2, 64, 256, 16, DType::bf16, false}, {2, 64, 256, 16, DType::f32, true},
       {4, 32, 16, 4, DType::f16, true},
@@ -240,12 +242,15 @@ void run_moe_cases(Device dev) {
       {2, 130, 264, 64, DType::bf16, false,
        ops::Config{128, 128, 0, 8, 3, {{"WGMMA", 1}, {"ACC_STORE", 1}, {"PERSISTENT", 1}}}},
       {3, 100, 130, 5, DType::bf16, true, ops::Config{64, 64, 0, 4, 3, {{"PERSISTENT", 2}}}, DType::f32},
-      {2, 200, 300, 64, DType::f16, true, ops::Config{128, 128, 0, 8, 2, {{"WGMMA", 1}, {"PERSISTENT", 1}}}, DType::f32},
+      {2, 200, 300, 64, DType::f16, true, ops::Config{64, 128, 0, 4, 2, {{"WGMMA", 1}, {"PERSISTENT", 1}}}, DType::f32},
       {2, 64, 256, 16, DType::f32, true, ops::Config{32, 64, 0, 4, 2, {{"PERSISTENT", 3}}}},
       {1, 20, 24, 4, DType::bf16, false, ops::Config{0, 64, 0, 0, 0, {{"PERSISTENT", 8}}}},
   };
+}
+
+void run_moe_cases(Device dev) {
   uint64_t seed = 99;
-  for (const MoeCase& c : cases) check_moe(c, dev, seed++);
+  for (const MoeCase& c : moe_cases()) check_moe(c, dev, seed++);
 }
 
 }  // namespace
@@ -288,6 +293,43 @@ TEST_CASE("moe_lora_materialize matches a float64 reference on the CPU", "[cpu][
 TEST_CASE("moe_lora_materialize matches a float64 reference on the GPU", "[gpu][kernels]") {
   KERF_REQUIRE_GPU();
   run_moe_cases(Device::cuda(0));
+}
+
+// Every tile the GPU case above runs fits an H100's shared memory (a case over it is refused
+// at launch, which only a GPU run would show): each case's kernels as planned for sm_90a.
+TEST_CASE("the tiles of moe_lora_materialize's GPU float64 cases fit an H100's shared memory",
+          "[cuda][codegen][kernels]") {
+  const autotune::TunableOp* op = nullptr;
+  const std::vector<autotune::TunableOp> all = autotune::tunable_ops();
+  for (const autotune::TunableOp& o : all)
+    if (o.name == "moe_lora_materialize") op = &o;
+  REQUIRE(op != nullptr);
+  const Device dev = Device::cuda(0);
+  void* const p = reinterpret_cast<void*>(uintptr_t(1) << 16);
+  for (const MoeCase& c : moe_cases()) {
+    const DType ab = c.ab == DType::i1 ? c.w : c.ab;
+    CAPTURE(c.E, c.N, c.K, c.r, dtype_name(c.w), dtype_name(ab), c.peft_layout, c.config.block_m, c.config.block_k,
+            c.config.num_stages);
+    const TensorView W = TensorView::contiguous(p, c.w, {c.E, c.N, c.K}, dev);
+    const TensorView A = c.peft_layout ? TensorView::strided(p, ab, {c.E, c.r, c.K}, {c.r * c.K, c.K, 1}, dev)
+                                       : TensorView::contiguous(p, ab, {c.E, c.r, c.K}, dev);
+    const TensorView B = c.peft_layout ? TensorView::strided(p, ab, {c.E, c.N, c.r}, {1, c.r * c.E, c.E}, dev)
+                                       : TensorView::contiguous(p, ab, {c.E, c.N, c.r}, dev);
+    autotune::Config candidate;
+    if (c.config.block_m) candidate[op->block_m_name] = c.config.block_m;
+    if (c.config.block_k) candidate[op->block_k_name] = c.config.block_k;
+    if (c.config.split_k) candidate["split_k"] = c.config.split_k;
+    if (c.config.num_warps) candidate["num_warps"] = c.config.num_warps;
+    if (c.config.num_stages) candidate["num_stages"] = c.config.num_stages;
+    for (const auto& [name, value] : c.config.meta) candidate[name] = value;
+    const std::vector<autotune::KernelCall> calls = op->kernels({W, A, B, W}, candidate, 132);
+    REQUIRE(!calls.empty());
+    for (const autotune::KernelCall& k : calls) {
+      const int bytes = jit::cuda::generate(k.kernel->trace(arg_specs(k.args), k.meta), "sm_90a").smem_bytes;
+      CAPTURE(k.kernel->name(), bytes);
+      CHECK(bytes <= autotune::typical_max_shared_memory("sm_90a"));
+    }
+  }
 }
 
 TEST_CASE("moe_lora_materialize with its untuned tiles at ranks 128 and 256 matches a float64 reference on the GPU",
