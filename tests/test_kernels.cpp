@@ -1,6 +1,7 @@
 // The flagship kernels (DoRA norm, MoE LoRA materialization) against float64
 // references on fresh random data, odd and round shapes, on the CPU back end
 // and, where a GPU is present, on the GPU.
+#include <algorithm>
 #include <cmath>
 #include <iostream>
 #include <random>
@@ -45,6 +46,48 @@ struct DoraCase {
   bool interleave = false;  // Config.meta INTERLEAVE: every split-th column block per split
 };
 
+ops::Config dora_config(const DoraCase& c) {
+  ops::Config cfg;
+  cfg.split_k = c.split;
+  cfg.num_stages = c.stages;
+  cfg.block_m = c.block_m;
+  cfg.num_warps = c.warps;
+  if (c.cast_a) cfg.meta["CAST_A"] = 1;
+  if (c.warps_n) cfg.meta["WARPS_N"] = c.warps_n;
+  if (c.l2_prefetch) cfg.meta["L2_PREFETCH"] = c.l2_prefetch;
+  cfg.block_k = c.block_k;
+  if (c.wgmma) cfg.meta["WGMMA"] = 1;
+  if (c.cols_first) cfg.meta["COLS_FIRST"] = 1;
+  if (c.interleave) cfg.meta["INTERLEAVE"] = 1;
+  return cfg;
+}
+
+// Every kernel the registered op `name` plans for `views` (fake GPU tensors) and `config` on an
+// H100 (132 multiprocessors), generated for sm_90a, fits its shared memory: a config over it
+// is refused at launch, which only a GPU run would show.
+void check_fits_h100(const std::string& name, const std::vector<TensorView>& views, const ops::Config& config) {
+  const std::vector<autotune::TunableOp> all = autotune::tunable_ops();
+  const auto op = std::find_if(all.begin(), all.end(), [&](const autotune::TunableOp& o) { return o.name == name; });
+  REQUIRE(op != all.end());
+  autotune::Config candidate;
+  if (config.block_m) candidate[op->block_m_name] = config.block_m;
+  if (config.block_k) candidate[op->block_k_name] = config.block_k;
+  if (config.split_k) candidate["split_k"] = config.split_k;
+  if (config.num_warps) candidate["num_warps"] = config.num_warps;
+  if (config.num_stages) candidate["num_stages"] = config.num_stages;
+  for (const auto& [key, value] : config.meta) candidate[key] = value;
+  const std::vector<autotune::KernelCall> calls = op->kernels(views, candidate, 132);
+  REQUIRE(!calls.empty());
+  for (const autotune::KernelCall& k : calls) {
+    const int bytes = jit::cuda::generate(k.kernel->trace(arg_specs(k.args), k.meta), "sm_90a").smem_bytes;
+    CAPTURE(k.kernel->name(), bytes);
+    CHECK(bytes <= autotune::typical_max_shared_memory("sm_90a"));
+  }
+}
+
+// A fake device address for planning only (never dereferenced).
+void* planning_address() { return reinterpret_cast<void*>(uintptr_t(1) << 16); }
+
 void check_dora(const DoraCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.out, c.in, c.r, dtype_name(c.w), dtype_name(c.ab), c.split, c.cast_a, c.block_m, c.warps, c.warps_n, seed,
           dev.str(), c.block_k, c.wgmma, c.cols_first, c.interleave);
@@ -58,18 +101,7 @@ void check_dora(const DoraCase& c, Device dev, uint64_t seed) {
   norm.poison();
   scale.poison();
   const double s = 1.75, eps = 1e-6;
-  ops::Config cfg;
-  cfg.split_k = c.split;
-  cfg.num_stages = c.stages;
-  cfg.block_m = c.block_m;
-  cfg.num_warps = c.warps;
-  if (c.cast_a) cfg.meta["CAST_A"] = 1;
-  if (c.warps_n) cfg.meta["WARPS_N"] = c.warps_n;
-  if (c.l2_prefetch) cfg.meta["L2_PREFETCH"] = c.l2_prefetch;
-  cfg.block_k = c.block_k;
-  if (c.wgmma) cfg.meta["WGMMA"] = 1;
-  if (c.cols_first) cfg.meta["COLS_FIRST"] = 1;
-  if (c.interleave) cfg.meta["INTERLEAVE"] = 1;
+  const ops::Config cfg = dora_config(c);
   ops::dora_norm(W.view(), A.view(), B.view(), m.view(), s, norm.view(), scale.view(), eps, nullptr, cfg);
   if (dev.is_cuda()) cuda::device_synchronize(dev.index);
   norm.download();
@@ -93,8 +125,8 @@ void check_dora(const DoraCase& c, Device dev, uint64_t seed) {
   CHECK(test::max_relative_error(got_s, ref_s) <= tol);
 }
 
-void run_dora_cases(Device dev) {
-  const std::vector<DoraCase> cases = {
+std::vector<DoraCase> dora_cases() {
+  return {
       {1000, 1500, 7, DType::f32, DType::f32, 0},   {1000, 1500, 7, DType::bf16, DType::bf16, 0},
       {1000, 1500, 7, DType::bf16, DType::f32, 1},  {64, 256, 16, DType::f16, DType::f16, 1},
       {256, 512, 64, DType::bf16, DType::bf16, 3},  {37, 130, 1, DType::f32, DType::f32, 2},
@@ -133,8 +165,11 @@ void run_dora_cases(Device dev) {
       {300, 700, 64, DType::bf16, DType::bf16, 4, 3, 0, 128, 8, 0, 0, 128, true, false, true},
       {257, 1000, 32, DType::f32, DType::f32, 2, 2, 0, 64, 4, 0, 0, 0, false, false, true},
   };
+}
+
+void run_dora_cases(Device dev) {
   uint64_t seed = 1234;
-  for (const DoraCase& c : cases) check_dora(c, dev, seed++);
+  for (const DoraCase& c : dora_cases()) check_dora(c, dev, seed++);
 }
 
 struct MoeCase {
@@ -265,6 +300,20 @@ TEST_CASE("dora_norm matches a float64 reference on the GPU", "[gpu][kernels]") 
   run_dora_cases(Device::cuda(0));
 }
 
+TEST_CASE("the tiles of dora_norm's GPU float64 cases fit an H100's shared memory", "[cuda][codegen][kernels]") {
+  const Device dev = Device::cuda(0);
+  void* const p = planning_address();
+  for (const DoraCase& c : dora_cases()) {
+    CAPTURE(c.out, c.in, c.r, dtype_name(c.w), dtype_name(c.ab), c.split, c.stages, c.block_m, c.warps, c.block_k,
+            c.wgmma);
+    const TensorView W = TensorView::contiguous(p, c.w, {c.out, c.in}, dev);
+    const TensorView A = TensorView::contiguous(p, c.ab, {c.r, c.in}, dev);
+    const TensorView B = TensorView::contiguous(p, c.ab, {c.out, c.r}, dev);
+    const TensorView v = TensorView::contiguous(p, DType::f32, {c.out}, dev);
+    check_fits_h100("dora_norm", {W, A, B, v, v, v}, dora_config(c));
+  }
+}
+
 // Untuned (KERF_AUTOTUNE=0, as on a first call inside a graph capture) the ops run their
 // own tiles, narrowed at ranks >= 128 to fit the shared memory: those tiles at ranks 128
 // and 256 on every product (bf16, f16, TF32 for f16 W with fp32 adapters, fp32 FMA).
@@ -297,15 +346,11 @@ TEST_CASE("moe_lora_materialize matches a float64 reference on the GPU", "[gpu][
 
 // Every tile the GPU case above runs fits an H100's shared memory (a case over it is refused
 // at launch, which only a GPU run would show): each case's kernels as planned for sm_90a.
+// The tiles the GPU cases above run fit an H100 (each case's kernels as planned for sm_90a).
 TEST_CASE("the tiles of moe_lora_materialize's GPU float64 cases fit an H100's shared memory",
           "[cuda][codegen][kernels]") {
-  const autotune::TunableOp* op = nullptr;
-  const std::vector<autotune::TunableOp> all = autotune::tunable_ops();
-  for (const autotune::TunableOp& o : all)
-    if (o.name == "moe_lora_materialize") op = &o;
-  REQUIRE(op != nullptr);
   const Device dev = Device::cuda(0);
-  void* const p = reinterpret_cast<void*>(uintptr_t(1) << 16);
+  void* const p = planning_address();
   for (const MoeCase& c : moe_cases()) {
     const DType ab = c.ab == DType::i1 ? c.w : c.ab;
     CAPTURE(c.E, c.N, c.K, c.r, dtype_name(c.w), dtype_name(ab), c.peft_layout, c.config.block_m, c.config.block_k,
@@ -315,20 +360,7 @@ TEST_CASE("the tiles of moe_lora_materialize's GPU float64 cases fit an H100's s
                                        : TensorView::contiguous(p, ab, {c.E, c.r, c.K}, dev);
     const TensorView B = c.peft_layout ? TensorView::strided(p, ab, {c.E, c.N, c.r}, {1, c.r * c.E, c.E}, dev)
                                        : TensorView::contiguous(p, ab, {c.E, c.N, c.r}, dev);
-    autotune::Config candidate;
-    if (c.config.block_m) candidate[op->block_m_name] = c.config.block_m;
-    if (c.config.block_k) candidate[op->block_k_name] = c.config.block_k;
-    if (c.config.split_k) candidate["split_k"] = c.config.split_k;
-    if (c.config.num_warps) candidate["num_warps"] = c.config.num_warps;
-    if (c.config.num_stages) candidate["num_stages"] = c.config.num_stages;
-    for (const auto& [name, value] : c.config.meta) candidate[name] = value;
-    const std::vector<autotune::KernelCall> calls = op->kernels({W, A, B, W}, candidate, 132);
-    REQUIRE(!calls.empty());
-    for (const autotune::KernelCall& k : calls) {
-      const int bytes = jit::cuda::generate(k.kernel->trace(arg_specs(k.args), k.meta), "sm_90a").smem_bytes;
-      CAPTURE(k.kernel->name(), bytes);
-      CHECK(bytes <= autotune::typical_max_shared_memory("sm_90a"));
-    }
+    check_fits_h100("moe_lora_materialize", {W, A, B, W}, c.config);
   }
 }
 
