@@ -229,6 +229,10 @@ ir::Function Kernel::trace(const std::vector<ArgSpec>& args, const MetaMap& meta
   // from its registers (each thread's runs of adjacent columns), not through shared memory
   // into a blocked layout first.
   expect_flag("acc_store");
+  // store_in_ring=1: such a store's move through shared memory into the blocked layout
+  // reuses this iteration's slot of a pipelined load read in the accumulator's layout (each
+  // thread overwrites the elements it read), not a buffer of its own.
+  expect_flag("store_in_ring");
   // early_prologue=1: a pipelined loop's first copies go out as soon as the values they
   // need exist (before loads and atomics they do not depend on), not where the loop begins.
   expect_flag("early_prologue");

@@ -333,6 +333,7 @@ void add_codegen_hints(const Config& config, dsl::MetaMap& meta, int64_t wgmma_s
   if (meta_or(config, "WGMMA", 0) && meta_or(config, "WGMMA_SS", wgmma_ss_default)) meta["wgmma_ss"] = 1;
   if (meta_or(config, "STAGED_ADDS", 0)) meta["staged_adds"] = 1;
   if (meta_or(config, "ACC_STORE", 0)) meta["acc_store"] = 1;
+  if (meta_or(config, "STORE_IN_RING", 0)) meta["store_in_ring"] = 1;
 }
 
 Config stream_plan(const Config& config, DType w, int64_t steps, dsl::MetaMap& meta, int64_t* split) {

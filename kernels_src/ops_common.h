@@ -207,6 +207,10 @@ inline constexpr MetaRange kStagedAdds{"STAGED_ADDS", 0, 1};
 // Config.meta ACC_STORE (0 or 1): stores of a dot accumulator's values go out from its
 // registers, not through shared memory first (kernel meta acc_store).
 inline constexpr MetaRange kAccStore{"ACC_STORE", 0, 1};
+// Config.meta STORE_IN_RING (0 or 1): such a store's values move into the store's layout
+// through the spent ring slot of the weight tile they were computed from, not a shared-memory
+// buffer of their own (kernel meta store_in_ring): less shared memory, the same values.
+inline constexpr MetaRange kStoreInRing{"STORE_IN_RING", 0, 1};
 // Config.meta EARLY_PROLOGUE (0 or 1): a pipelined loop's first copies go out as soon as
 // what they need exists, not where the loop begins (kernel meta early_prologue).
 inline constexpr MetaRange kEarlyPrologue{"EARLY_PROLOGUE", 0, 1};
@@ -240,8 +244,8 @@ Config with_own_tile(const Config& given, int64_t block_m, int64_t block_k, int6
 // The code-generation hints of Config.meta as the kernel metas that carry them:
 // L2_PREFETCH (0, 64, 128 or 256 bytes) as l2_prefetch, the L2 prefetch size hint
 // of the kernel's pipelined copies, WGMMA 1 as wgmma, with it WGMMA_SS 1 (unset: the
-// op's `wgmma_ss_default`) as wgmma_ss, STAGED_ADDS 1 as staged_adds and ACC_STORE 1 as
-// acc_store.
+// op's `wgmma_ss_default`) as wgmma_ss, STAGED_ADDS 1 as staged_adds, ACC_STORE 1 as
+// acc_store and STORE_IN_RING 1 as store_in_ring.
 void add_codegen_hints(const Config& config, dsl::MetaMap& meta, int64_t wgmma_ss_default = 0);
 // Each of `names` that config.meta sets to a non-zero value, as the kernel
 // meta-parameter of that name (EVICT, WARPS_N: kernels read 0 when unset).

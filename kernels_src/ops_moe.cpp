@@ -95,12 +95,22 @@ void launch_moe(const MoePlan& p, const TensorView& W, const TensorView& A, cons
 }
 
 // The tiles that ran best with WGMMA on an H100 (bf16, r=64): 64x128 on one
-// warpgroup with two stages, 128x128 on two with three, each at the usual splits.
+// warpgroup with two stages, 128x128 on two with three, and 64x128 with three stages
+// whose W_eff moves to its store layout through W's spent ring slot (STORE_IN_RING:
+// 110592 bytes of shared memory instead of 128000, so two programs share a
+// multiprocessor), each at the usual splits.
 std::vector<autotune::Config> moe_wgmma_tiles() {
   std::vector<autotune::Config> c = autotune::product(
       {{"BLOCK_N", {64}}, {"BLOCK_K", {128}}, {"num_warps", {4}}, {"num_stages", {2}}, {"split_k", {1, 2, 3, 4}}});
   for (autotune::Config& t : autotune::product(
            {{"BLOCK_N", {128}}, {"BLOCK_K", {128}}, {"num_warps", {8}}, {"num_stages", {3}}, {"split_k", {1, 2, 3, 4}}}))
+    c.push_back(std::move(t));
+  for (autotune::Config& t : autotune::product({{"BLOCK_N", {64}},
+                                                {"BLOCK_K", {128}},
+                                                {"num_warps", {4}},
+                                                {"num_stages", {3}},
+                                                {"STORE_IN_RING", {1}},
+                                                {"split_k", {1, 2, 3, 4}}}))
     c.push_back(std::move(t));
   return c;
 }
@@ -125,7 +135,7 @@ void run_moe_lora_materialize(const TensorView& W, const TensorView& A, const Te
   const char* op = "moe_lora_materialize";
   expect_meta(op, config,
               {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"PACK", 0, 1}, kStream, kWarpsN, kL2Prefetch, kWgmma, kColsFirst, kTf32,
-               kAccStore, {"PERSISTENT", 0, 8}});
+               kAccStore, kStoreInRing, {"PERSISTENT", 0, 8}});
   if (meta_or(config, "PERSISTENT", 0) && meta_or(config, "STREAM", 0))
     throw InvalidArgument(std::string(op) +
                           ": Config.meta PERSISTENT (programs that deal out the tiles) and STREAM (one tile a "

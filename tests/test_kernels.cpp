@@ -280,6 +280,16 @@ std::vector<MoeCase> moe_cases() {
       {2, 200, 300, 64, DType::f16, true, ops::Config{64, 128, 0, 4, 2, {{"WGMMA", 1}, {"PERSISTENT", 1}}}, DType::f32},
       {2, 64, 256, 16, DType::f32, true, ops::Config{32, 64, 0, 4, 2, {{"PERSISTENT", 3}}}},
       {1, 20, 24, 4, DType::bf16, false, ops::Config{0, 64, 0, 0, 0, {{"PERSISTENT", 8}}}},
+      // W_eff moved into the store's layout through the spent slot of W's ring (STORE_IN_RING):
+      // warpgroup and mma.sync dots, 2-4 stages, rows and columns past the tile, PEFT's fp32
+      // adapters, fp32 W, with PERSISTENT programs.
+      {2, 130, 264, 64, DType::bf16, false,
+       ops::Config{128, 128, 2, 8, 4, {{"WGMMA", 1}, {"STORE_IN_RING", 1}, {"L2_PREFETCH", 128}}}},
+      {3, 100, 200, 5, DType::bf16, true, ops::Config{64, 128, 0, 4, 3, {{"WGMMA", 1}, {"STORE_IN_RING", 1}}}},
+      {2, 72, 264, 16, DType::f16, true, ops::Config{64, 128, 3, 4, 2, {{"STORE_IN_RING", 1}}}, DType::f32},
+      {2, 64, 256, 16, DType::f32, true, ops::Config{64, 64, 0, 4, 3, {{"STORE_IN_RING", 1}}}},
+      {3, 100, 130, 5, DType::bf16, false,
+       ops::Config{64, 128, 0, 4, 3, {{"WGMMA", 1}, {"STORE_IN_RING", 1}, {"PERSISTENT", 2}}}},
   };
 }
 

@@ -659,6 +659,66 @@ TEST_CASE("acc_store writes an accumulator's values from its registers without s
   CHECK_THROWS_WITH(kernels::moe_lora_materialize().trace(args, bad), Catch::Contains("acc_store must be 0 or 1"));
 }
 
+// W += a @ b tile by tile along W's columns, stored to out (and, with AGAIN, 2W stored after it
+// to twice): the W tile is a pipelined load whose slot the sum may pass through.
+const Kernel& ring_store_kernel() {
+  static const Kernel k("ring_store", [](Builder& b) {
+    auto W = b.tensor("W", 2), a = b.tensor("a", 2), bt = b.tensor("b", 2);
+    auto out = b.tensor("out", 2), twice = b.tensor("twice", 2);
+    const int64_t BM = b.meta("BM"), BN = b.meta("BN"), R = b.meta("R"), again = b.meta("AGAIN", 0);
+    auto rows = program_id(0) * BM + arange(BM);
+    auto rk = arange(R);
+    auto av = load(a, {rows.col(), rk.row()}, rows.col() < W.dim(0));
+    for_range(0, W.dim(1), BN, [&](const Value& c0) {
+      auto cols = c0 + arange(BN);
+      auto ok = (rows.col() < W.dim(0)) & (cols.row() < W.dim(1));
+      auto w = load(W, {rows.col(), cols.row()}, ok).to(DType::f32);
+      auto bv = load(bt, {rk.col(), cols.row()}, cols.row() < W.dim(1));
+      store(out, {rows.col(), cols.row()}, (w + dot(av, bv)).to(out.dtype()), ok);
+      if (again) store(twice, {rows.col(), cols.row()}, (w * 2.0).to(out.dtype()), ok);
+    });
+  });
+  return k;
+}
+
+// store_in_ring: a store of a dot's sum moves into its store layout through the spent ring
+// slot of the weight tile it was computed from (each thread overwrites the elements it read
+// there), not a shared-memory buffer of its own; where the tile is read again after the
+// store, through its own buffer as before.
+TEST_CASE("store_in_ring moves a stored sum through its weight tile's spent ring slot", "[cuda][codegen][ops]") {
+  const std::vector<ArgSpec> args = {T(DType::bf16, 3), T(DType::bf16, 3), T(DType::bf16, 3), S, T(DType::bf16, 3)};
+  for (const int64_t wgmma : {0, 1}) {
+    CAPTURE(wgmma);
+    MetaMap meta = {{"BLOCK_N", 64},  {"BLOCK_K", 128},  {"R_PAD", 64},     {"DOT", int64_t(DType::bf16)},
+                    {"SCALE_AFTER", 1}, {"num_warps", 4}, {"num_stages", 3}, {"wgmma", wgmma}};
+    const jit::cuda::KernelCode own =
+        jit::cuda::generate(kernels::moe_lora_materialize().trace(args, meta), "sm_90a");
+    CHECK(own.source.find("through this iteration's ring slot") == std::string::npos);
+    meta["store_in_ring"] = 1;
+    const jit::cuda::KernelCode code =
+        jit::cuda::generate(kernels::moe_lora_materialize().trace(args, meta), "sm_90a");
+    INFO(code.source);
+    CHECK(code.source.find("through this iteration's ring slot") != std::string::npos);
+    // The 64 x (128 + 8) bf16 buffer is gone: at 64x128 on three stages two programs
+    // (110592 bytes each) share an H100's multiprocessor.
+    CHECK(code.smem_bytes == own.smem_bytes - 64 * 136 * 2);
+    if (wgmma) CHECK(code.smem_bytes == 110592);
+    check_compiles_for_sm90a_if_nvrtc(code.source, "moe_store_in_ring.cu");
+  }
+  const std::vector<ArgSpec> rs = {T(DType::bf16, 2), T(DType::bf16, 2), T(DType::bf16, 2), T(DType::bf16, 2),
+                                   T(DType::bf16, 2)};
+  MetaMap meta = {{"BM", 64}, {"BN", 64}, {"R", 16}, {"num_warps", 4}, {"num_stages", 2}, {"store_in_ring", 1}};
+  const std::string once = jit::cuda::generate(ring_store_kernel().trace(rs, meta), "sm_80").source;
+  CHECK(once.find("through this iteration's ring slot") != std::string::npos);
+  meta["AGAIN"] = 1;  // W's tile is read again after the store: its slot stays as it is
+  const std::string again = jit::cuda::generate(ring_store_kernel().trace(rs, meta), "sm_80").source;
+  INFO(again);
+  CHECK(again.find("through this iteration's ring slot") == std::string::npos);
+  CHECK(again.find("// store @twice") != std::string::npos);
+  meta["store_in_ring"] = 2;
+  CHECK_THROWS_WITH(ring_store_kernel().trace(rs, meta), Catch::Contains("store_in_ring must be 0 or 1"));
+}
+
 // PERSISTENT: one loop over the tiles a program deals itself, whose expert, row block and
 // column step come from the loop counter; B's rows are copied ahead beside A's columns and W
 // (a tile's B differs from the last one's), and the tiles kerf would measure fit an H100.

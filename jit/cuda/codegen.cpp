@@ -31,6 +31,7 @@ Codegen::Codegen(const ir::Function& f, const std::string& arch) : f_(f), arch_(
   acc_col_run_ = int(f.meta_value("acc_col_run", 0));
   staged_adds_ = f.meta_value("staged_adds", 0) != 0;
   acc_store_ = f.meta_value("acc_store", 0) != 0;
+  store_in_ring_ = f.meta_value("store_in_ring", 0) != 0;
   early_prologue_ = f.meta_value("early_prologue", 0) != 0;
   // Thread-block clusters exist from sm_90; before it a cluster sum is a plain atomic.
   cluster_ = sm_ >= 90 ? int(f.meta_value("cluster_size", 1)) : 1;
@@ -564,9 +565,13 @@ void Codegen::emit_block(const ir::Block& b) {
   std::map<size_t, std::vector<const Operation*>> prologues_before;
   if (early_prologue_)
     for (const auto& [loop, at] : early_prologues(b, depth() - 1)) prologues_before[at].push_back(loop);
+  const ir::Block* const outer_block = cur_block_;
+  const size_t outer_index = cur_index_;
   for (size_t i = 0; i < b.ops.size(); ++i) {
     const Operation& op = b.ops[i];
     const int lv = depth() - 1;
+    cur_block_ = &b;
+    cur_index_ = i;
     if (const auto early = prologues_before.find(i); early != prologues_before.end())
       for (const Operation* loop : early->second) emit_prologue(*loop, lv);
     switch (op.kind) {
@@ -613,6 +618,8 @@ void Codegen::emit_block(const ir::Block& b) {
         break;  // pure values are emitted where they are used
     }
   }
+  cur_block_ = outer_block;
+  cur_index_ = outer_index;
 }
 
 // The pipelined loads' rings and the copies of the loop's first num_stages - 1

@@ -408,7 +408,16 @@ class Codegen {
   void write_smem(int lv, const Tile& t, int l, DType dt, const std::string& buf,
                   const std::vector<int64_t>& pitch, int64_t sw_rows = 0, bool sw32 = false);
 
-  Tile convert_tile(ValueId v, const Tile& src, int from, int to);
+  // `slot` (a C++ byte offset into kerf_smem, "" for none): the buffer to move the tile
+  // through, a ring slot that in_place_slot found, instead of a transient one.
+  Tile convert_tile(ValueId v, const Tile& src, int from, int to, const std::string& slot = "");
+  // With meta store_in_ring: a ring slot of this iteration that the conversion of `value`
+  // (stored by `store`) from layout `from` may overwrite, as its byte offset ("" if none).
+  // Each thread then writes exactly the elements it read from the slot, all its reads
+  // are done, and nothing later in the iteration reads it; the next copy into it comes
+  // after the loop's next barrier.
+  std::string in_place_slot(const Operation& store, ValueId value, int from, int level);
+  bool depends_on(ValueId v, ValueId u, int level, std::set<ValueId>& seen) const;
 
   // Reads a row-major padded tile from shared memory into registers of layout `to`.
   Tile read_smem(int lv, ValueId v, const std::string& buf, int to, DType dt,
@@ -525,6 +534,10 @@ class Codegen {
   std::string grid_sync_ptr_;   // their counter's pointer
   bool staged_adds_ = false;   // meta staged_adds: accumulators' f32 atomic adds go through shared memory
   bool acc_store_ = false;     // meta acc_store: stores of an accumulator's values from its registers
+  bool store_in_ring_ = false;  // meta store_in_ring: stores' layout conversions through a spent ring slot
+  std::map<ValueId, std::set<int>> async_reads_;  // pipelined loads -> the layouts read from their slots
+  const ir::Block* cur_block_ = nullptr;  // the block emit_block is in, and the op it emits
+  size_t cur_index_ = 0;
   // meta early_prologue: a pipelined loop's first copies go out as soon as what they
   // need exists (emit_block), not where the loop begins.
   bool early_prologue_ = false;

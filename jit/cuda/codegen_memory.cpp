@@ -222,7 +222,13 @@ void Codegen::emit_store(const Operation& op, int level) {
   const Layout& L = layouts_[size_t(l)];
   std::vector<Tile> idx;
   for (int d = 0; d < p.rank; ++d) idx.push_back(get(op.operands[size_t(d)], l));
-  const Tile val = from_acc && pv != l ? convert_tile(value, get(value, pv), pv, l) : get(value, l);
+  Tile val;
+  if (from_acc && pv != l) {
+    const Tile src = get(value, pv);  // its reads of any ring slot come first
+    val = convert_tile(value, src, pv, l, in_place_slot(op, value, pv, level));
+  } else {
+    val = get(value, l);
+  }
   Tile mask;
   if (op.attrs.has_mask) mask = get(op.operands[size_t(p.rank) + 1], l);
   const int w = !atomic ? vector_width(op, l) : vector_red ? std::min(4, vector_width(op, l)) : 1;

@@ -14,9 +14,58 @@ Tile Codegen::from_async(ValueId v, int l) {
   const DType dt = type(v).dtype;
   const std::string st = storage_type(dt);
   if (a.sw_rows || a.sw32) throw InternalError("CUDA codegen: a swizzled tile read outside a dot");
+  async_reads_[v].insert(l);
   return read_smem(level_of_[size_t(v)], v,
                    "reinterpret_cast<const " + st + "*>(kerf_smem + " + async_slot_offset(a) + ")",
                    l, dt, a.pitch);
+}
+
+// Whether `v` is `u` or computed from it, through values of loop level `level` and deeper.
+bool Codegen::depends_on(ValueId v, ValueId u, int level, std::set<ValueId>& seen) const {
+  if (v == u) return true;
+  if (level_of_[size_t(v)] < level || !seen.insert(v).second) return false;
+  const Operation* op = def_op_[size_t(v)];
+  if (!op) return false;
+  for (ValueId o : op->operands)
+    if (depends_on(o, u, level, seen)) return true;
+  return false;
+}
+
+std::string Codegen::in_place_slot(const Operation& store, ValueId value, int from, int level) {
+  if (!store_in_ring_ || !cur_block_ || !owner_predicate(from).empty()) return "";
+  const ir::Type& t = type(value);
+  const int eb = dtype_size_bytes(t.dtype);
+  const std::vector<int64_t> pitch = smem_pitches(t.shape, eb);
+  for (const auto& [u, a] : async_) {
+    if (level_of_[size_t(u)] != level || a.sw_rows || a.sw32) continue;
+    // A load of this loop's body (a loop before it at the same level had its own rings).
+    if (std::none_of(cur_block_->ops.begin(), cur_block_->ops.end(),
+                     [&](const Operation& o) { return &o == def_op_[size_t(u)]; }))
+      continue;
+    const ir::Type& ut = type(u);
+    if (ut.shape != t.shape || dtype_size_bytes(ut.dtype) != eb || a.pitch != pitch ||
+        a.stage_bytes < smem_bytes_for(t.shape, eb))
+      continue;
+    // Read from its slot in the conversion's source layout only, and by no dot (which
+    // may read a ring in place).
+    const auto reads = async_reads_.find(u);
+    if (reads == async_reads_.end() || reads->second != std::set<int>{from}) continue;
+    bool ok = true;
+    if (const auto us = users_.find(u); us != users_.end())
+      for (const auto& [user, index] : us->second) ok = ok && user->kind != OpKind::Dot;
+    // Nothing the store still needs (its mask), and nothing after it in the iteration,
+    // comes from the slot's values.
+    std::set<ValueId> seen;
+    for (size_t k = 0; ok && k < store.operands.size(); ++k)
+      if (store.operands[k] != value) ok = !depends_on(store.operands[k], u, level, seen);
+    for (size_t i = cur_index_ + 1; ok && i < cur_block_->ops.size(); ++i) {
+      const Operation& later = cur_block_->ops[i];
+      if (later.body) ok = false;  // a nested loop: not looked into
+      for (ValueId o : later.operands) ok = ok && !depends_on(o, u, level, seen);
+    }
+    if (ok) return async_slot_offset(a);
+  }
+  return "";
 }
 
 // Whether `v` (inside the loop body at `inner`) depends on the loop only

@@ -331,7 +331,7 @@ void Codegen::write_smem(int lv, const Tile& t, int l, DType dt, const std::stri
   line(lv, "}");
 }
 
-Tile Codegen::convert_tile(ValueId v, const Tile& src, int from, int to) {
+Tile Codegen::convert_tile(ValueId v, const Tile& src, int from, int to, const std::string& slot) {
   std::vector<int> kept;
   if (register_subset(from, to, &kept)) {
     Derived d;
@@ -342,9 +342,20 @@ Tile Codegen::convert_tile(ValueId v, const Tile& src, int from, int to) {
   const int lv = level_of_[size_t(v)];
   const DType dt = type(v).dtype;
   const std::vector<int64_t> pitch = smem_pitches(type(v).shape, dtype_size_bytes(dt));
+  const std::string st = storage_type(dt);
+  if (!slot.empty()) {
+    // A spent ring slot that held the tile's source in layout `from`: each thread
+    // overwrites only the elements it read there, so no barrier comes first.
+    const std::string buf = fresh("cvt");
+    line(lv, "// %" + S(v) + ": " + layouts_[size_t(from)].key() + " -> " + layouts_[size_t(to)].key() +
+                 ", through this iteration's ring slot");
+    line(lv, st + "* " + buf + " = reinterpret_cast<" + st + "*>(kerf_smem + " + slot + ");");
+    write_smem(lv, src, from, dt, buf, pitch);
+    line(lv, "__syncthreads();");
+    return read_smem(lv, v, "reinterpret_cast<const " + st + "*>(kerf_smem + " + slot + ")", to, dt, pitch);
+  }
   bool reused = false;
   const int off = transient_smem(smem_bytes_for(type(v).shape, dtype_size_bytes(dt)), &reused);
-  const std::string st = storage_type(dt);
   const std::string buf = fresh("cvt");
   line(lv,
        "// %" + S(v) + ": " + layouts_[size_t(from)].key() + " -> " + layouts_[size_t(to)].key());
