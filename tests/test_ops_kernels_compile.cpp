@@ -705,6 +705,17 @@ TEST_CASE("store_in_ring moves a stored sum through its weight tile's spent ring
     if (wgmma) CHECK(code.smem_bytes == 110592);
     check_compiles_for_sm90a_if_nvrtc(code.source, "moe_store_in_ring.cu");
   }
+  // The in-place merge: W's new tile through W's slot, 85760 -> 68352 bytes at 64x128 on
+  // three stages (three programs a multiprocessor instead of two).
+  const std::vector<ArgSpec> margs = {T(DType::bf16, 3), T(DType::bf16, 3), T(DType::bf16, 3), S};
+  MetaMap mmeta = {{"BLOCK_M", 64},    {"BLOCK_K", 128},  {"R_PAD", 16}, {"DOT", int64_t(DType::bf16)},
+                   {"SCALE_AFTER", 1}, {"num_stages", 3}, {"num_warps", 4}};
+  const jit::cuda::KernelCode merge_own = jit::cuda::generate(kernels::lora_merge().trace(margs, mmeta), "sm_90a");
+  mmeta["store_in_ring"] = 1;
+  const jit::cuda::KernelCode merge = jit::cuda::generate(kernels::lora_merge().trace(margs, mmeta), "sm_90a");
+  CHECK(merge.source.find("through this iteration's ring slot") != std::string::npos);
+  CHECK(merge.smem_bytes == merge_own.smem_bytes - 64 * 136 * 2);
+  check_compiles_for_sm90a_if_nvrtc(merge.source, "merge_store_in_ring.cu");
   const std::vector<ArgSpec> rs = {T(DType::bf16, 2), T(DType::bf16, 2), T(DType::bf16, 2), T(DType::bf16, 2),
                                    T(DType::bf16, 2)};
   MetaMap meta = {{"BM", 64}, {"BN", 64}, {"R", 16}, {"num_warps", 4}, {"num_stages", 2}, {"store_in_ring", 1}};

@@ -36,12 +36,13 @@ struct MergeCase {
   int64_t split = 0, cols_first = 0;  // Config split_k and meta COLS_FIRST (the same answer)
   int64_t block_k = 0;
   bool stream = false;  // Config.meta STREAM: one tile per program, W moved through the accumulator's registers
+  bool store_in_ring = false;  // Config.meta STORE_IN_RING: W's new tile staged in its spent ring slot
 };
 
 void check_merge(const MergeCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.out, c.in, c.r, dtype_name(c.w), dtype_name(c.a), dtype_name(c.b), c.transposed,
           c.offset, c.evict, c.warps_n, c.block_m, c.warps, seed, dev.str(), c.wgmma, c.split, c.cols_first,
-          c.block_k, c.stream);
+          c.block_k, c.stream, c.store_in_ring);
   std::mt19937_64 rng(seed);
   TestTensor Wbuf(c.w, {c.out * c.in + c.offset}, dev), A(c.a, {c.r, c.in}, dev),
       B(c.b, {c.out, c.r}, dev);
@@ -66,6 +67,7 @@ void check_merge(const MergeCase& c, Device dev, uint64_t seed) {
   if (c.cols_first) cfg.meta["COLS_FIRST"] = c.cols_first;
   cfg.block_k = c.block_k;
   if (c.stream) cfg.meta["STREAM"] = 1;
+  if (c.store_in_ring) cfg.meta["STORE_IN_RING"] = 1;
   if (c.wgmma) {
     cfg.block_k = 64;
     cfg.meta["WGMMA"] = 1;
@@ -171,6 +173,23 @@ void run_merge_cases(Device dev) {
   cases.push_back(streamed({130, 333, 16, DType::bf16, DType::f32, DType::bf16}, 64, 128, 2));
   cases.push_back(streamed({40, 72, 8, DType::bf16, DType::f32, DType::f32, true}, 32, 64));
   cases.push_back(streamed({64, 128, 16, DType::bf16, DType::bf16, DType::bf16, false, 1}, 64, 64));
+  // STORE_IN_RING: W's new tile moved to its store layout through the ring slot W's tile
+  // was read from: warpgroup and mma.sync dots, fp32 adapters on f16 W, fp32 W, partial
+  // tiles; fan_in_fan_out and misaligned W (no pipelined copy of W) stage as before.
+  const auto in_ring = [](MergeCase c, int64_t bm, int64_t warps) {
+    c.store_in_ring = true;
+    c.block_m = bm;
+    c.warps = warps;
+    return c;
+  };
+  MergeCase wg{300, 200, 64, DType::bf16, DType::bf16, DType::bf16};
+  wg.wgmma = true;
+  cases.push_back(in_ring(wg, 64, 4));
+  cases.push_back(in_ring({130, 333, 16, DType::bf16, DType::bf16, DType::bf16}, 128, 8));
+  cases.push_back(in_ring({67, 130, 5, DType::f16, DType::f32, DType::f32, false, 0, -0.5}, 32, 4));
+  cases.push_back(in_ring({67, 136, 5, DType::f32, DType::f32, DType::f32}, 64, 4));
+  cases.push_back(in_ring({40, 72, 8, DType::bf16, DType::f32, DType::f32, true}, 32, 4));
+  cases.push_back(in_ring({64, 128, 16, DType::bf16, DType::bf16, DType::bf16, false, 1}, 64, 4));
   uint64_t seed = 4100;
   for (const MergeCase& c : cases) check_merge(c, dev, seed++);
 }
