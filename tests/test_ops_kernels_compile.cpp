@@ -659,8 +659,9 @@ TEST_CASE("acc_store writes an accumulator's values from its registers without s
   CHECK_THROWS_WITH(kernels::moe_lora_materialize().trace(args, bad), Catch::Contains("acc_store must be 0 or 1"));
 }
 
-// W += a @ b tile by tile along W's columns, stored to out (and, with AGAIN, 2W stored after it
-// to twice): the W tile is a pipelined load whose slot the sum may pass through.
+// W += a @ b tile by tile along W's columns, stored to out, and after it with AGAIN=1 2W, with
+// AGAIN=2 a @ b, stored to twice: the W tile is a pipelined load whose slot the sum may pass
+// through.
 const Kernel& ring_store_kernel() {
   static const Kernel k("ring_store", [](Builder& b) {
     auto W = b.tensor("W", 2), a = b.tensor("a", 2), bt = b.tensor("b", 2);
@@ -675,7 +676,8 @@ const Kernel& ring_store_kernel() {
       auto w = load(W, {rows.col(), cols.row()}, ok).to(DType::f32);
       auto bv = load(bt, {rk.col(), cols.row()}, cols.row() < W.dim(1));
       store(out, {rows.col(), cols.row()}, (w + dot(av, bv)).to(out.dtype()), ok);
-      if (again) store(twice, {rows.col(), cols.row()}, (w * 2.0).to(out.dtype()), ok);
+      if (again == 1) store(twice, {rows.col(), cols.row()}, (w * 2.0).to(out.dtype()), ok);
+      if (again == 2) store(twice, {rows.col(), cols.row()}, dot(av, bv).to(out.dtype()), ok);
     });
   });
   return k;
@@ -726,6 +728,16 @@ TEST_CASE("store_in_ring moves a stored sum through its weight tile's spent ring
   INFO(again);
   CHECK(again.find("through this iteration's ring slot") == std::string::npos);
   CHECK(again.find("// store @twice") != std::string::npos);
+  // A second sum stored in the same iteration: the first passes through W's slot, the second
+  // through its own buffer (other threads may still be reading the first from the slot).
+  meta["AGAIN"] = 2;
+  const std::string two = jit::cuda::generate(ring_store_kernel().trace(rs, meta), "sm_80").source;
+  size_t in_slot = 0;
+  for (size_t at = two.find("through this iteration's ring slot"); at != std::string::npos;
+       at = two.find("through this iteration's ring slot", at + 1))
+    ++in_slot;
+  CHECK(in_slot == 1);
+  CHECK(two.find("// store @twice") != std::string::npos);
   meta["store_in_ring"] = 2;
   CHECK_THROWS_WITH(ring_store_kernel().trace(rs, meta), Catch::Contains("store_in_ring must be 0 or 1"));
 }

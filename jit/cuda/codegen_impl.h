@@ -536,6 +536,7 @@ class Codegen {
   bool acc_store_ = false;     // meta acc_store: stores of an accumulator's values from its registers
   bool store_in_ring_ = false;  // meta store_in_ring: stores' layout conversions through a spent ring slot
   std::map<ValueId, std::set<int>> async_reads_;  // pipelined loads -> the layouts read from their slots
+  std::set<ValueId> ring_staged_;  // pipelined loads whose slot a store's conversion has used
   const ir::Block* cur_block_ = nullptr;  // the block emit_block is in, and the op it emits
   size_t cur_index_ = 0;
   // meta early_prologue: a pipelined loop's first copies go out as soon as what they

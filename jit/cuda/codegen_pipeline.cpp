@@ -37,7 +37,9 @@ std::string Codegen::in_place_slot(const Operation& store, ValueId value, int fr
   const int eb = dtype_size_bytes(t.dtype);
   const std::vector<int64_t> pitch = smem_pitches(t.shape, eb);
   for (const auto& [u, a] : async_) {
-    if (level_of_[size_t(u)] != level || a.sw_rows || a.sw32) continue;
+    // Once an iteration: a second conversion there would overwrite the first's values
+    // while other threads may still read them.
+    if (level_of_[size_t(u)] != level || a.sw_rows || a.sw32 || ring_staged_.count(u)) continue;
     // A load of this loop's body (a loop before it at the same level had its own rings).
     if (std::none_of(cur_block_->ops.begin(), cur_block_->ops.end(),
                      [&](const Operation& o) { return &o == def_op_[size_t(u)]; }))
@@ -63,7 +65,10 @@ std::string Codegen::in_place_slot(const Operation& store, ValueId value, int fr
       if (later.body) ok = false;  // a nested loop: not looked into
       for (ValueId o : later.operands) ok = ok && !depends_on(o, u, level, seen);
     }
-    if (ok) return async_slot_offset(a);
+    if (ok) {
+      ring_staged_.insert(u);
+      return async_slot_offset(a);
+    }
   }
   return "";
 }
