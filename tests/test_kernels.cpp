@@ -15,6 +15,7 @@
 #include "kerf/jit/launch.h"
 #include "kerf/kernels/kernels.h"
 #include "kerf/ops/ops.h"
+#include "kernels_src/ops_tune.h"
 #include "sample_kernels.h"
 #include "test_cache_util.h"
 
@@ -69,14 +70,8 @@ void check_fits_h100(const std::string& name, const std::vector<TensorView>& vie
   const std::vector<autotune::TunableOp> all = autotune::tunable_ops();
   const auto op = std::find_if(all.begin(), all.end(), [&](const autotune::TunableOp& o) { return o.name == name; });
   REQUIRE(op != all.end());
-  autotune::Config candidate;
-  if (config.block_m) candidate[op->block_m_name] = config.block_m;
-  if (config.block_k) candidate[op->block_k_name] = config.block_k;
-  if (config.split_k) candidate["split_k"] = config.split_k;
-  if (config.num_warps) candidate["num_warps"] = config.num_warps;
-  if (config.num_stages) candidate["num_stages"] = config.num_stages;
-  for (const auto& [key, value] : config.meta) candidate[key] = value;
-  const std::vector<autotune::KernelCall> calls = op->kernels(views, candidate, 132);
+  const std::vector<autotune::KernelCall> calls =
+      op->kernels(views, ops::detail::candidate_from(config, op->block_m_name, op->block_k_name), 132);
   REQUIRE(!calls.empty());
   for (const autotune::KernelCall& k : calls) {
     const int bytes = jit::cuda::generate(k.kernel->trace(arg_specs(k.args), k.meta), "sm_90a").smem_bytes;
