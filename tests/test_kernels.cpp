@@ -9,18 +9,18 @@
 #include "catch.h"
 #include "device_tensor.h"
 #include "gpu_test_util.h"
-#include "kerf/jit/autotune.h"
 #include "kerf/jit/cpu_backend.h"
-#include "kerf/jit/cuda_codegen.h"
 #include "kerf/jit/launch.h"
 #include "kerf/kernels/kernels.h"
 #include "kerf/ops/ops.h"
-#include "kernels_src/ops_tune.h"
+#include "smem_fit_util.h"
 #include "sample_kernels.h"
 #include "test_cache_util.h"
 
 using namespace kerf;
 using kerf::test::TestTensor;
+using kerf::test::check_fits_h100;
+using kerf::test::planning_address;
 
 namespace {
 
@@ -63,25 +63,6 @@ ops::Config dora_config(const DoraCase& c) {
   return cfg;
 }
 
-// Every kernel the registered op `name` plans for `views` (fake GPU tensors) and `config` on an
-// H100 (132 multiprocessors), generated for sm_90a, fits its shared memory: a config over it
-// is refused at launch, which only a GPU run would show.
-void check_fits_h100(const std::string& name, const std::vector<TensorView>& views, const ops::Config& config) {
-  const std::vector<autotune::TunableOp> all = autotune::tunable_ops();
-  const auto op = std::find_if(all.begin(), all.end(), [&](const autotune::TunableOp& o) { return o.name == name; });
-  REQUIRE(op != all.end());
-  const std::vector<autotune::KernelCall> calls =
-      op->kernels(views, ops::detail::candidate_from(config, op->block_m_name, op->block_k_name), 132);
-  REQUIRE(!calls.empty());
-  for (const autotune::KernelCall& k : calls) {
-    const int bytes = jit::cuda::generate(k.kernel->trace(arg_specs(k.args), k.meta), "sm_90a").smem_bytes;
-    CAPTURE(k.kernel->name(), bytes);
-    CHECK(bytes <= autotune::typical_max_shared_memory("sm_90a"));
-  }
-}
-
-// A fake device address for planning only (never dereferenced).
-void* planning_address() { return reinterpret_cast<void*>(uintptr_t(1) << 16); }
 
 void check_dora(const DoraCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.out, c.in, c.r, dtype_name(c.w), dtype_name(c.ab), c.split, c.cast_a, c.block_m, c.warps, c.warps_n, seed,

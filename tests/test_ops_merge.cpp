@@ -11,6 +11,7 @@
 #include "gpu_test_util.h"
 #include "kerf/error.h"
 #include "kerf/ops/ops.h"
+#include "smem_fit_util.h"
 #include "test_cache_util.h"
 
 using namespace kerf;
@@ -39,6 +40,24 @@ struct MergeCase {
   bool store_in_ring = false;  // Config.meta STORE_IN_RING: W's new tile staged in its spent ring slot
 };
 
+ops::Config merge_config(const MergeCase& c) {
+  ops::Config cfg;
+  if (c.evict) cfg.meta["EVICT"] = c.evict;
+  if (c.warps_n) cfg.meta["WARPS_N"] = c.warps_n;
+  cfg.block_m = c.block_m;
+  cfg.num_warps = c.warps;
+  cfg.split_k = c.split;
+  if (c.cols_first) cfg.meta["COLS_FIRST"] = c.cols_first;
+  cfg.block_k = c.block_k;
+  if (c.stream) cfg.meta["STREAM"] = 1;
+  if (c.store_in_ring) cfg.meta["STORE_IN_RING"] = 1;
+  if (c.wgmma) {
+    cfg.block_k = 64;
+    cfg.meta["WGMMA"] = 1;
+  }
+  return cfg;
+}
+
 void check_merge(const MergeCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.out, c.in, c.r, dtype_name(c.w), dtype_name(c.a), dtype_name(c.b), c.transposed,
           c.offset, c.evict, c.warps_n, c.block_m, c.warps, seed, dev.str(), c.wgmma, c.split, c.cols_first,
@@ -58,20 +77,7 @@ void check_merge(const MergeCase& c, Device dev, uint64_t seed) {
   std::vector<double> w0(size_t(Wbuf.numel()));
   for (int64_t i = 0; i < Wbuf.numel(); ++i) w0[size_t(i)] = Wbuf.get(i);
 
-  ops::Config cfg;
-  if (c.evict) cfg.meta["EVICT"] = c.evict;
-  if (c.warps_n) cfg.meta["WARPS_N"] = c.warps_n;
-  cfg.block_m = c.block_m;
-  cfg.num_warps = c.warps;
-  cfg.split_k = c.split;
-  if (c.cols_first) cfg.meta["COLS_FIRST"] = c.cols_first;
-  cfg.block_k = c.block_k;
-  if (c.stream) cfg.meta["STREAM"] = 1;
-  if (c.store_in_ring) cfg.meta["STORE_IN_RING"] = 1;
-  if (c.wgmma) {
-    cfg.block_k = 64;
-    cfg.meta["WGMMA"] = 1;
-  }
+  const ops::Config cfg = merge_config(c);
   ops::lora_merge(W, A.view(), B.view(), c.s, nullptr, cfg);
   test::sync(dev);
   Wbuf.download();
@@ -129,7 +135,7 @@ void check_merge(const MergeCase& c, Device dev, uint64_t seed) {
   CHECK(worst <= 2 * merge_tolerance(c.w));
 }
 
-void run_merge_cases(Device dev) {
+std::vector<MergeCase> merge_cases() {
   std::vector<MergeCase> cases;
   // Every dtype combination: W in {bf16, f16, f32} x adapters in {f32, bf16, f16}, odd shapes.
   for (DType w : {DType::bf16, DType::f16, DType::f32})
@@ -190,8 +196,12 @@ void run_merge_cases(Device dev) {
   cases.push_back(in_ring({67, 136, 5, DType::f32, DType::f32, DType::f32}, 64, 4));
   cases.push_back(in_ring({40, 72, 8, DType::bf16, DType::f32, DType::f32, true}, 32, 4));
   cases.push_back(in_ring({64, 128, 16, DType::bf16, DType::bf16, DType::bf16, false, 1}, 64, 4));
+  return cases;
+}
+
+void run_merge_cases(Device dev) {
   uint64_t seed = 4100;
-  for (const MergeCase& c : cases) check_merge(c, dev, seed++);
+  for (const MergeCase& c : merge_cases()) check_merge(c, dev, seed++);
 }
 
 // MaxText: kernel [in..., out...] += s * einsum(lora_a [in..., r], lora_b [r, out...]).
@@ -334,6 +344,21 @@ TEST_CASE(
     "[gpu][ops][merge]") {
   KERF_REQUIRE_GPU();
   run_merge_cases(Device::cuda(0));
+}
+
+// The tiles the GPU cases above run fit an H100 (each case's kernel as planned for sm_90a).
+TEST_CASE("the tiles of lora_merge's GPU float64 cases fit an H100's shared memory", "[cuda][codegen][merge]") {
+  const Device dev = Device::cuda(0);
+  void* const p = test::planning_address();
+  for (const MergeCase& c : merge_cases()) {
+    CAPTURE(c.out, c.in, c.r, dtype_name(c.w), dtype_name(c.a), dtype_name(c.b), c.transposed, c.block_m, c.warps,
+            c.block_k, c.wgmma, c.stream, c.store_in_ring);
+    const TensorView W = c.transposed ? TensorView::strided(p, c.w, {c.out, c.in}, {1, c.out}, dev)
+                                      : TensorView::contiguous(p, c.w, {c.out, c.in}, dev);
+    test::check_fits_h100("lora_merge", {W, TensorView::contiguous(p, c.a, {c.r, c.in}, dev),
+                                         TensorView::contiguous(p, c.b, {c.out, c.r}, dev)},
+                          merge_config(c));
+  }
 }
 
 // Untuned (KERF_AUTOTUNE=0, or a first call in a capture): the op's own tiles, narrowed at

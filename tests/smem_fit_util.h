@@ -1,0 +1,38 @@
+// Checks, on any machine, that the kernels a GPU test case would launch fit an H100's
+// shared memory: a config over it is refused at launch, which only a GPU run would show.
+#pragma once
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "catch.h"
+#include "kerf/jit/autotune.h"
+#include "kerf/jit/cuda_codegen.h"
+#include "kerf/jit/launch.h"
+#include "kerf/ops/ops.h"
+#include "kernels_src/ops_tune.h"
+
+namespace kerf::test {
+
+// A device address for planning only (never dereferenced).
+inline void* planning_address() { return reinterpret_cast<void*>(uintptr_t(1) << 16); }
+
+// Every kernel the registered op `name` plans for `views` (fake GPU tensors) and `config` on an
+// H100 (132 multiprocessors), generated for sm_90a, fits its shared memory.
+inline void check_fits_h100(const std::string& name, const std::vector<TensorView>& views,
+                            const ops::Config& config) {
+  const std::vector<autotune::TunableOp> all = autotune::tunable_ops();
+  const auto op = std::find_if(all.begin(), all.end(), [&](const autotune::TunableOp& o) { return o.name == name; });
+  REQUIRE(op != all.end());
+  const std::vector<autotune::KernelCall> calls =
+      op->kernels(views, ops::detail::candidate_from(config, op->block_m_name, op->block_k_name), 132);
+  REQUIRE(!calls.empty());
+  for (const autotune::KernelCall& k : calls) {
+    const int bytes = jit::cuda::generate(k.kernel->trace(arg_specs(k.args), k.meta), "sm_90a").smem_bytes;
+    CAPTURE(k.kernel->name(), bytes);
+    CHECK(bytes <= autotune::typical_max_shared_memory("sm_90a"));
+  }
+}
+
+}  // namespace kerf::test
