@@ -18,8 +18,7 @@ using namespace detail;
 
 namespace {
 
-// The launch's meta-parameters and grid for `config` (0 fields: the defaults), on a device
-// of `programs` multiprocessors (CPU threads); 0: W's device, asked.
+// The launch's meta-parameters and grid for `config` (0 fields: the defaults).
 struct MoePlan {
   dsl::MetaMap meta;
   Grid grid;
@@ -27,6 +26,7 @@ struct MoePlan {
   bool pack = false;  // PACK (ops_common.h): adapters strided along their last dims copied first
 };
 
+// `programs`: the multiprocessors (CPU threads) PERSISTENT counts; 0: W's device's, asked.
 MoePlan plan_moe(const TensorView& W, DType a, DType b, int64_t r, bool gpu, const Config& config,
                  int64_t programs = 0) {
   const int64_t E = W.shape[0], N = W.shape[1];
