@@ -1,7 +1,6 @@
 // The flagship kernels (DoRA norm, MoE LoRA materialization) against float64
 // references on fresh random data, odd and round shapes, on the CPU back end
 // and, where a GPU is present, on the GPU.
-#include <algorithm>
 #include <cmath>
 #include <iostream>
 #include <random>
@@ -62,7 +61,6 @@ ops::Config dora_config(const DoraCase& c) {
   if (c.interleave) cfg.meta["INTERLEAVE"] = 1;
   return cfg;
 }
-
 
 void check_dora(const DoraCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.out, c.in, c.r, dtype_name(c.w), dtype_name(c.ab), c.split, c.cast_a, c.block_m, c.warps, c.warps_n, seed,
