@@ -343,30 +343,26 @@ Tile Codegen::convert_tile(ValueId v, const Tile& src, int from, int to, const s
   const DType dt = type(v).dtype;
   const std::vector<int64_t> pitch = smem_pitches(type(v).shape, dtype_size_bytes(dt));
   const std::string st = storage_type(dt);
-  if (!slot.empty()) {
-    // A spent ring slot that held the tile's source in layout `from`: each thread
-    // overwrites only the elements it read there, so no barrier comes first.
-    const std::string buf = fresh("cvt");
-    line(lv, "// %" + S(v) + ": " + layouts_[size_t(from)].key() + " -> " + layouts_[size_t(to)].key() +
-                 ", through this iteration's ring slot");
-    line(lv, st + "* " + buf + " = reinterpret_cast<" + st + "*>(kerf_smem + " + slot + ");");
-    write_smem(lv, src, from, dt, buf, pitch);
-    line(lv, "__syncthreads();");
-    return read_smem(lv, v, "reinterpret_cast<const " + st + "*>(kerf_smem + " + slot + ")", to, dt, pitch);
+  // The buffer: a spent ring slot that held the tile's source in layout `from` (each
+  // thread overwrites only the elements it read there, so no barrier comes first), or a
+  // transient region whose only reader is this conversion (when a barrier already
+  // separates its previous run from this one, a pipelined loop's, or none ran, writing
+  // needs no other).
+  std::string base = slot;
+  bool barrier_first = false;
+  if (slot.empty()) {
+    bool reused = false;
+    base = S(transient_smem(smem_bytes_for(type(v).shape, dtype_size_bytes(dt)), &reused));
+    barrier_first = reused || !frame(lv).fenced;
   }
-  bool reused = false;
-  const int off = transient_smem(smem_bytes_for(type(v).shape, dtype_size_bytes(dt)), &reused);
   const std::string buf = fresh("cvt");
-  line(lv,
-       "// %" + S(v) + ": " + layouts_[size_t(from)].key() + " -> " + layouts_[size_t(to)].key());
-  line(lv, st + "* " + buf + " = reinterpret_cast<" + st + "*>(kerf_smem + " + S(off) + ");");
-  // The region's only reader is this conversion; when a barrier already separates
-  // its previous run from this one (a pipelined loop's, or none ran), writing needs no other.
-  if (reused || !frame(lv).fenced) line(lv, "__syncthreads();");
+  line(lv, "// %" + S(v) + ": " + layouts_[size_t(from)].key() + " -> " + layouts_[size_t(to)].key() +
+               (slot.empty() ? "" : ", through this iteration's ring slot"));
+  line(lv, st + "* " + buf + " = reinterpret_cast<" + st + "*>(kerf_smem + " + base + ");");
+  if (barrier_first) line(lv, "__syncthreads();");
   write_smem(lv, src, from, dt, buf, pitch);
   line(lv, "__syncthreads();");
-  return read_smem(lv, v, "reinterpret_cast<const " + st + "*>(kerf_smem + " + S(off) + ")", to, dt,
-                   pitch);
+  return read_smem(lv, v, "reinterpret_cast<const " + st + "*>(kerf_smem + " + base + ")", to, dt, pitch);
 }
 
 // Reads a row-major padded tile from shared memory into registers of layout `to`.
