@@ -100,18 +100,16 @@ void launch_moe(const MoePlan& p, const TensorView& W, const TensorView& A, cons
 // 110592 bytes of shared memory instead of 128000, so two programs share a
 // multiprocessor), each at the usual splits.
 std::vector<autotune::Config> moe_wgmma_tiles() {
-  std::vector<autotune::Config> c = autotune::product(
-      {{"BLOCK_N", {64}}, {"BLOCK_K", {128}}, {"num_warps", {4}}, {"num_stages", {2}}, {"split_k", {1, 2, 3, 4}}});
-  for (autotune::Config& t : autotune::product(
-           {{"BLOCK_N", {128}}, {"BLOCK_K", {128}}, {"num_warps", {8}}, {"num_stages", {3}}, {"split_k", {1, 2, 3, 4}}}))
-    c.push_back(std::move(t));
-  for (autotune::Config& t : autotune::product({{"BLOCK_N", {64}},
-                                                {"BLOCK_K", {128}},
-                                                {"num_warps", {4}},
-                                                {"num_stages", {3}},
-                                                {"STORE_IN_RING", {1}},
-                                                {"split_k", {1, 2, 3, 4}}}))
-    c.push_back(std::move(t));
+  std::vector<autotune::Config> c;
+  for (const autotune::Config& tile : std::vector<autotune::Config>{
+           {{"BLOCK_N", 64}, {"BLOCK_K", 128}, {"num_warps", 4}, {"num_stages", 2}},
+           {{"BLOCK_N", 128}, {"BLOCK_K", 128}, {"num_warps", 8}, {"num_stages", 3}},
+           {{"BLOCK_N", 64}, {"BLOCK_K", 128}, {"num_warps", 4}, {"num_stages", 3}, {"STORE_IN_RING", 1}}})
+    for (const int64_t split : {1, 2, 3, 4}) {
+      autotune::Config t = tile;
+      t["split_k"] = split;
+      c.push_back(std::move(t));
+    }
   return c;
 }
 
