@@ -18,6 +18,11 @@ namespace kerf::test {
 // A device address for planning only (never dereferenced).
 inline void* planning_address() { return reinterpret_cast<void*>(uintptr_t(1) << 16); }
 
+// The shared memory a planned kernel call takes, generated for sm_90a.
+inline int sm90a_smem_bytes(const autotune::KernelCall& k) {
+  return jit::cuda::generate(k.kernel->trace(arg_specs(k.args), k.meta), "sm_90a").smem_bytes;
+}
+
 // Every kernel the registered op `name` plans for `views` (fake GPU tensors) and `config` on an
 // H100 (132 multiprocessors), generated for sm_90a, fits its shared memory.
 inline void check_fits_h100(const std::string& name, const std::vector<TensorView>& views,
@@ -29,7 +34,7 @@ inline void check_fits_h100(const std::string& name, const std::vector<TensorVie
       op->kernels(views, ops::detail::candidate_from(config, op->block_m_name, op->block_k_name), 132);
   REQUIRE(!calls.empty());
   for (const autotune::KernelCall& k : calls) {
-    const int bytes = jit::cuda::generate(k.kernel->trace(arg_specs(k.args), k.meta), "sm_90a").smem_bytes;
+    const int bytes = sm90a_smem_bytes(k);
     CAPTURE(k.kernel->name(), bytes);
     CHECK(bytes <= autotune::typical_max_shared_memory("sm_90a"));
   }

@@ -19,10 +19,12 @@
 #include "kerf/ops/ops.h"
 #include "kernels_src/ops_accumulate.h"
 #include "kernels_src/ops_common.h"
+#include "smem_fit_util.h"
 #include "test_cache_util.h"
 
 using namespace kerf;
 using kerf::test::TestTensor;
+using kerf::test::sm90a_smem_bytes;
 
 namespace {
 
@@ -475,11 +477,6 @@ autotune::KernelCall planned_backward(int64_t E, int64_t N, int64_t K, int64_t r
   const auto t = [&](DType d, std::initializer_list<int64_t> shape) { return TensorView::contiguous(p, d, shape, dev); };
   return ops::detail::moe_backward_kernel(t(w, {E, N, K}), t(ab, {E, r, K}), t(ab, {E, N, r}), 1.0, t(w, {E, r, K}),
                                           t(w, {E, N, r}), programs, {});
-}
-
-// The shared memory a planned kernel call takes, generated for sm_90a.
-int sm90a_smem_bytes(const autotune::KernelCall& k) {
-  return jit::cuda::generate(k.kernel->trace(arg_specs(k.args), k.meta), "sm_90a").smem_bytes;
 }
 
 bool wide_whole(const autotune::KernelCall& k) {
