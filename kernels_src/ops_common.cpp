@@ -8,6 +8,7 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "kerf/jit/cpu_backend.h"
@@ -343,6 +344,7 @@ Config stream_plan(const Config& config, DType w, int64_t steps, dsl::MetaMap& m
   meta["num_stages"] = 1;
   meta["acc_col_run"] = 16 / int64_t(dtype_size_bytes(w));
   meta.erase("l2_prefetch");  // a hint of pipelined copies: there are none
+  meta.erase("store_in_ring");  // nor a ring to stage in (the same kernel, compiled once)
   order.meta["COLS_FIRST"] = 1;
   return order;
 }
@@ -388,8 +390,17 @@ int parallelism(const Device& dev) {
   return n;
 }
 
+namespace {
+thread_local std::string planning_arch;  // PlanningArch's ("": ask the device)
+}  // namespace
+
+PlanningArch::PlanningArch(std::string arch) : previous_(std::exchange(planning_arch, std::move(arch))) {}
+
+PlanningArch::~PlanningArch() { planning_arch = std::move(previous_); }
+
 bool wgmma_target(const Device& dev) {
   if (!dev.is_cuda()) return false;
+  if (!planning_arch.empty()) return planning_arch == "sm_90a";
   try {
     return device_arch(dev.index) == "sm_90a";
   } catch (const std::exception&) {

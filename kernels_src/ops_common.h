@@ -229,7 +229,7 @@ inline int64_t slices_within(int64_t asked, int64_t steps) {
 // product's accumulator and written from it (kernel meta acc_col_run), no pipelining.
 inline constexpr MetaRange kStream{"STREAM", 0, 1};
 // When `config` streams, sets the kernel meta of a weight of dtype `w` (after
-// add_codegen_hints: no l2_prefetch, one stage) and `split` to `steps`. Returns the
+// add_codegen_hints: no l2_prefetch or store_in_ring, one stage) and `split` to `steps`. Returns the
 // config to order the grid by (row_slice_grid): `config`, with COLS_FIRST on when streaming.
 Config stream_plan(const Config& config, DType w, int64_t steps, dsl::MetaMap& meta, int64_t* split);
 // The grid of a kernel whose programs own (row block, column slice) pairs, `batch`
@@ -267,8 +267,23 @@ inline void set_product_meta(dsl::MetaMap& meta, Product p, const Config& config
 // Multiprocessors of the tensors' device (the number of CPU threads on the CPU).
 int parallelism(const Device& dev);
 // Whether `dev` is a GPU that kerf compiles for sm_90a (warpgroup dots, an H100's shared
-// memory); false on the CPU and where no driver answers.
+// memory); false on the CPU and where no driver answers. Under a PlanningArch, whether
+// its architecture is sm_90a, for any GPU device.
 bool wgmma_target(const Device& dev);
+// While one lives, plans made on this thread take every GPU device to be one of `arch`
+// instead of asking the driver (wgmma_target): kerf-cache warm compiling an op's own
+// tiles for a target other than the machine's, and tests planning an H100's kernels on
+// any machine. Scopes nest; "" asks the device again.
+class PlanningArch {
+ public:
+  explicit PlanningArch(std::string arch);
+  ~PlanningArch();
+  PlanningArch(const PlanningArch&) = delete;
+  PlanningArch& operator=(const PlanningArch&) = delete;
+
+ private:
+  std::string previous_;
+};
 // The default number of programs sharing a row block's columns: enough for
 // about three programs per multiprocessor (`programs`) over `blocks` row
 // blocks, in whole steps (1 to `steps`).

@@ -412,3 +412,31 @@ TEST_CASE("kerf-cache warm compiles what an untuned call runs on a GPU with less
   CHECK(shows(runs));
   CHECK_FALSE(shows(own));
 }
+
+// An op's own tiles depend on the architecture (the MoE forward's are warpgroup tiles on
+// sm_90a): warm plans them for its --arch, whatever GPU (or none) the machine has.
+TEST_CASE("kerf-cache warm compiles an op's own tiles for the target architecture", "[cache][tool]") {
+  if (!*kTool) {
+    std::printf("KERF-SKIPPED: kerf-cache was not built with the tests\n");
+    return;
+  }
+  if (!nvrtc::available()) {
+    std::printf("KERF-SKIPPED: no NVRTC to compile for sm_90a and sm_80\n");
+    return;
+  }
+  for (const std::string arch : {"sm_90a", "sm_80"}) {
+    CAPTURE(arch);
+    test::TempDir dir;
+    const auto [rc, out] = tool(dir / "cache", {"warm", "--op", "moe_lora_materialize", "--shape", "8x512x1024x64",
+                                                "--dtype", "bf16", "--arch", arch, "--no-tune"});
+    INFO(out);
+    CHECK(rc == 0);
+    const auto [lrc, listed] = tool(dir / "cache", {"list"});
+    INFO(listed);
+    CHECK(lrc == 0);
+    CHECK(listed.find("1 entries") != std::string::npos);
+    const bool warpgroup_tile = listed.find("store_in_ring=1") != std::string::npos &&
+                                listed.find("wgmma=1") != std::string::npos;
+    CHECK(warpgroup_tile == (arch == "sm_90a"));
+  }
+}

@@ -15,6 +15,7 @@
 #include "kerf/jit/cuda_codegen.h"
 #include "kerf/jit/nvrtc.h"
 #include "kerf/kernels/kernels.h"
+#include "kernels_src/ops_common.h"
 
 using namespace kerf;
 using namespace kerf::dsl;
@@ -852,6 +853,7 @@ TEST_CASE("the DoRA norm's default GPU tiles fit an H100's shared memory for eve
 // registers had both: 255 registers, 432 bytes spilled).
 TEST_CASE("no op's own GPU tiles spill registers or serialize their warpgroup dots", "[cuda][codegen][ops]") {
   KERF_REQUIRE_NVRTC();
+  const ops::detail::PlanningArch h100("sm_90a");  // the tiles planned for an H100 on any machine
   void* const p = reinterpret_cast<void*>(uintptr_t(1) << 16);
   int compiled = 0;
   for (const autotune::TunableOp& op : autotune::tunable_ops())
@@ -883,6 +885,7 @@ TEST_CASE("no op's own GPU tiles spill registers or serialize their warpgroup do
 // 312320, fp32 ones more; the 4-bit DoRA norm at rank 128 with fp32 adapters, in=130, 312592).
 TEST_CASE("every op's default GPU tiles fit an H100's shared memory at ranks 128 and 256", "[cuda][codegen][ops]") {
   const int limit = autotune::typical_max_shared_memory("sm_90a");
+  const ops::detail::PlanningArch h100("sm_90a");
   void* const p = reinterpret_cast<void*>(uintptr_t(1) << 16);
   int planned = 0;
   for (const autotune::TunableOp& op : autotune::tunable_ops())

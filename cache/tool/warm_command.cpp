@@ -287,6 +287,9 @@ int warm(Args& args) {
     } catch (const Error& e) {
       throw InvalidArgument("warm: " + item.text() + ": " + e.what());
     }
+    // Planned for the target, not for this machine's GPU (if any): an op's own tiles
+    // differ by architecture (warpgroup tiles on sm_90a).
+    const ops::detail::PlanningArch target(item.arch);
     const int sms = sm_count > 0 ? sm_count : autotune::typical_sm_count(item.arch);
     const int smem_limit = autotune::typical_max_shared_memory(item.arch);
     // The op's own config, or where its tiles would not fit the target's shared memory
