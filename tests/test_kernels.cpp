@@ -208,6 +208,9 @@ std::vector<MoeCase> moe_cases() {
       {3, 100, 130, 5, DType::f32, false}, {3, 100, 130, 5, DType::bf16, true},
       {2, 64, 256, 16, DType::bf16, false}, {2, 64, 256, 16, DType::f32, true},
       {4, 32, 16, 4, DType::f16, true},
+      // r=64 with no tile named: on an H100 the op's own warpgroup tile (ops_moe.cpp), with
+      // PEFT's layout and with fp32 adapters on a bf16 W.
+      {2, 130, 264, 64, DType::bf16, true}, {2, 72, 200, 64, DType::bf16, false, ops::Config{}, DType::f32},
       // K shared by programs: 2 and 3 slices of 64 columns (the last of 3 gets none at K=256).
       {3, 100, 130, 5, DType::bf16, true, ops::Config{0, 64, 2, 0, 0}},
       {2, 64, 256, 16, DType::f16, false, ops::Config{0, 64, 3, 0, 0}},
@@ -330,7 +333,22 @@ TEST_CASE("moe_lora_materialize matches a float64 reference on the GPU", "[gpu][
 
 // Every tile the GPU case above runs fits an H100's shared memory (a case over it is refused
 // at launch, which only a GPU run would show): each case's kernels as planned for sm_90a.
-// The tiles the GPU cases above run fit an H100 (each case's kernels as planned for sm_90a).
+// Untuned, the cases that name no tile run the op's own (on an H100 its warpgroup tile with
+// W_eff moved through W's ring, at ranks up to 64; ops_moe.cpp, own_config).
+TEST_CASE("moe_lora_materialize untuned on its own tiles matches a float64 reference on the GPU",
+          "[gpu][kernels]") {
+  KERF_REQUIRE_GPU();
+  test::ScopedEnv env({{"KERF_AUTOTUNE", "0"}});
+  uint64_t seed = 7700;
+  int ran = 0;
+  for (const MoeCase& c : moe_cases())
+    if (!c.config.block_m && !c.config.block_k) {
+      check_moe(c, Device::cuda(0), seed++);
+      ++ran;
+    }
+  CHECK(ran >= 8);
+}
+
 TEST_CASE("the tiles of moe_lora_materialize's GPU float64 cases fit an H100's shared memory",
           "[cuda][codegen][kernels]") {
   const Device dev = Device::cuda(0);
