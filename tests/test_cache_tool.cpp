@@ -51,6 +51,20 @@ bool tool_can_compile() {
   return true;
 }
 
+// Whether kerf-cache was built with the tests and NVRTC compiles here for GPU `arches`;
+// says why not as a skip otherwise.
+bool tool_can_compile_gpu(const std::string& arches) {
+  if (!*kTool) {
+    std::printf("KERF-SKIPPED: kerf-cache was not built with the tests\n");
+    return false;
+  }
+  if (!nvrtc::available()) {
+    std::printf("KERF-SKIPPED: no NVRTC to compile for %s\n", arches.c_str());
+    return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 TEST_CASE("kerf-cache warms, lists, packs, verifies and prunes", "[cache][tool]") {
@@ -367,14 +381,7 @@ TEST_CASE("kerf-cache warm stores a sharded op's kernels under its layout", "[ca
 // there runs instead (README, "Untuned calls"), not the tiles that could not launch.
 TEST_CASE("kerf-cache warm compiles what an untuned call runs on a GPU with less shared memory",
           "[cache][tool]") {
-  if (!*kTool) {
-    std::printf("KERF-SKIPPED: kerf-cache was not built with the tests\n");
-    return;
-  }
-  if (!nvrtc::available()) {
-    std::printf("KERF-SKIPPED: no NVRTC to compile for sm_86\n");
-    return;
-  }
+  if (!tool_can_compile_gpu("sm_86")) return;
   const std::vector<autotune::TunableOp> ops = autotune::tunable_ops();
   const auto op = std::find_if(ops.begin(), ops.end(), [](const autotune::TunableOp& o) { return o.name == "lora_merge"; });
   REQUIRE(op != ops.end());
@@ -416,14 +423,7 @@ TEST_CASE("kerf-cache warm compiles what an untuned call runs on a GPU with less
 // An op's own tiles depend on the architecture (the MoE forward's are warpgroup tiles on
 // sm_90a): warm plans them for its --arch, whatever GPU (or none) the machine has.
 TEST_CASE("kerf-cache warm compiles an op's own tiles for the target architecture", "[cache][tool]") {
-  if (!*kTool) {
-    std::printf("KERF-SKIPPED: kerf-cache was not built with the tests\n");
-    return;
-  }
-  if (!nvrtc::available()) {
-    std::printf("KERF-SKIPPED: no NVRTC to compile for sm_90a and sm_80\n");
-    return;
-  }
+  if (!tool_can_compile_gpu("sm_90a and sm_80")) return;
   for (const std::string arch : {"sm_90a", "sm_80"}) {
     CAPTURE(arch);
     test::TempDir dir;
