@@ -331,8 +331,6 @@ TEST_CASE("moe_lora_materialize matches a float64 reference on the GPU", "[gpu][
   run_moe_cases(Device::cuda(0));
 }
 
-// Every tile the GPU case above runs fits an H100's shared memory (a case over it is refused
-// at launch, which only a GPU run would show): each case's kernels as planned for sm_90a.
 // Untuned, the cases that name no tile run the op's own (on an H100 its warpgroup tile with
 // W_eff moved through W's ring, at ranks up to 64; ops_moe.cpp, own_config).
 TEST_CASE("moe_lora_materialize untuned on its own tiles matches a float64 reference on the GPU",
@@ -349,6 +347,8 @@ TEST_CASE("moe_lora_materialize untuned on its own tiles matches a float64 refer
   CHECK(ran >= 8);
 }
 
+// Every tile the GPU cases above run fits an H100's shared memory (a case over it is refused
+// at launch, which only a GPU run would show): each case's kernels as planned for sm_90a.
 TEST_CASE("the tiles of moe_lora_materialize's GPU float64 cases fit an H100's shared memory",
           "[cuda][codegen][kernels]") {
   const Device dev = Device::cuda(0);
