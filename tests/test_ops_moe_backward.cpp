@@ -489,12 +489,8 @@ bool wide_whole(const autotune::KernelCall& k) {
 // At ranks 33-64 with 16-bit adapters, where 512-column blocks fill their waves to at least
 // 90%, an untuned call on sm_90a takes the 64x512 tile with rows whole; elsewhere 64x256.
 TEST_CASE("the MoE backward's own config on sm_90a is 64x512 with rows whole where its blocks fill whole waves",
-          "[gpu][ops][moe]") {
-  KERF_REQUIRE_GPU();
-  if (!ops::detail::wgmma_target(Device::cuda(0))) {
-    std::cout << "KERF-SKIPPED: device 0 is not compiled for sm_90a (" << device_arch(0) << ")" << std::endl;
-    return;
-  }
+          "[ops][moe]") {
+  const ops::detail::PlanningArch h100("sm_90a");  // planned for an H100 on any machine
   CHECK(wide_whole(planned_backward(64, 2816, 2048, 64, DType::bf16, 132)));  // 256 blocks: two waves of 132
   CHECK(wide_whole(planned_backward(132, 70, 504, 40, DType::f16, 132, DType::f16)));  // one; 8 columns past K
   CHECK(planned_backward(64, 2816, 2048, 64, DType::bf16, 132).meta.at("BLOCK_N") == 64);
@@ -519,14 +515,57 @@ TEST_CASE("the MoE backward's own config on sm_90a is 64x512 with rows whole whe
   }
 }
 
-TEST_CASE("the MoE backward's own config is 64x256 where no sm_90a target answers", "[ops][moe]") {
-  if (ops::detail::wgmma_target(Device::cuda(0))) {
-    std::cout << "KERF-SKIPPED: device 0 is compiled for sm_90a (its case is the [gpu] one)" << std::endl;
-    return;
+TEST_CASE("the MoE backward's own config is 64x256 on GPUs other than sm_90a", "[ops][moe]") {
+  for (const char* arch : {"sm_80", "sm_89"}) {
+    CAPTURE(arch);
+    const ops::detail::PlanningArch other(arch);
+    const autotune::KernelCall k = planned_backward(64, 2816, 2048, 64, DType::bf16, 132);
+    CHECK(k.meta.at("BLOCK_K") == 256);
+    CHECK(k.meta.at("num_stages") == 3);
   }
-  const autotune::KernelCall k = planned_backward(64, 2816, 2048, 64, DType::bf16, 132);
-  CHECK(k.meta.at("BLOCK_K") == 256);
-  CHECK(k.meta.at("num_stages") == 3);
+}
+
+// An untuned MoE forward on sm_90a (nothing is launched): 64x128 on one warpgroup, three
+// stages, W_eff through W's ring, for 16-bit products up to rank 64; elsewhere, and for
+// larger ranks, fp32 or TF32 products, or STREAM / PERSISTENT calls, the tiles before it.
+TEST_CASE("the MoE forward's own config on sm_90a is 64x128 on three stages through W's ring", "[ops][moe]") {
+  const std::vector<autotune::TunableOp> all = autotune::tunable_ops();
+  const auto op = std::find_if(all.begin(), all.end(), [](const autotune::TunableOp& o) {
+    return o.name == "moe_lora_materialize";
+  });
+  REQUIRE(op != all.end());
+  void* const p = reinterpret_cast<void*>(uintptr_t(1) << 16);
+  const auto planned = [&](const char* arch, DType w, DType ab, int64_t r, const autotune::Config& c) {
+    const ops::detail::PlanningArch target(arch);
+    const auto t = [&](DType d, std::initializer_list<int64_t> shape) {
+      return TensorView::contiguous(p, d, shape, Device::cuda(0));
+    };
+    const std::vector<autotune::KernelCall> calls =
+        op->kernels({t(w, {64, 2816, 2048}), t(ab, {64, r, 2048}), t(ab, {64, 2816, r}), t(w, {64, 2816, 2048})}, c,
+                    132);
+    REQUIRE(calls.size() == 1);
+    return calls[0].meta;
+  };
+  const auto ring_tile = [](const autotune::Config& m) {
+    return m.at("BLOCK_N") == 64 && m.at("BLOCK_K") == 128 && m.at("num_warps") == 4 && m.at("num_stages") == 3 &&
+           m.count("wgmma") && m.count("store_in_ring") && m.count("l2_prefetch") && m.at("l2_prefetch") == 128;
+  };
+  for (const auto& [w, ab] : {std::pair{DType::bf16, DType::bf16}, {DType::bf16, DType::f32}, {DType::f16, DType::f16}})
+    for (const int64_t r : {1, 16, 64}) {
+      CAPTURE(dtype_name(w), dtype_name(ab), r);
+      CHECK(ring_tile(planned("sm_90a", w, ab, r, {})));
+      CHECK_FALSE(ring_tile(planned("sm_80", w, ab, r, {})));
+    }
+  CHECK_FALSE(ring_tile(planned("sm_90a", DType::bf16, DType::bf16, 128, {})));  // large ranks
+  CHECK_FALSE(ring_tile(planned("sm_90a", DType::f32, DType::f32, 16, {})));     // fp32 products
+  CHECK_FALSE(ring_tile(planned("sm_90a", DType::f16, DType::f32, 16, {})));     // TF32
+  CHECK_FALSE(ring_tile(planned("sm_90a", DType::bf16, DType::bf16, 64, {{"STREAM", 1}})));
+  CHECK_FALSE(ring_tile(planned("sm_90a", DType::bf16, DType::bf16, 64, {{"PERSISTENT", 2}})));
+  // A caller's fields win; the rest is the own tile's.
+  const autotune::Config deeper = planned("sm_90a", DType::bf16, DType::bf16, 64, {{"num_stages", 4}});
+  CHECK(deeper.at("num_stages") == 4);
+  CHECK(deeper.count("store_in_ring"));
+  CHECK(planned("sm_90a", DType::bf16, DType::bf16, 64, {{"BLOCK_N", 128}}).at("BLOCK_N") == 128);
 }
 
 TEST_CASE("moe_lora_materialize follows PEFT's layouts, adapters copied or read in place, on the CPU",

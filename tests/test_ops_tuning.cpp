@@ -268,6 +268,14 @@ TEST_CASE("WGMMA tiles join the candidates only for a tensor-core product on sm_
   const std::vector<autotune::Config> base = {{{"BLOCK_M", 32}}}, tiles = {{{"BLOCK_M", 64}}, {{"BLOCK_M", 128}}};
   CHECK(with_wgmma_tiles(base, tiles, DType::bf16, Device::cpu()) == base);
   CHECK(with_wgmma_tiles(base, tiles, DType::f32, Device::cuda(0)) == base);  // no tensor-core product
+  // Planned for a target (as kerf-cache warm does): sm_90a's GPUs take them, others not.
+  {
+    const ops::detail::PlanningArch h100("sm_90a");
+    CHECK(with_wgmma_tiles(base, tiles, DType::bf16, Device::cuda(0)).size() == 3);
+    CHECK(with_wgmma_tiles(base, tiles, DType::bf16, Device::cpu()) == base);
+  }
+  const ops::detail::PlanningArch a100("sm_80");
+  CHECK(with_wgmma_tiles(base, tiles, DType::bf16, Device::cuda(0)) == base);
 }
 
 TEST_CASE("WGMMA tiles join the candidates on an sm_90a GPU and nowhere else", "[autotune][gpu]") {
