@@ -66,36 +66,8 @@ struct BackwardCase {
   int64_t pack = -1;  // Config.meta PACK (-1: unset, on for GPUs): strided adapters copied, gradients via workspace
 };
 
-void check_backward(const BackwardCase& c, Device dev, uint64_t seed) {
-  CAPTURE(c.E, c.d1, c.d2, c.r, dtype_name(c.w), dtype_name(c.ab), dtype_name(c.grads),
-          layout_name(c.layout), c.split, seed, dev.str(), c.rotate, c.by_columns, c.l2_prefetch, c.wgmma,
-          c.cluster, c.staged, c.wgmma_ss, c.wide, c.db_workspace, c.pack);
-  std::mt19937_64 rng(seed);
-  const int64_t E = c.E, d1 = c.d1, d2 = c.d2, r = c.r;
-  TestTensor dW(c.w, {E, d1, d2}, dev);
-  dW.randomize(rng);
-  const std::vector<uint8_t> dw_before = dW.bytes();
-  // in/out of each expert's matrix W[e] [d1, d2]: PEFT's names.
-  const bool transposed = c.layout == MoeLayout::peft_transposed;
-  const int64_t in = transposed ? d1 : d2, out = transposed ? d2 : d1;
-  // Adapters and gradients: PEFT's flat tensors, or plain [E, r, d2] / [E, d1, r].
-  const bool flat = c.layout != MoeLayout::plain;
-  TestTensor A(c.ab, flat ? std::vector<int64_t>{r * E, in} : std::vector<int64_t>{E, r, d2}, dev);
-  TestTensor B(c.ab, flat ? std::vector<int64_t>{out, r * E} : std::vector<int64_t>{E, d1, r}, dev);
-  TestTensor dA(c.grads, A.shape(), dev), dB(c.grads, B.shape(), dev);
-  A.randomize(rng, -0.5, 0.5);
-  B.randomize(rng, -0.5, 0.5);
-  TensorView a = A.view(), b = B.view(), da = dA.view(), db = dB.view();
-  if (flat) {
-    const TensorView wv = dW.view();
-    const ops::MoeLoraViews v = ops::peft_moe_lora_views(wv, A.view(), B.view(), transposed);
-    const ops::MoeLoraViews g = ops::peft_moe_lora_views(wv, dA.view(), dB.view(), transposed);
-    a = v.A;
-    b = v.B;
-    da = g.A;
-    db = g.B;
-  }
-  const double s = 0.75;
+// The Config a case asks for.
+ops::Config backward_config(const BackwardCase& c) {
   ops::Config cfg;
   cfg.split_k = c.split;
   if (c.rotate) {
@@ -134,6 +106,53 @@ void check_backward(const BackwardCase& c, Device dev, uint64_t seed) {
       cfg.block_k = 32;
     }
   }
+  return cfg;
+}
+
+// The shapes of a case's adapters (and their gradients) as stored: PEFT's flat tensors
+// (lora_A [r*E, in], lora_B [out, r*E]), or plain [E, r, d2] / [E, d1, r].
+std::pair<std::vector<int64_t>, std::vector<int64_t>> adapter_shapes(const BackwardCase& c) {
+  const int64_t E = c.E, d1 = c.d1, d2 = c.d2, r = c.r;
+  if (c.layout == MoeLayout::plain) return {{E, r, d2}, {E, d1, r}};
+  const bool transposed = c.layout == MoeLayout::peft_transposed;  // W[e] is [in, out]
+  return {{r * E, transposed ? d1 : d2}, {transposed ? d2 : d1, r * E}};
+}
+
+// The op's operands for a case: dW [E, d1, d2] and the adapters and gradients as stored
+// (adapter_shapes) seen through the views it takes.
+struct BackwardViews {
+  TensorView A, B, dA, dB;
+};
+BackwardViews backward_views(const BackwardCase& c, const TensorView& dW, const TensorView& A, const TensorView& B,
+                             const TensorView& dA, const TensorView& dB) {
+  if (c.layout == MoeLayout::plain) return {A, B, dA, dB};
+  const bool transposed = c.layout == MoeLayout::peft_transposed;
+  const ops::MoeLoraViews v = ops::peft_moe_lora_views(dW, A, B, transposed);
+  const ops::MoeLoraViews g = ops::peft_moe_lora_views(dW, dA, dB, transposed);
+  return {v.A, v.B, g.A, g.B};
+}
+
+void check_backward(const BackwardCase& c, Device dev, uint64_t seed) {
+  CAPTURE(c.E, c.d1, c.d2, c.r, dtype_name(c.w), dtype_name(c.ab), dtype_name(c.grads),
+          layout_name(c.layout), c.split, seed, dev.str(), c.rotate, c.by_columns, c.l2_prefetch, c.wgmma,
+          c.cluster, c.staged, c.wgmma_ss, c.wide, c.db_workspace, c.pack);
+  std::mt19937_64 rng(seed);
+  const int64_t E = c.E, d1 = c.d1, d2 = c.d2, r = c.r;
+  TestTensor dW(c.w, {E, d1, d2}, dev);
+  dW.randomize(rng);
+  const std::vector<uint8_t> dw_before = dW.bytes();
+  // in/out of each expert's matrix W[e] [d1, d2]: PEFT's names.
+  const bool transposed = c.layout == MoeLayout::peft_transposed;
+  const int64_t in = transposed ? d1 : d2, out = transposed ? d2 : d1;
+  const bool flat = c.layout != MoeLayout::plain;
+  TestTensor A(c.ab, adapter_shapes(c).first, dev), B(c.ab, adapter_shapes(c).second, dev);
+  TestTensor dA(c.grads, A.shape(), dev), dB(c.grads, B.shape(), dev);
+  A.randomize(rng, -0.5, 0.5);
+  B.randomize(rng, -0.5, 0.5);
+  const BackwardViews v = backward_views(c, dW.view(), A.view(), B.view(), dA.view(), dB.view());
+  const TensorView &a = v.A, &b = v.B, &da = v.dA, &db = v.dB;
+  const double s = 0.75;
+  const ops::Config cfg = backward_config(c);
 
   // References in each layout's own terms.
   const auto w = [&](int64_t e, int64_t i, int64_t j) { return dW.get((e * d1 + i) * d2 + j); };
@@ -207,7 +226,14 @@ void check_backward(const BackwardCase& c, Device dev, uint64_t seed) {
   }
 }
 
-void run_backward_cases(Device dev) {
+// The float64 cases run on `dev`: each case, each WGMMA case again with both operands of its
+// warpgroup dots in shared memory, and each case in PEFT's layouts (adapters and gradients
+// strided along their last dims) again the other way round as to PACK: copied and through
+// the workspace on the CPU too, read and written in place on the GPU (not the 64x512 tile
+// with fp32 adapters: lora_B read in place as fp32 needs 258048 bytes of shared memory
+// there, over an H100's, and the call refuses it with that message; the tuner measures and
+// leaves it out).
+std::vector<BackwardCase> backward_runs(Device dev) {
   const std::vector<BackwardCase> cases = {
       {3, 100, 130, 5, DType::f32, DType::f32, DType::f32, MoeLayout::plain},
       {3, 100, 130, 5, DType::bf16, DType::f32, DType::f32, MoeLayout::peft},
@@ -283,24 +309,23 @@ void run_backward_cases(Device dev) {
       {2, 90, 150, 33, DType::f16, DType::f32, DType::f32, MoeLayout::peft_transposed, 2, false, true, 0, false, 0, true,
        false, false, true},
   };
-  uint64_t seed = 5100;
-  for (const BackwardCase& c : cases) check_backward(c, dev, seed++);
-  // Each WGMMA case again with both operands of its warpgroup dots in shared memory.
+  std::vector<BackwardCase> runs = cases;
   for (BackwardCase c : cases)
     if (c.wgmma && !c.wgmma_ss) {
       c.wgmma_ss = true;
-      check_backward(c, dev, seed++);
+      runs.push_back(c);
     }
-  // Each case in PEFT's layouts (adapters and gradients strided along their last dims)
-  // again the other way round as to PACK: copied and through the workspace on the CPU
-  // too, read and written in place on the GPU (not the 64x512 tile with fp32 adapters:
-  // lora_B read in place as fp32 needs 258048 bytes of shared memory there, over an H100's,
-  // and the call refuses it with that message; the tuner measures and leaves it out).
   for (BackwardCase c : cases)
     if (c.layout != MoeLayout::plain && !c.cluster && !(dev.is_cuda() && c.wide && c.ab == DType::f32)) {
       c.pack = dev.is_cuda() ? 0 : 1;
-      check_backward(c, dev, seed++);
+      runs.push_back(c);
     }
+  return runs;
+}
+
+void run_backward_cases(Device dev) {
+  uint64_t seed = 5100;
+  for (const BackwardCase& c : backward_runs(dev)) check_backward(c, dev, seed++);
 }
 
 // The forward through PEFT's layouts. Not transposed: W_eff[e][o, i] = W[e][o, i] +
@@ -379,6 +404,28 @@ TEST_CASE("moe_lora_materialize_backward matches a float64 reference in every la
           "[gpu][ops][moe]") {
   KERF_REQUIRE_GPU();
   run_backward_cases(Device::cuda(0));
+}
+
+// Every kernel the GPU cases above launch fits an H100's shared memory (a case over it is
+// refused at launch, which only a GPU run would show): each case as planned for sm_90a, on
+// the adapters PACK copies where it copies them.
+TEST_CASE("the tiles of moe_lora_materialize_backward's GPU float64 cases fit an H100's shared memory",
+          "[cuda][codegen][ops][moe]") {
+  const Device dev = Device::cuda(0);
+  void* const p = test::planning_address();
+  int planned = 0;
+  for (const BackwardCase& c : backward_runs(dev)) {
+    CAPTURE(c.E, c.d1, c.d2, c.r, dtype_name(c.w), dtype_name(c.ab), dtype_name(c.grads), layout_name(c.layout),
+            c.split, c.rotate, c.by_columns, c.wgmma, c.cluster, c.staged, c.wgmma_ss, c.wide, c.db_workspace, c.pack);
+    const auto [a_shape, b_shape] = adapter_shapes(c);
+    const auto t = [&](DType d, const std::vector<int64_t>& shape) { return TensorView::contiguous(p, d, shape, dev); };
+    const TensorView dW = t(c.w, {c.E, c.d1, c.d2});
+    const BackwardViews v =
+        backward_views(c, dW, t(c.ab, a_shape), t(c.ab, b_shape), t(c.grads, a_shape), t(c.grads, b_shape));
+    test::check_fits_h100("moe_lora_materialize_backward", {dW, v.A, v.B, v.dA, v.dB}, backward_config(c));
+    ++planned;
+  }
+  CHECK(planned >= 40);
 }
 
 // Untuned (KERF_AUTOTUNE=0, or a first call in a capture): the op's own tiles, narrowed at
