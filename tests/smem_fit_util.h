@@ -18,6 +18,14 @@ namespace kerf::test {
 // A device address for planning only (never dereferenced).
 inline void* planning_address() { return reinterpret_cast<void*>(uintptr_t(1) << 16); }
 
+// The registered tunable op named `name` (jit/autotune.h); the test stops where there is none.
+inline autotune::TunableOp registered_op(const std::string& name) {
+  const std::vector<autotune::TunableOp> all = autotune::tunable_ops();
+  const auto op = std::find_if(all.begin(), all.end(), [&](const autotune::TunableOp& o) { return o.name == name; });
+  REQUIRE(op != all.end());
+  return *op;
+}
+
 // The shared memory a planned kernel call takes, generated for sm_90a.
 inline int sm90a_smem_bytes(const autotune::KernelCall& k) {
   return jit::cuda::generate(k.kernel->trace(arg_specs(k.args), k.meta), "sm_90a").smem_bytes;
@@ -27,12 +35,10 @@ inline int sm90a_smem_bytes(const autotune::KernelCall& k) {
 // H100 (132 multiprocessors), generated for sm_90a, fits its shared memory.
 inline void check_fits_h100(const std::string& name, const std::vector<TensorView>& views,
                             const ops::Config& config) {
-  const std::vector<autotune::TunableOp> all = autotune::tunable_ops();
-  const auto op = std::find_if(all.begin(), all.end(), [&](const autotune::TunableOp& o) { return o.name == name; });
-  REQUIRE(op != all.end());
+  const autotune::TunableOp op = registered_op(name);
   const ops::detail::PlanningArch h100("sm_90a");  // the op's own tiles there, on any machine
   const std::vector<autotune::KernelCall> calls =
-      op->kernels(views, ops::detail::candidate_from(config, op->block_m_name, op->block_k_name), 132);
+      op.kernels(views, ops::detail::candidate_from(config, op.block_m_name, op.block_k_name), 132);
   REQUIRE(!calls.empty());
   for (const autotune::KernelCall& k : calls) {
     const int bytes = sm90a_smem_bytes(k);

@@ -17,6 +17,7 @@
 #include "kerf/jit/nvrtc.h"
 #include "kerf/runtime/cuda.h"
 #include "kernels_src/ops_tune.h"
+#include "smem_fit_util.h"
 #include "test_cache_util.h"
 
 using namespace kerf;
@@ -382,20 +383,18 @@ TEST_CASE("kerf-cache warm stores a sharded op's kernels under its layout", "[ca
 TEST_CASE("kerf-cache warm compiles what an untuned call runs on a GPU with less shared memory",
           "[cache][tool]") {
   if (!tool_can_compile_gpu("sm_86")) return;
-  const std::vector<autotune::TunableOp> ops = autotune::tunable_ops();
-  const auto op = std::find_if(ops.begin(), ops.end(), [](const autotune::TunableOp& o) { return o.name == "lora_merge"; });
-  REQUIRE(op != ops.end());
+  const autotune::TunableOp op = test::registered_op("lora_merge");
   void* const p = reinterpret_cast<void*>(uintptr_t(1) << 20);
   std::vector<TensorView> views;
-  for (const autotune::Operand& o : op->operands({1024, 1024, 256}, DType::bf16))
+  for (const autotune::Operand& o : op.operands({1024, 1024, 256}, DType::bf16))
     views.push_back(TensorView::contiguous(p, o.dtype, o.shape, Device::cuda(0)));
   const int limit = autotune::typical_max_shared_memory("sm_86"), sms = autotune::typical_sm_count("sm_86");
   ops::detail::UntunedFit fit;
-  const autotune::Config chosen = ops::detail::untuned_candidate(*op, views, "sm_86", limit, sms, &fit);
+  const autotune::Config chosen = ops::detail::untuned_candidate(op, views, "sm_86", limit, sms, &fit);
   REQUIRE_FALSE(chosen.empty());
   CHECK(fit.own_bytes > limit);
-  const autotune::Config own = op->kernels(views, {}, sms).at(0).meta;
-  const autotune::Config runs = op->kernels(views, chosen, sms).at(0).meta;
+  const autotune::Config own = op.kernels(views, {}, sms).at(0).meta;
+  const autotune::Config runs = op.kernels(views, chosen, sms).at(0).meta;
   REQUIRE(own != runs);
   test::TempDir dir;
   const auto [rc, out] = tool(dir / "cache", {"warm", "--op", "lora_merge", "--shape", "1024x1024x256", "--dtype",

@@ -13,6 +13,7 @@
 #include "kerf/jit/autotune.h"
 #include "kerf/jit/launch.h"
 #include "kerf/ops/ops.h"
+#include "smem_fit_util.h"
 #include "test_cache_util.h"
 
 using namespace kerf;
@@ -629,16 +630,13 @@ TEST_CASE(
 // dots, one cooperative kernel where the call groups by id; otherwise the plan's own tiles.
 TEST_CASE("the embedding backward's own GPU config is the fused 128x128 warpgroup tile up to rank 16",
           "[ops][embedding]") {
-  const std::vector<autotune::TunableOp> ops = autotune::tunable_ops();
-  const auto op = std::find_if(ops.begin(), ops.end(),
-                               [](const autotune::TunableOp& o) { return o.name == "lora_embedding_backward"; });
-  REQUIRE(op != ops.end());
+  const autotune::TunableOp op = test::registered_op("lora_embedding_backward");
   void* const p = reinterpret_cast<void*>(uintptr_t(1) << 20);
   const auto planned = [&](int64_t r, DType t, const autotune::Config& c) {
     std::vector<TensorView> views;
-    for (const autotune::Operand& o : op->operands({8192, 128256, 4096, r}, t))
+    for (const autotune::Operand& o : op.operands({8192, 128256, 4096, r}, t))
       views.push_back(TensorView::contiguous(p, o.dtype, o.shape, Device::cuda(0)));
-    return op->kernels(views, c, 132);
+    return op.kernels(views, c, 132);
   };
   for (const DType t : {DType::bf16, DType::f16})
     for (const int64_t r : {1, 5, 16}) {

@@ -16,6 +16,7 @@
 #include "kerf/jit/nvrtc.h"
 #include "kerf/kernels/kernels.h"
 #include "kernels_src/ops_common.h"
+#include "smem_fit_util.h"
 
 using namespace kerf;
 using namespace kerf::dsl;
@@ -818,13 +819,11 @@ TEST_CASE("1024-aligned shared-memory regions share one pad: the MoE backward's 
 // rank 16 took 573712 bytes, rank 128 338192.)
 TEST_CASE("the DoRA norm's default GPU tiles fit an H100's shared memory for every product and rank up to 256",
           "[cuda][codegen][ops]") {
-  const std::vector<autotune::TunableOp> ops = autotune::tunable_ops();
-  const auto it = std::find_if(ops.begin(), ops.end(), [](const autotune::TunableOp& o) { return o.name == "dora_norm"; });
-  REQUIRE(it != ops.end());
+  const autotune::TunableOp op = test::registered_op("dora_norm");
   const int limit = autotune::typical_max_shared_memory("sm_90a");
   CHECK(limit == 232448);
   const Device dev = Device::cuda(0);  // planned and generated only
-  void* const p = reinterpret_cast<void*>(uintptr_t(1) << 16);
+  void* const p = test::planning_address();
   const int64_t out = 4096, in = 4096;
   for (const auto& [w, ab] : {std::pair{DType::bf16, DType::f32}, {DType::f16, DType::f16}, {DType::f16, DType::f32},
                               {DType::f32, DType::f32}})
@@ -834,7 +833,7 @@ TEST_CASE("the DoRA norm's default GPU tiles fit an H100's shared memory for eve
           TensorView::contiguous(p, w, {out, in}, dev),          TensorView::contiguous(p, ab, {r, in}, dev),
           TensorView::contiguous(p, ab, {out, r}, dev),          TensorView::contiguous(p, DType::f32, {out}, dev),
           TensorView::contiguous(p, DType::f32, {out}, dev),     TensorView::contiguous(p, DType::f32, {out}, dev)};
-      for (const autotune::KernelCall& call : it->kernels(views, {}, 132)) {
+      for (const autotune::KernelCall& call : op.kernels(views, {}, 132)) {
         const ir::Function fn = call.kernel->trace(arg_specs(call.args), call.meta);
         const jit::cuda::KernelCode code = jit::cuda::generate(fn, "sm_90a");
         CHECK(code.smem_bytes <= limit);
@@ -854,7 +853,7 @@ TEST_CASE("the DoRA norm's default GPU tiles fit an H100's shared memory for eve
 TEST_CASE("no op's own GPU tiles spill registers or serialize their warpgroup dots", "[cuda][codegen][ops]") {
   KERF_REQUIRE_NVRTC();
   const ops::detail::PlanningArch h100("sm_90a");  // the tiles planned for an H100 on any machine
-  void* const p = reinterpret_cast<void*>(uintptr_t(1) << 16);
+  void* const p = test::planning_address();
   int compiled = 0;
   for (const autotune::TunableOp& op : autotune::tunable_ops())
     for (const int64_t r : {16, 64}) {
@@ -886,7 +885,7 @@ TEST_CASE("no op's own GPU tiles spill registers or serialize their warpgroup do
 TEST_CASE("every op's default GPU tiles fit an H100's shared memory at ranks 128 and 256", "[cuda][codegen][ops]") {
   const int limit = autotune::typical_max_shared_memory("sm_90a");
   const ops::detail::PlanningArch h100("sm_90a");
-  void* const p = reinterpret_cast<void*>(uintptr_t(1) << 16);
+  void* const p = test::planning_address();
   int planned = 0;
   for (const autotune::TunableOp& op : autotune::tunable_ops())
     for (const DType t : {DType::bf16, DType::f16, DType::f32})

@@ -495,7 +495,7 @@ TEST_CASE("the MoE backward's own GPU config is the column-owning kernel for 16-
           "at few column blocks",
           "[ops][moe]") {
   const Device dev = Device::cuda(0);
-  void* const p = reinterpret_cast<void*>(uintptr_t(1) << 16);
+  void* const p = test::planning_address();
   const auto planned = [&](DType w, DType ab, int64_t r, const ops::Config& c) {
     const auto t = [&](DType d, std::initializer_list<int64_t> shape) { return TensorView::contiguous(p, d, shape, dev); };
     return ops::detail::moe_backward_kernel(t(w, {4, 512, 1024}), t(ab, {4, r, 1024}), t(ab, {4, 512, r}), 1.0,
@@ -535,7 +535,7 @@ namespace {
 autotune::KernelCall planned_backward(int64_t E, int64_t N, int64_t K, int64_t r, DType ab, int64_t programs,
                                       DType w = DType::bf16) {
   const Device dev = Device::cuda(0);
-  void* const p = reinterpret_cast<void*>(uintptr_t(1) << 16);
+  void* const p = test::planning_address();
   const auto t = [&](DType d, std::initializer_list<int64_t> shape) { return TensorView::contiguous(p, d, shape, dev); };
   return ops::detail::moe_backward_kernel(t(w, {E, N, K}), t(ab, {E, r, K}), t(ab, {E, N, r}), 1.0, t(w, {E, r, K}),
                                           t(w, {E, N, r}), programs, {});
@@ -591,19 +591,15 @@ TEST_CASE("the MoE backward's own config is 64x256 on GPUs other than sm_90a", "
 // stages, W_eff through W's ring, for 16-bit products up to rank 64; elsewhere, and for
 // larger ranks, fp32 or TF32 products, or STREAM / PERSISTENT calls, the tiles before it.
 TEST_CASE("the MoE forward's own config on sm_90a is 64x128 on three stages through W's ring", "[ops][moe]") {
-  const std::vector<autotune::TunableOp> all = autotune::tunable_ops();
-  const auto op = std::find_if(all.begin(), all.end(), [](const autotune::TunableOp& o) {
-    return o.name == "moe_lora_materialize";
-  });
-  REQUIRE(op != all.end());
-  void* const p = reinterpret_cast<void*>(uintptr_t(1) << 16);
+  const autotune::TunableOp op = test::registered_op("moe_lora_materialize");
+  void* const p = test::planning_address();
   const auto planned = [&](const char* arch, DType w, DType ab, int64_t r, const autotune::Config& c) {
     const ops::detail::PlanningArch target(arch);
     const auto t = [&](DType d, std::initializer_list<int64_t> shape) {
       return TensorView::contiguous(p, d, shape, Device::cuda(0));
     };
     const std::vector<autotune::KernelCall> calls =
-        op->kernels({t(w, {64, 2816, 2048}), t(ab, {64, r, 2048}), t(ab, {64, 2816, r}), t(w, {64, 2816, 2048})}, c,
+        op.kernels({t(w, {64, 2816, 2048}), t(ab, {64, r, 2048}), t(ab, {64, 2816, r}), t(w, {64, 2816, 2048})}, c,
                     132);
     REQUIRE(calls.size() == 1);
     return calls[0].meta;
@@ -721,7 +717,7 @@ TEST_CASE("peft_moe_lora_views follows PEFT's index formulas and rejects mismatc
 TEST_CASE("the MoE backward's 64x512 column tile fits an H100's shared memory where its tiles are copied whole",
           "[ops][moe]") {
   const Device dev = Device::cuda(0);  // planned and generated only
-  void* const p = reinterpret_cast<void*>(uintptr_t(1) << 16);
+  void* const p = test::planning_address();
   const int64_t E = 4, d1 = 300, d2 = 1104;  // a last column block of 80
   ops::Config wide{64, 512, 0, 8, 2};
   for (const auto& [name, value] : {std::pair<const char*, int64_t>{"BY_COLUMNS", 1}, {"WGMMA", 1}, {"WGMMA_SS", 1},
@@ -773,7 +769,7 @@ TEST_CASE("the MoE backward's 64x512 column tile fits an H100's shared memory wh
 TEST_CASE("PACK gives the MoE backward contiguous adapters and workspace gradients for PEFT's flat layout",
           "[ops][moe]") {
   const Device dev = Device::cuda(0);  // planned only
-  void* const p = reinterpret_cast<void*>(uintptr_t(1) << 16);
+  void* const p = test::planning_address();
   const int64_t E = 4, N = 256, K = 512, r = 16;
   const auto t = [&](DType d, std::vector<int64_t> shape) { return TensorView::contiguous(p, d, shape, dev); };
   const TensorView dW = t(DType::bf16, {E, N, K});
@@ -832,23 +828,20 @@ TEST_CASE("PACK gives the MoE backward contiguous adapters and workspace gradien
 // PACK 0 reads them in place.
 TEST_CASE("PACK copies the MoE forward's strided adapters first on GPUs", "[ops][moe]") {
   const Device dev = Device::cuda(0);  // planned only
-  void* const p = reinterpret_cast<void*>(uintptr_t(1) << 16);
+  void* const p = test::planning_address();
   const int64_t E = 4, d1 = 256, d2 = 512, r = 16;
   const auto t = [&](DType d, std::vector<int64_t> shape) { return TensorView::contiguous(p, d, shape, dev); };
   const TensorView W = t(DType::bf16, {E, d1, d2});
   const ops::MoeLoraViews v = ops::peft_moe_lora_views(W, t(DType::bf16, {r * E, d1}), t(DType::bf16, {d2, r * E}), true);
-  const std::vector<autotune::TunableOp> registered = autotune::tunable_ops();
-  const auto op = std::find_if(registered.begin(), registered.end(),
-                               [](const autotune::TunableOp& o) { return o.name == "moe_lora_materialize"; });
-  REQUIRE(op != registered.end());
-  const std::vector<autotune::KernelCall> packed = op->kernels({W, v.A, v.B, W}, {}, 132);
+  const autotune::TunableOp op = test::registered_op("moe_lora_materialize");
+  const std::vector<autotune::KernelCall> packed = op.kernels({W, v.A, v.B, W}, {}, 132);
   REQUIRE(packed.size() == 3);
   CHECK(packed[0].kernel == &kernels::transpose_3d());
   CHECK(packed[1].kernel == &kernels::transpose_3d());
   for (size_t i : {size_t(1), size_t(2)}) CHECK(std::get<TensorView>(packed[2].args[i]).strides[2] == 1);
   autotune::Config in_place;
   in_place["PACK"] = 0;
-  const std::vector<autotune::KernelCall> direct = op->kernels({W, v.A, v.B, W}, in_place, 132);
+  const std::vector<autotune::KernelCall> direct = op.kernels({W, v.A, v.B, W}, in_place, 132);
   REQUIRE(direct.size() == 1);
   CHECK(std::get<TensorView>(direct[0].args[1]).strides[2] == r * E);  // lora_B read in place
 }
