@@ -677,25 +677,44 @@ Value load(const Tensor& t, const std::vector<Value>& idx, const Value& mask, co
   return load(t, idx, mask, other, Evict::normal);
 }
 
-Value load(const Tensor& t, const std::vector<Value>& idx, const Value& mask, const Value& other, Evict evict) {
+namespace {
+Value load_op(const char* opname, const Tensor& t, const std::vector<Value>& idx, const Value& mask,
+              const Value& other, Evict evict, bool cluster_share) {
   Builder::Impl& s = t.builder().impl();
-  Access a = make_access(s, "load", t, idx, mask, nullptr);
+  Access a = make_access(s, opname, t, idx, mask, nullptr);
+  if (cluster_share && a.shape.empty())
+    s.fail(opname, "the indices are scalars; cluster_load reads tiles (use load for one element)");
   ir::Operation op(OpKind::Load);
   op.attrs.param = t.param();
   op.attrs.evict = uint8_t(evict);
+  op.attrs.cluster_share = cluster_share;
   for (const Value& i : a.idx) op.operands.push_back(i.id());
   if (a.mask.valid()) {
     op.operands.push_back(a.mask.id());
     op.attrs.has_mask = true;
   }
   if (other.valid()) {
-    s.check_usable(other, "load");
-    if (!a.mask.valid()) s.fail("load", "'other' needs a mask");
-    Value o = to_shape(s, cast(other, t.dtype()), a.shape, "load");
+    s.check_usable(other, opname);
+    if (!a.mask.valid()) s.fail(opname, "'other' needs a mask");
+    Value o = to_shape(s, cast(other, t.dtype()), a.shape, opname);
     op.operands.push_back(o.id());
     op.attrs.has_other = true;
   }
   return make(s, std::move(op), Type{t.dtype(), a.shape});
+}
+}  // namespace
+
+Value load(const Tensor& t, const std::vector<Value>& idx, const Value& mask, const Value& other, Evict evict) {
+  return load_op("load", t, idx, mask, other, evict, false);
+}
+
+Value cluster_load(const Tensor& t, const std::vector<Value>& idx, const Value& last, const Value& mask) {
+  Builder::Impl& s = t.builder().impl();
+  scalar_int(s, last, "cluster_load", "the last index (the cluster's base plus the program's rank)");
+  std::vector<Value> all = idx;
+  all.push_back(last);
+  t.builder().meta("cluster_size", 1);  // part of the specialization: the codegen reads it
+  return load_op("cluster_load", t, all, mask, Value(), Evict::normal, true);
 }
 
 Value load(const Tensor& t, const std::vector<Value>& idx, const Value& mask, double other) {

@@ -11,6 +11,7 @@
 #include "ops_common.h"
 #include "ops_layout.h"
 #include "ops_tune.h"
+#include "ops_checks.h"
 
 namespace kerf::ops {
 
@@ -24,6 +25,7 @@ struct MoePlan {
   Grid grid;
   DType cast_a = DType::f32;  // CAST_A: what an f32 A is rounded to first (f32: nothing)
   bool pack = false;  // PACK (ops_common.h): adapters strided along their last dims copied first
+  bool experts_last = false;  // EXPERTS_LAST: B given to the kernel as [N, r, E] (its experts fastest)
 };
 
 // The op's own tile on an H100 (sm_90a), for a call whose Config names none (untuned, or a
@@ -45,8 +47,9 @@ Config own_config(const Config& config, const TensorView& W, Product dot, int64_
 }
 
 // `programs`: the multiprocessors (CPU threads) PERSISTENT counts; 0: W's device's, asked.
+// `b_experts_fastest`: B's experts are its unit-stride dimension (PEFT's flat lora_B).
 MoePlan plan_moe(const TensorView& W, DType a, DType b, int64_t r, bool gpu, const Config& given,
-                 int64_t programs = 0) {
+                 bool b_experts_fastest, int64_t programs = 0) {
   const int64_t E = W.shape[0], N = W.shape[1];
   const Product dot = product_dtype(W.dtype, a, b);
   const int64_t r_pad = rank_pad(r);
@@ -72,6 +75,18 @@ MoePlan plan_moe(const TensorView& W, DType a, DType b, int64_t r, bool gpu, con
   int64_t split = std::max<int64_t>(1, slices_within(config.split_k, steps));
   const Config order = stream_plan(config, W.dtype, steps, p.meta, &split);
   p.grid = row_slice_grid(cdiv(N, bn), split, E, order, p.meta);
+  if (const int64_t g = meta_or(config, "EXPERT_GROUP", 0); g && !meta_or(config, "PERSISTENT", 0)) {
+    p.meta.erase("COLS_FIRST");
+    p.meta["EXPERT_GROUP"] = g;
+    p.grid = Grid{uint32_t(g), uint32_t(cdiv(N, bn)), uint32_t(cdiv(E, g) * split)};
+    const int64_t c = meta_or(config, "CLUSTER", 0);
+    if (c > 1 && g % c == 0) p.meta["cluster_size"] = c;
+    if (c > 1 && g % c == 0 && E % g == 0 && b_experts_fastest && meta_or(config, "EXPERTS_LAST", 0)) {
+      p.experts_last = true;
+      p.meta["EXPERTS_LAST"] = 1;
+      p.pack = false;
+    }
+  }
   // PERSISTENT: that many programs per multiprocessor (CPU thread), which deal out all
   // the tiles; where the tiles would not count in 32 bits (with a program's steps ahead),
   // the grid above.
@@ -94,6 +109,9 @@ CopiedAdapters moe_inputs(const MoePlan& p, const TensorView& A, const TensorVie
   else if (p.pack && strided_last(A))
     a_to = A.dtype;
   if (p.pack && strided_last(B)) b_to = B.dtype;
+  if (p.experts_last)
+    return copied_adapters(A, a_to, restride(B, {B.shape[1], B.shape[2], B.shape[0]}, {B.strides[1], B.strides[2], B.strides[0]}),
+                           std::nullopt, options);
   return copied_adapters(A, a_to, B, b_to, options);
 }
 
@@ -152,7 +170,7 @@ void run_moe_lora_materialize(const TensorView& W, const TensorView& A, const Te
   const char* op = "moe_lora_materialize";
   expect_meta(op, config,
               {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"PACK", 0, 1}, kStream, kWarpsN, kL2Prefetch, kWgmma, kColsFirst, kTf32,
-               kAccStore, kStoreInRing, {"PERSISTENT", 0, 8}});
+               kAccStore, kStoreInRing, {"PERSISTENT", 0, 8}, {"EXPERT_GROUP", 0, 64}, {"CLUSTER", 0, 8}, {"EXPERTS_LAST", 0, 1}});
   if (meta_or(config, "PERSISTENT", 0) && meta_or(config, "STREAM", 0))
     throw InvalidArgument(std::string(op) +
                           ": Config.meta PERSISTENT (programs that deal out the tiles) and STREAM (one tile a "
@@ -182,7 +200,7 @@ void run_moe_lora_materialize(const TensorView& W, const TensorView& A, const Te
     const Config cfg = has_config(config)
                            ? config
                            : tuned_moe_config(W, A, B, W_eff, stream);
-    return plan_moe(W, A.dtype, B.dtype, r, W.device.is_cuda(), cfg);
+    return plan_moe(W, A.dtype, B.dtype, r, W.device.is_cuda(), cfg, B.strides[0] == 1);
   });
   LaunchOptions options;
   options.stream = stream;
@@ -238,11 +256,11 @@ Config tuned_moe_config(const TensorView& W, const TensorView& A, const TensorVi
   if (gpu && (strided_last(A) || strided_last(B))) q.finalist_variants.push_back({{"PACK", 0}});
   q.extent_m = N;
   q.extent_k = K;
-  q.kernels = [&](const Config& c) { return moe_calls(plan_moe(W, A.dtype, B.dtype, r, gpu, c), W, A, B, W_eff); };
+  q.kernels = [&](const Config& c) { return moe_calls(plan_moe(W, A.dtype, B.dtype, r, gpu, c, B.strides[0] == 1), W, A, B, W_eff); };
   q.run = [&](const Config& c) {
     LaunchOptions options;
     options.stream = stream;
-    launch_moe(plan_moe(W, A.dtype, B.dtype, r, gpu, c), W, A, B, 1.0, W_eff, options);
+    launch_moe(plan_moe(W, A.dtype, B.dtype, r, gpu, c, B.strides[0] == 1), W, A, B, 1.0, W_eff, options);
   };
   // When W_eff is W (materializing in place) every timed run would add s*B@A once
   // more: W's bytes are saved, only when a tuning actually runs, and put back.
@@ -270,7 +288,8 @@ const bool moe_registered = [] {
   };
   op.kernels = [](const std::vector<TensorView>& v, const autotune::Config& c, int sm_count) {
     const MoePlan p =
-        plan_moe(v[0], v[1].dtype, v[2].dtype, v[1].shape[1], true, config_from(c, "BLOCK_N", "BLOCK_K"), sm_count);
+        plan_moe(v[0], v[1].dtype, v[2].dtype, v[1].shape[1], true, config_from(c, "BLOCK_N", "BLOCK_K"),
+                 v[2].strides[0] == 1, sm_count);
     return moe_calls(p, v[0], v[1], v[2], v[3]);
   };
   op.gpu_candidates = moe_gpu_candidates;

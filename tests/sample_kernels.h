@@ -142,6 +142,23 @@ inline const Kernel& cluster_sum_kernel() {
   return k;
 }
 
+// cluster_load: x [R, C, E] with its last dimension the one the cluster's programs
+// share; program (e, i, j) reads tile [BM, BN] at rows i*BM.., columns j*BN.. of x[..., e]
+// (e = program_id(0): the cluster's first program's e plus the program's rank) and
+// writes it to out[e] ([E, R, C]).
+inline const Kernel& cluster_gather_kernel() {
+  static const Kernel k("cluster_gather", [](Builder& b) {
+    auto x = b.tensor("x", 3), out = b.tensor("out", 3);
+    const int64_t BM = b.meta("BM"), BN = b.meta("BN");
+    auto e = program_id(0);
+    auto rows = program_id(1) * BM + arange(BM);
+    auto cols = program_id(2) * BN + arange(BN);
+    auto m = (rows.col() < x.dim(0)) & (cols.row() < x.dim(1));
+    store(out, {e, rows.col(), cols.row()}, cluster_load(x, {rows.col(), cols.row()}, e, m), m);
+  });
+  return k;
+}
+
 // A grab bag of elementwise ops, casts and selects over one tile.
 inline const Kernel& elementwise_kernel() {
   static const Kernel k("elementwise_mix", [](Builder& b) {

@@ -780,6 +780,55 @@ TEST_CASE("cluster_atomic_add sums over the cluster in distributed shared memory
   }
 }
 
+TEST_CASE("cluster_load hands each program its values through distributed shared memory on sm_90, a load elsewhere",
+          "[cuda][codegen]") {
+  const auto source = [&](int64_t cluster, const char* arch, DType d, bool fast) {
+    const ir::Function fn = test::cluster_gather_kernel().trace({t(d, 3, fast), t(d, 3)},
+                                                                {{"BM", 64}, {"BN", 64}, {"cluster_size", cluster}});
+    return jit::cuda::generate(fn, arch).source;
+  };
+  const std::string eight = source(8, "sm_90a", DType::bf16, true);
+  INFO(eight);
+  CHECK(eight.find("cluster_load @x in ") != std::string::npos);
+  CHECK(eight.find("shared over clusters of 8 programs") != std::string::npos);
+  // A program reads its share of the elements for the cluster, 8 bf16 neighbours in one
+  // 16-byte vector where aligned, one by one where not; every program's values come
+  // back in one 8-byte vector each (4 elements of the 32 a thread holds).
+  CHECK(eight.find("if (r % 8 != int(kerf_crank)) continue;") != std::string::npos);
+  CHECK(eight.find("kerf_dev::ld<unsigned short, 8>(b0 + c)") != std::string::npos);
+  CHECK(eight.find("nb[c] = b0[c];") != std::string::npos);
+  CHECK(eight.find("kerf_dev::ld_cluster_pack<unsigned short, 4>") != std::string::npos);
+  // Two cluster barriers: the values written before the reads, the reads before the
+  // buffer is reused (no third one at the kernel's end: no program's buffer is read then).
+  const auto count = [&](const std::string& what) {
+    size_t k = 0;
+    for (size_t at = eight.find(what); at != std::string::npos; at = eight.find(what, at + 1)) ++k;
+    return k;
+  };
+  CHECK(count("kerf_dev::cluster_arrive();") == 2);
+  CHECK(count("kerf_dev::cluster_wait();") == 2);
+  // fp32 at 8: two 16-byte vectors; without 16-byte alignment: one element at a time.
+  CHECK(source(8, "sm_90a", DType::f32, true).find("kerf_dev::ld<float, 4>(b0 + c)") != std::string::npos);
+  const std::string slow = source(8, "sm_90a", DType::bf16, false);
+  CHECK(slow.find("shared over clusters of 8 programs") != std::string::npos);
+  CHECK(slow.find("b0 + c)") == std::string::npos);
+  // Without clusters (size 1, or before sm_90) it is a plain load.
+  for (const std::string& plain : {source(1, "sm_90a", DType::bf16, true), source(8, "sm_80", DType::bf16, true)}) {
+    CHECK(plain.find("cluster_wait") == std::string::npos);
+    CHECK(plain.find("ld_cluster") == std::string::npos);
+    CHECK(plain.find("load @x in ") != std::string::npos);
+  }
+  if (nvrtc::available())
+    for (const DType d : {DType::bf16, DType::f32, DType::f16})
+      for (const int64_t cluster : {2, 3, 8}) {
+        CAPTURE(dtype_name(d), cluster);
+        const ir::Function fn = test::cluster_gather_kernel().trace(
+            {t(d, 3), t(d, 3)}, {{"BM", 32}, {"BN", 16}, {"cluster_size", cluster}});
+        const jit::cuda::KernelCode code = jit::cuda::generate(fn, "sm_90a");
+        CHECK_NOTHROW(nvrtc::compile(code.source, code.entry + ".cu", "sm_90a"));
+      }
+}
+
 TEST_CASE("l2_evict_normal is one applypriority per element held, from sm_80", "[cuda][codegen]") {
   const ir::Function fn = test::l2_keep_kernel().trace({t(DType::f32, 1), t(DType::f32, 1)}, {{"BLOCK", 128}});
   const std::string src = jit::cuda::generate(fn, "sm_90a").source;

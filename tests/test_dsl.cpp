@@ -627,6 +627,35 @@ TEST_CASE("cluster_atomic_add adds f32 tiles, and cluster_size is 1..8 and part 
                           {"cluster_scalar", "cluster_atomic_add adds tiles"});
 }
 
+TEST_CASE("cluster_load reads a tile whose last index is a scalar, and records cluster_size", "[dsl][errors]") {
+  const std::vector<ArgSpec> args = {ArgSpec::tensor(DType::bf16, 2), ArgSpec::tensor(DType::bf16, 1)};
+  const auto kernel = [](const char* name, int what) {
+    return Kernel(name, [what](Builder& b) {
+      auto x = b.tensor("x", 2), out = b.tensor("out", 1);
+      auto i = arange(16);
+      auto e = program_id(0);
+      if (what == 0) store(out, {i}, cluster_load(x, {i}, e, i < x.dim(0)), i < out.dim(0));
+      if (what == 1) store(out, {i}, cluster_load(x, {e}, e));
+      if (what == 2) store(out, {i}, cluster_load(x, {i}, i));
+      if (what == 3) store(out, {i}, cluster_load(x, {i}, literal(1.0f)));
+      if (what == 4) store(out, {i}, cluster_load(x, {i, i}, e));
+    });
+  };
+  const std::string two = ir::print(kernel("cluster_load_ok", 0).trace(args, {{"cluster_size", 2}}));
+  INFO(two);
+  CHECK(two.find("cluster_share") != std::string::npos);
+  CHECK(two.find("cluster_size=2") != std::string::npos);
+  CHECK(ir::print(kernel("cluster_load_ok", 0).trace(args, {})).find("cluster_size=1") != std::string::npos);
+  expect_definition_error([&] { kernel("cluster_load_scalar", 1).trace(args, {}); },
+                          {"cluster_load_scalar", "cluster_load reads tiles"});
+  expect_definition_error([&] { kernel("cluster_load_tile", 2).trace(args, {}); },
+                          {"cluster_load", "must be an integer scalar"});
+  expect_definition_error([&] { kernel("cluster_load_float", 3).trace(args, {}); },
+                          {"cluster_load", "must be an integer scalar"});
+  expect_definition_error([&] { kernel("cluster_load_rank", 4).trace(args, {}); },
+                          {"cluster_load", "has rank 2 but 3 indices"});
+}
+
 TEST_CASE("u8 is a storage type: integers meet it as i32, arithmetic on it alone is refused", "[dsl][errors]") {
   const std::vector<ArgSpec> bytes = {ArgSpec::tensor(DType::u8, 1), ArgSpec::tensor(DType::i32, 1),
                                       ArgSpec::tensor(DType::u8, 1)};

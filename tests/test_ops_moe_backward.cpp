@@ -333,8 +333,10 @@ void run_backward_cases(Device dev) {
 // W[e][i, o] + s * sum_k lora_A[e*r + k, i] * lora_B[o, k*E + e]. `pack`: Config.meta PACK
 // (-1: unset, on for GPUs), the strided adapters copied contiguous first or read in place.
 void check_forward_peft(Device dev, uint64_t seed, bool transposed, int64_t pack, DType ab, int64_t E, int64_t d1,
-                        int64_t d2, int64_t r) {
-  CAPTURE(seed, dev.str(), transposed, pack, dtype_name(ab), E, d1, d2, r);
+                        int64_t d2, int64_t r, ops::Config cfg = {}) {
+  std::string meta;
+  for (const auto& [name, value] : cfg.meta) meta += name + "=" + std::to_string(value) + " ";
+  CAPTURE(seed, dev.str(), transposed, pack, dtype_name(ab), E, d1, d2, r, cfg.block_m, cfg.block_k, cfg.split_k, meta);
   std::mt19937_64 rng(seed);
   const int64_t in = transposed ? d1 : d2, out_dim = transposed ? d2 : d1;
   TestTensor W(DType::bf16, {E, d1, d2}, dev), out(DType::bf16, {E, d1, d2}, dev);
@@ -343,7 +345,6 @@ void check_forward_peft(Device dev, uint64_t seed, bool transposed, int64_t pack
   lA.randomize(rng, -0.5, 0.5);
   lB.randomize(rng, -0.5, 0.5);
   out.poison();
-  ops::Config cfg;
   if (pack >= 0) cfg.meta["PACK"] = pack;
   const ops::MoeLoraViews v = ops::peft_moe_lora_views(W.view(), lA.view(), lB.view(), transposed);
   ops::moe_lora_materialize(W.view(), v.A, v.B, 0.5, out.view(), nullptr, cfg);
@@ -384,6 +385,37 @@ void check_forward_peft_layouts(Device dev) {
   uint64_t seed = 5200;
   for (const ForwardPeftCase& c : forward_peft_cases(dev))
     check_forward_peft(dev, seed++, c.transposed, c.pack, c.ab, c.E, c.d1, c.d2, c.r);
+}
+
+// PEFT's flat lora_B read in place by clusters of neighbouring experts (EXPERT_GROUP G
+// experts along grid axis 0, CLUSTER C of them sharing each sector: EXPERTS_LAST), for
+// groups of 8 and 16 at clusters of 2, 4 and 8, fp32 and bf16 adapters, ranks below and
+// at their padding, rows and columns that are not multiples of the tiles, the column split
+// over several programs, and an expert count of several groups; a GPU tile on one
+// warpgroup through W's ring as the op's own (WGMMA on sm_90a) and a plain one. Where
+// the call cannot use clusters (E not a multiple of G, CPUs) it runs on the same grid
+// with B read per program.
+void check_forward_peft_clusters(Device dev) {
+  uint64_t seed = 5300;
+  struct Tile {
+    int64_t bm, bk, warps, stages;
+    std::map<std::string, int64_t> meta;
+  };
+  const std::vector<Tile> tiles =
+      dev.is_cuda() ? std::vector<Tile>{{64, 128, 4, 3, {{"WGMMA", 1}, {"STORE_IN_RING", 1}, {"L2_PREFETCH", 128}}},
+                                        {32, 64, 4, 2, {}}}
+                    : std::vector<Tile>{{16, 32, 0, 0, {}}};
+  for (const Tile& t : tiles)
+    for (const auto& [G, C] : {std::pair<int64_t, int64_t>{16, 8}, {8, 4}, {8, 2}})
+      for (const auto& [E, r, ab] : {std::tuple{int64_t(16), int64_t(16), DType::bf16}, {G == 16 ? 48 : 24, 5, DType::f32},
+                                     {32, 64, DType::bf16}, {G + 4, 16, DType::bf16}})
+        for (const int64_t split : {1, 3}) {
+          ops::Config cfg{t.bm, t.bk, split, t.warps, t.stages, t.meta};
+          cfg.meta["EXPERT_GROUP"] = G;
+          cfg.meta["CLUSTER"] = C;
+          cfg.meta["EXPERTS_LAST"] = 1;
+          check_forward_peft(dev, seed++, false, -1, ab, E, 70, 150, r, cfg);
+        }
 }
 
 void check_backward_edges(Device dev) {
@@ -636,6 +668,16 @@ TEST_CASE("moe_lora_materialize follows PEFT's layouts, adapters copied or read 
           "[gpu][ops][moe]") {
   KERF_REQUIRE_GPU();
   check_forward_peft_layouts(Device::cuda(0));
+}
+
+TEST_CASE("moe_lora_materialize reads PEFT's flat lora_B by clusters of experts on the CPU", "[cpu][ops][moe]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  check_forward_peft_clusters(Device::cpu());
+}
+
+TEST_CASE("moe_lora_materialize reads PEFT's flat lora_B by clusters of experts on the GPU", "[gpu][ops][moe]") {
+  KERF_REQUIRE_GPU();
+  check_forward_peft_clusters(Device::cuda(0));
 }
 
 // Their kernels as an untuned call plans them for sm_90a (the op's own tile where PACK is

@@ -76,7 +76,7 @@ KernelCode Codegen::run() {
   src << device_library_source();
   if (!wgmma_sizes_.empty()) src << wgmma_helpers_source();
   for (int n : wgmma_sizes_) src << wgmma_wrapper_source(n);
-  if (!cluster_phases_.empty()) src << cluster_helpers_source();
+  if (!cluster_phases_.empty() || cluster_rank_used_) src << cluster_helpers_source();
   src << "\nextern \"C\" __global__ void __launch_bounds__(" << out.threads << ") " << out.entry
       << "(const __grid_constant__ kerf_dev::Args<" << std::max(1, out.num_slots) << "> args) {\n";
   if (smem_1024_) {
@@ -91,7 +91,7 @@ KernelCode Codegen::run() {
   src << "  (void)lane; (void)warp;\n";
   if (grid_arrivals_ > 0) src << "  int kerf_grid_exit = 0;  // thread 0: the barriers' count before its exit\n";
   src << prologue();
-  if (!cluster_phases_.empty()) {
+  if (!cluster_phases_.empty() || cluster_rank_used_) {
     src << "  const unsigned kerf_crank = kerf_dev::cluster_rank();\n";
     for (const std::string& phase : cluster_phases_) src << "  unsigned " << phase << " = 0;\n";
   }
@@ -527,8 +527,16 @@ std::string Codegen::fresh(const std::string& base) {
 // places at a 1024-byte boundary once (one pad for all such regions).
 std::string Codegen::alloc_smem_1024(int lv, int64_t bytes, int* offset) {
   smem_1024_ = true;
-  smem_top_ = (smem_top_ + 1023) & ~1023;
-  *offset = alloc_smem(bytes);
+  // A top-level cluster_load's buffer, spent before anything emitted after it runs.
+  auto spent = std::find_if(spent_1024_.begin(), spent_1024_.end(),
+                            [&](const std::pair<int, int64_t>& s) { return s.second >= bytes; });
+  if (spent != spent_1024_.end()) {
+    *offset = spent->first;
+    spent_1024_.erase(spent);
+  } else {
+    smem_top_ = (smem_top_ + 1023) & ~1023;
+    *offset = alloc_smem(bytes);
+  }
   const std::string name = fresh("sw_base");
   line(lv, "const int " + name + " = " + S(*offset) + ";  // 1024-aligned, for wgmma's swizzle");
   return name;

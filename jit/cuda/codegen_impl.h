@@ -481,6 +481,8 @@ class Codegen {
   std::string scalar_load(const Operation& op);
 
   Tile emit_load(const Operation& op, int l);
+  // A cluster_load (attrs.cluster_share) where the programs run in clusters (cluster_ > 1).
+  Tile emit_cluster_load(const Operation& op, int l);
 
   // Store and atomic_add: the layout they write from.
   int store_layout(ValueId value);
@@ -551,6 +553,9 @@ class Codegen {
   std::map<ValueId, std::vector<int>> staged_cols_;
   int cluster_ = 1;            // meta cluster_size on sm_90+ (1 elsewhere: cluster sums are plain atomics)
   std::vector<std::string> cluster_phases_;  // a double-buffer phase per cluster-summed atomic emitted
+  bool cluster_rank_used_ = false;  // kerf_crank is read (cluster_load)
+  // Top-level cluster_load buffers, free after their exchange: later 1024-aligned regions reuse them.
+  std::vector<std::pair<int, int64_t>> spent_1024_;
   std::map<int, std::vector<std::string>> cluster_pending_;  // level -> the second half of a cluster sum
   std::map<ValueId, std::vector<std::pair<const Operation*, int>>> users_;  // value -> (op, operand index)
   std::vector<ir::AxisInfo> axis_;

@@ -145,6 +145,106 @@ Tile Codegen::emit_load(const Operation& op, int l) {
   return Tile{name, false, {}, true};
 }
 
+// cluster_load with clusters (cluster_ = C programs, the same code and layouts): the
+// program of rank q reads t[..., j + q]. Each program takes the register groups r with
+// r % C == its rank and reads, for each, the C neighbours t[..., j .. j + C) of its own
+// element (one vector where they are aligned: the last dimension is contiguous), with its
+// own mask (the cluster's masks agree); it writes the value for rank q to its shared
+// memory at (q, thread, r / C). After a cluster barrier every program reads, from each
+// program of the cluster, its own thread's values there (r / C contiguous: one vector per
+// program), and a second barrier ends the exchange (a program's buffer is read by the
+// others until then). A buffer at the kernel's top level is free for later regions.
+Tile Codegen::emit_cluster_load(const Operation& op, int l) {
+  const ir::Param& p = tensor_of(op);
+  const ValueId v = op.results[0];
+  const int lv = level_of_[size_t(v)];
+  const Layout& L = layouts_[size_t(l)];
+  std::vector<Tile> idx;
+  for (int d = 0; d < p.rank; ++d) idx.push_back(get(op.operands[size_t(d)], l));
+  Tile mask;
+  if (op.attrs.has_mask) mask = get(op.operands[size_t(p.rank)], l);
+  const int n = L.num_regs(), threads = 32 * num_warps_, C = cluster_;
+  const int J = (n + C - 1) / C;  // register groups each program reads for the others
+  const int eb = dtype_size_bytes(p.dtype);
+  const std::string st = storage_type(p.dtype);
+  // The neighbours of an element in one vector where their address allows it (the last
+  // dimension contiguous, the tensor 16-byte aligned): up to 16 bytes a load.
+  int vw = 1;
+  if (p.facts.contiguous_last && p.facts.aligned16)
+    while (vw * 2 <= 16 / eb && C % (vw * 2) == 0) vw *= 2;
+  const int64_t bytes = int64_t(C) * threads * J * eb;
+  int off = 0;
+  if (lv == 0)
+    alloc_smem_1024(lv, bytes, &off);
+  else
+    off = alloc_smem(bytes);
+  cluster_rank_used_ = true;
+  const std::string name = "v" + S(v) + "_" + S(l);
+  const std::string ptr = pointer_expr(op);
+  const std::string stride = stride_expr(op, p.rank - 1);
+  const std::string buf = fresh("cld");
+  line(lv, st + " " + name + "[" + S(n) + "];  // cluster_load @" + p.name + " in " + L.key() +
+               ", shared over clusters of " + S(C) + " programs");
+  line(lv, "{");
+  line(lv, "  " + st + "* " + buf + " = reinterpret_cast<" + st + "*>(kerf_smem + " + S(off) + ");");
+  line(lv, "  #pragma unroll");
+  line(lv, "  for (int r = 0; r < " + S(n) + "; ++r) {");
+  line(lv, "    if (r % " + S(C) + " != int(kerf_crank)) continue;");
+  line(lv, "    " + st + " nb[" + S(C) + "];");
+  const std::string on = op.attrs.has_mask ? elem(mask, "r") : "true";
+  line(lv, "    if (" + on + ") {");
+  line(lv, "      const long long off = " + offset_expr(op, idx, "r") + ";");
+  // Rank 0's element: the rank's steps back along the last dimension.
+  line(lv, "      const " + st + "* b0 = " + ptr + " + off - (long long)kerf_crank" +
+               (stride.empty() ? "" : " * " + stride) + ";");
+  if (vw > 1) {
+    line(lv, "      if ((reinterpret_cast<unsigned long long>(b0) & " + S(vw * eb - 1) + "ull) == 0) {");
+    line(lv, "        #pragma unroll");
+    line(lv, "        for (int c = 0; c < " + S(C) + "; c += " + S(vw) + ") { const kerf_dev::Pack<" + st + ", " +
+                 S(vw) + "> pk = kerf_dev::ld<" + st + ", " + S(vw) + ">(b0 + c); for (int j = 0; j < " + S(vw) +
+                 "; ++j) nb[c + j] = pk.v[j]; }");
+    line(lv, "      } else {");
+    line(lv, "        for (int c = 0; c < " + S(C) + "; ++c) nb[c] = b0[c];");
+    line(lv, "      }");
+  } else {
+    line(lv, "      #pragma unroll");
+    line(lv, "      for (int c = 0; c < " + S(C) + "; ++c) nb[c] = b0[c" + (stride.empty() ? "" : " * " + stride) + "];");
+  }
+  line(lv, "    } else {");
+  line(lv, "      for (int c = 0; c < " + S(C) + "; ++c) nb[c] = (" + st + ")0;");
+  line(lv, "    }");
+  line(lv, "    #pragma unroll");
+  line(lv, "    for (int c = 0; c < " + S(C) + "; ++c) " + buf + "[(c * " + S(threads) + " + threadIdx.x) * " + S(J) +
+               " + r / " + S(C) + "] = nb[c];");
+  line(lv, "  }");
+  line(lv, "  kerf_dev::cluster_arrive();");
+  line(lv, "  kerf_dev::cluster_wait();");
+  // Each program's values for this one: J contiguous elements (a vector when J*eb is 2, 4,
+  // 8 or a multiple of 16 bytes).
+  const int jb = J * eb;
+  const bool vec = jb == 2 || jb == 4 || jb == 8 || jb % 16 == 0;
+  line(lv, "  #pragma unroll");
+  line(lv, "  for (int o = 0; o < " + S(C) + "; ++o) {");
+  const std::string at = buf + " + (int(kerf_crank) * " + S(threads) + " + threadIdx.x) * " + S(J);
+  if (vec) {
+    line(lv, "    const kerf_dev::Pack<" + st + ", " + S(J) + "> pk = kerf_dev::ld_cluster_pack<" + st + ", " + S(J) +
+                 ">(" + at + ", unsigned(o));");
+    line(lv, "    #pragma unroll");
+    line(lv, "    for (int j = 0; j < " + S(J) + "; ++j) if (j * " + S(C) + " + o < " + S(n) + ") " + name + "[j * " +
+                 S(C) + " + o] = pk.v[j];");
+  } else {
+    line(lv, "    #pragma unroll");
+    line(lv, "    for (int j = 0; j < " + S(J) + "; ++j) if (j * " + S(C) + " + o < " + S(n) + ") " + name + "[j * " +
+                 S(C) + " + o] = kerf_dev::ld_cluster_pack<" + st + ", 1>(" + at + " + j, unsigned(o)).v[0];");
+  }
+  line(lv, "  }");
+  line(lv, "  kerf_dev::cluster_arrive();");
+  line(lv, "  kerf_dev::cluster_wait();");
+  line(lv, "}");
+  if (lv == 0) spent_1024_.push_back({off, bytes});
+  return Tile{name, false, {}, true};
+}
+
 // Store and atomic_add: the layout they write from.
 int Codegen::store_layout(ValueId value) {
   const Shape& shape = type(value).shape;

@@ -161,7 +161,8 @@ std::vector<const Operation*> Codegen::pipelinable_loads(const Operation& loop, 
     after_wait = after_wait || op.kind == OpKind::GridWait ||
                  (op.body && ir::contains(*op.body, OpKind::GridWait));
     if (after_wait) break;
-    if (op.kind != OpKind::Load || op.attrs.has_other || type(op.results[0]).is_scalar()) continue;
+    if (op.kind != OpKind::Load || op.attrs.has_other || op.attrs.cluster_share || type(op.results[0]).is_scalar())
+      continue;
     // A B operand staged in the column order of a runs accumulator is written by the threads.
     if (staged_cols_.count(op.results[0])) continue;
     // A prefetch must not overtake a store to what it reads.

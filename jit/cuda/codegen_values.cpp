@@ -227,7 +227,7 @@ Tile Codegen::home_tile(ValueId v, int h) {
   const Operation* op = def_op_[size_t(v)];
   Tile t;
   if (op && op->kind == OpKind::Load) {
-    t = emit_load(*op, h);
+    t = op->attrs.cluster_share && cluster_ > 1 ? emit_cluster_load(*op, h) : emit_load(*op, h);
   } else if (op && op->kind == OpKind::Dot) {
     t = emit_dot(*op, h);
   } else if (op && ir::is_reduction(op->kind)) {

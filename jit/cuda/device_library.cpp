@@ -450,6 +450,31 @@ template <int W> __device__ __forceinline__ Pack<float, W> ld_cluster(const floa
     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v.v[0]) : "r"(ra) : "memory");
   return v;
 }
+// W elements of T (2, 4, 8 or a multiple of 16 bytes, aligned to their size) from the
+// shared memory of program `rank` at `local`'s place (cluster_load's hand-over).
+template <class T, int W> __device__ __forceinline__ Pack<T, W> ld_cluster_pack(const T* local, unsigned rank) {
+  constexpr int N = int(sizeof(T)) * W;
+  const unsigned ra = cluster_addr(local, rank);
+  Pack<T, W> v;
+  if constexpr (N == 2) {
+    asm volatile("ld.shared::cluster.u16 %0, [%1];" : "=h"(*reinterpret_cast<unsigned short*>(&v)) : "r"(ra) : "memory");
+  } else if constexpr (N == 4) {
+    asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(*reinterpret_cast<unsigned*>(&v)) : "r"(ra) : "memory");
+  } else if constexpr (N == 8) {
+    unsigned* u = reinterpret_cast<unsigned*>(&v);
+    asm volatile("ld.shared::cluster.v2.u32 {%0, %1}, [%2];" : "=r"(u[0]), "=r"(u[1]) : "r"(ra) : "memory");
+  } else {
+    static_assert(N % 16 == 0, "ld_cluster_pack moves 2, 4, 8 or a multiple of 16 bytes");
+    unsigned* u = reinterpret_cast<unsigned*>(&v);
+    #pragma unroll
+    for (int k = 0; k < N / 16; ++k)
+      asm volatile("ld.shared::cluster.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(u[4 * k]), "=r"(u[4 * k + 1]), "=r"(u[4 * k + 2]), "=r"(u[4 * k + 3])
+                   : "r"(ra + 16u * k)
+                   : "memory");
+  }
+  return v;
+}
 __device__ __forceinline__ unsigned ld_cluster_u8(const unsigned char* local, unsigned rank) {
   unsigned short v;
   asm volatile("ld.shared::cluster.u8 %0, [%1];" : "=h"(v) : "r"(cluster_addr(local, rank)) : "memory");

@@ -134,6 +134,7 @@ class Printer {
         if (a.has_other) out_ += " other " + v(op.operands[i++]);
         if (a.acq_rel) out_ += " acq_rel";
         if (a.cluster_sum) out_ += " cluster_sum";
+        if (a.cluster_share) out_ += " cluster_share";
         if (a.evict == 1) out_ += " evict_first";
         if (a.evict == 2) out_ += " evict_last";
         break;

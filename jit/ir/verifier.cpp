@@ -249,6 +249,8 @@ class Verifier {
         if (is_load) {
           const Type& r = result();
           expect(r.dtype == p.dtype, op, "loads give the tensor's dtype");
+          expect(!a.cluster_share || (!r.shape.empty() && !a.has_other), op,
+                 "cluster_share loads a tile, with no 'other'");
           shape = r.shape;
         } else {
           const Type& val = t(op.operands[rank]);

@@ -295,6 +295,21 @@ Value atomic_add(const Tensor& t, const std::vector<Value>& idx, const Value& va
 void cluster_atomic_add(const Tensor& t, const std::vector<Value>& idx, const Value& value,
                         const Value& mask = {});
 
+// A load that the programs of a cluster (cluster_size of them, consecutive along grid
+// axis 0, as for cluster_atomic_add) make together: the program of rank q in its
+// cluster reads t[idx..., j + q], where `last` is j + q for it (j the same for the whole
+// cluster, a multiple of cluster_size for the fast path) and idx and mask are the same for
+// every program of the cluster. The result is load(t, {idx..., last}, mask). On sm_90 and
+// later, with t's last dimension contiguous, each program reads a cluster_size-th of the
+// tile's elements for every program of its cluster (cluster_size neighbours of the last
+// dimension in one vector) and hands each program its values through distributed shared
+// memory: memory whose last dimension interleaves what the programs need (PEFT's flat
+// lora_B, [out, r*E] with the expert fastest) is read in whole sectors once per cluster
+// instead of a sector per element per program. Every program of a cluster must reach each
+// cluster_load equally often (they wait there for each other). Where there are no
+// clusters (cluster_size 1, targets before sm_90, the CPU) it is that load.
+Value cluster_load(const Tensor& t, const std::vector<Value>& idx, const Value& last, const Value& mask = {});
+
 // Programmatic dependent launch (CUDA, sm_90 and later). A kernel launched with
 // LaunchOptions::overlap_prior may start while the kernel launched just before it
 // on the same stream is still running: wait_prior_grid() is the point from which
