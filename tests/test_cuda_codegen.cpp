@@ -792,11 +792,13 @@ TEST_CASE("cluster_load hands each program its values through distributed shared
   CHECK(eight.find("cluster_load @x in ") != std::string::npos);
   CHECK(eight.find("shared over clusters of 8 programs") != std::string::npos);
   // A program reads its share of the elements for the cluster, 8 bf16 neighbours in one
-  // 16-byte vector where aligned, one by one where not; every program's values come
-  // back in one 8-byte vector each (4 elements of the 32 a thread holds).
+  // 16-byte vector where aligned and inside the last dimension, one by one (those inside
+  // it) where not; every program's values come back in one 8-byte vector each (4
+  // elements of the 32 a thread holds).
   CHECK(eight.find("if (r % 8 != int(kerf_crank)) continue;") != std::string::npos);
   CHECK(eight.find("kerf_dev::ld<unsigned short, 8>(b0 + c)") != std::string::npos);
-  CHECK(eight.find("nb[c] = b0[c];") != std::string::npos);
+  CHECK(eight.find("nb[c] = j0 + c >= 0 && j0 + c < (long long)args.s[3] ? b0[c] : (unsigned short)0;") !=
+        std::string::npos);
   CHECK(eight.find("kerf_dev::ld_cluster_pack<unsigned short, 4>") != std::string::npos);
   // Two cluster barriers: the values written before the reads, the reads before the
   // buffer is reused (no third one at the kernel's end: no program's buffer is read then).

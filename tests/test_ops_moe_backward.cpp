@@ -699,6 +699,41 @@ TEST_CASE("the tiles of moe_lora_materialize's GPU cases in PEFT's layouts fit a
   }
 }
 
+// PEFT's flat lora_B read by clusters (EXPERTS_LAST): the exchange's buffer is a later
+// region's afterwards (at r=64 the B operand's staging: no byte more than the kernel that
+// reads B copied), so as many programs share a multiprocessor as without it.
+TEST_CASE("the MoE forward's clustered read of PEFT's flat lora_B keeps its programs a multiprocessor",
+          "[cuda][codegen][ops][moe]") {
+  const autotune::TunableOp op = test::registered_op("moe_lora_materialize");
+  void* const p = test::planning_address();
+  const Device dev = Device::cuda(0);
+  const int64_t E = 64, N = 2816, K = 2048;
+  for (const int64_t r : {16, 64}) {
+    CAPTURE(r);
+    const TensorView W = TensorView::contiguous(p, DType::bf16, {E, N, K}, dev);
+    const ops::MoeLoraViews v =
+        ops::peft_moe_lora_views(W, TensorView::contiguous(p, DType::bf16, {r * E, K}, dev),
+                                 TensorView::contiguous(p, DType::bf16, {N, r * E}, dev));
+    const autotune::Config tile = {{"BLOCK_N", 64}, {"BLOCK_K", 128}, {"num_warps", 4}, {"num_stages", 3},
+                                   {"split_k", 2}, {"WGMMA", 1}, {"STORE_IN_RING", 1}, {"L2_PREFETCH", 128}};
+    autotune::Config clustered = tile;
+    clustered.insert({{"EXPERT_GROUP", 16}, {"CLUSTER", 8}, {"EXPERTS_LAST", 1}});
+    const ops::detail::PlanningArch target("sm_90a");
+    const std::vector<autotune::KernelCall> copied = op.kernels({W, v.A, v.B, W}, tile, 132);
+    const std::vector<autotune::KernelCall> shared = op.kernels({W, v.A, v.B, W}, clustered, 132);
+    REQUIRE(copied.size() == 2);  // B's copy, then the kernel
+    REQUIRE(shared.size() == 1);  // the kernel alone
+    CHECK(shared[0].meta.at("EXPERTS_LAST") == 1);
+    CHECK(shared[0].meta.at("cluster_size") == 8);
+    const int with = test::sm90a_smem_bytes(shared[0]), without = test::sm90a_smem_bytes(copied.back());
+    CAPTURE(with, without);
+    const auto per_sm = [](int bytes) { return 233472 / (bytes + 1024); };  // an H100's, 1 KB reserved each
+    CHECK(per_sm(with) == per_sm(without));
+    CHECK(per_sm(with) >= 2);
+    if (r == 64) CHECK(with == without);
+  }
+}
+
 TEST_CASE(
     "moe_lora_materialize_backward of empty experts, rows or rank writes what it must on the CPU",
     "[cpu][ops][moe]") {

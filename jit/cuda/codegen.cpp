@@ -527,13 +527,17 @@ std::string Codegen::fresh(const std::string& base) {
 // places at a 1024-byte boundary once (one pad for all such regions).
 std::string Codegen::alloc_smem_1024(int lv, int64_t bytes, int* offset) {
   smem_1024_ = true;
-  // A top-level cluster_load's buffer, spent before anything emitted after it runs.
-  auto spent = std::find_if(spent_1024_.begin(), spent_1024_.end(),
-                            [&](const std::pair<int, int64_t>& s) { return s.second >= bytes; });
-  if (spent != spent_1024_.end()) {
-    *offset = spent->first;
-    spent_1024_.erase(spent);
-  } else {
+  // A top-level cluster_load's buffer, spent before anything emitted after it runs, where a
+  // 1024-aligned stretch of it is large enough.
+  *offset = -1;
+  for (auto s = spent_smem_.begin(); s != spent_smem_.end() && *offset < 0; ++s) {
+    const int at = (s->first + 1023) & ~1023;
+    if (at + bytes <= s->first + s->second) {
+      *offset = at;
+      spent_smem_.erase(s);
+    }
+  }
+  if (*offset < 0) {
     smem_top_ = (smem_top_ + 1023) & ~1023;
     *offset = alloc_smem(bytes);
   }
@@ -543,6 +547,13 @@ std::string Codegen::alloc_smem_1024(int lv, int64_t bytes, int* offset) {
 }
 
 int Codegen::alloc_smem(int64_t bytes) {
+  // A top-level cluster_load's buffer, spent before anything emitted after it runs.
+  for (auto s = spent_smem_.begin(); s != spent_smem_.end(); ++s)
+    if (s->second >= bytes) {
+      const int off = s->first;
+      spent_smem_.erase(s);
+      return off;
+    }
   const int off = (smem_top_ + 15) & ~15;
   smem_top_ = off + int(bytes);
   return off;

@@ -554,8 +554,9 @@ class Codegen {
   int cluster_ = 1;            // meta cluster_size on sm_90+ (1 elsewhere: cluster sums are plain atomics)
   std::vector<std::string> cluster_phases_;  // a double-buffer phase per cluster-summed atomic emitted
   bool cluster_rank_used_ = false;  // kerf_crank is read (cluster_load)
-  // Top-level cluster_load buffers, free after their exchange: later 1024-aligned regions reuse them.
-  std::vector<std::pair<int, int64_t>> spent_1024_;
+  // Top-level cluster_load buffers (offset, bytes), free after their exchange: the regions
+  // allocated after them take their place.
+  std::vector<std::pair<int, int64_t>> spent_smem_;
   std::map<int, std::vector<std::string>> cluster_pending_;  // level -> the second half of a cluster sum
   std::map<ValueId, std::vector<std::pair<const Operation*, int>>> users_;  // value -> (op, operand index)
   std::vector<ir::AxisInfo> axis_;

@@ -153,7 +153,8 @@ Tile Codegen::emit_load(const Operation& op, int l) {
 // memory at (q, thread, r / C). After a cluster barrier every program reads, from each
 // program of the cluster, its own thread's values there (r / C contiguous: one vector per
 // program), and a second barrier ends the exchange (a program's buffer is read by the
-// others until then). A buffer at the kernel's top level is free for later regions.
+// others until then). A buffer at the kernel's top level is free for the regions allocated
+// after it (alloc_smem, alloc_smem_1024): what they hold is written after the exchange.
 Tile Codegen::emit_cluster_load(const Operation& op, int l) {
   const ir::Param& p = tensor_of(op);
   const ValueId v = op.results[0];
@@ -173,11 +174,7 @@ Tile Codegen::emit_cluster_load(const Operation& op, int l) {
   if (p.facts.contiguous_last && p.facts.aligned16)
     while (vw * 2 <= 16 / eb && C % (vw * 2) == 0) vw *= 2;
   const int64_t bytes = int64_t(C) * threads * J * eb;
-  int off = 0;
-  if (lv == 0)
-    alloc_smem_1024(lv, bytes, &off);
-  else
-    off = alloc_smem(bytes);
+  const int off = alloc_smem(bytes);
   cluster_rank_used_ = true;
   const std::string name = "v" + S(v) + "_" + S(l);
   const std::string ptr = pointer_expr(op);
@@ -194,21 +191,28 @@ Tile Codegen::emit_cluster_load(const Operation& op, int l) {
   const std::string on = op.attrs.has_mask ? elem(mask, "r") : "true";
   line(lv, "    if (" + on + ") {");
   line(lv, "      const long long off = " + offset_expr(op, idx, "r") + ";");
-  // Rank 0's element: the rank's steps back along the last dimension.
+  // Rank 0's element: the rank's steps back along the last dimension. Neighbours outside
+  // that dimension (a cluster whose indices do not keep to the contract) are not read.
+  const std::string dim =
+      "(long long)args.s[" + S(int64_t(slot_offsets(f_.params)[size_t(op.attrs.param)] + 1 + size_t(p.rank - 1))) + "]";
+  line(lv, "      const long long j0 = (long long)" + elem(idx.back(), "r") + " - (long long)kerf_crank;");
   line(lv, "      const " + st + "* b0 = " + ptr + " + off - (long long)kerf_crank" +
                (stride.empty() ? "" : " * " + stride) + ";");
+  const std::string one_by_one = "for (int c = 0; c < " + S(C) + "; ++c) nb[c] = j0 + c >= 0 && j0 + c < " + dim +
+                                 " ? b0[c" + (stride.empty() ? "" : " * " + stride) + "] : (" + st + ")0;";
   if (vw > 1) {
-    line(lv, "      if ((reinterpret_cast<unsigned long long>(b0) & " + S(vw * eb - 1) + "ull) == 0) {");
+    line(lv, "      if (j0 >= 0 && j0 + " + S(C) + " <= " + dim + " && (reinterpret_cast<unsigned long long>(b0) & " +
+                 S(vw * eb - 1) + "ull) == 0) {");
     line(lv, "        #pragma unroll");
     line(lv, "        for (int c = 0; c < " + S(C) + "; c += " + S(vw) + ") { const kerf_dev::Pack<" + st + ", " +
                  S(vw) + "> pk = kerf_dev::ld<" + st + ", " + S(vw) + ">(b0 + c); for (int j = 0; j < " + S(vw) +
                  "; ++j) nb[c + j] = pk.v[j]; }");
     line(lv, "      } else {");
-    line(lv, "        for (int c = 0; c < " + S(C) + "; ++c) nb[c] = b0[c];");
+    line(lv, "        " + one_by_one);
     line(lv, "      }");
   } else {
     line(lv, "      #pragma unroll");
-    line(lv, "      for (int c = 0; c < " + S(C) + "; ++c) nb[c] = b0[c" + (stride.empty() ? "" : " * " + stride) + "];");
+    line(lv, "      " + one_by_one);
   }
   line(lv, "    } else {");
   line(lv, "      for (int c = 0; c < " + S(C) + "; ++c) nb[c] = (" + st + ")0;");
@@ -241,7 +245,7 @@ Tile Codegen::emit_cluster_load(const Operation& op, int l) {
   line(lv, "  kerf_dev::cluster_arrive();");
   line(lv, "  kerf_dev::cluster_wait();");
   line(lv, "}");
-  if (lv == 0) spent_1024_.push_back({off, bytes});
+  if (lv == 0) spent_smem_.push_back({off, bytes});
   return Tile{name, false, {}, true};
 }
 
