@@ -800,15 +800,19 @@ TEST_CASE("cluster_load hands each program its values through distributed shared
   CHECK(eight.find("nb[c] = j0 + c >= 0 && j0 + c < (long long)args.s[3] ? b0[c] : (unsigned short)0;") !=
         std::string::npos);
   CHECK(eight.find("kerf_dev::ld_cluster_pack<unsigned short, 4>") != std::string::npos);
-  // Two cluster barriers: the values written before the reads, the reads before the
-  // buffer is reused (no third one at the kernel's end: no program's buffer is read then).
+  // Two cluster barriers: the values written before the reads (a release of the program's
+  // shared memory), the reads before the buffer is reused (a full release: the reads are
+  // of the others' memory); no third one at the kernel's end: no buffer is read then.
   const auto count = [&](const std::string& what) {
     size_t k = 0;
     for (size_t at = eight.find(what); at != std::string::npos; at = eight.find(what, at + 1)) ++k;
     return k;
   };
-  CHECK(count("kerf_dev::cluster_arrive();") == 2);
+  CHECK(count("kerf_dev::cluster_arrive();") == 1);
+  CHECK(count("kerf_dev::cluster_arrive_release();") == 1);
   CHECK(count("kerf_dev::cluster_wait();") == 2);
+  CHECK(eight.find("kerf_dev::cluster_arrive();") < eight.find("ld_cluster_pack<unsigned short, 4>(cld"));
+  CHECK(eight.find("ld_cluster_pack<unsigned short, 4>(cld") < eight.find("kerf_dev::cluster_arrive_release();"));
   // fp32 at 8: two 16-byte vectors; without 16-byte alignment: one element at a time.
   CHECK(source(8, "sm_90a", DType::f32, true).find("kerf_dev::ld<float, 4>(b0 + c)") != std::string::npos);
   const std::string slow = source(8, "sm_90a", DType::bf16, false);

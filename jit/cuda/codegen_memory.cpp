@@ -153,7 +153,9 @@ Tile Codegen::emit_load(const Operation& op, int l) {
 // memory at (q, thread, r / C). After a cluster barrier every program reads, from each
 // program of the cluster, its own thread's values there (r / C contiguous: one vector per
 // program), and a second barrier ends the exchange (a program's buffer is read by the
-// others until then). A buffer at the kernel's top level is free for the regions allocated
+// others until then; its arrival is a full release, so those reads are done before any
+// program passes its wait, where the restricted release of the first covers only the
+// program's own shared-memory writes). A buffer at the kernel's top level is free for the regions allocated
 // after it (alloc_smem, alloc_smem_1024): what they hold is written after the exchange.
 Tile Codegen::emit_cluster_load(const Operation& op, int l) {
   const ir::Param& p = tensor_of(op);
@@ -242,7 +244,7 @@ Tile Codegen::emit_cluster_load(const Operation& op, int l) {
                  S(C) + " + o] = kerf_dev::ld_cluster_pack<" + st + ", 1>(" + at + " + j, unsigned(o)).v[0];");
   }
   line(lv, "  }");
-  line(lv, "  kerf_dev::cluster_arrive();");
+  line(lv, "  kerf_dev::cluster_arrive_release();  // the reads above done before any program goes on");
   line(lv, "  kerf_dev::cluster_wait();");
   line(lv, "}");
   if (lv == 0) spent_smem_.push_back({off, bytes});

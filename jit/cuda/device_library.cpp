@@ -431,6 +431,11 @@ __device__ __forceinline__ void cluster_arrive() {
                "barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
 }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
+// An arrival with a full release: this program's earlier reads of the others' shared
+// memory are done before any of them passes its wait (and writes where they read).
+__device__ __forceinline__ void cluster_arrive_release() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
 // The shared::cluster address of `local`'s place in the shared memory of program `rank`.
 __device__ __forceinline__ unsigned cluster_addr(const void* local, unsigned rank) {
   const unsigned a = (unsigned)__cvta_generic_to_shared(local);
