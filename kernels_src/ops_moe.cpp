@@ -25,6 +25,7 @@ struct MoePlan {
   Grid grid;
   DType cast_a = DType::f32;  // CAST_A: what an f32 A is rounded to first (f32: nothing)
   bool pack = false;  // PACK (ops_common.h): adapters strided along their last dims copied first
+  bool pack_b = false;  // ... B among them (PACK 2: only A, which every column step reads; B read in place)
   bool experts_last = false;  // EXPERTS_LAST: B given to the kernel as [N, r, E] (its experts fastest)
 };
 
@@ -70,6 +71,7 @@ MoePlan plan_moe(const TensorView& W, DType a, DType b, int64_t r, bool gpu, con
   add_codegen_hints(config, p.meta);
   p.cast_a = cast_a_dtype(config, dot);
   p.pack = packs(config, gpu);
+  p.pack_b = p.pack && meta_or(config, "PACK", 1) != 2;
   // Column slices per row block (grid axis 1): 1 unless the config asks for more.
   const int64_t steps = cdiv(W.shape[2], bk);
   int64_t split = std::max<int64_t>(1, slices_within(config.split_k, steps));
@@ -84,7 +86,7 @@ MoePlan plan_moe(const TensorView& W, DType a, DType b, int64_t r, bool gpu, con
     if (c > 1 && g % c == 0 && E % g == 0 && b_experts_fastest && meta_or(config, "EXPERTS_LAST", 0)) {
       p.experts_last = true;
       p.meta["EXPERTS_LAST"] = 1;
-      p.pack = false;
+      p.pack_b = false;
     }
   }
   // PERSISTENT: that many programs per multiprocessor (CPU thread), which deal out all
@@ -108,7 +110,7 @@ CopiedAdapters moe_inputs(const MoePlan& p, const TensorView& A, const TensorVie
     a_to = p.cast_a;
   else if (p.pack && strided_last(A))
     a_to = A.dtype;
-  if (p.pack && strided_last(B)) b_to = B.dtype;
+  if (p.pack_b && strided_last(B)) b_to = B.dtype;
   if (p.experts_last)
     return copied_adapters(A, a_to, restride(B, {B.shape[1], B.shape[2], B.shape[0]}, {B.strides[1], B.strides[2], B.strides[0]}),
                            std::nullopt, options);
@@ -169,7 +171,7 @@ void run_moe_lora_materialize(const TensorView& W, const TensorView& A, const Te
                               const std::string& layout) {
   const char* op = "moe_lora_materialize";
   expect_meta(op, config,
-              {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"PACK", 0, 1}, kStream, kWarpsN, kL2Prefetch, kWgmma, kColsFirst, kTf32,
+              {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"PACK", 0, 2}, kStream, kWarpsN, kL2Prefetch, kWgmma, kColsFirst, kTf32,
                kAccStore, kStoreInRing, {"PERSISTENT", 0, 8}, {"EXPERT_GROUP", 0, 64}, {"CLUSTER", 0, 8}, {"EXPERTS_LAST", 0, 1}});
   if (meta_or(config, "PERSISTENT", 0) && meta_or(config, "STREAM", 0))
     throw InvalidArgument(std::string(op) +
@@ -254,6 +256,8 @@ Config tuned_moe_config(const TensorView& W, const TensorView& A, const TensorVi
       W.device);
   // Adapters strided along their last dims (PEFT's layouts): also read in place.
   if (gpu && (strided_last(A) || strided_last(B))) q.finalist_variants.push_back({{"PACK", 0}});
+  // Both strided (PEFT's transposed experts): also A copied alone, B (read once a program) in place.
+  if (gpu && strided_last(A) && strided_last(B)) q.finalist_variants.push_back({{"PACK", 2}});
   q.extent_m = N;
   q.extent_k = K;
   q.kernels = [&](const Config& c) { return moe_calls(plan_moe(W, A.dtype, B.dtype, r, gpu, c, B.strides[0] == 1), W, A, B, W_eff); };

@@ -364,7 +364,8 @@ void check_forward_peft(Device dev, uint64_t seed, bool transposed, int64_t pack
 }
 
 // The forward's PEFT-layout cases on `dev`: each layout, PACK unset and the other way
-// round from the device's default, fp32 and bf16 adapters.
+// round from the device's default, fp32 and bf16 adapters; transposed experts (both
+// adapters strided) with PACK 2 too (A copied, B read in place).
 struct ForwardPeftCase {
   bool transposed;
   int64_t pack;
@@ -378,6 +379,8 @@ std::vector<ForwardPeftCase> forward_peft_cases(Device dev) {
       cases.push_back({transposed, pack, DType::f32, 3, 40, 56, 4});
       cases.push_back({transposed, pack, DType::bf16, 5, 70, 150, 16});
     }
+  cases.push_back({true, 2, DType::f32, 3, 40, 56, 4});
+  cases.push_back({true, 2, DType::bf16, 5, 70, 150, 16});
   return cases;
 }
 
@@ -921,6 +924,14 @@ TEST_CASE("PACK copies the MoE forward's strided adapters first on GPUs", "[ops]
   const std::vector<autotune::KernelCall> direct = op.kernels({W, v.A, v.B, W}, in_place, 132);
   REQUIRE(direct.size() == 1);
   CHECK(std::get<TensorView>(direct[0].args[1]).strides[2] == r * E);  // lora_B read in place
+  // PACK 2: A (read every column step) copied, B (read once a program) in place.
+  autotune::Config a_only;
+  a_only["PACK"] = 2;
+  const std::vector<autotune::KernelCall> half = op.kernels({W, v.A, v.B, W}, a_only, 132);
+  REQUIRE(half.size() == 2);
+  CHECK(half[0].kernel == &kernels::transpose_3d());
+  CHECK(std::get<TensorView>(half[1].args[1]).strides[2] == 1);
+  CHECK(std::get<TensorView>(half[1].args[2]).strides[2] == v.B.strides[2]);
 }
 
 namespace {
