@@ -7,7 +7,9 @@
 // BLOCK_K steps: read W, let a tensor-core dot add (s*B_e) @ A_e to it in
 // fp32, round once, write W_eff. W is read once and W_eff written once.
 // With the PERSISTENT meta the grid is one axis sized to the GPU and the
-// programs deal out all the tiles among themselves instead (below).
+// programs deal out all the tiles among themselves instead (below); with
+// EXPERT_GROUP neighbouring experts share grid axis 0, so that clusters of them
+// (cluster_size) can read an expert-interleaved B together (EXPERTS_LAST).
 #include "kerf/kernels/kernels.h"
 #include "split_range.h"
 

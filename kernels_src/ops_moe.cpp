@@ -77,7 +77,10 @@ MoePlan plan_moe(const TensorView& W, DType a, DType b, int64_t r, bool gpu, con
   int64_t split = std::max<int64_t>(1, slices_within(config.split_k, steps));
   const Config order = stream_plan(config, W.dtype, steps, p.meta, &split);
   p.grid = row_slice_grid(cdiv(N, bn), split, E, order, p.meta);
-  if (const int64_t g = meta_or(config, "EXPERT_GROUP", 0); g && !meta_or(config, "PERSISTENT", 0)) {
+  // EXPERT_GROUP G: G neighbouring experts along grid axis 0, the row blocks on axis 1, the
+  // groups times the slices on axis 2 (where those fit its 65535; else the grid above).
+  if (const int64_t g = meta_or(config, "EXPERT_GROUP", 0);
+      g && !meta_or(config, "PERSISTENT", 0) && cdiv(N, bn) <= 65535 && cdiv(E, g) * split <= 65535) {
     p.meta.erase("COLS_FIRST");
     p.meta["EXPERT_GROUP"] = g;
     p.grid = Grid{uint32_t(g), uint32_t(cdiv(N, bn)), uint32_t(cdiv(E, g) * split)};
