@@ -11,6 +11,7 @@
 #include "kerf/kernels/kernels.h"
 #include "kerf/kernels/library.h"
 #include "sample_kernels.h"
+#include "source_util.h"
 #include "test_cache_util.h"
 
 using namespace kerf;
@@ -565,11 +566,7 @@ TEST_CASE("a dot's B operand defined before its loop has its fragments loaded on
   REQUIRE(frags != std::string::npos);
   REQUIRE(loop_wait != std::string::npos);
   CHECK(frags < loop_wait);
-  const auto count = [&](const std::string& what) {
-    size_t n = 0;
-    for (size_t at = src.find(what, loop_wait); at != std::string::npos; at = src.find(what, at + 1)) ++n;
-    return n;
-  };
+  const auto count = [&](const std::string& what) { return test::occurrences(src, what, loop_wait); };
   CHECK(count("const unsigned* bf = bfrag_") == 1);  // the dot with the activations
   CHECK(count("kerf_dev::ldmatrix_x4_trans(bf, sb + ") == 1);  // g @ B still reads B's step tile
 }
@@ -758,11 +755,7 @@ TEST_CASE("cluster_atomic_add sums over the cluster in distributed shared memory
   // Each sum arrives at a cluster barrier and waits at the end of its block (the
   // loop body, or the kernel), and the kernel ends with one more, so that no
   // program leaves while its cluster still reads its shared memory.
-  const auto count = [&](const std::string& what) {
-    size_t k = 0;
-    for (size_t at = two.find(what); at != std::string::npos; at = two.find(what, at + 1)) ++k;
-    return k;
-  };
+  const auto count = [&](const std::string& what) { return test::occurrences(two, what); };
   CHECK(count("kerf_dev::cluster_arrive();") == 3);
   CHECK(count("kerf_dev::cluster_wait();") == 3);
   const size_t last = two.rfind("kerf_dev::cluster_wait();");
@@ -803,11 +796,7 @@ TEST_CASE("cluster_load hands each program its values through distributed shared
   // Two cluster barriers: the values written before the reads (a release of the program's
   // shared memory), the reads before the buffer is reused (a full release: the reads are
   // of the others' memory); no third one at the kernel's end: no buffer is read then.
-  const auto count = [&](const std::string& what) {
-    size_t k = 0;
-    for (size_t at = eight.find(what); at != std::string::npos; at = eight.find(what, at + 1)) ++k;
-    return k;
-  };
+  const auto count = [&](const std::string& what) { return test::occurrences(eight, what); };
   CHECK(count("kerf_dev::cluster_arrive();") == 1);
   CHECK(count("kerf_dev::cluster_arrive_release();") == 1);
   CHECK(count("kerf_dev::cluster_wait();") == 2);

@@ -17,6 +17,7 @@
 #include "kerf/kernels/kernels.h"
 #include "kernels_src/ops_common.h"
 #include "smem_fit_util.h"
+#include "source_util.h"
 
 using namespace kerf;
 using namespace kerf::dsl;
@@ -240,13 +241,6 @@ std::vector<Case> op_kernel_cases(const std::vector<Variant>& variants = {Varian
         if (c[i].meta.count("DOT") && c[i].meta.at("DOT") == int64_t(DType::f32)) c[i].meta["TF32"] = 1;
   }
   return c;
-}
-
-// How many times `what` occurs in `src`.
-size_t occurrences(const std::string& src, const std::string& what) {
-  size_t n = 0;
-  for (size_t at = src.find(what); at != std::string::npos; at = src.find(what, at + 1)) ++n;
-  return n;
 }
 
 std::string source_of(const Kernel& k, const std::vector<ArgSpec>& args, const MetaMap& meta) {
@@ -741,7 +735,7 @@ TEST_CASE("store_in_ring moves a stored sum through its weight tile's spent ring
   // through its own buffer (other threads may still be reading the first from the slot).
   meta["AGAIN"] = 2;
   const std::string two = jit::cuda::generate(ring_store_kernel().trace(rs, meta), "sm_80").source;
-  CHECK(occurrences(two, "through this iteration's ring slot") == 1);
+  CHECK(test::occurrences(two, "through this iteration's ring slot") == 1);
   CHECK(two.find("// store @twice") != std::string::npos);
   meta["store_in_ring"] = 2;
   CHECK_THROWS_WITH(ring_store_kernel().trace(rs, meta), Catch::Contains("store_in_ring must be 0 or 1"));
@@ -793,7 +787,7 @@ TEST_CASE("1024-aligned shared-memory regions share one pad: the MoE backward's 
   // dW ring 2 x 64 KiB, B ring 2 x 8 KiB, A's columns 64 KiB, 64 x 68 floats of staged adds, one pad.
   CHECK(code.smem_bytes == 2 * 65536 + 2 * 8192 + 65536 + 64 * 68 * 4 + 1024);
   CHECK(code.smem_bytes <= autotune::typical_max_shared_memory("sm_90a"));
-  CHECK(occurrences(code.source, "kerf_smem_window) & 1023u") == 1);
+  CHECK(test::occurrences(code.source, "kerf_smem_window) & 1023u") == 1);
   CHECK(code.source.find("const int sw_base_0 = 0;") != std::string::npos);
   check_compiles_for_sm90a_if_nvrtc(code.source, "moe_backward_wide.cu");
   // With its rows split, dA's columns added to an fp32 accumulator at the end.

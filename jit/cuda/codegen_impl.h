@@ -479,6 +479,8 @@ class Codegen {
   int vector_width(const Operation& op, int l) const;
 
   std::string scalar_load(const Operation& op);
+  // The index tiles of memory access `op` in layout `l`, one per tensor dimension.
+  std::vector<Tile> index_tiles(const Operation& op, int l);
 
   Tile emit_load(const Operation& op, int l);
   // A cluster_load (attrs.cluster_share) where the programs run in clusters (cluster_ > 1).

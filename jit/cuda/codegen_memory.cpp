@@ -86,6 +86,12 @@ int Codegen::vector_width(const Operation& op, int l) const {
   return int(out);
 }
 
+std::vector<Tile> Codegen::index_tiles(const Operation& op, int l) {
+  std::vector<Tile> idx;
+  for (int d = 0; d < tensor_of(op).rank; ++d) idx.push_back(get(op.operands[size_t(d)], l));
+  return idx;
+}
+
 std::string Codegen::scalar_load(const Operation& op) {
   const ir::Param& p = tensor_of(op);
   std::vector<Tile> idx;
@@ -106,8 +112,7 @@ Tile Codegen::emit_load(const Operation& op, int l) {
   const ValueId v = op.results[0];
   const int lv = level_of_[size_t(v)];
   const Layout& L = layouts_[size_t(l)];
-  std::vector<Tile> idx;
-  for (int d = 0; d < p.rank; ++d) idx.push_back(get(op.operands[size_t(d)], l));
+  const std::vector<Tile> idx = index_tiles(op, l);
   Tile mask, other;
   if (op.attrs.has_mask) mask = get(op.operands[size_t(p.rank)], l);
   if (op.attrs.has_other) other = get(op.operands[size_t(p.rank) + 1], l);
@@ -162,8 +167,7 @@ Tile Codegen::emit_cluster_load(const Operation& op, int l) {
   const ValueId v = op.results[0];
   const int lv = level_of_[size_t(v)];
   const Layout& L = layouts_[size_t(l)];
-  std::vector<Tile> idx;
-  for (int d = 0; d < p.rank; ++d) idx.push_back(get(op.operands[size_t(d)], l));
+  const std::vector<Tile> idx = index_tiles(op, l);
   Tile mask;
   if (op.attrs.has_mask) mask = get(op.operands[size_t(p.rank)], l);
   const int n = L.num_regs(), threads = 32 * num_warps_, C = cluster_;
@@ -326,8 +330,7 @@ void Codegen::emit_store(const Operation& op, int level) {
                 : vector_red && from_acc && vector_width(op, pv) >= 2 ? pv
                                                                       : store_layout(value);
   const Layout& L = layouts_[size_t(l)];
-  std::vector<Tile> idx;
-  for (int d = 0; d < p.rank; ++d) idx.push_back(get(op.operands[size_t(d)], l));
+  const std::vector<Tile> idx = index_tiles(op, l);
   Tile val;
   if (from_acc && pv != l) {
     const Tile src = get(value, pv);  // its reads of any ring slot come first
@@ -406,8 +409,7 @@ void Codegen::emit_l2_evict_normal(const Operation& op, int level) {
   const ir::Param& p = tensor_of(op);
   const int l = blocked(type(op.operands[0]).shape);
   const Layout& L = layouts_[size_t(l)];
-  std::vector<Tile> idx;
-  for (int d = 0; d < p.rank; ++d) idx.push_back(get(op.operands[size_t(d)], l));
+  const std::vector<Tile> idx = index_tiles(op, l);
   Tile mask;
   if (op.attrs.has_mask) mask = get(op.operands[size_t(p.rank)], l);
   const std::string ptr = pointer_expr(op);

@@ -205,8 +205,7 @@ void Codegen::emit_prefetch(const Operation& op, int target, int inner, ValueId 
   scalars_[iv] = "v" + S(iv);
   const int replaced = open_frame(inner);
   const int l = blocked(type(op.results[0]).shape);
-  std::vector<Tile> idx;
-  for (int d = 0; d < p.rank; ++d) idx.push_back(get(op.operands[size_t(d)], l));
+  const std::vector<Tile> idx = index_tiles(op, l);
   Tile mask;
   if (op.attrs.has_mask) mask = get(op.operands[size_t(p.rank)], l);
   const int w = vector_width(op, l);
