@@ -10,6 +10,9 @@
 // programs deal out all the tiles among themselves instead (below); with
 // EXPERT_GROUP neighbouring experts share grid axis 0, so that clusters of them
 // (cluster_size) can read an expert-interleaved B together (EXPERTS_LAST).
+#include <functional>
+#include <utility>
+
 #include "kerf/kernels/kernels.h"
 #include "split_range.h"
 
@@ -67,6 +70,21 @@ const dsl::Kernel& moe_lora_materialize() {
       });
       return;
     }
+    // The program's part: expert e's rows from row block `row_block` (and where `in_range`, a
+    // program past the last expert's otherwise), over the columns `slice` gives. `cluster_e`:
+    // B is [N, r, E] and read by the cluster's programs together (below).
+    const auto own = [&](const Value& e, const Value& in_range, const Value& row_block, const Value& cluster_e,
+                         const std::function<std::pair<Value, Value>()>& slice) {
+      const Value rows = row_block * BN + arange(BN);
+      const Value rk = arange(R);
+      const Value row_ok = in_range.valid() ? (rows.col() < n_rows) & in_range : rows.col() < n_rows;
+      const Value b = (cluster_e.valid() ? cluster_load(B, {rows.col(), rk.row()}, cluster_e, row_ok & (rk.row() < rank))
+                                         : load(B, {e, rows.col(), rk.row()}, row_ok & (rk.row() < rank)))
+                          .to(DType::f32);
+      const Value bs = lora_left_operand(b, s, scale_after, dot_t);
+      const auto [lo, hi] = slice();
+      for_range(lo, hi, BK, [&](const Value& k0) { tile(e, rows, row_ok, rk, k0, bs); });
+    };
     // EXPERT_GROUP G: grid axis 0 is G neighbouring experts, axis 1 the row blocks, axis 2
     // the groups of G experts times the column slices (a group's slices side by side).
     if (const int64_t G = k.meta("EXPERT_GROUP", 0)) {
@@ -76,33 +94,17 @@ const dsl::Kernel& moe_lora_materialize() {
       const Value e_g = g * G + program_id(0);
       // A group past the last expert (E not a multiple of G): its rows masked off, and
       // the expert index held in range for A's reads, whose products are not stored.
-      const Value e = minimum(e_g, W.dim(0) - 1);
-      const Value rows = program_id(1) * BN + arange(BN);
-      const Value rk = arange(R);
-      const Value row_ok = (rows.col() < n_rows) & (e_g < W.dim(0));
       // EXPERTS_LAST: B comes as [N, r, E] (PEFT's flat lora_B as it lies, the experts
       // fastest), read by the cluster's programs together (cluster_size neighbouring
       // experts: whole sectors once, not a sector per element per expert). The caller makes
       // E a multiple of G, and G of the cluster size: e_g is then the cluster's first
       // expert plus the program's rank, the same rows and mask for all.
-      const Value b = (k.meta("EXPERTS_LAST", 0)
-                           ? cluster_load(B, {rows.col(), rk.row()}, e_g, row_ok & (rk.row() < rank))
-                           : load(B, {e, rows.col(), rk.row()}, row_ok & (rk.row() < rank)))
-                          .to(DType::f32);
-      const Value bs = lora_left_operand(b, s, scale_after, dot_t);
-      const auto [lo, hi] = split_range(n_cols, BK, program_id(2) - g * parts, parts);
-      for_range(lo, hi, BK, [&](const Value& k0) { tile(e, rows, row_ok, rk, k0, bs); });
+      own(minimum(e_g, W.dim(0) - 1), e_g < W.dim(0), program_id(1), k.meta("EXPERTS_LAST", 0) ? e_g : Value(),
+          [&] { return split_range(n_cols, BK, program_id(2) - g * parts, parts); });
       return;
     }
-    const Value e = program_id(2);
     const RowSliceAxes axes = row_slice_axes(k);
-    const Value rows = program_id(axes.rows) * BN + arange(BN);
-    const Value rk = arange(R);
-    const Value row_ok = rows.col() < n_rows;
-    const Value b = load(B, {e, rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(DType::f32);
-    const Value bs = lora_left_operand(b, s, scale_after, dot_t);
-    const auto [lo, hi] = split_range(n_cols, BK, axes.slices);
-    for_range(lo, hi, BK, [&](const Value& k0) { tile(e, rows, row_ok, rk, k0, bs); });
+    own(program_id(2), Value(), program_id(axes.rows), Value(), [&] { return split_range(n_cols, BK, axes.slices); });
   });
   return k;
 }
