@@ -872,6 +872,44 @@ TEST_CASE("no op's own GPU tiles spill registers or serialize their warpgroup do
   CHECK(compiled >= 16);  // at least one kernel per op and rank
 }
 
+// The MoE forward reading PEFT's flat lora_B by clusters of 8 experts (EXPERTS_LAST), on the
+// own tile's warpgroup ring and a small mma.sync tile, bf16 and fp32 adapters, ranks 16 and
+// 64: its exchange (vector loads of the 8 experts, the hand-over through distributed
+// shared memory) compiles for sm_90a without spills.
+TEST_CASE("the MoE forward's clustered read of PEFT's flat lora_B compiles for sm_90a without spills",
+          "[cuda][codegen][ops][moe]") {
+  KERF_REQUIRE_NVRTC();
+  const ops::detail::PlanningArch h100("sm_90a");
+  const autotune::TunableOp op = test::registered_op("moe_lora_materialize");
+  void* const p = test::planning_address();
+  const Device dev = Device::cuda(0);
+  const int64_t E = 32, N = 200, K = 300;
+  for (const DType ab : {DType::bf16, DType::f32})
+    for (const int64_t r : {16, 64})
+      for (const autotune::Config& tile :
+           {autotune::Config{{"BLOCK_N", 64}, {"BLOCK_K", 128}, {"num_warps", 4}, {"num_stages", 3}, {"WGMMA", 1},
+                             {"STORE_IN_RING", 1}, {"L2_PREFETCH", 128}},
+            autotune::Config{{"BLOCK_N", 32}, {"BLOCK_K", 64}, {"num_warps", 4}, {"num_stages", 2}}}) {
+        CAPTURE(dtype_name(ab), r, tile.at("BLOCK_N"));
+        const TensorView W = TensorView::contiguous(p, DType::bf16, {E, N, K}, dev);
+        const ops::MoeLoraViews v = ops::peft_moe_lora_views(W, TensorView::contiguous(p, ab, {r * E, K}, dev),
+                                                             TensorView::contiguous(p, ab, {N, r * E}, dev));
+        autotune::Config c = tile;
+        c.insert({{"EXPERT_GROUP", 16}, {"CLUSTER", 8}, {"EXPERTS_LAST", 1}});
+        const std::vector<autotune::KernelCall> calls = op.kernels({W, v.A, v.B, W}, c, 132);
+        REQUIRE(calls.size() == 1);
+        const jit::cuda::KernelCode code =
+            jit::cuda::generate(calls[0].kernel->trace(arg_specs(calls[0].args), calls[0].meta), "sm_90a");
+        CHECK(code.source.find("cluster_load @B") != std::string::npos);
+        const nvrtc::PtxasUsage u =
+            nvrtc::ptxas_usage(nvrtc::compile(code.source, code.entry + ".cu", "sm_90a", {nvrtc::kPtxasVerbose}).log);
+        CAPTURE(u.registers);
+        CHECK(u.registers > 0);
+        CHECK(u.spill_store_bytes == 0);
+        for (const std::string& a : u.advisories) FAIL_CHECK(a);
+      }
+}
+
 // The same for every op the tuner knows, in bf16, f16 and f32 and with fp32 adapters on a
 // half W, at ranks 128 and 256 and sizes that tiles do and do not divide (before, the
 // embedding at rank 128 took 280576 bytes, merge and the MoE forward at rank 256 260608 and
