@@ -78,9 +78,13 @@ const dsl::Kernel& moe_lora_materialize() {
       const Value rows = row_block * BN + arange(BN);
       const Value rk = arange(R);
       const Value row_ok = in_range.valid() ? (rows.col() < n_rows) & in_range : rows.col() < n_rows;
-      const Value b = (cluster_e.valid() ? cluster_load(B, {rows.col(), rk.row()}, cluster_e, row_ok & (rk.row() < rank))
-                                         : load(B, {e, rows.col(), rk.row()}, row_ok & (rk.row() < rank)))
-                          .to(DType::f32);
+      // The cluster's read takes the mask its programs share: a program past the last
+      // expert still hands the others their values (its own, past B's last dimension, are
+      // not read).
+      const Value b =
+          (cluster_e.valid() ? cluster_load(B, {rows.col(), rk.row()}, cluster_e, (rows.col() < n_rows) & (rk.row() < rank))
+                             : load(B, {e, rows.col(), rk.row()}, row_ok & (rk.row() < rank)))
+              .to(DType::f32);
       const Value bs = lora_left_operand(b, s, scale_after, dot_t);
       const auto [lo, hi] = slice();
       for_range(lo, hi, BK, [&](const Value& k0) { tile(e, rows, row_ok, rk, k0, bs); });
@@ -97,8 +101,8 @@ const dsl::Kernel& moe_lora_materialize() {
       // EXPERTS_LAST: B comes as [N, r, E] (PEFT's flat lora_B as it lies, the experts
       // fastest), read by the cluster's programs together (cluster_size neighbouring
       // experts: whole sectors once, not a sector per element per expert). The caller makes
-      // E a multiple of G, and G of the cluster size: e_g is then the cluster's first
-      // expert plus the program's rank, the same rows and mask for all.
+      // G a multiple of the cluster size: e_g is then the cluster's first expert plus the
+      // program's rank, the same rows for all.
       own(minimum(e_g, W.dim(0) - 1), e_g < W.dim(0), program_id(1), k.meta("EXPERTS_LAST", 0) ? e_g : Value(),
           [&] { return split_range(n_cols, BK, program_id(2) - g * parts, parts); });
       return;

@@ -86,7 +86,7 @@ MoePlan plan_moe(const TensorView& W, DType a, DType b, int64_t r, bool gpu, con
     p.grid = Grid{uint32_t(g), uint32_t(cdiv(N, bn)), uint32_t(cdiv(E, g) * split)};
     const int64_t c = meta_or(config, "CLUSTER", 0);
     if (c > 1 && g % c == 0) p.meta["cluster_size"] = c;
-    if (c > 1 && g % c == 0 && E % g == 0 && b_experts_fastest && meta_or(config, "EXPERTS_LAST", 0)) {
+    if (c > 1 && g % c == 0 && b_experts_fastest && meta_or(config, "EXPERTS_LAST", 0)) {
       p.experts_last = true;
       p.meta["EXPERTS_LAST"] = 1;
       p.pack_b = false;

@@ -145,16 +145,19 @@ inline const Kernel& cluster_sum_kernel() {
 // cluster_load: x [R, C, E] with its last dimension the one the cluster's programs
 // share; program (e, i, j) reads tile [BM, BN] at rows i*BM.., columns j*BN.. of x[..., e]
 // (e = program_id(0): the cluster's first program's e plus the program's rank) and
-// writes it to out[e] ([E, R, C]).
+// writes it to out[e] ([E, R, C]), where e < E; a program past it (the grid's first axis
+// rounded up to whole clusters) adds up what it read into past[j] (zeros).
 inline const Kernel& cluster_gather_kernel() {
   static const Kernel k("cluster_gather", [](Builder& b) {
-    auto x = b.tensor("x", 3), out = b.tensor("out", 3);
+    auto x = b.tensor("x", 3), out = b.tensor("out", 3), past = b.tensor("past", 1, DType::f32);
     const int64_t BM = b.meta("BM"), BN = b.meta("BN");
     auto e = program_id(0);
     auto rows = program_id(1) * BM + arange(BM);
     auto cols = program_id(2) * BN + arange(BN);
     auto m = (rows.col() < x.dim(0)) & (cols.row() < x.dim(1));
-    store(out, {e, rows.col(), cols.row()}, cluster_load(x, {rows.col(), cols.row()}, e, m), m);
+    auto v = cluster_load(x, {rows.col(), cols.row()}, e, m);
+    store(out, {e, rows.col(), cols.row()}, v, m & (e < x.dim(2)));
+    atomic_add(past, {program_id(2)}, sum(sum(abs(v.to(DType::f32)), 1), 0), e >= x.dim(2));
   });
   return k;
 }

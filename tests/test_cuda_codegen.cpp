@@ -776,7 +776,7 @@ TEST_CASE("cluster_atomic_add sums over the cluster in distributed shared memory
 TEST_CASE("cluster_load hands each program its values through distributed shared memory on sm_90, a load elsewhere",
           "[cuda][codegen]") {
   const auto source = [&](int64_t cluster, const char* arch, DType d, bool fast) {
-    const ir::Function fn = test::cluster_gather_kernel().trace({t(d, 3, fast), t(d, 3)},
+    const ir::Function fn = test::cluster_gather_kernel().trace({t(d, 3, fast), t(d, 3), t(DType::f32, 1)},
                                                                 {{"BM", 64}, {"BN", 64}, {"cluster_size", cluster}});
     return jit::cuda::generate(fn, arch).source;
   };
@@ -812,13 +812,14 @@ TEST_CASE("cluster_load hands each program its values through distributed shared
     CHECK(plain.find("cluster_wait") == std::string::npos);
     CHECK(plain.find("ld_cluster") == std::string::npos);
     CHECK(plain.find("load @x in ") != std::string::npos);
+    CHECK(plain.find(" >= 0 && (long long)v") != std::string::npos);  // the last index's range, checked
   }
   if (nvrtc::available())
     for (const DType d : {DType::bf16, DType::f32, DType::f16})
       for (const int64_t cluster : {2, 3, 8}) {
         CAPTURE(dtype_name(d), cluster);
         const ir::Function fn = test::cluster_gather_kernel().trace(
-            {t(d, 3), t(d, 3)}, {{"BM", 32}, {"BN", 16}, {"cluster_size", cluster}});
+            {t(d, 3), t(d, 3), t(DType::f32, 1)}, {{"BM", 32}, {"BN", 16}, {"cluster_size", cluster}});
         const jit::cuda::KernelCode code = jit::cuda::generate(fn, "sm_90a");
         CHECK_NOTHROW(nvrtc::compile(code.source, code.entry + ".cu", "sm_90a"));
       }

@@ -395,9 +395,9 @@ void check_forward_peft_layouts(Device dev) {
 // groups of 8 and 16 at clusters of 2, 4 and 8, fp32 and bf16 adapters, ranks below and
 // at their padding, rows and columns that are not multiples of the tiles, the column split
 // over several programs, and an expert count of several groups; a GPU tile on one
-// warpgroup through W's ring as the op's own (WGMMA on sm_90a) and a plain one. Where
-// the call cannot use clusters (E not a multiple of G, CPUs) it runs on the same grid
-// with B read per program.
+// warpgroup through W's ring as the op's own (WGMMA on sm_90a) and a plain one. E = G + 4
+// leaves programs past the last expert in the last group's clusters (they hand the others
+// their values and write nothing). On CPUs the same grid reads B per program.
 void check_forward_peft_clusters(Device dev) {
   uint64_t seed = 5300;
   struct Tile {

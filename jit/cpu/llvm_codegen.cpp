@@ -454,16 +454,24 @@ class KernelEmitter {
     b_.SetInsertPoint(done);
   }
 
-  // A masked-off element is not read; it takes `other` (or zero).
+  // A masked-off element is not read; it takes `other` (or zero). A cluster_share load's
+  // elements whose last index lies outside the tensor's last dimension read zero too.
   llvm::Value* load_element(const Operation& op, const Index& idx) {
     const ir::Param& p = f_.params[size_t(op.attrs.param)];
     const DType t = p.dtype;
     const llvm::Align align(uint64_t(dtype_size_bytes(t)));
     llvm::Value* ptr = element_address(op, idx);
-    if (!op.attrs.has_mask)
-      return ops_.to_register(t, b_.CreateAlignedLoad(ops_.memory_type(t), ptr, align));
     const size_t rank = size_t(p.rank);
-    llvm::Value* mask = elem(op.operands[rank], idx);
+    llvm::Value* in_range = nullptr;
+    if (op.attrs.cluster_share) {
+      llvm::Value* last = index_elem(op.operands[rank - 1], idx);
+      in_range = b_.CreateAnd(b_.CreateICmpSGE(last, b_.getInt64(0)),
+                              b_.CreateICmpSLT(last, tensors_[size_t(op.attrs.param)].sizes[rank - 1]));
+    }
+    if (!op.attrs.has_mask && !in_range)
+      return ops_.to_register(t, b_.CreateAlignedLoad(ops_.memory_type(t), ptr, align));
+    llvm::Value* mask = op.attrs.has_mask ? elem(op.operands[rank], idx) : nullptr;
+    if (in_range) mask = mask ? b_.CreateAnd(mask, in_range) : in_range;
     llvm::Value* other = op.attrs.has_other ? elem(op.operands[rank + 1], idx) : ops_.zero(t);
     llvm::BasicBlock* skipped_from = b_.GetInsertBlock();
     llvm::Value* loaded = nullptr;

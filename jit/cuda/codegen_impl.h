@@ -471,6 +471,8 @@ class Codegen {
   // before sm_80), made once at the kernel's start.
   std::string l2_policy(const Operation& op);
 
+  // The size of dimension d of access `op`'s tensor (a long long expression).
+  std::string dim_expr(const Operation& op, int d) const;
   std::string stride_expr(const Operation& op, int d);
 
   std::string offset_expr(const Operation& op, const std::vector<Tile>& idx, const std::string& r);

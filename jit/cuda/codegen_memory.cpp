@@ -46,6 +46,10 @@ std::string Codegen::stride_expr(const Operation& op, int d) {
   return key;
 }
 
+std::string Codegen::dim_expr(const Operation& op, int d) const {
+  return "(long long)args.s[" + S(int64_t(slot_offsets(f_.params)[size_t(op.attrs.param)] + 1 + size_t(d))) + "]";
+}
+
 std::string Codegen::offset_expr(const Operation& op, const std::vector<Tile>& idx,
                                  const std::string& r) {
   std::string e;
@@ -139,9 +143,17 @@ Tile Codegen::emit_load(const Operation& op, int l) {
            S(w) + ">(" + ptr + " + off); for (int j = 0; j < " + S(w) + "; ++j) " + name +
            "[r + j] = pk.v[j]; }";
   }
-  if (op.attrs.has_mask) {
+  // A cluster_share load read plainly (no clusters): its elements whose (scalar) last
+  // index lies outside the last dimension read zero, as where clusters share it.
+  std::string cond = op.attrs.has_mask ? elem(mask, "r") : "";
+  if (op.attrs.cluster_share) {
+    const std::string last = "(long long)" + elem(idx.back(), "r");
+    const std::string dim = dim_expr(op, p.rank - 1);
+    cond = (cond.empty() ? "" : "(" + cond + ") && ") + last + " >= 0 && " + last + " < " + dim;
+  }
+  if (!cond.empty()) {
     const std::string fill = op.attrs.has_other ? elem(other, "r + j") : "(" + st + ")0";
-    line(lv, "  if (" + elem(mask, "r") + ") " + load);
+    line(lv, "  if (" + cond + ") " + load);
     line(lv, "  else for (int j = 0; j < " + S(w) + "; ++j) " + name + "[r + j] = " + fill + ";");
   } else {
     line(lv, "  " + load);
@@ -199,8 +211,7 @@ Tile Codegen::emit_cluster_load(const Operation& op, int l) {
   line(lv, "      const long long off = " + offset_expr(op, idx, "r") + ";");
   // Rank 0's element: the rank's steps back along the last dimension. Neighbours outside
   // that dimension (a cluster whose indices do not keep to the contract) are not read.
-  const std::string dim =
-      "(long long)args.s[" + S(int64_t(slot_offsets(f_.params)[size_t(op.attrs.param)] + 1 + size_t(p.rank - 1))) + "]";
+  const std::string dim = dim_expr(op, p.rank - 1);
   line(lv, "      const long long j0 = (long long)" + elem(idx.back(), "r") + " - (long long)kerf_crank;");
   line(lv, "      const " + st + "* b0 = " + ptr + " + off - (long long)kerf_crank" +
                (stride.empty() ? "" : " * " + stride) + ";");

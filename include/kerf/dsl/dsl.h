@@ -299,7 +299,9 @@ void cluster_atomic_add(const Tensor& t, const std::vector<Value>& idx, const Va
 // axis 0, as for cluster_atomic_add) make together: the program of rank q in its
 // cluster reads t[idx..., j + q], where `last` is j + q for it (j the same for the whole
 // cluster, a multiple of cluster_size for the fast path) and idx and mask are the same for
-// every program of the cluster. The result is load(t, {idx..., last}, mask). On sm_90 and
+// every program of the cluster. The result is load(t, {idx..., last}, mask), and zero where
+// `last` lies outside t's last dimension (a program past its end still takes part and hands
+// the others their values). On sm_90 and
 // later, with t's last dimension contiguous, each program reads a cluster_size-th of the
 // tile's elements for every program of its cluster (cluster_size neighbours of the last
 // dimension in one vector) and hands each program its values through distributed shared

@@ -110,7 +110,8 @@ struct Attrs {
   bool has_other = false;  // Load
   bool acq_rel = false;    // AtomicAdd: acquire-release instead of relaxed
   bool cluster_sum = false;  // AtomicAdd: summed over the cluster's programs first (dsl::cluster_atomic_add)
-  bool cluster_share = false;  // Load: read together by the cluster's programs (dsl::cluster_load)
+  bool cluster_share = false;  // Load: read together by the cluster's programs (dsl::cluster_load);
+                               // elements whose last index is outside the last dimension read 0
   uint8_t evict = 0;       // Load/Store: L2 eviction hint (0 normal, 1 evict first, 2 evict last)
   bool tf32 = false;       // Dot: f32 operands multiplied as TF32 on the GPU's tensor cores
 };
