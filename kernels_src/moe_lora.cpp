@@ -81,10 +81,10 @@ const dsl::Kernel& moe_lora_materialize() {
       // The cluster's read takes the mask its programs share: a program past the last
       // expert still hands the others their values (its own, past B's last dimension, are
       // not read).
-      const Value b =
-          (cluster_e.valid() ? cluster_load(B, {rows.col(), rk.row()}, cluster_e, (rows.col() < n_rows) & (rk.row() < rank))
-                             : load(B, {e, rows.col(), rk.row()}, row_ok & (rk.row() < rank)))
-              .to(DType::f32);
+      const Value b = (cluster_e.valid() ? cluster_load(B, {rows.col(), rk.row()}, cluster_e,
+                                                        (rows.col() < n_rows) & (rk.row() < rank))
+                                         : load(B, {e, rows.col(), rk.row()}, row_ok & (rk.row() < rank)))
+                          .to(DType::f32);
       const Value bs = lora_left_operand(b, s, scale_after, dot_t);
       const auto [lo, hi] = slice();
       for_range(lo, hi, BK, [&](const Value& k0) { tile(e, rows, row_ok, rk, k0, bs); });

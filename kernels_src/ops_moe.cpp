@@ -115,8 +115,9 @@ CopiedAdapters moe_inputs(const MoePlan& p, const TensorView& A, const TensorVie
     a_to = A.dtype;
   if (p.pack_b && strided_last(B)) b_to = B.dtype;
   if (p.experts_last)
-    return copied_adapters(A, a_to, restride(B, {B.shape[1], B.shape[2], B.shape[0]}, {B.strides[1], B.strides[2], B.strides[0]}),
-                           std::nullopt, options);
+    return copied_adapters(
+        A, a_to, restride(B, {B.shape[1], B.shape[2], B.shape[0]}, {B.strides[1], B.strides[2], B.strides[0]}),
+        std::nullopt, options);
   return copied_adapters(A, a_to, B, b_to, options);
 }
 
@@ -175,7 +176,8 @@ void run_moe_lora_materialize(const TensorView& W, const TensorView& A, const Te
   const char* op = "moe_lora_materialize";
   expect_meta(op, config,
               {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"PACK", 0, 2}, kStream, kWarpsN, kL2Prefetch, kWgmma, kColsFirst, kTf32,
-               kAccStore, kStoreInRing, {"PERSISTENT", 0, 8}, {"EXPERT_GROUP", 0, 64}, {"CLUSTER", 0, 8}, {"EXPERTS_LAST", 0, 1}});
+               kAccStore, kStoreInRing, {"PERSISTENT", 0, 8}, {"EXPERT_GROUP", 0, 64}, {"CLUSTER", 0, 8},
+               {"EXPERTS_LAST", 0, 1}});
   if (meta_or(config, "PERSISTENT", 0) && meta_or(config, "STREAM", 0))
     throw InvalidArgument(std::string(op) +
                           ": Config.meta PERSISTENT (programs that deal out the tiles) and STREAM (one tile a "
@@ -263,7 +265,9 @@ Config tuned_moe_config(const TensorView& W, const TensorView& A, const TensorVi
   if (gpu && strided_last(A) && strided_last(B)) q.finalist_variants.push_back({{"PACK", 2}});
   q.extent_m = N;
   q.extent_k = K;
-  q.kernels = [&](const Config& c) { return moe_calls(plan_moe(W, A.dtype, B.dtype, r, gpu, c, B.strides[0] == 1), W, A, B, W_eff); };
+  q.kernels = [&](const Config& c) {
+    return moe_calls(plan_moe(W, A.dtype, B.dtype, r, gpu, c, B.strides[0] == 1), W, A, B, W_eff);
+  };
   q.run = [&](const Config& c) {
     LaunchOptions options;
     options.stream = stream;

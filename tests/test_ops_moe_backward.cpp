@@ -410,8 +410,8 @@ void check_forward_peft_clusters(Device dev) {
                     : std::vector<Tile>{{16, 32, 0, 0, {}}};
   for (const Tile& t : tiles)
     for (const auto& [G, C] : {std::pair<int64_t, int64_t>{16, 8}, {8, 4}, {8, 2}})
-      for (const auto& [E, r, ab] : {std::tuple{int64_t(16), int64_t(16), DType::bf16}, {G == 16 ? 48 : 24, 5, DType::f32},
-                                     {32, 64, DType::bf16}, {G + 4, 16, DType::bf16}})
+      for (const auto& [E, r, ab] : {std::tuple{int64_t(16), int64_t(16), DType::bf16},
+                                     {G == 16 ? 48 : 24, 5, DType::f32}, {32, 64, DType::bf16}, {G + 4, 16, DType::bf16}})
         for (const int64_t split : {1, 3}) {
           ops::Config cfg{t.bm, t.bk, split, t.warps, t.stages, t.meta};
           cfg.meta["EXPERT_GROUP"] = G;

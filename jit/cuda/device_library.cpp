@@ -462,7 +462,10 @@ template <class T, int W> __device__ __forceinline__ Pack<T, W> ld_cluster_pack(
   const unsigned ra = cluster_addr(local, rank);
   Pack<T, W> v;
   if constexpr (N == 2) {
-    asm volatile("ld.shared::cluster.u16 %0, [%1];" : "=h"(*reinterpret_cast<unsigned short*>(&v)) : "r"(ra) : "memory");
+    asm volatile("ld.shared::cluster.u16 %0, [%1];"
+                 : "=h"(*reinterpret_cast<unsigned short*>(&v))
+                 : "r"(ra)
+                 : "memory");
   } else if constexpr (N == 4) {
     asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(*reinterpret_cast<unsigned*>(&v)) : "r"(ra) : "memory");
   } else if constexpr (N == 8) {
