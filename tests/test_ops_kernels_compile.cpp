@@ -840,6 +840,23 @@ TEST_CASE("the DoRA norm's default GPU tiles fit an H100's shared memory for eve
     }
 }
 
+namespace {
+
+// Compiles planned kernel `call` for sm_90a and checks that ptxas spills nothing and gives
+// no advisories (a warpgroup dot serialized); its generated source.
+std::string compiles_without_spills(const autotune::KernelCall& call) {
+  const jit::cuda::KernelCode code = jit::cuda::generate(call.kernel->trace(arg_specs(call.args), call.meta), "sm_90a");
+  const nvrtc::PtxasUsage u =
+      nvrtc::ptxas_usage(nvrtc::compile(code.source, code.entry + ".cu", "sm_90a", {nvrtc::kPtxasVerbose}).log);
+  CAPTURE(u.registers);
+  CHECK(u.registers > 0);
+  CHECK(u.spill_store_bytes == 0);
+  for (const std::string& a : u.advisories) FAIL_CHECK(a);
+  return code.source;
+}
+
+}  // namespace
+
 // What ptxas says of the tiles an untuned GPU call of each op runs (bf16, ranks 16 and 64,
 // sizes of 4096): none spills, and none has its warpgroup dots serialized for want of
 // registers (ptxas' advisory C7512; the MoE backward's 64x512 tile with dW's tile in
@@ -858,14 +875,7 @@ TEST_CASE("no op's own GPU tiles spill registers or serialize their warpgroup do
         views.push_back(TensorView::contiguous(p, o.dtype, o.shape, Device::cuda(0)));
       for (const autotune::KernelCall& call : op.kernels(views, {}, 132)) {
         CAPTURE(op.name, r, call.kernel->name());
-        const jit::cuda::KernelCode code =
-            jit::cuda::generate(call.kernel->trace(arg_specs(call.args), call.meta), "sm_90a");
-        const nvrtc::PtxasUsage u =
-            nvrtc::ptxas_usage(nvrtc::compile(code.source, code.entry + ".cu", "sm_90a", {nvrtc::kPtxasVerbose}).log);
-        CAPTURE(u.registers);
-        CHECK(u.registers > 0);
-        CHECK(u.spill_store_bytes == 0);
-        for (const std::string& a : u.advisories) FAIL_CHECK(a);
+        compiles_without_spills(call);
         ++compiled;
       }
     }
@@ -898,15 +908,7 @@ TEST_CASE("the MoE forward's clustered read of PEFT's flat lora_B compiles for s
         c.insert({{"EXPERT_GROUP", 16}, {"CLUSTER", 8}, {"EXPERTS_LAST", 1}});
         const std::vector<autotune::KernelCall> calls = op.kernels({W, v.A, v.B, W}, c, 132);
         REQUIRE(calls.size() == 1);
-        const jit::cuda::KernelCode code =
-            jit::cuda::generate(calls[0].kernel->trace(arg_specs(calls[0].args), calls[0].meta), "sm_90a");
-        CHECK(code.source.find("cluster_load @B") != std::string::npos);
-        const nvrtc::PtxasUsage u =
-            nvrtc::ptxas_usage(nvrtc::compile(code.source, code.entry + ".cu", "sm_90a", {nvrtc::kPtxasVerbose}).log);
-        CAPTURE(u.registers);
-        CHECK(u.registers > 0);
-        CHECK(u.spill_store_bytes == 0);
-        for (const std::string& a : u.advisories) FAIL_CHECK(a);
+        CHECK(compiles_without_spills(calls[0]).find("cluster_load @B") != std::string::npos);
       }
 }
 
