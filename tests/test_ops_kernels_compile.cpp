@@ -687,6 +687,35 @@ const Kernel& ring_store_kernel() {
 }
 
 // store_in_ring: a store of a dot's sum moves into its store layout through the spent ring
+// The MoE forward's clustered read of B (cluster_load at the kernel's top level) gives its
+// buffer back for later regions; a region that needs 1024-byte alignment (a warpgroup
+// operand's staging) takes it only at such an offset. With the pipeline's rings allocated
+// first (early_prologue), 32-row tiles leave the buffer at an offset that is not a
+// multiple of 1024, and B's staging comes after it.
+TEST_CASE("a 1024-aligned region that takes a spent cluster_load buffer stays 1024-aligned",
+          "[cuda][codegen][ops]") {
+  const std::vector<ArgSpec> args = {T(DType::bf16, 3), T(DType::bf16, 3), T(DType::bf16, 3), S, T(DType::bf16, 3)};
+  for (const int64_t bk : {64, 128}) {
+    CAPTURE(bk);
+    const MetaMap meta = {{"BLOCK_N", 32},     {"BLOCK_K", bk},   {"R_PAD", 64},       {"DOT", int64_t(DType::bf16)},
+                          {"SCALE_AFTER", 1},  {"num_warps", 4},  {"num_stages", 3},   {"wgmma", 1},
+                          {"early_prologue", 1}, {"EXPERT_GROUP", 16}, {"EXPERTS_LAST", 1}, {"cluster_size", 8}};
+    const std::string src = source_of(kernels::moe_lora_materialize(), args, meta);
+    INFO(src);
+    REQUIRE(src.find("cluster_load @B") != std::string::npos);
+    const std::string tag = "  // 1024-aligned, for wgmma's swizzle";
+    int regions = 0;
+    for (size_t at = src.find(tag); at != std::string::npos; at = src.find(tag, at + 1)) {
+      const size_t eq = src.rfind("= ", at);
+      const int offset = std::stoi(src.substr(eq + 2, at - eq - 3));
+      CAPTURE(offset);
+      CHECK(offset % 1024 == 0);
+      ++regions;
+    }
+    CHECK(regions >= 2);  // the ring's and B's staging
+  }
+}
+
 // slot of the weight tile it was computed from (each thread overwrites the elements it read
 // there), not a shared-memory buffer of its own; where the tile is read again after the
 // store, through its own buffer as before.

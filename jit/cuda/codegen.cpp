@@ -527,34 +527,26 @@ std::string Codegen::fresh(const std::string& base) {
 // places at a 1024-byte boundary once (one pad for all such regions).
 std::string Codegen::alloc_smem_1024(int lv, int64_t bytes, int* offset) {
   smem_1024_ = true;
-  // A top-level cluster_load's buffer, spent before anything emitted after it runs, where a
-  // 1024-aligned stretch of it is large enough.
-  *offset = -1;
-  for (auto s = spent_smem_.begin(); s != spent_smem_.end() && *offset < 0; ++s) {
-    const int at = (s->first + 1023) & ~1023;
-    if (at + bytes <= s->first + s->second) {
-      *offset = at;
-      spent_smem_.erase(s);
-    }
-  }
-  if (*offset < 0) {
-    smem_top_ = (smem_top_ + 1023) & ~1023;
-    *offset = alloc_smem(bytes);
-  }
+  *offset = take_smem(bytes, 1024);
   const std::string name = fresh("sw_base");
   line(lv, "const int " + name + " = " + S(*offset) + ";  // 1024-aligned, for wgmma's swizzle");
   return name;
 }
 
-int Codegen::alloc_smem(int64_t bytes) {
-  // A top-level cluster_load's buffer, spent before anything emitted after it runs.
-  for (auto s = spent_smem_.begin(); s != spent_smem_.end(); ++s)
-    if (s->second >= bytes) {
-      const int off = s->first;
+int Codegen::alloc_smem(int64_t bytes) { return take_smem(bytes, 16); }
+
+// `bytes` at a multiple of `align` into kerf_smem: an aligned stretch of a top-level
+// cluster_load's buffer (spent before anything emitted after it runs) where one is large
+// enough, else new memory at the top.
+int Codegen::take_smem(int64_t bytes, int align) {
+  for (auto s = spent_smem_.begin(); s != spent_smem_.end(); ++s) {
+    const int at = (s->first + align - 1) & ~(align - 1);
+    if (at + bytes <= s->first + s->second) {
       spent_smem_.erase(s);
-      return off;
+      return at;
     }
-  const int off = (smem_top_ + 15) & ~15;
+  }
+  const int off = (smem_top_ + align - 1) & ~(align - 1);
   smem_top_ = off + int(bytes);
   return off;
 }

@@ -262,6 +262,7 @@ class Codegen {
   std::string fresh(const std::string& base);
 
   int alloc_smem(int64_t bytes);
+  int take_smem(int64_t bytes, int align);
 
   std::string elem(const Tile& t, const std::string& r) const;
 
