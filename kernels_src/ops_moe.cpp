@@ -48,9 +48,9 @@ Config own_config(const Config& config, const TensorView& W, Product dot, int64_
 }
 
 // `programs`: the multiprocessors (CPU threads) PERSISTENT counts; 0: W's device's, asked.
-// `b_experts_fastest`: B's experts are its unit-stride dimension (PEFT's flat lora_B).
-MoePlan plan_moe(const TensorView& W, DType a, DType b, int64_t r, bool gpu, const Config& given,
-                 bool b_experts_fastest, int64_t programs = 0) {
+MoePlan plan_moe(const TensorView& W, DType a, const TensorView& B, int64_t r, bool gpu, const Config& given,
+                 int64_t programs = 0) {
+  const DType b = B.dtype;
   const int64_t E = W.shape[0], N = W.shape[1];
   const Product dot = product_dtype(W.dtype, a, b);
   const int64_t r_pad = rank_pad(r);
@@ -84,12 +84,14 @@ MoePlan plan_moe(const TensorView& W, DType a, DType b, int64_t r, bool gpu, con
     p.meta.erase("COLS_FIRST");
     p.meta["EXPERT_GROUP"] = g;
     p.grid = Grid{uint32_t(g), uint32_t(cdiv(N, bn)), uint32_t(cdiv(E, g) * split)};
-    const int64_t c = meta_or(config, "CLUSTER", 0);
-    if (c > 1 && g % c == 0) p.meta["cluster_size"] = c;
-    if (c > 1 && g % c == 0 && b_experts_fastest && meta_or(config, "EXPERTS_LAST", 0)) {
-      p.experts_last = true;
-      p.meta["EXPERTS_LAST"] = 1;
-      p.pack_b = false;
+    if (const int64_t c = meta_or(config, "CLUSTER", 0); c > 1 && g % c == 0) {
+      p.meta["cluster_size"] = c;
+      // B's experts its unit-stride dimension (PEFT's flat lora_B): read by the clusters.
+      if (B.strides[0] == 1 && meta_or(config, "EXPERTS_LAST", 0)) {
+        p.experts_last = true;
+        p.meta["EXPERTS_LAST"] = 1;
+        p.pack_b = false;
+      }
     }
   }
   // PERSISTENT: that many programs per multiprocessor (CPU thread), which deal out all
@@ -114,11 +116,11 @@ CopiedAdapters moe_inputs(const MoePlan& p, const TensorView& A, const TensorVie
   else if (p.pack && strided_last(A))
     a_to = A.dtype;
   if (p.pack_b && strided_last(B)) b_to = B.dtype;
-  if (p.experts_last)
-    return copied_adapters(
-        A, a_to, restride(B, {B.shape[1], B.shape[2], B.shape[0]}, {B.strides[1], B.strides[2], B.strides[0]}),
-        std::nullopt, options);
-  return copied_adapters(A, a_to, B, b_to, options);
+  // EXPERTS_LAST: B as [N, r, E], read in place.
+  const TensorView b =
+      p.experts_last ? restride(B, {B.shape[1], B.shape[2], B.shape[0]}, {B.strides[1], B.strides[2], B.strides[0]})
+                     : B;
+  return copied_adapters(A, a_to, b, b_to, options);
 }
 
 // A plan's compile list: its copies, then the materialization.
@@ -207,7 +209,7 @@ void run_moe_lora_materialize(const TensorView& W, const TensorView& A, const Te
     const Config cfg = has_config(config)
                            ? config
                            : tuned_moe_config(W, A, B, W_eff, stream);
-    return plan_moe(W, A.dtype, B.dtype, r, W.device.is_cuda(), cfg, B.strides[0] == 1);
+    return plan_moe(W, A.dtype, B, r, W.device.is_cuda(), cfg);
   });
   LaunchOptions options;
   options.stream = stream;
@@ -265,13 +267,11 @@ Config tuned_moe_config(const TensorView& W, const TensorView& A, const TensorVi
   if (gpu && strided_last(A) && strided_last(B)) q.finalist_variants.push_back({{"PACK", 2}});
   q.extent_m = N;
   q.extent_k = K;
-  q.kernels = [&](const Config& c) {
-    return moe_calls(plan_moe(W, A.dtype, B.dtype, r, gpu, c, B.strides[0] == 1), W, A, B, W_eff);
-  };
+  q.kernels = [&](const Config& c) { return moe_calls(plan_moe(W, A.dtype, B, r, gpu, c), W, A, B, W_eff); };
   q.run = [&](const Config& c) {
     LaunchOptions options;
     options.stream = stream;
-    launch_moe(plan_moe(W, A.dtype, B.dtype, r, gpu, c, B.strides[0] == 1), W, A, B, 1.0, W_eff, options);
+    launch_moe(plan_moe(W, A.dtype, B, r, gpu, c), W, A, B, 1.0, W_eff, options);
   };
   // When W_eff is W (materializing in place) every timed run would add s*B@A once
   // more: W's bytes are saved, only when a tuning actually runs, and put back.
@@ -299,8 +299,7 @@ const bool moe_registered = [] {
   };
   op.kernels = [](const std::vector<TensorView>& v, const autotune::Config& c, int sm_count) {
     const MoePlan p =
-        plan_moe(v[0], v[1].dtype, v[2].dtype, v[1].shape[1], true, config_from(c, "BLOCK_N", "BLOCK_K"),
-                 v[2].strides[0] == 1, sm_count);
+        plan_moe(v[0], v[1].dtype, v[2], v[1].shape[1], true, config_from(c, "BLOCK_N", "BLOCK_K"), sm_count);
     return moe_calls(p, v[0], v[1], v[2], v[3]);
   };
   op.gpu_candidates = moe_gpu_candidates;

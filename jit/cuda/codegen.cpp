@@ -76,7 +76,7 @@ KernelCode Codegen::run() {
   src << device_library_source();
   if (!wgmma_sizes_.empty()) src << wgmma_helpers_source();
   for (int n : wgmma_sizes_) src << wgmma_wrapper_source(n);
-  if (!cluster_phases_.empty() || cluster_rank_used_) src << cluster_helpers_source();
+  if (cluster_rank_used_) src << cluster_helpers_source();
   src << "\nextern \"C\" __global__ void __launch_bounds__(" << out.threads << ") " << out.entry
       << "(const __grid_constant__ kerf_dev::Args<" << std::max(1, out.num_slots) << "> args) {\n";
   if (smem_1024_) {
@@ -91,7 +91,7 @@ KernelCode Codegen::run() {
   src << "  (void)lane; (void)warp;\n";
   if (grid_arrivals_ > 0) src << "  int kerf_grid_exit = 0;  // thread 0: the barriers' count before its exit\n";
   src << prologue();
-  if (!cluster_phases_.empty() || cluster_rank_used_) {
+  if (cluster_rank_used_) {
     src << "  const unsigned kerf_crank = kerf_dev::cluster_rank();\n";
     for (const std::string& phase : cluster_phases_) src << "  unsigned " << phase << " = 0;\n";
   }

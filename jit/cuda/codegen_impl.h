@@ -472,8 +472,8 @@ class Codegen {
   // before sm_80), made once at the kernel's start.
   std::string l2_policy(const Operation& op);
 
-  // The size of dimension d of access `op`'s tensor (a long long expression).
-  std::string dim_expr(const Operation& op, int d) const;
+  // The kernel argument holding the size of dimension d of tensor parameter `param`.
+  std::string dim_arg(int64_t param, int d) const;
   std::string stride_expr(const Operation& op, int d);
 
   std::string offset_expr(const Operation& op, const std::vector<Tile>& idx, const std::string& r);
@@ -558,7 +558,7 @@ class Codegen {
   std::map<ValueId, std::vector<int>> staged_cols_;
   int cluster_ = 1;            // meta cluster_size on sm_90+ (1 elsewhere: cluster sums are plain atomics)
   std::vector<std::string> cluster_phases_;  // a double-buffer phase per cluster-summed atomic emitted
-  bool cluster_rank_used_ = false;  // kerf_crank is read (cluster_load)
+  bool cluster_rank_used_ = false;  // kerf_crank is read (cluster sums, cluster_load)
   // Top-level cluster_load buffers (offset, bytes), free after their exchange: the regions
   // allocated after them take their place.
   std::vector<std::pair<int, int64_t>> spent_smem_;

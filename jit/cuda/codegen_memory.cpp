@@ -46,8 +46,8 @@ std::string Codegen::stride_expr(const Operation& op, int d) {
   return key;
 }
 
-std::string Codegen::dim_expr(const Operation& op, int d) const {
-  return "(long long)args.s[" + S(int64_t(slot_offsets(f_.params)[size_t(op.attrs.param)] + 1 + size_t(d))) + "]";
+std::string Codegen::dim_arg(int64_t param, int d) const {
+  return "args.s[" + S(int64_t(slot_offsets(f_.params)[size_t(param)] + 1 + size_t(d))) + "]";
 }
 
 std::string Codegen::offset_expr(const Operation& op, const std::vector<Tile>& idx,
@@ -148,7 +148,7 @@ Tile Codegen::emit_load(const Operation& op, int l) {
   std::string cond = op.attrs.has_mask ? elem(mask, "r") : "";
   if (op.attrs.cluster_share) {
     const std::string last = "(long long)" + elem(idx.back(), "r");
-    const std::string dim = dim_expr(op, p.rank - 1);
+    const std::string dim = "(long long)" + dim_arg(op.attrs.param, p.rank - 1);
     cond = (cond.empty() ? "" : "(" + cond + ") && ") + last + " >= 0 && " + last + " < " + dim;
   }
   if (!cond.empty()) {
@@ -210,8 +210,8 @@ Tile Codegen::emit_cluster_load(const Operation& op, int l) {
   line(lv, "    if (" + on + ") {");
   line(lv, "      const long long off = " + offset_expr(op, idx, "r") + ";");
   // Rank 0's element: the rank's steps back along the last dimension. Neighbours outside
-  // that dimension (a cluster whose indices do not keep to the contract) are not read.
-  const std::string dim = dim_expr(op, p.rank - 1);
+  // that dimension (the programs of the last cluster past its end) are not read.
+  const std::string dim = "(long long)" + dim_arg(op.attrs.param, p.rank - 1);
   line(lv, "      const long long j0 = (long long)" + elem(idx.back(), "r") + " - (long long)kerf_crank;");
   line(lv, "      const " + st + "* b0 = " + ptr + " + off - (long long)kerf_crank" +
                (stride.empty() ? "" : " * " + stride) + ";");
@@ -466,6 +466,7 @@ void Codegen::emit_cluster_add(const Operation& op, int level, int l, const std:
   const int moff = masked ? alloc_smem(2 * int64_t(groups) * threads) : 0;
   const std::string phase = "kerf_cphase" + S(int64_t(cluster_phases_.size()));
   cluster_phases_.push_back(phase);
+  cluster_rank_used_ = true;
   const std::string at = "(q * " + S(threads) + " + threadIdx.x)";
   const std::string slot = "cbuf + " + at + " * " + S(w);
   const std::string pack = "kerf_dev::Pack<float, " + S(w) + ">";

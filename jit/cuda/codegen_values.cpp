@@ -29,11 +29,9 @@ std::string Codegen::scalar(ValueId v) {
     case OpKind::NumPrograms:
       expr = std::string("(int)gridDim.") + "xyz"[a.axis];
       break;
-    case OpKind::TensorDim: {
-      const size_t slot = slot_offsets(f_.params)[size_t(a.param)] + 1 + size_t(a.axis);
-      expr = "(int)args.s[" + S(int64_t(slot)) + "]";
+    case OpKind::TensorDim:
+      expr = "(int)" + dim_arg(a.param, int(a.axis));
       break;
-    }
     case OpKind::TensorStride: {
       const ir::Param& p = f_.params[size_t(a.param)];
       if (p.facts.contiguous_last && a.axis == p.rank - 1) {
