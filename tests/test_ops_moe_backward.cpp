@@ -409,14 +409,19 @@ void check_forward_peft_clusters(Device dev) {
                                         {32, 64, 4, 2, {}}}
                     : std::vector<Tile>{{16, 32, 0, 0, {}}};
   for (const Tile& t : tiles)
-    for (const auto& [G, C] : {std::pair<int64_t, int64_t>{16, 8}, {8, 4}, {8, 2}})
+    // Cluster 0: the group's programs read B in place (PACK 0), each its own expert's.
+    for (const auto& [G, C] : {std::pair<int64_t, int64_t>{16, 8}, {8, 4}, {8, 2}, {16, 0}})
       for (const auto& [E, r, ab] : {std::tuple{int64_t(16), int64_t(16), DType::bf16},
                                      {G == 16 ? 48 : 24, 5, DType::f32}, {32, 64, DType::bf16}, {G + 4, 16, DType::bf16}})
         for (const int64_t split : {1, 3}) {
           ops::Config cfg{t.bm, t.bk, split, t.warps, t.stages, t.meta};
           cfg.meta["EXPERT_GROUP"] = G;
-          cfg.meta["CLUSTER"] = C;
-          cfg.meta["EXPERTS_LAST"] = 1;
+          if (C) {
+            cfg.meta["CLUSTER"] = C;
+            cfg.meta["EXPERTS_LAST"] = 1;
+          } else {
+            cfg.meta["PACK"] = 0;
+          }
           check_forward_peft(dev, seed++, false, -1, ab, E, 70, 150, r, cfg);
         }
 }
