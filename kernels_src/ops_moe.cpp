@@ -184,6 +184,17 @@ void run_moe_lora_materialize(const TensorView& W, const TensorView& A, const Te
     throw InvalidArgument(std::string(op) +
                           ": Config.meta PERSISTENT (programs that deal out the tiles) and STREAM (one tile a "
                           "program) do not go together");
+  // CLUSTER and EXPERTS_LAST work on EXPERT_GROUP's grid: a cluster is that many of a
+  // group's experts, so it must divide the group.
+  if (const int64_t c = meta_or(config, "CLUSTER", 0), g = meta_or(config, "EXPERT_GROUP", 0);
+      c > 1 && (g == 0 || g % c))
+    throw InvalidArgument(std::string(op) + ": Config.meta CLUSTER " + std::to_string(c) +
+                          " must divide EXPERT_GROUP (the experts of a group that share grid axis 0), got " +
+                          (g ? "EXPERT_GROUP " + std::to_string(g) : std::string("no EXPERT_GROUP")));
+  if (meta_or(config, "EXPERTS_LAST", 0) && meta_or(config, "CLUSTER", 0) < 2)
+    throw InvalidArgument(std::string(op) +
+                          ": Config.meta EXPERTS_LAST (B read by clusters of experts) needs CLUSTER of 2 or more "
+                          "and EXPERT_GROUP");
   expect_finite_scale(op, s);
   expect_shape(op, "W", W, {-1, -1, -1});
   const int64_t E = W.shape[0], N = W.shape[1], K = W.shape[2];

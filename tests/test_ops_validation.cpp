@@ -414,6 +414,21 @@ TEST_CASE("an op refuses Config.meta names it does not take and values out of ra
   CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize(dW, mA, mB, 1.0, mW_eff, nullptr, persistent_stream),
                 "moe_lora_materialize: Config.meta PERSISTENT (programs that deal out the tiles) and STREAM (one "
                 "tile a program) do not go together");
+  ops::Config uneven;
+  uneven.meta = {{"EXPERT_GROUP", 6}, {"CLUSTER", 4}};
+  CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize(dW, mA, mB, 1.0, mW_eff, nullptr, uneven),
+                "moe_lora_materialize: Config.meta CLUSTER 4 must divide EXPERT_GROUP (the experts of a group that "
+                "share grid axis 0), got EXPERT_GROUP 6");
+  ops::Config groupless;
+  groupless.meta = {{"CLUSTER", 2}};
+  CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize(dW, mA, mB, 1.0, mW_eff, nullptr, groupless),
+                "moe_lora_materialize: Config.meta CLUSTER 2 must divide EXPERT_GROUP (the experts of a group that "
+                "share grid axis 0), got no EXPERT_GROUP");
+  ops::Config lone;
+  lone.meta = {{"EXPERT_GROUP", 8}, {"EXPERTS_LAST", 1}};
+  CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize(dW, mA, mB, 1.0, mW_eff, nullptr, lone),
+                "moe_lora_materialize: Config.meta EXPERTS_LAST (B read by clusters of experts) needs CLUSTER of 2 "
+                "or more and EXPERT_GROUP");
   ops::Config nine;
   nine.meta["CLUSTER"] = 9;
   CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize_backward(dW, mA, mB, 1.0, dA, dB, nullptr, nine),
