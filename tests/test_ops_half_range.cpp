@@ -15,6 +15,7 @@
 #include "gpu_test_util.h"
 #include "kerf/ops/ops.h"
 #include "kernels_src/ops_accumulate.h"
+#include "smem_fit_util.h"
 
 using namespace kerf;
 using kerf::test::TestTensor;
@@ -257,7 +258,7 @@ TEST_CASE("f16 bases with fp32 adapters beyond f16's range give finite right ans
 TEST_CASE("Config.meta TF32 = 0 keeps an f16 base's fp32 products exact; other values are refused",
           "[ops][dtypes]") {
   const Device dev = Device::cuda(0);  // planned only: nothing is launched or read
-  void* const p = reinterpret_cast<void*>(uintptr_t(1) << 16);
+  void* const p = test::planning_address();
   const TensorView dW = TensorView::contiguous(p, DType::f16, {2, 64, 128}, dev);
   const TensorView A = TensorView::contiguous(p, DType::f32, {2, 16, 128}, dev);
   const TensorView B = TensorView::contiguous(p, DType::f32, {2, 64, 16}, dev);

@@ -686,7 +686,6 @@ const Kernel& ring_store_kernel() {
   return k;
 }
 
-// store_in_ring: a store of a dot's sum moves into its store layout through the spent ring
 // The MoE forward's clustered read of B (cluster_load at the kernel's top level) gives its
 // buffer back for later regions; a region that needs 1024-byte alignment (a warpgroup
 // operand's staging) takes it only at such an offset. With the pipeline's rings allocated
@@ -716,6 +715,7 @@ TEST_CASE("a 1024-aligned region that takes a spent cluster_load buffer stays 10
   }
 }
 
+// store_in_ring: a store of a dot's sum moves into its store layout through the spent ring
 // slot of the weight tile it was computed from (each thread overwrites the elements it read
 // there), not a shared-memory buffer of its own; where the tile is read again after the
 // store, through its own buffer as before.

@@ -13,6 +13,7 @@
 #include "kerf/ops/ops.h"
 #include "kernels_src/ops_common.h"
 #include "kernels_src/ops_tune.h"
+#include "smem_fit_util.h"
 #include "test_cache_util.h"
 
 using namespace kerf;
@@ -362,7 +363,7 @@ TEST_CASE("a STREAM config runs as one without the entries its plan overrides", 
 TEST_CASE("untuned calls on GPUs with less shared memory than an H100 run the candidate that fits",
           "[autotune][cuda][codegen]") {
   using ops::detail::UntunedFit;
-  void* const p = reinterpret_cast<void*>(uintptr_t(1) << 16);
+  void* const p = test::planning_address();
   int fitted = 0, planned = 0;
   for (const autotune::TunableOp& op : autotune::tunable_ops()) {
     for (const DType t : {DType::bf16, DType::f32})
