@@ -1,6 +1,7 @@
 // CUDA binaries through the cache tiers (see cuda_binary.h).
 #include "kerf/cache/cuda_binary.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
@@ -9,6 +10,7 @@
 #include "kerf/cache/log.h"
 #include "kerf/cache/store.h"
 #include "kerf/error.h"
+#include "kerf/jit/autotune.h"
 #include "kerf/jit/cuda_codegen.h"
 
 namespace kerf::cache {
@@ -35,7 +37,70 @@ bool launch_facts_match(const Entry& e, const jit::cuda::KernelCode& code) {
          e.prop("smem_bytes") == std::to_string(code.smem_bytes);
 }
 
+// "sm_90a" -> 90
+int arch_number(const std::string& arch) {
+  int n = 0;
+  for (char ch : arch)
+    if (ch >= '0' && ch <= '9') n = n * 10 + (ch - '0');
+  return n;
+}
+
+// Threads one multiprocessor holds (the data-center parts of sm_80, 90 and 100 hold
+// 2048; sm_75 1024; sm_86, 89 and 120 1536).
+int max_threads_per_multiprocessor(const std::string& arch) {
+  const int n = arch_number(arch);
+  if (n < 80) return 1024;
+  if (n == 86 || n == 89 || n >= 110) return 1536;
+  return 2048;
+}
+
+int spilled_bytes(const nvrtc::PtxasUsage& u) {
+  return std::max(u.spill_store_bytes, 0) + std::max(u.spill_load_bytes, 0);
+}
+
 }  // namespace
+
+int programs_per_multiprocessor(int threads, int smem_bytes, const std::string& arch) {
+  if (threads <= 0) return 0;
+  // Each program's shared memory comes with 1 KB the driver reserves; a multiprocessor
+  // has 1 KB more than one program may opt in to.
+  const int per_sm = autotune::typical_max_shared_memory(arch) + 1024;
+  const int by_smem = per_sm / (std::max(smem_bytes, 0) + 1024);
+  return std::min(by_smem, max_threads_per_multiprocessor(arch) / threads);
+}
+
+CompiledKernel compile_kernel(const jit::cuda::KernelCode& code, const std::string& arch,
+                              const CudaCompiler& compile) {
+  const std::string name = code.entry + ".cu";
+  const auto run = [&](const std::vector<std::string>& options) {
+    return compile ? compile(code.source, name, arch, options) : nvrtc::compile(code.source, name, arch, options);
+  };
+  CompiledKernel k;
+  k.out = run({nvrtc::kPtxasVerbose});
+  k.first = k.usage = nvrtc::ptxas_usage(k.out.log);
+  // ptxas chooses registers for an occupancy of its own when the launch bounds name
+  // none; where it spills for an occupancy the shared memory never allows, the
+  // registers it held back are free.
+  const int programs = programs_per_multiprocessor(code.threads, code.smem_bytes, arch);
+  const int regs = k.usage.registers;
+  if (!k.out.is_cubin || spilled_bytes(k.usage) == 0 || programs < 1 || regs <= 0 || regs >= 255) return k;
+  const int by_registers = 65536 / (code.threads * ((regs + 7) / 8 * 8));
+  if (by_registers <= programs) return k;
+  CompiledKernel again;
+  again.out = run({nvrtc::kPtxasVerbose, "-DKERF_MIN_PROGRAMS=" + std::to_string(programs)});
+  again.usage = nvrtc::ptxas_usage(again.out.log);
+  if (spilled_bytes(again.usage) >= spilled_bytes(k.usage)) return k;
+  again.min_programs = programs;
+  again.first = k.usage;
+  again.out.compile_ms += k.out.compile_ms;
+  log::write(log::Level::debug, "kernel " + code.entry + " for " + arch + ": recompiled for " +
+                                    std::to_string(programs) + " program(s) a multiprocessor (" +
+                                    std::to_string(regs) + " registers spilled " +
+                                    std::to_string(spilled_bytes(k.usage)) + " bytes; now " +
+                                    std::to_string(again.usage.registers) + " registers, " +
+                                    std::to_string(spilled_bytes(again.usage)) + " bytes)");
+  return again;
+}
 
 Target cuda_target(const std::string& arch) {
   Target t;
@@ -86,10 +151,8 @@ CudaBinary cuda_binary(const ir::Function& fn, const std::string& arch, std::str
                        ") is in no mounted bundle and not in the kernel cache (" +
                        current_settings().dir +
                        "), and it cannot be compiled here: " + nvrtc::unavailable_reason());
-  nvrtc::Output out = counted_compile([&] {
-    return compile ? compile(code.source, code.entry + ".cu", arch)
-                   : nvrtc::compile(code.source, code.entry + ".cu", arch);
-  });
+  CompiledKernel compiled = counted_compile([&] { return compile_kernel(code, arch, compile); });
+  nvrtc::Output& out = compiled.out;
 
   Entry e;
   e.kind = EntryKind::cuda_kernel;
@@ -99,6 +162,11 @@ CudaBinary cuda_binary(const ir::Function& fn, const std::string& arch, std::str
   e.props["smem_bytes"] = std::to_string(code.smem_bytes);
   e.props["image"] = out.is_cubin ? "cubin" : "ptx";
   e.props["compile_ms"] = std::to_string(out.compile_ms);
+  if (compiled.usage.registers > 0) {
+    e.props["registers"] = std::to_string(compiled.usage.registers);
+    e.props["spill_bytes"] = std::to_string(spilled_bytes(compiled.usage));
+  }
+  if (compiled.min_programs > 0) e.props["min_programs"] = std::to_string(compiled.min_programs);
   e.blob = out.image;
   remember(bin.key, e);
   bin.image = std::move(out.image);

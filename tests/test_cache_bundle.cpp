@@ -212,8 +212,8 @@ TEST_CASE("with a bundle mounted and NVRTC disabled, the cubin comes from the bu
   REQUIRE(cache::mounted_bundles().size() == 1);
   const cache::Stats before = cache::stats();
   bool compiler_called = false;
-  const cache::CudaCompiler spy = [&](const std::string&, const std::string&,
-                                      const std::string&) -> nvrtc::Output {
+  const cache::CudaCompiler spy = [&](const std::string&, const std::string&, const std::string&,
+                                      const std::vector<std::string>&) -> nvrtc::Output {
     compiler_called = true;
     throw InternalError("the compiler must not be called");
   };

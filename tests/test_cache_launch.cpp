@@ -179,8 +179,8 @@ TEST_CASE("a failed compile is never cached as a success", "[cache]") {
                           {{"BLOCK", 64}});
   const cache::Stats before = cache::stats();
   int calls = 0;
-  const cache::CudaCompiler failing = [&](const std::string& src, const std::string&,
-                                          const std::string&) -> nvrtc::Output {
+  const cache::CudaCompiler failing = [&](const std::string& src, const std::string&, const std::string&,
+                                          const std::vector<std::string>&) -> nvrtc::Output {
     ++calls;
     throw CompileError("NVRTC could not compile (test)", "error: test", src);
   };
@@ -191,8 +191,8 @@ TEST_CASE("a failed compile is never cached as a success", "[cache]") {
   CHECK(valid_entries(dir.path()) == 0);
   CHECK(cache::DiskCache(dir.path(), cache::DiskMode::readonly).list().empty());
 
-  const cache::CudaCompiler working = [&](const std::string&, const std::string&,
-                                          const std::string&) {
+  const cache::CudaCompiler working = [&](const std::string&, const std::string&, const std::string&,
+                                          const std::vector<std::string>&) {
     ++calls;
     nvrtc::Output out;
     out.image = {'c', 'u', 'b', 'i', 'n'};

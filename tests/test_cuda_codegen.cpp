@@ -1,9 +1,11 @@
 // Every kernel of the suite and of kernels_src/ is generated as CUDA C++ and
 // compiled by NVRTC for sm_80 and sm_90a, on any machine (NVRTC needs no GPU).
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "catch.h"
+#include "kerf/cache/cuda_binary.h"
 #include "gpu_test_util.h"
 #include "kerf/jit/cuda_codegen.h"
 #include "kerf/jit/launch.h"
@@ -228,6 +230,114 @@ TEST_CASE("ptxas_usage reads registers, spills and advisories from an NVRTC log"
   INFO(c.what);
   CHECK(real.registers > 0);
   CHECK(real.spill_store_bytes == 0);
+}
+
+namespace {
+
+// A log as ptxas -v writes it for one kernel: `regs` registers, `spill` bytes spilled.
+std::string ptxas_log(int regs, int spill) {
+  return "ptxas info    : Compiling entry function 'k' for 'sm_90a'\n"
+         "ptxas         .     " + std::to_string(spill) + " bytes stack frame, " + std::to_string(spill) +
+         " bytes spill stores, " + std::to_string(spill) + " bytes spill loads\n"
+         "ptxas info    : Used " + std::to_string(regs) + " registers, used 1 barriers";
+}
+
+}  // namespace
+
+TEST_CASE("programs_per_multiprocessor counts what shared memory and threads allow", "[cuda]") {
+  // An H100: 228 KB a multiprocessor, 1 KB reserved for each program, 2048 threads.
+  CHECK(cache::programs_per_multiprocessor(128, 131072, "sm_90a") == 1);
+  CHECK(cache::programs_per_multiprocessor(128, 110592, "sm_90a") == 2);
+  CHECK(cache::programs_per_multiprocessor(128, 0, "sm_90a") == 16);   // threads: 2048 / 128
+  CHECK(cache::programs_per_multiprocessor(256, 193536, "sm_90a") == 1);
+  CHECK(cache::programs_per_multiprocessor(128, 240000, "sm_90a") == 0);  // does not fit
+  CHECK(cache::programs_per_multiprocessor(128, 110592, "sm_80") == 1);   // 164 KB
+  CHECK(cache::programs_per_multiprocessor(512, 0, "sm_89") == 3);       // 1536 threads
+}
+
+TEST_CASE("compile_kernel compiles a spilling kernel again for the programs its shared memory allows",
+          "[cuda]") {
+  jit::cuda::KernelCode code;
+  code.source = "// kernel";
+  code.entry = "k";
+  code.threads = 128;
+  code.smem_bytes = 131072;  // one program a multiprocessor on an H100
+  // A fake NVRTC: the first compile answers `first`, one with KERF_MIN_PROGRAMS `second`.
+  std::vector<std::vector<std::string>> calls;
+  const auto compiler = [&](const std::string& first, const std::string& second) {
+    return [&, first, second](const std::string& src, const std::string& name, const std::string& arch,
+                              const std::vector<std::string>& options) {
+      CHECK(src == code.source);
+      CHECK(name == "k.cu");
+      CHECK(arch == "sm_90a");
+      calls.push_back(options);
+      nvrtc::Output out;
+      const bool again = options.size() > 1;
+      out.log = again ? second : first;
+      out.image = {again ? '2' : '1'};
+      out.compile_ms = 1.0;
+      return out;
+    };
+  };
+  // 168 registers leave room for 3 programs, the shared memory for 1: compiled again with
+  // 1, and that image kept, since it spills nothing.
+  cache::CompiledKernel k = cache::compile_kernel(code, "sm_90a", compiler(ptxas_log(168, 4), ptxas_log(178, 0)));
+  REQUIRE(calls.size() == 2);
+  CHECK(calls[0] == std::vector<std::string>{nvrtc::kPtxasVerbose});
+  CHECK(calls[1] == std::vector<std::string>{nvrtc::kPtxasVerbose, "-DKERF_MIN_PROGRAMS=1"});
+  CHECK(k.out.image == std::vector<char>{'2'});
+  CHECK(k.min_programs == 1);
+  CHECK(k.usage.registers == 178);
+  CHECK(k.first.registers == 168);
+  CHECK(k.first.spill_store_bytes == 4);
+  CHECK(k.out.compile_ms == 2.0);  // both compiles
+  // A second compile that spills as much: the first image stays.
+  calls.clear();
+  k = cache::compile_kernel(code, "sm_90a", compiler(ptxas_log(168, 4), ptxas_log(178, 4)));
+  CHECK(calls.size() == 2);
+  CHECK(k.out.image == std::vector<char>{'1'});
+  CHECK(k.min_programs == 0);
+  CHECK(k.usage.registers == 168);
+  // No second compile: nothing spilled; all 255 registers used; registers that already
+  // allow no more programs than the shared memory (2 of 256 threads at 128 registers:
+  // the shared memory of the case below lets 2 run); a PTX target.
+  for (const auto& [first, threads, smem, arch] :
+       std::vector<std::tuple<std::string, int, int, std::string>>{{ptxas_log(168, 0), 128, 131072, "sm_90a"},
+                                                                   {ptxas_log(255, 900), 128, 131072, "sm_90a"},
+                                                                   {ptxas_log(128, 4), 256, 100000, "sm_90a"},
+                                                                   {"", 128, 131072, "compute_90"}}) {
+    CAPTURE(first, threads, smem, arch);
+    calls.clear();
+    code.threads = threads;
+    code.smem_bytes = smem;
+    const auto once = [&](const std::string& src, const std::string& name, const std::string& a,
+                          const std::vector<std::string>& options) {
+      nvrtc::Output out = compiler(first, "")(src, name, "sm_90a", options);
+      out.is_cubin = a.rfind("sm_", 0) == 0;
+      return out;
+    };
+    k = cache::compile_kernel(code, arch, once);
+    CHECK(calls.size() == 1);
+    CHECK(k.min_programs == 0);
+    CHECK(k.out.image == std::vector<char>{'1'});
+  }
+  // With NVRTC: the merge's own f16 tile at rank 64 (64x128 on 3 stages, 128 KB of shared
+  // memory) that ptxas spills 4 bytes of at 168 registers compiles without spills.
+  if (!nvrtc::available()) return;
+  const kernels::LibraryEntry* merge = kernels::find_in_library("lora_merge");
+  REQUIRE(merge != nullptr);
+  dsl::MetaMap meta = merge->example_meta(DType::f16);
+  for (const auto& [k, v] : dsl::MetaMap{{"BLOCK_M", 64}, {"BLOCK_K", 128}, {"R_PAD", 64}, {"num_warps", 4},
+                                         {"num_stages", 3}})
+    meta[k] = v;
+  const jit::cuda::KernelCode real =
+      jit::cuda::generate(merge->kernel().trace(merge->example_args(DType::f16), meta), "sm_90a");
+  CHECK(real.source.find("#define KERF_LAUNCH_BOUNDS __launch_bounds__(128, KERF_MIN_PROGRAMS)") !=
+        std::string::npos);
+  const cache::CompiledKernel r = cache::compile_kernel(real, "sm_90a");
+  CAPTURE(r.first.registers, r.first.spill_store_bytes, r.usage.registers);
+  CHECK(r.usage.spill_store_bytes == 0);
+  CHECK(r.out.image.size() > 4);
 }
 
 TEST_CASE("KERF_DISABLE_NVRTC turns NVRTC off for 1/yes/on and leaves it on for 0/false/no/off", "[cuda]") {
@@ -750,7 +860,7 @@ TEST_CASE("cluster_atomic_add sums over the cluster in distributed shared memory
   const std::string two = source(2, "sm_90a");
   INFO(two);
   CHECK(two.find("summed over clusters of 2 programs first") != std::string::npos);
-  CHECK(two.find("kerf_dev::ld_cluster<") != std::string::npos);
+  CHECK(two.find("kerf_dev::ld_cluster_pack<float, ") != std::string::npos);
   CHECK(two.find("kerf_cphase1") != std::string::npos);  // one double buffer per cluster sum
   // Each sum arrives at a cluster barrier and waits at the end of its block (the
   // loop body, or the kernel), and the kernel ends with one more, so that no

@@ -77,7 +77,12 @@ KernelCode Codegen::run() {
   if (!wgmma_sizes_.empty()) src << wgmma_helpers_source();
   for (int n : wgmma_sizes_) src << wgmma_wrapper_source(n);
   if (cluster_rank_used_) src << cluster_helpers_source();
-  src << "\nextern \"C\" __global__ void __launch_bounds__(" << out.threads << ") " << out.entry
+  // The compile may ask ptxas to keep room for KERF_MIN_PROGRAMS programs a multiprocessor
+  // (cache::compile_kernel's retry of a kernel that spilled registers it could have had).
+  src << "\n#ifdef KERF_MIN_PROGRAMS\n#define KERF_LAUNCH_BOUNDS __launch_bounds__(" << out.threads
+      << ", KERF_MIN_PROGRAMS)\n#else\n#define KERF_LAUNCH_BOUNDS __launch_bounds__(" << out.threads
+      << ")\n#endif\n";
+  src << "extern \"C\" __global__ void KERF_LAUNCH_BOUNDS " << out.entry
       << "(const __grid_constant__ kerf_dev::Args<" << std::max(1, out.num_slots) << "> args) {\n";
   if (smem_1024_) {
     src << "  extern __shared__ __align__(16) unsigned char kerf_smem_window[];\n";

@@ -506,7 +506,7 @@ void Codegen::emit_cluster_add(const Operation& op, int level, int l, const std:
   rest.push_back("    bool any = " + on + ";");
   rest.push_back("    for (unsigned c = 1; c < " + S(cluster_) + "; ++c) {");
   rest.push_back("      const unsigned from = (kerf_crank + c) % " + S(cluster_) + "u;");
-  rest.push_back("      const " + pack + " o = kerf_dev::ld_cluster<" + S(w) + ">(" + slot + ", from);");
+  rest.push_back("      const " + pack + " o = kerf_dev::ld_cluster_pack<float, " + S(w) + ">(" + slot + ", from);");
   rest.push_back("      for (int j = 0; j < " + S(w) + "; ++j) pk.v[j] += o.v[j];");
   if (masked) rest.push_back("      any |= kerf_dev::ld_cluster_u8(mbuf + " + at + ", from) != 0;");
   rest.push_back("    }");

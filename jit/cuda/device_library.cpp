@@ -443,20 +443,9 @@ __device__ __forceinline__ unsigned cluster_addr(const void* local, unsigned ran
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
   return ra;
 }
-template <int W> __device__ __forceinline__ Pack<float, W> ld_cluster(const float* local, unsigned rank) {
-  const unsigned ra = cluster_addr(local, rank);
-  Pack<float, W> v;
-  if constexpr (W == 4)
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(v.v[0]), "=f"(v.v[1]), "=f"(v.v[2]), "=f"(v.v[3]) : "r"(ra) : "memory");
-  else if constexpr (W == 2)
-    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.v[0]), "=f"(v.v[1]) : "r"(ra) : "memory");
-  else
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v.v[0]) : "r"(ra) : "memory");
-  return v;
-}
 // W elements of T (2, 4, 8 or a multiple of 16 bytes, aligned to their size) from the
-// shared memory of program `rank` at `local`'s place (cluster_load's hand-over).
+// shared memory of program `rank` at `local`'s place (cluster_load's hand-over and the
+// cluster sums' reads of the other programs' values).
 template <class T, int W> __device__ __forceinline__ Pack<T, W> ld_cluster_pack(const T* local, unsigned rank) {
   constexpr int N = int(sizeof(T)) * W;
   const unsigned ra = cluster_addr(local, rank);

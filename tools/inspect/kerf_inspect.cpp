@@ -12,6 +12,7 @@
 #include <cstring>
 #include <string>
 
+#include "kerf/cache/cuda_binary.h"
 #include "kerf/cache/disk_cache.h"
 #include "kerf/error.h"
 #include "kerf/jit/cuda_codegen.h"
@@ -96,12 +97,18 @@ int main(int argc, char** argv) {
     }
     if (!compile_arch.empty()) {
       const jit::cuda::KernelCode code = jit::cuda::generate(fn, compile_arch);
-      const nvrtc::Output out = nvrtc::compile(code.source, code.entry + ".cu", compile_arch, {nvrtc::kPtxasVerbose});
+      const cache::CompiledKernel compiled = cache::compile_kernel(code, compile_arch);  // as kerf's launches do
+      const nvrtc::Output& out = compiled.out;
       std::printf("%s: %zu bytes of %s for %s in %.1f ms; %d threads, %d bytes of shared memory\n",
                   code.entry.c_str(), out.image.size(), out.is_cubin ? "cubin" : "PTX", compile_arch.c_str(),
                   out.compile_ms, code.threads, code.smem_bytes);
       // What ptxas said of the kernel's resources (a cubin; PTX is assembled later, by the driver).
-      const nvrtc::PtxasUsage usage = nvrtc::ptxas_usage(out.log);
+      const nvrtc::PtxasUsage& usage = compiled.usage;
+      if (compiled.min_programs > 0)
+        std::printf("ptxas: %d registers a thread spilled %d bytes; compiled again for %d program(s) a "
+                    "multiprocessor (KERF_MIN_PROGRAMS, all its shared memory allows)\n",
+                    compiled.first.registers, std::max(compiled.first.spill_store_bytes, 0),
+                    compiled.min_programs);
       if (usage.registers >= 0)
         std::printf("ptxas: %d registers a thread, %d bytes spilled (stores) / %d (loads), %d bytes of stack\n",
                     usage.registers, std::max(usage.spill_store_bytes, 0), std::max(usage.spill_load_bytes, 0),

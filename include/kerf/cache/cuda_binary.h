@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kerf/cache/key.h"
+#include "kerf/jit/cuda_codegen.h"
 #include "kerf/jit/ir.h"
 #include "kerf/jit/launch.h"
 #include "kerf/jit/nvrtc.h"
@@ -26,9 +27,33 @@ struct CudaBinary {
   CacheKey key;
 };
 
-// The compiler the cache calls on a miss (nvrtc::compile unless a test gives another).
+// The compiler the cache calls on a miss (nvrtc::compile unless a test gives another),
+// with compile_kernel's extra NVRTC options.
 using CudaCompiler = std::function<nvrtc::Output(const std::string& source, const std::string& name,
-                                                 const std::string& arch)>;
+                                                 const std::string& arch,
+                                                 const std::vector<std::string>& options)>;
+
+// A kernel's compile: the image, what ptxas said of it, and the retry's choice.
+struct CompiledKernel {
+  nvrtc::Output out;
+  nvrtc::PtxasUsage usage;   // of `out` (-1s for PTX targets)
+  int min_programs = 0;      // the KERF_MIN_PROGRAMS `out` was compiled with; 0: none
+  nvrtc::PtxasUsage first;   // the first compile's, where it was retried (else == usage)
+};
+
+// Programs of `threads` threads and `smem_bytes` of dynamic shared memory that one
+// multiprocessor of `arch`'s usual part holds at most, by shared memory and threads
+// alone (0: the shared memory does not fit).
+int programs_per_multiprocessor(int threads, int smem_bytes, const std::string& arch);
+
+// Compiles generated `code` for `arch` (through `compile`, nvrtc::compile by default).
+// A kernel that ptxas made spill registers while leaving room for more programs a
+// multiprocessor than its shared memory lets run is compiled once more with
+// KERF_MIN_PROGRAMS set to that number (launch bounds whose registers cost no
+// occupancy), and the second image is kept where it spills fewer bytes. PTX
+// targets are compiled once.
+CompiledKernel compile_kernel(const jit::cuda::KernelCode& code, const std::string& arch,
+                              const CudaCompiler& compile = {});
 
 // `fn` for `arch`: code generation, then the first of a mounted bundle, the disk
 // tier, `compile` (a fresh binary is stored). A failed compile throws and stores
