@@ -361,6 +361,21 @@ TEST_CASE("the tiles of lora_merge's GPU float64 cases fit an H100's shared memo
   }
 }
 
+// Untuned, f16 W and adapters at rank 64: the op's own 64x128 tile on three stages, the kernel
+// that compile_kernel compiles again for one program a multiprocessor on sm_90a (ptxas spilled
+// 4 bytes of it at 168 registers; tests/test_cuda_codegen.cpp).
+TEST_CASE("lora_merge with its untuned f16 tile at rank 64 matches a float64 reference on the GPU",
+          "[gpu][ops][merge]") {
+  KERF_REQUIRE_GPU();
+  test::ScopedEnv env({{"KERF_AUTOTUNE", "0"}});
+  const std::vector<MergeCase> cases = {
+      {300, 200, 64, DType::f16, DType::f16, DType::f16},
+      {520, 1000, 64, DType::f16, DType::f16, DType::f16, false, 0, -0.5},
+  };
+  uint64_t seed = 4650;
+  for (const MergeCase& c : cases) check_merge(c, Device::cuda(0), seed++);
+}
+
 // Untuned (KERF_AUTOTUNE=0, or a first call in a capture): the op's own tiles, narrowed at
 // ranks >= 128 to fit the shared memory, on every product.
 TEST_CASE("lora_merge with its untuned tiles at ranks 128 and 256 matches a float64 reference on the GPU",
