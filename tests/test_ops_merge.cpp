@@ -361,16 +361,64 @@ TEST_CASE("the tiles of lora_merge's GPU float64 cases fit an H100's shared memo
   }
 }
 
-// Untuned, f16 W and adapters at rank 64: the op's own 64x128 tile on three stages, the kernel
-// that compile_kernel compiles again for one program a multiprocessor on sm_90a (ptxas spilled
-// 4 bytes of it at 168 registers; tests/test_cuda_codegen.cpp).
-TEST_CASE("lora_merge with its untuned f16 tile at rank 64 matches a float64 reference on the GPU",
+// Untuned merges on sm_90a at ranks 32 to 64 with 16-bit W and products run the MoE forward's
+// warpgroup tile through W's ring; other ranks, products and GPUs keep the 64x128 mma.sync
+// tile. Every dtype combination's own tile fits an H100's shared memory.
+TEST_CASE("the merge's own config on sm_90a is the MoE forward's 64x128 ring tile at ranks 32 to 64",
+          "[ops][merge]") {
+  const autotune::TunableOp op = test::registered_op("lora_merge");
+  void* const p = test::planning_address();
+  const auto planned = [&](const char* arch, DType w, DType ab, int64_t r, const autotune::Config& c) {
+    const ops::detail::PlanningArch target(arch);
+    const auto t = [&](DType d, std::initializer_list<int64_t> shape) {
+      return TensorView::contiguous(p, d, shape, Device::cuda(0));
+    };
+    const std::vector<autotune::KernelCall> calls = op.kernels({t(w, {8192, 4096}), t(ab, {r, 4096}), t(ab, {8192, r})}, c, 132);
+    REQUIRE(calls.size() == 1);
+    if (std::string(arch) == "sm_90a") CHECK(test::sm90a_smem_bytes(calls[0]) <= autotune::typical_max_shared_memory("sm_90a"));
+    return calls[0].meta;
+  };
+  const auto ring_tile = [](const autotune::Config& m) {
+    return m.at("BLOCK_M") == 64 && m.at("BLOCK_K") == 128 && m.at("num_warps") == 4 && m.at("num_stages") == 3 &&
+           m.count("wgmma") && m.count("store_in_ring") && m.count("l2_prefetch") && m.at("l2_prefetch") == 128;
+  };
+  for (const auto& [w, ab] : {std::pair{DType::bf16, DType::bf16}, {DType::bf16, DType::f32}, {DType::f16, DType::f16},
+                              {DType::f16, DType::bf16}})
+    for (const int64_t r : {17, 32, 48, 64}) {
+      CAPTURE(dtype_name(w), dtype_name(ab), r);
+      CHECK(ring_tile(planned("sm_90a", w, ab, r, {})));
+      CHECK_FALSE(ring_tile(planned("sm_80", w, ab, r, {})));
+    }
+  for (const int64_t r : {1, 16, 128}) CHECK_FALSE(ring_tile(planned("sm_90a", DType::bf16, DType::bf16, r, {})));
+  CHECK_FALSE(ring_tile(planned("sm_90a", DType::f32, DType::f32, 64, {})));  // fp32 products
+  CHECK_FALSE(ring_tile(planned("sm_90a", DType::f32, DType::bf16, 64, {})));  // fp32 W
+  CHECK_FALSE(ring_tile(planned("sm_90a", DType::f16, DType::f32, 64, {})));  // TF32
+  CHECK_FALSE(ring_tile(planned("sm_90a", DType::bf16, DType::bf16, 64, {{"STREAM", 1}})));
+  // A caller's fields win; the rest is the own tile's.
+  const autotune::Config deeper = planned("sm_90a", DType::bf16, DType::bf16, 64, {{"num_stages", 4}});
+  CHECK(deeper.at("num_stages") == 4);
+  CHECK(deeper.count("store_in_ring"));
+  CHECK(planned("sm_90a", DType::bf16, DType::bf16, 64, {{"BLOCK_M", 128}}).at("BLOCK_M") == 128);
+}
+
+// f16 W and adapters at rank 64 on the 64x128 mma.sync tile on three stages (the op's own
+// tile off sm_90a), the kernel that compile_kernel compiles again for one program a
+// multiprocessor (ptxas spilled 4 bytes of it at 168 registers; tests/test_cuda_codegen.cpp);
+// then untuned, the op's own tile (on sm_90a the MoE forward's warpgroup tile through W's ring).
+TEST_CASE("lora_merge at rank 64 in f16 on the tile compiled twice and untuned matches a float64 reference "
+          "on the GPU",
           "[gpu][ops][merge]") {
   KERF_REQUIRE_GPU();
   test::ScopedEnv env({{"KERF_AUTOTUNE", "0"}});
+  MergeCase tile{300, 200, 64, DType::f16, DType::f16, DType::f16};
+  tile.block_m = 64;
+  tile.block_k = 128;
+  tile.warps = 4;
   const std::vector<MergeCase> cases = {
-      {300, 200, 64, DType::f16, DType::f16, DType::f16},
+      tile,
       {520, 1000, 64, DType::f16, DType::f16, DType::f16, false, 0, -0.5},
+      {300, 200, 64, DType::bf16, DType::bf16, DType::bf16},
+      {130, 333, 32, DType::bf16, DType::f32, DType::bf16, true},  // fan_in_fan_out: strided W
   };
   uint64_t seed = 4650;
   for (const MergeCase& c : cases) check_merge(c, Device::cuda(0), seed++);
