@@ -30,12 +30,13 @@ struct MergePlan {
 };
 
 // The op's own tile on an H100 (sm_90a) for a call whose Config names none (untuned, or a
-// first call inside a graph capture) whose W and product are bf16 or f16, at ranks 32 to 64:
-// the MoE forward's (ops_moe.cpp), 64x128 on one warpgroup (WGMMA), three stages, W's new
-// tile moved to its store layout through its spent ring slot (STORE_IN_RING: two programs
-// a multiprocessor), 128-byte L2 prefetches. At r=64, 8192x8192, an H100 took 104.8-105.2
-// us there against 119.3 on the 64x128 mma.sync tile it replaces (the tuner's choice: 104.8).
-// Calls that ask for one tile a program (STREAM) keep the tile that was measured with.
+// first call inside a graph capture) whose W and product are bf16 or f16 at ranks 17 to 64
+// (R_PAD 32 or 64): the MoE forward's (ops_moe.cpp), 64x128 on one warpgroup (WGMMA), three
+// stages, W's new tile moved to its store layout through its spent ring slot (STORE_IN_RING),
+// 128-byte L2 prefetches. On an H100, at 4096x4096 / 8192x8192 / 14336x4096: r=64 33.5 /
+// 106.6 / 98.3 us against 37.4 / 119.5 / 112.0 on the 64x128 mma.sync tile, r=32 31.4 /
+// 104.3 / 95.1 against 32.8 / 106.8 / 98.6; r=16 slower (107.9 against 104.3 at 8192x8192),
+// so it keeps that tile. Calls that ask for one tile a program (STREAM) keep it too.
 Config own_merge_config(const Config& config, const TensorView& W3, Product dot, int64_t r_pad, bool gpu) {
   if (!gpu || config.block_m || config.block_k || !is_half(W3.dtype) || !is_half(dot) || dot.tf32 ||
       r_pad < 32 || r_pad > 64 || meta_or(config, "STREAM", 0) || !wgmma_target(W3.device))

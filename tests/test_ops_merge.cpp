@@ -361,10 +361,10 @@ TEST_CASE("the tiles of lora_merge's GPU float64 cases fit an H100's shared memo
   }
 }
 
-// Untuned merges on sm_90a at ranks 32 to 64 with 16-bit W and products run the MoE forward's
+// Untuned merges on sm_90a at ranks 17 to 64 with 16-bit W and products run the MoE forward's
 // warpgroup tile through W's ring; other ranks, products and GPUs keep the 64x128 mma.sync
 // tile. Every dtype combination's own tile fits an H100's shared memory.
-TEST_CASE("the merge's own config on sm_90a is the MoE forward's 64x128 ring tile at ranks 32 to 64",
+TEST_CASE("the merge's own config on sm_90a is the MoE forward's 64x128 ring tile at ranks 17 to 64",
           "[ops][merge]") {
   const autotune::TunableOp op = test::registered_op("lora_merge");
   void* const p = test::planning_address();
