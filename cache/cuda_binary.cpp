@@ -37,23 +37,6 @@ bool launch_facts_match(const Entry& e, const jit::cuda::KernelCode& code) {
          e.prop("smem_bytes") == std::to_string(code.smem_bytes);
 }
 
-// "sm_90a" -> 90
-int arch_number(const std::string& arch) {
-  int n = 0;
-  for (char ch : arch)
-    if (ch >= '0' && ch <= '9') n = n * 10 + (ch - '0');
-  return n;
-}
-
-// Threads one multiprocessor holds (the data-center parts of sm_80, 90 and 100 hold
-// 2048; sm_75 1024; sm_86, 89 and 120 1536).
-int max_threads_per_multiprocessor(const std::string& arch) {
-  const int n = arch_number(arch);
-  if (n < 80) return 1024;
-  if (n == 86 || n == 89 || n >= 110) return 1536;
-  return 2048;
-}
-
 int spilled_bytes(const nvrtc::PtxasUsage& u) {
   return std::max(u.spill_store_bytes, 0) + std::max(u.spill_load_bytes, 0);
 }
@@ -66,7 +49,7 @@ int programs_per_multiprocessor(int threads, int smem_bytes, const std::string& 
   // has 1 KB more than one program may opt in to.
   const int per_sm = autotune::typical_max_shared_memory(arch) + 1024;
   const int by_smem = per_sm / (std::max(smem_bytes, 0) + 1024);
-  return std::min(by_smem, max_threads_per_multiprocessor(arch) / threads);
+  return std::min(by_smem, autotune::typical_max_threads_per_multiprocessor(arch) / threads);
 }
 
 CompiledKernel compile_kernel(const jit::cuda::KernelCode& code, const std::string& arch,

@@ -69,6 +69,13 @@ int typical_max_shared_memory(const std::string& arch) {
   return 99 * 1024;  // sm_75 (64 KiB is less, but kerf's NVRTC starts there), 86, 89, 120
 }
 
+int typical_max_threads_per_multiprocessor(const std::string& arch) {
+  const int n = arch_number(arch);
+  if (n < 80) return 1024;
+  if (n == 86 || n == 89 || n >= 120) return 1536;
+  return 2048;
+}
+
 int typical_sm_count(const std::string& arch) {
   const int n = arch_number(arch);
   if (n == 80) return 108;

@@ -146,6 +146,9 @@ int max_shared_memory(int device);
 // For an architecture without a device here (kerf-cache warm): the usual opt-in
 // shared memory limit and multiprocessor count of that generation's data-center part.
 int typical_max_shared_memory(const std::string& arch);
+// The threads one multiprocessor of that part holds (2048 on sm_80, 90 and 100; 1024 on
+// sm_75; 1536 on sm_86, 89 and 120).
+int typical_max_threads_per_multiprocessor(const std::string& arch);
 int typical_sm_count(const std::string& arch);
 
 // ---------------------------------------------------------------- tunable ops
