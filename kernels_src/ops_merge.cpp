@@ -30,15 +30,18 @@ struct MergePlan {
 };
 
 // The op's own tile on an H100 (sm_90a) for a call whose Config names none (untuned, or a
-// first call inside a graph capture) whose W and product are bf16 or f16 at ranks 17 to 64
-// (R_PAD 32 or 64): the MoE forward's (ops_moe.cpp), 64x128 on one warpgroup (WGMMA), three
-// stages, W's new tile moved to its store layout through its spent ring slot (STORE_IN_RING),
-// 128-byte L2 prefetches. On an H100, at 4096x4096 / 8192x8192 / 14336x4096: r=64 33.5 /
-// 106.6 / 98.3 us against 37.4 / 119.5 / 112.0 on the 64x128 mma.sync tile, r=32 31.4 /
-// 104.3 / 95.1 against 32.8 / 106.8 / 98.6; r=16 slower (107.9 against 104.3 at 8192x8192),
-// so it keeps that tile. Calls that ask for one tile a program (STREAM) keep it too.
-Config own_merge_config(const Config& config, const TensorView& W3, Product dot, int64_t r_pad, bool gpu) {
-  if (!gpu || config.block_m || config.block_k || !is_half(W3.dtype) || !is_half(dot) || dot.tf32 ||
+// first call inside a graph capture) whose W and adapters are all bf16 or all f16 (the
+// product in that dtype, s applied after it), at ranks 17 to 64 (R_PAD 32 or 64; other
+// dtypes keep the tile their float64 cases ran on): the MoE forward's (ops_moe.cpp), 64x128
+// on one warpgroup (WGMMA), three stages, W's new tile moved to its store layout through
+// its spent ring slot (STORE_IN_RING), 128-byte L2 prefetches. On an H100, at 4096x4096 /
+// 8192x8192 / 14336x4096: r=64 33.5 / 106.6 / 98.3 us against 37.4 / 119.5 / 112.0 on the
+// 64x128 mma.sync tile, r=32 31.4 / 104.3 / 95.1 against 32.8 / 106.8 / 98.6; r=16 slower
+// (107.9 against 104.3 at 8192x8192), so it keeps that tile. Calls that ask for one tile a
+// program (STREAM) keep it too.
+Config own_merge_config(const Config& config, const TensorView& W3, DType adapters, bool scale_after, int64_t r_pad,
+                        bool gpu) {
+  if (!gpu || config.block_m || config.block_k || !is_half(W3.dtype) || !scale_after || adapters != W3.dtype ||
       r_pad < 32 || r_pad > 64 || meta_or(config, "STREAM", 0) || !wgmma_target(W3.device))
     return config;
   return with_own_tile(config, 64, 128, 4, 3, {{"WGMMA", 1}, {"STORE_IN_RING", 1}, {"L2_PREFETCH", 128}});
@@ -51,7 +54,7 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
   bool scale_after = false;
   const Product dot = merge_dot_dtype(W3.dtype, A3.dtype, B3.dtype, &scale_after);
   const int64_t r_pad = rank_pad(r);
-  const Config config = own_merge_config(given, W3, dot, r_pad, gpu);
+  const Config config = own_merge_config(given, W3, A3.dtype, scale_after, r_pad, gpu);
   // B's rows stay in registers: fewer rows per program at large ranks.
   const int64_t bm_default = gpu ? std::clamp<int64_t>(8192 / r_pad, 16, 64) : 16;
   const int64_t bm = config.block_m ? config.block_m : bm_default;
