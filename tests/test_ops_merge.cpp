@@ -4,6 +4,7 @@
 // views; merge then unmerge returns W within rounding of its dtype.
 #include <cmath>
 #include <random>
+#include <tuple>
 
 #include "catch.h"
 #include "cpu_test_util.h"
@@ -52,7 +53,7 @@ ops::Config merge_config(const MergeCase& c) {
   if (c.stream) cfg.meta["STREAM"] = 1;
   if (c.store_in_ring) cfg.meta["STORE_IN_RING"] = 1;
   if (c.wgmma) {
-    cfg.block_k = 64;
+    if (!c.block_k) cfg.block_k = 64;
     cfg.meta["WGMMA"] = 1;
   }
   return cfg;
@@ -191,6 +192,16 @@ std::vector<MergeCase> merge_cases() {
   MergeCase wg{300, 200, 64, DType::bf16, DType::bf16, DType::bf16};
   wg.wgmma = true;
   cases.push_back(in_ring(wg, 64, 4));
+  // The same warpgroup tile (sm_90a's own tile for all-bf16 or all-f16 merges at ranks 17 to
+  // 64) with adapters of another dtype than W: f16 W with bf16 adapters, bf16 W with f16 ones
+  // and PEFT's fp32 adapters on a bf16 W.
+  for (const auto& [w, ab, r] : {std::tuple{DType::f16, DType::bf16, int64_t(64)}, {DType::bf16, DType::f16, 48},
+                                 {DType::bf16, DType::f32, 64}}) {
+    MergeCase mixed{300, 200, r, w, ab, ab, false, 0, -0.75};
+    mixed.wgmma = true;
+    mixed.block_k = 128;
+    cases.push_back(in_ring(mixed, 64, 4));
+  }
   cases.push_back(in_ring({130, 333, 16, DType::bf16, DType::bf16, DType::bf16}, 128, 8));
   cases.push_back(in_ring({67, 130, 5, DType::f16, DType::f32, DType::f32, false, 0, -0.5}, 32, 4));
   cases.push_back(in_ring({67, 136, 5, DType::f32, DType::f32, DType::f32}, 64, 4));
