@@ -416,9 +416,10 @@ TEST_CASE("the merge's own config on sm_90a is the MoE forward's 64x128 ring til
 // f16 W and adapters at rank 64 on the 64x128 mma.sync tile on three stages (the op's own
 // tile off sm_90a), the kernel that compile_kernel compiles again for one program a
 // multiprocessor (ptxas spilled 4 bytes of it at 168 registers; tests/test_cuda_codegen.cpp);
-// then untuned, the op's own tile (on sm_90a the MoE forward's warpgroup tile through W's ring).
-TEST_CASE("lora_merge at rank 64 in f16 on the tile compiled twice and untuned matches a float64 reference "
-          "on the GPU",
+// then untuned, the op's own tile (on sm_90a, all-bf16 or all-f16 at ranks 17 to 64, the MoE
+// forward's warpgroup tile through W's ring).
+TEST_CASE("lora_merge in f16 at rank 64 on the tile compiled twice, and untuned at ranks 32 and 64, matches a "
+          "float64 reference on the GPU",
           "[gpu][ops][merge]") {
   KERF_REQUIRE_GPU();
   test::ScopedEnv env({{"KERF_AUTOTUNE", "0"}});
@@ -430,6 +431,7 @@ TEST_CASE("lora_merge at rank 64 in f16 on the tile compiled twice and untuned m
       tile,
       {520, 1000, 64, DType::f16, DType::f16, DType::f16, false, 0, -0.5},
       {300, 200, 64, DType::bf16, DType::bf16, DType::bf16},
+      {260, 300, 32, DType::bf16, DType::bf16, DType::bf16, false, 0, -0.5},
       {130, 333, 32, DType::bf16, DType::f32, DType::bf16, true},  // fan_in_fan_out: strided W
   };
   uint64_t seed = 4650;
