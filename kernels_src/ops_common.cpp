@@ -328,6 +328,10 @@ Config with_own_tile(const Config& given, int64_t block_m, int64_t block_k, int6
   return c;
 }
 
+Config with_ring_tile(const Config& given) {
+  return with_own_tile(given, 64, 128, 4, 3, {{"WGMMA", 1}, {"STORE_IN_RING", 1}, {"L2_PREFETCH", 128}});
+}
+
 void add_codegen_hints(const Config& config, dsl::MetaMap& meta, int64_t wgmma_ss_default) {
   if (const int64_t bytes = meta_or(config, "L2_PREFETCH", 0)) meta["l2_prefetch"] = bytes;
   if (meta_or(config, "WGMMA", 0)) meta["wgmma"] = 1;

@@ -241,6 +241,10 @@ Grid row_slice_grid(int64_t row_blocks, int64_t slices, int64_t batch, const Con
 // block_m x block_k, and the warps, stages and meta entries it does not name itself.
 Config with_own_tile(const Config& given, int64_t block_m, int64_t block_k, int64_t warps, int64_t stages,
                      const std::map<std::string, int64_t>& meta);
+// with_own_tile's ring tile, the MoE forward's and the merge's own on sm_90a: 64x128 on
+// one warpgroup (WGMMA), three stages, the new tile moved to its store layout through the
+// spent ring slot of the weight tile it came from (STORE_IN_RING), 128-byte L2 prefetches.
+Config with_ring_tile(const Config& given);
 // The code-generation hints of Config.meta as the kernel metas that carry them:
 // L2_PREFETCH (0, 64, 128 or 256 bytes) as l2_prefetch, the L2 prefetch size hint
 // of the kernel's pipelined copies, WGMMA 1 as wgmma, with it WGMMA_SS 1 (unset: the

@@ -44,7 +44,7 @@ Config own_merge_config(const Config& config, const TensorView& W3, DType adapte
   if (!gpu || config.block_m || config.block_k || !is_half(W3.dtype) || !scale_after || adapters != W3.dtype ||
       r_pad < 32 || r_pad > 64 || meta_or(config, "STREAM", 0) || !wgmma_target(W3.device))
     return config;
-  return with_own_tile(config, 64, 128, 4, 3, {{"WGMMA", 1}, {"STORE_IN_RING", 1}, {"L2_PREFETCH", 128}});
+  return with_ring_tile(config);
 }
 
 // W3 [G, out, in], r: the meta-parameters and grid for `given` (0 fields: defaults).

@@ -42,7 +42,7 @@ Config own_config(const Config& config, const TensorView& W, Product dot, int64_
   if (!gpu || config.block_m || config.block_k || !is_half(dot) || dot.tf32 || r_pad > 64 ||
       meta_or(config, "STREAM", 0) || meta_or(config, "PERSISTENT", 0) || !wgmma_target(W.device))
     return config;
-  Config c = with_own_tile(config, 64, 128, 4, 3, {{"WGMMA", 1}, {"STORE_IN_RING", 1}, {"L2_PREFETCH", 128}});
+  Config c = with_ring_tile(config);
   if (!c.split_k) c.split_k = 2;
   return c;
 }

@@ -389,10 +389,7 @@ TEST_CASE("the merge's own config on sm_90a is the MoE forward's 64x128 ring til
     if (std::string(arch) == "sm_90a") CHECK(test::sm90a_smem_bytes(calls[0]) <= autotune::typical_max_shared_memory("sm_90a"));
     return calls[0].meta;
   };
-  const auto ring_tile = [](const autotune::Config& m) {
-    return m.at("BLOCK_M") == 64 && m.at("BLOCK_K") == 128 && m.at("num_warps") == 4 && m.at("num_stages") == 3 &&
-           m.count("wgmma") && m.count("store_in_ring") && m.count("l2_prefetch") && m.at("l2_prefetch") == 128;
-  };
+  const auto ring_tile = [](const autotune::Config& m) { return test::is_ring_tile(m, "BLOCK_M"); };
   for (const auto& [w, ab] : {std::pair{DType::bf16, DType::bf16}, {DType::f16, DType::f16}})
     for (const int64_t r : {17, 32, 48, 64}) {
       CAPTURE(dtype_name(w), dtype_name(ab), r);
