@@ -11,17 +11,8 @@
 #include "kerf/runtime/cuda.h"
 
 namespace kerf::autotune {
-namespace {
 
-// "sm_90a" -> 90
-int arch_number(const std::string& arch) {
-  int n = 0;
-  for (char ch : arch)
-    if (ch >= '0' && ch <= '9') n = n * 10 + (ch - '0');
-  return n;
-}
-
-}  // namespace
+using jit::cuda::arch_number;
 
 int shared_memory_bytes(const dsl::Kernel& kernel, const std::vector<Arg>& args, const Config& meta,
                         const std::string& arch) {

@@ -381,6 +381,11 @@ TEST_CASE("code is generated only for a GPU architecture's name", "[cuda][codege
     CHECK_FALSE(jit::cuda::is_gpu_arch(arch));
     CHECK_THROWS_WITH(jit::cuda::generate(fn, arch), Catch::Contains("is not a GPU architecture"));
   }
+  // The compute capability as one number, which both the generator and the tuner's device limits read.
+  CHECK(jit::cuda::arch_number("sm_80") == 80);
+  CHECK(jit::cuda::arch_number("sm_90a") == 90);
+  CHECK(jit::cuda::arch_number("sm_100f") == 100);
+  CHECK(jit::cuda::arch_number("sm_120a") == 120);
 }
 
 TEST_CASE("bf16 dots use tensor cores and pipelined loops use cp.async", "[cuda][codegen]") {

@@ -24,7 +24,7 @@ Codegen::Codegen(const ir::Function& f, const std::string& arch) : f_(f), arch_(
   num_warps_ = int(f.meta_value("num_warps", 4));
   num_stages_ = int(f.meta_value("num_stages", 1));
   l2_prefetch_ = int(f.meta_value("l2_prefetch", 0));  // 0, 64, 128 or 256: checked when traced
-  sm_ = parse_sm(arch);
+  sm_ = arch_number(arch);
   // wgmma needs the architecture-specific target (sm_90a); elsewhere the meta is ignored.
   wgmma_ = f.meta_value("wgmma", 0) != 0 && sm_ == 90 && !arch.empty() && arch.back() == 'a';
   wgmma_ss_ = wgmma_ && f.meta_value("wgmma_ss", 0) != 0;
@@ -106,13 +106,6 @@ KernelCode Codegen::run() {
   src << "}\n";
   out.source = src.str();
   return out;
-}
-
-int Codegen::parse_sm(const std::string& arch) {
-  int v = 0;
-  for (char c : arch)
-    if (c >= '0' && c <= '9') v = v * 10 + (c - '0');
-  return v;
 }
 
 bool Codegen::is_pure(OpKind k) const {
@@ -899,6 +892,13 @@ bool is_gpu_arch(const std::string& arch) {
   size_t end = arch.find_first_not_of("0123456789", 3);
   if (end == std::string::npos) end = arch.size();
   return end >= 5 && (end == arch.size() || (end + 1 == arch.size() && (arch.back() == 'a' || arch.back() == 'f')));
+}
+
+int arch_number(const std::string& arch) {
+  int v = 0;
+  for (char c : arch)
+    if (c >= '0' && c <= '9') v = v * 10 + (c - '0');
+  return v;
 }
 
 KernelCode generate(const ir::Function& f, const std::string& arch) {

@@ -174,8 +174,6 @@ class Codegen {
  private:
   // ---- analysis (codegen.cpp)
 
-  static int parse_sm(const std::string& arch);
-
   bool is_pure(OpKind k) const;
 
   // Records each value's defining op and placement level.

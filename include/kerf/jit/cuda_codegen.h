@@ -20,6 +20,9 @@ struct KernelCode {
 // two), optionally followed by a or f (sm_80, sm_90a, sm_100f).
 bool is_gpu_arch(const std::string& arch);
 
+// The compute capability's digits of a target as one number ("sm_90a" -> 90, "sm_100f" -> 100).
+int arch_number(const std::string& arch);
+
 // `arch` is the NVRTC target ("sm_90a", "sm_80", ...); it selects instructions. Anything
 // else is an InvalidArgument.
 KernelCode generate(const ir::Function& f, const std::string& arch);
