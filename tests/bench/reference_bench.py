@@ -404,8 +404,9 @@ def main():
     run("moe_materialize r=16 f32 adapters", functools.partial(bench_moe, adapters=torch.float32),
         128, 1536, 2048, 16)
     run("moe_materialize r=64 peft", functools.partial(bench_moe, peft=True), 64, 2816, 2048, 64)
-    for out, inn in [(4096, 4096), (8192, 8192), (14336, 4096)]:
-        run("lora_merge r=16", bench_merge, out, inn, 16)
+    for r in (16, 32, 64):
+        for out, inn in [(4096, 4096), (8192, 8192), (14336, 4096)]:
+            run(f"lora_merge r={r}", bench_merge, out, inn, r)
     for out, inn in [(4096, 4096), (8192, 8192), (14336, 4096)]:
         run("dora_norm_4bit r=16", bench_dora_4bit, out, inn, 16)
     for E, N, K, r in [(128, 1536, 2048, 16), (128, 2048, 768, 16), (64, 2816, 2048, 64)]:
