@@ -8,6 +8,11 @@
 // and per BLOCK_K columns reads W, lets a dot add B@A to it in fp32, rounds once and writes W back
 // where it read it. Load and store use the same indices, so each iteration touches its own tile and
 // the W loads may run ahead (cp.async).
+//
+// With WALK_ROWS the roles swap: a program owns BLOCK_K columns (grid axis 0) and a slice of the
+// rows (axis 1, in whole BLOCK_M steps). It keeps A's columns [R_PAD, BLOCK_K] for the whole loop
+// and per BLOCK_M rows reads B's rows beside W's tile: B's [BLOCK_M, R_PAD] a step, not A's
+// [R_PAD, BLOCK_K], and the programs running together cover whole rows of W at a time.
 #include "kerf/kernels/kernels.h"
 #include "split_range.h"
 
@@ -28,9 +33,27 @@ const dsl::Kernel& lora_merge() {
     const Value g = program_id(2);
     const Value n_out = W.dim(1), n_in = W.dim(2), rank = A.dim(1);
 
+    const Value rk = arange(R);
+    if (k.meta("WALK_ROWS", 0)) {
+      const Value cols = program_id(0) * BK + arange(BK);
+      const Value col_ok = cols.row() < n_in;
+      const Value a = load(A, {g, rk.col(), cols.row()}, (rk.col() < rank) & col_ok, reused_hint(evict)).to(dot_t);
+      const auto [lo, hi] = split_range(n_out, BM, 1);
+      for_range(lo, hi, BM, [&](const Value& m0) {
+        const Value rows = m0 + arange(BM);
+        const Value row_ok = rows.col() < n_out;
+        // B's rows straight into the product's dtype where they are exact in it (no fp32 hop).
+        const Value b_raw = load(B, {g, rows.col(), rk.row()}, row_ok & (rk.row() < rank), reused_hint(evict));
+        const Value b = scale_after ? b_raw.to(dot_t) : lora_left_operand(b_raw.to(DType::f32), s, false, dot_t);
+        const Value ok = row_ok & col_ok;
+        const Value w = load(W, {g, rows.col(), cols.row()}, ok, streamed_hint(evict)).to(DType::f32);
+        const Value v = base_plus_lora(w, b, a, s, scale_after, warps_n, dm.precision);
+        store(W, {g, rows.col(), cols.row()}, v.to(W.dtype()), ok, streamed_hint(evict));
+      });
+      return;
+    }
     const RowSliceAxes axes = row_slice_axes(k);
     const Value rows = program_id(axes.rows) * BM + arange(BM);
-    const Value rk = arange(R);
     const Value row_ok = rows.col() < n_out;
     const Value b_raw =
         load(B, {g, rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(DType::f32);

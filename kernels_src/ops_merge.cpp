@@ -30,18 +30,19 @@ struct MergePlan {
 };
 
 // The op's own tile on an H100 (sm_90a) for a call whose Config names none (untuned, or a
-// first call inside a graph capture) whose W and adapters are all bf16 or all f16 (the
-// product in that dtype, s applied after it), at ranks 17 to 64 (R_PAD 32 or 64; other
-// dtypes keep the tile their float64 cases ran on): the MoE forward's (ops_moe.cpp), 64x128
-// on one warpgroup (WGMMA), three stages, W's new tile moved to its store layout through
-// its spent ring slot (STORE_IN_RING), 128-byte L2 prefetches. On an H100, at 4096x4096 /
-// 8192x8192 / 14336x4096: r=64 33.5 / 106.6 / 98.3 us against 37.4 / 119.5 / 112.0 on the
-// 64x128 mma.sync tile, r=32 31.4 / 104.3 / 95.1 against 32.8 / 106.8 / 98.6; r=16 slower
-// (107.9 against 104.3 at 8192x8192), so it keeps that tile. Calls that ask for one tile a
-// program (STREAM) keep it too.
-Config own_merge_config(const Config& config, const TensorView& W3, DType adapters, bool scale_after, int64_t r_pad,
-                        bool gpu) {
-  if (!gpu || config.block_m || config.block_k || !is_half(W3.dtype) || !scale_after || adapters != W3.dtype ||
+// first call inside a graph capture) with a bf16 or f16 W whose product runs in a half dtype
+// (a bf16 W with adapters of any dtype, an f16 W with f16 or bf16 ones), at ranks 17 to 64
+// (R_PAD 32 or 64): the MoE forward's (ops_moe.cpp), 64x128 on one warpgroup (WGMMA), three
+// stages, W's new tile moved to its store layout through its spent ring slot
+// (STORE_IN_RING), 128-byte L2 prefetches. On an H100, at 4096x4096 / 8192x8192 /
+// 14336x4096 all-bf16: r=64 33.5 / 106.6 / 98.3 us against 37.4 / 119.5 / 112.0 on the
+// 64x128 mma.sync tile, r=32 31.4 / 104.3 / 95.1 against 32.8 / 106.8 / 98.6; at 8192x8192
+// and r=64, f16 W with bf16 adapters 106.7 against 119.0, bf16 W with f16 ones 105.4 against
+// 114.0, with fp32 ones (PEFT's) 147.1 against 154.5. r=16 is slower on it (107.9 against
+// 104.3 at 8192x8192), so it keeps that tile, as do an f16 W with fp32 adapters (TF32
+// products) and calls that ask for one tile a program (STREAM).
+Config own_merge_config(const Config& config, const TensorView& W3, const Product& dot, int64_t r_pad, bool gpu) {
+  if (!gpu || config.block_m || config.block_k || !is_half(W3.dtype) || !is_half(dot.dtype) || dot.tf32 ||
       r_pad < 32 || r_pad > 64 || meta_or(config, "STREAM", 0) || !wgmma_target(W3.device))
     return config;
   return with_ring_tile(config);
@@ -54,16 +55,18 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
   bool scale_after = false;
   const Product dot = merge_dot_dtype(W3.dtype, A3.dtype, B3.dtype, &scale_after);
   const int64_t r_pad = rank_pad(r);
-  const Config config = own_merge_config(given, W3, A3.dtype, scale_after, r_pad, gpu);
+  const Config config = own_merge_config(given, W3, dot, r_pad, gpu);
   // B's rows stay in registers: fewer rows per program at large ranks.
   const int64_t bm_default = gpu ? std::clamp<int64_t>(8192 / r_pad, 16, 64) : 16;
   const int64_t bm = config.block_m ? config.block_m : bm_default;
   const int64_t bk =
       config.block_k ? config.block_k : (gpu ? rank_narrowed(128, r_pad, rank_bytes(dot, A3.dtype, B3.dtype), 512) : 64);
-  const int64_t steps = std::max<int64_t>(1, cdiv(in, bk));
+  // WALK_ROWS: programs own BLOCK_K columns and walk a slice of the rows (not with STREAM).
+  const bool walk_rows = meta_or(config, "WALK_ROWS", 0) && !meta_or(config, "STREAM", 0);
+  const int64_t steps = std::max<int64_t>(1, walk_rows ? cdiv(out, bm) : cdiv(in, bk));
   int64_t split = slices_within(config.split_k, steps);
   if (split == 0) {
-    const int64_t blocks = cdiv(out, bm) * G;
+    const int64_t blocks = (walk_rows ? cdiv(in, bk) : cdiv(out, bm)) * G;
     split = split_for(blocks, programs, steps);
   }
   MergePlan p;
@@ -76,6 +79,11 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
   set_product_meta(p.meta, dot, config);
   pass_meta(config, p.meta, {"EVICT", "WARPS_N"});
   add_codegen_hints(config, p.meta);
+  if (walk_rows) {
+    p.meta["WALK_ROWS"] = 1;
+    p.grid = Grid{uint32_t(cdiv(in, bk)), uint32_t(split), uint32_t(G)};
+    return p;
+  }
   const Config order = stream_plan(config, W3.dtype, steps, p.meta, &split);
   p.grid = row_slice_grid(cdiv(out, bm), split, G, order, p.meta);
   return p;
@@ -146,7 +154,7 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
 void launch_merge(const char* op, const TensorView& W3, const TensorView& A3, const TensorView& B3, double s,
                   void* stream, const Config& config) {
   expect_meta(op, config,
-              {{"EVICT", 0, 2}, kStream, kWarpsN, kL2Prefetch, kWgmma, kColsFirst, kTf32, kStoreInRing});
+              {{"EVICT", 0, 2}, {"WALK_ROWS", 0, 1}, kStream, kWarpsN, kL2Prefetch, kWgmma, kWgmmaSs, kColsFirst, kTf32, kStoreInRing});
   if (checks_only()) return;
   if (has_config(config))
     return run_merge(W3, A3, B3, s, stream, config);

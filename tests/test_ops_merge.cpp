@@ -39,6 +39,7 @@ struct MergeCase {
   int64_t block_k = 0;
   bool stream = false;  // Config.meta STREAM: one tile per program, W moved through the accumulator's registers
   bool store_in_ring = false;  // Config.meta STORE_IN_RING: W's new tile staged in its spent ring slot
+  bool walk_rows = false;  // Config.meta WALK_ROWS: programs own columns, keep A's, and walk the rows
 };
 
 ops::Config merge_config(const MergeCase& c) {
@@ -52,6 +53,7 @@ ops::Config merge_config(const MergeCase& c) {
   cfg.block_k = c.block_k;
   if (c.stream) cfg.meta["STREAM"] = 1;
   if (c.store_in_ring) cfg.meta["STORE_IN_RING"] = 1;
+  if (c.walk_rows) cfg.meta["WALK_ROWS"] = 1;
   if (c.wgmma) {
     if (!c.block_k) cfg.block_k = 64;
     cfg.meta["WGMMA"] = 1;
@@ -62,7 +64,7 @@ ops::Config merge_config(const MergeCase& c) {
 void check_merge(const MergeCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.out, c.in, c.r, dtype_name(c.w), dtype_name(c.a), dtype_name(c.b), c.transposed,
           c.offset, c.evict, c.warps_n, c.block_m, c.warps, seed, dev.str(), c.wgmma, c.split, c.cols_first,
-          c.block_k, c.stream, c.store_in_ring);
+          c.block_k, c.stream, c.store_in_ring, c.walk_rows);
   std::mt19937_64 rng(seed);
   TestTensor Wbuf(c.w, {c.out * c.in + c.offset}, dev), A(c.a, {c.r, c.in}, dev),
       B(c.b, {c.out, c.r}, dev);
@@ -207,6 +209,26 @@ std::vector<MergeCase> merge_cases() {
   cases.push_back(in_ring({67, 136, 5, DType::f32, DType::f32, DType::f32}, 64, 4));
   cases.push_back(in_ring({40, 72, 8, DType::bf16, DType::f32, DType::f32, true}, 32, 4));
   cases.push_back(in_ring({64, 128, 16, DType::bf16, DType::bf16, DType::bf16, false, 1}, 64, 4));
+  // WALK_ROWS: programs own column blocks (the last partial) and walk slices of the rows (the
+  // last step partial): the warpgroup ring tile on one dtype and on fp32 adapters (s*B rounded
+  // per step), mma.sync tiles on TF32 and fp32 products, fan_in_fan_out and misaligned W.
+  const auto walking = [](MergeCase c, int64_t bm, int64_t bk, int64_t split, bool wgmma) {
+    c.walk_rows = true;
+    c.block_m = bm;
+    c.block_k = bk;
+    c.split = split;
+    c.wgmma = wgmma;
+    c.store_in_ring = wgmma;
+    c.warps = 4;
+    return c;
+  };
+  cases.push_back(walking({300, 333, 64, DType::bf16, DType::bf16, DType::bf16, false, 0, -0.75}, 64, 128, 2, true));
+  cases.push_back(walking({200, 520, 48, DType::bf16, DType::f32, DType::f32}, 64, 128, 0, true));
+  cases.push_back(walking({130, 200, 32, DType::f16, DType::f16, DType::f16}, 64, 64, 3, true));
+  cases.push_back(walking({67, 130, 5, DType::f16, DType::f32, DType::f32, false, 0, -0.5}, 32, 64, 2, false));
+  cases.push_back(walking({96, 136, 16, DType::f32, DType::bf16, DType::bf16}, 32, 64, 1, false));
+  cases.push_back(walking({40, 72, 8, DType::bf16, DType::f32, DType::f32, true}, 16, 64, 2, false));
+  cases.push_back(walking({64, 128, 16, DType::bf16, DType::bf16, DType::bf16, false, 1}, 32, 64, 0, false));
   return cases;
 }
 
@@ -372,9 +394,10 @@ TEST_CASE("the tiles of lora_merge's GPU float64 cases fit an H100's shared memo
   }
 }
 
-// Untuned merges on sm_90a at ranks 17 to 64 with W and adapters all bf16 or all f16 run the
-// MoE forward's warpgroup tile through W's ring; other ranks, dtypes and GPUs keep the 64x128
-// mma.sync tile. Each dtype combination's own tile fits an H100's shared memory.
+// Untuned merges on sm_90a at ranks 17 to 64 with a bf16 or f16 W whose product runs in a half
+// dtype (a bf16 W with any adapters, an f16 W with f16 or bf16 ones) run the MoE forward's
+// warpgroup tile through W's ring; other ranks, dtypes and GPUs keep the 64x128 mma.sync tile.
+// Each dtype combination's own tile fits an H100's shared memory.
 TEST_CASE("the merge's own config on sm_90a is the MoE forward's 64x128 ring tile at ranks 17 to 64",
           "[ops][merge]") {
   const autotune::TunableOp op = test::registered_op("lora_merge");
@@ -390,7 +413,8 @@ TEST_CASE("the merge's own config on sm_90a is the MoE forward's 64x128 ring til
     return calls[0].meta;
   };
   const auto ring_tile = [](const autotune::Config& m) { return test::is_ring_tile(m, "BLOCK_M"); };
-  for (const auto& [w, ab] : {std::pair{DType::bf16, DType::bf16}, {DType::f16, DType::f16}})
+  for (const auto& [w, ab] : {std::pair{DType::bf16, DType::bf16}, {DType::f16, DType::f16}, {DType::f16, DType::bf16},
+                              {DType::bf16, DType::f16}, {DType::bf16, DType::f32}})
     for (const int64_t r : {17, 32, 48, 64}) {
       CAPTURE(dtype_name(w), dtype_name(ab), r);
       CHECK(ring_tile(planned("sm_90a", w, ab, r, {})));
@@ -399,8 +423,6 @@ TEST_CASE("the merge's own config on sm_90a is the MoE forward's 64x128 ring til
   for (const int64_t r : {1, 16, 128}) CHECK_FALSE(ring_tile(planned("sm_90a", DType::bf16, DType::bf16, r, {})));
   CHECK_FALSE(ring_tile(planned("sm_90a", DType::f32, DType::f32, 64, {})));  // fp32 products
   CHECK_FALSE(ring_tile(planned("sm_90a", DType::f32, DType::bf16, 64, {})));  // fp32 W
-  CHECK_FALSE(ring_tile(planned("sm_90a", DType::bf16, DType::f32, 64, {})));  // fp32 adapters
-  CHECK_FALSE(ring_tile(planned("sm_90a", DType::f16, DType::bf16, 64, {})));  // adapters of another dtype
   CHECK_FALSE(ring_tile(planned("sm_90a", DType::f16, DType::f32, 64, {})));  // TF32
   CHECK_FALSE(ring_tile(planned("sm_90a", DType::bf16, DType::bf16, 64, {{"STREAM", 1}})));
   // A caller's fields win; the rest is the own tile's.
@@ -413,8 +435,8 @@ TEST_CASE("the merge's own config on sm_90a is the MoE forward's 64x128 ring til
 // f16 W and adapters at rank 64 on the 64x128 mma.sync tile on three stages (the op's own
 // tile off sm_90a), the kernel that compile_kernel compiles again for one program a
 // multiprocessor (ptxas spilled 4 bytes of it at 168 registers; tests/test_cuda_codegen.cpp);
-// then untuned, the op's own tile (on sm_90a, all-bf16 or all-f16 at ranks 17 to 64, the MoE
-// forward's warpgroup tile through W's ring).
+// then untuned, the op's own tile (on sm_90a at ranks 17 to 64, products in a half dtype: the
+// MoE forward's warpgroup tile through W's ring), W and adapters of one dtype and of two.
 TEST_CASE("lora_merge in f16 at rank 64 on the tile compiled twice, and untuned at ranks 32 and 64, matches a "
           "float64 reference on the GPU",
           "[gpu][ops][merge]") {
@@ -430,6 +452,10 @@ TEST_CASE("lora_merge in f16 at rank 64 on the tile compiled twice, and untuned 
       {300, 200, 64, DType::bf16, DType::bf16, DType::bf16},
       {260, 300, 32, DType::bf16, DType::bf16, DType::bf16, false, 0, -0.5},
       {130, 333, 32, DType::bf16, DType::f32, DType::bf16, true},  // fan_in_fan_out: strided W
+      {300, 200, 64, DType::f16, DType::bf16, DType::bf16},
+      {260, 300, 48, DType::bf16, DType::f16, DType::f16, false, 0, -0.5},
+      {300, 520, 64, DType::bf16, DType::f32, DType::f32},  // PEFT's fp32 adapters
+      {200, 300, 64, DType::bf16, DType::f32, DType::bf16, false, 0, -0.75},
   };
   uint64_t seed = 4650;
   for (const MergeCase& c : cases) check_merge(c, Device::cuda(0), seed++);
