@@ -27,6 +27,7 @@ Product merge_dot_dtype(DType w, DType a, DType b, bool* scale_after) {
 struct MergePlan {
   dsl::MetaMap meta;
   Grid grid;
+  DType cast_a = DType::f32;  // CAST_A: what an f32 A is rounded to first, in one pass (f32: nothing)
 };
 
 // The op's own tile on an H100 (sm_90a) for a call whose Config names none (untuned, or a
@@ -70,6 +71,7 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
     split = split_for(blocks, programs, steps);
   }
   MergePlan p;
+  p.cast_a = cast_a_dtype(config, dot);
   p.meta = {{"BLOCK_M", bm},
             {"BLOCK_K", bk},
             {"R_PAD", r_pad},
@@ -89,10 +91,24 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
   return p;
 }
 
+// A plan's compile list: A's cast (CAST_A), then the merge.
+std::vector<autotune::KernelCall> merge_calls(const MergePlan& p, const TensorView& W3, const TensorView& A3,
+                                              const TensorView& B3, double s) {
+  std::vector<autotune::KernelCall> calls;
+  const TensorView a = compiled_a(A3, p.cast_a, calls);
+  calls.push_back({&kernels::lora_merge(), {W3, a, B3, Scalar(s)}, p.meta});
+  return calls;
+}
+
 void run_merge(const TensorView& W3, const TensorView& A3, const TensorView& B3, double s, void* stream,
                const Config& config) {
   const MergePlan p = plan_merge(W3, A3, B3, W3.device.is_cuda(), parallelism(W3.device), config);
-  launch(kernels::lora_merge(), {W3, A3, B3, Scalar(s)}, p.grid, p.meta, stream);
+  LaunchOptions options;
+  options.stream = stream;
+  // CAST_A: A rounded to the product's dtype once (the kernel would round each tile it
+  // reads the same way), so that every step reads half its bytes.
+  const RunA a = run_a(A3, p.cast_a, options);
+  launch(kernels::lora_merge(), {W3, a.a, B3, Scalar(s)}, p.grid, p.meta, options);
 }
 
 std::vector<autotune::Config> merge_gpu_candidates() {
@@ -126,7 +142,8 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
   const Product product = merge_dot_dtype(W3.dtype, A3.dtype, B3.dtype, &scale_after);
   q.gpu_candidates = with_stream_tiles(q.gpu_candidates, "BLOCK_M", "BLOCK_K", product);
   q.finalist_variants = with_cols_first_variants(with_wgmma_variant(
-      with_l2_prefetch_variants(with_warps_n_variants(evict_variants(), product)), product, W3.device));
+      with_l2_prefetch_variants(with_warps_n_variants(evict_and_cast_variants(A3, product), product)), product,
+      W3.device));
   // W's new tile staged in W's spent ring slot: a tile of shared memory less, so where
   // that bounds the programs per multiprocessor, one more of them.
   if (W3.device.is_cuda()) q.finalist_variants.push_back({{"STORE_IN_RING", 1}});
@@ -135,8 +152,7 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
   q.split_batch = G;
   q.split_programs = parallelism(W3.device);
   q.kernels = [&](const Config& c) {
-    const MergePlan p = plan_merge(W3, A3, B3, true, parallelism(W3.device), c);
-    return std::vector<autotune::KernelCall>{{&kernels::lora_merge(), {W3, A3, B3, Scalar(s)}, p.meta}};
+    return merge_calls(plan_merge(W3, A3, B3, true, parallelism(W3.device), c), W3, A3, B3, s);
   };
   q.run = [&](const Config& c) { run_merge(W3, A3, B3, s, stream, c); };
   // Each timed run adds s*B@A to W once more: W's bytes are saved and put back.
@@ -154,7 +170,7 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
 void launch_merge(const char* op, const TensorView& W3, const TensorView& A3, const TensorView& B3, double s,
                   void* stream, const Config& config) {
   expect_meta(op, config,
-              {{"EVICT", 0, 2}, {"WALK_ROWS", 0, 1}, kStream, kWarpsN, kL2Prefetch, kWgmma, kWgmmaSs, kColsFirst, kTf32, kStoreInRing});
+              {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"WALK_ROWS", 0, 1}, kStream, kWarpsN, kL2Prefetch, kWgmma, kWgmmaSs, kColsFirst, kTf32, kStoreInRing});
   if (checks_only()) return;
   if (has_config(config))
     return run_merge(W3, A3, B3, s, stream, config);
@@ -300,8 +316,7 @@ const bool merge_registered = [] {
   };
   op.kernels = [](const std::vector<TensorView>& v, const autotune::Config& c, int sm_count) {
     const TensorView W3 = as_batch_of_one(v[0]), A3 = as_batch_of_one(v[1]), B3 = as_batch_of_one(v[2]);
-    const MergePlan p = plan_merge(W3, A3, B3, true, sm_count, config_from(c, "BLOCK_M", "BLOCK_K"));
-    return std::vector<autotune::KernelCall>{{&kernels::lora_merge(), {W3, A3, B3, Scalar(1.0)}, p.meta}};
+    return merge_calls(plan_merge(W3, A3, B3, true, sm_count, config_from(c, "BLOCK_M", "BLOCK_K")), W3, A3, B3, 1.0);
   };
   op.gpu_candidates = merge_gpu_candidates;
   autotune::register_op(std::move(op));

@@ -40,6 +40,7 @@ struct MergeCase {
   bool stream = false;  // Config.meta STREAM: one tile per program, W moved through the accumulator's registers
   bool store_in_ring = false;  // Config.meta STORE_IN_RING: W's new tile staged in its spent ring slot
   bool walk_rows = false;  // Config.meta WALK_ROWS: programs own columns, keep A's, and walk the rows
+  bool cast_a = false;  // Config.meta CAST_A: an fp32 A rounded to the product's dtype first (the same answer)
 };
 
 ops::Config merge_config(const MergeCase& c) {
@@ -54,6 +55,7 @@ ops::Config merge_config(const MergeCase& c) {
   if (c.stream) cfg.meta["STREAM"] = 1;
   if (c.store_in_ring) cfg.meta["STORE_IN_RING"] = 1;
   if (c.walk_rows) cfg.meta["WALK_ROWS"] = 1;
+  if (c.cast_a) cfg.meta["CAST_A"] = 1;
   if (c.wgmma) {
     if (!c.block_k) cfg.block_k = 64;
     cfg.meta["WGMMA"] = 1;
@@ -64,7 +66,7 @@ ops::Config merge_config(const MergeCase& c) {
 void check_merge(const MergeCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.out, c.in, c.r, dtype_name(c.w), dtype_name(c.a), dtype_name(c.b), c.transposed,
           c.offset, c.evict, c.warps_n, c.block_m, c.warps, seed, dev.str(), c.wgmma, c.split, c.cols_first,
-          c.block_k, c.stream, c.store_in_ring, c.walk_rows);
+          c.block_k, c.stream, c.store_in_ring, c.walk_rows, c.cast_a);
   std::mt19937_64 rng(seed);
   TestTensor Wbuf(c.w, {c.out * c.in + c.offset}, dev), A(c.a, {c.r, c.in}, dev),
       B(c.b, {c.out, c.r}, dev);
@@ -229,6 +231,23 @@ std::vector<MergeCase> merge_cases() {
   cases.push_back(walking({96, 136, 16, DType::f32, DType::bf16, DType::bf16}, 32, 64, 1, false));
   cases.push_back(walking({40, 72, 8, DType::bf16, DType::f32, DType::f32, true}, 16, 64, 2, false));
   cases.push_back(walking({64, 128, 16, DType::bf16, DType::bf16, DType::bf16, false, 1}, 32, 64, 0, false));
+  // CAST_A: PEFT's fp32 adapters on a bf16 W with A rounded to bf16 in a pass of its own, on the
+  // warpgroup ring tile, on the kernel's default tile with a fan_in_fan_out W and a bf16 B, and
+  // walking the rows; on an f16 W (TF32 products) it changes nothing.
+  MergeCase cast{300, 520, 64, DType::bf16, DType::f32, DType::f32, false, 0, -0.75};
+  cast.cast_a = true;
+  cast.wgmma = true;
+  cast.block_k = 128;
+  cases.push_back(in_ring(cast, 64, 4));
+  MergeCase cast2{130, 333, 16, DType::bf16, DType::f32, DType::bf16, true};
+  cast2.cast_a = true;
+  cases.push_back(cast2);
+  MergeCase cast3 = walking({200, 300, 32, DType::bf16, DType::f32, DType::f32}, 64, 128, 0, true);
+  cast3.cast_a = true;
+  cases.push_back(cast3);
+  MergeCase cast4{67, 130, 5, DType::f16, DType::f32, DType::f32, false, 0, 0.5};
+  cast4.cast_a = true;
+  cases.push_back(cast4);
   return cases;
 }
 
