@@ -142,8 +142,7 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
   const Product product = merge_dot_dtype(W3.dtype, A3.dtype, B3.dtype, &scale_after);
   q.gpu_candidates = with_stream_tiles(q.gpu_candidates, "BLOCK_M", "BLOCK_K", product);
   q.finalist_variants = with_cols_first_variants(with_wgmma_variant(
-      with_l2_prefetch_variants(with_warps_n_variants(evict_and_cast_variants(A3, product), product)), product,
-      W3.device));
+      with_l2_prefetch_variants(with_warps_n_variants(evict_variants(), product)), product, W3.device));
   // W's new tile staged in W's spent ring slot: a tile of shared memory less, so where
   // that bounds the programs per multiprocessor, one more of them.
   if (W3.device.is_cuda()) q.finalist_variants.push_back({{"STORE_IN_RING", 1}});

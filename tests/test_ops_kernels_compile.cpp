@@ -945,6 +945,47 @@ TEST_CASE("the MoE forward's clustered read of PEFT's flat lora_B compiles for s
       }
 }
 
+// The merge's WALK_ROWS tiles (A's columns kept, the rows walked: on the warpgroup ring tile,
+// with A's fragments read from shared memory, and on mma.sync) and its CAST_A plan (an fp32 A
+// rounded to bf16 by a launch of its own, then the bf16 W merged with it and fp32 B) compile
+// for sm_90a without spills, ranks 32 and 64.
+TEST_CASE("the merge's WALK_ROWS and CAST_A plans compile for sm_90a without spills", "[cuda][codegen][ops][merge]") {
+  KERF_REQUIRE_NVRTC();
+  const ops::detail::PlanningArch h100("sm_90a");
+  const autotune::TunableOp op = test::registered_op("lora_merge");
+  void* const p = test::planning_address();
+  const Device dev = Device::cuda(0);
+  const autotune::Config ring{{"BLOCK_M", 64}, {"BLOCK_K", 128}, {"num_warps", 4}, {"num_stages", 3},
+                              {"WGMMA", 1}, {"STORE_IN_RING", 1}, {"L2_PREFETCH", 128}};
+  for (const int64_t r : {32, 64}) {
+    for (const DType ab : {DType::bf16, DType::f32})
+      for (const autotune::Config& extra :
+           {autotune::Config{}, autotune::Config{{"WGMMA_SS", 1}}, autotune::Config{{"WGMMA", 0}}}) {
+        autotune::Config c = ring;
+        for (const auto& [k, v] : extra) c[k] = v;
+        c["WALK_ROWS"] = 1;
+        CAPTURE(r, dtype_name(ab), c);
+        const std::vector<autotune::KernelCall> calls =
+            op.kernels({TensorView::contiguous(p, DType::bf16, {4096, 4096}, dev),
+                        TensorView::contiguous(p, ab, {r, 4096}, dev), TensorView::contiguous(p, ab, {4096, r}, dev)},
+                       c, 132);
+        REQUIRE(calls.size() == 1);
+        CHECK(calls[0].meta.at("WALK_ROWS") == 1);
+        compiles_without_spills(calls[0]);
+      }
+    autotune::Config c = ring;
+    c["CAST_A"] = 1;
+    CAPTURE(r, c);
+    const std::vector<autotune::KernelCall> calls =
+        op.kernels({TensorView::contiguous(p, DType::bf16, {4096, 4096}, dev),
+                    TensorView::contiguous(p, DType::f32, {r, 4096}, dev),
+                    TensorView::contiguous(p, DType::f32, {4096, r}, dev)},
+                   c, 132);
+    REQUIRE(calls.size() == 2);  // A's cast, then the merge reading its bf16 copy
+    for (const autotune::KernelCall& call : calls) compiles_without_spills(call);
+  }
+}
+
 // The same for every op the tuner knows, in bf16, f16 and f32 and with fp32 adapters on a
 // half W, at ranks 128 and 256 and sizes that tiles do and do not divide (before, the
 // embedding at rank 128 took 280576 bytes, merge and the MoE forward at rank 256 260608 and
