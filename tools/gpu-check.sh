@@ -20,6 +20,7 @@
 #       --bench-args "--config 64,256,0,8,3 --meta BY_COLUMNS=1,WGMMA=1 --variants ;WGMMA_SS=1 --rounds 3"
 #                                          # an A/B in one process: each case with each variant in turns
 #                                          # (KERF_AUTOTUNE is not needed: a --config call is not tuned)
+#   tools/gpu-check.sh --stages order      # tools/access_order_bench.cu at three shapes (sm_90a)
 #   tools/gpu-check.sh --stages profile --profile-kernel lora_embedding_backward_fused \
 #       --profile-op "embedding_backward r=16 bf16 grads" \
 #       --bench-args "--config 128,128,0,4,3 --meta GROUP_BY_ID=1,FUSED=1"
@@ -242,6 +243,21 @@ if [[ ,$stages, == *,profile,* ]]; then
     fi
     grep -vE "^==PROF==|^\s*$" "$final/ncu.log" | tail -80
     note "profile: ncu exit $rc, report in ncu.log, SASS with stall samples in ncu-source.csv.gz ($((SECONDS - t0)) s)"
+  fi
+fi
+
+# --stages order: what the memory gives a read-modify-write of W in the orders the
+# in-place kernels walk it, beside cudaMemcpy (tools/access_order_bench.cu, no kerf).
+if [[ ,$stages, == *,order,* ]]; then
+  echo "== access orders"
+  if nvcc -arch=sm_90a -O3 -o "$build/access_order_bench" tools/access_order_bench.cu > "$out/access-order.log" 2>&1; then
+    for shape in "8192 8192" "14336 4096" "4096 4096"; do
+      "$build/access_order_bench" $shape 2>&1 | tee -a "$out/access-order.log" "$final/access-order.log"
+    done
+    note "access orders: access-order.log"
+  else
+    tail -5 "$out/access-order.log"
+    note "access orders: nvcc failed (access-order.log)"
   fi
 fi
 
