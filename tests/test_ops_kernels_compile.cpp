@@ -945,11 +945,12 @@ TEST_CASE("the MoE forward's clustered read of PEFT's flat lora_B compiles for s
       }
 }
 
-// The merge's WALK_ROWS tiles (A's columns kept, the rows walked: on the warpgroup ring tile,
-// with A's fragments read from shared memory, and on mma.sync) and its CAST_A plan (an fp32 A
-// rounded to bf16 by a launch of its own, then the bf16 W merged with it and fp32 B) compile
-// for sm_90a without spills, ranks 32 and 64.
-TEST_CASE("the merge's WALK_ROWS and CAST_A plans compile for sm_90a without spills", "[cuda][codegen][ops][merge]") {
+// The merge's own sm_90a tile for W and adapters of two dtypes, its WALK_ROWS tiles (A's columns
+// kept, the rows walked: on the warpgroup ring tile, with A's fragments read from shared memory,
+// and on mma.sync) and its CAST_A plan (an fp32 A rounded to bf16 by a launch of its own, then
+// the bf16 W merged with it and fp32 B) compile for sm_90a without spills.
+TEST_CASE("the merge's mixed-dtype own tiles and its WALK_ROWS and CAST_A plans compile for sm_90a without spills",
+          "[cuda][codegen][ops][merge]") {
   KERF_REQUIRE_NVRTC();
   const ops::detail::PlanningArch h100("sm_90a");
   const autotune::TunableOp op = test::registered_op("lora_merge");
@@ -957,6 +958,18 @@ TEST_CASE("the merge's WALK_ROWS and CAST_A plans compile for sm_90a without spi
   const Device dev = Device::cuda(0);
   const autotune::Config ring{{"BLOCK_M", 64}, {"BLOCK_K", 128}, {"num_warps", 4}, {"num_stages", 3},
                               {"WGMMA", 1}, {"STORE_IN_RING", 1}, {"L2_PREFETCH", 128}};
+  // The untuned plans (the op's own ring tile) of W and adapters of two dtypes.
+  for (const auto& [w, ab] : {std::pair{DType::f16, DType::bf16}, {DType::bf16, DType::f16}, {DType::bf16, DType::f32}})
+    for (const int64_t r : {17, 32, 64}) {
+      CAPTURE(dtype_name(w), dtype_name(ab), r);
+      const std::vector<autotune::KernelCall> calls =
+          op.kernels({TensorView::contiguous(p, w, {4096, 4096}, dev), TensorView::contiguous(p, ab, {r, 4096}, dev),
+                      TensorView::contiguous(p, ab, {4096, r}, dev)},
+                     {}, 132);
+      REQUIRE(calls.size() == 1);
+      CHECK(test::is_ring_tile(calls[0].meta, "BLOCK_M"));
+      compiles_without_spills(calls[0]);
+    }
   for (const int64_t r : {32, 64}) {
     for (const DType ab : {DType::bf16, DType::f32})
       for (const autotune::Config& extra :
