@@ -958,14 +958,17 @@ TEST_CASE("the merge's mixed-dtype own tiles and its WALK_ROWS and CAST_A plans 
   const Device dev = Device::cuda(0);
   const autotune::Config ring{{"BLOCK_M", 64}, {"BLOCK_K", 128}, {"num_warps", 4}, {"num_stages", 3},
                               {"WGMMA", 1}, {"STORE_IN_RING", 1}, {"L2_PREFETCH", 128}};
+  // The plan of a 4096x4096 W of dtype w, adapters of dtype ab at rank r, under config c.
+  const auto planned = [&](DType w, DType ab, int64_t r, const autotune::Config& c) {
+    return op.kernels({TensorView::contiguous(p, w, {4096, 4096}, dev), TensorView::contiguous(p, ab, {r, 4096}, dev),
+                       TensorView::contiguous(p, ab, {4096, r}, dev)},
+                      c, 132);
+  };
   // The untuned plans (the op's own ring tile) of W and adapters of two dtypes.
   for (const auto& [w, ab] : {std::pair{DType::f16, DType::bf16}, {DType::bf16, DType::f16}, {DType::bf16, DType::f32}})
     for (const int64_t r : {17, 32, 64}) {
       CAPTURE(dtype_name(w), dtype_name(ab), r);
-      const std::vector<autotune::KernelCall> calls =
-          op.kernels({TensorView::contiguous(p, w, {4096, 4096}, dev), TensorView::contiguous(p, ab, {r, 4096}, dev),
-                      TensorView::contiguous(p, ab, {4096, r}, dev)},
-                     {}, 132);
+      const std::vector<autotune::KernelCall> calls = planned(w, ab, r, {});
       REQUIRE(calls.size() == 1);
       CHECK(test::is_ring_tile(calls[0].meta, "BLOCK_M"));
       compiles_without_spills(calls[0]);
@@ -978,10 +981,7 @@ TEST_CASE("the merge's mixed-dtype own tiles and its WALK_ROWS and CAST_A plans 
         for (const auto& [k, v] : extra) c[k] = v;
         c["WALK_ROWS"] = 1;
         CAPTURE(r, dtype_name(ab), c);
-        const std::vector<autotune::KernelCall> calls =
-            op.kernels({TensorView::contiguous(p, DType::bf16, {4096, 4096}, dev),
-                        TensorView::contiguous(p, ab, {r, 4096}, dev), TensorView::contiguous(p, ab, {4096, r}, dev)},
-                       c, 132);
+        const std::vector<autotune::KernelCall> calls = planned(DType::bf16, ab, r, c);
         REQUIRE(calls.size() == 1);
         CHECK(calls[0].meta.at("WALK_ROWS") == 1);
         compiles_without_spills(calls[0]);
@@ -989,11 +989,7 @@ TEST_CASE("the merge's mixed-dtype own tiles and its WALK_ROWS and CAST_A plans 
     autotune::Config c = ring;
     c["CAST_A"] = 1;
     CAPTURE(r, c);
-    const std::vector<autotune::KernelCall> calls =
-        op.kernels({TensorView::contiguous(p, DType::bf16, {4096, 4096}, dev),
-                    TensorView::contiguous(p, DType::f32, {r, 4096}, dev),
-                    TensorView::contiguous(p, DType::f32, {4096, r}, dev)},
-                   c, 132);
+    const std::vector<autotune::KernelCall> calls = planned(DType::bf16, DType::f32, r, c);
     REQUIRE(calls.size() == 2);  // A's cast, then the merge reading its bf16 copy
     for (const autotune::KernelCall& call : calls) compiles_without_spills(call);
   }
