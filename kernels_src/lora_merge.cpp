@@ -34,21 +34,31 @@ const dsl::Kernel& lora_merge() {
     const Value n_out = W.dim(1), n_in = W.dim(2), rank = A.dim(1);
 
     const Value rk = arange(R);
+    // A's columns `cols` [R_PAD, BLOCK_K], in the product's dtype.
+    const auto a_columns = [&](const Value& cols, const Value& col_ok) {
+      return load(A, {g, rk.col(), cols.row()}, (rk.col() < rank) & col_ok, reused_hint(evict)).to(dot_t);
+    };
+    // W's tile at `rows` x `cols` plus the product of the dot's left operand b (B's rows)
+    // and a (A's columns), rounded once and written back where it was read.
+    const auto update = [&](const Value& rows, const Value& row_ok, const Value& cols, const Value& col_ok,
+                            const Value& b, const Value& a) {
+      const Value ok = row_ok & col_ok;
+      const Value w = load(W, {g, rows.col(), cols.row()}, ok, streamed_hint(evict)).to(DType::f32);
+      const Value v = base_plus_lora(w, b, a, s, scale_after, warps_n, dm.precision);
+      store(W, {g, rows.col(), cols.row()}, v.to(W.dtype()), ok, streamed_hint(evict));
+    };
     if (k.meta("WALK_ROWS", 0)) {
       const Value cols = program_id(0) * BK + arange(BK);
       const Value col_ok = cols.row() < n_in;
-      const Value a = load(A, {g, rk.col(), cols.row()}, (rk.col() < rank) & col_ok, reused_hint(evict)).to(dot_t);
+      const Value a = a_columns(cols, col_ok);
       const auto [lo, hi] = split_range(n_out, BM, 1);
       for_range(lo, hi, BM, [&](const Value& m0) {
         const Value rows = m0 + arange(BM);
         const Value row_ok = rows.col() < n_out;
         // B's rows straight into the product's dtype where they are exact in it (no fp32 hop).
         const Value b_raw = load(B, {g, rows.col(), rk.row()}, row_ok & (rk.row() < rank), reused_hint(evict));
-        const Value b = scale_after ? b_raw.to(dot_t) : lora_left_operand(b_raw.to(DType::f32), s, false, dot_t);
-        const Value ok = row_ok & col_ok;
-        const Value w = load(W, {g, rows.col(), cols.row()}, ok, streamed_hint(evict)).to(DType::f32);
-        const Value v = base_plus_lora(w, b, a, s, scale_after, warps_n, dm.precision);
-        store(W, {g, rows.col(), cols.row()}, v.to(W.dtype()), ok, streamed_hint(evict));
+        update(rows, row_ok, cols, col_ok,
+               lora_left_operand(scale_after ? b_raw : b_raw.to(DType::f32), s, scale_after, dot_t), a);
       });
       return;
     }
@@ -65,12 +75,7 @@ const dsl::Kernel& lora_merge() {
     for_range(lo, hi, BK, [&](const Value& k0) {
       const Value cols = k0 + arange(BK);
       const Value col_ok = cols.row() < n_in;
-      const Value a =
-          load(A, {g, rk.col(), cols.row()}, (rk.col() < rank) & col_ok, reused_hint(evict)).to(dot_t);
-      const Value ok = row_ok & col_ok;
-      const Value w = load(W, {g, rows.col(), cols.row()}, ok, streamed_hint(evict)).to(DType::f32);
-      const Value v = base_plus_lora(w, b, a, s, scale_after, warps_n, dm.precision);
-      store(W, {g, rows.col(), cols.row()}, v.to(W.dtype()), ok, streamed_hint(evict));
+      update(rows, row_ok, cols, col_ok, b, a_columns(cols, col_ok));
     });
   });
   return k;
