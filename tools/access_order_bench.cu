@@ -39,24 +39,29 @@ __global__ void grid_stride(const uint4* x, uint4* y, size_t n) {
     y[i] = bump(x[i]);
 }
 
+// One step of 1024 vectors, 4 a thread of 256: element e of the step lies at offset(e);
+// all four loads issued before the stores.
+template <class Offset>
+__device__ __forceinline__ void step(const uint4* x, uint4* y, Offset offset) {
+  uint4 v[4];
+  size_t o[4];
+  for (int k = 0; k < 4; ++k) {
+    o[k] = offset(int(threadIdx.x) + k * 256);
+    v[k] = x[o[k]];
+  }
+  for (int k = 0; k < 4; ++k) y[o[k]] = bump(v[k]);
+}
+
 // A block owns BM rows and 1/split of the columns and walks them VS vectors (16 bytes
-// each) a row at a time: BM * VS = 1024 vectors a step, 4 a thread of 256, all four
-// loads issued before the stores. cols_first: the column slices on grid axis x, so the
-// blocks running together hold a few row blocks across all of their columns.
+// each) a row at a time, BM * VS = 1024 vectors a step. cols_first: the column slices on
+// grid axis x, so the blocks running together hold a few row blocks across all of their
+// columns.
 template <int BM, int VS>
 __global__ void row_blocks(const uint4* x, uint4* y, int cols, int split, int cols_first) {
   const int rb = cols_first ? blockIdx.y : blockIdx.x, sl = cols_first ? blockIdx.x : blockIdx.y;
   const int vpr = cols / 8, span = vpr / split;
-  for (int c0 = sl * span; c0 < (sl + 1) * span; c0 += VS) {
-    uint4 v[4];
-    size_t o[4];
-    for (int k = 0; k < 4; ++k) {
-      const int e = threadIdx.x + k * 256;
-      o[k] = size_t(rb * BM + e / VS) * vpr + c0 + e % VS;
-      v[k] = x[o[k]];
-    }
-    for (int k = 0; k < 4; ++k) y[o[k]] = bump(v[k]);
-  }
+  for (int c0 = sl * span; c0 < (sl + 1) * span; c0 += VS)
+    step(x, y, [&](int e) { return size_t(rb * BM + e / VS) * vpr + c0 + e % VS; });
 }
 
 // A block owns VS vectors of every row of 1/split of the rows and walks them BM rows a
@@ -64,16 +69,8 @@ __global__ void row_blocks(const uint4* x, uint4* y, int cols, int split, int co
 template <int BM, int VS>
 __global__ void column_strips(const uint4* x, uint4* y, int rows, int cols, int split) {
   const int vpr = cols / 8, per = rows / split;
-  for (int r0 = blockIdx.y * per; r0 < (blockIdx.y + 1) * per; r0 += BM) {
-    uint4 v[4];
-    size_t o[4];
-    for (int k = 0; k < 4; ++k) {
-      const int e = threadIdx.x + k * 256;
-      o[k] = size_t(r0 + e / VS) * vpr + blockIdx.x * VS + e % VS;
-      v[k] = x[o[k]];
-    }
-    for (int k = 0; k < 4; ++k) y[o[k]] = bump(v[k]);
-  }
+  for (int r0 = blockIdx.y * per; r0 < (blockIdx.y + 1) * per; r0 += BM)
+    step(x, y, [&](int e) { return size_t(r0 + e / VS) * vpr + blockIdx.x * VS + e % VS; });
 }
 
 }  // namespace
