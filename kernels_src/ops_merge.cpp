@@ -46,7 +46,16 @@ Config own_merge_config(const Config& config, const TensorView& W3, const Produc
   if (!gpu || config.block_m || config.block_k || !is_half(W3.dtype) || !is_half(dot.dtype) || dot.tf32 ||
       r_pad < 32 || r_pad > 64 || meta_or(config, "STREAM", 0) || !wgmma_target(W3.device))
     return config;
-  return with_ring_tile(config);
+  Config own = with_ring_tile(config);
+  own.meta.emplace("WALK_ROWS", 1);
+  return own;
+}
+
+// WALK_ROWS with no split named: the row slices for `col_blocks` programs' worth of columns
+// (times the batch) and `row_steps` BLOCK_M steps, so that all programs together make about
+// one wave of two a multiprocessor.
+int64_t walk_rows_split(int64_t col_blocks, int64_t programs, int64_t row_steps) {
+  return std::clamp<int64_t>(2 * programs / std::max<int64_t>(col_blocks, 1), 1, std::max<int64_t>(row_steps, 1));
 }
 
 // W3 [G, out, in], r: the meta-parameters and grid for `given` (0 fields: defaults).
@@ -68,7 +77,7 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
   int64_t split = slices_within(config.split_k, steps);
   if (split == 0) {
     const int64_t blocks = (walk_rows ? cdiv(in, bk) : cdiv(out, bm)) * G;
-    split = split_for(blocks, programs, steps);
+    split = walk_rows ? walk_rows_split(blocks, programs, steps) : split_for(blocks, programs, steps);
   }
   MergePlan p;
   p.cast_a = cast_a_dtype(config, dot);
@@ -142,7 +151,8 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
   const Product product = merge_dot_dtype(W3.dtype, A3.dtype, B3.dtype, &scale_after);
   q.gpu_candidates = with_stream_tiles(q.gpu_candidates, "BLOCK_M", "BLOCK_K", product);
   q.finalist_variants = with_cols_first_variants(with_wgmma_variant(
-      with_l2_prefetch_variants(with_warps_n_variants(evict_variants(), product)), product, W3.device));
+      with_l2_prefetch_variants(with_warps_n_variants(evict_and_cast_variants(A3, product), product)), product,
+      W3.device));
   // W's new tile staged in W's spent ring slot: a tile of shared memory less, so where
   // that bounds the programs per multiprocessor, one more of them.
   if (W3.device.is_cuda()) q.finalist_variants.push_back({{"STORE_IN_RING", 1}});

@@ -415,9 +415,10 @@ TEST_CASE("the tiles of lora_merge's GPU float64 cases fit an H100's shared memo
 
 // Untuned merges on sm_90a at ranks 17 to 64 with a bf16 or f16 W whose product runs in a half
 // dtype (a bf16 W with any adapters, an f16 W with f16 or bf16 ones) run the MoE forward's
-// warpgroup tile through W's ring; other ranks, dtypes and GPUs keep the 64x128 mma.sync tile.
+// warpgroup tile through W's ring, its programs owning columns and walking the rows
+// (WALK_ROWS); other ranks, dtypes and GPUs keep the 64x128 mma.sync tile walking columns.
 // Each dtype combination's own tile fits an H100's shared memory.
-TEST_CASE("the merge's own config on sm_90a is the MoE forward's 64x128 ring tile at ranks 17 to 64",
+TEST_CASE("the merge's own config on sm_90a is the MoE forward's 64x128 ring tile walking the rows at ranks 17 to 64",
           "[ops][merge]") {
   const autotune::TunableOp op = test::registered_op("lora_merge");
   void* const p = test::planning_address();
@@ -436,14 +437,19 @@ TEST_CASE("the merge's own config on sm_90a is the MoE forward's 64x128 ring til
                               {DType::bf16, DType::f16}, {DType::bf16, DType::f32}})
     for (const int64_t r : {17, 32, 48, 64}) {
       CAPTURE(dtype_name(w), dtype_name(ab), r);
-      CHECK(ring_tile(planned("sm_90a", w, ab, r, {})));
-      CHECK_FALSE(ring_tile(planned("sm_80", w, ab, r, {})));
+      const autotune::Config own = planned("sm_90a", w, ab, r, {});
+      CHECK(ring_tile(own));
+      CHECK(own.count("WALK_ROWS"));
+      const autotune::Config off = planned("sm_80", w, ab, r, {});
+      CHECK_FALSE(ring_tile(off));
+      CHECK_FALSE(off.count("WALK_ROWS"));
     }
   for (const int64_t r : {1, 16, 128}) CHECK_FALSE(ring_tile(planned("sm_90a", DType::bf16, DType::bf16, r, {})));
   CHECK_FALSE(ring_tile(planned("sm_90a", DType::f32, DType::f32, 64, {})));  // fp32 products
   CHECK_FALSE(ring_tile(planned("sm_90a", DType::f32, DType::bf16, 64, {})));  // fp32 W
   CHECK_FALSE(ring_tile(planned("sm_90a", DType::f16, DType::f32, 64, {})));  // TF32
   CHECK_FALSE(ring_tile(planned("sm_90a", DType::bf16, DType::bf16, 64, {{"STREAM", 1}})));
+  CHECK_FALSE(planned("sm_90a", DType::bf16, DType::bf16, 16, {}).count("WALK_ROWS"));
   // A caller's fields win; the rest is the own tile's.
   const autotune::Config deeper = planned("sm_90a", DType::bf16, DType::bf16, 64, {{"num_stages", 4}});
   CHECK(deeper.at("num_stages") == 4);
