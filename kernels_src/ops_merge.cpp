@@ -35,13 +35,15 @@ struct MergePlan {
 // (a bf16 W with adapters of any dtype, an f16 W with f16 or bf16 ones), at ranks 17 to 64
 // (R_PAD 32 or 64): the MoE forward's (ops_moe.cpp), 64x128 on one warpgroup (WGMMA), three
 // stages, W's new tile moved to its store layout through its spent ring slot
-// (STORE_IN_RING), 128-byte L2 prefetches. On an H100, at 4096x4096 / 8192x8192 /
-// 14336x4096 all-bf16: r=64 33.5 / 106.6 / 98.3 us against 37.4 / 119.5 / 112.0 on the
-// 64x128 mma.sync tile, r=32 31.4 / 104.3 / 95.1 against 32.8 / 106.8 / 98.6; at 8192x8192
-// and r=64, f16 W with bf16 adapters 106.7 against 119.0, bf16 W with f16 ones 105.4 against
-// 114.0, with fp32 ones (PEFT's) 147.1 against 154.5. r=16 is slower on it (107.9 against
-// 104.3 at 8192x8192), so it keeps that tile, as do an f16 W with fp32 adapters (TF32
-// products) and calls that ask for one tile a program (STREAM).
+// (STORE_IN_RING), 128-byte L2 prefetches, its programs owning columns and walking the rows
+// (WALK_ROWS; walk_rows_split's slices). On an H100, at 4096x4096 / 8192x8192 / 14336x4096
+// all-bf16: r=64 30.9 / 101.7 / 90.5 us against 33.5 / 106.6 / 98.3 on the same tile walking
+// columns and 37.4 / 119.5 / 112.0 on the 64x128 mma.sync tile, r=32 29.8 / 100.6 / 89.2
+// against 31.4 / 104.3 / 95.1 and 32.8 / 106.8 / 98.6; at 8192x8192 and r=64, f16 W with
+// bf16 adapters 101.8 against 119.0 (mma.sync), bf16 W with f16 ones 101.9 against 114.0,
+// with fp32 ones (PEFT's) 111.4 against 154.5. r=16 is slower on the warpgroup tile (107.9
+// against 104.3 at 8192x8192, walking columns), so it keeps the mma.sync tile, as do an f16
+// W with fp32 adapters (TF32 products) and calls that ask for one tile a program (STREAM).
 Config own_merge_config(const Config& config, const TensorView& W3, const Product& dot, int64_t r_pad, bool gpu) {
   if (!gpu || config.block_m || config.block_k || !is_half(W3.dtype) || !is_half(dot.dtype) || dot.tf32 ||
       r_pad < 32 || r_pad > 64 || meta_or(config, "STREAM", 0) || !wgmma_target(W3.device))
@@ -49,13 +51,6 @@ Config own_merge_config(const Config& config, const TensorView& W3, const Produc
   Config own = with_ring_tile(config);
   own.meta.emplace("WALK_ROWS", 1);
   return own;
-}
-
-// WALK_ROWS with no split named: the row slices for `col_blocks` programs' worth of columns
-// (times the batch) and `row_steps` BLOCK_M steps, so that all programs together make about
-// one wave of two a multiprocessor.
-int64_t walk_rows_split(int64_t col_blocks, int64_t programs, int64_t row_steps) {
-  return std::clamp<int64_t>(2 * programs / std::max<int64_t>(col_blocks, 1), 1, std::max<int64_t>(row_steps, 1));
 }
 
 // W3 [G, out, in], r: the meta-parameters and grid for `given` (0 fields: defaults).

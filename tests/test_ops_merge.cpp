@@ -461,7 +461,8 @@ TEST_CASE("the merge's own config on sm_90a is the MoE forward's 64x128 ring til
 // tile off sm_90a), the kernel that compile_kernel compiles again for one program a
 // multiprocessor (ptxas spilled 4 bytes of it at 168 registers; tests/test_cuda_codegen.cpp);
 // then untuned, the op's own tile (on sm_90a at ranks 17 to 64, products in a half dtype: the
-// MoE forward's warpgroup tile through W's ring), W and adapters of one dtype and of two.
+// MoE forward's warpgroup tile through W's ring, walking the rows), W and adapters of one
+// dtype and of two.
 TEST_CASE("lora_merge in f16 at rank 64 on the tile compiled twice, and untuned at ranks 32 and 64, matches a "
           "float64 reference on the GPU",
           "[gpu][ops][merge]") {

@@ -225,6 +225,19 @@ TEST_CASE("wave-split candidates try each split once, the op's own default inclu
         std::vector<int64_t>{0, 64});
 }
 
+// The merge's WALK_ROWS row slices: two waves of two programs a multiprocessor, slices of at
+// least 8 BLOCK_M steps where there are that many, at least one slice, at most one a step.
+TEST_CASE("the merge's row-walking programs take two waves of row slices of at least 8 steps", "[autotune][cpu]") {
+  using ops::detail::walk_rows_split;
+  CHECK(walk_rows_split(64, 132, 128) == 8);   // 8192x8192, 64x128 tiles
+  CHECK(walk_rows_split(32, 132, 224) == 16);  // 14336x4096
+  CHECK(walk_rows_split(32, 132, 64) == 8);    // 4096x4096: 8 steps a slice
+  CHECK(walk_rows_split(4, 132, 4) == 1);      // fewer than 8 steps: one slice
+  CHECK(walk_rows_split(2000, 132, 4096) == 1);
+  CHECK(walk_rows_split(1, 132, 100000) == 528);
+  CHECK(walk_rows_split(0, 132, 0) == 1);
+}
+
 // A wave-split choice stored for one shape serves another shape of its bucket
 // (next powers of two) with the split that fills that shape's waves: 4096 rows
 // tuned to one wave of 128-row blocks (split 4 on 132 SMs: 32 x 4 programs) must
