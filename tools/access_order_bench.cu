@@ -1,7 +1,8 @@
 // What the memory gives a one-pass read-modify-write of a bf16 matrix in the orders
 // kerf's in-place kernels walk it (lora_merge: programs that own a block of rows and
-// walk its columns; WALK_ROWS: programs that own a block of columns and walk its rows),
-// beside cudaMemcpy of the same bytes. No LoRA work: each element gets 0.001 added, so
+// walk its columns; WALK_ROWS: programs that own a block of columns and walk its rows, their
+// row slices contiguous or, as INTERLEAVE_ROWS has them, interleaved), beside cudaMemcpy of
+// the same bytes. No LoRA work: each element gets 0.001 added, so
 // the figures bound what the access order alone allows. Stand-alone (no kerf):
 //
 //   nvcc -arch=sm_90a -O3 -o /tmp/access_order_bench tools/access_order_bench.cu
@@ -70,6 +71,16 @@ template <int BM, int VS>
 __global__ void column_strips(const uint4* x, uint4* y, int rows, int cols, int split) {
   const int vpr = cols / 8, per = rows / split;
   for (int r0 = blockIdx.y * per; r0 < (blockIdx.y + 1) * per; r0 += BM)
+    step(x, y, [&](int e) { return size_t(r0 + e / VS) * vpr + blockIdx.x * VS + e % VS; });
+}
+
+// column_strips with the row slices interleaved: slice j takes the BM-row steps j, j + split,
+// j + 2 split, ..., so the slices running together hold neighbouring rows (one window of
+// split * BM rows moving down the array) instead of rows / split apart.
+template <int BM, int VS>
+__global__ void column_strips_interleaved(const uint4* x, uint4* y, int rows, int cols, int split) {
+  const int vpr = cols / 8;
+  for (int r0 = blockIdx.y * BM; r0 < rows; r0 += split * BM)
     step(x, y, [&](int e) { return size_t(r0 + e / VS) * vpr + blockIdx.x * VS + e % VS; });
 }
 
@@ -145,6 +156,13 @@ int main(int argc, char** argv) {
     strips(column_strips<64, 16>, 64, 16, split);
     strips(column_strips<32, 32>, 32, 32, split);
     strips(column_strips<16, 64>, 16, 64, split);
+  }
+  for (const int split : {4, 8, 16}) {
+    if (rows % (64 * split)) continue;
+    std::snprintf(name, sizeof name, "column strips 64x256B, %d row slices interleaved", split);
+    time(name, [&](int s) {
+      column_strips_interleaved<64, 16><<<dim3(cols / 8 / 16, split), 256>>>(a[s], a[s], rows, cols, split);
+    });
   }
   check(cudaDeviceSynchronize(), "the launches");
   return 0;
