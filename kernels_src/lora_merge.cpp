@@ -12,8 +12,7 @@
 // With WALK_ROWS the roles swap: a program owns BLOCK_K columns (grid axis 0) and a slice of the
 // rows (axis 1, in whole BLOCK_M steps). It keeps A's columns [R_PAD, BLOCK_K] for the whole loop
 // and per BLOCK_M rows reads B's rows beside W's tile: B's [BLOCK_M, R_PAD] a step, not A's
-// [R_PAD, BLOCK_K], and the programs running together cover whole rows of W at a time. With
-// SLICES as well the row slices interleave (below).
+// [R_PAD, BLOCK_K], and the programs running together cover whole rows of W at a time.
 #include "kerf/kernels/kernels.h"
 #include "split_range.h"
 
@@ -52,24 +51,15 @@ const dsl::Kernel& lora_merge() {
       const Value cols = program_id(0) * BK + arange(BK);
       const Value col_ok = cols.row() < n_in;
       const Value a = a_columns(cols, col_ok);
-      const auto step = [&](const Value& m0) {
+      const auto [lo, hi] = split_range(n_out, BM, 1);
+      for_range(lo, hi, BM, [&](const Value& m0) {
         const Value rows = m0 + arange(BM);
         const Value row_ok = rows.col() < n_out;
         // B's rows straight into the product's dtype where they are exact in it (no fp32 hop).
         const Value b_raw = load(B, {g, rows.col(), rk.row()}, row_ok & (rk.row() < rank), reused_hint(evict));
         update(rows, row_ok, cols, col_ok,
                lora_left_operand(scale_after ? b_raw : b_raw.to(DType::f32), s, scale_after, dot_t), a);
-      };
-      // SLICES > 0 (grid axis 1 exactly that many programs): the slices interleave, slice j
-      // taking the row steps j, j + SLICES, j + 2 SLICES, ..., so the programs running
-      // together hold neighbouring rows. The stride is a constant, so each step still
-      // touches rows no other step of the loop does and W's loads may run ahead.
-      if (const int64_t slices = k.meta("SLICES", 0)) {
-        for_range(program_id(1) * BM, n_out, slices * BM, step);
-      } else {
-        const auto [lo, hi] = split_range(n_out, BM, 1);
-        for_range(lo, hi, BM, step);
-      }
+      });
       return;
     }
     const RowSliceAxes axes = row_slice_axes(k);

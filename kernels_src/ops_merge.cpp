@@ -87,9 +87,6 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
   add_codegen_hints(config, p.meta);
   if (walk_rows) {
     p.meta["WALK_ROWS"] = 1;
-    // INTERLEAVE_ROWS: slice j takes the row steps j, j + split, ... (the kernel's SLICES:
-    // a constant stride, so each split compiles a kernel of its own).
-    if (meta_or(config, "INTERLEAVE_ROWS", 0)) p.meta["SLICES"] = split;
     p.grid = Grid{uint32_t(cdiv(in, bk)), uint32_t(split), uint32_t(G)};
     return p;
   }
@@ -177,12 +174,8 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
 void launch_merge(const char* op, const TensorView& W3, const TensorView& A3, const TensorView& B3, double s,
                   void* stream, const Config& config) {
   expect_meta(op, config,
-              {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"WALK_ROWS", 0, 1}, {"INTERLEAVE_ROWS", 0, 1}, kStream, kWarpsN,
-               kL2Prefetch, kWgmma, kWgmmaSs, kColsFirst, kTf32, kStoreInRing});
-  if (meta_or(config, "INTERLEAVE_ROWS", 0) && !meta_or(config, "WALK_ROWS", 0))
-    throw InvalidArgument(std::string(op) +
-                          ": Config.meta INTERLEAVE_ROWS interleaves the row slices of programs that walk the "
-                          "rows; it needs WALK_ROWS=1");
+              {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"WALK_ROWS", 0, 1}, kStream, kWarpsN, kL2Prefetch, kWgmma,
+               kWgmmaSs, kColsFirst, kTf32, kStoreInRing});
   if (checks_only()) return;
   if (has_config(config))
     return run_merge(W3, A3, B3, s, stream, config);

@@ -353,20 +353,14 @@ TEST_CASE("the in-place merge pipelines its W loads and uses tensor cores for bf
   CHECK(src.find("prefetch @A") != std::string::npos);
 }
 
-// Walking the rows, in contiguous slices or interleaved ones (SLICES: a constant stride of
-// SLICES row steps), each step still owns its rows, so W's loads run ahead, and B's beside them.
-TEST_CASE("the merge walking the rows pipelines its W loads, its row slices contiguous or interleaved",
-          "[cuda][codegen][ops]") {
+// Walking the rows, each step still owns its rows, so W's loads run ahead, and B's beside them.
+TEST_CASE("the merge walking the rows pipelines its W loads", "[cuda][codegen][ops]") {
   const std::vector<ArgSpec> args = {T(DType::bf16, 3), T(DType::bf16, 3), T(DType::bf16, 3), S};
-  for (const int64_t slices : {0, 4}) {
-    CAPTURE(slices);
-    MetaMap meta = {{"BLOCK_M", 64},    {"BLOCK_K", 128},  {"R_PAD", 64}, {"DOT", int64_t(DType::bf16)},
-                    {"SCALE_AFTER", 1}, {"num_stages", 3}, {"WALK_ROWS", 1}};
-    if (slices) meta["SLICES"] = slices;
-    const std::string src = source_of(kernels::lora_merge(), args, meta);
-    CHECK(src.find("prefetch @W") != std::string::npos);
-    CHECK(src.find("prefetch @B") != std::string::npos);
-  }
+  const MetaMap meta = {{"BLOCK_M", 64},    {"BLOCK_K", 128},  {"R_PAD", 64}, {"DOT", int64_t(DType::bf16)},
+                        {"SCALE_AFTER", 1}, {"num_stages", 3}, {"WALK_ROWS", 1}};
+  const std::string src = source_of(kernels::lora_merge(), args, meta);
+  CHECK(src.find("prefetch @W") != std::string::npos);
+  CHECK(src.find("prefetch @B") != std::string::npos);
 }
 
 TEST_CASE("the MoE backward reads dW once per tile and feeds both dots from it",
@@ -963,7 +957,7 @@ TEST_CASE("the MoE forward's clustered read of PEFT's flat lora_B compiles for s
 
 // The merge's own sm_90a tile for W and adapters of two dtypes, its WALK_ROWS tiles (A's columns
 // kept, the rows walked: on the warpgroup ring tile, with A's fragments read from shared memory,
-// and on mma.sync; on the ring tile with its row slices interleaved) and its CAST_A plan (an fp32 A rounded to bf16 by a launch of its own, then
+// and on mma.sync) and its CAST_A plan (an fp32 A rounded to bf16 by a launch of its own, then
 // the bf16 W merged with it and fp32 B) compile for sm_90a without spills.
 TEST_CASE("the merge's mixed-dtype own tiles and its WALK_ROWS and CAST_A plans compile for sm_90a without spills",
           "[cuda][codegen][ops][merge]") {
@@ -1002,16 +996,6 @@ TEST_CASE("the merge's mixed-dtype own tiles and its WALK_ROWS and CAST_A plans 
         CHECK(calls[0].meta.at("WALK_ROWS") == 1);
         compiles_without_spills(calls[0]);
       }
-    // Its row slices interleaved: the kernel's SLICES is the plan's split.
-    autotune::Config inter = ring;
-    inter["WALK_ROWS"] = 1;
-    inter["INTERLEAVE_ROWS"] = 1;
-    inter["split_k"] = 8;
-    CAPTURE(r, inter);
-    const std::vector<autotune::KernelCall> icalls = planned(DType::bf16, DType::bf16, r, inter);
-    REQUIRE(icalls.size() == 1);
-    CHECK(icalls[0].meta.at("SLICES") == 8);
-    compiles_without_spills(icalls[0]);
     autotune::Config c = ring;
     c["CAST_A"] = 1;
     CAPTURE(r, c);

@@ -41,7 +41,6 @@ struct MergeCase {
   bool store_in_ring = false;  // Config.meta STORE_IN_RING: W's new tile staged in its spent ring slot
   bool walk_rows = false;  // Config.meta WALK_ROWS: programs own columns, keep A's, and walk the rows
   bool cast_a = false;  // Config.meta CAST_A: an fp32 A rounded to the product's dtype first (the same answer)
-  bool interleave_rows = false;  // Config.meta INTERLEAVE_ROWS (with WALK_ROWS): slice j takes row steps j, j + S, ...
 };
 
 ops::Config merge_config(const MergeCase& c) {
@@ -57,7 +56,6 @@ ops::Config merge_config(const MergeCase& c) {
   if (c.store_in_ring) cfg.meta["STORE_IN_RING"] = 1;
   if (c.walk_rows) cfg.meta["WALK_ROWS"] = 1;
   if (c.cast_a) cfg.meta["CAST_A"] = 1;
-  if (c.interleave_rows) cfg.meta["INTERLEAVE_ROWS"] = 1;
   if (c.wgmma) {
     if (!c.block_k) cfg.block_k = 64;
     cfg.meta["WGMMA"] = 1;
@@ -68,7 +66,7 @@ ops::Config merge_config(const MergeCase& c) {
 void check_merge(const MergeCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.out, c.in, c.r, dtype_name(c.w), dtype_name(c.a), dtype_name(c.b), c.transposed,
           c.offset, c.evict, c.warps_n, c.block_m, c.warps, seed, dev.str(), c.wgmma, c.split, c.cols_first,
-          c.block_k, c.stream, c.store_in_ring, c.walk_rows, c.cast_a, c.interleave_rows);
+          c.block_k, c.stream, c.store_in_ring, c.walk_rows, c.cast_a);
   std::mt19937_64 rng(seed);
   TestTensor Wbuf(c.w, {c.out * c.in + c.offset}, dev), A(c.a, {c.r, c.in}, dev),
       B(c.b, {c.out, c.r}, dev);
@@ -233,17 +231,6 @@ std::vector<MergeCase> merge_cases() {
   cases.push_back(walking({96, 136, 16, DType::f32, DType::bf16, DType::bf16}, 32, 64, 1, false));
   cases.push_back(walking({40, 72, 8, DType::bf16, DType::f32, DType::f32, true}, 16, 64, 2, false));
   cases.push_back(walking({64, 128, 16, DType::bf16, DType::bf16, DType::bf16, false, 1}, 32, 64, 0, false));
-  // INTERLEAVE_ROWS: the slices take every S-th row step (5 steps over 3 slices, the last
-  // partial; the planner's slices; more slices asked for than there are steps).
-  const auto interleaved = [&](MergeCase c, int64_t bm, int64_t bk, int64_t split, bool wgmma) {
-    c = walking(c, bm, bk, split, wgmma);
-    c.interleave_rows = true;
-    return c;
-  };
-  cases.push_back(interleaved({300, 333, 64, DType::bf16, DType::bf16, DType::bf16, false, 0, -0.75}, 64, 128, 3, true));
-  cases.push_back(interleaved({200, 520, 48, DType::bf16, DType::f32, DType::f32}, 64, 128, 0, true));
-  cases.push_back(interleaved({67, 130, 5, DType::f16, DType::f32, DType::f32, false, 0, -0.5}, 32, 64, 2, false));
-  cases.push_back(interleaved({40, 72, 8, DType::bf16, DType::f32, DType::f32, true}, 16, 64, 7, false));
   // CAST_A: PEFT's fp32 adapters on a bf16 W with A rounded to bf16 in a pass of its own, on the
   // warpgroup ring tile, on the kernel's default tile with a fan_in_fan_out W and a bf16 B, and
   // walking the rows; on an f16 W (TF32 products) it changes nothing.

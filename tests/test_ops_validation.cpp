@@ -397,13 +397,6 @@ TEST_CASE("an op refuses Config.meta names it does not take and values out of ra
                 "CAST_A, INTERLEAVE, WARPS_N, L2_PREFETCH, WGMMA, COLS_FIRST, TF32)");
   CHECK_REJECTS(InvalidArgument, ops::lora_merge(W, A, B, 1.0, nullptr, rotate),
                 "lora_merge: Config.meta names 'ROTATE'");
-  ops::Config interleave_alone;
-  interleave_alone.meta["INTERLEAVE_ROWS"] = 1;
-  CHECK_REJECTS(InvalidArgument, ops::lora_merge(W, A, B, 1.0, nullptr, interleave_alone),
-                "lora_merge: Config.meta INTERLEAVE_ROWS interleaves the row slices of programs that walk the "
-                "rows; it needs WALK_ROWS=1");
-  CHECK_REJECTS(InvalidArgument, ops::lora_unmerge(W, A, B, 1.0, nullptr, interleave_alone),
-                "lora_unmerge: Config.meta INTERLEAVE_ROWS");
   const TensorView dW = t({2, 8, 12}), mA = t({2, 2, 12}, DType::f32, 4096), mB = t({2, 8, 2}, DType::f32, 8192);
   const TensorView dA = t({2, 2, 12}, DType::f32, 16384), dB = t({2, 8, 2}, DType::f32, 20480);
   ops::Config typo;

@@ -1,8 +1,8 @@
 // What the memory gives a one-pass read-modify-write of a bf16 matrix in the orders
 // kerf's in-place kernels walk it (lora_merge: programs that own a block of rows and
 // walk its columns; WALK_ROWS: programs that own a block of columns and walk its rows, their
-// row slices contiguous or, as INTERLEAVE_ROWS has them, interleaved), beside cudaMemcpy of
-// the same bytes. No LoRA work: each element gets 0.001 added, so
+// row slices contiguous, or interleaved so that the slices running together hold neighbouring
+// rows), beside cudaMemcpy of the same bytes. No LoRA work: each element gets 0.001 added, so
 // the figures bound what the access order alone allows. Stand-alone (no kerf):
 //
 //   nvcc -arch=sm_90a -O3 -o /tmp/access_order_bench tools/access_order_bench.cu

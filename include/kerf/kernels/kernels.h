@@ -87,11 +87,9 @@ const dsl::Kernel& moe_lora_backward_by_columns();
 // Grid (cdiv(out, BLOCK_M), splits, G): the programs of grid axis 1 share the
 // in-features in whole BLOCK_K steps; with WALK_ROWS 1, (cdiv(in, BLOCK_K),
 // splits, G): the programs of grid axis 1 share the rows in whole BLOCK_M steps,
-// each keeping its A columns; with SLICES > 0 as well, grid axis 1 must be
-// SLICES programs, and program j takes the row steps j, j + SLICES, ....
-// Meta: BLOCK_M, BLOCK_K, R_PAD, DOT, SCALE_AFTER (1: B is exact in DOT and s
-// is applied in fp32 after the product; 0: s*B is rounded once to DOT),
-// WALK_ROWS, SLICES.
+// each keeping its A columns. Meta: BLOCK_M, BLOCK_K, R_PAD, DOT,
+// SCALE_AFTER (1: B is exact in DOT and s is applied in fp32 after the
+// product; 0: s*B is rounded once to DOT), WALK_ROWS.
 // Args: W, A, B, s.
 const dsl::Kernel& lora_merge();
 
