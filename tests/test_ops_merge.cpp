@@ -450,6 +450,10 @@ TEST_CASE("the merge's own config on sm_90a is the MoE forward's 64x128 ring til
   CHECK_FALSE(ring_tile(planned("sm_90a", DType::f16, DType::f32, 64, {})));  // TF32
   CHECK_FALSE(ring_tile(planned("sm_90a", DType::bf16, DType::bf16, 64, {{"STREAM", 1}})));
   CHECK_FALSE(planned("sm_90a", DType::bf16, DType::bf16, 16, {}).count("WALK_ROWS"));
+  // WALK_ROWS=0 keeps the own tile, walking columns.
+  const autotune::Config by_columns = planned("sm_90a", DType::bf16, DType::bf16, 64, {{"WALK_ROWS", 0}});
+  CHECK(ring_tile(by_columns));
+  CHECK_FALSE(by_columns.count("WALK_ROWS"));
   // A caller's fields win; the rest is the own tile's.
   const autotune::Config deeper = planned("sm_90a", DType::bf16, DType::bf16, 64, {{"num_stages", 4}});
   CHECK(deeper.at("num_stages") == 4);
