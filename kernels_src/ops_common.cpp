@@ -387,8 +387,7 @@ int64_t split_for_waves(int64_t blocks, int64_t programs, int64_t steps, int64_t
 // 141.7 / 90.2 / 92.0 / 90.4 / 90.7 (r=32: 40.9 / 30.4 / 29.6 / 29.9 / 31.4, 102.9 / 101.2 /
 // 100.9 / 100.4 / 99.7, 121.2 / 90.3 / 90.2 / 89.1 / 88.8); this gives 8, 8 and 16.
 int64_t walk_rows_split(int64_t col_blocks, int64_t programs, int64_t row_steps) {
-  const int64_t waves = 4 * programs / std::max<int64_t>(col_blocks, 1);
-  return std::clamp<int64_t>(std::min(waves, row_steps / 8), 1, std::max<int64_t>(row_steps, 1));
+  return split_for_waves(col_blocks, programs, std::max<int64_t>(1, row_steps / 8), 4);
 }
 
 int parallelism(const Device& dev) {
