@@ -385,9 +385,11 @@ int64_t split_for_waves(int64_t blocks, int64_t programs, int64_t steps, int64_t
 // On an H100 at r=64, the ring tile (64x128), slices 2 / 4 / 8 / 16 / 32: 4096x4096 47.2 /
 // 30.8 / 30.7 / 31.2 / 33.7 us, 8192x8192 103.3 / 102.2 / 101.7 / 101.0 / 101.3, 14336x4096
 // 141.7 / 90.2 / 92.0 / 90.4 / 90.7 (r=32: 40.9 / 30.4 / 29.6 / 29.9 / 31.4, 102.9 / 101.2 /
-// 100.9 / 100.4 / 99.7, 121.2 / 90.3 / 90.2 / 89.1 / 88.8); this gives 8, 8 and 16.
-int64_t walk_rows_split(int64_t col_blocks, int64_t programs, int64_t row_steps) {
-  return split_for_waves(col_blocks, programs, std::max<int64_t>(1, row_steps / 8), 4);
+// 100.9 / 100.4 / 99.7, 121.2 / 90.3 / 90.2 / 89.1 / 88.8); this gives 8, 8 and 16. On two
+// stages (three programs a multiprocessor), r=64, slices 4 / 8 / 16: 4096x4096 33.9 / 30.2 /
+// 31.5, 8192x8192 100.3 / 100.3 / 102.6, 14336x4096 100.4 / 88.8 / 90.7; this gives 4, 8, 8.
+int64_t walk_rows_split(int64_t col_blocks, int64_t programs, int64_t row_steps, int64_t stages) {
+  return split_for_waves(col_blocks, programs, std::max<int64_t>(1, row_steps / 8), stages <= 2 ? 2 : 4);
 }
 
 int parallelism(const Device& dev) {

@@ -297,10 +297,11 @@ int64_t split_for(int64_t blocks, int64_t programs, int64_t steps);
 int64_t split_for_waves(int64_t blocks, int64_t programs, int64_t steps, int64_t waves);
 // The merge's WALK_ROWS programs with no split named: the row slices for `col_blocks`
 // programs' worth of columns (times the batch) over `programs` multiprocessors and
-// `row_steps` BLOCK_M steps: about two waves of two programs a multiprocessor, each slice at
-// least 8 steps where there are that many (its pipeline's start and end amortized); 1 to
-// `row_steps`.
-int64_t walk_rows_split(int64_t col_blocks, int64_t programs, int64_t row_steps);
+// `row_steps` BLOCK_M steps, for programs on `stages` stages: about four programs a
+// multiprocessor in all on three or more stages (two waves of two at once), two on two
+// stages (fewer programs, three at once, each walking longer slices), each slice at least 8
+// steps where there are that many (its pipeline's start and end amortized); 1 to `row_steps`.
+int64_t walk_rows_split(int64_t col_blocks, int64_t programs, int64_t row_steps, int64_t stages = 3);
 
 // Scratch memory for kernels that accumulate across programs: at least `bytes`,
 // zero, on `dev`, private to `stream` (to the calling thread on the CPU).

@@ -33,22 +33,28 @@ struct MergePlan {
 // The op's own tile on an H100 (sm_90a) for a call whose Config names none (untuned, or a
 // first call inside a graph capture) with a bf16 or f16 W whose product runs in a half dtype
 // (a bf16 W with adapters of any dtype, an f16 W with f16 or bf16 ones), at ranks 17 to 64
-// (R_PAD 32 or 64): the MoE forward's (ops_moe.cpp), 64x128 on one warpgroup (WGMMA), three
-// stages, W's new tile moved to its store layout through its spent ring slot
-// (STORE_IN_RING), 128-byte L2 prefetches, its programs owning columns and walking the rows
-// (WALK_ROWS; walk_rows_split's slices). On an H100, at 4096x4096 / 8192x8192 / 14336x4096
-// all-bf16: r=64 30.9 / 101.7 / 90.5 us against 33.5 / 106.6 / 98.3 on the same tile walking
-// columns and 37.4 / 119.5 / 112.0 on the 64x128 mma.sync tile, r=32 29.8 / 100.6 / 89.2
-// against 31.4 / 104.3 / 95.1 and 32.8 / 106.8 / 98.6; at 8192x8192 and r=64, f16 W with
-// bf16 adapters 101.8 against 119.0 (mma.sync), bf16 W with f16 ones 101.9 against 114.0,
-// with fp32 ones (PEFT's) 111.4 against 154.5. r=16 is slower on the warpgroup tile (107.9
-// against 104.3 at 8192x8192, walking columns), so it keeps the mma.sync tile, as do an f16
-// W with fp32 adapters (TF32 products) and calls that ask for one tile a program (STREAM).
+// (R_PAD 32 or 64): the MoE forward's (ops_moe.cpp), 64x128 on one warpgroup (WGMMA), W's
+// new tile moved to its store layout through its spent ring slot (STORE_IN_RING), 128-byte
+// L2 prefetches, its programs owning columns and walking the rows (WALK_ROWS;
+// walk_rows_split's slices), on three stages at R_PAD 32 and two at 64. On an H100, at
+// 4096x4096 / 8192x8192 / 14336x4096 all-bf16: r=64 30.4 / 99.8 / 88.7 us (30.9 / 101.7 /
+// 90.5 on three stages) against 33.5 / 106.6 / 98.3 on the same tile walking columns and
+// 37.4 / 119.5 / 112.0 on the 64x128 mma.sync tile, r=32 29.8 / 100.6 / 89.2 against 31.4 /
+// 104.3 / 95.1 and 32.8 / 106.8 / 98.6 (on two stages 30.2 / 100.8 / 90.1); at 8192x8192
+// and r=64, f16 W with bf16 adapters 100.5 against 119.0 (mma.sync), bf16 W with f16 ones
+// 100.1 against 114.0, with fp32 ones (PEFT's) 107.7 (111.4 on three stages) against 154.5.
+// The MoE forward keeps three stages (two: 543.3 against 538.3 us at 64x2816x2048). r=16 is
+// slower on the warpgroup tile (107.9 against 104.3 at 8192x8192, walking columns), so it
+// keeps the mma.sync tile, as do an f16 W with fp32 adapters (TF32 products) and calls that
+// ask for one tile a program (STREAM).
 Config own_merge_config(const Config& config, const TensorView& W3, const Product& dot, int64_t r_pad, bool gpu) {
   if (!gpu || config.block_m || config.block_k || !is_half(W3.dtype) || !is_half(dot.dtype) || dot.tf32 ||
       r_pad < 32 || r_pad > 64 || meta_or(config, "STREAM", 0) || !wgmma_target(W3.device))
     return config;
-  Config own = with_ring_tile(config);
+  Config own = config;
+  // Walking the rows at ranks 33 to 64: two stages, three programs a multiprocessor, not two.
+  if (!own.num_stages && r_pad > 32 && meta_or(config, "WALK_ROWS", 1)) own.num_stages = 2;
+  own = with_ring_tile(own);
   own.meta.emplace("WALK_ROWS", 1);
   return own;
 }
@@ -68,11 +74,12 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
       config.block_k ? config.block_k : (gpu ? rank_narrowed(128, r_pad, rank_bytes(dot, A3.dtype, B3.dtype), 512) : 64);
   // WALK_ROWS: programs own BLOCK_K columns and walk a slice of the rows (not with STREAM).
   const bool walk_rows = meta_or(config, "WALK_ROWS", 0) && !meta_or(config, "STREAM", 0);
+  const int64_t stages = config.num_stages ? config.num_stages : (gpu ? 3 : 1);
   const int64_t steps = std::max<int64_t>(1, walk_rows ? cdiv(out, bm) : cdiv(in, bk));
   int64_t split = slices_within(config.split_k, steps);
   if (split == 0) {
     const int64_t blocks = (walk_rows ? cdiv(in, bk) : cdiv(out, bm)) * G;
-    split = walk_rows ? walk_rows_split(blocks, programs, steps) : split_for(blocks, programs, steps);
+    split = walk_rows ? walk_rows_split(blocks, programs, steps, stages) : split_for(blocks, programs, steps);
   }
   MergePlan p;
   p.cast_a = cast_a_dtype(config, dot);
@@ -81,7 +88,7 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
             {"R_PAD", r_pad},
             {"SCALE_AFTER", scale_after ? 1 : 0},
             {"num_warps", config.num_warps ? config.num_warps : 4},
-            {"num_stages", config.num_stages ? config.num_stages : (gpu ? 3 : 1)}};
+            {"num_stages", stages}};
   set_product_meta(p.meta, dot, config);
   pass_meta(config, p.meta, {"EVICT", "WARPS_N"});
   add_codegen_hints(config, p.meta);

@@ -48,10 +48,10 @@ inline void check_fits_h100(const std::string& name, const std::vector<TensorVie
 }
 
 // Whether planned kernel metas `m` are the ring tile (ops_common.h with_ring_tile) with its
-// rows in meta `rows` (BLOCK_M, BLOCK_N): 64x128, 4 warps, 3 stages, warpgroup dots, the
-// store through the ring, 128-byte L2 prefetches.
-inline bool is_ring_tile(const autotune::Config& m, const std::string& rows) {
-  return m.at(rows) == 64 && m.at("BLOCK_K") == 128 && m.at("num_warps") == 4 && m.at("num_stages") == 3 &&
+// rows in meta `rows` (BLOCK_M, BLOCK_N): 64x128, 4 warps, `stages` stages (3 unless an op
+// says otherwise), warpgroup dots, the store through the ring, 128-byte L2 prefetches.
+inline bool is_ring_tile(const autotune::Config& m, const std::string& rows, int64_t stages = 3) {
+  return m.at(rows) == 64 && m.at("BLOCK_K") == 128 && m.at("num_warps") == 4 && m.at("num_stages") == stages &&
          m.count("wgmma") && m.count("store_in_ring") && m.count("l2_prefetch") && m.at("l2_prefetch") == 128;
 }
 

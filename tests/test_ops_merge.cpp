@@ -416,7 +416,8 @@ TEST_CASE("the tiles of lora_merge's GPU float64 cases fit an H100's shared memo
 // Untuned merges on sm_90a at ranks 17 to 64 with a bf16 or f16 W whose product runs in a half
 // dtype (a bf16 W with any adapters, an f16 W with f16 or bf16 ones) run the MoE forward's
 // warpgroup tile through W's ring, its programs owning columns and walking the rows
-// (WALK_ROWS); other ranks, dtypes and GPUs keep the 64x128 mma.sync tile walking columns.
+// (WALK_ROWS), on two stages at ranks 33 to 64 and three below; other ranks, dtypes and GPUs
+// keep the 64x128 mma.sync tile walking columns.
 // Each dtype combination's own tile fits an H100's shared memory.
 TEST_CASE("the merge's own config on sm_90a is the MoE forward's 64x128 ring tile walking the rows at ranks 17 to 64",
           "[ops][merge]") {
@@ -432,7 +433,10 @@ TEST_CASE("the merge's own config on sm_90a is the MoE forward's 64x128 ring til
     if (std::string(arch) == "sm_90a") CHECK(test::sm90a_smem_bytes(calls[0]) <= autotune::typical_max_shared_memory("sm_90a"));
     return calls[0].meta;
   };
-  const auto ring_tile = [](const autotune::Config& m) { return test::is_ring_tile(m, "BLOCK_M"); };
+  // The ring tile on two stages (the own tile's above rank 32) or three (at rank 32 and below).
+  const auto ring_tile = [](const autotune::Config& m) {
+    return test::is_ring_tile(m, "BLOCK_M", 2) || test::is_ring_tile(m, "BLOCK_M", 3);
+  };
   for (const auto& [w, ab] : {std::pair{DType::bf16, DType::bf16}, {DType::f16, DType::f16}, {DType::f16, DType::bf16},
                               {DType::bf16, DType::f16}, {DType::bf16, DType::f32}})
     for (const int64_t r : {17, 32, 48, 64}) {
@@ -440,6 +444,7 @@ TEST_CASE("the merge's own config on sm_90a is the MoE forward's 64x128 ring til
       const autotune::Config own = planned("sm_90a", w, ab, r, {});
       CHECK(ring_tile(own));
       CHECK(own.count("WALK_ROWS"));
+      CHECK(own.at("num_stages") == (r > 32 ? 2 : 3));  // three programs a multiprocessor at ranks 33 to 64
       const autotune::Config off = planned("sm_80", w, ab, r, {});
       CHECK_FALSE(ring_tile(off));
       CHECK_FALSE(off.count("WALK_ROWS"));
@@ -452,11 +457,12 @@ TEST_CASE("the merge's own config on sm_90a is the MoE forward's 64x128 ring til
   CHECK_FALSE(planned("sm_90a", DType::bf16, DType::bf16, 16, {}).count("WALK_ROWS"));
   // WALK_ROWS=0 keeps the own tile, walking columns.
   const autotune::Config by_columns = planned("sm_90a", DType::bf16, DType::bf16, 64, {{"WALK_ROWS", 0}});
-  CHECK(ring_tile(by_columns));
+  CHECK(test::is_ring_tile(by_columns, "BLOCK_M", 3));  // walking columns on three stages, as before
   CHECK_FALSE(by_columns.count("WALK_ROWS"));
   // A caller's fields win; the rest is the own tile's.
   const autotune::Config deeper = planned("sm_90a", DType::bf16, DType::bf16, 64, {{"num_stages", 4}});
   CHECK(deeper.at("num_stages") == 4);
+  CHECK(planned("sm_90a", DType::bf16, DType::bf16, 32, {{"num_stages", 2}}).at("num_stages") == 2);
   CHECK(deeper.count("store_in_ring"));
   CHECK(planned("sm_90a", DType::bf16, DType::bf16, 64, {{"BLOCK_M", 128}}).at("BLOCK_M") == 128);
 }

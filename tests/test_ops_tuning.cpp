@@ -225,8 +225,9 @@ TEST_CASE("wave-split candidates try each split once, the op's own default inclu
         std::vector<int64_t>{0, 64});
 }
 
-// The merge's WALK_ROWS row slices: two waves of two programs a multiprocessor, slices of at
-// least 8 BLOCK_M steps where there are that many, at least one slice, at most one a step.
+// The merge's WALK_ROWS row slices: two waves of two programs a multiprocessor (two on two
+// stages, which run three at once), slices of at least 8 BLOCK_M steps where there are that
+// many, at least one slice, at most one a step.
 TEST_CASE("the merge's row-walking programs take two waves of row slices of at least 8 steps", "[autotune][cpu]") {
   using ops::detail::walk_rows_split;
   CHECK(walk_rows_split(64, 132, 128) == 8);   // 8192x8192, 64x128 tiles
@@ -236,6 +237,11 @@ TEST_CASE("the merge's row-walking programs take two waves of row slices of at l
   CHECK(walk_rows_split(2000, 132, 4096) == 1);
   CHECK(walk_rows_split(1, 132, 100000) == 528);
   CHECK(walk_rows_split(0, 132, 0) == 1);
+  // Two stages: half as many programs in all.
+  CHECK(walk_rows_split(64, 132, 128, 2) == 4);   // 8192x8192
+  CHECK(walk_rows_split(32, 132, 224, 2) == 8);   // 14336x4096
+  CHECK(walk_rows_split(32, 132, 64, 2) == 8);    // 4096x4096
+  CHECK(walk_rows_split(32, 132, 224, 4) == 16);  // four stages as three
 }
 
 // A wave-split choice stored for one shape serves another shape of its bucket
