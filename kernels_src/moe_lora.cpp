@@ -34,19 +34,47 @@ const dsl::Kernel& moe_lora_materialize() {
     // SCALE_AFTER (adapters of the product's half dtype): B is exact in it and s is
     // applied in fp32 after the dot, as lora_merge does; otherwise s*B rounded once.
     const bool scale_after = k.meta("SCALE_AFTER", 0) != 0;
-    // The tile of expert e's rows `rows` (in range where row_ok) at columns [k0, k0+BK):
-    // read W and A's columns, add the product of bs (the dot's left operand) and A, store.
-    const auto tile = [&](const Value& e, const Value& rows, const Value& row_ok, const Value& rk,
-                          const Value& k0, const Value& bs) {
-      const Value cols = k0 + arange(BK);
-      const Value col_ok = cols.row() < n_cols;
-      const Value a =
-          load(A, {e, rk.col(), cols.row()}, (rk.col() < rank) & col_ok, reused_hint(evict)).to(dot_t);
+    // A_e's columns `cols` [R_PAD, BLOCK_K], in the product's dtype.
+    const auto a_columns = [&](const Value& e, const Value& rk, const Value& cols, const Value& col_ok) {
+      return load(A, {e, rk.col(), cols.row()}, (rk.col() < rank) & col_ok, reused_hint(evict)).to(dot_t);
+    };
+    // Expert e's tile at `rows` x `cols`: read W, add the product of bs (the dot's left
+    // operand, B's rows) and a (A's columns), round once, store W_eff.
+    const auto update = [&](const Value& e, const Value& rows, const Value& row_ok, const Value& cols,
+                            const Value& col_ok, const Value& bs, const Value& a) {
       const Value ok = row_ok & col_ok;
       const Value w = load(W, {e, rows.col(), cols.row()}, ok, streamed_hint(evict)).to(DType::f32);
       const Value v = base_plus_lora(w, bs, a, s, scale_after, warps_n, dm.precision);  // W + s*B@A
       store(out, {e, rows.col(), cols.row()}, v.to(out.dtype()), ok, streamed_hint(evict));
     };
+    // The tile of expert e's rows `rows` (in range where row_ok) at columns [k0, k0+BK).
+    const auto tile = [&](const Value& e, const Value& rows, const Value& row_ok, const Value& rk,
+                          const Value& k0, const Value& bs) {
+      const Value cols = k0 + arange(BK);
+      const Value col_ok = cols.row() < n_cols;
+      update(e, rows, row_ok, cols, col_ok, bs, a_columns(e, rk, cols, col_ok));
+    };
+    // WALK_ROWS (as lora_merge's): a program owns BLOCK_K columns of expert e's weight (grid
+    // axis 0; the expert on axis 2) and a slice of its rows (axis 1, whole BLOCK_N steps). It
+    // keeps A_e's columns for its whole loop and reads B_e's rows beside each W tile: B's
+    // [BLOCK_N, R_PAD] a step instead of A's [R_PAD, BLOCK_K].
+    if (k.meta("WALK_ROWS", 0)) {
+      const Value e = program_id(2);
+      const Value cols = program_id(0) * BK + arange(BK);
+      const Value col_ok = cols.row() < n_cols;
+      const Value rk = arange(R);
+      const Value a = a_columns(e, rk, cols, col_ok);
+      const auto [lo, hi] = split_range(n_rows, BN, 1);
+      for_range(lo, hi, BN, [&](const Value& m0) {
+        const Value rows = m0 + arange(BN);
+        const Value row_ok = rows.col() < n_rows;
+        // B's rows straight into the product's dtype where they are exact in it (no fp32 hop).
+        const Value b = load(B, {e, rows.col(), rk.row()}, row_ok & (rk.row() < rank), reused_hint(evict));
+        update(e, rows, row_ok, cols, col_ok, lora_left_operand(scale_after ? b : b.to(DType::f32), s, scale_after, dot_t),
+               a);
+      });
+      return;
+    }
     // PERSISTENT: a grid of one axis, sized to the GPU, whose programs deal out the
     // tiles (expert, row block, column step; the columns fastest) among themselves: program
     // p takes tiles p, p + P, p + 2P, ... in one pipelined loop, so its copies run ahead

@@ -37,12 +37,26 @@ struct MoePlan {
 // (the 64x128 it replaced, on mma.sync dots without the rest: 606.1), 564.7 / 281.1 us at
 // r=16, 128x1536x2048 / 128x2048x768 (577.4 / 288.8) and 115.7 at 1x8192x8200 (115.4).
 // Calls that ask for one tile a program (STREAM) or programs dealing out the tiles
-// (PERSISTENT) keep the tile those were measured with.
-Config own_config(const Config& config, const TensorView& W, Product dot, int64_t r_pad, bool gpu) {
+// (PERSISTENT) keep the tile those were measured with. A few large experts, whose row
+// blocks are at most four programs a multiprocessor (E=1 at 8192 rows: 128), walk the rows
+// instead (WALK_ROWS, as the merge's own tile), on two stages: at 1x8192x8192 r=64 99.5 us
+// against 107.5-108.3 walking columns (101.2 on three stages), at 1x8192x8200 r=16 102.6
+// against 114.1-114.3 (123.4); where the row blocks are many, walking the rows was slower
+// (64x2816x2048 r=64 523.0 against 521.3-521.8; 128x1536x2048 and 128x2048x768 at r=16
+// 568.2 and 297.9 against 556.0-556.6 and 278.2-278.3).
+Config own_config(const Config& config, const TensorView& W, Product dot, int64_t r_pad, bool gpu, int64_t programs) {
   if (!gpu || config.block_m || config.block_k || !is_half(dot) || dot.tf32 || r_pad > 64 ||
       meta_or(config, "STREAM", 0) || meta_or(config, "PERSISTENT", 0) || !wgmma_target(W.device))
     return config;
-  Config c = with_ring_tile(config);
+  Config c = config;
+  if (W.shape[0] * cdiv(W.shape[1], 64) <= 4 * programs && meta_or(config, "WALK_ROWS", 1) &&
+      !meta_or(config, "EXPERT_GROUP", 0)) {
+    if (!c.num_stages) c.num_stages = 2;
+    c = with_ring_tile(c);
+    c.meta.emplace("WALK_ROWS", 1);
+    return c;
+  }
+  c = with_ring_tile(c);
   if (!c.split_k) c.split_k = 2;
   return c;
 }
@@ -54,7 +68,8 @@ MoePlan plan_moe(const TensorView& W, DType a, const TensorView& B, int64_t r, b
   const int64_t E = W.shape[0], N = W.shape[1];
   const Product dot = product_dtype(W.dtype, a, b);
   const int64_t r_pad = rank_pad(r);
-  const Config config = own_config(given, W, dot, r_pad, gpu);
+  if (gpu && !programs) programs = parallelism(W.device);
+  const Config config = own_config(given, W, dot, r_pad, gpu, programs);
   const int64_t bn = config.block_m ? config.block_m : (gpu ? 64 : 16);
   const int64_t bk =
       config.block_k ? config.block_k : (gpu ? rank_narrowed(128, r_pad, rank_bytes(dot, a, b), 512) : 64);
@@ -93,6 +108,21 @@ MoePlan plan_moe(const TensorView& W, DType a, const TensorView& B, int64_t r, b
         p.pack_b = false;
       }
     }
+  }
+  // WALK_ROWS: a program owns BLOCK_K columns of one expert (grid axis 0; experts on axis 2)
+  // and walks a slice of its rows (axis 1: split_k slices; 0, walk_rows_split's). STREAM,
+  // EXPERT_GROUP and PERSISTENT turn it off.
+  if (meta_or(config, "WALK_ROWS", 0) && !meta_or(config, "STREAM", 0) && !p.meta.count("EXPERT_GROUP") &&
+      !meta_or(config, "PERSISTENT", 0)) {
+    const int64_t row_steps = cdiv(N, bn), col_blocks = cdiv(W.shape[2], bk);
+    int64_t slices = slices_within(config.split_k, row_steps);
+    if (slices == 0)
+      slices = walk_rows_split(col_blocks * E, programs ? programs : parallelism(W.device), row_steps,
+                               p.meta.at("num_stages"));
+    p.meta.erase("COLS_FIRST");
+    p.meta["WALK_ROWS"] = 1;
+    p.grid = Grid{uint32_t(col_blocks), uint32_t(std::min<int64_t>(slices, 65535)), uint32_t(E)};
+    return p;
   }
   // PERSISTENT: that many programs per multiprocessor (CPU thread), which deal out all
   // the tiles; where the tiles would not count in 32 bits (with a program's steps ahead),
@@ -179,7 +209,7 @@ void run_moe_lora_materialize(const TensorView& W, const TensorView& A, const Te
   expect_meta(op, config,
               {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"PACK", 0, 2}, kStream, kWarpsN, kL2Prefetch, kWgmma, kColsFirst, kTf32,
                kAccStore, kStoreInRing, {"PERSISTENT", 0, 8}, {"EXPERT_GROUP", 0, 64}, {"CLUSTER", 0, 8},
-               {"EXPERTS_LAST", 0, 1}});
+               {"EXPERTS_LAST", 0, 1}, {"WALK_ROWS", 0, 1}});
   if (meta_or(config, "PERSISTENT", 0) && meta_or(config, "STREAM", 0))
     throw InvalidArgument(std::string(op) +
                           ": Config.meta PERSISTENT (programs that deal out the tiles) and STREAM (one tile a "

@@ -157,8 +157,8 @@ struct MoeCase {
 void check_moe(const MoeCase& c, Device dev, uint64_t seed) {
   const DType ab = c.ab == DType::i1 ? c.w : c.ab;
   CAPTURE(c.E, c.N, c.K, c.r, dtype_name(c.w), dtype_name(ab), c.peft_layout, c.config.block_m, c.config.block_k,
-          c.config.split_k, c.config.num_warps, c.config.meta.count("CAST_A"), c.config.meta.count("WARPS_N"), seed,
-          dev.str());
+          c.config.split_k, c.config.num_warps, c.config.meta.count("CAST_A"), c.config.meta.count("WARPS_N"),
+          c.config.meta.count("WALK_ROWS"), seed, dev.str());
   std::mt19937_64 rng(seed);
   TestTensor W(c.w, {c.E, c.N, c.K}, dev), out(c.w, {c.E, c.N, c.K}, dev);
   TestTensor A(ab, {c.E * c.r, c.K}, dev), B(ab, {c.N, c.r * c.E}, dev);
@@ -267,6 +267,19 @@ std::vector<MoeCase> moe_cases() {
       {2, 64, 256, 16, DType::f32, true, ops::Config{64, 64, 0, 4, 3, {{"STORE_IN_RING", 1}}}},
       {3, 100, 130, 5, DType::bf16, false,
        ops::Config{64, 128, 0, 4, 3, {{"WGMMA", 1}, {"STORE_IN_RING", 1}, {"PERSISTENT", 2}}}},
+      // Programs owning an expert's columns and walking its rows (WALK_ROWS): the planner's
+      // slices and 2 or 3 of them, rows and columns past the tile, the ring tile at r=64 on
+      // two and three stages, PEFT's layout, fp32 adapters (s*B formed per step), fp32 W.
+      {2, 130, 264, 64, DType::bf16, true,
+       ops::Config{64, 128, 0, 4, 3, {{"WGMMA", 1}, {"STORE_IN_RING", 1}, {"L2_PREFETCH", 128}, {"WALK_ROWS", 1}}}},
+      {2, 130, 200, 64, DType::bf16, false,
+       ops::Config{64, 128, 2, 4, 2, {{"WGMMA", 1}, {"STORE_IN_RING", 1}, {"WALK_ROWS", 1}}}, DType::f32},
+      {3, 100, 200, 5, DType::bf16, false, ops::Config{64, 128, 3, 4, 2, {{"WGMMA", 1}, {"WALK_ROWS", 1}}}},
+      {2, 72, 264, 16, DType::f16, false, ops::Config{64, 64, 2, 4, 3, {{"WALK_ROWS", 1}}}, DType::f32},
+      {2, 64, 256, 16, DType::f32, true, ops::Config{32, 64, 0, 4, 2, {{"WALK_ROWS", 1}}}},
+      // Row blocks past four programs a multiprocessor (5 x 107 > 4 x 132): untuned on an H100
+      // the own tile walks the columns (the small cases above walk the rows), K past the tile.
+      {5, 6800, 40, 16, DType::bf16, false},
   };
 }
 
@@ -332,7 +345,8 @@ TEST_CASE("moe_lora_materialize matches a float64 reference on the GPU", "[gpu][
 }
 
 // Untuned, the cases that name no tile run the op's own (on an H100 its warpgroup tile with
-// W_eff moved through W's ring, at ranks up to 64; ops_moe.cpp, own_config).
+// W_eff moved through W's ring, at ranks up to 64, walking the rows where the experts' row
+// blocks are few, the columns where they are many; ops_moe.cpp, own_config).
 TEST_CASE("moe_lora_materialize untuned on its own tiles matches a float64 reference on the GPU",
           "[gpu][kernels]") {
   KERF_REQUIRE_GPU();

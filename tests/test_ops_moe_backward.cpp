@@ -4,6 +4,7 @@
 // layout for transposed expert weights (forward and backward).
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <random>
 #include <tuple>
 
@@ -661,6 +662,71 @@ TEST_CASE("the MoE forward's own config on sm_90a is 64x128 on three stages thro
   CHECK(deeper.at("num_stages") == 4);
   CHECK(deeper.count("store_in_ring"));
   CHECK(planned("sm_90a", DType::bf16, DType::bf16, 64, {{"BLOCK_N", 128}}).at("BLOCK_N") == 128);
+  CHECK_FALSE(planned("sm_90a", DType::bf16, DType::bf16, 64, {}).count("WALK_ROWS"));  // 2816 row blocks
+}
+
+// A few large experts (their 64-row blocks at most four programs a multiprocessor) walk the
+// rows on the same tile, on two stages, unless the Config says WALK_ROWS=0 or groups experts.
+TEST_CASE("the MoE forward's own config on sm_90a walks the rows of a few large experts on two stages", "[ops][moe]") {
+  const autotune::TunableOp op = test::registered_op("moe_lora_materialize");
+  void* const p = test::planning_address();
+  const ops::detail::PlanningArch target("sm_90a");
+  const auto planned = [&](int64_t E, int64_t N, int64_t r, const autotune::Config& c) {
+    const auto t = [&](std::initializer_list<int64_t> shape) {
+      return TensorView::contiguous(p, DType::bf16, shape, Device::cuda(0));
+    };
+    const std::vector<autotune::KernelCall> calls =
+        op.kernels({t({E, N, 4096}), t({E, r, 4096}), t({E, N, r}), t({E, N, 4096})}, c, 132);
+    REQUIRE(calls.size() == 1);
+    return calls[0].meta;
+  };
+  for (const int64_t r : {16, 64}) {
+    CAPTURE(r);
+    const autotune::Config one = planned(1, 8192, r, {});  // 128 row blocks
+    CHECK(test::is_ring_tile(one, "BLOCK_N", 2));
+    CHECK(one.at("WALK_ROWS") == 1);
+    const autotune::Config four = planned(4, 8448, r, {});  // 528 row blocks: 4 x 132
+    CHECK(four.at("WALK_ROWS") == 1);
+    const autotune::Config more = planned(4, 8512, r, {});  // 532
+    CHECK(test::is_ring_tile(more, "BLOCK_N", 3));
+    CHECK_FALSE(more.count("WALK_ROWS"));
+  }
+  const autotune::Config by_columns = planned(1, 8192, 64, {{"WALK_ROWS", 0}});
+  CHECK(test::is_ring_tile(by_columns, "BLOCK_N", 3));
+  CHECK_FALSE(by_columns.count("WALK_ROWS"));
+  const autotune::Config grouped = planned(1, 8192, 64, {{"EXPERT_GROUP", 1}});
+  CHECK(test::is_ring_tile(grouped, "BLOCK_N", 3));
+  CHECK_FALSE(grouped.count("WALK_ROWS"));
+  CHECK(planned(1, 8192, 64, {{"num_stages", 3}}).at("num_stages") == 3);
+}
+
+// WALK_ROWS on the MoE forward (nothing is launched): programs that own an expert's columns
+// and walk its rows, where a Config asks; STREAM, PERSISTENT and EXPERT_GROUP turn it off.
+TEST_CASE("the MoE forward walks an expert's rows where a Config asks, not with STREAM, PERSISTENT or EXPERT_GROUP",
+          "[ops][moe]") {
+  const autotune::TunableOp op = test::registered_op("moe_lora_materialize");
+  void* const p = test::planning_address();
+  const ops::detail::PlanningArch target("sm_90a");
+  const auto planned = [&](autotune::Config c) {
+    const auto t = [&](std::initializer_list<int64_t> shape) {
+      return TensorView::contiguous(p, DType::bf16, shape, Device::cuda(0));
+    };
+    for (const auto& [k, v] : std::map<std::string, int64_t>{
+             {"BLOCK_N", 64}, {"BLOCK_K", 128}, {"num_warps", 4}, {"num_stages", 3}, {"WGMMA", 1}, {"WALK_ROWS", 1}})
+      c.emplace(k, v);
+    const std::vector<autotune::KernelCall> calls =
+        op.kernels({t({64, 2816, 2048}), t({64, 64, 2048}), t({64, 2816, 64}), t({64, 2816, 2048})}, c, 132);
+    REQUIRE(calls.size() == 1);
+    return calls[0].meta;
+  };
+  const autotune::Config walk = planned({});
+  CHECK(walk.at("WALK_ROWS") == 1);
+  CHECK_FALSE(walk.count("COLS_FIRST"));
+  CHECK(planned({{"COLS_FIRST", 1}}).count("COLS_FIRST") == 0);  // no meaning with WALK_ROWS
+  CHECK(planned({{"WALK_ROWS", 0}}).count("WALK_ROWS") == 0);
+  CHECK(planned({{"STREAM", 1}}).count("WALK_ROWS") == 0);
+  CHECK(planned({{"PERSISTENT", 2}}).count("WALK_ROWS") == 0);
+  CHECK(planned({{"EXPERT_GROUP", 8}}).count("WALK_ROWS") == 0);
 }
 
 TEST_CASE("moe_lora_materialize follows PEFT's layouts, adapters copied or read in place, on the CPU",
