@@ -70,8 +70,8 @@ const dsl::Kernel& moe_lora_materialize() {
         const Value row_ok = rows.col() < n_rows;
         // B's rows straight into the product's dtype where they are exact in it (no fp32 hop).
         const Value b = load(B, {e, rows.col(), rk.row()}, row_ok & (rk.row() < rank), reused_hint(evict));
-        update(e, rows, row_ok, cols, col_ok, lora_left_operand(scale_after ? b : b.to(DType::f32), s, scale_after, dot_t),
-               a);
+        const Value bs = lora_left_operand(scale_after ? b : b.to(DType::f32), s, scale_after, dot_t);
+        update(e, rows, row_ok, cols, col_ok, bs, a);
       });
       return;
     }

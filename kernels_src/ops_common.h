@@ -295,7 +295,7 @@ int64_t split_for(int64_t blocks, int64_t programs, int64_t steps);
 // The number of programs sharing a row block's columns that makes `waves` full
 // waves of `programs` programs over `blocks` row blocks (1 to `steps`).
 int64_t split_for_waves(int64_t blocks, int64_t programs, int64_t steps, int64_t waves);
-// The merge's WALK_ROWS programs with no split named: the row slices for `col_blocks`
+// The WALK_ROWS programs of the merge and the MoE forward with no split named: the row slices for `col_blocks`
 // programs' worth of columns (times the batch) over `programs` multiprocessors and
 // `row_steps` BLOCK_M steps, for programs on `stages` stages: about four programs a
 // multiprocessor in all on three or more stages (two waves of two at once), two on two

@@ -43,10 +43,10 @@ struct MergePlan {
 // 104.3 / 95.1 and 32.8 / 106.8 / 98.6 (on two stages 30.2 / 100.8 / 90.1); at 8192x8192
 // and r=64, f16 W with bf16 adapters 100.5 against 119.0 (mma.sync), bf16 W with f16 ones
 // 100.1 against 114.0, with fp32 ones (PEFT's) 107.7 (111.4 on three stages) against 154.5.
-// The MoE forward keeps three stages (two: 543.3 against 538.3 us at 64x2816x2048). r=16 is
-// slower on the warpgroup tile (107.9 against 104.3 at 8192x8192, walking columns), so it
-// keeps the mma.sync tile, as do an f16 W with fp32 adapters (TF32 products) and calls that
-// ask for one tile a program (STREAM).
+// The MoE forward walking columns keeps three (two: 543.3 against 538.3 us, 64x2816x2048).
+// r=16 is slower on the warpgroup tile (107.9 against 104.3 at 8192x8192, walking columns),
+// so it keeps the mma.sync tile, as do an f16 W with fp32 adapters (TF32 products) and calls
+// that ask for one tile a program (STREAM).
 Config own_merge_config(const Config& config, const TensorView& W3, const Product& dot, int64_t r_pad, bool gpu) {
   if (!gpu || config.block_m || config.block_k || !is_half(W3.dtype) || !is_half(dot.dtype) || dot.tf32 ||
       r_pad < 32 || r_pad > 64 || meta_or(config, "STREAM", 0) || !wgmma_target(W3.device))
