@@ -41,9 +41,10 @@ struct MoePlan {
 // blocks are at most four programs a multiprocessor (E=1 at 8192 rows: 128), walk the rows
 // instead (WALK_ROWS, as the merge's own tile), on two stages: at 1x8192x8192 r=64 99.5 us
 // against 107.5-108.3 walking columns (101.2 on three stages), at 1x8192x8200 r=16 102.6
-// against 114.1-114.3 (123.4); where the row blocks are many, walking the rows was slower
-// (64x2816x2048 r=64 523.0 against 521.3-521.8; 128x1536x2048 and 128x2048x768 at r=16
-// 568.2 and 297.9 against 556.0-556.6 and 278.2-278.3).
+// against 114.1-114.3 (123.4), at 8x4096x14336 r=16 (512 row blocks) 666.1 against 676.8;
+// where the row blocks are many, walking the rows was slower or even (64x2816x2048 r=64 523.0
+// against 521.3-521.8; at r=16 128x1536x2048 and 128x2048x768 568.2 and 297.9 against
+// 556.0-556.6 and 278.2-278.3, 8x14336x4096 660.4 against 658.8).
 Config own_config(const Config& config, const TensorView& W, Product dot, int64_t r_pad, bool gpu, int64_t programs) {
   if (!gpu || config.block_m || config.block_k || !is_half(dot) || dot.tf32 || r_pad > 64 ||
       meta_or(config, "STREAM", 0) || meta_or(config, "PERSISTENT", 0) || !wgmma_target(W.device))

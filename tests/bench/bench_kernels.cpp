@@ -879,8 +879,11 @@ int main(int argc, char** argv) {
     };
     // One expert whose rows are a multiple of 8 but not of 16 elements: 16-byte vectors there too.
     // One expert of 8192x8192 at r=64: lora_merge's math and shape written out of place.
+    // Eight large experts (Mixtral 8x7B's gate and up [8, 14336, 4096], down [8, 4096, 14336]):
+    // 1792 and 512 row blocks of 64, either side of where the own tile starts walking the rows.
     for (const MoeCase& c : {MoeCase{128, 1536, 2048, 16}, MoeCase{128, 2048, 768, 16}, MoeCase{64, 2816, 2048, 64},
-                             MoeCase{1, 8192, 8200, 16}, MoeCase{1, 8192, 8192, 64}}) {
+                             MoeCase{1, 8192, 8200, 16}, MoeCase{1, 8192, 8192, 64}, MoeCase{8, 14336, 4096, 16},
+                             MoeCase{8, 4096, 14336, 16}}) {
       if (!wanted("moe_materialize r=" + std::to_string(c.r))) continue;
       MoeSets sets = make_moe(c.E, c.N, c.K, c.r, DType::bf16, DType::bf16);
       measure([&](const ops::Config& cfg) { return bench_moe(sets, cfg, stream.handle()); }, moe_cfgs);
