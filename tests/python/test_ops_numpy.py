@@ -183,6 +183,32 @@ def test_moe_lora_materialize_into_out_and_in_place(kerf_cpu):
     np.testing.assert_allclose(W, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("split", [0, 3])
+def test_programs_walking_the_rows_give_the_same_answer(kerf_cpu, split):
+    # Config.meta WALK_ROWS: programs own a block of columns and walk the rows (the planner's
+    # row slices, or split_k of them); rows and columns past the blocks, in place and out of
+    # place, PEFT's flat expert layout read through strides.
+    E, N, K, r = 3, 70, 52, 5
+    config = kerf_cpu.Config(block_m=16, block_k=16, split_k=split, meta={"WALK_ROWS": 1})
+    W = rng.standard_normal((E, N, K)).astype(np.float32)
+    lora_A = rng.standard_normal((r * E, K)).astype(np.float32)
+    lora_B = rng.standard_normal((N, r * E)).astype(np.float32)
+    A3, B3 = lora_A.reshape(E, r, K), lora_B.reshape(N, r, E).transpose(2, 0, 1)
+    ref = moe_reference(W, A3, B3, 0.5)
+    np.testing.assert_allclose(kerf_cpu.ops.moe_lora_materialize(W, A3, B3, 0.5, config=config), ref,
+                               rtol=1e-5, atol=1e-5)
+    assert kerf_cpu.ops.moe_lora_materialize(W, A3, B3, 0.5, out=W, config=config) is W
+    np.testing.assert_allclose(W, ref, rtol=1e-5, atol=1e-5)
+    W2 = rng.standard_normal((N, K)).astype(np.float32)
+    W2_0 = W2.copy()
+    kerf_cpu.ops.lora_merge(W2, A3[0], B3[0], 2.0, config=config)
+    np.testing.assert_allclose(W2, W2_0 + 2.0 * B3[0].astype(np.float64) @ A3[0], rtol=1e-5, atol=1e-5)
+    for op, args in ((kerf_cpu.ops.moe_lora_materialize, (W, A3, B3, 0.5)),
+                     (kerf_cpu.ops.lora_merge, (W2, A3[0], B3[0], 2.0))):
+        with pytest.raises(kerf_cpu.InvalidArgumentError, match="WALK_ROWS"):
+            op(*args, config=kerf_cpu.Config(meta={"WALK_ROWS": 2}))
+
+
 @pytest.mark.parametrize("dtype,tol", [(np.float32, 1e-5), (np.float16, 2e-3)])
 def test_lora_merge_and_unmerge_in_place(kerf_cpu, dtype, tol):
     out, inn, r = 40, 56, 4
