@@ -2,7 +2,9 @@
 // kerf's in-place kernels walk it (lora_merge: programs that own a block of rows and
 // walk its columns; WALK_ROWS: programs that own a block of columns and walk its rows, their
 // row slices contiguous, or interleaved so that the slices running together hold neighbouring
-// rows), beside cudaMemcpy of the same bytes. No LoRA work: each element gets 0.001 added, so
+// rows), beside cudaMemcpy of the same bytes; and the column strips again with each step's tile
+// fetched by one bulk tensor copy (TMA, sm_90) into a ring of shared memory, written back by
+// 16-byte stores or by a bulk tensor copy too. No LoRA work: each element gets 0.001 added, so
 // the figures bound what the access order alone allows. Stand-alone (no kerf):
 //
 //   nvcc -arch=sm_90a -O3 -o /tmp/access_order_bench tools/access_order_bench.cu
@@ -11,8 +13,10 @@
 // Each line: the median of 50 timed launches (CUDA events, after 10 untimed), over
 // three buffers in turn (so L2 holds none of them), and GB/s of the bytes read plus
 // written. Rows and columns should be multiples of 128 and 1024.
+#include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <cudaTypedefs.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -82,6 +86,78 @@ __global__ void column_strips_interleaved(const uint4* x, uint4* y, int rows, in
   const int vpr = cols / 8;
   for (int r0 = blockIdx.y * BM; r0 < rows; r0 += split * BM)
     step(x, y, [&](int e) { return size_t(r0 + e / VS) * vpr + blockIdx.x * VS + e % VS; });
+}
+
+// Column strips of BM rows by 128 bf16 (256 bytes), each step's tile fetched by one bulk
+// tensor copy into a ring of S slots (an mbarrier each; thread 0 issues the copies S steps
+// ahead). The step's 16 KB is bumped by 256 threads, 64 bytes each, and written back by 16-byte
+// stores, or (tma_store) into its slot and out by one bulk tensor copy, whose reads of the
+// slot are waited for before the slot is filled again.
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return unsigned(__cvta_generic_to_shared(p));
+}
+
+template <int BM, int S>
+__global__ void __launch_bounds__(256) tma_strips(const __grid_constant__ CUtensorMap map, uint4* y, int rows,
+                                                   int cols, int split, int tma_store) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  constexpr int tile_bytes = BM * 256;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S * tile_bytes);
+  const int per = rows / split, r0 = blockIdx.y * per, steps = per / BM, c0 = blockIdx.x * 128;
+  const int vpr = cols / 8;
+  const unsigned long long tmap = reinterpret_cast<unsigned long long>(&map);
+  const auto issue = [&](int i) {
+    const int slot = i % S;
+    const unsigned bar = smem_addr(bars + slot), dst = smem_addr(smem + slot * tile_bytes);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(tile_bytes) : "memory");
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+            dst),
+        "l"(tmap), "r"(c0), "r"(r0 + i * BM), "r"(bar)
+        : "memory");
+  };
+  if (threadIdx.x == 0) {
+    for (int k = 0; k < S; ++k)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bars + k)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int i = 0; i < S && i < steps; ++i) issue(i);
+  for (int i = 0; i < steps; ++i) {
+    const int slot = i % S;
+    const unsigned bar = smem_addr(bars + slot), parity = unsigned(i / S) & 1u;
+    unsigned done = 0;
+    while (!done)
+      asm volatile(
+          "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+          : "=r"(done)
+          : "r"(bar), "r"(parity)
+          : "memory");
+    uint4* tile = reinterpret_cast<uint4*>(smem + slot * tile_bytes);
+    for (int k = 0; k < BM * 16 / 256; ++k) {
+      const int e = int(threadIdx.x) + k * 256;  // vector e of the tile: row e / 16, column e % 16
+      const uint4 v = bump(tile[e]);
+      if (tma_store)
+        tile[e] = v;
+      else
+        y[size_t(r0 + i * BM + e / 16) * vpr + blockIdx.x * 16 + e % 16] = v;
+    }
+    if (tma_store) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();  // every thread is done with the slot (and, storing through it, has written it)
+    if (threadIdx.x == 0) {
+      if (tma_store) {
+        asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(tmap),
+                     "r"(c0), "r"(r0 + i * BM), "r"(smem_addr(tile))
+                     : "memory");
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        if (i + S < steps) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+      }
+      if (i + S < steps) issue(i + S);
+    }
+  }
+  if (threadIdx.x == 0 && tma_store) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
 }  // namespace
@@ -163,6 +239,59 @@ int main(int argc, char** argv) {
     time(name, [&](int s) {
       column_strips_interleaved<64, 16><<<dim3(cols / 8 / 16, split), 256>>>(a[s], a[s], rows, cols, split);
     });
+  }
+  // The column strips through TMA (sm_90 and later): a tensor map over each buffer, 64 rows by
+  // 256 bytes a box.
+  if (prop.major >= 9) {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    check(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q),
+          "cudaGetDriverEntryPointByVersion");
+    if (!fn || q != cudaDriverEntryPointSuccess) {
+      std::fprintf(stderr, "cuTensorMapEncodeTiled: not in this driver\n");
+      return 1;
+    }
+    const auto encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+    constexpr int BM = 64;
+    std::vector<CUtensorMap> maps(sets);
+    for (int i = 0; i < sets; ++i) {
+      const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)}, strides[1] = {cuuint64_t(cols) * 2};
+      const cuuint32_t box[2] = {128, BM}, unit[2] = {1, 1};
+      if (encode(&maps[size_t(i)], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, a[i], dims, strides, box, unit,
+                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+        std::fprintf(stderr, "cuTensorMapEncodeTiled failed\n");
+        return 1;
+      }
+    }
+    const auto tma = [&](auto kernel, int stages, int split, int tma_store) {
+      if ((rows / split) % BM || cols % 128) return;
+      const size_t bytes_smem = size_t(stages) * BM * 256 + 8 * size_t(stages);
+      check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes_smem)),
+            "cudaFuncSetAttribute");
+      std::snprintf(name, sizeof name, "column strips 64x256B TMA, %d stages, %d slices%s", stages, split,
+                    tma_store ? ", TMA store" : "");
+      // One launch first against the grid-stride loop on the same bytes: each element bumped once.
+      check(cudaMemset(a[0], 0x3f, bytes), "cudaMemset");
+      check(cudaMemset(b[0], 0x3f, bytes), "cudaMemset");
+      kernel<<<dim3(cols / 128, split), 256, bytes_smem>>>(maps[0], a[0], rows, cols, split, tma_store);
+      grid_stride<<<sms * 8, 256>>>(b[0], b[0], n);
+      std::vector<unsigned short> got(bytes / 2), want(bytes / 2);
+      check(cudaMemcpy(got.data(), a[0], bytes, cudaMemcpyDeviceToHost), name);
+      check(cudaMemcpy(want.data(), b[0], bytes, cudaMemcpyDeviceToHost), name);
+      if (got != want) {
+        std::printf("%-44s WRONG: not every element bumped once\n", name);
+        return;
+      }
+      time(name, [&](int s) {
+        kernel<<<dim3(cols / 128, split), 256, bytes_smem>>>(maps[size_t(s)], a[s], rows, cols, split, tma_store);
+      });
+    };
+    for (const int split : {4, 8, 16})
+      for (const int st : {0, 1}) {
+        tma(tma_strips<BM, 2>, 2, split, st);
+        tma(tma_strips<BM, 4>, 4, split, st);
+      }
   }
   check(cudaDeviceSynchronize(), "the launches");
   return 0;
