@@ -49,27 +49,26 @@ Config own_config(const Config& config, const TensorView& W, Product dot, int64_
   if (!gpu || config.block_m || config.block_k || !is_half(dot) || dot.tf32 || r_pad > 64 ||
       meta_or(config, "STREAM", 0) || meta_or(config, "PERSISTENT", 0) || !wgmma_target(W.device))
     return config;
+  const bool walk_rows = W.shape[0] * cdiv(W.shape[1], 64) <= 4 * programs && meta_or(config, "WALK_ROWS", 1) &&
+                         !meta_or(config, "EXPERT_GROUP", 0);
   Config c = config;
-  if (W.shape[0] * cdiv(W.shape[1], 64) <= 4 * programs && meta_or(config, "WALK_ROWS", 1) &&
-      !meta_or(config, "EXPERT_GROUP", 0)) {
-    if (!c.num_stages) c.num_stages = 2;
-    c = with_ring_tile(c);
-    c.meta.emplace("WALK_ROWS", 1);
-    return c;
-  }
+  if (walk_rows && !c.num_stages) c.num_stages = 2;
   c = with_ring_tile(c);
-  if (!c.split_k) c.split_k = 2;
+  if (walk_rows)
+    c.meta.emplace("WALK_ROWS", 1);
+  else if (!c.split_k)
+    c.split_k = 2;
   return c;
 }
 
-// `programs`: the multiprocessors (CPU threads) PERSISTENT counts; 0: W's device's, asked.
+// `programs`: the multiprocessors (CPU threads) the plan counts; 0: W's device's, asked.
 MoePlan plan_moe(const TensorView& W, DType a, const TensorView& B, int64_t r, bool gpu, const Config& given,
                  int64_t programs = 0) {
   const DType b = B.dtype;
   const int64_t E = W.shape[0], N = W.shape[1];
   const Product dot = product_dtype(W.dtype, a, b);
   const int64_t r_pad = rank_pad(r);
-  if (gpu && !programs) programs = parallelism(W.device);
+  if (!programs) programs = parallelism(W.device);
   const Config config = own_config(given, W, dot, r_pad, gpu, programs);
   const int64_t bn = config.block_m ? config.block_m : (gpu ? 64 : 16);
   const int64_t bk =
@@ -118,8 +117,7 @@ MoePlan plan_moe(const TensorView& W, DType a, const TensorView& B, int64_t r, b
     const int64_t row_steps = cdiv(N, bn), col_blocks = cdiv(W.shape[2], bk);
     int64_t slices = slices_within(config.split_k, row_steps);
     if (slices == 0)
-      slices = walk_rows_split(col_blocks * E, programs ? programs : parallelism(W.device), row_steps,
-                               p.meta.at("num_stages"));
+      slices = walk_rows_split(col_blocks * E, programs, row_steps, p.meta.at("num_stages"));
     p.meta.erase("COLS_FIRST");
     p.meta["WALK_ROWS"] = 1;
     p.grid = Grid{uint32_t(col_blocks), uint32_t(std::min<int64_t>(slices, 65535)), uint32_t(E)};
@@ -132,7 +130,7 @@ MoePlan plan_moe(const TensorView& W, DType a, const TensorView& B, int64_t r, b
   if (const int64_t per_sm = meta_or(config, "PERSISTENT", 0); per_sm && tiles < (int64_t(1) << 30)) {
     p.meta.erase("COLS_FIRST");
     p.meta["PERSISTENT"] = 1;
-    p.grid = Grid{uint32_t(std::min(tiles, per_sm * (programs ? programs : parallelism(W.device)))), 1, 1};
+    p.grid = Grid{uint32_t(std::min(tiles, per_sm * programs)), 1, 1};
   }
   return p;
 }
