@@ -65,6 +65,22 @@ const dsl::Kernel& lora_merge() {
     const RowSliceAxes axes = row_slice_axes(k);
     const Value rows = program_id(axes.rows) * BM + arange(BM);
     const Value row_ok = rows.col() < n_out;
+    if (k.meta("ONE_TILE", 0)) {
+      // One tile a program (the op's STREAM plan, as many slices as column blocks): W's tile is
+      // asked for first and converted only where the sum needs it, so its bytes are in flight
+      // while the adapters' (A's columns, B's rows, read from L2 by every program of their
+      // column or row block) arrive and the product runs.
+      const Value cols = program_id(axes.slices) * BK + arange(BK);
+      const Value col_ok = cols.row() < n_in;
+      const Value ok = row_ok & col_ok;
+      const Value w = load(W, {g, rows.col(), cols.row()}, ok, streamed_hint(evict));
+      const Value a = a_columns(cols, col_ok);
+      const Value b_raw = load(B, {g, rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(DType::f32);
+      const Value b = lora_left_operand(b_raw, s, scale_after, dot_t);
+      const Value v = lora_sum_after_product(w, b, a, s, scale_after, warps_n, dm.precision);
+      store(W, {g, rows.col(), cols.row()}, v.to(W.dtype()), ok, streamed_hint(evict));
+      return;
+    }
     const Value b_raw =
         load(B, {g, rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(DType::f32);
     // SCALE_AFTER: B is exact in the product's dtype, so s is applied in fp32 after

@@ -136,6 +136,24 @@ const dsl::Kernel& moe_lora_materialize() {
       return;
     }
     const RowSliceAxes axes = row_slice_axes(k);
+    if (k.meta("ONE_TILE", 0)) {
+      // One tile a program (the op's STREAM plan, as many slices as column blocks), as
+      // lora_merge's: W's tile asked for first and read only after the product.
+      const Value e = program_id(2);
+      const Value rows = program_id(axes.rows) * BN + arange(BN);
+      const Value row_ok = rows.col() < n_rows;
+      const Value cols = program_id(axes.slices) * BK + arange(BK);
+      const Value col_ok = cols.row() < n_cols;
+      const Value rk = arange(R);
+      const Value ok = row_ok & col_ok;
+      const Value w = load(W, {e, rows.col(), cols.row()}, ok, streamed_hint(evict));
+      const Value a = a_columns(e, rk, cols, col_ok);
+      const Value b = load(B, {e, rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(DType::f32);
+      const Value v = lora_sum_after_product(w, lora_left_operand(b, s, scale_after, dot_t), a, s, scale_after,
+                                             warps_n, dm.precision);
+      store(out, {e, rows.col(), cols.row()}, v.to(out.dtype()), ok, streamed_hint(evict));
+      return;
+    }
     own(program_id(2), Value(), program_id(axes.rows), Value(), [&] { return split_range(n_cols, BK, axes.slices); });
   });
   return k;

@@ -228,6 +228,9 @@ inline int64_t slices_within(int64_t asked, int64_t steps) {
 // adding a tensor-core product to each tile: one tile per program, read into the
 // product's accumulator and written from it (kernel meta acc_col_run), no pipelining.
 inline constexpr MetaRange kStream{"STREAM", 0, 1};
+// Config.meta ONE_TILE (0 or 1), with STREAM: the kernel's one-tile form (merge, MoE forward),
+// whose programs ask for W's tile before the adapters' and read it only after the product.
+inline constexpr MetaRange kOneTile{"ONE_TILE", 0, 1};
 // When `config` streams, sets the kernel meta of a weight of dtype `w` (after
 // add_codegen_hints: no l2_prefetch or store_in_ring, one stage) and `split` to `steps`. Returns the
 // config to order the grid by (row_slice_grid): `config`, with COLS_FIRST on when streaming.

@@ -98,6 +98,10 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
     return p;
   }
   const Config order = stream_plan(config, W3.dtype, steps, p.meta, &split);
+  // ONE_TILE with STREAM (a program for every column block): the kernel's one-tile form, W's
+  // tile asked for before the adapters'.
+  if (meta_or(config, "STREAM", 0) && meta_or(config, "ONE_TILE", 0) && split == steps)
+    p.meta["ONE_TILE"] = 1;
   p.grid = row_slice_grid(cdiv(out, bm), split, G, order, p.meta);
   return p;
 }
@@ -181,7 +185,7 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
 void launch_merge(const char* op, const TensorView& W3, const TensorView& A3, const TensorView& B3, double s,
                   void* stream, const Config& config) {
   expect_meta(op, config,
-              {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"WALK_ROWS", 0, 1}, kStream, kWarpsN, kL2Prefetch, kWgmma,
+              {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"WALK_ROWS", 0, 1}, kStream, kOneTile, kWarpsN, kL2Prefetch, kWgmma,
                kWgmmaSs, kColsFirst, kTf32, kStoreInRing});
   if (checks_only()) return;
   if (has_config(config))

@@ -109,6 +109,10 @@ MoePlan plan_moe(const TensorView& W, DType a, const TensorView& B, int64_t r, b
       }
     }
   }
+  // ONE_TILE with STREAM (a program for every column block): the kernel's one-tile form, W's
+  // tile asked for before the adapters'.
+  if (meta_or(config, "STREAM", 0) && meta_or(config, "ONE_TILE", 0) && split == steps && !p.meta.count("EXPERT_GROUP"))
+    p.meta["ONE_TILE"] = 1;
   // WALK_ROWS: a program owns BLOCK_K columns of one expert (grid axis 0; experts on axis 2)
   // and walks a slice of its rows (axis 1: split_k slices; 0, walk_rows_split's). STREAM,
   // EXPERT_GROUP and PERSISTENT turn it off.
@@ -206,7 +210,7 @@ void run_moe_lora_materialize(const TensorView& W, const TensorView& A, const Te
                               const std::string& layout) {
   const char* op = "moe_lora_materialize";
   expect_meta(op, config,
-              {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"PACK", 0, 2}, kStream, kWarpsN, kL2Prefetch, kWgmma, kColsFirst, kTf32,
+              {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"PACK", 0, 2}, kStream, kOneTile, kWarpsN, kL2Prefetch, kWgmma, kColsFirst, kTf32,
                kAccStore, kStoreInRing, {"PERSISTENT", 0, 8}, {"EXPERT_GROUP", 0, 64}, {"CLUSTER", 0, 8},
                {"EXPERTS_LAST", 0, 1}, {"WALK_ROWS", 0, 1}});
   if (meta_or(config, "PERSISTENT", 0) && meta_or(config, "STREAM", 0))

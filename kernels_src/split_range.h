@@ -45,6 +45,18 @@ inline dsl::Value base_plus_lora(const dsl::Value& base, const dsl::Value& left,
                      : dsl::dot(left, right, base, warps_n, precision);
 }
 
+// The same sum for a program of one tile (ONE_TILE), from W's tile as it was read: the product
+// first and W's values only after it, so that the code waits for W's bytes (asked for before the
+// adapters') once the adapters are staged and multiplied, not before. The fp32 sum is the same
+// either way round; without SCALE_AFTER the product is formed from zero instead of from the
+// base (the same fp32 terms, summed in another order).
+inline dsl::Value lora_sum_after_product(const dsl::Value& base, const dsl::Value& left, const dsl::Value& right,
+                                         const dsl::Value& s, bool scale_after, int64_t warps_n,
+                                         dsl::DotPrecision precision) {
+  const dsl::Value prod = dsl::dot(left, right, dsl::Value(), warps_n, precision);
+  return (scale_after ? s * prod : prod) + base.to(DType::f32);
+}
+
 // [lo, hi) of [0, n): part `part`'s share of `parts` slices, in whole `step`s (lo may pass
 // n, leaving the slice empty).
 inline std::pair<dsl::Value, dsl::Value> split_range(const dsl::Value& n, int64_t step, const dsl::Value& part,

@@ -103,6 +103,15 @@ std::vector<Case> all_cases() {
                         {"DOT", int64_t(is_half(w) ? w : DType::bf16)}, {"SCALE_AFTER", scale_after},
                         {"COLS_FIRST", 1}, {"acc_col_run", 16 / dtype_size_bytes(w)}},
                        "lora_merge acc_col_run"});
+  // Its one-tile form (ONE_TILE: W's tile asked for first, the product added to it after).
+  for (DType w : {DType::bf16, DType::f32})
+    cases.push_back({&kernels::lora_merge(),
+                     {t(w, 3), t(is_half(w) ? w : DType::bf16, 3), t(is_half(w) ? w : DType::bf16, 3),
+                      ArgSpec::scalar()},
+                     {{"BLOCK_M", 64}, {"BLOCK_K", 128}, {"R_PAD", 64},
+                      {"DOT", int64_t(is_half(w) ? w : DType::bf16)}, {"SCALE_AFTER", is_half(w) ? 1 : 0},
+                      {"COLS_FIRST", 1}, {"acc_col_run", 16 / dtype_size_bytes(w)}, {"ONE_TILE", 1}},
+                     "lora_merge one tile"});
   for (int64_t stages : {1, 3})
     cases.push_back({&test::matmul_kernel(), {t(DType::bf16, 2), t(DType::bf16, 2), t(DType::bf16, 2)},
                      {{"BM", 64}, {"BN", 128}, {"BK", 32}, {"num_stages", stages}, {"num_warps", 8},
@@ -636,6 +645,50 @@ TEST_CASE("a dot's accumulator in runs of columns moves W in 16-byte vectors wit
   CHECK(f32.find("// %") == std::string::npos);
   // The meta is checked.
   CHECK_THROWS_WITH(merge_src(DType::bf16, 3, 1), Catch::Contains("acc_col_run must be 0 or a power of two <= 16"));
+}
+
+TEST_CASE("the merge's one-tile form asks for W's tile before the adapters' and reads it after the product",
+          "[cuda][codegen]") {
+  // ONE_TILE (a STREAM plan with a program for every column block): W's loads go out first and
+  // nothing waits for them until the product is done, so they are in flight while A's columns
+  // and B's rows arrive and are staged for it; both product forms, bf16 and fp32 W.
+  for (const DType w : {DType::bf16, DType::f32})
+    for (const int64_t scale_after : {0, 1}) {
+      CAPTURE(w, scale_after);
+      const DType dot = is_half(w) ? w : DType::bf16;
+      const std::string src =
+          jit::cuda::generate(kernels::lora_merge().trace({t(w, 3), t(dot, 3), t(dot, 3), ArgSpec::scalar()},
+                                                          {{"BLOCK_M", 64},
+                                                           {"BLOCK_K", 128},
+                                                           {"R_PAD", 64},
+                                                           {"DOT", int64_t(dot)},
+                                                           {"SCALE_AFTER", scale_after},
+                                                           {"COLS_FIRST", 1},
+                                                           {"acc_col_run", 16 / dtype_size_bytes(w)},
+                                                           {"ONE_TILE", 1}}),
+                              "sm_90a")
+              .source;
+      INFO(src);
+      const size_t load_w = src.find("// load @W"), load_a = src.find("// load @A"), load_b = src.find("// load @B");
+      REQUIRE(load_w != std::string::npos);
+      REQUIRE(load_a != std::string::npos);
+      REQUIRE(load_b != std::string::npos);
+      CHECK(load_w < load_a);
+      CHECK(load_w < load_b);
+      CHECK(src.find("for (int v") == std::string::npos);  // no loop over column steps
+      // The register array W's tile is loaded into (`vN_M[` on the load's line), and the first
+      // place it is read rather than written by the load's own loop.
+      const size_t line = src.rfind('\n', load_w) + 1, open = src.find('[', line);
+      const std::string regs = src.substr(src.rfind(' ', open) + 1, open - src.rfind(' ', open) - 1) + "[";
+      size_t read = src.find(regs, load_w);
+      while (read != std::string::npos && src.compare(src.find(']', read) + 1, 3, " = ") == 0)
+        read = src.find(regs, read + 1);
+      const size_t product = src.find("kerf_dev::mma_bf16_16816(");
+      REQUIRE(product != std::string::npos);
+      REQUIRE(read != std::string::npos);
+      CHECK(read > product);
+      CHECK(src.find("// %") == std::string::npos);  // no layout conversion through shared memory
+    }
 }
 
 TEST_CASE("the grouped embedding backward writes grad_A in 16-byte vectors and adds in 4-wide ones",

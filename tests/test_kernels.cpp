@@ -240,6 +240,12 @@ std::vector<MoeCase> moe_cases() {
       {2, 72, 264, 16, DType::f16, false, ops::Config{32, 256, 0, 4, 0, {{"STREAM", 1}, {"CAST_A", 1}}}, DType::f32},
       {2, 130, 136, 64, DType::bf16, false, ops::Config{128, 64, 0, 4, 0, {{"STREAM", 1}, {"WARPS_N", 2}}}},
       {2, 64, 256, 16, DType::f32, true, ops::Config{32, 64, 0, 4, 0, {{"STREAM", 1}}}, DType::bf16},
+      // The same in the kernel's one-tile form (ONE_TILE: W's tile asked for first).
+      {3, 100, 200, 5, DType::bf16, true, ops::Config{64, 128, 0, 4, 0, {{"STREAM", 1}, {"ONE_TILE", 1}}}},
+      {2, 130, 136, 64, DType::bf16, false, ops::Config{64, 128, 0, 4, 0, {{"STREAM", 1}, {"ONE_TILE", 1}}}},
+      {2, 72, 264, 16, DType::f16, false,
+       ops::Config{32, 256, 0, 4, 0, {{"STREAM", 1}, {"ONE_TILE", 1}, {"WARPS_N", 2}}}, DType::f32},
+      {2, 64, 256, 16, DType::f32, true, ops::Config{32, 64, 0, 4, 0, {{"STREAM", 1}, {"ONE_TILE", 1}}}, DType::bf16},
       // W_eff stored from the dot accumulator's registers (ACC_STORE): mma.sync and warpgroup
       // dots, rows and columns past the tile, PEFT's fp32 adapters, an fp32 W.
       {3, 100, 200, 5, DType::bf16, false, ops::Config{0, 64, 2, 0, 0, {{"ACC_STORE", 1}}}},

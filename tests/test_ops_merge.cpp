@@ -41,6 +41,7 @@ struct MergeCase {
   bool store_in_ring = false;  // Config.meta STORE_IN_RING: W's new tile staged in its spent ring slot
   bool walk_rows = false;  // Config.meta WALK_ROWS: programs own columns, keep A's, and walk the rows
   bool cast_a = false;  // Config.meta CAST_A: an fp32 A rounded to the product's dtype first (the same answer)
+  bool one_tile = false;  // Config.meta ONE_TILE (with STREAM): W's tile asked for first, added after the product
 };
 
 ops::Config merge_config(const MergeCase& c) {
@@ -56,6 +57,7 @@ ops::Config merge_config(const MergeCase& c) {
   if (c.store_in_ring) cfg.meta["STORE_IN_RING"] = 1;
   if (c.walk_rows) cfg.meta["WALK_ROWS"] = 1;
   if (c.cast_a) cfg.meta["CAST_A"] = 1;
+  if (c.one_tile) cfg.meta["ONE_TILE"] = 1;
   if (c.wgmma) {
     if (!c.block_k) cfg.block_k = 64;
     cfg.meta["WGMMA"] = 1;
@@ -66,7 +68,7 @@ ops::Config merge_config(const MergeCase& c) {
 void check_merge(const MergeCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.out, c.in, c.r, dtype_name(c.w), dtype_name(c.a), dtype_name(c.b), c.transposed,
           c.offset, c.evict, c.warps_n, c.block_m, c.warps, seed, dev.str(), c.wgmma, c.split, c.cols_first,
-          c.block_k, c.stream, c.store_in_ring, c.walk_rows, c.cast_a);
+          c.block_k, c.stream, c.store_in_ring, c.walk_rows, c.cast_a, c.one_tile);
   std::mt19937_64 rng(seed);
   TestTensor Wbuf(c.w, {c.out * c.in + c.offset}, dev), A(c.a, {c.r, c.in}, dev),
       B(c.b, {c.out, c.r}, dev);
@@ -184,6 +186,19 @@ std::vector<MergeCase> merge_cases() {
   cases.push_back(streamed({130, 333, 16, DType::bf16, DType::f32, DType::bf16}, 64, 128, 2));
   cases.push_back(streamed({40, 72, 8, DType::bf16, DType::f32, DType::f32, true}, 32, 64));
   cases.push_back(streamed({64, 128, 16, DType::bf16, DType::bf16, DType::bf16, false, 1}, 64, 64));
+  // ONE_TILE: the same tiles in the kernel's one-tile form (both product forms, f32 W, partial
+  // tiles at rank 64, warps along the columns, fan_in_fan_out and misaligned W).
+  const auto one_tile = [&](MergeCase c, int64_t bm, int64_t bk, int64_t warps_n = 0) {
+    c = streamed(c, bm, bk, warps_n);
+    c.one_tile = true;
+    return c;
+  };
+  cases.push_back(one_tile({130, 200, 64, DType::bf16, DType::bf16, DType::bf16}, 64, 128));
+  cases.push_back(one_tile({67, 300, 5, DType::f16, DType::f32, DType::f32, false, 0, -0.5}, 32, 256));
+  cases.push_back(one_tile({96, 136, 16, DType::f32, DType::bf16, DType::bf16}, 32, 64));
+  cases.push_back(one_tile({300, 200, 48, DType::bf16, DType::f32, DType::bf16}, 32, 128, 2));
+  cases.push_back(one_tile({40, 72, 8, DType::bf16, DType::f32, DType::f32, true}, 32, 64));
+  cases.push_back(one_tile({64, 128, 16, DType::f16, DType::f16, DType::f16, false, 1}, 64, 64));
   // STORE_IN_RING: W's new tile moved to its store layout through the ring slot W's tile
   // was read from: warpgroup and mma.sync dots, fp32 adapters on f16 W, fp32 W, partial
   // tiles; fan_in_fan_out and misaligned W (no pipelined copy of W) stage as before.

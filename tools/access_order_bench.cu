@@ -4,8 +4,10 @@
 // row slices contiguous, or interleaved so that the slices running together hold neighbouring
 // rows), beside cudaMemcpy of the same bytes; and the column strips again with each step's tile
 // fetched by one bulk tensor copy (TMA, sm_90) into a ring of shared memory, written back by
-// 16-byte stores or by a bulk tensor copy too. No LoRA work: each element gets 0.001 added, so
-// the figures bound what the access order alone allows. Stand-alone (no kerf):
+// 16-byte stores or by a bulk tensor copy too; and one tile a program, the columns first, with
+// the side reads of a merge at rank 16 or 64 (A's columns and B's rows, from L2) beside W's
+// tile. No LoRA work: each element gets 0.001 added, so the figures bound what the access
+// order alone allows. Stand-alone (no kerf):
 //
 //   nvcc -arch=sm_90a -O3 -o /tmp/access_order_bench tools/access_order_bench.cu
 //   /tmp/access_order_bench [ROWS COLS]        # default 8192 8192
@@ -86,6 +88,47 @@ __global__ void column_strips_interleaved(const uint4* x, uint4* y, int rows, in
   const int vpr = cols / 8;
   for (int r0 = blockIdx.y * BM; r0 < rows; r0 += split * BM)
     step(x, y, [&](int e) { return size_t(r0 + e / VS) * vpr + blockIdx.x * VS + e % VS; });
+}
+
+// One tile of BM rows by VS vectors a program, the programs of a row block adjacent in launch
+// order (the columns first), each also reading what a merge of rank R needs beside its W tile:
+// A's columns [R, VS * 8] (from a [R, cols] array) and B's rows [BM, R] (from a [rows, R] array),
+// both small enough to stay in L2 and read by every program of their column or row block. What
+// they read is folded into a word that decides nothing (the side arrays hold zeros), so the
+// loads stay and the result is the plain bump; W's loads are issued first, as a kernel whose
+// product waits on the side reads would.
+template <int BM, int VS, int R>
+__global__ void __launch_bounds__(256) tiles_with_side_reads(const uint4* x, uint4* y, const uint4* a_side,
+                                                             const uint4* b_side, int cols, unsigned never) {
+  constexpr int NW = BM * VS / 256, NA = (R * VS + 255) / 256, NB = (BM * R / 8 + 255) / 256;
+  const int vpr = cols / 8;
+  uint4 v[NW];
+  size_t o[NW];
+  for (int k = 0; k < NW; ++k) {
+    const int e = int(threadIdx.x) + k * 256;
+    o[k] = size_t(blockIdx.y * BM + e / VS) * vpr + blockIdx.x * VS + e % VS;
+    v[k] = x[o[k]];
+  }
+  unsigned mix = 0;
+  for (int k = 0; k < NA; ++k) {
+    const int e = int(threadIdx.x) + k * 256;
+    if (e < R * VS) {
+      const uint4 t = a_side[size_t(e / VS) * vpr + blockIdx.x * VS + e % VS];
+      mix ^= t.x ^ t.y ^ t.z ^ t.w;
+    }
+  }
+  for (int k = 0; k < NB; ++k) {
+    const int e = int(threadIdx.x) + k * 256;
+    if (e < BM * R / 8) {
+      const uint4 t = b_side[size_t(blockIdx.y) * (BM * R / 8) + e];
+      mix ^= t.x ^ t.y ^ t.z ^ t.w;
+    }
+  }
+  for (int k = 0; k < NW; ++k) {
+    uint4 w = bump(v[k]);
+    if (mix == never) w.x ^= 1u;
+    y[o[k]] = w;
+  }
 }
 
 // Column strips of BM rows by 128 bf16 (256 bytes), each step's tile fetched by one bulk
@@ -240,6 +283,37 @@ int main(int argc, char** argv) {
       column_strips_interleaved<64, 16><<<dim3(cols / 8 / 16, split), 256>>>(a[s], a[s], rows, cols, split);
     });
   }
+  // One tile a program with a merge's side reads (A's columns, B's rows) at ranks 16 and 64,
+  // checked first against the grid-stride loop like the TMA variants.
+  uint4 *a_side = nullptr, *b_side = nullptr;
+  check(cudaMalloc(&a_side, size_t(64) * cols * 2), "cudaMalloc");
+  check(cudaMalloc(&b_side, size_t(rows) * 64 * 2), "cudaMalloc");
+  check(cudaMemset(a_side, 0, size_t(64) * cols * 2), "cudaMemset");
+  check(cudaMemset(b_side, 0, size_t(rows) * 64 * 2), "cudaMemset");
+  const auto side = [&](auto kernel, int bm, int vs, int r) {
+    if (rows % bm || cols / 8 % vs) return;
+    std::snprintf(name, sizeof name, "tiles %dx%dB, cols first, rank %d side reads", bm, vs * 16, r);
+    const dim3 grid(cols / 8 / vs, rows / bm);
+    check(cudaMemset(a[0], 0x3f, bytes), "cudaMemset");
+    check(cudaMemset(b[0], 0x3f, bytes), "cudaMemset");
+    kernel<<<grid, 256>>>(a[0], a[0], a_side, b_side, cols, 0xffffffffu);
+    grid_stride<<<sms * 8, 256>>>(b[0], b[0], n);
+    std::vector<unsigned short> got(bytes / 2), want(bytes / 2);
+    check(cudaMemcpy(got.data(), a[0], bytes, cudaMemcpyDeviceToHost), name);
+    check(cudaMemcpy(want.data(), b[0], bytes, cudaMemcpyDeviceToHost), name);
+    if (got != want) {
+      std::printf("%-44s WRONG: not every element bumped once\n", name);
+      return;
+    }
+    time(name, [&](int s) { kernel<<<grid, 256>>>(a[s], a[s], a_side, b_side, cols, 0xffffffffu); });
+  };
+  side(tiles_with_side_reads<64, 16, 0>, 64, 16, 0);
+  side(tiles_with_side_reads<64, 16, 16>, 64, 16, 16);
+  side(tiles_with_side_reads<64, 16, 64>, 64, 16, 64);
+  side(tiles_with_side_reads<128, 16, 64>, 128, 16, 64);
+  side(tiles_with_side_reads<64, 32, 64>, 64, 32, 64);
+  side(tiles_with_side_reads<128, 32, 64>, 128, 32, 64);
+  side(tiles_with_side_reads<32, 32, 64>, 32, 32, 64);
   // The column strips through TMA (sm_90 and later): a tensor map over each buffer, 64 rows by
   // 256 bytes a box.
   if (prop.major >= 9) {
