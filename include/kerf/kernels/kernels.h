@@ -49,7 +49,12 @@ const dsl::Kernel& dora_norm_4bit_split();
 // W, W_eff [E, N, K]; A [E, r, K]; B [E, N, r]; any strides (PEFT's flat
 // lora_A [r*E, K] and lora_B [N, r*E] are such views). fp32 accumulation,
 // rounded once to W_eff's dtype.
-// Grid: (cdiv(N, BLOCK_N), E). Meta: BLOCK_N, BLOCK_K, R_PAD, DOT.
+// Grid (cdiv(N, BLOCK_N), splits, E): the programs of grid axis 1 share K in
+// whole BLOCK_K steps (COLS_FIRST 1 swaps the first two axes; ONE_TILE 1, as
+// lora_merge's: one tile a program, one slice per column block). WALK_ROWS,
+// PERSISTENT and EXPERT_GROUP lay the grid out otherwise (kernels_src/moe_lora.cpp).
+// Meta: BLOCK_N, BLOCK_K, R_PAD, DOT, SCALE_AFTER (as lora_merge's), COLS_FIRST,
+// ONE_TILE, WALK_ROWS, PERSISTENT, EXPERT_GROUP, EXPERTS_LAST.
 // Args: W, A, B, s, W_eff.
 const dsl::Kernel& moe_lora_materialize();
 
@@ -87,9 +92,12 @@ const dsl::Kernel& moe_lora_backward_by_columns();
 // Grid (cdiv(out, BLOCK_M), splits, G): the programs of grid axis 1 share the
 // in-features in whole BLOCK_K steps; with WALK_ROWS 1, (cdiv(in, BLOCK_K),
 // splits, G): the programs of grid axis 1 share the rows in whole BLOCK_M steps,
-// each keeping its A columns. Meta: BLOCK_M, BLOCK_K, R_PAD, DOT,
+// each keeping its A columns. With COLS_FIRST 1 the first two axes swap. With
+// ONE_TILE 1 a program owns one BLOCK_M x BLOCK_K tile, its column block the
+// slice index (the grid must have one slice per column block), and asks for
+// W's tile before A's and B's. Meta: BLOCK_M, BLOCK_K, R_PAD, DOT,
 // SCALE_AFTER (1: B is exact in DOT and s is applied in fp32 after the
-// product; 0: s*B is rounded once to DOT), WALK_ROWS.
+// product; 0: s*B is rounded once to DOT), WALK_ROWS, COLS_FIRST, ONE_TILE.
 // Args: W, A, B, s.
 const dsl::Kernel& lora_merge();
 
