@@ -240,12 +240,6 @@ std::vector<MoeCase> moe_cases() {
       {2, 72, 264, 16, DType::f16, false, ops::Config{32, 256, 0, 4, 0, {{"STREAM", 1}, {"CAST_A", 1}}}, DType::f32},
       {2, 130, 136, 64, DType::bf16, false, ops::Config{128, 64, 0, 4, 0, {{"STREAM", 1}, {"WARPS_N", 2}}}},
       {2, 64, 256, 16, DType::f32, true, ops::Config{32, 64, 0, 4, 0, {{"STREAM", 1}}}, DType::bf16},
-      // The same in the kernel's one-tile form (ONE_TILE: W's tile asked for first).
-      {3, 100, 200, 5, DType::bf16, true, ops::Config{64, 128, 0, 4, 0, {{"STREAM", 1}, {"ONE_TILE", 1}}}},
-      {2, 130, 136, 64, DType::bf16, false, ops::Config{64, 128, 0, 4, 0, {{"STREAM", 1}, {"ONE_TILE", 1}}}},
-      {2, 72, 264, 16, DType::f16, false,
-       ops::Config{32, 256, 0, 4, 0, {{"STREAM", 1}, {"ONE_TILE", 1}, {"WARPS_N", 2}}}, DType::f32},
-      {2, 64, 256, 16, DType::f32, true, ops::Config{32, 64, 0, 4, 0, {{"STREAM", 1}, {"ONE_TILE", 1}}}, DType::bf16},
       // W_eff stored from the dot accumulator's registers (ACC_STORE): mma.sync and warpgroup
       // dots, rows and columns past the tile, PEFT's fp32 adapters, an fp32 W.
       {3, 100, 200, 5, DType::bf16, false, ops::Config{0, 64, 2, 0, 0, {{"ACC_STORE", 1}}}},
@@ -292,6 +286,29 @@ std::vector<MoeCase> moe_cases() {
 void run_moe_cases(Device dev) {
   uint64_t seed = 99;
   for (const MoeCase& c : moe_cases()) check_moe(c, dev, seed++);
+}
+
+// STREAM in the kernel's one-tile form (ONE_TILE: W's tile asked for first, read after the
+// product): PEFT's strided adapters and the plain layout, r=64 with rows and columns past the
+// tile, fp32 adapters with warps on columns, an fp32 W.
+std::vector<MoeCase> moe_one_tile_cases() {
+  const auto one_tile = [](int64_t bn, int64_t bk, std::map<std::string, int64_t> meta = {}) {
+    meta["STREAM"] = 1;
+    meta["ONE_TILE"] = 1;
+    return ops::Config{bn, bk, 0, 4, 0, std::move(meta)};
+  };
+  return {
+      {3, 100, 200, 5, DType::bf16, true, one_tile(64, 128)},
+      {2, 130, 136, 64, DType::bf16, false, one_tile(64, 128)},
+      {2, 130, 136, 64, DType::bf16, true, one_tile(32, 128)},
+      {2, 72, 264, 16, DType::f16, false, one_tile(32, 256, {{"WARPS_N", 2}}), DType::f32},
+      {2, 64, 256, 16, DType::f32, true, one_tile(32, 64), DType::bf16},
+  };
+}
+
+void run_moe_one_tile_cases(Device dev) {
+  uint64_t seed = 199;
+  for (const MoeCase& c : moe_one_tile_cases()) check_moe(c, dev, seed++);
 }
 
 }  // namespace
@@ -345,6 +362,16 @@ TEST_CASE("moe_lora_materialize matches a float64 reference on the CPU", "[cpu][
   run_moe_cases(Device::cpu());
 }
 
+TEST_CASE("moe_lora_materialize's one-tile form matches a float64 reference on the CPU", "[cpu][kernels]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  run_moe_one_tile_cases(Device::cpu());
+}
+
+TEST_CASE("moe_lora_materialize's one-tile form matches a float64 reference on the GPU", "[gpu][kernels]") {
+  KERF_REQUIRE_GPU();
+  run_moe_one_tile_cases(Device::cuda(0));
+}
+
 TEST_CASE("moe_lora_materialize matches a float64 reference on the GPU", "[gpu][kernels]") {
   KERF_REQUIRE_GPU();
   run_moe_cases(Device::cuda(0));
@@ -373,7 +400,9 @@ TEST_CASE("the tiles of moe_lora_materialize's GPU float64 cases fit an H100's s
           "[cuda][codegen][kernels]") {
   const Device dev = Device::cuda(0);
   void* const p = planning_address();
-  for (const MoeCase& c : moe_cases()) {
+  std::vector<MoeCase> cases = moe_cases();
+  for (const MoeCase& c : moe_one_tile_cases()) cases.push_back(c);
+  for (const MoeCase& c : cases) {
     const DType ab = c.ab == DType::i1 ? c.w : c.ab;
     CAPTURE(c.E, c.N, c.K, c.r, dtype_name(c.w), dtype_name(ab), c.peft_layout, c.config.block_m, c.config.block_k,
             c.config.num_stages);

@@ -186,19 +186,6 @@ std::vector<MergeCase> merge_cases() {
   cases.push_back(streamed({130, 333, 16, DType::bf16, DType::f32, DType::bf16}, 64, 128, 2));
   cases.push_back(streamed({40, 72, 8, DType::bf16, DType::f32, DType::f32, true}, 32, 64));
   cases.push_back(streamed({64, 128, 16, DType::bf16, DType::bf16, DType::bf16, false, 1}, 64, 64));
-  // ONE_TILE: the same tiles in the kernel's one-tile form (both product forms, f32 W, partial
-  // tiles at rank 64, warps along the columns, fan_in_fan_out and misaligned W).
-  const auto one_tile = [&](MergeCase c, int64_t bm, int64_t bk, int64_t warps_n = 0) {
-    c = streamed(c, bm, bk, warps_n);
-    c.one_tile = true;
-    return c;
-  };
-  cases.push_back(one_tile({130, 200, 64, DType::bf16, DType::bf16, DType::bf16}, 64, 128));
-  cases.push_back(one_tile({67, 300, 5, DType::f16, DType::f32, DType::f32, false, 0, -0.5}, 32, 256));
-  cases.push_back(one_tile({96, 136, 16, DType::f32, DType::bf16, DType::bf16}, 32, 64));
-  cases.push_back(one_tile({300, 200, 48, DType::bf16, DType::f32, DType::bf16}, 32, 128, 2));
-  cases.push_back(one_tile({40, 72, 8, DType::bf16, DType::f32, DType::f32, true}, 32, 64));
-  cases.push_back(one_tile({64, 128, 16, DType::f16, DType::f16, DType::f16, false, 1}, 64, 64));
   // STORE_IN_RING: W's new tile moved to its store layout through the ring slot W's tile
   // was read from: warpgroup and mma.sync dots, fp32 adapters on f16 W, fp32 W, partial
   // tiles; fan_in_fan_out and misaligned W (no pipelined copy of W) stage as before.
@@ -269,6 +256,29 @@ std::vector<MergeCase> merge_cases() {
 void run_merge_cases(Device dev) {
   uint64_t seed = 4100;
   for (const MergeCase& c : merge_cases()) check_merge(c, dev, seed++);
+}
+
+// STREAM in the kernel's one-tile form (ONE_TILE: W's tile asked for first, added after the
+// product): both product forms, fp32 W, rows and columns past the tile at ranks 32 to 64,
+// warps along the columns, fan_in_fan_out (strided W) and misaligned W (no vectors).
+std::vector<MergeCase> one_tile_cases() {
+  const auto one_tile = [](MergeCase c, int64_t bm, int64_t bk, int64_t warps_n = 0) {
+    c.stream = true;
+    c.one_tile = true;
+    c.block_m = bm;
+    c.block_k = bk;
+    c.warps_n = warps_n;
+    return c;
+  };
+  return {
+      one_tile({130, 200, 64, DType::bf16, DType::bf16, DType::bf16}, 64, 128),
+      one_tile({130, 333, 32, DType::bf16, DType::bf16, DType::bf16, false, 0, -0.5}, 32, 128),
+      one_tile({67, 300, 5, DType::f16, DType::f32, DType::f32, false, 0, -0.5}, 32, 256),
+      one_tile({96, 136, 16, DType::f32, DType::bf16, DType::bf16}, 32, 64),
+      one_tile({300, 200, 48, DType::bf16, DType::f32, DType::bf16}, 32, 128, 2),
+      one_tile({40, 72, 8, DType::bf16, DType::f32, DType::f32, true}, 32, 64),
+      one_tile({64, 128, 16, DType::f16, DType::f16, DType::f16, false, 1}, 64, 64),
+  };
 }
 
 // MaxText: kernel [in..., out...] += s * einsum(lora_a [in..., r], lora_b [r, out...]).
@@ -413,11 +423,25 @@ TEST_CASE(
   run_merge_cases(Device::cuda(0));
 }
 
+TEST_CASE("lora_merge's one-tile form matches a float64 reference on the CPU", "[cpu][ops][merge]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  uint64_t seed = 4700;
+  for (const MergeCase& c : one_tile_cases()) check_merge(c, Device::cpu(), seed++);
+}
+
+TEST_CASE("lora_merge's one-tile form matches a float64 reference on the GPU", "[gpu][ops][merge]") {
+  KERF_REQUIRE_GPU();
+  uint64_t seed = 4700;
+  for (const MergeCase& c : one_tile_cases()) check_merge(c, Device::cuda(0), seed++);
+}
+
 // The tiles the GPU cases above run fit an H100 (each case's kernel as planned for sm_90a).
 TEST_CASE("the tiles of lora_merge's GPU float64 cases fit an H100's shared memory", "[cuda][codegen][merge]") {
   const Device dev = Device::cuda(0);
   void* const p = test::planning_address();
-  for (const MergeCase& c : merge_cases()) {
+  std::vector<MergeCase> cases = merge_cases();
+  for (const MergeCase& c : one_tile_cases()) cases.push_back(c);
+  for (const MergeCase& c : cases) {
     CAPTURE(c.out, c.in, c.r, dtype_name(c.w), dtype_name(c.a), dtype_name(c.b), c.transposed, c.block_m, c.warps,
             c.block_k, c.wgmma, c.stream, c.store_in_ring);
     const TensorView W = c.transposed ? TensorView::strided(p, c.w, {c.out, c.in}, {1, c.out}, dev)
