@@ -26,6 +26,7 @@
 #include <thread>
 #include <vector>
 
+#include "kerf/cache/log.h"
 #include "kerf/cache/store.h"
 #include "kerf/dtype.h"
 #include "kerf/error.h"
@@ -481,12 +482,55 @@ OpCase make_embedding(int64_t T, int64_t V, int64_t D, int64_t r, bool backward,
 std::vector<Result> g_sweep;  // every configuration tried, for the JSON report
 bool g_verbose = false;       // --verbose: a line per configuration tried
 
-// The op with its own defaults (autotuner off) and autotuned (on), each timed.
+// The op with its own defaults (autotuner off) and autotuned (on), each timed, and the
+// configs the tuner chose for the call's launches (its KERF_LOG=info lines).
 struct TunedVsDefault {
   std::string op, shape;
   double default_us = 0, tuned_us = 0;
+  std::string chosen;
 };
 std::vector<TunedVsDefault> g_tuning;
+
+// Runs `run` with the autotuner's info lines caught: the config of each "chose CONFIG" or
+// "CONFIG (stored choice)" line, joined by "; ". Other messages go to stderr as kerf writes
+// them at the level KERF_LOG asks for.
+std::string tuner_choices(const std::function<void()>& run) {
+  const char* was = std::getenv("KERF_LOG");
+  const std::string saved = was ? was : "";
+  const log::Level shown = log::level();
+  setenv("KERF_LOG", "info", 1);
+  log::reload();
+  std::string chosen;
+  log::set_sink([&](log::Level l, const std::string& m) {
+    std::string config;  // config texts hold no blanks
+    if (l == log::Level::info && m.rfind("autotune ", 0) == 0) {
+      if (const size_t at = m.find(": chose "); at != std::string::npos) {
+        config = m.substr(at + 8, m.find(' ', at + 8) - at - 8);
+      } else if (const size_t end = m.rfind(" (stored choice)"); end != std::string::npos) {
+        const size_t start = m.rfind(' ', end - 1) + 1;
+        config = m.substr(start, end - start);
+      }
+    }
+    if (!config.empty())
+      chosen += (chosen.empty() ? "" : "; ") + config;
+    else if (l != log::Level::off && int(l) <= int(shown))
+      std::fprintf(stderr, "kerf %s: %s\n", l == log::Level::warn ? "warning" : l == log::Level::info ? "info" : "debug",
+                   m.c_str());
+  });
+  try {
+    run();
+  } catch (...) {
+    log::set_sink({});
+    throw;
+  }
+  log::set_sink({});
+  if (was)
+    setenv("KERF_LOG", saved.c_str(), 1);
+  else
+    unsetenv("KERF_LOG");
+  log::reload();
+  return chosen;
+}
 
 // Also makes the autotuned call the case's figure when it beats every swept
 // config (it is what a caller without a Config gets); its label is "autotuned".
@@ -498,7 +542,8 @@ void tuned_vs_default(Result& best, F run_with_config) {
   t.default_us = run_with_config(ops::Config{}).median_us;
   setenv("KERF_AUTOTUNE", "1", 1);
   cache::reload_settings();
-  Result tuned = run_with_config(ops::Config{});  // the warm-up call tunes
+  Result tuned;
+  t.chosen = tuner_choices([&] { tuned = run_with_config(ops::Config{}); });  // the warm-up call tunes
   t.tuned_us = tuned.median_us;
   if (t.op.empty()) {  // nothing swept (--tuned-only): the case's names come from its runs
     t.op = tuned.op;
@@ -510,8 +555,9 @@ void tuned_vs_default(Result& best, F run_with_config) {
     tuned.config = "autotuned";
     best = tuned;
   }
-  std::printf("  %-22s %-12s default %8.1f us, autotuned %8.1f us (%+.1f%%)\n", t.op.c_str(), t.shape.c_str(),
-              t.default_us, t.tuned_us, 100.0 * (t.tuned_us / t.default_us - 1.0));
+  std::printf("  %-22s %-12s default %8.1f us, autotuned %8.1f us (%+.1f%%) [%s]\n", t.op.c_str(), t.shape.c_str(),
+              t.default_us, t.tuned_us, 100.0 * (t.tuned_us / t.default_us - 1.0),
+              t.chosen.empty() ? "no choice reported" : t.chosen.c_str());
   g_tuning.push_back(t);
 }
 
@@ -707,7 +753,8 @@ int main(int argc, char** argv) {
       for (size_t i = 0; i < g_tuning.size(); ++i) {
         const TunedVsDefault& t = g_tuning[i];
         js << "  {\"op\": \"" << t.op << "\", \"shape\": \"" << t.shape << "\", \"default_us\": " << t.default_us
-           << ", \"tuned_us\": " << t.tuned_us << "}" << (i + 1 < g_tuning.size() ? "," : "") << "\n";
+           << ", \"tuned_us\": " << t.tuned_us << ", \"chosen\": \"" << t.chosen << "\"}"
+           << (i + 1 < g_tuning.size() ? "," : "") << "\n";
       }
       js << "], \"sweep\": [\n";
       for (size_t i = 0; i < g_sweep.size(); ++i) {
