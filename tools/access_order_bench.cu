@@ -252,6 +252,20 @@ int main(int argc, char** argv) {
   time("grid-stride, out of place", [&](int s) { grid_stride<<<sms * 8, 256>>>(a[s], b[s], n); });
   time("grid-stride, in place", [&](int s) { grid_stride<<<sms * 8, 256>>>(a[s], a[s], n); });
   char name[96];
+  // One launch of a variant (`launch_once`, on buffer set 0) against the grid-stride loop on
+  // the same bytes: true when every element was bumped once; else a line saying it is wrong.
+  const auto bumps_once = [&](auto launch_once) {
+    check(cudaMemset(a[0], 0x3f, bytes), "cudaMemset");
+    check(cudaMemset(b[0], 0x3f, bytes), "cudaMemset");
+    launch_once();
+    grid_stride<<<sms * 8, 256>>>(b[0], b[0], n);
+    std::vector<unsigned short> got(bytes / 2), want(bytes / 2);
+    check(cudaMemcpy(got.data(), a[0], bytes, cudaMemcpyDeviceToHost), name);
+    check(cudaMemcpy(want.data(), b[0], bytes, cudaMemcpyDeviceToHost), name);
+    if (got == want) return true;
+    std::printf("%-44s WRONG: not every element bumped once\n", name);
+    return false;
+  };
   const auto blocks = [&](auto kernel, int bm, int vs, int split, int cf) {
     if (cols / 8 / split < vs || rows % bm) return;
     std::snprintf(name, sizeof name, "row blocks %dx%dB, %d slices%s", bm, vs * 16, split, cf ? ", cols first" : "");
@@ -294,17 +308,7 @@ int main(int argc, char** argv) {
     if (rows % bm || cols / 8 % vs) return;
     std::snprintf(name, sizeof name, "tiles %dx%dB, cols first, rank %d side reads", bm, vs * 16, r);
     const dim3 grid(cols / 8 / vs, rows / bm);
-    check(cudaMemset(a[0], 0x3f, bytes), "cudaMemset");
-    check(cudaMemset(b[0], 0x3f, bytes), "cudaMemset");
-    kernel<<<grid, 256>>>(a[0], a[0], a_side, b_side, cols, 0xffffffffu);
-    grid_stride<<<sms * 8, 256>>>(b[0], b[0], n);
-    std::vector<unsigned short> got(bytes / 2), want(bytes / 2);
-    check(cudaMemcpy(got.data(), a[0], bytes, cudaMemcpyDeviceToHost), name);
-    check(cudaMemcpy(want.data(), b[0], bytes, cudaMemcpyDeviceToHost), name);
-    if (got != want) {
-      std::printf("%-44s WRONG: not every element bumped once\n", name);
-      return;
-    }
+    if (!bumps_once([&] { kernel<<<grid, 256>>>(a[0], a[0], a_side, b_side, cols, 0xffffffffu); })) return;
     time(name, [&](int s) { kernel<<<grid, 256>>>(a[s], a[s], a_side, b_side, cols, 0xffffffffu); });
   };
   side(tiles_with_side_reads<64, 16, 0>, 64, 16, 0);
@@ -345,18 +349,10 @@ int main(int argc, char** argv) {
             "cudaFuncSetAttribute");
       std::snprintf(name, sizeof name, "column strips 64x256B TMA, %d stages, %d slices%s", stages, split,
                     tma_store ? ", TMA store" : "");
-      // One launch first against the grid-stride loop on the same bytes: each element bumped once.
-      check(cudaMemset(a[0], 0x3f, bytes), "cudaMemset");
-      check(cudaMemset(b[0], 0x3f, bytes), "cudaMemset");
-      kernel<<<dim3(cols / 128, split), 256, bytes_smem>>>(maps[0], a[0], rows, cols, split, tma_store);
-      grid_stride<<<sms * 8, 256>>>(b[0], b[0], n);
-      std::vector<unsigned short> got(bytes / 2), want(bytes / 2);
-      check(cudaMemcpy(got.data(), a[0], bytes, cudaMemcpyDeviceToHost), name);
-      check(cudaMemcpy(want.data(), b[0], bytes, cudaMemcpyDeviceToHost), name);
-      if (got != want) {
-        std::printf("%-44s WRONG: not every element bumped once\n", name);
+      if (!bumps_once([&] {
+            kernel<<<dim3(cols / 128, split), 256, bytes_smem>>>(maps[0], a[0], rows, cols, split, tma_store);
+          }))
         return;
-      }
       time(name, [&](int s) {
         kernel<<<dim3(cols / 128, split), 256, bytes_smem>>>(maps[size_t(s)], a[s], rows, cols, split, tma_store);
       });
