@@ -185,8 +185,8 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
 void launch_merge(const char* op, const TensorView& W3, const TensorView& A3, const TensorView& B3, double s,
                   void* stream, const Config& config) {
   expect_meta(op, config,
-              {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"WALK_ROWS", 0, 1}, kStream, kOneTile, kWarpsN, kL2Prefetch, kWgmma,
-               kWgmmaSs, kColsFirst, kTf32, kStoreInRing});
+              {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"WALK_ROWS", 0, 1}, kStream, kOneTile, kWarpsN, kL2Prefetch,
+               kWgmma, kWgmmaSs, kColsFirst, kTf32, kStoreInRing});
   if (checks_only()) return;
   if (has_config(config))
     return run_merge(W3, A3, B3, s, stream, config);

@@ -111,7 +111,8 @@ MoePlan plan_moe(const TensorView& W, DType a, const TensorView& B, int64_t r, b
   }
   // ONE_TILE with STREAM (a program for every column block): the kernel's one-tile form, W's
   // tile asked for before the adapters'.
-  if (meta_or(config, "STREAM", 0) && meta_or(config, "ONE_TILE", 0) && split == steps && !p.meta.count("EXPERT_GROUP"))
+  if (meta_or(config, "STREAM", 0) && meta_or(config, "ONE_TILE", 0) && split == steps &&
+      !p.meta.count("EXPERT_GROUP"))
     p.meta["ONE_TILE"] = 1;
   // WALK_ROWS: a program owns BLOCK_K columns of one expert (grid axis 0; experts on axis 2)
   // and walks a slice of its rows (axis 1: split_k slices; 0, walk_rows_split's). STREAM,
@@ -210,9 +211,9 @@ void run_moe_lora_materialize(const TensorView& W, const TensorView& A, const Te
                               const std::string& layout) {
   const char* op = "moe_lora_materialize";
   expect_meta(op, config,
-              {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"PACK", 0, 2}, kStream, kOneTile, kWarpsN, kL2Prefetch, kWgmma, kColsFirst, kTf32,
-               kAccStore, kStoreInRing, {"PERSISTENT", 0, 8}, {"EXPERT_GROUP", 0, 64}, {"CLUSTER", 0, 8},
-               {"EXPERTS_LAST", 0, 1}, {"WALK_ROWS", 0, 1}});
+              {{"EVICT", 0, 2}, {"CAST_A", 0, 1}, {"PACK", 0, 2}, kStream, kOneTile, kWarpsN, kL2Prefetch, kWgmma,
+               kColsFirst, kTf32, kAccStore, kStoreInRing, {"PERSISTENT", 0, 8}, {"EXPERT_GROUP", 0, 64},
+               {"CLUSTER", 0, 8}, {"EXPERTS_LAST", 0, 1}, {"WALK_ROWS", 0, 1}});
   if (meta_or(config, "PERSISTENT", 0) && meta_or(config, "STREAM", 0))
     throw InvalidArgument(std::string(op) +
                           ": Config.meta PERSISTENT (programs that deal out the tiles) and STREAM (one tile a "

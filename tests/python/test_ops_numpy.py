@@ -210,6 +210,30 @@ def test_programs_walking_the_rows_give_the_same_answer(kerf_cpu, split):
 
 
 @pytest.mark.parametrize("dtype,tol", [(np.float32, 1e-5), (np.float16, 2e-3)])
+def test_one_tile_programs_give_the_same_answer(kerf_cpu, dtype, tol):
+    # Config.meta ONE_TILE with STREAM: one tile a program, W's tile asked for before the
+    # adapters' and added after the product; rows and columns past the tile, the merge in place,
+    # the MoE forward in PEFT's flat expert layout read through strides.
+    E, N, K, r = 3, 70, 52, 5
+    config = kerf_cpu.Config(block_m=16, block_k=16, meta={"STREAM": 1, "ONE_TILE": 1})
+    W = rng.standard_normal((E, N, K)).astype(dtype)
+    lora_A = (rng.standard_normal((r * E, K)) / 4).astype(dtype)
+    lora_B = (rng.standard_normal((N, r * E)) / 4).astype(dtype)
+    A3, B3 = lora_A.reshape(E, r, K), lora_B.reshape(N, r, E).transpose(2, 0, 1)
+    ref = moe_reference(W, A3, B3, 0.5)
+    np.testing.assert_allclose(kerf_cpu.ops.moe_lora_materialize(W, A3, B3, 0.5, config=config), ref,
+                               rtol=tol, atol=tol)
+    W2 = W[0].copy()
+    kerf_cpu.ops.lora_merge(W2, A3[1], B3[1], 2.0, config=config)
+    np.testing.assert_allclose(W2, W[0].astype(np.float64) + 2.0 * B3[1].astype(np.float64) @ A3[1],
+                               rtol=4 * tol, atol=4 * tol)
+    for op, args in ((kerf_cpu.ops.moe_lora_materialize, (W, A3, B3, 0.5)),
+                     (kerf_cpu.ops.lora_merge, (W2, A3[0], B3[0], 2.0))):
+        with pytest.raises(kerf_cpu.InvalidArgumentError, match="ONE_TILE"):
+            op(*args, config=kerf_cpu.Config(meta={"STREAM": 1, "ONE_TILE": 2}))
+
+
+@pytest.mark.parametrize("dtype,tol", [(np.float32, 1e-5), (np.float16, 2e-3)])
 def test_lora_merge_and_unmerge_in_place(kerf_cpu, dtype, tol):
     out, inn, r = 40, 56, 4
     W = rng.standard_normal((out, inn)).astype(dtype)
