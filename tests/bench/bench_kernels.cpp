@@ -968,20 +968,25 @@ int main(int argc, char** argv) {
         for (int64_t bm : {64, 128}) merge_cfgs.push_back(ops::Config{bm, 128, 0, 8, 3, {{"WARPS_N", wn}}});
     // One tile per program, W moved through the product's accumulator registers (STREAM).
     if (!quick)
-      for (auto [bm, bk] : std::vector<std::pair<int64_t, int64_t>>{{32, 128}, {32, 256}, {64, 128}})
+      for (auto [bm, bk] : std::vector<std::pair<int64_t, int64_t>>{{32, 128}, {32, 256}, {64, 128}}) {
         merge_cfgs.push_back(ops::Config{bm, bk, 0, 4, 1, {{"STREAM", 1}}});
+        // Its one-tile form: W's tile asked for before the adapters'.
+        merge_cfgs.push_back(ops::Config{bm, bk, 0, 4, 1, {{"STREAM", 1}, {"ONE_TILE", 1}}});
+      }
     for (auto [o, i] : std::vector<std::pair<int64_t, int64_t>>{{4096, 4096}, {8192, 8192}, {14336, 4096}})
       if (family("lora_merge")) run_case(make_merge(o, i, 16), merge_cfgs);
     for (DType at : {DType::f16, DType::f32})
       if (family("lora_merge")) run_case(make_merge(8192, 8192, 16, DType::f16, at), {ops::Config{}});
-    // Ranks 32 and 64 (their own tile on sm_90a is the MoE forward's), f16 W at 64, and bf16 W
-    // with f16 or fp32 adapters at 64.
+    // Ranks 32 and 64 (their own tile on sm_90a is the MoE forward's), and at each f16 W and
+    // bf16 W with f16 or fp32 adapters.
     for (int64_t r : {32, 64})
       for (auto [o, i] : std::vector<std::pair<int64_t, int64_t>>{{4096, 4096}, {8192, 8192}, {14336, 4096}})
         if (family("lora_merge")) run_case(make_merge(o, i, r), {ops::Config{}});
-    if (family("lora_merge")) run_case(make_merge(8192, 8192, 64, DType::f16), {ops::Config{}});
-    for (DType at : {DType::f16, DType::f32})
-      if (family("lora_merge")) run_case(make_merge(8192, 8192, 64, DType::bf16, at), {ops::Config{}});
+    for (int64_t r : {32, 64}) {
+      if (family("lora_merge")) run_case(make_merge(8192, 8192, r, DType::f16), {ops::Config{}});
+      for (DType at : {DType::f16, DType::f32})
+        if (family("lora_merge")) run_case(make_merge(8192, 8192, r, DType::bf16, at), {ops::Config{}});
+    }
     std::vector<ops::Config> dora4_cfgs = {ops::Config{}};
     if (!quick)
       for (int64_t bm : {32, 64, 128})
