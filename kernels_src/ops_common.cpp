@@ -349,6 +349,9 @@ Config stream_plan(const Config& config, DType w, int64_t steps, dsl::MetaMap& m
   meta["acc_col_run"] = 16 / int64_t(dtype_size_bytes(w));
   meta.erase("l2_prefetch");  // a hint of pipelined copies: there are none
   meta.erase("store_in_ring");  // nor a ring to stage in (the same kernel, compiled once)
+  // ONE_TILE: the kernel's one-tile form, W's tile asked for before the adapters' (a program
+  // for every column block).
+  if (meta_or(config, "ONE_TILE", 0) && *split == steps) meta["ONE_TILE"] = 1;
   order.meta["COLS_FIRST"] = 1;
   return order;
 }

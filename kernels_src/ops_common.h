@@ -232,8 +232,9 @@ inline constexpr MetaRange kStream{"STREAM", 0, 1};
 // whose programs ask for W's tile before the adapters' and read it only after the product.
 inline constexpr MetaRange kOneTile{"ONE_TILE", 0, 1};
 // When `config` streams, sets the kernel meta of a weight of dtype `w` (after
-// add_codegen_hints: no l2_prefetch or store_in_ring, one stage) and `split` to `steps`. Returns the
-// config to order the grid by (row_slice_grid): `config`, with COLS_FIRST on when streaming.
+// add_codegen_hints: no l2_prefetch or store_in_ring, one stage; ONE_TILE where the config asks
+// for it and every column step gets a slice) and `split` to `steps`. Returns the config to order
+// the grid by (row_slice_grid): `config`, with COLS_FIRST on when streaming.
 Config stream_plan(const Config& config, DType w, int64_t steps, dsl::MetaMap& meta, int64_t* split);
 // The grid of a kernel whose programs own (row block, column slice) pairs, `batch`
 // on axis 2, in the order config's COLS_FIRST asks for; sets the kernel's

@@ -98,10 +98,6 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
     return p;
   }
   const Config order = stream_plan(config, W3.dtype, steps, p.meta, &split);
-  // ONE_TILE with STREAM (a program for every column block): the kernel's one-tile form, W's
-  // tile asked for before the adapters'.
-  if (meta_or(config, "STREAM", 0) && meta_or(config, "ONE_TILE", 0) && split == steps)
-    p.meta["ONE_TILE"] = 1;
   p.grid = row_slice_grid(cdiv(out, bm), split, G, order, p.meta);
   return p;
 }

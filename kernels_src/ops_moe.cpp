@@ -97,6 +97,7 @@ MoePlan plan_moe(const TensorView& W, DType a, const TensorView& B, int64_t r, b
   if (const int64_t g = meta_or(config, "EXPERT_GROUP", 0);
       g && !meta_or(config, "PERSISTENT", 0) && cdiv(N, bn) <= 65535 && cdiv(E, g) * split <= 65535) {
     p.meta.erase("COLS_FIRST");
+    p.meta.erase("ONE_TILE");  // its programs own whole slices of a group's experts
     p.meta["EXPERT_GROUP"] = g;
     p.grid = Grid{uint32_t(g), uint32_t(cdiv(N, bn)), uint32_t(cdiv(E, g) * split)};
     if (const int64_t c = meta_or(config, "CLUSTER", 0); c > 1 && g % c == 0) {
@@ -109,11 +110,6 @@ MoePlan plan_moe(const TensorView& W, DType a, const TensorView& B, int64_t r, b
       }
     }
   }
-  // ONE_TILE with STREAM (a program for every column block): the kernel's one-tile form, W's
-  // tile asked for before the adapters'.
-  if (meta_or(config, "STREAM", 0) && meta_or(config, "ONE_TILE", 0) && split == steps &&
-      !p.meta.count("EXPERT_GROUP"))
-    p.meta["ONE_TILE"] = 1;
   // WALK_ROWS: a program owns BLOCK_K columns of one expert (grid axis 0; experts on axis 2)
   // and walks a slice of its rows (axis 1: split_k slices; 0, walk_rows_split's). STREAM,
   // EXPERT_GROUP and PERSISTENT turn it off.
