@@ -142,6 +142,15 @@ void check_merge(const MergeCase& c, Device dev, uint64_t seed) {
   CHECK(worst <= 2 * merge_tolerance(c.w));
 }
 
+// `c` with Config.meta STREAM (one tile a program) on a BM x BK tile, WARPS_N `warps_n`.
+MergeCase streamed(MergeCase c, int64_t bm, int64_t bk, int64_t warps_n = 0) {
+  c.stream = true;
+  c.block_m = bm;
+  c.block_k = bk;
+  c.warps_n = warps_n;
+  return c;
+}
+
 std::vector<MergeCase> merge_cases() {
   std::vector<MergeCase> cases;
   // Every dtype combination: W in {bf16, f16, f32} x adapters in {f32, bf16, f16}, odd shapes.
@@ -172,13 +181,6 @@ std::vector<MergeCase> merge_cases() {
   // STREAM: bf16 W with bf16 adapters (s applied after the product), f16 W with
   // f32 adapters (the product onto W), f32 W (runs of 4), partial tiles, a large
   // rank, warps along the columns, fan_in_fan_out and misaligned W (no vectors).
-  const auto streamed = [](MergeCase c, int64_t bm, int64_t bk, int64_t warps_n = 0) {
-    c.stream = true;
-    c.block_m = bm;
-    c.block_k = bk;
-    c.warps_n = warps_n;
-    return c;
-  };
   cases.push_back(streamed({130, 200, 16, DType::bf16, DType::bf16, DType::bf16}, 64, 128));
   cases.push_back(streamed({67, 300, 5, DType::f16, DType::f32, DType::f32, false, 0, -0.5}, 32, 256));
   cases.push_back(streamed({96, 136, 16, DType::f32, DType::bf16, DType::bf16}, 32, 64));
@@ -263,11 +265,8 @@ void run_merge_cases(Device dev) {
 // warps along the columns, fan_in_fan_out (strided W) and misaligned W (no vectors).
 std::vector<MergeCase> one_tile_cases() {
   const auto one_tile = [](MergeCase c, int64_t bm, int64_t bk, int64_t warps_n = 0) {
-    c.stream = true;
+    c = streamed(c, bm, bk, warps_n);
     c.one_tile = true;
-    c.block_m = bm;
-    c.block_k = bk;
-    c.warps_n = warps_n;
     return c;
   };
   return {
