@@ -493,14 +493,31 @@ std::vector<TunedVsDefault> g_tuning;
 
 // Runs `run` with the autotuner's info lines caught: the config of each "chose CONFIG" or
 // "CONFIG (stored choice)" line, joined by "; ". Other messages go to stderr as kerf writes
-// them at the level KERF_LOG asks for.
+// them at the level KERF_LOG asks for (raised to info meanwhile where it is lower).
 std::string tuner_choices(const std::function<void()>& run) {
-  const char* was = std::getenv("KERF_LOG");
-  const std::string saved = was ? was : "";
   const log::Level shown = log::level();
-  setenv("KERF_LOG", "info", 1);
-  log::reload();
-  std::string chosen;
+  std::string chosen;  // declared before the guard: the sink writes here until the guard removes it
+  // Puts the sink and KERF_LOG back however `run` ends.
+  struct Restore {
+    bool had = false;
+    std::string value;
+    ~Restore() {
+      log::set_sink({});
+      if (had)
+        setenv("KERF_LOG", value.c_str(), 1);
+      else
+        unsetenv("KERF_LOG");
+      log::reload();
+    }
+  } restore;
+  if (const char* was = std::getenv("KERF_LOG")) {
+    restore.had = true;
+    restore.value = was;
+  }
+  if (int(shown) < int(log::Level::info)) {
+    setenv("KERF_LOG", "info", 1);
+    log::reload();
+  }
   log::set_sink([&](log::Level l, const std::string& m) {
     std::string config;  // config texts hold no blanks
     if (l == log::Level::info && m.rfind("autotune ", 0) == 0) {
@@ -517,18 +534,7 @@ std::string tuner_choices(const std::function<void()>& run) {
       std::fprintf(stderr, "kerf %s: %s\n", l == log::Level::warn ? "warning" : l == log::Level::info ? "info" : "debug",
                    m.c_str());
   });
-  try {
-    run();
-  } catch (...) {
-    log::set_sink({});
-    throw;
-  }
-  log::set_sink({});
-  if (was)
-    setenv("KERF_LOG", saved.c_str(), 1);
-  else
-    unsetenv("KERF_LOG");
-  log::reload();
+  run();
   return chosen;
 }
 
