@@ -33,24 +33,40 @@ struct MergePlan {
 // The op's own tile on an H100 (sm_90a) for a call whose Config names none (untuned, or a
 // first call inside a graph capture) with a bf16 or f16 W whose product runs in a half dtype
 // (a bf16 W with adapters of any dtype, an f16 W with f16 or bf16 ones), at ranks 17 to 64
-// (R_PAD 32 or 64): the MoE forward's (ops_moe.cpp), 64x128 on one warpgroup (WGMMA), W's
-// new tile moved to its store layout through its spent ring slot (STORE_IN_RING), 128-byte
-// L2 prefetches, its programs owning columns and walking the rows (WALK_ROWS;
-// walk_rows_split's slices), on three stages at R_PAD 32 and two at 64. On an H100, at
-// 4096x4096 / 8192x8192 / 14336x4096 all-bf16: r=64 30.4 / 99.8 / 88.7 us (30.9 / 101.7 /
-// 90.5 on three stages) against 33.5 / 106.6 / 98.3 on the same tile walking columns and
-// 37.4 / 119.5 / 112.0 on the 64x128 mma.sync tile, r=32 29.8 / 100.6 / 89.2 against 31.4 /
-// 104.3 / 95.1 and 32.8 / 106.8 / 98.6 (on two stages 30.2 / 100.8 / 90.1); at 8192x8192
-// and r=64, f16 W with bf16 adapters 100.5 against 119.0 (mma.sync), bf16 W with f16 ones
-// 100.1 against 114.0, with fp32 ones (PEFT's) 107.7 (111.4 on three stages) against 154.5.
-// The MoE forward walking columns keeps three (two: 543.3 against 538.3 us, 64x2816x2048).
-// r=16 is slower on the warpgroup tile (107.9 against 104.3 at 8192x8192, walking columns),
-// so it keeps the mma.sync tile, as do an f16 W with fp32 adapters (TF32 products) and calls
-// that ask for one tile a program (STREAM).
-Config own_merge_config(const Config& config, const TensorView& W3, const Product& dot, int64_t r_pad, bool gpu) {
+// (R_PAD 32 or 64).
+//
+// At R_PAD 32 with W's rows contiguous: one tile a program in its one-tile form (STREAM,
+// ONE_TILE), 32 rows by 64 columns on 4 warps (128 columns with fp32 adapters, whose wider
+// side reads cost more a program), unless the Config says ONE_TILE=0 or names WALK_ROWS
+// (which ask for the ring tile below). On an H100 at r=32, 4096x4096 / 8192x8192 /
+// 14336x4096 all-bf16: 27.6 / 96.7 / 85.0 us (96.8-97.3% of a copy) against 29.7 / 100.1 /
+// 90.3 on the ring tile; at 8192x8192 an f16 W 96.6 against 100.4, f16 adapters 96.6 against
+// 101.6, fp32 adapters 101.2 (32x128; 116.8 at 32x64, 109.0 at 32x256) against 104.0. At r=16
+// the 32x64 one-tile form was slower (111.7 against 95.9 on the mma.sync tile at 8192x8192)
+// and at r=64 far slower (165.4 against 100.8: A's columns pass through registers), so those
+// ranks keep their tiles.
+//
+// Otherwise (R_PAD 64, a strided W, ONE_TILE=0): the MoE forward's tile (ops_moe.cpp), 64x128
+// on one warpgroup (WGMMA), W's new tile moved to its store layout through its spent ring slot
+// (STORE_IN_RING), 128-byte L2 prefetches, its programs owning columns and walking the rows
+// (WALK_ROWS; walk_rows_split's slices), on three stages at R_PAD 32 and two at 64. On an
+// H100, at 4096x4096 / 8192x8192 / 14336x4096 all-bf16: r=64 30.4 / 99.8 / 88.7 us (30.9 /
+// 101.7 / 90.5 on three stages) against 33.5 / 106.6 / 98.3 on the same tile walking columns
+// and 37.4 / 119.5 / 112.0 on the 64x128 mma.sync tile, r=32 29.8 / 100.6 / 89.2 against
+// 31.4 / 104.3 / 95.1 and 32.8 / 106.8 / 98.6 (on two stages 30.2 / 100.8 / 90.1); at
+// 8192x8192 and r=64, f16 W with bf16 adapters 100.5 against 119.0 (mma.sync), bf16 W with
+// f16 ones 100.1 against 114.0, with fp32 ones (PEFT's) 107.7 (111.4 on three stages)
+// against 154.5. The MoE forward walking columns keeps three (two: 543.3 against 538.3 us,
+// 64x2816x2048). r=16 is slower on the warpgroup tile (107.9 against 104.3 at 8192x8192,
+// walking columns), so it keeps the mma.sync tile, as do an f16 W with fp32 adapters (TF32
+// products) and calls that ask for one tile a program (STREAM).
+Config own_merge_config(const Config& config, const TensorView& W3, const Product& dot, DType adapters,
+                        int64_t r_pad, bool gpu) {
   if (!gpu || config.block_m || config.block_k || !is_half(W3.dtype) || !is_half(dot.dtype) || dot.tf32 ||
       r_pad < 32 || r_pad > 64 || meta_or(config, "STREAM", 0) || !wgmma_target(W3.device))
     return config;
+  if (r_pad == 32 && W3.strides[2] == 1 && meta_or(config, "ONE_TILE", 1) && !config.meta.count("WALK_ROWS"))
+    return with_own_tile(config, 32, adapters == DType::f32 ? 128 : 64, 4, 1, {{"STREAM", 1}, {"ONE_TILE", 1}});
   Config own = config;
   // Walking the rows at ranks 33 to 64: two stages, three programs a multiprocessor, not two.
   if (!own.num_stages && r_pad > 32 && meta_or(config, "WALK_ROWS", 1)) own.num_stages = 2;
@@ -66,7 +82,8 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
   bool scale_after = false;
   const Product dot = merge_dot_dtype(W3.dtype, A3.dtype, B3.dtype, &scale_after);
   const int64_t r_pad = rank_pad(r);
-  const Config config = own_merge_config(given, W3, dot, r_pad, gpu);
+  const DType adapters = A3.dtype == DType::f32 || B3.dtype == DType::f32 ? DType::f32 : A3.dtype;
+  const Config config = own_merge_config(given, W3, dot, adapters, r_pad, gpu);
   // B's rows stay in registers: fewer rows per program at large ranks.
   const int64_t bm_default = gpu ? std::clamp<int64_t>(8192 / r_pad, 16, 64) : 16;
   const int64_t bm = config.block_m ? config.block_m : bm_default;
@@ -152,9 +169,11 @@ Config tuned_merge_config(const TensorView& W3, const TensorView& A3, const Tens
   bool scale_after = false;
   const Product product = merge_dot_dtype(W3.dtype, A3.dtype, B3.dtype, &scale_after);
   q.gpu_candidates = with_stream_tiles(q.gpu_candidates, "BLOCK_M", "BLOCK_K", product);
-  q.finalist_variants = with_cols_first_variants(with_wgmma_variant(
-      with_l2_prefetch_variants(with_warps_n_variants(evict_and_cast_variants(A3, product), product)), product,
-      W3.device));
+  q.finalist_variants = with_one_tile_variant(
+      with_cols_first_variants(with_wgmma_variant(
+          with_l2_prefetch_variants(with_warps_n_variants(evict_and_cast_variants(A3, product), product)), product,
+          W3.device)),
+      product);
   // W's new tile staged in W's spent ring slot: a tile of shared memory less, so where
   // that bounds the programs per multiprocessor, one more of them.
   if (W3.device.is_cuda()) q.finalist_variants.push_back({{"STORE_IN_RING", 1}});

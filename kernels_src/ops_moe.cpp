@@ -299,9 +299,11 @@ Config tuned_moe_config(const TensorView& W, const TensorView& A, const TensorVi
   const Product product = product_dtype(W.dtype, A.dtype, B.dtype);
   q.gpu_candidates = with_stream_tiles(with_wgmma_tiles(moe_gpu_candidates(), moe_wgmma_tiles(), product, W.device),
                                        "BLOCK_N", "BLOCK_K", product);
-  q.finalist_variants = with_wgmma_variant(
-      with_l2_prefetch_variants(with_warps_n_variants(evict_and_cast_variants(A, product), product)), product,
-      W.device);
+  q.finalist_variants = with_one_tile_variant(
+      with_wgmma_variant(
+          with_l2_prefetch_variants(with_warps_n_variants(evict_and_cast_variants(A, product), product)), product,
+          W.device),
+      product);
   // Adapters strided along their last dims (PEFT's layouts): also read in place.
   if (gpu && (strided_last(A) || strided_last(B))) q.finalist_variants.push_back({{"PACK", 0}});
   // Both strided (PEFT's transposed experts): also A copied alone, B (read once a program) in place.

@@ -198,8 +198,17 @@ std::vector<autotune::Config> with_stream_tiles(std::vector<autotune::Config> ca
   return candidates;
 }
 
+std::vector<autotune::Config> with_one_tile_variant(std::vector<autotune::Config> variants, DType product) {
+  if (is_half(product)) variants.push_back({{"ONE_TILE", 1}});
+  return variants;
+}
+
 autotune::Config stream_canonical(autotune::Config c) {
-  if (autotune::value_or_zero(c, "STREAM") == 0) return c;
+  if (autotune::value_or_zero(c, "STREAM") == 0) {
+    c.erase("ONE_TILE");  // the one-tile form of STREAM's programs: nothing without them
+    return c;
+  }
+  if (autotune::value_or_zero(c, "ONE_TILE") == 0) c.erase("ONE_TILE");
   for (const char* name : {"split_k", "split_waves", "num_stages", "L2_PREFETCH", "COLS_FIRST"}) c.erase(name);
   return c;
 }

@@ -143,9 +143,15 @@ std::vector<autotune::Config> with_stream_tiles(std::vector<autotune::Config> ca
                                                 const std::string& block_m_name, const std::string& block_k_name,
                                                 DType product);
 
+// `variants` and, when `product` runs on tensor cores (where with_stream_tiles adds STREAM
+// tiles), ONE_TILE=1: the finalists that are STREAM configs also in their one-tile form
+// (stream_canonical takes it out of the others, which are then not timed again).
+std::vector<autotune::Config> with_one_tile_variant(std::vector<autotune::Config> variants, DType product);
+
 // `c` as it runs: with STREAM, without the entries stream_plan overrides or drops
-// (split_k, num_stages, L2_PREFETCH, COLS_FIRST). The tuner's Hooks::canonical, so a
-// finalist variant that only sets one of them is not compiled and timed again.
+// (split_k, num_stages, L2_PREFETCH, COLS_FIRST) and without ONE_TILE=0; without STREAM,
+// without ONE_TILE. The tuner's Hooks::canonical, so a finalist variant that only sets one
+// of them is not compiled and timed again.
 autotune::Config stream_canonical(autotune::Config c);
 
 // The autotuner's choice for `request`; when tuning is off for the device, a call

@@ -955,7 +955,7 @@ TEST_CASE("the MoE forward's clustered read of PEFT's flat lora_B compiles for s
       }
 }
 
-// The merge's own sm_90a tile for W and adapters of two dtypes, its WALK_ROWS tiles (A's columns
+// The merge's own sm_90a tiles for W and adapters of two dtypes, its WALK_ROWS tiles (A's columns
 // kept, the rows walked: on the warpgroup ring tile, with A's fragments read from shared memory,
 // and on mma.sync) and its CAST_A plan (an fp32 A rounded to bf16 by a launch of its own, then
 // the bf16 W merged with it and fp32 B) compile for sm_90a without spills.
@@ -974,15 +974,21 @@ TEST_CASE("the merge's mixed-dtype own tiles and its WALK_ROWS and CAST_A plans 
                        TensorView::contiguous(p, ab, {4096, r}, dev)},
                       c, 132);
   };
-  // The untuned plans (the op's own ring tile) of W and adapters of two dtypes.
+  // The untuned plans (the op's own tiles: one tile a program at ranks 17 to 32, the ring tile
+  // above, or asked for with ONE_TILE=0) of W and adapters of two dtypes.
   for (const auto& [w, ab] : {std::pair{DType::f16, DType::bf16}, {DType::bf16, DType::f16}, {DType::bf16, DType::f32}})
-    for (const int64_t r : {17, 32, 64}) {
-      CAPTURE(dtype_name(w), dtype_name(ab), r);
-      const std::vector<autotune::KernelCall> calls = planned(w, ab, r, {});
-      REQUIRE(calls.size() == 1);
-      CHECK(test::is_ring_tile(calls[0].meta, "BLOCK_M", r > 32 ? 2 : 3));
-      compiles_without_spills(calls[0]);
-    }
+    for (const int64_t r : {17, 32, 64})
+      for (const int64_t one_tile : {1, 0}) {
+        CAPTURE(dtype_name(w), dtype_name(ab), r, one_tile);
+        const std::vector<autotune::KernelCall> calls =
+            planned(w, ab, r, one_tile ? autotune::Config{} : autotune::Config{{"ONE_TILE", 0}});
+        REQUIRE(calls.size() == 1);
+        if (r <= 32 && one_tile)
+          CHECK(test::is_one_tile(calls[0].meta, ab == DType::f32 ? 128 : 64));
+        else
+          CHECK(test::is_ring_tile(calls[0].meta, "BLOCK_M", r > 32 ? 2 : 3));
+        compiles_without_spills(calls[0]);
+      }
   for (const int64_t r : {32, 64}) {
     for (const DType ab : {DType::bf16, DType::f32})
       for (const autotune::Config& extra :

@@ -452,21 +452,27 @@ TEST_CASE("the tiles of lora_merge's GPU float64 cases fit an H100's shared memo
 }
 
 // Untuned merges on sm_90a at ranks 17 to 64 with a bf16 or f16 W whose product runs in a half
-// dtype (a bf16 W with any adapters, an f16 W with f16 or bf16 ones) run the MoE forward's
-// warpgroup tile through W's ring, its programs owning columns and walking the rows
-// (WALK_ROWS), on two stages at ranks 33 to 64 and three below; other ranks, dtypes and GPUs
-// keep the 64x128 mma.sync tile walking columns.
+// dtype (a bf16 W with any adapters, an f16 W with f16 or bf16 ones): at ranks 17 to 32 with
+// W's rows contiguous, one 32x64 tile a program in its one-tile form (32x128 with fp32
+// adapters); at ranks 33 to 64, or asked with ONE_TILE=0 or WALK_ROWS, or with W strided
+// (fan_in_fan_out), the MoE forward's warpgroup tile through W's ring, its programs owning
+// columns and walking the rows (WALK_ROWS), on two stages at ranks 33 to 64 and three below;
+// other ranks, dtypes and GPUs keep the 64x128 mma.sync tile walking columns.
 // Each dtype combination's own tile fits an H100's shared memory.
-TEST_CASE("the merge's own config on sm_90a is the MoE forward's 64x128 ring tile walking the rows at ranks 17 to 64",
+TEST_CASE("the merge's own config on sm_90a is one tile a program at ranks 17 to 32 and the MoE forward's 64x128 "
+          "ring tile walking the rows at ranks 33 to 64",
           "[ops][merge]") {
   const autotune::TunableOp op = test::registered_op("lora_merge");
   void* const p = test::planning_address();
-  const auto planned = [&](const char* arch, DType w, DType ab, int64_t r, const autotune::Config& c) {
+  const auto planned = [&](const char* arch, DType w, DType ab, int64_t r, const autotune::Config& c,
+                           bool transposed = false) {
     const ops::detail::PlanningArch target(arch);
     const auto t = [&](DType d, std::initializer_list<int64_t> shape) {
       return TensorView::contiguous(p, d, shape, Device::cuda(0));
     };
-    const std::vector<autotune::KernelCall> calls = op.kernels({t(w, {8192, 4096}), t(ab, {r, 4096}), t(ab, {8192, r})}, c, 132);
+    const TensorView W = transposed ? TensorView::strided(p, w, {8192, 4096}, {1, 8192}, Device::cuda(0))
+                                    : t(w, {8192, 4096});
+    const std::vector<autotune::KernelCall> calls = op.kernels({W, t(ab, {r, 4096}), t(ab, {8192, r})}, c, 132);
     REQUIRE(calls.size() == 1);
     if (std::string(arch) == "sm_90a") CHECK(test::sm90a_smem_bytes(calls[0]) <= autotune::typical_max_shared_memory("sm_90a"));
     return calls[0].meta;
@@ -480,37 +486,68 @@ TEST_CASE("the merge's own config on sm_90a is the MoE forward's 64x128 ring til
     for (const int64_t r : {17, 32, 48, 64}) {
       CAPTURE(dtype_name(w), dtype_name(ab), r);
       const autotune::Config own = planned("sm_90a", w, ab, r, {});
-      CHECK(ring_tile(own));
-      CHECK(own.count("WALK_ROWS"));
-      CHECK(own.at("num_stages") == (r > 32 ? 2 : 3));  // three programs a multiprocessor at ranks 33 to 64
+      if (r <= 32) {
+        CHECK(test::is_one_tile(own, ab == DType::f32 ? 128 : 64));
+        CHECK_FALSE(ring_tile(own));
+        // ONE_TILE=0, or WALK_ROWS named, or W strided: the ring tile walking the rows, three stages.
+        for (const autotune::Config& asked : {autotune::Config{{"ONE_TILE", 0}}, autotune::Config{{"WALK_ROWS", 1}}}) {
+          const autotune::Config ring = planned("sm_90a", w, ab, r, asked);
+          CHECK(test::is_ring_tile(ring, "BLOCK_M", 3));
+          CHECK(ring.count("WALK_ROWS"));
+        }
+        const autotune::Config strided = planned("sm_90a", w, ab, r, {}, true);
+        CHECK(test::is_ring_tile(strided, "BLOCK_M", 3));
+        CHECK_FALSE(strided.count("ONE_TILE"));
+      } else {
+        CHECK(test::is_ring_tile(own, "BLOCK_M", 2));  // three programs a multiprocessor at ranks 33 to 64
+        CHECK(own.count("WALK_ROWS"));
+        CHECK_FALSE(own.count("ONE_TILE"));
+      }
       const autotune::Config off = planned("sm_80", w, ab, r, {});
       CHECK_FALSE(ring_tile(off));
       CHECK_FALSE(off.count("WALK_ROWS"));
+      CHECK_FALSE(off.count("ONE_TILE"));
     }
-  for (const int64_t r : {1, 16, 128}) CHECK_FALSE(ring_tile(planned("sm_90a", DType::bf16, DType::bf16, r, {})));
-  CHECK_FALSE(ring_tile(planned("sm_90a", DType::f32, DType::f32, 64, {})));  // fp32 products
-  CHECK_FALSE(ring_tile(planned("sm_90a", DType::f32, DType::bf16, 64, {})));  // fp32 W
-  CHECK_FALSE(ring_tile(planned("sm_90a", DType::f16, DType::f32, 64, {})));  // TF32
+  for (const int64_t r : {1, 16, 128}) {
+    const autotune::Config own = planned("sm_90a", DType::bf16, DType::bf16, r, {});
+    CHECK_FALSE(ring_tile(own));
+    CHECK_FALSE(own.count("ONE_TILE"));
+  }
+  for (const auto& [w, ab] : {std::pair{DType::f32, DType::f32}, {DType::f32, DType::bf16}, {DType::f16, DType::f32}}) {
+    CAPTURE(dtype_name(w), dtype_name(ab));  // fp32 products, an fp32 W, TF32
+    for (const int64_t r : {32, 64}) {
+      const autotune::Config own = planned("sm_90a", w, ab, r, {});
+      CHECK_FALSE(ring_tile(own));
+      CHECK_FALSE(own.count("ONE_TILE"));
+    }
+  }
   CHECK_FALSE(ring_tile(planned("sm_90a", DType::bf16, DType::bf16, 64, {{"STREAM", 1}})));
+  CHECK_FALSE(planned("sm_90a", DType::bf16, DType::bf16, 64, {{"STREAM", 1}}).count("ONE_TILE"));
   CHECK_FALSE(planned("sm_90a", DType::bf16, DType::bf16, 16, {}).count("WALK_ROWS"));
-  // WALK_ROWS=0 keeps the own tile, walking columns.
-  const autotune::Config by_columns = planned("sm_90a", DType::bf16, DType::bf16, 64, {{"WALK_ROWS", 0}});
-  CHECK(test::is_ring_tile(by_columns, "BLOCK_M", 3));  // walking columns on three stages, as before
-  CHECK_FALSE(by_columns.count("WALK_ROWS"));
+  // WALK_ROWS=0 keeps the own ring tile, walking columns.
+  for (const int64_t r : {32, 64}) {
+    const autotune::Config by_columns = planned("sm_90a", DType::bf16, DType::bf16, r, {{"WALK_ROWS", 0}});
+    CHECK(test::is_ring_tile(by_columns, "BLOCK_M", 3));  // walking columns on three stages, as before
+    CHECK_FALSE(by_columns.count("WALK_ROWS"));
+  }
   // A caller's fields win; the rest is the own tile's.
   const autotune::Config deeper = planned("sm_90a", DType::bf16, DType::bf16, 64, {{"num_stages", 4}});
   CHECK(deeper.at("num_stages") == 4);
-  CHECK(planned("sm_90a", DType::bf16, DType::bf16, 32, {{"num_stages", 2}}).at("num_stages") == 2);
+  CHECK(planned("sm_90a", DType::bf16, DType::bf16, 32, {{"ONE_TILE", 0}, {"num_stages", 2}}).at("num_stages") == 2);
   CHECK(deeper.count("store_in_ring"));
   CHECK(planned("sm_90a", DType::bf16, DType::bf16, 64, {{"BLOCK_M", 128}}).at("BLOCK_M") == 128);
+  const autotune::Config wide = planned("sm_90a", DType::bf16, DType::bf16, 32, {{"num_warps", 8}});
+  CHECK(wide.at("num_warps") == 8);
+  CHECK(wide.at("ONE_TILE") == 1);
+  CHECK(wide.at("BLOCK_M") == 32);
 }
 
 // f16 W and adapters at rank 64 on the 64x128 mma.sync tile on three stages (the op's own
 // tile off sm_90a), the kernel that compile_kernel compiles again for one program a
 // multiprocessor (ptxas spilled 4 bytes of it at 168 registers; tests/test_cuda_codegen.cpp);
-// then untuned, the op's own tile (on sm_90a at ranks 17 to 64, products in a half dtype: the
-// MoE forward's warpgroup tile through W's ring, walking the rows), W and adapters of one
-// dtype and of two.
+// then untuned, the op's own tile (on sm_90a, products in a half dtype: at ranks 17 to 32 one
+// tile a program in its one-tile form, at 33 to 64 and with W strided the MoE forward's
+// warpgroup tile through W's ring, walking the rows), W and adapters of one dtype and of two.
 TEST_CASE("lora_merge in f16 at rank 64 on the tile compiled twice, and untuned at ranks 32 and 64, matches a "
           "float64 reference on the GPU",
           "[gpu][ops][merge]") {
@@ -530,6 +567,11 @@ TEST_CASE("lora_merge in f16 at rank 64 on the tile compiled twice, and untuned 
       {260, 300, 48, DType::bf16, DType::f16, DType::f16, false, 0, -0.5},
       {300, 520, 64, DType::bf16, DType::f32, DType::f32},  // PEFT's fp32 adapters
       {200, 300, 64, DType::bf16, DType::f32, DType::bf16, false, 0, -0.75},
+      // The one-tile own tile at ranks 17 to 32: 32x64 (32x128 with fp32 adapters), rows and
+      // columns not multiples of the tile.
+      {130, 333, 17, DType::f16, DType::f16, DType::f16},
+      {301, 130, 32, DType::bf16, DType::f32, DType::f32, false, 0, -0.5},
+      {99, 200, 24, DType::f16, DType::bf16, DType::bf16},
   };
   uint64_t seed = 4650;
   for (const MergeCase& c : cases) check_merge(c, Device::cuda(0), seed++);

@@ -372,6 +372,25 @@ TEST_CASE("a STREAM config runs as one without the entries its plan overrides", 
     CHECK(plan(with) == plan(plain));
     CHECK(stream_canonical(with) == plain);
   }
+  // ONE_TILE: the one-tile form of STREAM's programs, kept at 1 with STREAM; at 0, or without
+  // STREAM (where the plan has no use for it), dropped.
+  autotune::Config one_tile = streamed;
+  one_tile["ONE_TILE"] = 1;
+  CHECK(stream_canonical(one_tile).at("ONE_TILE") == 1);
+  one_tile["ONE_TILE"] = 0;
+  CHECK(stream_canonical(one_tile) == stream_canonical(streamed));
+  autotune::Config tiled_one = tiled;
+  tiled_one["ONE_TILE"] = 1;
+  CHECK(stream_canonical(tiled_one) == tiled);
+  const auto kernel_meta = [](const autotune::Config& c) {
+    const ops::Config cfg = ops::detail::config_from(c, "BLOCK_M", "BLOCK_K");
+    dsl::MetaMap meta;
+    int64_t split = 9;
+    ops::detail::stream_plan(cfg, DType::bf16, 9, meta, &split);
+    return meta;
+  };
+  CHECK(kernel_meta(tiled_one) == kernel_meta(tiled));
+  CHECK_FALSE(kernel_meta(tiled_one).count("ONE_TILE"));
 }
 
 // An untuned call (KERF_AUTOTUNE=0, or a first call in a capture) on a GPU whose blocks hold
