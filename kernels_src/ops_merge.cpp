@@ -35,16 +35,17 @@ struct MergePlan {
 // (a bf16 W with adapters of any dtype, an f16 W with f16 or bf16 ones), at ranks 17 to 64
 // (R_PAD 32 or 64).
 //
-// At R_PAD 32 with W's rows contiguous: one tile a program in its one-tile form (STREAM,
-// ONE_TILE), 32 rows by 64 columns on 4 warps (128 columns with fp32 adapters, whose wider
-// side reads cost more a program), unless the Config says ONE_TILE=0 or names WALK_ROWS
-// (which ask for the ring tile below). On an H100 at r=32, 4096x4096 / 8192x8192 /
-// 14336x4096 all-bf16: 27.6 / 96.7 / 85.0 us (96.8-97.3% of a copy) against 29.7 / 100.1 /
-// 90.3 on the ring tile; at 8192x8192 an f16 W 96.6 against 100.4, f16 adapters 96.6 against
-// 101.6, fp32 adapters 101.2 (32x128; 116.8 at 32x64, 109.0 at 32x256) against 104.0. At r=16
-// the 32x64 one-tile form was slower (111.7 against 95.9 on the mma.sync tile at 8192x8192)
-// and at r=64 far slower (165.4 against 100.8: A's columns pass through registers), so those
-// ranks keep their tiles.
+// At ranks up to 32 (R_PAD 16 or 32) with W's rows contiguous: one tile a program in its
+// one-tile form (STREAM, ONE_TILE), 32 rows by 64 columns on 4 warps at R_PAD 32 (128 columns
+// with fp32 adapters, whose wider side reads cost more a program) and by 128 at R_PAD 16,
+// unless the Config says ONE_TILE=0 or names WALK_ROWS (which ask for the ring tile below at
+// R_PAD 32, the mma.sync tile at 16). On an H100 at r=32, 4096x4096 / 8192x8192 / 14336x4096
+// all-bf16: 27.6 / 96.7 / 85.0 us (96.8-97.3% of a copy) against 29.7 / 100.1 / 90.3 tuned
+// before; at 8192x8192 an f16 W 96.6 against 100.4, f16 adapters 96.6 against 101.6, fp32
+// adapters 101.2 (32x128; 116.8 at 32x64, 109.0 at 32x256) against 104.0. At r=16 32x128:
+// 27.3 / 96.2 / 84.7 (f16 W 96.2) against 30.8 / 102.7 / 94.1 (102.6) on the mma.sync tile
+// (32x64 was slower there: 111.7 at 8192x8192). At r=64 the one-tile form ran at 55-82% of
+// a copy (A's columns pass through registers), so R_PAD 64 keeps the ring tile.
 //
 // Otherwise (R_PAD 64, a strided W, ONE_TILE=0): the MoE forward's tile (ops_moe.cpp), 64x128
 // on one warpgroup (WGMMA), W's new tile moved to its store layout through its spent ring slot
@@ -63,10 +64,12 @@ struct MergePlan {
 Config own_merge_config(const Config& config, const TensorView& W3, const Product& dot, DType adapters,
                         int64_t r_pad, bool gpu) {
   if (!gpu || config.block_m || config.block_k || !is_half(W3.dtype) || !is_half(dot.dtype) || dot.tf32 ||
-      r_pad < 32 || r_pad > 64 || meta_or(config, "STREAM", 0) || !wgmma_target(W3.device))
+      r_pad > 64 || meta_or(config, "STREAM", 0) || !wgmma_target(W3.device))
     return config;
-  if (r_pad == 32 && W3.strides[2] == 1 && meta_or(config, "ONE_TILE", 1) && !config.meta.count("WALK_ROWS"))
-    return with_own_tile(config, 32, adapters == DType::f32 ? 128 : 64, 4, 1, {{"STREAM", 1}, {"ONE_TILE", 1}});
+  if (r_pad <= 32 && W3.strides[2] == 1 && meta_or(config, "ONE_TILE", 1) && !config.meta.count("WALK_ROWS"))
+    return with_own_tile(config, 32, r_pad == 16 || adapters == DType::f32 ? 128 : 64, 4, 1,
+                         {{"STREAM", 1}, {"ONE_TILE", 1}});
+  if (r_pad < 32) return config;
   Config own = config;
   // Walking the rows at ranks 33 to 64: two stages, three programs a multiprocessor, not two.
   if (!own.num_stages && r_pad > 32 && meta_or(config, "WALK_ROWS", 1)) own.num_stages = 2;

@@ -451,15 +451,16 @@ TEST_CASE("the tiles of lora_merge's GPU float64 cases fit an H100's shared memo
   }
 }
 
-// Untuned merges on sm_90a at ranks 17 to 64 with a bf16 or f16 W whose product runs in a half
-// dtype (a bf16 W with any adapters, an f16 W with f16 or bf16 ones): at ranks 17 to 32 with
-// W's rows contiguous, one 32x64 tile a program in its one-tile form (32x128 with fp32
-// adapters); at ranks 33 to 64, or asked with ONE_TILE=0 or WALK_ROWS, or with W strided
-// (fan_in_fan_out), the MoE forward's warpgroup tile through W's ring, its programs owning
-// columns and walking the rows (WALK_ROWS), on two stages at ranks 33 to 64 and three below;
-// other ranks, dtypes and GPUs keep the 64x128 mma.sync tile walking columns.
+// Untuned merges on sm_90a up to rank 64 with a bf16 or f16 W whose product runs in a half
+// dtype (a bf16 W with any adapters, an f16 W with f16 or bf16 ones): up to rank 32 with W's
+// rows contiguous, one tile a program in its one-tile form, 32x64 at ranks 17 to 32 (32x128
+// with fp32 adapters) and 32x128 up to 16; at ranks 17 to 64 otherwise (33 to 64, or asked
+// with ONE_TILE=0 or WALK_ROWS, or with W strided: fan_in_fan_out) the MoE forward's
+// warpgroup tile through W's ring, its programs owning columns and walking the rows
+// (WALK_ROWS), on two stages at ranks 33 to 64 and three below; other ranks, dtypes and GPUs
+// keep the 64x128 mma.sync tile walking columns.
 // Each dtype combination's own tile fits an H100's shared memory.
-TEST_CASE("the merge's own config on sm_90a is one tile a program at ranks 17 to 32 and the MoE forward's 64x128 "
+TEST_CASE("the merge's own config on sm_90a is one tile a program up to rank 32 and the MoE forward's 64x128 "
           "ring tile walking the rows at ranks 33 to 64",
           "[ops][merge]") {
   const autotune::TunableOp op = test::registered_op("lora_merge");
@@ -508,11 +509,22 @@ TEST_CASE("the merge's own config on sm_90a is one tile a program at ranks 17 to
       CHECK_FALSE(off.count("WALK_ROWS"));
       CHECK_FALSE(off.count("ONE_TILE"));
     }
-  for (const int64_t r : {1, 16, 128}) {
-    const autotune::Config own = planned("sm_90a", DType::bf16, DType::bf16, r, {});
-    CHECK_FALSE(ring_tile(own));
-    CHECK_FALSE(own.count("ONE_TILE"));
+  // Ranks up to 16: 32x128 one-tile (the mma.sync tile with ONE_TILE=0 or W strided).
+  for (const int64_t r : {1, 16}) {
+    CAPTURE(r);
+    CHECK(test::is_one_tile(planned("sm_90a", DType::bf16, DType::bf16, r, {}), 128));
+    CHECK(test::is_one_tile(planned("sm_90a", DType::bf16, DType::f32, r, {}), 128));
+    for (const autotune::Config& m : {planned("sm_90a", DType::bf16, DType::bf16, r, {{"ONE_TILE", 0}}),
+                                      planned("sm_90a", DType::bf16, DType::bf16, r, {}, true)}) {
+      CHECK_FALSE(ring_tile(m));
+      CHECK_FALSE(m.count("ONE_TILE"));
+      CHECK_FALSE(m.count("WALK_ROWS"));
+      CHECK(m.at("BLOCK_M") == 64);
+    }
   }
+  const autotune::Config large = planned("sm_90a", DType::bf16, DType::bf16, 128, {});
+  CHECK_FALSE(ring_tile(large));
+  CHECK_FALSE(large.count("ONE_TILE"));
   for (const auto& [w, ab] : {std::pair{DType::f32, DType::f32}, {DType::f32, DType::bf16}, {DType::f16, DType::f32}}) {
     CAPTURE(dtype_name(w), dtype_name(ab));  // fp32 products, an fp32 W, TF32
     for (const int64_t r : {32, 64}) {
@@ -523,7 +535,6 @@ TEST_CASE("the merge's own config on sm_90a is one tile a program at ranks 17 to
   }
   CHECK_FALSE(ring_tile(planned("sm_90a", DType::bf16, DType::bf16, 64, {{"STREAM", 1}})));
   CHECK_FALSE(planned("sm_90a", DType::bf16, DType::bf16, 64, {{"STREAM", 1}}).count("ONE_TILE"));
-  CHECK_FALSE(planned("sm_90a", DType::bf16, DType::bf16, 16, {}).count("WALK_ROWS"));
   // WALK_ROWS=0 keeps the own ring tile, walking columns.
   for (const int64_t r : {32, 64}) {
     const autotune::Config by_columns = planned("sm_90a", DType::bf16, DType::bf16, r, {{"WALK_ROWS", 0}});
@@ -548,7 +559,7 @@ TEST_CASE("the merge's own config on sm_90a is one tile a program at ranks 17 to
 // then untuned, the op's own tile (on sm_90a, products in a half dtype: at ranks 17 to 32 one
 // tile a program in its one-tile form, at 33 to 64 and with W strided the MoE forward's
 // warpgroup tile through W's ring, walking the rows), W and adapters of one dtype and of two.
-TEST_CASE("lora_merge in f16 at rank 64 on the tile compiled twice, and untuned at ranks 32 and 64, matches a "
+TEST_CASE("lora_merge in f16 at rank 64 on the tile compiled twice, and untuned at ranks up to 64, matches a "
           "float64 reference on the GPU",
           "[gpu][ops][merge]") {
   KERF_REQUIRE_GPU();
@@ -572,6 +583,10 @@ TEST_CASE("lora_merge in f16 at rank 64 on the tile compiled twice, and untuned 
       {130, 333, 17, DType::f16, DType::f16, DType::f16},
       {301, 130, 32, DType::bf16, DType::f32, DType::f32, false, 0, -0.5},
       {99, 200, 24, DType::f16, DType::bf16, DType::bf16},
+      // ... and 32x128 at ranks up to 16.
+      {130, 333, 16, DType::bf16, DType::bf16, DType::bf16, false, 0, -0.5},
+      {67, 300, 5, DType::f16, DType::f16, DType::f16},
+      {200, 130, 9, DType::bf16, DType::f32, DType::f32},
   };
   uint64_t seed = 4650;
   for (const MergeCase& c : cases) check_merge(c, Device::cuda(0), seed++);

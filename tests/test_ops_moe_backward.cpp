@@ -629,32 +629,60 @@ TEST_CASE("the MoE backward's own config is 64x256 on GPUs other than sm_90a", "
 }
 
 // An untuned MoE forward on sm_90a (nothing is launched): 64x128 on one warpgroup, three
-// stages, W_eff through W's ring, for 16-bit products up to rank 64; elsewhere, and for
-// larger ranks, fp32 or TF32 products, or STREAM / PERSISTENT calls, the tiles before it.
-TEST_CASE("the MoE forward's own config on sm_90a is 64x128 on three stages through W's ring", "[ops][moe]") {
+// stages, W_eff through W's ring, for 16-bit products at ranks 17 to 64 (and up to 16 with
+// ONE_TILE=0, or W's rows strided); one 64x64 tile a program in its one-tile form at ranks up
+// to 16; elsewhere, and for larger ranks, fp32 or TF32 products, or STREAM / PERSISTENT
+// calls, the tiles before it.
+TEST_CASE("the MoE forward's own config on sm_90a is 64x128 on three stages through W's ring, one 64x64 tile a "
+          "program at ranks up to 16",
+          "[ops][moe]") {
   const autotune::TunableOp op = test::registered_op("moe_lora_materialize");
   void* const p = test::planning_address();
-  const auto planned = [&](const char* arch, DType w, DType ab, int64_t r, const autotune::Config& c) {
+  const auto planned = [&](const char* arch, DType w, DType ab, int64_t r, const autotune::Config& c,
+                           bool w_strided = false) {
     const ops::detail::PlanningArch target(arch);
     const auto t = [&](DType d, std::initializer_list<int64_t> shape) {
       return TensorView::contiguous(p, d, shape, Device::cuda(0));
     };
+    // Strided: W's experts [2816, 2048] as views of [2048, 2816] buffers (their rows strided).
+    const TensorView W = w_strided ? TensorView::strided(p, w, {64, 2816, 2048}, {2816 * 2048, 1, 2816}, Device::cuda(0))
+                                   : t(w, {64, 2816, 2048});
     const std::vector<autotune::KernelCall> calls =
-        op.kernels({t(w, {64, 2816, 2048}), t(ab, {64, r, 2048}), t(ab, {64, 2816, r}), t(w, {64, 2816, 2048})}, c,
-                    132);
+        op.kernels({W, t(ab, {64, r, 2048}), t(ab, {64, 2816, r}), t(w, {64, 2816, 2048})}, c, 132);
     REQUIRE(calls.size() == 1);
     return calls[0].meta;
   };
   const auto ring_tile = [](const autotune::Config& m) { return test::is_ring_tile(m, "BLOCK_N"); };
+  // One 64x64 tile a program, W's asked for first: 4 warps, one stage, the column blocks of a
+  // row block launched together.
+  const auto one_tile = [](const autotune::Config& m) {
+    return m.at("BLOCK_N") == 64 && m.at("BLOCK_K") == 64 && m.at("num_warps") == 4 && m.at("num_stages") == 1 &&
+           m.count("ONE_TILE") && m.count("COLS_FIRST") && !m.count("wgmma");
+  };
   for (const auto& [w, ab] : {std::pair{DType::bf16, DType::bf16}, {DType::bf16, DType::f32}, {DType::f16, DType::f16}})
-    for (const int64_t r : {1, 16, 64}) {
+    for (const int64_t r : {1, 16, 17, 64}) {
       CAPTURE(dtype_name(w), dtype_name(ab), r);
-      CHECK(ring_tile(planned("sm_90a", w, ab, r, {})));
-      CHECK_FALSE(ring_tile(planned("sm_80", w, ab, r, {})));
+      const autotune::Config own = planned("sm_90a", w, ab, r, {});
+      if (r <= 16) {
+        CHECK(one_tile(own));
+        CHECK(ring_tile(planned("sm_90a", w, ab, r, {{"ONE_TILE", 0}})));
+        CHECK(ring_tile(planned("sm_90a", w, ab, r, {}, true)));
+      } else {
+        CHECK(ring_tile(own));
+        CHECK_FALSE(own.count("ONE_TILE"));
+      }
+      const autotune::Config off = planned("sm_80", w, ab, r, {});
+      CHECK_FALSE(ring_tile(off));
+      CHECK_FALSE(off.count("ONE_TILE"));
     }
+  // EXPERT_GROUP keeps the ring tile.
+  CHECK(ring_tile(planned("sm_90a", DType::bf16, DType::bf16, 16, {{"EXPERT_GROUP", 4}})));
   CHECK_FALSE(ring_tile(planned("sm_90a", DType::bf16, DType::bf16, 128, {})));  // large ranks
-  CHECK_FALSE(ring_tile(planned("sm_90a", DType::f32, DType::f32, 16, {})));     // fp32 products
-  CHECK_FALSE(ring_tile(planned("sm_90a", DType::f16, DType::f32, 16, {})));     // TF32
+  for (const auto& [w, ab] : {std::pair{DType::f32, DType::f32}, {DType::f16, DType::f32}}) {
+    const autotune::Config own = planned("sm_90a", w, ab, 16, {});  // fp32 products, TF32
+    CHECK_FALSE(ring_tile(own));
+    CHECK_FALSE(own.count("ONE_TILE"));
+  }
   CHECK_FALSE(ring_tile(planned("sm_90a", DType::bf16, DType::bf16, 64, {{"STREAM", 1}})));
   CHECK_FALSE(ring_tile(planned("sm_90a", DType::bf16, DType::bf16, 64, {{"PERSISTENT", 2}})));
   // A caller's fields win; the rest is the own tile's.
@@ -666,7 +694,9 @@ TEST_CASE("the MoE forward's own config on sm_90a is 64x128 on three stages thro
 }
 
 // A few large experts (their 64-row blocks at most four programs a multiprocessor) walk the
-// rows on the same tile, on two stages, unless the Config says WALK_ROWS=0 or groups experts.
+// rows on the same tile, on two stages, unless the Config says WALK_ROWS=0 or groups experts;
+// at ranks up to 16 only where those blocks are at most one a multiprocessor (one large expert;
+// more run one tile a program).
 TEST_CASE("the MoE forward's own config on sm_90a walks the rows of a few large experts on two stages", "[ops][moe]") {
   const autotune::TunableOp op = test::registered_op("moe_lora_materialize");
   void* const p = test::planning_address();
@@ -685,11 +715,20 @@ TEST_CASE("the MoE forward's own config on sm_90a walks the rows of a few large 
     const autotune::Config one = planned(1, 8192, r, {});  // 128 row blocks
     CHECK(test::is_ring_tile(one, "BLOCK_N", 2));
     CHECK(one.at("WALK_ROWS") == 1);
+    const autotune::Config wave = planned(1, 8448, r, {});  // 132: one a multiprocessor
+    CHECK(wave.at("WALK_ROWS") == 1);
     const autotune::Config four = planned(4, 8448, r, {});  // 528 row blocks: 4 x 132
-    CHECK(four.at("WALK_ROWS") == 1);
     const autotune::Config more = planned(4, 8512, r, {});  // 532
-    CHECK(test::is_ring_tile(more, "BLOCK_N", 3));
     CHECK_FALSE(more.count("WALK_ROWS"));
+    if (r > 16) {
+      CHECK(four.at("WALK_ROWS") == 1);
+      CHECK(test::is_ring_tile(more, "BLOCK_N", 3));
+    } else {
+      for (const autotune::Config& m : {four, more, planned(1, 8512, r, {})}) {
+        CHECK(m.at("ONE_TILE") == 1);
+        CHECK_FALSE(m.count("WALK_ROWS"));
+      }
+    }
   }
   const autotune::Config by_columns = planned(1, 8192, 64, {{"WALK_ROWS", 0}});
   CHECK(test::is_ring_tile(by_columns, "BLOCK_N", 3));
