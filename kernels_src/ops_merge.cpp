@@ -32,8 +32,8 @@ struct MergePlan {
 
 // The op's own tile on an H100 (sm_90a) for a call whose Config names none (untuned, or a
 // first call inside a graph capture) with a bf16 or f16 W whose product runs in a half dtype
-// (a bf16 W with adapters of any dtype, an f16 W with f16 or bf16 ones), at ranks 17 to 64
-// (R_PAD 32 or 64).
+// (a bf16 W with adapters of any dtype, an f16 W with f16 or bf16 ones), at ranks up to 64,
+// and with an f16 W and fp32 adapters (TF32) up to rank 16.
 //
 // At ranks up to 32 (R_PAD 16 or 32) with W's rows contiguous: one tile a program in its
 // one-tile form (STREAM, ONE_TILE), 32 rows by 64 columns on 4 warps at R_PAD 32 (128 columns
@@ -44,8 +44,10 @@ struct MergePlan {
 // before; at 8192x8192 an f16 W 96.6 against 100.4, f16 adapters 96.6 against 101.6, fp32
 // adapters 101.2 (32x128; 116.8 at 32x64, 109.0 at 32x256) against 104.0. At r=16 32x128:
 // 27.3 / 96.2 / 84.7 (f16 W 96.2) against 30.8 / 102.7 / 94.1 (102.6) on the mma.sync tile
-// (32x64 was slower there: 111.7 at 8192x8192). At r=64 the one-tile form ran at 55-82% of
-// a copy (A's columns pass through registers), so R_PAD 64 keeps the ring tile.
+// (32x64 was slower there: 111.7 at 8192x8192). An f16 W with fp32 adapters (TF32 products)
+// runs the 32x128 one-tile form up to rank 16 too: 95.8 us at r=16, 8192x8192, against 102.8
+// without ONE_TILE and 100.9 tuned on the mma.sync tile. At r=64 the one-tile form ran at
+// 55-82% of a copy (A's columns pass through registers), so R_PAD 64 keeps the ring tile.
 //
 // Otherwise (R_PAD 64, a strided W, ONE_TILE=0): the MoE forward's tile (ops_moe.cpp), 64x128
 // on one warpgroup (WGMMA), W's new tile moved to its store layout through its spent ring slot
@@ -63,13 +65,15 @@ struct MergePlan {
 // products) and calls that ask for one tile a program (STREAM).
 Config own_merge_config(const Config& config, const TensorView& W3, const Product& dot, DType adapters,
                         int64_t r_pad, bool gpu) {
-  if (!gpu || config.block_m || config.block_k || !is_half(W3.dtype) || !is_half(dot.dtype) || dot.tf32 ||
-      r_pad > 64 || meta_or(config, "STREAM", 0) || !wgmma_target(W3.device))
+  if (!gpu || config.block_m || config.block_k || !is_half(W3.dtype) || r_pad > 64 || meta_or(config, "STREAM", 0) ||
+      !wgmma_target(W3.device))
     return config;
-  if (r_pad <= 32 && W3.strides[2] == 1 && meta_or(config, "ONE_TILE", 1) && !config.meta.count("WALK_ROWS"))
+  const bool half_product = is_half(dot.dtype) && !dot.tf32;
+  if ((half_product ? r_pad <= 32 : dot.tf32 && r_pad <= 16) && W3.strides[2] == 1 &&
+      meta_or(config, "ONE_TILE", 1) && !config.meta.count("WALK_ROWS"))
     return with_own_tile(config, 32, r_pad == 16 || adapters == DType::f32 ? 128 : 64, 4, 1,
                          {{"STREAM", 1}, {"ONE_TILE", 1}});
-  if (r_pad < 32) return config;
+  if (!half_product || r_pad < 32) return config;
   Config own = config;
   // Walking the rows at ranks 33 to 64: two stages, three programs a multiprocessor, not two.
   if (!own.num_stages && r_pad > 32 && meta_or(config, "WALK_ROWS", 1)) own.num_stages = 2;

@@ -454,11 +454,12 @@ TEST_CASE("the tiles of lora_merge's GPU float64 cases fit an H100's shared memo
 // Untuned merges on sm_90a up to rank 64 with a bf16 or f16 W whose product runs in a half
 // dtype (a bf16 W with any adapters, an f16 W with f16 or bf16 ones): up to rank 32 with W's
 // rows contiguous, one tile a program in its one-tile form, 32x64 at ranks 17 to 32 (32x128
-// with fp32 adapters) and 32x128 up to 16; at ranks 17 to 64 otherwise (33 to 64, or asked
-// with ONE_TILE=0 or WALK_ROWS, or with W strided: fan_in_fan_out) the MoE forward's
-// warpgroup tile through W's ring, its programs owning columns and walking the rows
-// (WALK_ROWS), on two stages at ranks 33 to 64 and three below; other ranks, dtypes and GPUs
-// keep the 64x128 mma.sync tile walking columns.
+// with fp32 adapters) and 32x128 up to 16 (there also for TF32 products: an f16 W, fp32
+// adapters); at ranks 17 to 64 otherwise (33 to 64, or asked with ONE_TILE=0 or WALK_ROWS,
+// or with W strided: fan_in_fan_out) the MoE forward's warpgroup tile through W's ring, its
+// programs owning columns and walking the rows (WALK_ROWS), on two stages at ranks 33 to 64
+// and three below; other ranks, dtypes and GPUs keep the 64x128 mma.sync tile walking
+// columns.
 // Each dtype combination's own tile fits an H100's shared memory.
 TEST_CASE("the merge's own config on sm_90a is one tile a program up to rank 32 and the MoE forward's 64x128 "
           "ring tile walking the rows at ranks 33 to 64",
@@ -527,12 +528,18 @@ TEST_CASE("the merge's own config on sm_90a is one tile a program up to rank 32 
   CHECK_FALSE(large.count("ONE_TILE"));
   for (const auto& [w, ab] : {std::pair{DType::f32, DType::f32}, {DType::f32, DType::bf16}, {DType::f16, DType::f32}}) {
     CAPTURE(dtype_name(w), dtype_name(ab));  // fp32 products, an fp32 W, TF32
-    for (const int64_t r : {32, 64}) {
+    for (const int64_t r : {16, 32, 64}) {
+      CAPTURE(r);
       const autotune::Config own = planned("sm_90a", w, ab, r, {});
       CHECK_FALSE(ring_tile(own));
-      CHECK_FALSE(own.count("ONE_TILE"));
+      // TF32 products (an f16 W, fp32 adapters) up to rank 16: the 32x128 one-tile form.
+      if (w == DType::f16 && r <= 16)
+        CHECK(test::is_one_tile(own, 128));
+      else
+        CHECK_FALSE(own.count("ONE_TILE"));
     }
   }
+  CHECK_FALSE(planned("sm_90a", DType::f16, DType::f32, 16, {{"ONE_TILE", 0}}).count("ONE_TILE"));
   CHECK_FALSE(ring_tile(planned("sm_90a", DType::bf16, DType::bf16, 64, {{"STREAM", 1}})));
   CHECK_FALSE(planned("sm_90a", DType::bf16, DType::bf16, 64, {{"STREAM", 1}}).count("ONE_TILE"));
   // WALK_ROWS=0 keeps the own ring tile, walking columns.
@@ -587,6 +594,7 @@ TEST_CASE("lora_merge in f16 at rank 64 on the tile compiled twice, and untuned 
       {130, 333, 16, DType::bf16, DType::bf16, DType::bf16, false, 0, -0.5},
       {67, 300, 5, DType::f16, DType::f16, DType::f16},
       {200, 130, 9, DType::bf16, DType::f32, DType::f32},
+      {130, 200, 16, DType::f16, DType::f32, DType::f32, false, 0, -0.5},  // TF32
   };
   uint64_t seed = 4650;
   for (const MergeCase& c : cases) check_merge(c, Device::cuda(0), seed++);
