@@ -38,8 +38,8 @@ struct MergePlan {
 // At ranks up to 32 (R_PAD 16 or 32) with W's rows contiguous: one tile a program in its
 // one-tile form (STREAM, ONE_TILE), 32 rows by 64 columns on 4 warps at R_PAD 32 (128 columns
 // with fp32 adapters, whose wider side reads cost more a program) and by 128 at R_PAD 16,
-// unless the Config says ONE_TILE=0 or names WALK_ROWS (which ask for the ring tile below at
-// R_PAD 32, the mma.sync tile at 16). On an H100 at r=32, 4096x4096 / 8192x8192 / 14336x4096
+// unless the Config names STREAM (0 asks for tiles walking columns), says ONE_TILE=0 or names
+// WALK_ROWS (those ask for the ring tile below at R_PAD 32, the mma.sync tile at 16). On an H100 at r=32, 4096x4096 / 8192x8192 / 14336x4096
 // all-bf16: 27.6 / 96.7 / 85.0 us (96.8-97.3% of a copy) against 29.7 / 100.1 / 90.3 tuned
 // before; at 8192x8192 an f16 W 96.6 against 100.4, f16 adapters 96.6 against 101.6, fp32
 // adapters 101.2 (32x128; 116.8 at 32x64, 109.0 at 32x256) against 104.0. At r=16 32x128:
@@ -49,7 +49,8 @@ struct MergePlan {
 // without ONE_TILE and 100.9 tuned on the mma.sync tile. At r=64 the one-tile form ran at
 // 55-82% of a copy (A's columns pass through registers), so R_PAD 64 keeps the ring tile.
 //
-// Otherwise (R_PAD 64, a strided W, ONE_TILE=0): the MoE forward's tile (ops_moe.cpp), 64x128
+// Otherwise (R_PAD 64; at R_PAD 32 a strided W or a Config that asks): the MoE forward's
+// tile (ops_moe.cpp), 64x128
 // on one warpgroup (WGMMA), W's new tile moved to its store layout through its spent ring slot
 // (STORE_IN_RING), 128-byte L2 prefetches, its programs owning columns and walking the rows
 // (WALK_ROWS; walk_rows_split's slices), on three stages at R_PAD 32 and two at 64. On an
@@ -61,8 +62,8 @@ struct MergePlan {
 // f16 ones 100.1 against 114.0, with fp32 ones (PEFT's) 107.7 (111.4 on three stages)
 // against 154.5. The MoE forward walking columns keeps three (two: 543.3 against 538.3 us,
 // 64x2816x2048). r=16 is slower on the warpgroup tile (107.9 against 104.3 at 8192x8192,
-// walking columns), so it keeps the mma.sync tile, as do an f16 W with fp32 adapters (TF32
-// products) and calls that ask for one tile a program (STREAM).
+// walking columns), so ranks up to 16 keep the mma.sync tile where the one-tile form does
+// not apply, as do an f16 W with fp32 adapters (TF32 products) above rank 16.
 Config own_merge_config(const Config& config, const TensorView& W3, const Product& dot, DType adapters,
                         int64_t r_pad, bool gpu) {
   if (!gpu || config.block_m || config.block_k || !is_half(W3.dtype) || r_pad > 64 || meta_or(config, "STREAM", 0) ||
@@ -70,7 +71,7 @@ Config own_merge_config(const Config& config, const TensorView& W3, const Produc
     return config;
   const bool half_product = is_half(dot.dtype) && !dot.tf32;
   if ((half_product ? r_pad <= 32 : dot.tf32 && r_pad <= 16) && W3.strides[2] == 1 &&
-      meta_or(config, "ONE_TILE", 1) && !config.meta.count("WALK_ROWS"))
+      !config.meta.count("STREAM") && meta_or(config, "ONE_TILE", 1) && !config.meta.count("WALK_ROWS"))
     return with_own_tile(config, 32, r_pad == 16 || adapters == DType::f32 ? 128 : 64, 4, 1,
                          {{"STREAM", 1}, {"ONE_TILE", 1}});
   if (!half_product || r_pad < 32) return config;

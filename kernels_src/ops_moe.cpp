@@ -47,8 +47,8 @@ struct MoePlan {
 // 556.0-556.6 and 278.2-278.3, 8x14336x4096 660.4 against 658.8).
 //
 // At ranks up to 16 with W's rows contiguous, one 64x64 tile a program in its one-tile form
-// (STREAM, ONE_TILE) on 4 warps instead, unless the Config says ONE_TILE=0 or names WALK_ROWS
-// or EXPERT_GROUP, or the experts' 64-row blocks are at most one a multiprocessor (one large
+// (STREAM, ONE_TILE) on 4 warps instead, unless the Config names STREAM (0: the ring tile),
+// says ONE_TILE=0 or names WALK_ROWS or EXPERT_GROUP, or the experts' 64-row blocks are at most one a multiprocessor (one large
 // expert), which walk the rows as above. On an H100 at r=16: 542.3 / 276.4 us at
 // 128x1536x2048 / 128x2048x768 (555.5 / 278.3 on the ring tile), Mixtral's 8x14336x4096 and
 // 8x4096x14336 629.1 / 629.8 (658.4, and 689.4 walking the rows), fp32 adapters 550.3
@@ -59,8 +59,8 @@ Config own_config(const Config& config, const TensorView& W, Product dot, int64_
       meta_or(config, "STREAM", 0) || meta_or(config, "PERSISTENT", 0) || !wgmma_target(W.device))
     return config;
   const int64_t row_blocks = W.shape[0] * cdiv(W.shape[1], 64);
-  if (r_pad <= 16 && row_blocks > programs && W.strides[2] == 1 && meta_or(config, "ONE_TILE", 1) &&
-      !config.meta.count("WALK_ROWS") && !meta_or(config, "EXPERT_GROUP", 0))
+  if (r_pad <= 16 && row_blocks > programs && W.strides[2] == 1 && !config.meta.count("STREAM") &&
+      meta_or(config, "ONE_TILE", 1) && !config.meta.count("WALK_ROWS") && !meta_or(config, "EXPERT_GROUP", 0))
     return with_own_tile(config, 64, 64, 4, 1, {{"STREAM", 1}, {"ONE_TILE", 1}});
   const bool walk_rows =
       row_blocks <= 4 * programs && meta_or(config, "WALK_ROWS", 1) && !meta_or(config, "EXPERT_GROUP", 0);

@@ -492,7 +492,8 @@ TEST_CASE("the merge's own config on sm_90a is one tile a program up to rank 32 
         CHECK(test::is_one_tile(own, ab == DType::f32 ? 128 : 64));
         CHECK_FALSE(ring_tile(own));
         // ONE_TILE=0, or WALK_ROWS named, or W strided: the ring tile walking the rows, three stages.
-        for (const autotune::Config& asked : {autotune::Config{{"ONE_TILE", 0}}, autotune::Config{{"WALK_ROWS", 1}}}) {
+        for (const autotune::Config& asked :
+             {autotune::Config{{"ONE_TILE", 0}}, autotune::Config{{"WALK_ROWS", 1}}, autotune::Config{{"STREAM", 0}}}) {
           const autotune::Config ring = planned("sm_90a", w, ab, r, asked);
           CHECK(test::is_ring_tile(ring, "BLOCK_M", 3));
           CHECK(ring.count("WALK_ROWS"));
@@ -516,6 +517,7 @@ TEST_CASE("the merge's own config on sm_90a is one tile a program up to rank 32 
     CHECK(test::is_one_tile(planned("sm_90a", DType::bf16, DType::bf16, r, {}), 128));
     CHECK(test::is_one_tile(planned("sm_90a", DType::bf16, DType::f32, r, {}), 128));
     for (const autotune::Config& m : {planned("sm_90a", DType::bf16, DType::bf16, r, {{"ONE_TILE", 0}}),
+                                      planned("sm_90a", DType::bf16, DType::bf16, r, {{"STREAM", 0}}),
                                       planned("sm_90a", DType::bf16, DType::bf16, r, {}, true)}) {
       CHECK_FALSE(ring_tile(m));
       CHECK_FALSE(m.count("ONE_TILE"));

@@ -666,6 +666,7 @@ TEST_CASE("the MoE forward's own config on sm_90a is 64x128 on three stages thro
       if (r <= 16) {
         CHECK(one_tile(own));
         CHECK(ring_tile(planned("sm_90a", w, ab, r, {{"ONE_TILE", 0}})));
+        CHECK(ring_tile(planned("sm_90a", w, ab, r, {{"STREAM", 0}})));
         CHECK(ring_tile(planned("sm_90a", w, ab, r, {}, true)));
       } else {
         CHECK(ring_tile(own));
