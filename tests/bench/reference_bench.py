@@ -399,9 +399,10 @@ def main():
             run(f"dora_norm_partial r={r}", functools.partial(bench_dora, partial=True), out, inn, r)
     for out, inn in [(4096, 4096), (8192, 8192)]:
         run("dora_norm r=16 f32 adapters", functools.partial(bench_dora, adapters=torch.float32), out, inn, 16)
-    # Also eight large experts (Mixtral 8x7B's gate and up, and down), as kerf_bench has them.
+    # Also eight large experts (Mixtral 8x7B's gate and up, and down), and rank 32, as kerf_bench
+    # has them.
     for E, N, K, r in [(128, 1536, 2048, 16), (128, 2048, 768, 16), (64, 2816, 2048, 64),
-                       (8, 14336, 4096, 16), (8, 4096, 14336, 16)]:
+                       (8, 14336, 4096, 16), (8, 4096, 14336, 16), (128, 1536, 2048, 32)]:
         run(f"moe_materialize r={r}", bench_moe, E, N, K, r)
     run("moe_materialize r=16 f32 adapters", functools.partial(bench_moe, adapters=torch.float32),
         128, 1536, 2048, 16)
