@@ -30,40 +30,39 @@ struct MergePlan {
   DType cast_a = DType::f32;  // CAST_A: what an f32 A is rounded to first, in one pass (f32: nothing)
 };
 
-// The op's own tile on an H100 (sm_90a) for a call whose Config names none (untuned, or a
-// first call inside a graph capture) with a bf16 or f16 W whose product runs in a half dtype
-// (a bf16 W with adapters of any dtype, an f16 W with f16 or bf16 ones), at ranks up to 64,
-// and with an f16 W and fp32 adapters (TF32) up to rank 16.
+// The op's own tile on an H100 (sm_90a) for a call whose Config names none (untuned, or a first
+// call inside a graph capture) with a bf16 or f16 W whose product runs in a half dtype (a bf16 W
+// with adapters of any dtype, an f16 W with f16 or bf16 ones), at ranks up to 64, and with an f16 W
+// and fp32 adapters (TF32) up to rank 16.
 //
-// At ranks up to 32 (R_PAD 16 or 32) with W's rows contiguous: one tile a program in its
-// one-tile form (STREAM, ONE_TILE), 32 rows by 64 columns on 4 warps at R_PAD 32 (128 columns
-// with fp32 adapters, whose wider side reads cost more a program) and by 128 at R_PAD 16,
-// unless the Config names STREAM (0 asks for tiles walking columns), says ONE_TILE=0 or names
-// WALK_ROWS (those ask for the ring tile below at R_PAD 32, the mma.sync tile at 16). On an H100 at r=32, 4096x4096 / 8192x8192 / 14336x4096
-// all-bf16: 27.6 / 96.7 / 85.0 us (96.8-97.3% of a copy) against 29.7 / 100.1 / 90.3 tuned
-// before; at 8192x8192 an f16 W 96.6 against 100.4, f16 adapters 96.6 against 101.6, fp32
-// adapters 101.2 (32x128; 116.8 at 32x64, 109.0 at 32x256) against 104.0. At r=16 32x128:
-// 27.3 / 96.2 / 84.7 (f16 W 96.2) against 30.8 / 102.7 / 94.1 (102.6) on the mma.sync tile
-// (32x64 was slower there: 111.7 at 8192x8192). An f16 W with fp32 adapters (TF32 products)
-// runs the 32x128 one-tile form up to rank 16 too: 95.8 us at r=16, 8192x8192, against 102.8
-// without ONE_TILE and 100.9 tuned on the mma.sync tile. At r=64 the one-tile form ran at
-// 55-82% of a copy (A's columns pass through registers), so R_PAD 64 keeps the ring tile.
+// At ranks up to 32 (R_PAD 16 or 32) with W's rows contiguous: one tile a program in its one-tile
+// form (STREAM, ONE_TILE), 32 rows by 64 columns on 4 warps at R_PAD 32 (128 columns with fp32
+// adapters, whose wider side reads cost more a program) and by 128 at R_PAD 16, unless the Config
+// names STREAM (0 asks for tiles walking columns), says ONE_TILE=0 or names WALK_ROWS (those ask
+// for the ring tile below at R_PAD 32, the mma.sync tile at 16). On an H100 at r=32, 4096x4096 /
+// 8192x8192 / 14336x4096 all-bf16: 27.6 / 96.7 / 85.0 us (96.8-97.3% of a copy) against 29.7 /
+// 100.1 / 90.3 tuned before; at 8192x8192 an f16 W 96.6 against 100.4, f16 adapters 96.6 against
+// 101.6, fp32 adapters 101.2 (32x128; 116.8 at 32x64, 109.0 at 32x256) against 104.0. At r=16
+// 32x128: 27.3 / 96.2 / 84.7 (f16 W 96.2) against 30.8 / 102.7 / 94.1 (102.6) on the mma.sync tile
+// (32x64 was slower there: 111.7 at 8192x8192). An f16 W with fp32 adapters (TF32 products) runs
+// the 32x128 one-tile form up to rank 16 too: 95.8 us at r=16, 8192x8192, against 102.8 without
+// ONE_TILE and 100.9 tuned on the mma.sync tile. At r=64 the one-tile form ran at 55-82% of a copy
+// (A's columns pass through registers), so R_PAD 64 keeps the ring tile.
 //
-// Otherwise (R_PAD 64; at R_PAD 32 a strided W or a Config that asks): the MoE forward's
-// tile (ops_moe.cpp), 64x128
-// on one warpgroup (WGMMA), W's new tile moved to its store layout through its spent ring slot
-// (STORE_IN_RING), 128-byte L2 prefetches, its programs owning columns and walking the rows
-// (WALK_ROWS; walk_rows_split's slices), on three stages at R_PAD 32 and two at 64. On an
-// H100, at 4096x4096 / 8192x8192 / 14336x4096 all-bf16: r=64 30.4 / 99.8 / 88.7 us (30.9 /
-// 101.7 / 90.5 on three stages) against 33.5 / 106.6 / 98.3 on the same tile walking columns
-// and 37.4 / 119.5 / 112.0 on the 64x128 mma.sync tile, r=32 29.8 / 100.6 / 89.2 against
-// 31.4 / 104.3 / 95.1 and 32.8 / 106.8 / 98.6 (on two stages 30.2 / 100.8 / 90.1); at
-// 8192x8192 and r=64, f16 W with bf16 adapters 100.5 against 119.0 (mma.sync), bf16 W with
-// f16 ones 100.1 against 114.0, with fp32 ones (PEFT's) 107.7 (111.4 on three stages)
-// against 154.5. The MoE forward walking columns keeps three (two: 543.3 against 538.3 us,
-// 64x2816x2048). r=16 is slower on the warpgroup tile (107.9 against 104.3 at 8192x8192,
-// walking columns), so ranks up to 16 keep the mma.sync tile where the one-tile form does
-// not apply, as do an f16 W with fp32 adapters (TF32 products) above rank 16.
+// Otherwise (R_PAD 64; at R_PAD 32 a strided W or a Config that asks): the MoE forward's tile
+// (ops_moe.cpp), 64x128 on one warpgroup (WGMMA), W's new tile moved to its store layout through
+// its spent ring slot (STORE_IN_RING), 128-byte L2 prefetches, its programs owning columns and
+// walking the rows (WALK_ROWS; walk_rows_split's slices), on three stages at R_PAD 32 and two at
+// 64. On an H100, at 4096x4096 / 8192x8192 / 14336x4096 all-bf16: r=64 30.4 / 99.8 / 88.7 us (30.9
+// / 101.7 / 90.5 on three stages) against 33.5 / 106.6 / 98.3 on the same tile walking columns and
+// 37.4 / 119.5 / 112.0 on the 64x128 mma.sync tile, r=32 29.8 / 100.6 / 89.2 against 31.4 / 104.3 /
+// 95.1 and 32.8 / 106.8 / 98.6 (on two stages 30.2 / 100.8 / 90.1); at 8192x8192 and r=64, f16 W
+// with bf16 adapters 100.5 against 119.0 (mma.sync), bf16 W with f16 ones 100.1 against 114.0, with
+// fp32 ones (PEFT's) 107.7 (111.4 on three stages) against 154.5. The MoE forward walking columns
+// keeps three (two: 543.3 against 538.3 us, 64x2816x2048). r=16 is slower on the warpgroup tile
+// (107.9 against 104.3 at 8192x8192, walking columns), so ranks up to 16 keep the mma.sync tile
+// where the one-tile form does not apply, as do an f16 W with fp32 adapters (TF32 products) above
+// rank 16.
 Config own_merge_config(const Config& config, const TensorView& W3, const Product& dot, DType adapters,
                         int64_t r_pad, bool gpu) {
   if (!gpu || config.block_m || config.block_k || !is_half(W3.dtype) || r_pad > 64 || meta_or(config, "STREAM", 0) ||

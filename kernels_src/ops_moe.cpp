@@ -29,31 +29,30 @@ struct MoePlan {
   bool experts_last = false;  // EXPERTS_LAST: B given to the kernel as [N, r, E] (its experts fastest)
 };
 
-// The op's own tile on an H100 (sm_90a), for a call whose Config names none (untuned, or a
-// first call inside a graph capture) and whose product is bf16 or f16 at ranks up to 64:
-// 64x128 on one warpgroup (WGMMA), three stages, W_eff moved to its store layout through
-// W's spent ring slot (STORE_IN_RING: two programs a multiprocessor), 128-byte L2
-// prefetches, the columns split in two. On an H100 it took 527.9 us at r=64, 64x2816x2048
-// (the 64x128 it replaced, on mma.sync dots without the rest: 606.1), 564.7 / 281.1 us at
-// r=16, 128x1536x2048 / 128x2048x768 (577.4 / 288.8) and 115.7 at 1x8192x8200 (115.4).
-// Calls that ask for one tile a program (STREAM) or programs dealing out the tiles
-// (PERSISTENT) keep the tile those were measured with. A few large experts, whose row
-// blocks are at most four programs a multiprocessor (E=1 at 8192 rows: 128), walk the rows
-// instead (WALK_ROWS, as the merge's own tile), on two stages: at 1x8192x8192 r=64 99.5 us
-// against 107.5-108.3 walking columns (101.2 on three stages), at 1x8192x8200 r=16 102.6
-// against 114.1-114.3 (123.4), at 8x4096x14336 r=16 (512 row blocks) 666.1 against 676.8;
-// where the row blocks are many, walking the rows was slower or even (64x2816x2048 r=64 523.0
-// against 521.3-521.8; at r=16 128x1536x2048 and 128x2048x768 568.2 and 297.9 against
-// 556.0-556.6 and 278.2-278.3, 8x14336x4096 660.4 against 658.8).
+// The op's own tile on an H100 (sm_90a), for a call whose Config names none (untuned, or a first
+// call inside a graph capture) and whose product is bf16 or f16 at ranks up to 64: 64x128 on one
+// warpgroup (WGMMA), three stages, W_eff moved to its store layout through W's spent ring slot
+// (STORE_IN_RING: two programs a multiprocessor), 128-byte L2 prefetches, the columns split in two.
+// On an H100 it took 527.9 us at r=64, 64x2816x2048 (the 64x128 it replaced, on mma.sync dots
+// without the rest: 606.1), 564.7 / 281.1 us at r=16, 128x1536x2048 / 128x2048x768 (577.4 / 288.8)
+// and 115.7 at 1x8192x8200 (115.4). Calls that ask for one tile a program (STREAM) or programs
+// dealing out the tiles (PERSISTENT) keep the tile those were measured with. A few large experts,
+// whose row blocks are at most four programs a multiprocessor (E=1 at 8192 rows: 128), walk the
+// rows instead (WALK_ROWS, as the merge's own tile), on two stages: at 1x8192x8192 r=64 99.5 us
+// against 107.5-108.3 walking columns (101.2 on three stages), at 1x8192x8200 r=16 102.6 against
+// 114.1-114.3 (123.4), at 8x4096x14336 r=16 (512 row blocks) 666.1 against 676.8; where the row
+// blocks are many, walking the rows was slower or even (64x2816x2048 r=64 523.0 against
+// 521.3-521.8; at r=16 128x1536x2048 and 128x2048x768 568.2 and 297.9 against 556.0-556.6 and
+// 278.2-278.3, 8x14336x4096 660.4 against 658.8).
 //
 // At ranks up to 16 with W's rows contiguous, one 64x64 tile a program in its one-tile form
-// (STREAM, ONE_TILE) on 4 warps instead, unless the Config names STREAM (0: the ring tile),
-// says ONE_TILE=0 or names WALK_ROWS or EXPERT_GROUP, or the experts' 64-row blocks are at most one a multiprocessor (one large
-// expert), which walk the rows as above. On an H100 at r=16: 542.3 / 276.4 us at
-// 128x1536x2048 / 128x2048x768 (555.5 / 278.3 on the ring tile), Mixtral's 8x14336x4096 and
-// 8x4096x14336 629.1 / 629.8 (658.4, and 689.4 walking the rows), fp32 adapters 550.3
-// (566.2): 99.0-99.5% of a copy, the autotuner's choice or within its noise. One 8192x8200
-// expert took 124.9 us on it against 102.7 walking the rows.
+// (STREAM, ONE_TILE) on 4 warps instead, unless the Config names STREAM (0: the ring tile), says
+// ONE_TILE=0 or names WALK_ROWS or EXPERT_GROUP, or the experts' 64-row blocks are at most one a
+// multiprocessor (one large expert), which walk the rows as above. On an H100 at r=16: 542.3 /
+// 276.4 us at 128x1536x2048 / 128x2048x768 (555.5 / 278.3 on the ring tile), Mixtral's 8x14336x4096
+// and 8x4096x14336 629.1 / 629.8 (658.4, and 689.4 walking the rows), fp32 adapters 550.3 (566.2):
+// 99.0-99.5% of a copy, the autotuner's choice or within its noise. One 8192x8200 expert took 124.9
+// us on it against 102.7 walking the rows.
 Config own_config(const Config& config, const TensorView& W, Product dot, int64_t r_pad, bool gpu, int64_t programs) {
   if (!gpu || config.block_m || config.block_k || !is_half(dot) || dot.tf32 || r_pad > 64 ||
       meta_or(config, "STREAM", 0) || meta_or(config, "PERSISTENT", 0) || !wgmma_target(W.device))

@@ -491,7 +491,8 @@ TEST_CASE("the merge's own config on sm_90a is one tile a program up to rank 32 
       if (r <= 32) {
         CHECK(test::is_one_tile(own, ab == DType::f32 ? 128 : 64));
         CHECK_FALSE(ring_tile(own));
-        // ONE_TILE=0, or WALK_ROWS named, or W strided: the ring tile walking the rows, three stages.
+        // ONE_TILE=0, STREAM=0, WALK_ROWS named, or W strided: the ring tile walking the rows,
+        // three stages.
         for (const autotune::Config& asked :
              {autotune::Config{{"ONE_TILE", 0}}, autotune::Config{{"WALK_ROWS", 1}}, autotune::Config{{"STREAM", 0}}}) {
           const autotune::Config ring = planned("sm_90a", w, ab, r, asked);

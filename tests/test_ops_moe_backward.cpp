@@ -645,8 +645,9 @@ TEST_CASE("the MoE forward's own config on sm_90a is 64x128 on three stages thro
       return TensorView::contiguous(p, d, shape, Device::cuda(0));
     };
     // Strided: W's experts [2816, 2048] as views of [2048, 2816] buffers (their rows strided).
-    const TensorView W = w_strided ? TensorView::strided(p, w, {64, 2816, 2048}, {2816 * 2048, 1, 2816}, Device::cuda(0))
-                                   : t(w, {64, 2816, 2048});
+    const TensorView W =
+        w_strided ? TensorView::strided(p, w, {64, 2816, 2048}, {2816 * 2048, 1, 2816}, Device::cuda(0))
+                  : t(w, {64, 2816, 2048});
     const std::vector<autotune::KernelCall> calls =
         op.kernels({W, t(ab, {64, r, 2048}), t(ab, {64, 2816, r}), t(w, {64, 2816, 2048})}, c, 132);
     REQUIRE(calls.size() == 1);
