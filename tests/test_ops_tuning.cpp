@@ -344,6 +344,18 @@ TEST_CASE("WGMMA_SS asks for shared-memory A operands only beside WGMMA", "[auto
   CHECK(hints({}, 1).empty());
 }
 
+// ONE_TILE=1 joins the merge's and MoE forward's finalist variants where their products run
+// on tensor cores in a half dtype (where with_stream_tiles gives them STREAM candidates).
+TEST_CASE("ONE_TILE joins the finalist variants for products in a half dtype only", "[autotune][cpu]") {
+  using ops::detail::with_one_tile_variant;
+  const std::vector<autotune::Config> base = {{{"EVICT", 1}}};
+  for (const DType half : {DType::bf16, DType::f16}) {
+    CAPTURE(dtype_name(half));
+    CHECK(with_one_tile_variant(base, half) == std::vector<autotune::Config>{{{"EVICT", 1}}, {{"ONE_TILE", 1}}});
+  }
+  CHECK(with_one_tile_variant(base, DType::f32) == base);
+}
+
 TEST_CASE("a STREAM config runs as one without the entries its plan overrides", "[autotune][cpu]") {
   using ops::detail::stream_canonical;
   const autotune::Config tiled = {{"BLOCK_M", 64}, {"BLOCK_K", 128}, {"num_stages", 3}, {"split_k", 4},
