@@ -566,9 +566,10 @@ TEST_CASE("the merge's own config on sm_90a is one tile a program up to rank 32 
 // f16 W and adapters at rank 64 on the 64x128 mma.sync tile on three stages (the op's own
 // tile off sm_90a), the kernel that compile_kernel compiles again for one program a
 // multiprocessor (ptxas spilled 4 bytes of it at 168 registers; tests/test_cuda_codegen.cpp);
-// then untuned, the op's own tile (on sm_90a, products in a half dtype: at ranks 17 to 32 one
-// tile a program in its one-tile form, at 33 to 64 and with W strided the MoE forward's
-// warpgroup tile through W's ring, walking the rows), W and adapters of one dtype and of two.
+// then untuned, the op's own tile (on sm_90a, products in a half dtype: up to rank 32 one tile
+// a program in its one-tile form, TF32 products up to 16 too; at 33 to 64, and with W strided,
+// the MoE forward's warpgroup tile through W's ring, walking the rows), W and adapters of one
+// dtype and of two.
 TEST_CASE("lora_merge in f16 at rank 64 on the tile compiled twice, and untuned at ranks up to 64, matches a "
           "float64 reference on the GPU",
           "[gpu][ops][merge]") {
