@@ -925,6 +925,31 @@ TEST_CASE("no op's own GPU tiles spill registers or serialize their warpgroup do
   CHECK(compiled >= 32);  // at least one kernel per op, dtype and rank
 }
 
+// The MoE forward's own tile up to rank 16 on sm_90a (one 64x64 tile a program in its one-tile
+// form), for W and adapters of one dtype and of two, compiles without spills.
+TEST_CASE("the MoE forward's one-tile own tile up to rank 16 compiles for sm_90a without spills",
+          "[cuda][codegen][ops][moe]") {
+  KERF_REQUIRE_NVRTC();
+  const ops::detail::PlanningArch h100("sm_90a");
+  const autotune::TunableOp op = test::registered_op("moe_lora_materialize");
+  void* const p = test::planning_address();
+  const Device dev = Device::cuda(0);
+  for (const auto& [w, ab] : {std::pair{DType::bf16, DType::bf16}, {DType::f16, DType::f16}, {DType::bf16, DType::f32}})
+    for (const int64_t r : {5, 16}) {
+      CAPTURE(dtype_name(w), dtype_name(ab), r);
+      const TensorView W = TensorView::contiguous(p, w, {64, 2816, 2048}, dev);
+      const std::vector<autotune::KernelCall> calls =
+          op.kernels({W, TensorView::contiguous(p, ab, {64, r, 2048}, dev),
+                      TensorView::contiguous(p, ab, {64, 2816, r}, dev), W},
+                     {}, 132);
+      REQUIRE(calls.size() == 1);
+      CHECK(calls[0].meta.at("ONE_TILE") == 1);
+      CHECK(calls[0].meta.at("BLOCK_N") == 64);
+      CHECK(calls[0].meta.at("BLOCK_K") == 64);
+      compiles_without_spills(calls[0]);
+    }
+}
+
 // The MoE forward reading PEFT's flat lora_B by clusters of 8 experts (EXPERTS_LAST), on the
 // own tile's warpgroup ring and a small mma.sync tile, bf16 and fp32 adapters, ranks 16 and
 // 64: its exchange (vector loads of the 8 experts, the hand-over through distributed
@@ -989,6 +1014,14 @@ TEST_CASE("the merge's mixed-dtype own tiles and its WALK_ROWS and CAST_A plans 
           CHECK(test::is_ring_tile(calls[0].meta, "BLOCK_M", r > 32 ? 2 : 3));
         compiles_without_spills(calls[0]);
       }
+  // Up to rank 16: the 32x128 one-tile form, TF32 products (an f16 W, fp32 adapters) included.
+  for (const auto& [w, ab] : {std::pair{DType::bf16, DType::bf16}, {DType::f16, DType::f32}, {DType::bf16, DType::f32}}) {
+    CAPTURE(dtype_name(w), dtype_name(ab));
+    const std::vector<autotune::KernelCall> calls = planned(w, ab, 16, {});
+    REQUIRE(calls.size() == 1);
+    CHECK(test::is_one_tile(calls[0].meta, 128));
+    compiles_without_spills(calls[0]);
+  }
   for (const int64_t r : {32, 64}) {
     for (const DType ab : {DType::bf16, DType::f32})
       for (const autotune::Config& extra :
