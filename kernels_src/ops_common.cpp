@@ -332,6 +332,15 @@ Config with_ring_tile(const Config& given) {
   return with_own_tile(given, 64, 128, 4, 3, {{"WGMMA", 1}, {"STORE_IN_RING", 1}, {"L2_PREFETCH", 128}});
 }
 
+bool one_tile_own_allowed(const Config& given, const TensorView& W) {
+  return W.rank > 0 && W.strides[size_t(W.rank - 1)] == 1 && !given.meta.count("STREAM") &&
+         meta_or(given, "ONE_TILE", 1) && !given.meta.count("WALK_ROWS");
+}
+
+Config with_one_tile(const Config& given, int64_t block_m, int64_t block_k) {
+  return with_own_tile(given, block_m, block_k, 4, 1, {{"STREAM", 1}, {"ONE_TILE", 1}});
+}
+
 void add_codegen_hints(const Config& config, dsl::MetaMap& meta, int64_t wgmma_ss_default) {
   if (const int64_t bytes = meta_or(config, "L2_PREFETCH", 0)) meta["l2_prefetch"] = bytes;
   if (meta_or(config, "WGMMA", 0)) meta["wgmma"] = 1;

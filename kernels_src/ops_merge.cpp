@@ -63,16 +63,14 @@ struct MergePlan {
 // (107.9 against 104.3 at 8192x8192, walking columns), so ranks up to 16 keep the mma.sync tile
 // where the one-tile form does not apply, as do an f16 W with fp32 adapters (TF32 products) above
 // rank 16.
-Config own_merge_config(const Config& config, const TensorView& W3, const Product& dot, DType adapters,
+Config own_merge_config(const Config& config, const TensorView& W3, const Product& dot, bool fp32_adapters,
                         int64_t r_pad, bool gpu) {
   if (!gpu || config.block_m || config.block_k || !is_half(W3.dtype) || r_pad > 64 || meta_or(config, "STREAM", 0) ||
       !wgmma_target(W3.device))
     return config;
   const bool half_product = is_half(dot.dtype) && !dot.tf32;
-  if ((half_product ? r_pad <= 32 : dot.tf32 && r_pad <= 16) && W3.strides[2] == 1 &&
-      !config.meta.count("STREAM") && meta_or(config, "ONE_TILE", 1) && !config.meta.count("WALK_ROWS"))
-    return with_own_tile(config, 32, r_pad == 16 || adapters == DType::f32 ? 128 : 64, 4, 1,
-                         {{"STREAM", 1}, {"ONE_TILE", 1}});
+  if ((half_product ? r_pad <= 32 : dot.tf32 && r_pad <= 16) && one_tile_own_allowed(config, W3))
+    return with_one_tile(config, 32, r_pad == 16 || fp32_adapters ? 128 : 64);
   if (!half_product || r_pad < 32) return config;
   Config own = config;
   // Walking the rows at ranks 33 to 64: two stages, three programs a multiprocessor, not two.
@@ -89,8 +87,8 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
   bool scale_after = false;
   const Product dot = merge_dot_dtype(W3.dtype, A3.dtype, B3.dtype, &scale_after);
   const int64_t r_pad = rank_pad(r);
-  const DType adapters = A3.dtype == DType::f32 || B3.dtype == DType::f32 ? DType::f32 : A3.dtype;
-  const Config config = own_merge_config(given, W3, dot, adapters, r_pad, gpu);
+  const bool fp32_adapters = A3.dtype == DType::f32 || B3.dtype == DType::f32;
+  const Config config = own_merge_config(given, W3, dot, fp32_adapters, r_pad, gpu);
   // B's rows stay in registers: fewer rows per program at large ranks.
   const int64_t bm_default = gpu ? std::clamp<int64_t>(8192 / r_pad, 16, 64) : 16;
   const int64_t bm = config.block_m ? config.block_m : bm_default;

@@ -58,9 +58,8 @@ Config own_config(const Config& config, const TensorView& W, Product dot, int64_
       meta_or(config, "STREAM", 0) || meta_or(config, "PERSISTENT", 0) || !wgmma_target(W.device))
     return config;
   const int64_t row_blocks = W.shape[0] * cdiv(W.shape[1], 64);
-  if (r_pad <= 16 && row_blocks > programs && W.strides[2] == 1 && !config.meta.count("STREAM") &&
-      meta_or(config, "ONE_TILE", 1) && !config.meta.count("WALK_ROWS") && !meta_or(config, "EXPERT_GROUP", 0))
-    return with_own_tile(config, 64, 64, 4, 1, {{"STREAM", 1}, {"ONE_TILE", 1}});
+  if (r_pad <= 16 && row_blocks > programs && one_tile_own_allowed(config, W) && !meta_or(config, "EXPERT_GROUP", 0))
+    return with_one_tile(config, 64, 64);
   const bool walk_rows =
       row_blocks <= 4 * programs && meta_or(config, "WALK_ROWS", 1) && !meta_or(config, "EXPERT_GROUP", 0);
   Config c = config;

@@ -987,8 +987,8 @@ int main(int argc, char** argv) {
       if (family("lora_merge")) run_case(make_merge(o, i, 16), merge_cfgs);
     for (DType at : {DType::f16, DType::f32})
       if (family("lora_merge")) run_case(make_merge(8192, 8192, 16, DType::f16, at), {ops::Config{}});
-    // Ranks 32 and 64 (their own tile on sm_90a is the MoE forward's), and at each f16 W and
-    // bf16 W with f16 or fp32 adapters.
+    // Ranks 32 and 64 (their own tiles on sm_90a: one 32x64 tile a program at 32, the MoE
+    // forward's ring tile at 64), and at each f16 W and bf16 W with f16 or fp32 adapters.
     for (int64_t r : {32, 64})
       for (auto [o, i] : std::vector<std::pair<int64_t, int64_t>>{{4096, 4096}, {8192, 8192}, {14336, 4096}})
         if (family("lora_merge")) run_case(make_merge(o, i, r), {ops::Config{}});
