@@ -337,8 +337,8 @@ bool one_tile_own_allowed(const Config& given, const TensorView& W) {
          meta_or(given, "ONE_TILE", 1) && !given.meta.count("WALK_ROWS");
 }
 
-Config with_one_tile(const Config& given, int64_t block_m, int64_t block_k) {
-  return with_own_tile(given, block_m, block_k, 4, 1, {{"STREAM", 1}, {"ONE_TILE", 1}});
+Config with_one_tile(const Config& given, int64_t block_m, int64_t block_k, int64_t warps) {
+  return with_own_tile(given, block_m, block_k, warps, 1, {{"STREAM", 1}, {"ONE_TILE", 1}});
 }
 
 void add_codegen_hints(const Config& config, dsl::MetaMap& meta, int64_t wgmma_ss_default) {

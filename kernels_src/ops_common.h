@@ -253,9 +253,9 @@ Config with_ring_tile(const Config& given);
 // under `given`: W's rows contiguous, and `given` names neither STREAM (0 asks for tiles that
 // walk columns) nor WALK_ROWS, nor says ONE_TILE=0.
 bool one_tile_own_allowed(const Config& given, const TensorView& W);
-// with_own_tile's one-tile form: block_m x block_k on 4 warps, one tile a program (STREAM)
-// with W's tile asked for first (ONE_TILE).
-Config with_one_tile(const Config& given, int64_t block_m, int64_t block_k);
+// with_own_tile's one-tile form: block_m x block_k on `warps` warps, one tile a program
+// (STREAM) with W's tile asked for first (ONE_TILE).
+Config with_one_tile(const Config& given, int64_t block_m, int64_t block_k, int64_t warps = 4);
 // The code-generation hints of Config.meta as the kernel metas that carry them:
 // L2_PREFETCH (0, 64, 128 or 256 bytes) as l2_prefetch, the L2 prefetch size hint
 // of the kernel's pipelined copies, WGMMA 1 as wgmma, with it WGMMA_SS 1 (unset: the

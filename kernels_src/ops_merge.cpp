@@ -44,10 +44,13 @@ struct MergePlan {
 // 100.1 / 90.3 tuned before; at 8192x8192 an f16 W 96.6 against 100.4, f16 adapters 96.6 against
 // 101.6, fp32 adapters 101.2 (32x128; 116.8 at 32x64, 109.0 at 32x256) against 104.0. At r=16
 // 32x128: 27.3 / 96.2 / 84.7 (f16 W 96.2) against 30.8 / 102.7 / 94.1 (102.6) on the mma.sync tile
-// (32x64 was slower there: 111.7 at 8192x8192). An f16 W with fp32 adapters (TF32 products) runs
-// the 32x128 one-tile form up to rank 16 too: 95.8 us at r=16, 8192x8192, against 102.8 without
-// ONE_TILE and 100.9 tuned on the mma.sync tile. At r=64 the one-tile form ran at 55-82% of a copy
-// (A's columns pass through registers), so R_PAD 64 keeps the ring tile.
+// (32x64 was slower there: 111.7 at 8192x8192); a bf16 W with fp32 adapters (PEFT's) there runs
+// 64x128 on 8 warps: 94.3 us at 8192x8192 (98.7% of a copy) against 99.3 on 32x128 and 96.1 tuned
+// without ONE_TILE (128x64 on 8 warps 94.8; casting A first, CAST_A, cost 2-4 us on each). An f16
+// W with fp32 adapters (TF32 products) runs the 32x128 one-tile form up to rank 16 too: 95.8 us at
+// r=16, 8192x8192, against 102.8 without ONE_TILE and 100.9 tuned on the mma.sync tile. At r=64
+// the one-tile form ran at 55-82% of a copy (A's columns pass through registers), so R_PAD 64 keeps
+// the ring tile.
 //
 // Otherwise (R_PAD 64; at R_PAD 32 a strided W or a Config that asks): the MoE forward's tile
 // (ops_moe.cpp), 64x128 on one warpgroup (WGMMA), W's new tile moved to its store layout through
@@ -69,8 +72,10 @@ Config own_merge_config(const Config& config, const TensorView& W3, const Produc
       !wgmma_target(W3.device))
     return config;
   const bool half_product = is_half(dot.dtype) && !dot.tf32;
-  if ((half_product ? r_pad <= 32 : dot.tf32 && r_pad <= 16) && one_tile_own_allowed(config, W3))
+  if ((half_product ? r_pad <= 32 : dot.tf32 && r_pad <= 16) && one_tile_own_allowed(config, W3)) {
+    if (half_product && fp32_adapters && r_pad == 16) return with_one_tile(config, 64, 128, 8);
     return with_one_tile(config, 32, r_pad == 16 || fp32_adapters ? 128 : 64);
+  }
   if (!half_product || r_pad < 32) return config;
   Config own = config;
   // Walking the rows at ranks 33 to 64: two stages, three programs a multiprocessor, not two.

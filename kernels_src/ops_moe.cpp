@@ -45,21 +45,28 @@ struct MoePlan {
 // 521.3-521.8; at r=16 128x1536x2048 and 128x2048x768 568.2 and 297.9 against 556.0-556.6 and
 // 278.2-278.3, 8x14336x4096 660.4 against 658.8).
 //
-// At ranks up to 16 with W's rows contiguous, one 64x64 tile a program in its one-tile form
-// (STREAM, ONE_TILE) on 4 warps instead, unless the Config names STREAM (0: the ring tile), says
-// ONE_TILE=0 or names WALK_ROWS or EXPERT_GROUP, or the experts' 64-row blocks are at most one a
-// multiprocessor (one large expert), which walk the rows as above. On an H100 at r=16: 542.3 /
-// 276.4 us at 128x1536x2048 / 128x2048x768 (555.5 / 278.3 on the ring tile), Mixtral's 8x14336x4096
-// and 8x4096x14336 629.1 / 629.8 (658.4, and 689.4 walking the rows), fp32 adapters 550.3 (566.2):
+// At ranks up to 32 with W's rows contiguous, one tile a program in its one-tile form (STREAM,
+// ONE_TILE) instead, unless the Config names STREAM (0: the ring tile), says ONE_TILE=0 or names
+// WALK_ROWS or EXPERT_GROUP, or the experts' 64-row blocks are at most one a multiprocessor (one
+// large expert), which walk the rows as above: 64x64 on 4 warps at R_PAD 16, 32x128 on 4 warps at
+// R_PAD 32, 128x64 on 8 warps with fp32 adapters there. On an H100 at r=16: 542.3 / 276.4 us at
+// 128x1536x2048 / 128x2048x768 (555.5 / 278.3 on the ring tile), Mixtral's 8x14336x4096 and
+// 8x4096x14336 629.1 / 629.8 (658.4, and 689.4 walking the rows), fp32 adapters 550.3 (566.2):
 // 99.0-99.5% of a copy, the autotuner's choice or within its noise. One 8192x8200 expert took 124.9
-// us on it against 102.7 walking the rows.
-Config own_config(const Config& config, const TensorView& W, Product dot, int64_t r_pad, bool gpu, int64_t programs) {
+// us on it against 102.7 walking the rows. At r=32, 128x1536x2048: 544.4 us (99.3%; 32x64 545.0)
+// against 557.7 on the ring tile; fp32 adapters 559.0 (98.4%; 570.1 on 32x64 and 598.2 on 32x128
+// at 4 warps) against 642.0, and 572.3 tuned. One 8192x8200 expert at r=32: 101.8 on 32x64 against
+// 101.1 walking the rows.
+Config own_config(const Config& config, const TensorView& W, Product dot, bool fp32_adapters, int64_t r_pad, bool gpu,
+                  int64_t programs) {
   if (!gpu || config.block_m || config.block_k || !is_half(dot) || dot.tf32 || r_pad > 64 ||
       meta_or(config, "STREAM", 0) || meta_or(config, "PERSISTENT", 0) || !wgmma_target(W.device))
     return config;
   const int64_t row_blocks = W.shape[0] * cdiv(W.shape[1], 64);
-  if (r_pad <= 16 && row_blocks > programs && one_tile_own_allowed(config, W) && !meta_or(config, "EXPERT_GROUP", 0))
-    return with_one_tile(config, 64, 64);
+  if (r_pad <= 32 && row_blocks > programs && one_tile_own_allowed(config, W) && !meta_or(config, "EXPERT_GROUP", 0)) {
+    if (r_pad <= 16) return with_one_tile(config, 64, 64);
+    return fp32_adapters ? with_one_tile(config, 128, 64, 8) : with_one_tile(config, 32, 128);
+  }
   const bool walk_rows =
       row_blocks <= 4 * programs && meta_or(config, "WALK_ROWS", 1) && !meta_or(config, "EXPERT_GROUP", 0);
   Config c = config;
@@ -80,7 +87,7 @@ MoePlan plan_moe(const TensorView& W, DType a, const TensorView& B, int64_t r, b
   const Product dot = product_dtype(W.dtype, a, b);
   const int64_t r_pad = rank_pad(r);
   if (!programs) programs = parallelism(W.device);
-  const Config config = own_config(given, W, dot, r_pad, gpu, programs);
+  const Config config = own_config(given, W, dot, a == DType::f32 || b == DType::f32, r_pad, gpu, programs);
   const int64_t bn = config.block_m ? config.block_m : (gpu ? 64 : 16);
   const int64_t bk =
       config.block_k ? config.block_k : (gpu ? rank_narrowed(128, r_pad, rank_bytes(dot, a, b), 512) : 64);

@@ -55,11 +55,11 @@ inline bool is_ring_tile(const autotune::Config& m, const std::string& rows, int
          m.count("wgmma") && m.count("store_in_ring") && m.count("l2_prefetch") && m.at("l2_prefetch") == 128;
 }
 
-// Whether planned kernel metas `m` are the merge's one-tile own tile at R_PAD 32 (ops_merge.cpp
-// own_merge_config): 32 rows by `cols` columns on 4 warps, one stage, a program for every
-// tile (ONE_TILE), the column blocks of a row block launched together (COLS_FIRST).
-inline bool is_one_tile(const autotune::Config& m, int64_t cols) {
-  return m.at("BLOCK_M") == 32 && m.at("BLOCK_K") == cols && m.at("num_warps") == 4 && m.at("num_stages") == 1 &&
+// Whether planned kernel metas `m` are the merge's one-tile own tile (ops_merge.cpp
+// own_merge_config): `rows` by `cols` on `warps` warps, one stage, a program for every tile
+// (ONE_TILE), the column blocks of a row block launched together (COLS_FIRST).
+inline bool is_one_tile(const autotune::Config& m, int64_t cols, int64_t rows = 32, int64_t warps = 4) {
+  return m.at("BLOCK_M") == rows && m.at("BLOCK_K") == cols && m.at("num_warps") == warps && m.at("num_stages") == 1 &&
          m.count("ONE_TILE") && m.at("ONE_TILE") == 1 && m.count("COLS_FIRST") && !m.count("wgmma") &&
          !m.count("WALK_ROWS");
 }

@@ -211,6 +211,9 @@ std::vector<MoeCase> moe_cases() {
       // r=64 with no tile named: on an H100 the op's own warpgroup tile (ops_moe.cpp), with
       // PEFT's layout and with fp32 adapters on a bf16 W.
       {2, 130, 264, 64, DType::bf16, true}, {2, 72, 200, 64, DType::bf16, false, ops::Config{}, DType::f32},
+      // More 64-row blocks than an H100 has multiprocessors at ranks 17 to 32: its one-tile own
+      // tiles untuned (32x128; 128x64 on 8 warps with fp32 adapters).
+      {3, 3000, 136, 24, DType::bf16, false}, {3, 3000, 136, 32, DType::bf16, false, ops::Config{}, DType::f32},
       // K shared by programs: 2 and 3 slices of 64 columns (the last of 3 gets none at K=256).
       {3, 100, 130, 5, DType::bf16, true, ops::Config{0, 64, 2, 0, 0}},
       {2, 64, 256, 16, DType::f16, false, ops::Config{0, 64, 3, 0, 0}},
@@ -292,12 +295,17 @@ void run_moe_cases(Device dev) {
 // product): PEFT's strided adapters and the plain layout, r=64 with rows and columns past the
 // tile, fp32 adapters with warps on columns, an fp32 W.
 std::vector<MoeCase> moe_one_tile_cases() {
-  const auto one_tile = [](int64_t bn, int64_t bk, std::map<std::string, int64_t> meta = {}) {
+  const auto one_tile = [](int64_t bn, int64_t bk, std::map<std::string, int64_t> meta = {}, int64_t warps = 4) {
     meta["STREAM"] = 1;
     meta["ONE_TILE"] = 1;
-    return ops::Config{bn, bk, 0, 4, 0, std::move(meta)};
+    return ops::Config{bn, bk, 0, warps, 0, std::move(meta)};
   };
   return {
+      // The own tiles' (ops_moe.cpp own_config): 64x64 up to rank 16, 32x128 up to 32, 128x64 on
+      // 8 warps with fp32 adapters there.
+      {3, 100, 200, 16, DType::bf16, false, one_tile(64, 64)},
+      {2, 130, 200, 24, DType::bf16, true, one_tile(32, 128)},
+      {2, 300, 136, 32, DType::bf16, false, one_tile(128, 64, {}, 8), DType::f32},
       {3, 100, 200, 5, DType::bf16, true, one_tile(64, 128)},
       {2, 130, 136, 64, DType::bf16, false, one_tile(64, 128)},
       {2, 130, 136, 64, DType::bf16, true, one_tile(32, 128)},
@@ -379,7 +387,8 @@ TEST_CASE("moe_lora_materialize matches a float64 reference on the GPU", "[gpu][
 
 // Untuned, the cases that name no tile run the op's own (on an H100 its warpgroup tile with
 // W_eff moved through W's ring, at ranks up to 64, walking the rows where the experts' row
-// blocks are few, the columns where they are many; ops_moe.cpp, own_config).
+// blocks are few, the columns where they are many; at ranks up to 32 with more row blocks than
+// multiprocessors, one tile a program in its one-tile form; ops_moe.cpp, own_config).
 TEST_CASE("moe_lora_materialize untuned on its own tiles matches a float64 reference on the GPU",
           "[gpu][kernels]") {
   KERF_REQUIRE_GPU();

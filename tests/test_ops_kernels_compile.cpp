@@ -925,9 +925,9 @@ TEST_CASE("no op's own GPU tiles spill registers or serialize their warpgroup do
   CHECK(compiled >= 32);  // at least one kernel per op, dtype and rank
 }
 
-// The MoE forward's own tile up to rank 16 on sm_90a (one 64x64 tile a program in its one-tile
-// form), for W and adapters of one dtype and of two, compiles without spills.
-TEST_CASE("the MoE forward's one-tile own tile up to rank 16 compiles for sm_90a without spills",
+// The MoE forward's own tiles up to rank 32 on sm_90a (one tile a program in its one-tile form),
+// for W and adapters of one dtype and of two, compile without spills.
+TEST_CASE("the MoE forward's one-tile own tiles up to rank 32 compile for sm_90a without spills",
           "[cuda][codegen][ops][moe]") {
   KERF_REQUIRE_NVRTC();
   const ops::detail::PlanningArch h100("sm_90a");
@@ -935,7 +935,7 @@ TEST_CASE("the MoE forward's one-tile own tile up to rank 16 compiles for sm_90a
   void* const p = test::planning_address();
   const Device dev = Device::cuda(0);
   for (const auto& [w, ab] : {std::pair{DType::bf16, DType::bf16}, {DType::f16, DType::f16}, {DType::bf16, DType::f32}})
-    for (const int64_t r : {5, 16}) {
+    for (const int64_t r : {5, 16, 17, 32}) {
       CAPTURE(dtype_name(w), dtype_name(ab), r);
       const TensorView W = TensorView::contiguous(p, w, {64, 2816, 2048}, dev);
       const std::vector<autotune::KernelCall> calls =
@@ -944,8 +944,11 @@ TEST_CASE("the MoE forward's one-tile own tile up to rank 16 compiles for sm_90a
                      {}, 132);
       REQUIRE(calls.size() == 1);
       CHECK(calls[0].meta.at("ONE_TILE") == 1);
-      CHECK(calls[0].meta.at("BLOCK_N") == 64);
-      CHECK(calls[0].meta.at("BLOCK_K") == 64);
+      // 64x64 up to rank 16; 32x128 above, 128x64 on 8 warps with fp32 adapters.
+      const bool f32a = ab == DType::f32;
+      CHECK(calls[0].meta.at("BLOCK_N") == (r <= 16 ? 64 : f32a ? 128 : 32));
+      CHECK(calls[0].meta.at("BLOCK_K") == (r <= 16 ? 64 : f32a ? 64 : 128));
+      CHECK(calls[0].meta.at("num_warps") == (r > 16 && f32a ? 8 : 4));
       compiles_without_spills(calls[0]);
     }
 }
@@ -1014,12 +1017,16 @@ TEST_CASE("the merge's mixed-dtype own tiles and its WALK_ROWS and CAST_A plans 
           CHECK(test::is_ring_tile(calls[0].meta, "BLOCK_M", r > 32 ? 2 : 3));
         compiles_without_spills(calls[0]);
       }
-  // Up to rank 16: the 32x128 one-tile form, TF32 products (an f16 W, fp32 adapters) included.
+  // Up to rank 16: the 32x128 one-tile form, TF32 products (an f16 W, fp32 adapters) included;
+  // 64x128 on 8 warps for a bf16 W with fp32 adapters.
   for (const auto& [w, ab] : {std::pair{DType::bf16, DType::bf16}, {DType::f16, DType::f32}, {DType::bf16, DType::f32}}) {
     CAPTURE(dtype_name(w), dtype_name(ab));
     const std::vector<autotune::KernelCall> calls = planned(w, ab, 16, {});
     REQUIRE(calls.size() == 1);
-    CHECK(test::is_one_tile(calls[0].meta, 128));
+    if (w == DType::bf16 && ab == DType::f32)
+      CHECK(test::is_one_tile(calls[0].meta, 128, 64, 8));
+    else
+      CHECK(test::is_one_tile(calls[0].meta, 128));
     compiles_without_spills(calls[0]);
   }
   for (const int64_t r : {32, 64}) {

@@ -455,7 +455,7 @@ TEST_CASE("the tiles of lora_merge's GPU float64 cases fit an H100's shared memo
 // dtype (a bf16 W with any adapters, an f16 W with f16 or bf16 ones): up to rank 32 with W's
 // rows contiguous, one tile a program in its one-tile form, 32x64 at ranks 17 to 32 (32x128
 // with fp32 adapters) and 32x128 up to 16 (there also for TF32 products: an f16 W, fp32
-// adapters); at ranks 17 to 64 otherwise (33 to 64, or asked with ONE_TILE=0 or WALK_ROWS,
+// adapters; a bf16 W with fp32 adapters 64x128 on 8 warps); at ranks 17 to 64 otherwise (33 to 64, or asked with ONE_TILE=0 or WALK_ROWS,
 // or with W strided: fan_in_fan_out) the MoE forward's warpgroup tile through W's ring, its
 // programs owning columns and walking the rows (WALK_ROWS), on two stages at ranks 33 to 64
 // and three below; other ranks, dtypes and GPUs keep the 64x128 mma.sync tile walking
@@ -516,7 +516,7 @@ TEST_CASE("the merge's own config on sm_90a is one tile a program up to rank 32 
   for (const int64_t r : {1, 16}) {
     CAPTURE(r);
     CHECK(test::is_one_tile(planned("sm_90a", DType::bf16, DType::bf16, r, {}), 128));
-    CHECK(test::is_one_tile(planned("sm_90a", DType::bf16, DType::f32, r, {}), 128));
+    CHECK(test::is_one_tile(planned("sm_90a", DType::bf16, DType::f32, r, {}), 128, 64, 8));  // PEFT's
     for (const autotune::Config& m : {planned("sm_90a", DType::bf16, DType::bf16, r, {{"ONE_TILE", 0}}),
                                       planned("sm_90a", DType::bf16, DType::bf16, r, {{"STREAM", 0}}),
                                       planned("sm_90a", DType::bf16, DType::bf16, r, {}, true)}) {
@@ -594,8 +594,9 @@ TEST_CASE("lora_merge in f16 at rank 64 on the tile compiled twice, and untuned 
       {130, 333, 17, DType::f16, DType::f16, DType::f16},
       {301, 130, 32, DType::bf16, DType::f32, DType::f32, false, 0, -0.5},
       {99, 200, 24, DType::f16, DType::bf16, DType::bf16},
-      // ... and 32x128 at ranks up to 16.
+      // ... and 32x128 at ranks up to 16 (64x128 on 8 warps with a bf16 W and fp32 adapters).
       {130, 333, 16, DType::bf16, DType::bf16, DType::bf16, false, 0, -0.5},
+      {130, 333, 16, DType::bf16, DType::f32, DType::f32, false, 0, -0.5},
       {67, 300, 5, DType::f16, DType::f16, DType::f16},
       {200, 130, 9, DType::bf16, DType::f32, DType::f32},
       {130, 200, 16, DType::f16, DType::f32, DType::f32, false, 0, -0.5},  // TF32

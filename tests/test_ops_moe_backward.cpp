@@ -629,12 +629,12 @@ TEST_CASE("the MoE backward's own config is 64x256 on GPUs other than sm_90a", "
 }
 
 // An untuned MoE forward on sm_90a (nothing is launched): 64x128 on one warpgroup, three
-// stages, W_eff through W's ring, for 16-bit products at ranks 17 to 64 (and up to 16 with
-// ONE_TILE=0, or W's rows strided); one 64x64 tile a program in its one-tile form at ranks up
-// to 16; elsewhere, and for larger ranks, fp32 or TF32 products, or STREAM / PERSISTENT
-// calls, the tiles before it.
-TEST_CASE("the MoE forward's own config on sm_90a is 64x128 on three stages through W's ring, one 64x64 tile a "
-          "program at ranks up to 16",
+// stages, W_eff through W's ring, for 16-bit products at ranks 33 to 64 (and up to 32 with
+// ONE_TILE=0, or W's rows strided); one tile a program in its one-tile form at ranks up to 32
+// (64x64 up to 16; 32x128 above, 128x64 on 8 warps with fp32 adapters); elsewhere, and for
+// larger ranks, fp32 or TF32 products, or STREAM / PERSISTENT calls, the tiles before it.
+TEST_CASE("the MoE forward's own config on sm_90a is 64x128 on three stages through W's ring, one tile a "
+          "program at ranks up to 32",
           "[ops][moe]") {
   const autotune::TunableOp op = test::registered_op("moe_lora_materialize");
   void* const p = test::planning_address();
@@ -654,18 +654,23 @@ TEST_CASE("the MoE forward's own config on sm_90a is 64x128 on three stages thro
     return calls[0].meta;
   };
   const auto ring_tile = [](const autotune::Config& m) { return test::is_ring_tile(m, "BLOCK_N"); };
-  // One 64x64 tile a program, W's asked for first: 4 warps, one stage, the column blocks of a
-  // row block launched together.
-  const auto one_tile = [](const autotune::Config& m) {
-    return m.at("BLOCK_N") == 64 && m.at("BLOCK_K") == 64 && m.at("num_warps") == 4 && m.at("num_stages") == 1 &&
+  // One tile a program, W's asked for first: one stage, the column blocks of a row block
+  // launched together.
+  const auto one_tile = [](const autotune::Config& m, int64_t bn, int64_t bk, int64_t warps) {
+    return m.at("BLOCK_N") == bn && m.at("BLOCK_K") == bk && m.at("num_warps") == warps && m.at("num_stages") == 1 &&
            m.count("ONE_TILE") && m.count("COLS_FIRST") && !m.count("wgmma");
   };
   for (const auto& [w, ab] : {std::pair{DType::bf16, DType::bf16}, {DType::bf16, DType::f32}, {DType::f16, DType::f16}})
-    for (const int64_t r : {1, 16, 17, 64}) {
+    for (const int64_t r : {1, 16, 17, 32, 33, 64}) {
       CAPTURE(dtype_name(w), dtype_name(ab), r);
       const autotune::Config own = planned("sm_90a", w, ab, r, {});
-      if (r <= 16) {
-        CHECK(one_tile(own));
+      if (r <= 32) {
+        if (r <= 16)
+          CHECK(one_tile(own, 64, 64, 4));
+        else if (ab == DType::f32)
+          CHECK(one_tile(own, 128, 64, 8));
+        else
+          CHECK(one_tile(own, 32, 128, 4));
         CHECK(ring_tile(planned("sm_90a", w, ab, r, {{"ONE_TILE", 0}})));
         CHECK(ring_tile(planned("sm_90a", w, ab, r, {{"STREAM", 0}})));
         CHECK(ring_tile(planned("sm_90a", w, ab, r, {}, true)));
@@ -697,7 +702,7 @@ TEST_CASE("the MoE forward's own config on sm_90a is 64x128 on three stages thro
 
 // A few large experts (their 64-row blocks at most four programs a multiprocessor) walk the
 // rows on the same tile, on two stages, unless the Config says WALK_ROWS=0 or groups experts;
-// at ranks up to 16 only where those blocks are at most one a multiprocessor (one large expert;
+// at ranks up to 32 only where those blocks are at most one a multiprocessor (one large expert;
 // more run one tile a program).
 TEST_CASE("the MoE forward's own config on sm_90a walks the rows of a few large experts on two stages", "[ops][moe]") {
   const autotune::TunableOp op = test::registered_op("moe_lora_materialize");
@@ -712,7 +717,7 @@ TEST_CASE("the MoE forward's own config on sm_90a walks the rows of a few large 
     REQUIRE(calls.size() == 1);
     return calls[0].meta;
   };
-  for (const int64_t r : {16, 64}) {
+  for (const int64_t r : {16, 32, 64}) {
     CAPTURE(r);
     const autotune::Config one = planned(1, 8192, r, {});  // 128 row blocks
     CHECK(test::is_ring_tile(one, "BLOCK_N", 2));
@@ -722,7 +727,7 @@ TEST_CASE("the MoE forward's own config on sm_90a walks the rows of a few large 
     const autotune::Config four = planned(4, 8448, r, {});  // 528 row blocks: 4 x 132
     const autotune::Config more = planned(4, 8512, r, {});  // 532
     CHECK_FALSE(more.count("WALK_ROWS"));
-    if (r > 16) {
+    if (r > 32) {
       CHECK(four.at("WALK_ROWS") == 1);
       CHECK(test::is_ring_tile(more, "BLOCK_N", 3));
     } else {

@@ -924,10 +924,10 @@ int main(int argc, char** argv) {
     for (ops::Config& c : wgmma_tiles({{64, 4}, {128, 4}, {128, 8}, {256, 8}}, {64, 128}, {2, 3, 4}))
       moe_cfgs.push_back(std::move(c));
     // One tile per program through the accumulator's registers (STREAM), and in its one-tile
-    // form (64x64: the own tile up to rank 16).
+    // form (64x64: the own tile up to rank 16; 32x128 up to 32).
     for (auto [bn, bk] : std::vector<std::pair<int64_t, int64_t>>{{32, 128}, {32, 256}, {64, 128}})
       moe_cfgs.push_back(ops::Config{bn, bk, 0, 4, 1, {{"STREAM", 1}}});
-    for (auto [bn, bk] : std::vector<std::pair<int64_t, int64_t>>{{32, 64}, {64, 64}, {32, 128}})
+    for (auto [bn, bk] : std::vector<std::pair<int64_t, int64_t>>{{32, 64}, {64, 64}, {32, 128}, {32, 256}})
       moe_cfgs.push_back(ops::Config{bn, bk, 0, 4, 1, {{"STREAM", 1}, {"ONE_TILE", 1}}});
     if (quick) moe_cfgs = {ops::Config{64, 64, 0, 8, 3}, ops::Config{32, 128, 0, 4, 3}, ops::Config{64, 128, 0, 4, 2}};
     struct MoeCase {
@@ -937,10 +937,10 @@ int main(int argc, char** argv) {
     // One expert of 8192x8192 at r=64: lora_merge's math and shape written out of place.
     // Eight large experts (Mixtral 8x7B's gate and up [8, 14336, 4096], down [8, 4096, 14336]):
     // 1792 and 512 row blocks of 64, either side of where the own tile starts walking the rows.
-    // Rank 32 between the own tile's one-tile form (up to 16) and the ring tile (above).
+    // Rank 32, many experts and one large one.
     for (const MoeCase& c : {MoeCase{128, 1536, 2048, 16}, MoeCase{128, 2048, 768, 16}, MoeCase{64, 2816, 2048, 64},
                              MoeCase{1, 8192, 8200, 16}, MoeCase{1, 8192, 8192, 64}, MoeCase{8, 14336, 4096, 16},
-                             MoeCase{8, 4096, 14336, 16}, MoeCase{128, 1536, 2048, 32}}) {
+                             MoeCase{8, 4096, 14336, 16}, MoeCase{128, 1536, 2048, 32}, MoeCase{1, 8192, 8200, 32}}) {
       if (!wanted("moe_materialize r=" + std::to_string(c.r))) continue;
       MoeSets sets = make_moe(c.E, c.N, c.K, c.r, DType::bf16, DType::bf16);
       measure([&](const ops::Config& cfg) { return bench_moe(sets, cfg, stream.handle()); }, moe_cfgs);
@@ -953,8 +953,9 @@ int main(int argc, char** argv) {
       measure([&](const ops::Config& cfg) { return bench_moe(sets, cfg, stream.handle()); }, moe_cfgs);
     }
     // fp32 adapters on a bf16 base, converted per step or cast once (CAST_A).
-    if (wanted("moe_materialize r=16 f32 adapters")) {
-      MoeSets sets = make_moe(128, 1536, 2048, 16, DType::bf16, DType::f32);
+    for (int64_t r : {16, 32}) {
+      if (!wanted("moe_materialize r=" + std::to_string(r) + " f32 adapters")) continue;
+      MoeSets sets = make_moe(128, 1536, 2048, r, DType::bf16, DType::f32);
       std::vector<ops::Config> cfgs = moe_cfgs;
       if (!quick)
         for (int64_t bn : {64, 128}) cfgs.push_back(ops::Config{bn, 128, 0, 8, 3, {{"CAST_A", 1}}});
@@ -987,6 +988,8 @@ int main(int argc, char** argv) {
       if (family("lora_merge")) run_case(make_merge(o, i, 16), merge_cfgs);
     for (DType at : {DType::f16, DType::f32})
       if (family("lora_merge")) run_case(make_merge(8192, 8192, 16, DType::f16, at), {ops::Config{}});
+    // PEFT's usual adapters on a bf16 base: fp32.
+    if (family("lora_merge")) run_case(make_merge(8192, 8192, 16, DType::bf16, DType::f32), {ops::Config{}});
     // Ranks 32 and 64 (their own tiles on sm_90a: one 32x64 tile a program at 32, the MoE
     // forward's ring tile at 64), and at each f16 W and bf16 W with f16 or fp32 adapters.
     for (int64_t r : {32, 64})

@@ -240,20 +240,23 @@ def bench_moe(E, N, K, r, results, adapters=torch.bfloat16, peft=False):
                                 config=str(best[1])))
 
 
-def bench_merge(out, inn, r, results):
-    """W.add_(s * (B @ A)) in place, all bf16 (the PEFT merge)."""
+def bench_merge(out, inn, r, results, adapters=torch.bfloat16):
+    """W.add_(s * (B @ A)) in place (the PEFT merge) on a bf16 W; `adapters` is A's and B's
+    dtype (fp32: PEFT's, the product in fp32 added to W)."""
     dt = torch.bfloat16
-    nbytes = (2 * out * inn + r * inn + out * r) * 2
+    at = adapters
+    nbytes = 2 * out * inn * 2 + (r * inn + out * r) * at.itemsize
     nsets = max(2, math.ceil(300e6 / nbytes))
     sets = [dict(W=torch.randn(out, inn, device="cuda", dtype=dt),
-                 A=0.1 * torch.randn(r, inn, device="cuda", dtype=dt),
-                 B=0.1 * torch.randn(out, r, device="cuda", dtype=dt)) for _ in range(nsets)]
+                 A=0.1 * torch.randn(r, inn, device="cuda", dtype=at),
+                 B=0.1 * torch.randn(out, r, device="cuda", dtype=at)) for _ in range(nsets)]
     s = 1e-3
     cg = copy_gbps(nbytes)
+    op = f"lora_merge r={r}" + ("" if at == dt else " f32 adapters")
     us = median_us(lambda x: x["W"].add_(s * (x["B"] @ x["A"])), sets, 50)
-    results.append(dict(impl="torch eager", op=f"lora_merge r={r}", shape=f"{out}x{inn}", median_us=us,
+    results.append(dict(impl="torch eager", op=op, shape=f"{out}x{inn}", median_us=us,
                         bytes=nbytes, gbps=nbytes / (us * 1e3), copy_gbps=cg))
-    if triton is not None:
+    if triton is not None and at == dt:
         # Each timed call adds s*B@A to W once more; with s = 1e-3 and |B@A| < 1 the
         # values stay in range over all the calls.
         def run(x, cfg):
@@ -404,12 +407,15 @@ def main():
     for E, N, K, r in [(128, 1536, 2048, 16), (128, 2048, 768, 16), (64, 2816, 2048, 64),
                        (8, 14336, 4096, 16), (8, 4096, 14336, 16), (128, 1536, 2048, 32)]:
         run(f"moe_materialize r={r}", bench_moe, E, N, K, r)
-    run("moe_materialize r=16 f32 adapters", functools.partial(bench_moe, adapters=torch.float32),
-        128, 1536, 2048, 16)
+    for r in (16, 32):
+        run(f"moe_materialize r={r} f32 adapters", functools.partial(bench_moe, adapters=torch.float32),
+            128, 1536, 2048, r)
     run("moe_materialize r=64 peft", functools.partial(bench_moe, peft=True), 64, 2816, 2048, 64)
     for r in (16, 32, 64):
         for out, inn in [(4096, 4096), (8192, 8192), (14336, 4096)]:
             run(f"lora_merge r={r}", bench_merge, out, inn, r)
+    for r in (16, 32, 64):
+        run(f"lora_merge r={r} f32 adapters", functools.partial(bench_merge, adapters=torch.float32), 8192, 8192, r)
     for out, inn in [(4096, 4096), (8192, 8192), (14336, 4096)]:
         run("dora_norm_4bit r=16", bench_dora_4bit, out, inn, 16)
     for E, N, K, r in [(128, 1536, 2048, 16), (128, 2048, 768, 16), (64, 2816, 2048, 64)]:
