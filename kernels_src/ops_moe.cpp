@@ -47,25 +47,28 @@ struct MoePlan {
 //
 // At ranks up to 32 with W's rows contiguous, one tile a program in its one-tile form (STREAM,
 // ONE_TILE) instead, unless the Config names STREAM (0: the ring tile), says ONE_TILE=0 or names
-// WALK_ROWS or EXPERT_GROUP, or the experts' 64-row blocks are at most one a multiprocessor (one
-// large expert), which walk the rows as above: 64x64 on 4 warps at R_PAD 16, 32x128 on 4 warps at
-// R_PAD 32, 128x64 on 8 warps with fp32 adapters there. On an H100 at r=16: 542.3 / 276.4 us at
-// 128x1536x2048 / 128x2048x768 (555.5 / 278.3 on the ring tile), Mixtral's 8x14336x4096 and
-// 8x4096x14336 629.1 / 629.8 (658.4, and 689.4 walking the rows), fp32 adapters 550.3 (566.2):
-// 99.0-99.5% of a copy, the autotuner's choice or within its noise. One 8192x8200 expert took 124.9
-// us on it against 102.7 walking the rows. At r=32, 128x1536x2048: 544.4 us (99.3%; 32x64 545.0)
-// against 557.7 on the ring tile; fp32 adapters 559.0 (98.4%; 570.1 on 32x64 and 598.2 on 32x128
-// at 4 warps) against 642.0, and 572.3 tuned. One 8192x8200 expert at r=32: 101.8 on 32x64 against
-// 101.1 walking the rows.
+// WALK_ROWS or EXPERT_GROUP: 64x64 on 4 warps at R_PAD 16, 32x128 on 4 warps at R_PAD 32, 128x64
+// on 8 warps with fp32 adapters there; where the experts' 64-row blocks are at most one a
+// multiprocessor (one large expert), 32x256 on 4 warps at R_PAD 16, and at R_PAD 32 the rows
+// walked as above. On an H100 at r=16: 542.3 / 276.4 us at 128x1536x2048 / 128x2048x768 (555.5 /
+// 278.3 on the ring tile), Mixtral's 8x14336x4096 and 8x4096x14336 629.1 / 629.8 (658.4, and
+// 689.4 walking the rows), fp32 adapters 550.3 (566.2): 99.0-99.5% of a copy, the autotuner's
+// choice or within its noise; one 8192x8192 / 8192x8200 expert 95.5 / 101.8 us on 32x256 (97.9 /
+// 95.1%) against 102.5 / 103.4 walking the rows, 98.7 / 104.1 on 32x128 and 124.9 (8200) on
+// 64x64. At r=32, 128x1536x2048: 544.4 us (99.3%; 32x64 545.0) against 557.7 on the ring tile;
+// fp32 adapters 559.0 (98.4%; 570.1 on 32x64 and 598.2 on 32x128 at 4 warps) against 642.0, and
+// 572.3 tuned. One 8192x8200 expert at r=32: 101.8 on 32x64 (116.6 on 32x256) against 101.1
+// walking the rows.
 Config own_config(const Config& config, const TensorView& W, Product dot, bool fp32_adapters, int64_t r_pad, bool gpu,
                   int64_t programs) {
   if (!gpu || config.block_m || config.block_k || !is_half(dot) || dot.tf32 || r_pad > 64 ||
       meta_or(config, "STREAM", 0) || meta_or(config, "PERSISTENT", 0) || !wgmma_target(W.device))
     return config;
   const int64_t row_blocks = W.shape[0] * cdiv(W.shape[1], 64);
-  if (r_pad <= 32 && row_blocks > programs && one_tile_own_allowed(config, W) && !meta_or(config, "EXPERT_GROUP", 0)) {
-    if (r_pad <= 16) return with_one_tile(config, 64, 64);
-    return fp32_adapters ? with_one_tile(config, 128, 64, 8) : with_one_tile(config, 32, 128);
+  if (r_pad <= 32 && one_tile_own_allowed(config, W) && !meta_or(config, "EXPERT_GROUP", 0)) {
+    if (r_pad <= 16) return row_blocks > programs ? with_one_tile(config, 64, 64) : with_one_tile(config, 32, 256);
+    if (row_blocks > programs)
+      return fp32_adapters ? with_one_tile(config, 128, 64, 8) : with_one_tile(config, 32, 128);
   }
   const bool walk_rows =
       row_blocks <= 4 * programs && meta_or(config, "WALK_ROWS", 1) && !meta_or(config, "EXPERT_GROUP", 0);

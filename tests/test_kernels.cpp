@@ -388,7 +388,8 @@ TEST_CASE("moe_lora_materialize matches a float64 reference on the GPU", "[gpu][
 // Untuned, the cases that name no tile run the op's own (on an H100 its warpgroup tile with
 // W_eff moved through W's ring, at ranks up to 64, walking the rows where the experts' row
 // blocks are few, the columns where they are many; at ranks up to 32 with more row blocks than
-// multiprocessors, one tile a program in its one-tile form; ops_moe.cpp, own_config).
+// multiprocessors, one tile a program in its one-tile form, and up to 16 with fewer, one 32x256
+// tile a program; ops_moe.cpp, own_config).
 TEST_CASE("moe_lora_materialize untuned on its own tiles matches a float64 reference on the GPU",
           "[gpu][kernels]") {
   KERF_REQUIRE_GPU();

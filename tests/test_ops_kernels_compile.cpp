@@ -925,8 +925,9 @@ TEST_CASE("no op's own GPU tiles spill registers or serialize their warpgroup do
   CHECK(compiled >= 32);  // at least one kernel per op, dtype and rank
 }
 
-// The MoE forward's own tiles up to rank 32 on sm_90a (one tile a program in its one-tile form),
-// for W and adapters of one dtype and of two, compile without spills.
+// The MoE forward's own tiles up to rank 32 on sm_90a (one tile a program in its one-tile form;
+// for one large expert too up to rank 16), for W and adapters of one dtype and of two, compile
+// without spills.
 TEST_CASE("the MoE forward's one-tile own tiles up to rank 32 compile for sm_90a without spills",
           "[cuda][codegen][ops][moe]") {
   KERF_REQUIRE_NVRTC();
@@ -950,6 +951,18 @@ TEST_CASE("the MoE forward's one-tile own tiles up to rank 32 compile for sm_90a
       CHECK(calls[0].meta.at("BLOCK_K") == (r <= 16 ? 64 : f32a ? 64 : 128));
       CHECK(calls[0].meta.at("num_warps") == (r > 16 && f32a ? 8 : 4));
       compiles_without_spills(calls[0]);
+      if (r > 16) continue;
+      // One large expert (its 64-row blocks at most one a multiprocessor): 32x256.
+      const TensorView one = TensorView::contiguous(p, w, {1, 8192, 8200}, dev);
+      const std::vector<autotune::KernelCall> large =
+          op.kernels({one, TensorView::contiguous(p, ab, {1, r, 8200}, dev),
+                      TensorView::contiguous(p, ab, {1, 8192, r}, dev), one},
+                     {}, 132);
+      REQUIRE(large.size() == 1);
+      CHECK(large[0].meta.at("ONE_TILE") == 1);
+      CHECK(large[0].meta.at("BLOCK_N") == 32);
+      CHECK(large[0].meta.at("BLOCK_K") == 256);
+      compiles_without_spills(large[0]);
     }
 }
 

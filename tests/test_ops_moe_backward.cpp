@@ -702,8 +702,9 @@ TEST_CASE("the MoE forward's own config on sm_90a is 64x128 on three stages thro
 
 // A few large experts (their 64-row blocks at most four programs a multiprocessor) walk the
 // rows on the same tile, on two stages, unless the Config says WALK_ROWS=0 or groups experts;
-// at ranks up to 32 only where those blocks are at most one a multiprocessor (one large expert;
-// more run one tile a program).
+// at ranks 17 to 32 only where those blocks are at most one a multiprocessor (one large expert;
+// more run one tile a program), and up to 16 never: one large expert runs one 32x256 tile a
+// program, more 64x64.
 TEST_CASE("the MoE forward's own config on sm_90a walks the rows of a few large experts on two stages", "[ops][moe]") {
   const autotune::TunableOp op = test::registered_op("moe_lora_materialize");
   void* const p = test::planning_address();
@@ -720,10 +721,23 @@ TEST_CASE("the MoE forward's own config on sm_90a walks the rows of a few large 
   for (const int64_t r : {16, 32, 64}) {
     CAPTURE(r);
     const autotune::Config one = planned(1, 8192, r, {});  // 128 row blocks
-    CHECK(test::is_ring_tile(one, "BLOCK_N", 2));
-    CHECK(one.at("WALK_ROWS") == 1);
     const autotune::Config wave = planned(1, 8448, r, {});  // 132: one a multiprocessor
-    CHECK(wave.at("WALK_ROWS") == 1);
+    if (r > 16) {
+      CHECK(test::is_ring_tile(one, "BLOCK_N", 2));
+      CHECK(one.at("WALK_ROWS") == 1);
+      CHECK(wave.at("WALK_ROWS") == 1);
+    } else {
+      for (const autotune::Config& m : {one, wave}) {
+        CHECK(m.at("ONE_TILE") == 1);
+        CHECK(m.at("BLOCK_N") == 32);
+        CHECK(m.at("BLOCK_K") == 256);
+        CHECK(m.at("num_warps") == 4);
+        CHECK_FALSE(m.count("WALK_ROWS"));
+      }
+      // Asked for, the rows walked as at larger ranks.
+      CHECK(planned(1, 8192, r, {{"WALK_ROWS", 1}}).at("WALK_ROWS") == 1);
+      CHECK(test::is_ring_tile(planned(1, 8192, r, {{"ONE_TILE", 0}}), "BLOCK_N", 2));
+    }
     const autotune::Config four = planned(4, 8448, r, {});  // 528 row blocks: 4 x 132
     const autotune::Config more = planned(4, 8512, r, {});  // 532
     CHECK_FALSE(more.count("WALK_ROWS"));
@@ -733,6 +747,7 @@ TEST_CASE("the MoE forward's own config on sm_90a walks the rows of a few large 
     } else {
       for (const autotune::Config& m : {four, more, planned(1, 8512, r, {})}) {
         CHECK(m.at("ONE_TILE") == 1);
+        CHECK(m.at("BLOCK_N") == (r <= 16 ? 64 : 32));
         CHECK_FALSE(m.count("WALK_ROWS"));
       }
     }

@@ -937,10 +937,11 @@ int main(int argc, char** argv) {
     // One expert of 8192x8192 at r=64: lora_merge's math and shape written out of place.
     // Eight large experts (Mixtral 8x7B's gate and up [8, 14336, 4096], down [8, 4096, 14336]):
     // 1792 and 512 row blocks of 64, either side of where the own tile starts walking the rows.
-    // Rank 32, many experts and one large one.
+    // Rank 32, many experts and one large one; one 8192x8192 expert at r=16 (rows of whole sectors).
     for (const MoeCase& c : {MoeCase{128, 1536, 2048, 16}, MoeCase{128, 2048, 768, 16}, MoeCase{64, 2816, 2048, 64},
                              MoeCase{1, 8192, 8200, 16}, MoeCase{1, 8192, 8192, 64}, MoeCase{8, 14336, 4096, 16},
-                             MoeCase{8, 4096, 14336, 16}, MoeCase{128, 1536, 2048, 32}, MoeCase{1, 8192, 8200, 32}}) {
+                             MoeCase{8, 4096, 14336, 16}, MoeCase{128, 1536, 2048, 32}, MoeCase{1, 8192, 8200, 32},
+                             MoeCase{1, 8192, 8192, 16}}) {
       if (!wanted("moe_materialize r=" + std::to_string(c.r))) continue;
       MoeSets sets = make_moe(c.E, c.N, c.K, c.r, DType::bf16, DType::bf16);
       measure([&](const ops::Config& cfg) { return bench_moe(sets, cfg, stream.handle()); }, moe_cfgs);
