@@ -935,34 +935,32 @@ TEST_CASE("the MoE forward's one-tile own tiles up to rank 32 compile for sm_90a
   const autotune::TunableOp op = test::registered_op("moe_lora_materialize");
   void* const p = test::planning_address();
   const Device dev = Device::cuda(0);
+  // The untuned plan of E experts [N, K] of dtype w, adapters of dtype ab at rank r: one kernel.
+  const auto planned = [&](DType w, DType ab, int64_t r, int64_t E, int64_t N, int64_t K) {
+    const TensorView W = TensorView::contiguous(p, w, {E, N, K}, dev);
+    const TensorView A = TensorView::contiguous(p, ab, {E, r, K}, dev);
+    const std::vector<autotune::KernelCall> calls =
+        op.kernels({W, A, TensorView::contiguous(p, ab, {E, N, r}, dev), W}, {}, 132);
+    REQUIRE(calls.size() == 1);
+    CHECK(calls[0].meta.at("ONE_TILE") == 1);
+    return calls[0];
+  };
   for (const auto& [w, ab] : {std::pair{DType::bf16, DType::bf16}, {DType::f16, DType::f16}, {DType::bf16, DType::f32}})
     for (const int64_t r : {5, 16, 17, 32}) {
       CAPTURE(dtype_name(w), dtype_name(ab), r);
-      const TensorView W = TensorView::contiguous(p, w, {64, 2816, 2048}, dev);
-      const std::vector<autotune::KernelCall> calls =
-          op.kernels({W, TensorView::contiguous(p, ab, {64, r, 2048}, dev),
-                      TensorView::contiguous(p, ab, {64, 2816, r}, dev), W},
-                     {}, 132);
-      REQUIRE(calls.size() == 1);
-      CHECK(calls[0].meta.at("ONE_TILE") == 1);
+      const autotune::KernelCall many = planned(w, ab, r, 64, 2816, 2048);
       // 64x64 up to rank 16; 32x128 above, 128x64 on 8 warps with fp32 adapters.
       const bool f32a = ab == DType::f32;
-      CHECK(calls[0].meta.at("BLOCK_N") == (r <= 16 ? 64 : f32a ? 128 : 32));
-      CHECK(calls[0].meta.at("BLOCK_K") == (r <= 16 ? 64 : f32a ? 64 : 128));
-      CHECK(calls[0].meta.at("num_warps") == (r > 16 && f32a ? 8 : 4));
-      compiles_without_spills(calls[0]);
+      CHECK(many.meta.at("BLOCK_N") == (r <= 16 ? 64 : f32a ? 128 : 32));
+      CHECK(many.meta.at("BLOCK_K") == (r <= 16 ? 64 : f32a ? 64 : 128));
+      CHECK(many.meta.at("num_warps") == (r > 16 && f32a ? 8 : 4));
+      compiles_without_spills(many);
       if (r > 16) continue;
       // One large expert (its 64-row blocks at most one a multiprocessor): 32x256.
-      const TensorView one = TensorView::contiguous(p, w, {1, 8192, 8200}, dev);
-      const std::vector<autotune::KernelCall> large =
-          op.kernels({one, TensorView::contiguous(p, ab, {1, r, 8200}, dev),
-                      TensorView::contiguous(p, ab, {1, 8192, r}, dev), one},
-                     {}, 132);
-      REQUIRE(large.size() == 1);
-      CHECK(large[0].meta.at("ONE_TILE") == 1);
-      CHECK(large[0].meta.at("BLOCK_N") == 32);
-      CHECK(large[0].meta.at("BLOCK_K") == 256);
-      compiles_without_spills(large[0]);
+      const autotune::KernelCall large = planned(w, ab, r, 1, 8192, 8200);
+      CHECK(large.meta.at("BLOCK_N") == 32);
+      CHECK(large.meta.at("BLOCK_K") == 256);
+      compiles_without_spills(large);
     }
 }
 
