@@ -65,13 +65,13 @@ Config own_config(const Config& config, const TensorView& W, Product dot, bool f
       meta_or(config, "STREAM", 0) || meta_or(config, "PERSISTENT", 0) || !wgmma_target(W.device))
     return config;
   const int64_t row_blocks = W.shape[0] * cdiv(W.shape[1], 64);
-  if (r_pad <= 32 && one_tile_own_allowed(config, W) && !meta_or(config, "EXPERT_GROUP", 0)) {
+  const bool grouped = meta_or(config, "EXPERT_GROUP", 0);
+  if (r_pad <= 32 && one_tile_own_allowed(config, W) && !grouped) {
     if (r_pad <= 16) return row_blocks > programs ? with_one_tile(config, 64, 64) : with_one_tile(config, 32, 256);
     if (row_blocks > programs)
       return fp32_adapters ? with_one_tile(config, 128, 64, 8) : with_one_tile(config, 32, 128);
   }
-  const bool walk_rows =
-      row_blocks <= 4 * programs && meta_or(config, "WALK_ROWS", 1) && !meta_or(config, "EXPERT_GROUP", 0);
+  const bool walk_rows = row_blocks <= 4 * programs && meta_or(config, "WALK_ROWS", 1) && !grouped;
   Config c = config;
   if (walk_rows && !c.num_stages) c.num_stages = 2;
   c = with_ring_tile(c);

@@ -55,11 +55,13 @@ inline bool is_ring_tile(const autotune::Config& m, const std::string& rows, int
          m.count("wgmma") && m.count("store_in_ring") && m.count("l2_prefetch") && m.at("l2_prefetch") == 128;
 }
 
-// Whether planned kernel metas `m` are the merge's one-tile own tile (ops_merge.cpp
-// own_merge_config): `rows` by `cols` on `warps` warps, one stage, a program for every tile
-// (ONE_TILE), the column blocks of a row block launched together (COLS_FIRST).
-inline bool is_one_tile(const autotune::Config& m, int64_t cols, int64_t rows = 32, int64_t warps = 4) {
-  return m.at("BLOCK_M") == rows && m.at("BLOCK_K") == cols && m.at("num_warps") == warps && m.at("num_stages") == 1 &&
+// Whether planned kernel metas `m` are a one-tile own tile (ops_common.h with_one_tile; the
+// merge's and the MoE forward's) with its rows in meta `rows_meta` (BLOCK_M, BLOCK_N): `rows`
+// by `cols` on `warps` warps, one stage, a program for every tile (ONE_TILE), the column blocks
+// of a row block launched together (COLS_FIRST).
+inline bool is_one_tile(const autotune::Config& m, const std::string& rows_meta, int64_t rows, int64_t cols,
+                        int64_t warps = 4) {
+  return m.at(rows_meta) == rows && m.at("BLOCK_K") == cols && m.at("num_warps") == warps && m.at("num_stages") == 1 &&
          m.count("ONE_TILE") && m.at("ONE_TILE") == 1 && m.count("COLS_FIRST") && !m.count("wgmma") &&
          !m.count("WALK_ROWS");
 }

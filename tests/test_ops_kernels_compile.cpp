@@ -950,16 +950,17 @@ TEST_CASE("the MoE forward's one-tile own tiles up to rank 32 compile for sm_90a
       CAPTURE(dtype_name(w), dtype_name(ab), r);
       const autotune::KernelCall many = planned(w, ab, r, 64, 2816, 2048);
       // 64x64 up to rank 16; 32x128 above, 128x64 on 8 warps with fp32 adapters.
-      const bool f32a = ab == DType::f32;
-      CHECK(many.meta.at("BLOCK_N") == (r <= 16 ? 64 : f32a ? 128 : 32));
-      CHECK(many.meta.at("BLOCK_K") == (r <= 16 ? 64 : f32a ? 64 : 128));
-      CHECK(many.meta.at("num_warps") == (r > 16 && f32a ? 8 : 4));
+      if (r <= 16)
+        CHECK(test::is_one_tile(many.meta, "BLOCK_N", 64, 64));
+      else if (ab == DType::f32)
+        CHECK(test::is_one_tile(many.meta, "BLOCK_N", 128, 64, 8));
+      else
+        CHECK(test::is_one_tile(many.meta, "BLOCK_N", 32, 128));
       compiles_without_spills(many);
       if (r > 16) continue;
       // One large expert (its 64-row blocks at most one a multiprocessor): 32x256.
       const autotune::KernelCall large = planned(w, ab, r, 1, 8192, 8200);
-      CHECK(large.meta.at("BLOCK_N") == 32);
-      CHECK(large.meta.at("BLOCK_K") == 256);
+      CHECK(test::is_one_tile(large.meta, "BLOCK_N", 32, 256));
       compiles_without_spills(large);
     }
 }
@@ -1023,7 +1024,7 @@ TEST_CASE("the merge's mixed-dtype own tiles and its WALK_ROWS and CAST_A plans 
             planned(w, ab, r, one_tile ? autotune::Config{} : autotune::Config{{"ONE_TILE", 0}});
         REQUIRE(calls.size() == 1);
         if (r <= 32 && one_tile)
-          CHECK(test::is_one_tile(calls[0].meta, ab == DType::f32 ? 128 : 64));
+          CHECK(test::is_one_tile(calls[0].meta, "BLOCK_M", 32, ab == DType::f32 ? 128 : 64));
         else
           CHECK(test::is_ring_tile(calls[0].meta, "BLOCK_M", r > 32 ? 2 : 3));
         compiles_without_spills(calls[0]);
@@ -1035,9 +1036,9 @@ TEST_CASE("the merge's mixed-dtype own tiles and its WALK_ROWS and CAST_A plans 
     const std::vector<autotune::KernelCall> calls = planned(w, ab, 16, {});
     REQUIRE(calls.size() == 1);
     if (w == DType::bf16 && ab == DType::f32)
-      CHECK(test::is_one_tile(calls[0].meta, 128, 64, 8));
+      CHECK(test::is_one_tile(calls[0].meta, "BLOCK_M", 64, 128, 8));
     else
-      CHECK(test::is_one_tile(calls[0].meta, 128));
+      CHECK(test::is_one_tile(calls[0].meta, "BLOCK_M", 32, 128));
     compiles_without_spills(calls[0]);
   }
   for (const int64_t r : {32, 64}) {

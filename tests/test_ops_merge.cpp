@@ -455,8 +455,9 @@ TEST_CASE("the tiles of lora_merge's GPU float64 cases fit an H100's shared memo
 // dtype (a bf16 W with any adapters, an f16 W with f16 or bf16 ones): up to rank 32 with W's
 // rows contiguous, one tile a program in its one-tile form, 32x64 at ranks 17 to 32 (32x128
 // with fp32 adapters) and 32x128 up to 16 (there also for TF32 products: an f16 W, fp32
-// adapters; a bf16 W with fp32 adapters 64x128 on 8 warps); at ranks 17 to 64 otherwise (33 to 64, or asked with ONE_TILE=0 or WALK_ROWS,
-// or with W strided: fan_in_fan_out) the MoE forward's warpgroup tile through W's ring, its
+// adapters; a bf16 W with fp32 adapters 64x128 on 8 warps); at ranks 17 to 64 otherwise (33
+// to 64, or asked with ONE_TILE=0 or WALK_ROWS, or with W strided: fan_in_fan_out) the MoE
+// forward's warpgroup tile through W's ring, its
 // programs owning columns and walking the rows (WALK_ROWS), on two stages at ranks 33 to 64
 // and three below; other ranks, dtypes and GPUs keep the 64x128 mma.sync tile walking
 // columns.
@@ -489,7 +490,7 @@ TEST_CASE("the merge's own config on sm_90a is one tile a program up to rank 32 
       CAPTURE(dtype_name(w), dtype_name(ab), r);
       const autotune::Config own = planned("sm_90a", w, ab, r, {});
       if (r <= 32) {
-        CHECK(test::is_one_tile(own, ab == DType::f32 ? 128 : 64));
+        CHECK(test::is_one_tile(own, "BLOCK_M", 32, ab == DType::f32 ? 128 : 64));
         CHECK_FALSE(ring_tile(own));
         // ONE_TILE=0, STREAM=0, WALK_ROWS named, or W strided: the ring tile walking the rows,
         // three stages.
@@ -515,8 +516,8 @@ TEST_CASE("the merge's own config on sm_90a is one tile a program up to rank 32 
   // Ranks up to 16: 32x128 one-tile (the mma.sync tile with ONE_TILE=0 or W strided).
   for (const int64_t r : {1, 16}) {
     CAPTURE(r);
-    CHECK(test::is_one_tile(planned("sm_90a", DType::bf16, DType::bf16, r, {}), 128));
-    CHECK(test::is_one_tile(planned("sm_90a", DType::bf16, DType::f32, r, {}), 128, 64, 8));  // PEFT's
+    CHECK(test::is_one_tile(planned("sm_90a", DType::bf16, DType::bf16, r, {}), "BLOCK_M", 32, 128));
+    CHECK(test::is_one_tile(planned("sm_90a", DType::bf16, DType::f32, r, {}), "BLOCK_M", 64, 128, 8));  // PEFT's
     for (const autotune::Config& m : {planned("sm_90a", DType::bf16, DType::bf16, r, {{"ONE_TILE", 0}}),
                                       planned("sm_90a", DType::bf16, DType::bf16, r, {{"STREAM", 0}}),
                                       planned("sm_90a", DType::bf16, DType::bf16, r, {}, true)}) {
@@ -537,7 +538,7 @@ TEST_CASE("the merge's own config on sm_90a is one tile a program up to rank 32 
       CHECK_FALSE(ring_tile(own));
       // TF32 products (an f16 W, fp32 adapters) up to rank 16: the 32x128 one-tile form.
       if (w == DType::f16 && r <= 16)
-        CHECK(test::is_one_tile(own, 128));
+        CHECK(test::is_one_tile(own, "BLOCK_M", 32, 128));
       else
         CHECK_FALSE(own.count("ONE_TILE"));
     }

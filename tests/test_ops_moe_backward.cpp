@@ -654,23 +654,17 @@ TEST_CASE("the MoE forward's own config on sm_90a is 64x128 on three stages thro
     return calls[0].meta;
   };
   const auto ring_tile = [](const autotune::Config& m) { return test::is_ring_tile(m, "BLOCK_N"); };
-  // One tile a program, W's asked for first: one stage, the column blocks of a row block
-  // launched together.
-  const auto one_tile = [](const autotune::Config& m, int64_t bn, int64_t bk, int64_t warps) {
-    return m.at("BLOCK_N") == bn && m.at("BLOCK_K") == bk && m.at("num_warps") == warps && m.at("num_stages") == 1 &&
-           m.count("ONE_TILE") && m.count("COLS_FIRST") && !m.count("wgmma");
-  };
   for (const auto& [w, ab] : {std::pair{DType::bf16, DType::bf16}, {DType::bf16, DType::f32}, {DType::f16, DType::f16}})
     for (const int64_t r : {1, 16, 17, 32, 33, 64}) {
       CAPTURE(dtype_name(w), dtype_name(ab), r);
       const autotune::Config own = planned("sm_90a", w, ab, r, {});
       if (r <= 32) {
         if (r <= 16)
-          CHECK(one_tile(own, 64, 64, 4));
+          CHECK(test::is_one_tile(own, "BLOCK_N", 64, 64));
         else if (ab == DType::f32)
-          CHECK(one_tile(own, 128, 64, 8));
+          CHECK(test::is_one_tile(own, "BLOCK_N", 128, 64, 8));
         else
-          CHECK(one_tile(own, 32, 128, 4));
+          CHECK(test::is_one_tile(own, "BLOCK_N", 32, 128));
         CHECK(ring_tile(planned("sm_90a", w, ab, r, {{"ONE_TILE", 0}})));
         CHECK(ring_tile(planned("sm_90a", w, ab, r, {{"STREAM", 0}})));
         CHECK(ring_tile(planned("sm_90a", w, ab, r, {}, true)));
@@ -727,13 +721,7 @@ TEST_CASE("the MoE forward's own config on sm_90a walks the rows of a few large 
       CHECK(one.at("WALK_ROWS") == 1);
       CHECK(wave.at("WALK_ROWS") == 1);
     } else {
-      for (const autotune::Config& m : {one, wave}) {
-        CHECK(m.at("ONE_TILE") == 1);
-        CHECK(m.at("BLOCK_N") == 32);
-        CHECK(m.at("BLOCK_K") == 256);
-        CHECK(m.at("num_warps") == 4);
-        CHECK_FALSE(m.count("WALK_ROWS"));
-      }
+      for (const autotune::Config& m : {one, wave}) CHECK(test::is_one_tile(m, "BLOCK_N", 32, 256));
       // Asked for, the rows walked as at larger ranks.
       CHECK(planned(1, 8192, r, {{"WALK_ROWS", 1}}).at("WALK_ROWS") == 1);
       CHECK(test::is_ring_tile(planned(1, 8192, r, {{"ONE_TILE", 0}}), "BLOCK_N", 2));
@@ -745,11 +733,8 @@ TEST_CASE("the MoE forward's own config on sm_90a walks the rows of a few large 
       CHECK(four.at("WALK_ROWS") == 1);
       CHECK(test::is_ring_tile(more, "BLOCK_N", 3));
     } else {
-      for (const autotune::Config& m : {four, more, planned(1, 8512, r, {})}) {
-        CHECK(m.at("ONE_TILE") == 1);
-        CHECK(m.at("BLOCK_N") == (r <= 16 ? 64 : 32));
-        CHECK_FALSE(m.count("WALK_ROWS"));
-      }
+      for (const autotune::Config& m : {four, more, planned(1, 8512, r, {})})
+        CHECK(test::is_one_tile(m, "BLOCK_N", r <= 16 ? 64 : 32, r <= 16 ? 64 : 128));
     }
   }
   const autotune::Config by_columns = planned(1, 8192, 64, {{"WALK_ROWS", 0}});
