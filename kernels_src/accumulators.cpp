@@ -82,6 +82,9 @@ const dsl::Kernel& flush_accumulator() {
 const dsl::Kernel& cast_3d() {
   static const Kernel k("cast_3d", [](Builder& k) {
     const Tensor x = k.tensor("x", 3), out = k.tensor("out", 3);
+    // RELEASE (as fill_3d's): the kernel launched after the cast may start, and read
+    // what does not come from it, while the cast runs.
+    if (k.meta("RELEASE", 0)) release_dependents();
     const Tile3 t = tile_of(k, out);
     store(out, {t.i, t.rows, t.cols}, load(x, {t.i, t.rows, t.cols}, t.ok).to(out.dtype()), t.ok);
   });
@@ -93,6 +96,7 @@ const dsl::Kernel& transpose_3d() {
     const Tensor x = k.tensor("x", 3), out = k.tensor("out", 3);
     // WAIT_PRIOR (a flush): launched to overlap the end of the kernel that adds into x.
     if (k.meta("WAIT_PRIOR", 0)) wait_prior_grid();
+    if (k.meta("RELEASE", 0)) release_dependents();  // as cast_3d's
     const int64_t BI = k.meta("BLOCK_M"), BJ = k.meta("BLOCK_K");
     // Program (column block fastest, then dim 0) on grid x, row block on grid y: dim 0 may
     // be longer than grid z allows.

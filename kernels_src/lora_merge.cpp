@@ -74,8 +74,17 @@ const dsl::Kernel& lora_merge() {
       const Value col_ok = cols.row() < n_in;
       const Value ok = row_ok & col_ok;
       const Value w = load(W, {g, rows.col(), cols.row()}, ok, streamed_hint(evict));
+      const auto b_rows = [&] { return load(B, {g, rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(DType::f32); };
+      // WAIT_PRIOR: A is a copy (CAST_A) that the kernel launched before this one writes while
+      // this one's programs start; W's and B's tiles are asked for before the wait.
+      const bool wait = k.meta("WAIT_PRIOR", 0) != 0;
+      Value b_raw;
+      if (wait) {
+        b_raw = b_rows();
+        wait_prior_grid();
+      }
       const Value a = a_columns(cols, col_ok);
-      const Value b_raw = load(B, {g, rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(DType::f32);
+      if (!wait) b_raw = b_rows();
       const Value b = lora_left_operand(b_raw, s, scale_after, dot_t);
       const Value v = lora_sum_after_product(w, b, a, s, scale_after, warps_n, dm.precision);
       store(W, {g, rows.col(), cols.row()}, v.to(W.dtype()), ok, streamed_hint(evict));

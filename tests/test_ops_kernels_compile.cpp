@@ -784,6 +784,51 @@ TEST_CASE("store_in_ring moves a stored sum through its weight tile's spent ring
 // PERSISTENT: one loop over the tiles a program deals itself, whose expert, row block and
 // column step come from the loop counter; B's rows are copied ahead beside A's columns and W
 // (a tile's B differs from the last one's), and the tiles kerf would measure fit an H100.
+// The merge's one-tile form with WAIT_PRIOR (after a cast of A that its launch overlaps) asks
+// for W's and B's tiles, then waits for the grid before it, then reads A; without it nothing
+// waits and A's columns are asked for before B's rows, as before. The cast and the transpose
+// with RELEASE let the kernel after them start before they read anything.
+TEST_CASE("the merge's one-tile form with WAIT_PRIOR waits for the prior grid only before reading A",
+          "[cuda][codegen][ops][merge]") {
+  const std::vector<ArgSpec> args = {T(DType::bf16, 3), T(DType::bf16, 3), T(DType::f32, 3), S};
+  const auto source = [&](int64_t wait) {
+    MetaMap meta = {{"BLOCK_M", 64}, {"BLOCK_K", 128}, {"R_PAD", 32},    {"DOT", int64_t(DType::bf16)},
+                    {"num_warps", 8}, {"num_stages", 1}, {"ONE_TILE", 1}, {"acc_col_run", 8}};
+    if (wait) meta["WAIT_PRIOR"] = 1;
+    return jit::cuda::generate(kernels::lora_merge().trace(args, meta), "sm_90a").source;
+  };
+  const std::string waits = source(1);
+  const size_t w = waits.find("load @W"), b = waits.find("load @B"), a = waits.find("load @A"),
+               wait = waits.find("griddepcontrol.wait;");
+  REQUIRE(w != std::string::npos);
+  REQUIRE(b != std::string::npos);
+  REQUIRE(a != std::string::npos);
+  REQUIRE(wait != std::string::npos);
+  CHECK(w < b);
+  CHECK(b < wait);
+  CHECK(wait < a);
+  CHECK(waits.find("griddepcontrol.wait;", wait + 1) == std::string::npos);
+  const std::string plain = source(0);
+  CHECK(plain.find("griddepcontrol") == std::string::npos);
+  CHECK(plain.find("load @W") < plain.find("load @A"));
+  CHECK(plain.find("load @A") < plain.find("load @B"));
+  for (const Kernel* k : {&kernels::cast_3d(), &kernels::transpose_3d()})
+    for (const int64_t release : {0, 1}) {
+      CAPTURE(k->name(), release);
+      MetaMap meta = {{"BLOCK_M", 32}, {"BLOCK_K", 64}};
+      if (release) meta["RELEASE"] = 1;
+      const std::string src =
+          jit::cuda::generate(k->trace({T(DType::f32, 3), T(DType::bf16, 3)}, meta), "sm_90a").source;
+      const size_t launch = src.find("griddepcontrol.launch_dependents;");
+      if (!release) {
+        CHECK(launch == std::string::npos);
+        continue;
+      }
+      REQUIRE(launch != std::string::npos);
+      CHECK(launch < src.find("@x"));
+    }
+}
+
 TEST_CASE("the MoE forward's PERSISTENT programs copy each tile's B, A and W ahead in one loop",
           "[cuda][codegen][ops]") {
   struct Case {

@@ -95,9 +95,12 @@ const dsl::Kernel& moe_lora_backward_by_columns();
 // each keeping its A columns. With COLS_FIRST 1 the first two axes swap. With
 // ONE_TILE 1 a program owns one BLOCK_M x BLOCK_K tile, its column block the
 // slice index (the grid must have one slice per column block), and asks for
-// W's tile before A's and B's. Meta: BLOCK_M, BLOCK_K, R_PAD, DOT,
+// W's tile before A's and B's; with WAIT_PRIOR too it waits for the grid
+// launched before it (A's cast, LaunchOptions::overlap_prior) after asking for
+// W's and B's tiles and before reading A. Meta: BLOCK_M, BLOCK_K, R_PAD, DOT,
 // SCALE_AFTER (1: B is exact in DOT and s is applied in fp32 after the
-// product; 0: s*B is rounded once to DOT), WALK_ROWS, COLS_FIRST, ONE_TILE.
+// product; 0: s*B is rounded once to DOT), WALK_ROWS, COLS_FIRST, ONE_TILE,
+// WAIT_PRIOR.
 // Args: W, A, B, s.
 const dsl::Kernel& lora_merge();
 
@@ -209,13 +212,15 @@ const dsl::Kernel& fill_pair();
 // Args: acc (f32), out.
 const dsl::Kernel& flush_accumulator();
 // out[g, i, j] = x[g, i, j] rounded to out's dtype (fp32 adapters rounded once
-// to a product's dtype). Same grid as fill_3d. Args: x, out (same shape).
+// to a product's dtype). Same grid as fill_3d. With RELEASE, as fill_3d's: each
+// program first lets the kernel launched after it start (one that waits for the
+// cast before it reads the copy). Args: x, out (same shape).
 const dsl::Kernel& cast_3d();
 // out[g, j, i] = x[g, i, j] rounded to out's dtype (x [d0, d1, d2], out [d0, d2, d1]):
 // a batched transpose whose loads and stores both run along a unit-stride last dim
 // (through shared memory), for an operand whose unit stride is not on the dim a kernel
 // reads along. With FLUSH, x (f32) is left zero (a transposing flush_accumulator); with
-// WAIT_PRIOR, as flush_accumulator. Grid (cdiv(d2, BLOCK_K) * d0, cdiv(d1, BLOCK_M)).
+// WAIT_PRIOR, as flush_accumulator; RELEASE, as cast_3d. Grid (cdiv(d2, BLOCK_K) * d0, cdiv(d1, BLOCK_M)).
 // Args: x, out.
 const dsl::Kernel& transpose_3d();
 
