@@ -74,7 +74,9 @@ const dsl::Kernel& lora_merge() {
       const Value col_ok = cols.row() < n_in;
       const Value ok = row_ok & col_ok;
       const Value w = load(W, {g, rows.col(), cols.row()}, ok, streamed_hint(evict));
-      const auto b_rows = [&] { return load(B, {g, rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(DType::f32); };
+      const auto b_rows = [&] {
+        return load(B, {g, rows.col(), rk.row()}, row_ok & (rk.row() < rank)).to(DType::f32);
+      };
       // WAIT_PRIOR: A is a copy (CAST_A) that the kernel launched before this one writes while
       // this one's programs start; W's and B's tiles are asked for before the wait.
       const bool wait = k.meta("WAIT_PRIOR", 0) != 0;

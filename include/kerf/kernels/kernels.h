@@ -220,8 +220,8 @@ const dsl::Kernel& cast_3d();
 // a batched transpose whose loads and stores both run along a unit-stride last dim
 // (through shared memory), for an operand whose unit stride is not on the dim a kernel
 // reads along. With FLUSH, x (f32) is left zero (a transposing flush_accumulator); with
-// WAIT_PRIOR, as flush_accumulator; RELEASE, as cast_3d. Grid (cdiv(d2, BLOCK_K) * d0, cdiv(d1, BLOCK_M)).
-// Args: x, out.
+// WAIT_PRIOR, as flush_accumulator; with RELEASE, as cast_3d.
+// Grid (cdiv(d2, BLOCK_K) * d0, cdiv(d1, BLOCK_M)). Args: x, out.
 const dsl::Kernel& transpose_3d();
 
 }  // namespace kerf::kernels
