@@ -781,9 +781,6 @@ TEST_CASE("store_in_ring moves a stored sum through its weight tile's spent ring
   CHECK_THROWS_WITH(ring_store_kernel().trace(rs, meta), Catch::Contains("store_in_ring must be 0 or 1"));
 }
 
-// PERSISTENT: one loop over the tiles a program deals itself, whose expert, row block and
-// column step come from the loop counter; B's rows are copied ahead beside A's columns and W
-// (a tile's B differs from the last one's), and the tiles kerf would measure fit an H100.
 // The merge's one-tile form with WAIT_PRIOR (after a cast of A that its launch overlaps) asks
 // for W's and B's tiles, then waits for the grid before it, then reads A; without it nothing
 // waits and A's columns are asked for before B's rows, as before. The cast and the transpose
@@ -829,6 +826,9 @@ TEST_CASE("the merge's one-tile form with WAIT_PRIOR waits for the prior grid on
     }
 }
 
+// PERSISTENT: one loop over the tiles a program deals itself, whose expert, row block and
+// column step come from the loop counter; B's rows are copied ahead beside A's columns and W
+// (a tile's B differs from the last one's), and the tiles kerf would measure fit an H100.
 TEST_CASE("the MoE forward's PERSISTENT programs copy each tile's B, A and W ahead in one loop",
           "[cuda][codegen][ops]") {
   struct Case {

@@ -457,10 +457,9 @@ TEST_CASE("the tiles of lora_merge's GPU float64 cases fit an H100's shared memo
 // with fp32 adapters) and 32x128 up to 16 (there also for TF32 products: an f16 W, fp32
 // adapters; a bf16 W with fp32 adapters 64x128 on 8 warps); at ranks 17 to 64 otherwise (33
 // to 64, or asked with ONE_TILE=0 or WALK_ROWS, or with W strided: fan_in_fan_out) the MoE
-// forward's warpgroup tile through W's ring, its
-// programs owning columns and walking the rows (WALK_ROWS), on two stages at ranks 33 to 64
-// and three below; other ranks, dtypes and GPUs keep the 64x128 mma.sync tile walking
-// columns.
+// forward's warpgroup tile through W's ring, its programs owning columns and walking the rows
+// (WALK_ROWS), on two stages at ranks 33 to 64 and three below; other ranks, dtypes and GPUs
+// keep the 64x128 mma.sync tile walking columns.
 // Each dtype combination's own tile fits an H100's shared memory.
 TEST_CASE("the merge's own config on sm_90a is one tile a program up to rank 32 and the MoE forward's 64x128 "
           "ring tile walking the rows at ranks 33 to 64",
