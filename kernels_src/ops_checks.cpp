@@ -10,8 +10,27 @@
 
 namespace kerf::ops::detail {
 
+bool expect_valid_view(const char* op, const char* name, const TensorView& t) {
+  if (t.rank < 0 || t.rank > kMaxRank)
+    throw InvalidArgument(std::string(op) + ": " + name + " is a " + t.describe());
+  bool empty = false, overflows = false;
+  int64_t count = 1;
+  for (int d = 0; d < t.rank; ++d) {
+    const int64_t n = t.shape[size_t(d)];
+    if (n < 0)
+      throw InvalidArgument(std::string(op) + ": " + name + " (" + t.describe() + ") has a negative size (" +
+                            std::to_string(n) + ") along dim " + std::to_string(d));
+    empty = empty || n == 0;
+    overflows = overflows || __builtin_mul_overflow(count, n, &count);
+  }
+  if (!empty && overflows)
+    throw InvalidArgument(std::string(op) + ": " + name + " (" + t.describe() +
+                          ") has more elements than a 64-bit count holds");
+  return empty;
+}
+
 void expect_addressable(const char* op, const char* name, const TensorView& t) {
-  if (t.numel() == 0) return;
+  if (expect_valid_view(op, name, t)) return;
   const auto addr = reinterpret_cast<uintptr_t>(t.data);
   const int size = dtype_size_bytes(t.dtype);
   if (t.data == nullptr)
@@ -53,8 +72,8 @@ void expect_no_self_overlap(const char* op, const char* name, const TensorView& 
     if (stride <= reach)
       throw InvalidArgument(
           std::string(op) + ": output " + name + " (" + t.describe() +
-          ") has strides under which two indices reach one element; outputs need distinct "
-          "elements (no zero or overlapping strides)");
+          ") has strides under which two indices may reach one element; outputs need strides "
+          "that nest (sorted, each beyond the reach of the smaller ones: no zero or overlapping strides)");
     reach += stride * (size - 1);
   }
 }
@@ -116,12 +135,12 @@ void expect_int32_dims(const char* op, const char* name, const TensorView& t) {
 }
 
 MergedDims merge_dims(const std::vector<int64_t>& sizes,
-                      const std::vector<std::vector<int64_t>>& strides) {
+                      const std::vector<std::vector<int64_t>>& strides, int64_t max_size) {
   MergedDims m;
   m.strides.resize(strides.size());
   for (size_t d = 0; d < sizes.size(); ++d) {
     if (sizes[d] == 1) continue;
-    bool merge = !m.sizes.empty();
+    bool merge = !m.sizes.empty() && m.sizes.back() <= max_size / sizes[d];
     for (size_t v = 0; merge && v < strides.size(); ++v)
       merge = m.strides[v].back() == strides[v][d] * sizes[d];
     if (merge) {

@@ -2,6 +2,7 @@
 // element alignment, integer ids, and collapsing strided dimensions.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -16,10 +17,16 @@ inline const std::vector<DType>& float_dtypes() {
   return f;
 }
 
-// Throws InvalidArgument unless a view with elements has memory (a non-null
-// pointer), starts at a multiple of its element size (a GPU cannot load a
-// misaligned element; kerf never tries) and reaches every element at a byte
-// offset that fits in 64 bits (so no address computed for it wraps around).
+// Throws InvalidArgument unless t's rank is within [0, kMaxRank], no size is
+// negative and its element count fits in 64 bits (checked before any "no
+// elements, nothing to do" shortcut: sizes whose product wraps to 0 are not
+// empty). Returns whether t has no elements.
+bool expect_valid_view(const char* op, const char* name, const TensorView& t);
+// Throws InvalidArgument unless t is a valid view (expect_valid_view) and, with
+// elements, has memory (a non-null pointer), starts at a multiple of its
+// element size (a GPU cannot load a misaligned element; kerf never tries) and
+// reaches every element at a byte offset that fits in 64 bits (so no address
+// computed for it wraps around).
 void expect_addressable(const char* op, const char* name, const TensorView& t);
 
 // Throws InvalidArgument when two distinct indices of output `t` reach one
@@ -56,13 +63,13 @@ void expect_int32_dims(const char* op, const char* name, const TensorView& t);
 // dims d and d+1 merge when, in each view, stride[d] == stride[d+1] * size[d+1].
 // Returns, per view, the sizes and strides of the merged dims (all views share
 // the sizes). Dims of size 1 are dropped first; an empty group gives one dim
-// of size 1.
+// of size 1. Dims whose merged size would pass `max_size` stay apart.
 struct MergedDims {
   std::vector<int64_t> sizes;
   std::vector<std::vector<int64_t>> strides;  // [view][dim]
 };
-MergedDims merge_dims(const std::vector<int64_t>& sizes,
-                      const std::vector<std::vector<int64_t>>& strides);
+MergedDims merge_dims(const std::vector<int64_t>& sizes, const std::vector<std::vector<int64_t>>& strides,
+                      int64_t max_size = INT64_MAX);
 
 // A view of `t` with other sizes and strides (same data, dtype, device).
 TensorView restride(const TensorView& t, const std::vector<int64_t>& shape,

@@ -350,8 +350,13 @@ void run_dora_norm(const TensorView& W, const TensorView& A, const TensorView& B
   if (repeatable) {
     for (const TensorView* t : {&W, &A, &B, &m, &norm, &scale}) print.add(*t);
     add_call_options(print, config, eps);
-    if ((p = last.repeated(print)))
+    if ((p = last.repeated(print))) {
+      // Where the memory lies: addresses (the fingerprint keeps only their alignment) and overlaps.
+      for (const auto& [n, t] : {std::pair{"W", &W}, {"A", &A}, {"B", &B}, {"m", &m}, {"norm", &norm},
+                                 {"scale", &scale}})
+        expect_addressable("dora_norm", n, *t);
       expect_norm_outputs_disjoint("dora_norm", {{"W", &W}, {"A", &A}, {"B", &B}, {"m", &m}}, norm, scale);
+    }
   }
   if (!p) {
     const ProvisionalWatch provisional;
@@ -696,6 +701,8 @@ TensorView checked_packed(const char* op, const Weight4bit& W, int64_t out, int6
   if (in % 2 != 0)
     throw InvalidArgument(std::string(op) + ": in (A's columns) must be even, two 4-bit codes per byte of a row; got " +
                           std::to_string(in));
+  for (const auto& [name, t] : {std::pair{"packed", &W.packed}, {"absmax", &W.absmax}, {"code", &W.code}})
+    expect_valid_view(op, name, *t);
   expect_dtype(op, "packed", W.packed, {DType::u8});
   expect_dtype(op, "absmax", W.absmax, {DType::f32});
   expect_dtype(op, "code", W.code, {DType::f32});
@@ -752,7 +759,8 @@ std::shared_ptr<const DoraPlan> checked_dora_4bit_plan(const Weight4bit& W, cons
 
   static PlanMemo<DoraPlan> plans;
   CallKey key;
-  key.add(packed2).add(W.absmax).add(W.code).add(A).add(B.dtype).add(m.dtype).add(W.blocksize);
+  // absmax and code are read flat, their counts set by packed2's shape and the blocksize.
+  key.add(packed2).add(A).add(B.dtype).add(m.dtype).add(W.blocksize);
   key.add(packed2.device);  // each device (and the CPU) tuned and split for itself
   key.add(config);
   return plans.get(key, [&] {
@@ -776,11 +784,15 @@ void dora_norm_4bit(const Weight4bit& W, const TensorView& A, const TensorView& 
     for (const TensorView* t : {&W.packed, &W.absmax, &W.code, &A, &B, &m, &norm, &scale}) print.add(*t);
     print.add(uint64_t(W.blocksize));
     add_call_options(print, config, eps);
-    if ((p = last.repeated(print)))
+    if ((p = last.repeated(print))) {
+      for (const auto& [n, t] : {std::pair{"packed", &W.packed}, {"absmax", &W.absmax}, {"code", &W.code},
+                                 {"A", &A}, {"B", &B}, {"m", &m}, {"norm", &norm}, {"scale", &scale}})
+        expect_addressable("dora_norm_4bit", n, *t);
       expect_norm_outputs_disjoint(
           "dora_norm_4bit",
           {{"packed", &W.packed}, {"absmax", &W.absmax}, {"code", &W.code}, {"A", &A}, {"B", &B}, {"m", &m}}, norm,
           scale);
+    }
   }
   if (!p) {
     const ProvisionalWatch provisional;

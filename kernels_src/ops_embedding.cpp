@@ -186,6 +186,13 @@ void check_host_ids(const char* op, const TensorView& x, const TensorView& x1, i
   if (count) throw InvalidArgument(bad_id_message(op, count, first_pos, first_id, vocab, &x, hint));
 }
 
+// The kernels count tokens in 32 bits: x's dims may each fit and their product not.
+void expect_token_count(const char* op, const TensorView& x) {
+  if (x.numel() > INT32_MAX)
+    throw InvalidArgument(std::string(op) + ": x (" + x.describe() + ") holds " + std::to_string(x.numel()) +
+                          " tokens; at most 2^31 - 1 a call are supported");
+}
+
 // x's token dims as one [T]; refused when their strides do not nest (a transposed or
 // expanded view of ids).
 TensorView flatten_ids(const char* op, const TensorView& x) {
@@ -1121,6 +1128,7 @@ void lora_embedding(const TensorView& x, const TensorView& weight, const TensorV
     expect_addressable(op, n, *t);
     expect_int32_dims(op, n, *t);
   }
+  expect_token_count(op, x);
   expect_device(op, all);
   if (r > 256)
     throw InvalidArgument(std::string(op) + ": rank " + std::to_string(r) +
@@ -1203,6 +1211,7 @@ void lora_embedding_backward(const TensorView& x, const TensorView& A, const Ten
     expect_addressable(op, n, *t);
     expect_int32_dims(op, n, *t);
   }
+  expect_token_count(op, x);
   expect_device(op, all);
   if (r > 256)
     throw InvalidArgument(std::string(op) + ": rank " + std::to_string(r) +

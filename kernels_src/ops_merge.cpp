@@ -263,6 +263,9 @@ std::string dims_text(const TensorView& t, int from, int to) {
 void merge_flax(const char* op, const TensorView& kernel, const TensorView& lora_a,
                 const TensorView& lora_b, double s, void* stream, const Config& config) {
   expect_finite_scale(op, s);
+  // The ranks decide which dims are read below: valid ones first.
+  for (const auto& [n, t] : {std::pair{"kernel", &kernel}, {"lora_a", &lora_a}, {"lora_b", &lora_b}})
+    expect_valid_view(op, n, *t);
   if (lora_a.rank < 2)
     throw InvalidArgument(std::string(op) +
                           ": lora_a must have shape [in..., r] (rank >= 2), got " +
@@ -302,8 +305,9 @@ void merge_flax(const char* op, const TensorView& kernel, const TensorView& lora
     out_strides[0].push_back(kernel.strides[size_t(n_in + d)]);
     out_strides[1].push_back(lora_b.strides[size_t(1 + d)]);
   }
-  const MergedDims rows = merge_dims(in_sizes, in_strides),
-                   cols = merge_dims(out_sizes, out_strides);
+  // Flattened, each stays within the kernels' 32-bit sizes (dims that would pass it stay apart).
+  const MergedDims rows = merge_dims(in_sizes, in_strides, INT32_MAX),
+                   cols = merge_dims(out_sizes, out_strides, INT32_MAX);
   // Dims that did not flatten become a batch: strides in kernel, lora_b (A'), lora_a (B').
   struct BatchDim {
     int64_t size, w, a, b;
@@ -317,12 +321,12 @@ void merge_flax(const char* op, const TensorView& kernel, const TensorView& lora
   const int64_t w_row = rows.strides[0].back(), w_col = cols.strides[0].back();
   const int64_t b_row = rows.strides[1].back(), a_col = cols.strides[1].back();
   const int64_t a_rank = lora_b.strides[0], b_rank = lora_a.strides[size_t(n_in)];
-  const BatchDim last = batch.empty() ? BatchDim{1, 0, 0, 0} : batch.back();
-  if (!batch.empty()) batch.pop_back();
-  if (last.size > 65535)
-    throw InvalidArgument(
-        std::string(op) + ": a dimension of " + std::to_string(last.size) +
-        " that does not flatten with its neighbours is above the supported 65535");
+  // The innermost batch dim on the launch's grid axis (up to 65535 there), the others looped.
+  BatchDim last{1, 0, 0, 0};
+  if (!batch.empty() && batch.back().size <= 65535) {
+    last = batch.back();
+    batch.pop_back();
+  }
   // Any further batch dims: one launch each (offsets in elements).
   std::function<void(size_t, int64_t, int64_t, int64_t)> each = [&](size_t d, int64_t ow,
                                                                     int64_t oa, int64_t ob) {

@@ -42,6 +42,7 @@ struct MergeCase {
   bool walk_rows = false;  // Config.meta WALK_ROWS: programs own columns, keep A's, and walk the rows
   bool cast_a = false;  // Config.meta CAST_A: an fp32 A rounded to the product's dtype first (the same answer)
   bool one_tile = false;  // Config.meta ONE_TILE (with STREAM): W's tile asked for first, added after the product
+  bool wgmma_ss = false;  // Config.meta WGMMA_SS (with WGMMA): the warpgroup dots read A from shared memory
 };
 
 ops::Config merge_config(const MergeCase& c) {
@@ -57,6 +58,7 @@ ops::Config merge_config(const MergeCase& c) {
   if (c.store_in_ring) cfg.meta["STORE_IN_RING"] = 1;
   if (c.walk_rows) cfg.meta["WALK_ROWS"] = 1;
   if (c.cast_a) cfg.meta["CAST_A"] = 1;
+  if (c.wgmma_ss) cfg.meta["WGMMA_SS"] = 1;
   if (c.one_tile) cfg.meta["ONE_TILE"] = 1;
   if (c.wgmma) {
     if (!c.block_k) cfg.block_k = 64;
@@ -68,7 +70,7 @@ ops::Config merge_config(const MergeCase& c) {
 void check_merge(const MergeCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.out, c.in, c.r, dtype_name(c.w), dtype_name(c.a), dtype_name(c.b), c.transposed,
           c.offset, c.evict, c.warps_n, c.block_m, c.warps, seed, dev.str(), c.wgmma, c.split, c.cols_first,
-          c.block_k, c.stream, c.store_in_ring, c.walk_rows, c.cast_a, c.one_tile);
+          c.block_k, c.stream, c.store_in_ring, c.walk_rows, c.cast_a, c.one_tile, c.wgmma_ss);
   std::mt19937_64 rng(seed);
   TestTensor Wbuf(c.w, {c.out * c.in + c.offset}, dev), A(c.a, {c.r, c.in}, dev),
       B(c.b, {c.out, c.r}, dev);
@@ -173,6 +175,13 @@ std::vector<MergeCase> merge_cases() {
   // Warpgroup dots (WGMMA): 64 and 128 rows per program, 1 and 2 warpgroups.
   cases.push_back({300, 200, 64, DType::bf16, DType::bf16, DType::bf16, false, 0, 1.5, 0, 0, 64, 4, true});
   cases.push_back({130, 333, 16, DType::f16, DType::f32, DType::f32, true, 0, -0.5, 0, 0, 128, 8, true});
+  // ... reading A's tiles from shared memory (WGMMA_SS): ranks 64 and 16.
+  MergeCase ss{300, 200, 64, DType::bf16, DType::bf16, DType::bf16, false, 0, 1.5, 0, 0, 64, 4, true};
+  ss.wgmma_ss = true;
+  cases.push_back(ss);
+  MergeCase ss16{130, 333, 16, DType::f16, DType::f16, DType::f16, false, 0, -0.5, 0, 0, 128, 8, true};
+  ss16.wgmma_ss = true;
+  cases.push_back(ss16);
   // Rows of 200 and 136 elements (multiples of 8, not 16); column slices on grid axis 0 (COLS_FIRST).
   cases.push_back({130, 200, 16, DType::bf16, DType::bf16, DType::bf16});
   cases.push_back({67, 136, 5, DType::f32, DType::f32, DType::f32});

@@ -73,13 +73,18 @@ __all__ = [
 def empty(shape: Sequence[int], dtype: str = "float32", device: str = "cpu") -> Buffer:
     """Uninitialised kerf-owned memory (a :class:`kerf.Buffer`), e.g. for ``out=``.
 
-    ``dtype``: "float32"/"f32", "float16"/"f16", "bfloat16"/"bf16", "float64",
-    "int32", "int64", "bool". ``device``: "cpu", "cuda:N", or "cuda": the
+    ``dtype``: "float32"/"f32"/"float", "float16"/"f16"/"half", "bfloat16"/"bf16",
+    "float64"/"f64"/"double", "int32"/"i32", "int64"/"i64", "bool"/"i1",
+    "uint8"/"u8" (4-bit codes' bytes). ``device``: "cpu", "cuda:N", or "cuda": the
     thread's current CUDA device, as PyTorch and CuPy mean it (the device of the
     thread's current CUDA context, made current by ``torch.cuda.set_device`` or
     ``with cupy.cuda.Device(n)``; device 0 when there is none).
     """
-    return Buffer(list(shape), dtype, device)
+    try:
+        dims = list(shape)
+    except TypeError:
+        raise TypeError(f"kerf.empty: shape must be a sequence of ints, got {type(shape).__name__}") from None
+    return Buffer(dims, dtype, device)
 
 
 def __getattr__(name: str):

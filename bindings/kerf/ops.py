@@ -228,7 +228,8 @@ def moe_lora_materialize(
         B: [E, N, r], any strides: PEFT's flat ``lora_B [N, r*E]`` is
             ``lora_B.view(N, r, E).permute(2, 0, 1)`` (no copy).
         s: LoRA scaling.
-        out: W_eff [E, N, K] in W's dtype to write into; allocated when None.
+        out: W_eff [E, N, K] in W's dtype to write into (named W_eff in error
+            messages); allocated when None.
             ``out=W`` updates the weights in place.
         stream: CUDA stream to run on.
         config: block sizes (kerf.Config); None lets kerf choose.
@@ -319,7 +320,8 @@ def lora_embedding(x: TensorLike, weight: TensorLike, A: TensorLike, B: TensorLi
     x int32/int64 ids (any shape of at least one dimension); weight [vocab, dim]; A = lora_embedding_A
     [r, vocab]; B = lora_embedding_B [dim, r]; out [*x.shape, dim] (allocated in
     the inputs' dtype when they agree, else float32). An id outside [0, vocab)
-    raises ValueError and is never read (its row of out is zeros). On CUDA,
+    raises ValueError and is never read: on the CPU before anything is written
+    (out untouched), on CUDA after the kernel (its row of out is zeros). On CUDA,
     ``id_check="sync"`` (the default) waits for the kernel to say so at once;
     ``"deferred"`` returns as soon as the work is queued and leaves the report
     to :func:`check_embedding_ids` (as a call captured into a CUDA graph does:

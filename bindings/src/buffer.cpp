@@ -11,6 +11,7 @@
 
 #include "dlpack_abi.h"
 #include "module.h"
+#include "tensor_bridge.h"
 #include "kerf/error.h"
 #include "kerf/runtime/cuda.h"
 
@@ -179,20 +180,25 @@ Buffer::Buffer(const std::vector<int64_t>& shape, DType dtype, Device device)
     throw InvalidArgument("kerf.Buffer: at most " + std::to_string(kMaxRank) + " dimensions, got " +
                           std::to_string(shape.size()));
   // The byte count must fit (a wrapped product would make a small buffer that
-  // claims a huge shape): at most 2^62 bytes, far beyond any memory.
-  uint64_t bytes_needed = uint64_t(dtype_size_bytes(dtype));
-  bool too_big = false, empty = false;  // an empty buffer of any other sizes is fine
+  // claims a huge shape): at most 2^62 bytes, far beyond any memory. The nonzero
+  // sizes of an empty buffer too, whose strides are their products.
+  uint64_t bytes_needed = uint64_t(dtype_size_bytes(dtype)), reach = bytes_needed;
+  bool too_big = false;
   for (int64_t d : shape) {
     if (d < 0) throw InvalidArgument("kerf.Buffer: sizes must be >= 0, got " + std::to_string(d));
-    empty = empty || d == 0;
-    too_big = too_big || (d != 0 && bytes_needed > (uint64_t(1) << 62) / uint64_t(d));
+    if (d == 0) {
+      bytes_needed = 0;
+      continue;
+    }
+    too_big = too_big || reach > (uint64_t(1) << 62) / uint64_t(d);
+    reach *= uint64_t(d);
     bytes_needed *= uint64_t(d);
   }
-  if (too_big && !empty) {
+  if (too_big) {
     std::string dims;
     for (int64_t d : shape) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
     throw InvalidArgument("kerf.Buffer: [" + dims + "] " + std::string(dtype_name(dtype)) +
-                          " needs more than 2^62 bytes");
+                          ": its sizes multiply past 2^62 bytes");
   }
   storage_ = std::make_shared<Storage>();
   storage_->bytes = size_t(bytes_needed);
@@ -235,8 +241,20 @@ py::object Buffer::dlpack(py::handle stream, py::handle max_version, py::handle 
   if (copy && !copy.is_none() && py::cast<bool>(copy))
     throw py::buffer_error(
         "kerf.Buffer.__dlpack__: copy=True is not supported (kerf exports its memory as is)");
+  // The arguments' types, named (pybind11's own cast error names none).
+  const auto cast_arg = [](py::handle h, const char* name, const char* want, auto* out) {
+    try {
+      *out = py::cast<std::remove_pointer_t<decltype(out)>>(h);
+    } catch (const py::cast_error&) {
+      throw TypeError(std::string("kerf.Buffer.__dlpack__: ") + name + " must be " + want + ", got " +
+                      type_name(h));
+    }
+  };
+  if (stream && !stream.is_none() && PyBool_Check(stream.ptr()))
+    throw TypeError("kerf.Buffer.__dlpack__: stream must be an int or None, got bool");
   if (dl_device && !dl_device.is_none()) {
-    const auto want = py::cast<std::pair<int, int>>(dl_device);
+    std::pair<int, int> want;
+    cast_arg(dl_device, "dl_device", "a (device type, device id) tuple of ints", &want);
     if (want != dlpack_device())
       throw py::buffer_error("kerf.Buffer.__dlpack__: the buffer lives on " + device_.str() +
                              " and cannot be exported to another device");
@@ -244,16 +262,25 @@ py::object Buffer::dlpack(py::handle stream, py::handle max_version, py::handle 
   if (device_.is_cuda()) {
     // The consumer's stream: None, 1 (and the disallowed 0) are the legacy default stream;
     // -1 asks for no synchronization.
-    const long long s = stream && !stream.is_none() ? py::cast<long long>(stream) : 1;
+    long long s = 1;
+    if (stream && !stream.is_none()) cast_arg(stream, "stream", "an int or None", &s);
     if (s != -1) {
       void* consumer = s == 0 || s == 1 ? nullptr : reinterpret_cast<void*>(uintptr_t(s));
       py::gil_scoped_release nogil;
       wait_for(*this, consumer);
     }
+  } else if (stream && !stream.is_none()) {
+    // A CPU buffer has no stream to order against: None (or -1, no synchronization) only.
+    long long s = 0;
+    cast_arg(stream, "stream", "an int or None", &s);
+    if (s != -1)
+      throw InvalidArgument("kerf.Buffer.__dlpack__: stream must be None for a buffer on the CPU, got " +
+                        std::to_string(s));
   }
   bool versioned = false;
   if (max_version && !max_version.is_none()) {
-    const auto v = py::cast<std::pair<long long, long long>>(max_version);
+    std::pair<long long, long long> v;
+    cast_arg(max_version, "max_version", "a (major, minor) tuple of ints", &v);
     versioned = v.first >= 1;
   }
   if (versioned)

@@ -46,11 +46,13 @@ struct Function {
 PyObject* entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames);
 
 // Argument conversions, with pybind11's rules for the same C++ types (float and
-// int for double; int for int64_t; bool and anything with a truth value for bool).
+// int for double, but not bool; int for int64_t; bool and anything with a truth value for bool).
 inline py::handle convert(PyObject* o, py::handle*, const Function&, size_t) { return o; }
 
 inline double convert(PyObject* o, double*, const Function& f, size_t i) {
   if (PyFloat_CheckExact(o)) return PyFloat_AS_DOUBLE(o);
+  // A bool is an int to Python, but True as a scale or eps is a mistake, as for the int arguments.
+  if (PyBool_Check(o)) throw TypeError(f.name + "(): " + f.params[i] + " must be a float, got bool");
   const double v = PyFloat_AsDouble(o);
   if (v == -1.0 && PyErr_Occurred()) {
     // An int too large for a double (10**400) is a number, just not one that fits.

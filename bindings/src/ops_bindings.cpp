@@ -22,12 +22,27 @@ namespace kerf::python {
 
 namespace {
 
+// Config.meta from Python: a mapping of str names to ints (TypeError / ValueError naming the
+// entry otherwise).
+std::map<std::string, int64_t> meta_of(py::handle meta) {
+  if (!PyDict_Check(meta.ptr()) && !py::isinstance(meta, py::module_::import("collections.abc").attr("Mapping")))
+    throw TypeError("Config: meta must be a dict of str names to ints, got " + type_name(meta));
+  std::map<std::string, int64_t> out;
+  for (const py::handle key : meta) {
+    if (!PyUnicode_Check(key.ptr()))
+      throw TypeError("Config: meta's names must be str, got " + type_name(key));
+    const std::string name = key.cast<std::string>();
+    out[name] = fast_call::int_argument(meta[key].ptr(), "Config: meta['" + name + "']");
+  }
+  return out;
+}
+
 // The config= argument: None, or a kerf.Config. Taken as a handle so that the
 // common None costs no lookup of the Config type (a typed argument does one per call).
-ops::Config config_of(py::handle c) {
+ops::Config config_of(py::handle c, const char* op) {
   if (c.is_none()) return ops::Config{};
   if (!py::isinstance<ops::Config>(c))
-    throw TypeError("config must be a kerf.Config or None, got " + type_name(c));
+    throw TypeError(std::string(op) + ": config must be a kerf.Config or None, got " + type_name(c));
   return c.cast<ops::Config>();
 }
 
@@ -43,39 +58,47 @@ std::string config_repr(const ops::Config& c) {
 
 void bind_config(py::module_& m) {
   py::class_<ops::Config> config(m, "Config", R"doc(
-Block sizes and launch shape of an op; 0 lets kerf choose (the autotuner's
-choice on a GPU, the op's defaults on the CPU). A Config given to an op wins
-over the autotuner.
+Block sizes and launch shape of an op, and further meta-parameters by name. An
+empty Config (or none) lets the autotuner choose on a GPU; a Config with any
+field or meta entry set is the caller's choice for the call, which is then not
+tuned, its zero fields taking the op's own values.
 )doc");
   config
-      .def(py::init([](int64_t block_m, int64_t block_k, int64_t split_k, int64_t num_warps,
-                       int64_t num_stages, std::map<std::string, int64_t> meta) {
+      .def(py::init([](py::handle block_m, py::handle block_k, py::handle split_k, py::handle num_warps,
+                       py::handle num_stages, py::handle meta) {
              ops::Config c;
-             c.block_m = block_m;
-             c.block_k = block_k;
-             c.split_k = split_k;
-             c.num_warps = num_warps;
-             c.num_stages = num_stages;
-             c.meta = std::move(meta);
+             c.block_m = fast_call::int_argument(block_m.ptr(), "Config: block_m");
+             c.block_k = fast_call::int_argument(block_k.ptr(), "Config: block_k");
+             c.split_k = fast_call::int_argument(split_k.ptr(), "Config: split_k");
+             c.num_warps = fast_call::int_argument(num_warps.ptr(), "Config: num_warps");
+             c.num_stages = fast_call::int_argument(num_stages.ptr(), "Config: num_stages");
+             c.meta = meta_of(meta);
              return c;
            }),
            py::kw_only(), py::arg("block_m") = 0, py::arg("block_k") = 0, py::arg("split_k") = 0,
-           py::arg("num_warps") = 0, py::arg("num_stages") = 0,
-           py::arg("meta") = std::map<std::string, int64_t>{})
-      .def_readwrite("block_m", &ops::Config::block_m, "Rows per program (BLOCK_N for MoE).")
-      .def_readwrite("block_k", &ops::Config::block_k, "Columns per step.")
-      .def_readwrite("split_k", &ops::Config::split_k,
-                     "Programs sharing one row block's columns (DoRA norm, merge, MoE, embedding).")
-      .def_readwrite("num_warps", &ops::Config::num_warps)
-      .def_readwrite("num_stages", &ops::Config::num_stages)
-      // A read-only view: a dict returned here would be a copy, and writing into it
-      // (config.meta['EVICT'] = 1) would change nothing, silently. Assign a whole dict.
+           py::arg("num_warps") = 0, py::arg("num_stages") = 0, py::arg("meta") = py::dict());
+  // The int fields: read as ints, set through int_argument (TypeError or ValueError naming the field).
+  using Field = int64_t ops::Config::*;
+  for (const auto& [name, field, doc] :
+       {std::tuple<const char*, Field, const char*>{"block_m", &ops::Config::block_m,
+                                                    "Rows per program (BLOCK_N for MoE, tokens for the embedding)."},
+        {"block_k", &ops::Config::block_k, "Columns per step."},
+        {"split_k", &ops::Config::split_k, "Programs sharing one row block's columns (DoRA norm, merge, MoE, embedding)."},
+        {"num_warps", &ops::Config::num_warps, "GPU threads per program / 32."},
+        {"num_stages", &ops::Config::num_stages, "Software-pipelining depth of the GPU kernels' loads."}})
+    config.def_property(
+        name, [f = field](const ops::Config& c) { return c.*f; },
+        [f = field, what = std::string("Config: ") + name](ops::Config& c, py::handle v) {
+          c.*f = fast_call::int_argument(v.ptr(), what);
+        },
+        doc);
+  config
       .def_property(
           "meta",
           [](const ops::Config& c) {
             return py::module_::import("types").attr("MappingProxyType")(py::cast(c.meta));
           },
-          [](ops::Config& c, std::map<std::string, int64_t> meta) { c.meta = std::move(meta); },
+          [](ops::Config& c, py::handle meta) { c.meta = meta_of(meta); },
           "Further meta-parameters by name, e.g. {'ROTATE': 1} (MoE and embedding backward), "
           "{'WARPS_N': 2}, {'L2_PREFETCH': 128} (docs/ops.md lists them per op); an op refuses "
           "names it does not take. Read-only as read (a mapping proxy); assign a whole dict: "
@@ -285,7 +308,7 @@ void bind_in_place(py::module_& m, const char* name, Op* op, const char* w_name,
         Call call(name, stream);
         const TensorView w = call.output(W, w_name), a = call.input(A, a_name),
                          b = call.input(B, b_name);
-        const ops::Config cfg = config_of(config);
+        const ops::Config cfg = config_of(config, call.op());
         call.run([&] { op(w, a, b, s, call.stream(), cfg); });
         return py::reinterpret_borrow<py::object>(W);
       },
@@ -308,7 +331,7 @@ void bind_ops(py::module_& m) {
         const TensorView w = call.input(W, "W"), a = call.input(A, "A"), b = call.input(B, "B"),
                          mag = call.input(m, "m");
         const auto [n, sc] = call.output_pair_or_new(norm, "norm", scale, "scale", {w.shape[0]}, DType::f32);
-        const ops::Config cfg = config_of(config);
+        const ops::Config cfg = config_of(config, call.op());
         if (layout.is_none()) {
           call.run([&] {
             ops::dora_norm(w, a, b, mag, s, n.second, sc.second, eps, call.stream(), cfg);
@@ -345,7 +368,7 @@ void bind_ops(py::module_& m) {
         const TensorView a = call.input(A, "A"), b = call.input(B, "B"), mag = call.input(m, "m");
         const int64_t out = b.rank >= 1 ? b.shape[0] : 0;
         const auto [n, sc] = call.output_pair_or_new(norm, "norm", scale, "scale", {out}, DType::f32);
-        const ops::Config cfg = config_of(config);
+        const ops::Config cfg = config_of(config, call.op());
         call.run([&] { ops::dora_norm_4bit(w, a, b, mag, s, n.second, sc.second, eps, call.stream(), cfg); });
         return py::make_tuple(n.first, sc.first);
       },
@@ -363,7 +386,7 @@ void bind_ops(py::module_& m) {
         const TensorView w = call.input(W, "W"), a = call.input(A, "A"), b = call.input(B, "B");
         const auto o =
             call.output_or_new(out, "W_eff", {w.shape[0], w.shape[1], w.shape[2]}, w.dtype);
-        const ops::Config cfg = config_of(config);
+        const ops::Config cfg = config_of(config, call.op());
         if (layout.is_none()) {
           call.run([&] { ops::moe_lora_materialize(w, a, b, s, o.second, call.stream(), cfg); });
         } else {
@@ -386,7 +409,7 @@ void bind_ops(py::module_& m) {
         Call call("dora_norm_partial", stream);
         const TensorView w = call.input(W, "W"), a = call.input(A, "A"), b = call.input(B, "B");
         const auto o = call.output_or_new(sumsq, "sumsq", {w.shape[0]}, DType::f32);
-        const ops::Config cfg = config_of(config);
+        const ops::Config cfg = config_of(config, call.op());
         const ops::Layout lay = layout_of(layout);
         call.run([&] { ops::dora_norm_partial(w, a, b, s, o.second, call.stream(), cfg, lay); });
         return o.first;
@@ -440,7 +463,7 @@ void bind_ops(py::module_& m) {
                          b = call.input(B, "B");
         const auto da = call.output_or_new(dA, "dA", dims(a), a.dtype);
         const auto db = call.output_or_new(dB, "dB", dims(b), b.dtype);
-        const ops::Config cfg = config_of(config);
+        const ops::Config cfg = config_of(config, call.op());
         const ops::Layout lay = layout_of(layout);
         call.run([&] {
           ops::moe_lora_materialize_backward(g, a, b, s, da.second, db.second, call.stream(), cfg,
@@ -469,7 +492,7 @@ void bind_ops(py::module_& m) {
         ops::EmbeddingOptions opt =
             embedding_options("lora_embedding", padding_idx, scale_grad_by_freq, id_check, vocab_start, vocab_size);
         if (after_a && !after_a.is_none()) opt.after_a = call.output(after_a, "after_a");
-        const ops::Config cfg = config_of(config);
+        const ops::Config cfg = config_of(config, call.op());
         const ops::Layout lay = layout_of(layout);
         call.run(
             [&] { ops::lora_embedding(ids, w, a, b, s, o.second, opt, call.stream(), cfg, lay); });
@@ -499,7 +522,7 @@ void bind_ops(py::module_& m) {
             embedding_options("lora_embedding_backward", padding_idx, scale_grad_by_freq, id_check, vocab_start,
                               vocab_size);
         opt.after_a = act;
-        const ops::Config cfg = config_of(config);
+        const ops::Config cfg = config_of(config, call.op());
         const ops::Layout lay = layout_of(layout);
         call.run([&] {
           ops::lora_embedding_backward(ids, a, b, g, s, ga.second, gb.second, opt, call.stream(),

@@ -37,6 +37,7 @@ class Call {
  public:
   // `op` names the operation in error messages; `stream` is the caller's stream= argument.
   Call(const char* op, py::handle stream);
+  const char* op() const { return op_; }
 
   // A tensor the op reads.
   TensorView input(py::handle obj, const char* name);

@@ -398,6 +398,36 @@ def test_a_config_compares_copies_and_pickles_by_value():
         hash(c)  # mutable and compared by value, as a dict
 
 
+def test_config_fields_and_meta_are_checked_by_name():
+    c = kerf.Config(block_m=np.int64(32), meta={"EVICT": np.int32(1)})  # NumPy ints are ints
+    assert c.block_m == 32 and dict(c.meta) == {"EVICT": 1}
+    with pytest.raises(ValueError, match="Config: block_m must fit in 64 bits"):
+        kerf.Config(block_m=2**70)
+    with pytest.raises(TypeError, match="Config: num_warps must be an int, got bool"):
+        kerf.Config(num_warps=True)
+    with pytest.raises(TypeError, match=r"Config: meta\['EVICT'\] must be an int, got str"):
+        kerf.Config(meta={"EVICT": "a"})
+    with pytest.raises(TypeError, match="Config: meta's names must be str, got int"):
+        kerf.Config(meta={1: 2})
+    with pytest.raises(TypeError, match="Config: meta must be a dict of str names to ints, got list"):
+        kerf.Config(meta=[1])
+    with pytest.raises(TypeError, match="Config: block_k must be an int, got str"):
+        c.block_k = "x"
+    with pytest.raises(TypeError, match="Config: meta's names must be str"):
+        c.meta = {2: 1}
+    c.num_stages = 2
+    assert c == kerf.Config(block_m=32, num_stages=2, meta={"EVICT": 1})
+
+
+def test_a_config_or_scale_of_the_wrong_kind_is_a_type_error_naming_the_op(kerf_cpu):
+    W, A, B = np.ones((2, 4), np.float32), np.ones((1, 4), np.float32), np.ones((2, 1), np.float32)
+    with pytest.raises(TypeError, match="lora_merge: config must be a kerf.Config or None, got dict"):
+        kerf_cpu.ops.lora_merge(W, A, B, 0.5, config={"block_m": 64})
+    with pytest.raises(TypeError, match=r"lora_merge\(\): s must be a float, got bool"):
+        kerf_cpu.ops.lora_merge(W, A, B, True)
+    assert (W == 1.0).all()
+
+
 def test_a_config_deeper_than_any_kernel_is_refused_before_anything_runs(kerf_cpu):
     dW = np.random.rand(2, 5, 7).astype(np.float32)
     A, B = np.random.rand(2, 3, 7).astype(np.float32), np.random.rand(2, 5, 3).astype(np.float32)

@@ -122,6 +122,14 @@ def test_a_buffer_exports_versioned_capsules_when_asked():
         buf.__dlpack__(copy=True)
     with pytest.raises(BufferError):
         buf.__dlpack__(dl_device=(2, 0))
+    # Arguments of the wrong kind are named; a CPU buffer has no stream to order against.
+    with pytest.raises(TypeError, match="dl_device must be a .device type, device id. tuple of ints, got str"):
+        buf.__dlpack__(dl_device="cpu")
+    with pytest.raises(TypeError, match="max_version must be a .major, minor. tuple of ints, got int"):
+        buf.__dlpack__(max_version=1)
+    with pytest.raises(ValueError, match="stream must be None for a buffer on the CPU, got 5"):
+        buf.__dlpack__(stream=5)
+    assert type(buf.__dlpack__(stream=None)).__name__ == "PyCapsule"
 
 
 def test_buffer_arguments_are_checked():
@@ -132,5 +140,9 @@ def test_buffer_arguments_are_checked():
     with pytest.raises(ValueError, match=">= 0"):
         kerf.empty((-1,), "f32")
     assert kerf.empty((0, 4), "bf16").shape == (0, 4)
+    # A shape that is no sequence.
+    with pytest.raises(TypeError, match="shape must be a sequence of ints, got int"):
+        kerf.empty(5)
+    assert kerf.empty((3,), "u8").dtype == "u8" and kerf.empty((3,), "half").dtype == "f16"
     with pytest.raises(BufferError, match="NumPy has no bf16"):
         kerf.empty((2,), "bf16").numpy()

@@ -14,7 +14,9 @@
 
 namespace kerf::ops {
 
-// Block sizes and launch shape; 0 lets kerf choose. block_m is the rows per
+// Block sizes and launch shape. An empty Config lets the autotuner choose; one
+// with any field or meta entry set is not tuned, its zero fields taking the
+// op's own values (docs/ops.md). block_m is the rows per
 // program (BLOCK_N for MoE, tokens for the embedding), block_k the columns
 // (embedding dims) per step, split_k the programs sharing one row block's
 // columns (DoRA norm, merge, MoE materialize and its backward, embedding).
@@ -22,7 +24,7 @@ namespace kerf::ops {
 // name it does not take.
 //   EVICT (0-2; DoRA norm, 4-bit DoRA norm, merge, MoE materialize): L2 hints, 1 the streamed
 //     weight evicted first, 2 also the adapters kept.
-//   CAST_A (0 or 1; DoRA norm, 4-bit DoRA norm, MoE materialize): with f32 A
+//   CAST_A (0 or 1; DoRA norm, 4-bit DoRA norm, merge, MoE materialize): with f32 A
 //     and a bf16/f16 product, one launch first rounds A into scratch memory,
 //     and the op's kernel reads that copy (the same rounding it does per step).
 //   ROTATE (0 or 1; MoE backward, embedding backward): each row block walks its

@@ -44,10 +44,12 @@ struct TensorView {
   static TensorView strided(void* data, DType dtype, const std::vector<int64_t>& shape,
                             const std::vector<int64_t>& strides, Device device = Device::cpu());
 
+  // The product of the sizes (wrapped modulo 2^64 where it overflows: the ops refuse such
+  // views before counting on it).
   int64_t numel() const {
-    int64_t n = 1;
-    for (int d = 0; d < rank && d < kMaxRank; ++d) n *= shape[size_t(d)];
-    return n;
+    uint64_t n = 1;
+    for (int d = 0; d < rank && d < kMaxRank; ++d) n *= uint64_t(shape[size_t(d)]);
+    return int64_t(n);
   }
   int64_t size(int d) const { return shape[size_t(d)]; }
   int64_t stride(int d) const { return strides[size_t(d)]; }
