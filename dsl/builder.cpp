@@ -1,6 +1,7 @@
 // Tracing: runs a kernel body against a Builder and collects its IR.
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 
 #include "builder_impl.h"
 
@@ -39,6 +40,14 @@ Builder& current_builder(const char* op) {
 ir::ValueId Builder::Impl::emit(ir::Operation op, const ir::Type* result_type) {
   ir::ValueId r = -1;
   if (result_type) {
+    // Tiles index their elements in 32 bits, and the back ends size their storage from the
+    // count: one that would not fit (or whose count wraps) is refused here, whatever made it.
+    int64_t n = 1;
+    bool over = false;
+    for (const int64_t d : result_type->shape) over = over || __builtin_mul_overflow(n, d, &n) || n > INT32_MAX;
+    if (over)
+      fail(ir::op_name(op.kind), "a tile of shape " + ir::shape_string(result_type->shape) +
+                                     " has more than 2^31 - 1 elements, the most a tile holds");
     r = fn.new_value(*result_type);
     op.results.push_back(r);
     defined_in.push_back(blocks.back());

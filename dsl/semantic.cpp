@@ -831,21 +831,24 @@ std::vector<Value> for_range(IntArg lo, IntArg hi, IntArg step, const std::vecto
     s.blocks.pop_back();
     throw;
   }
-  if (next.size() != init.size()) {
-    s.blocks.pop_back();
-    s.fail("for", "the body returns " + std::to_string(next.size()) + " values but " +
-                      std::to_string(init.size()) + " are carried");
-  }
   ir::Operation y(OpKind::Yield);
-  for (size_t i = 0; i < next.size(); ++i) {
-    s.check_usable(next[i], "for");
-    if (next[i].type() != init[i].type()) {
-      s.blocks.pop_back();
-      s.fail("for", "carried value " + std::to_string(i) + " enters the loop as " +
-                        ir::to_string(init[i].type()) + " but the body returns " +
-                        ir::to_string(next[i].type()));
+  // Whatever is refused here, the body's block (owned by `op`, gone with it) leaves the
+  // builder's stack first: a caller catching the error goes on tracing in the outer block.
+  try {
+    if (next.size() != init.size())
+      s.fail("for", "the body returns " + std::to_string(next.size()) + " values but " +
+                        std::to_string(init.size()) + " are carried");
+    for (size_t i = 0; i < next.size(); ++i) {
+      s.check_usable(next[i], "for");
+      if (next[i].type() != init[i].type())
+        s.fail("for", "carried value " + std::to_string(i) + " enters the loop as " +
+                          ir::to_string(init[i].type()) + " but the body returns " +
+                          ir::to_string(next[i].type()));
+      y.operands.push_back(next[i].id());
     }
-    y.operands.push_back(next[i].id());
+  } catch (...) {
+    s.blocks.pop_back();
+    throw;
   }
   s.emit(std::move(y), nullptr);
   s.blocks.pop_back();

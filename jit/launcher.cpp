@@ -661,7 +661,7 @@ LaunchInfo launch(const ResolvedKernel& kernel, const std::vector<Arg>& args, Gr
     if (c.function && t->device.index != c.module.device())
       throw InvalidArgument("kernel '" + c.name + "': argument " + std::to_string(i) + " is on " + t->device.str() +
                             ", but the kernel was resolved on cuda:" + std::to_string(c.module.device()));
-    check_memory(*t, i, c.name);
+    check_tensor(*t, i, c.name);  // sizes (32-bit in the kernel) and memory, as launch() checks
     // Its code assumes the alignment, contiguity and divisibility facts of the call that
     // resolved it (masks and vector widths follow from them): a view without one of them
     // would be read as if it had it.

@@ -3,6 +3,7 @@
 // it should not, half-precision rounding, integer edge cases, atomics across
 // threads, and compile times.
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -1213,6 +1214,34 @@ TEST_CASE("big tiles run on the workers' stacks; tiles beyond the budget are ref
   } catch (const CompileError& e) {
     CHECK(std::string(e.what()).find("MiB") != std::string::npos);
   }
+}
+
+// After fork() the pool's workers exist only in the parent: the child runs the programs
+// itself, on a thread of a worker's stack where they need more than its own (8 MiB here).
+TEST_CASE("a forked child runs kernels whose tiles need more than its own stack", "[cpu]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  const Kernel k("forked_tile", [](Builder& b) {
+    auto out = b.tensor("out", 1);
+    auto acc = for_range(0, 2, 1, zeros({4096, 1024}),
+                         [&](const Value& iv, const Value& a) { return a + iv.to(DType::f32); });
+    store(out, {arange(4096)}, sum(acc, 1));
+  });
+  std::vector<float> out(4096, kNaN);
+  auto compiled = compile_for(k, {view(out, {4096})}, {});
+  REQUIRE(compiled.kernel->stack_bytes > (int64_t(16) << 20));
+  compiled.run({view(out, {4096})}, Grid{2});  // the parent's workers run it
+  CHECK(std::all_of(out.begin(), out.end(), [](float v) { return v == 1024.f; }));
+  const pid_t child = fork();
+  if (child == 0) {
+    std::fill(out.begin(), out.end(), kNaN);
+    compiled.run({view(out, {4096})}, Grid{2});
+    _exit(std::all_of(out.begin(), out.end(), [](float v) { return v == 1024.f; }) ? 0 : 1);
+  }
+  REQUIRE(child > 0);
+  int status = 0;
+  REQUIRE(waitpid(child, &status, 0) == child);
+  CHECK(WIFEXITED(status));  // not killed by a signal (a stack overflow's SIGSEGV)
+  CHECK(WEXITSTATUS(status) == 0);
 }
 
 TEST_CASE("without LLVM the CPU back end says it is off and how to get it", "[cpu]") {

@@ -237,6 +237,70 @@ TEST_CASE("loop-carried values must keep their type", "[dsl][errors]") {
   expect_definition_error([&] { k.trace({}, {}); }, {"bad_loop", "'for'", "f32[16]", "bf16[16]"});
 }
 
+// A refused loop leaves the builder in the block around it: a body that catches the error
+// goes on tracing there (the loop's block, gone with the loop, was left current before).
+TEST_CASE("a loop refused for what its body returns leaves tracing in the block around it", "[dsl][errors]") {
+  for (const int how : {0, 1, 2}) {
+    CAPTURE(how);
+    Kernel k("caught_loop", [how](Builder& b) {
+      auto out = b.tensor("out", 1);
+      try {
+        if (how == 0)  // an empty Value
+          (void)for_range(0, 4, 1, zeros({16}), [](const Value&, const Value&) { return Value(); });
+        else if (how == 1)  // another type
+          (void)for_range(0, 4, 1, zeros({16}), [](const Value&, const Value& a) { return a.to(DType::f16); });
+        else  // two values for one
+          (void)for_range(0, 4, 1, std::vector<Value>{zeros({16})},
+                          [](const Value&, const std::vector<Value>& a) { return std::vector<Value>{a[0], a[0]}; });
+        FAIL("the loop was accepted");
+      } catch (const DefinitionError& e) {
+        CHECK(std::string(e.what()).find("'for'") != std::string::npos);
+      }
+      store(out, {arange(16)}, zeros({16}) + 3.0);
+    });
+    const ir::Function f = k.trace({ArgSpec::tensor(DType::f32, 1)}, {});
+    // The store is in the kernel's own block, after no loop.
+    REQUIRE_FALSE(f.body.ops.empty());
+    CHECK(f.body.ops.back().kind == ir::OpKind::Store);
+    for (const ir::Operation& op : f.body.ops) CHECK(op.kind != ir::OpKind::For);
+  }
+}
+
+// Tiles index their elements in 32 bits: a tile of more elements, or one whose count would
+// wrap 64 bits, is refused where it is made (its stack size wrapped to nothing on the CPU).
+TEST_CASE("a tile of more than 2^31 - 1 elements is a definition error", "[dsl][errors]") {
+  for (const ir::Shape& shape : {ir::Shape{int64_t(1) << 31}, ir::Shape{int64_t(1) << 62},
+                                 ir::Shape{int64_t(1) << 40, int64_t(1) << 40}, ir::Shape{65536, 65536}}) {
+    CAPTURE(shape);
+    Kernel k("huge_tile", [shape](Builder& b) {
+      auto out = b.tensor("out", 1);
+      auto acc = for_range(0, 1, 1, zeros(shape), [](const Value&, const Value& c) { return c + 1.0; });
+      store(out, {arange(16)}, zeros({16}) + sum(acc, 0).to(DType::f32));
+    });
+    expect_definition_error([&] { k.trace({ArgSpec::tensor(DType::f32, 1)}, {}); },
+                            {"huge_tile", "has more than 2^31 - 1 elements"});
+  }
+  Kernel fits("big_tile", [](Builder& b) {  // 2^30 elements: traced (the back ends judge its size)
+    auto out = b.tensor("out", 1);
+    store(out, {arange(16)}, zeros({16}) + sum(zeros({int64_t(1) << 30}), 0));
+  });
+  CHECK_NOTHROW(fits.trace({ArgSpec::tensor(DType::f32, 1)}, {}));
+}
+
+// literal() takes any integer type (literal(0) was ambiguous between int64_t and double).
+TEST_CASE("literal takes any integer type as an integer and floats as f32", "[dsl]") {
+  Kernel k("literals", [](Builder& b) {
+    auto out = b.tensor("out", 1);
+    const Value a = literal(0), c = literal(7u), d = literal(int64_t(1) << 40), e = literal(2.5f);
+    CHECK(a.dtype() == DType::i32);
+    CHECK(c.dtype() == DType::i32);
+    CHECK(d.dtype() == DType::i64);
+    CHECK(e.dtype() == DType::f32);
+    store(out, {arange(16)}, zeros({16}, DType::i32) + a + c);
+  });
+  CHECK_NOTHROW(k.trace({ArgSpec::tensor(DType::i32, 1)}, {}));
+}
+
 TEST_CASE("a value escaping its loop body is a definition error", "[dsl][errors]") {
   Kernel k("escape", [](Builder& b) {
     auto out = b.tensor("out", 1);

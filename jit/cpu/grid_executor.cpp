@@ -115,11 +115,16 @@ class ThreadPool {
 
   int size() const { return size_; }
 
-  // Runs the job to completion on the workers.
-  void run(const std::shared_ptr<GridJob>& job) {
-    // After fork() the workers exist only in the parent: run everything here.
+  // Runs the job to completion on the workers. `big_stack`: its programs need more stack
+  // than the caller's thread is known to have.
+  void run(const std::shared_ptr<GridJob>& job, bool big_stack) {
+    // After fork() the workers exist only in the parent (and none may have started): run
+    // everything in this process, on a thread with a worker's stack where the programs need it.
     if (threads_.empty() || getpid() != owner_) {
-      job->work();
+      if (big_stack)
+        run_on_own_thread(*job);
+      else
+        job->work();
       return;
     }
     job->chunk = std::max<uint64_t>(1, job->total / (uint64_t(threads_.size()) * kChunksPerWorker));
@@ -134,6 +139,26 @@ class ThreadPool {
   }
 
  private:
+  static void run_on_own_thread(GridJob& job) {
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setstacksize(&attr, kWorkerStackBytes);
+    pthread_t t;
+    const int rc = pthread_create(
+        &t, &attr,
+        [](void* j) -> void* {
+          static_cast<GridJob*>(j)->work();
+          return nullptr;
+        },
+        &job);
+    pthread_attr_destroy(&attr);
+    if (rc != 0)
+      throw NotAvailable("the CPU back end could not start a thread with a " +
+                         std::to_string(kWorkerStackBytes >> 20) +
+                         " MiB stack for a kernel whose programs need more than the caller's");
+    pthread_join(t, nullptr);
+  }
+
   static void* worker_main(void* self) {
     static_cast<ThreadPool*>(self)->worker_loop();
     return nullptr;
@@ -178,7 +203,7 @@ void run_grid(const CpuKernel& k, Grid grid, const Slot* args) {
     job->work();  // one small program: no hand-off
     return;
   }
-  ThreadPool::instance().run(job);
+  ThreadPool::instance().run(job, k.stack_bytes > kCallerStackBytes);
 }
 
 int thread_count() {

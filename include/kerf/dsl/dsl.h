@@ -28,7 +28,10 @@
 //    i1 tiles asks for a cast, while beside another dtype (or a literal) an i1 tile counts
 //    as 0 or 1 of that dtype (mask * 2.5); an i1 tensor's bytes must be 0 or 1 (as
 //    PyTorch's and NumPy's bools are);
-//  - integer constants and arange must fit their dtype (refused when traced).
+//  - integer constants and arange must fit their dtype (refused when traced);
+//  - tile dims are powers of two, and a tile holds at most 2^31 - 1 elements (arange
+//    2^20); the back ends refuse tiles their memory cannot hold (the CPU's stack
+//    budget, the GPU's registers and shared memory) when they compile.
 // Not the same: i32/i64 arithmetic that overflows is undefined on the GPU (CUDA C++'s
 // rule, which lets index arithmetic stay fast) and wraps on the CPU, where an index
 // computed that way may not match its mask: compute indices that can pass 2^31 in i64.
@@ -382,6 +385,13 @@ void for_range(IntArg lo, IntArg hi, IntArg step,
 // constant(0.1, DType::f64)).
 Value literal(int64_t v);
 Value literal(double v);
+// Any other integer type (literal(0), literal(3u)) as int64_t; not bool.
+template <class T, std::enable_if_t<std::is_integral_v<T> && !std::is_same_v<T, bool> &&
+                                        !std::is_same_v<T, int64_t>,
+                                    int> = 0>
+Value literal(T v) {
+  return literal(int64_t(v));
+}
 
 // ---------------------------------------------------------------- operators
 enum class BinOp { add, sub, mul, div, rem, min, max, band, bor, bxor, shl, shr,
