@@ -156,6 +156,17 @@ TEST_CASE("kerf-cache warms, lists, packs, verifies and prunes", "[cache][tool]"
   std::tie(rc, out) = tool(cache_dir, {"pack", dir / "merged2.kbundle", "--add", dir / "damaged.kbundle"});
   CHECK(rc == 1);
   CHECK(out.find("(2 skipped)") != std::string::npos);
+  // A bundle cut short cannot be mounted at all: list, inspect and verify all call it bad (1).
+  {
+    const std::vector<char> image = *cache::read_file(bundle, size_t(1) << 30);
+    std::ofstream(dir / "short.kbundle", std::ios::binary).write(image.data(), std::streamsize(image.size() / 2));
+  }
+  for (const char* command : {"list", "inspect", "verify"}) {
+    CAPTURE(command);
+    std::tie(rc, out) = tool(cache_dir, {command, dir / "short.kbundle"});
+    CHECK(rc == 1);
+    CHECK(out.find("BAD ") != std::string::npos);
+  }
   // Each damaged copy has a good one on the other side, unless both are the same entry.
   CHECK(cache::Bundle(dir / "merged2.kbundle").records().size() + 1 >= entries);
 

@@ -405,8 +405,16 @@ def _table_rows(g: Tensor, xf: Tensor, padding_idx: Optional[int], by_freq: bool
     if padding_idx is not None:
         g = g.masked_fill((xf == padding_idx)[:, None], 0)
     if by_freq:
-        g = g / torch.bincount(xf, minlength=vocab)[xf].to(g.dtype)[:, None]
+        xl = xf.long()  # int32 ids index a tensor only from torch 2.0 on
+        g = g / torch.bincount(xl, minlength=vocab)[xl].to(g.dtype)[:, None]
     return g
+
+
+def _version_of(t: Tensor) -> Optional[int]:
+    try:
+        return t._version
+    except RuntimeError:  # an inference-mode tensor keeps no version counter
+        return None
 
 
 class LoraEmbedding(torch.autograd.Function):
@@ -455,7 +463,9 @@ class LoraEmbedding(torch.autograd.Function):
         ctx.save_for_backward(x, A, B, pre, n, ms)
         # W and m only for second derivatives (create_graph=True), kept as they are: not saved
         # tensors, so a frozen or inference-mode W works, as in PEFT, which saves nothing of W.
+        # Their versions stand in for a saved tensor's check: that backward recomputes from them.
         ctx.W, ctx.m = W, m
+        ctx.versions = (_version_of(W), _version_of(m))
         return pre * ms
 
     @staticmethod
@@ -465,18 +475,24 @@ class LoraEmbedding(torch.autograd.Function):
         # As F.embedding(x, table, padding_idx, scale_grad_by_freq=...) differentiates its table.
         table_grad = {"padding_idx": ctx.padding_idx, "scale_grad_by_freq": ctx.by_freq}
         dt = torch.promote_types(grad.dtype, torch.float32)
-        H = grad.shape[-1]
-        g = grad.reshape(-1, H).to(dt)
+        H, T = grad.shape[-1], x.numel()
+        g = grad.reshape(T, H).to(dt)  # by T, not -1: H may be 0
         dm = dW = dA = dB = None
         if dora:
             pre, n, ms = dora
             W, m = ctx.W, ctx.m
             if torch.is_grad_enabled():  # create_graph=True: pre and m / n with their history
+                for name, t, then in (("W", W, ctx.versions[0]), ("magnitude", m, ctx.versions[1])):
+                    if then is not None and _version_of(t) != then:
+                        raise RuntimeError(
+                            f"kerf.autograd.lora_embedding: {name} was modified by an inplace operation "
+                            f"after the forward (version {then} then, {_version_of(t)} now), and a backward "
+                            "with create_graph=True computes from it")
                 pre = (F.embedding(x, W.to(dt), **table_grad) +
                        s * (F.embedding(x, A.to(dt).t(), **table_grad) @ B.to(dt).t()))
                 ms = m.to(dt) / n.to(dt)
             if ctx.needs_input_grad[6]:
-                dm = ((g * pre.reshape(-1, H).to(dt)).sum(0) / n.to(dt)).to(m_dtype)  # out = m * pre / n
+                dm = ((g * pre.reshape(T, H).to(dt)).sum(0) / n.to(dt)).to(m_dtype)  # out = m * pre / n
             g = g * ms.to(dt)
         if (ctx.needs_input_grad[2] or ctx.needs_input_grad[3]) and torch.is_grad_enabled():
             # create_graph=True: the same sums in PyTorch, which keep a history (kerf's do not).

@@ -142,7 +142,15 @@ int list(Args& args, bool details) {
   }
   std::map<std::string, std::string> bundle_props;
   int unreadable = 0;
-  const std::vector<Row> rows = rows_of(target, &bundle_props, &unreadable);
+  std::vector<Row> rows;
+  try {
+    rows = rows_of(target, &bundle_props, &unreadable);
+  } catch (const CacheError& e) {
+    // A bundle that cannot be mounted (cut short, a damaged manifest): damaged, as verify
+    // reports it (exit 1), not a refused argument.
+    std::printf("BAD %s\n", e.what());
+    return 1;
+  }
   // As verify: a listing that shows a damaged entry, or misses a directory, exits 1.
   int status = unreadable ? 1 : 0;
   for (const Row& r : rows)

@@ -532,6 +532,38 @@ def test_lora_embedding_takes_ids_as_f_embedding_does(device):
     assert m.grad is not None and torch.isfinite(m.grad).all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_lora_embedding_int32_ids_empty_rows_and_in_place_bases_under_autograd(device):
+    """int32 ids with scale_grad_by_freq (torch before 2.0 indexes with int64 only), rows of
+    no columns (H = 0), and a base weight or magnitude changed in place between the forward
+    and a create_graph backward, which computes from them: refused, as a saved tensor's is."""
+    torch.manual_seed(13)
+    x32 = torch.tensor([1, 3, 3, 7], dtype=torch.int32, device=device)
+    W, A, B = (torch.randn(*sh, dtype=torch.float64, device=device).requires_grad_() for sh in [(9, 4), (2, 9), (4, 2)])
+    got = ka.lora_embedding(x32, W, A, B, 0.5, scale_grad_by_freq=True)
+    want = peft_embedding(x32.long(), W, A, B, 0.5, None, True)
+    g = torch.randn_like(want)
+    for create_graph in (False, True):
+        for a, b in zip(torch.autograd.grad(got, (W, A, B), g, retain_graph=True, create_graph=create_graph),
+                        torch.autograd.grad(want, (W, A, B), g, retain_graph=True)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # H = 0: zero gradients of the shapes PyTorch gives.
+    A0 = torch.randn(2, 9, device=device, requires_grad=True)
+    B0 = torch.randn(0, 2, device=device, requires_grad=True)
+    out = ka.lora_embedding(torch.tensor([1, 2, 2], device=device), torch.randn(9, 0, device=device), A0, B0, 0.5)
+    assert out.shape == (3, 0)
+    out.sum().backward()
+    assert A0.grad.shape == (2, 9) and not A0.grad.any() and B0.grad.shape == (0, 2)
+    # In place after the forward.
+    m = (torch.rand(4, dtype=torch.float64, device=device) + 0.5).requires_grad_()
+    for changed in ("W", "magnitude"):
+        out = ka.lora_embedding(x32.long(), W, A, B, 0.5, magnitude=m)
+        with torch.no_grad():
+            (W if changed == "W" else m).mul_(1.5)
+        with pytest.raises(RuntimeError, match=f"{changed} was modified by an inplace operation after the forward"):
+            torch.autograd.grad(out.sum(), (m, A), create_graph=True)
+
+
 @CUDA_ONLY
 @pytest.mark.parametrize("adapters", [torch.bfloat16, torch.float32])
 def test_cuda_lora_embedding_gradients_in_the_adapters_dtype_match_float64(adapters):
