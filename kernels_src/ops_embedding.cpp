@@ -1233,8 +1233,12 @@ void lora_embedding_backward(const TensorView& x, const TensorView& A, const Ten
   lo.layout = text;
   const TensorView dA3 = as_3d(grad_A), dB3 = as_3d(grad_B);
   if (x.numel() == 0 || D == 0) {  // sums over nothing
+    // The CPU reads the ids before anything runs (a bad one leaves the gradients as they
+    // were); a GPU checks them in a launch after the fill, as its other forms do.
+    if (!x.device.is_cuda()) check_ids_only(op, x, A, vr, options, stream);
     fill_pair_3d(dA3, dB3, 0.0, lo);
-    return check_ids_only(op, x, A, vr, options, stream);
+    if (x.device.is_cuda()) check_ids_only(op, x, A, vr, options, stream);
+    return;
   }
   TensorView x1, g2;
   flatten_tokens(op, x, "grad_out", grad_out, &x1, &g2);

@@ -253,10 +253,11 @@ std::string split_words(const DimSplit& split) {
 
 }  // namespace
 
-LayoutSplits check_layout(const char* op, const Layout& layout,
-                          const std::vector<OperandDims>& operands) {
-  if (names_nothing(layout)) return {};
-  const std::string p = std::string(op) + ": layout: ";
+namespace {
+
+// The mesh's axes: named (not empty, none of the texts' syntax, once each), sizes >= 1.
+// Returns their names. `p` starts each message.
+std::set<std::string> checked_mesh(const std::string& p, const Layout& layout) {
   std::set<std::string> names;
   for (const MeshAxis& a : layout.mesh) {
     if (a.name.empty()) throw InvalidArgument(p + "a mesh axis has an empty name");
@@ -269,6 +270,35 @@ LayoutSplits check_layout(const char* op, const Layout& layout,
       throw InvalidArgument(p + "mesh axis '" + a.name + "' must have size >= 1, got " +
                             std::to_string(a.size));
   }
+  return names;
+}
+
+// Operand `name`'s spec names mesh axes the mesh has, each for one dimension at most.
+void check_spec_axes(const std::string& p, const Layout& layout, const std::string& name,
+                     const std::set<std::string>& names) {
+  const PartitionSpec& spec = layout.specs.at(name);
+  std::map<std::string, size_t> seen;  // axis -> the dimension it splits
+  for (size_t d = 0; d < spec.dims.size(); ++d)
+    for (const std::string& a : spec.dims[d].axes) {
+      if (a.empty())
+        throw InvalidArgument(p + spec_text(layout, name) + " names a mesh axis with an empty name");
+      if (!names.count(a))
+        throw InvalidArgument(p + spec_text(layout, name) + " names mesh axis '" + a + "', which the mesh lacks");
+      const auto [at, fresh] = seen.emplace(a, d);
+      if (!fresh)
+        throw InvalidArgument(p + spec_text(layout, name) +
+                              (at->second == d ? " names mesh axis '" + a + "' twice for one dimension"
+                                               : " splits two dimensions over mesh axis '" + a + "'"));
+    }
+}
+
+}  // namespace
+
+LayoutSplits check_layout(const char* op, const Layout& layout,
+                          const std::vector<OperandDims>& operands) {
+  if (names_nothing(layout)) return {};
+  const std::string p = std::string(op) + ": layout: ";
+  const std::set<std::string> names = checked_mesh(p, layout);
   // Coordinates, when given, are checked whether or not this op needs them.
   if (!layout.coords.empty()) {
     if (layout.coords.size() != layout.mesh.size())
@@ -295,20 +325,7 @@ LayoutSplits check_layout(const char* op, const Layout& layout,
       throw InvalidArgument(p + name + " has rank " + std::to_string(od->dims.size()) + " but its spec P(" + all +
                             ") names " + std::to_string(spec.dims.size()) + " dimensions");
     }
-    std::map<std::string, size_t> seen;  // axis -> the dimension it splits
-    for (size_t d = 0; d < spec.dims.size(); ++d)
-      for (const std::string& a : spec.dims[d].axes) {
-        if (a.empty())
-          throw InvalidArgument(p + spec_text(layout, name) + " names a mesh axis with an empty name");
-        if (!names.count(a))
-          throw InvalidArgument(p + spec_text(layout, name) + " names mesh axis '" + a +
-                                "', which the mesh lacks");
-        const auto [at, fresh] = seen.emplace(a, d);
-        if (!fresh)
-          throw InvalidArgument(p + spec_text(layout, name) +
-                                (at->second == d ? " names mesh axis '" + a + "' twice for one dimension"
-                                                 : " splits two dimensions over mesh axis '" + a + "'"));
-      }
+    check_spec_axes(p, layout, name, names);
   }
   LayoutSplits s;
   for (const OperandDims& o : operands) {
@@ -375,4 +392,11 @@ void expect_unsplit(const char* op, const Layout& layout, const LayoutSplits& sp
 }
 
 }  // namespace detail
+
+void Layout::check() const {
+  const std::string p = "layout: ";
+  const std::set<std::string> names = detail::checked_mesh(p, *this);
+  for (const auto& entry : specs) detail::check_spec_axes(p, *this, entry.first, names);
+}
+
 }  // namespace kerf::ops

@@ -469,6 +469,18 @@ TEST_CASE("Layout::canonical is the same for layouts that mean the same thing", 
   CHECK(layout_of({{"tp", 2}}, {{"W", {"", "tp"}}}).canonical() != a.canonical());
   CHECK(ops::PartitionSpec{"", "tp", ""}.str() == "P(None, 'tp')");
   CHECK(ops::PartitionSpec{}.str() == "P()");
+  // check(): what every op refuses before its own rules (canonical() of such a layout
+  // would not parse back); a good layout passes.
+  CHECK_NOTHROW(a.check());
+  for (const auto& [bad, message] : std::vector<std::pair<ops::Layout, std::string>>{
+           {layout_of({{"t p", 2}}, {{"W", {"t p"}}}), "layout: mesh axis name 't p' holds one of"},
+           {layout_of({{"tp", -2}}, {{"W", {"tp"}}}), "layout: mesh axis 'tp' must have size >= 1, got -2"},
+           {layout_of({{"tp", 2}, {"tp", 2}}, {}), "layout: mesh axis 'tp' is named twice"},
+           {layout_of({}, {{"W", {"zz"}}}), "layout: W P('zz') names mesh axis 'zz', which the mesh lacks"},
+           {layout_of({{"tp", 2}}, {{"W", {"tp", "tp"}}}), "splits two dimensions over mesh axis 'tp'"}}) {
+    CAPTURE(message);
+    CHECK_THAT(kerf::test::thrown<InvalidArgument>([&] { bad.check(); }), Catch::Contains(message));
+  }
 }
 
 TEST_CASE("Layout::parse reads what canonical() writes", "[ops][sharding]") {

@@ -360,7 +360,9 @@ def layout_text(layout: LayoutLike) -> str:
     """The canonical text of a sharding layout (``layout=`` of the ops): the same
     for layouts that mean the same thing, ``""`` when nothing is split, e.g.
     ``"mesh(tp=4) A[,tp] W[,tp]"``. kerf keys a sharded call's kernels by it, and
-    ``kerf-cache warm --layout`` takes it to warm them."""
+    ``kerf-cache warm --layout`` takes it to warm them. A mesh axis without a name, of
+    size below 1 or named twice, or a spec naming an axis the mesh lacks, is a
+    ValueError, as the ops say."""
     return _kerf._layout_text(layout)
 
 

@@ -550,7 +550,13 @@ void bind_ops(py::module_& m) {
       "ops::check_embedding_ids on the device of `tensor`; see kerf.ops.check_embedding_ids.");
 
   m.def(
-      "_layout_text", [](py::handle layout) { return layout_of(layout).canonical(); }, py::arg("layout"),
+      "_layout_text",
+      [](py::handle layout) {
+        const ops::Layout l = layout_of(layout);
+        l.check();  // a text the ops (and kerf-cache warm --layout) can take
+        return l.canonical();
+      },
+      py::arg("layout"),
       "ops::Layout::canonical() of a layout dict; see kerf.ops.layout_text.");
 
   // ---------------------------------------------------------------- introspection

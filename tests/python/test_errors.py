@@ -236,6 +236,12 @@ def test_layout_text_is_the_text_sharded_kernels_are_keyed_by():
     assert kerf.ops.layout_text(both) == "mesh(dp=2,tp=4) weight[(dp,tp)]"
     with pytest.raises(TypeError, match="layout must be None or a dict"):
         kerf.ops.layout_text([("tp", 2)])
+    # Layouts every op refuses have no text (it would not parse back for kerf-cache warm).
+    for (mesh, spec), message in ((({"t p": 2}, ("t p",)), "mesh axis name 't p' holds one of"),
+                                  (({"tp": -2}, ("tp",)), "mesh axis 'tp' must have size >= 1, got -2"),
+                                  (({}, ("zz",)), "names mesh axis 'zz', which the mesh lacks")):
+        with pytest.raises(ValueError, match=message):
+            kerf.ops.layout_text({"mesh": mesh, "specs": {"W": spec}})
 
 
 def test_jax_partition_specs_are_taken_as_they_are():

@@ -94,12 +94,18 @@ struct Layout {
   int64_t shard_index(const DimSplit& split) const;
   // Whether any operand is split (over a mesh axis of size > 1).
   bool sharded() const;
+  // Throws InvalidArgument ("layout: ...") unless the mesh's axes are named (not empty,
+  // none of the texts' ( ) [ ] , = or blanks, each once) with sizes >= 1 and every spec
+  // names axes of the mesh, each for one dimension at most: what every op checks before
+  // its own rules (an op's message starts with its name).
+  void check() const;
   // A canonical text: the same for layouts that mean the same thing (trailing
   // unsplit dimensions and fully replicated operands dropped, operands sorted,
   // a split over an axis of size 1 counted as none, only the mesh axes that
   // split something kept, sorted by name), "" when nothing is split. Part of
   // kernel cache keys (the autotuner keys its choices by the local shapes the
   // shard runs, which is what its kernels see). Example: "mesh(tp=4) A[,tp] W[,tp]".
+  // Of a layout that fails check(), the text may not parse back.
   std::string canonical() const;
   // The layout a canonical() text stands for ("" for none; coords left empty), e.g. to
   // name a layout on a command line (kerf-cache warm --layout). Throws InvalidArgument,
