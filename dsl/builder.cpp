@@ -44,7 +44,8 @@ ir::ValueId Builder::Impl::emit(ir::Operation op, const ir::Type* result_type) {
     // count: one that would not fit (or whose count wraps) is refused here, whatever made it.
     int64_t n = 1;
     bool over = false;
-    for (const int64_t d : result_type->shape) over = over || __builtin_mul_overflow(n, d, &n) || n > INT32_MAX;
+    for (const int64_t d : result_type->shape)
+      over = over || __builtin_mul_overflow(n, d, &n) || n > INT32_MAX;
     if (over)
       fail(ir::op_name(op.kind), "a tile of shape " + ir::shape_string(result_type->shape) +
                                      " has more than 2^31 - 1 elements, the most a tile holds");

@@ -18,8 +18,9 @@ bool expect_valid_view(const char* op, const char* name, const TensorView& t) {
   for (int d = 0; d < t.rank; ++d) {
     const int64_t n = t.shape[size_t(d)];
     if (n < 0)
-      throw InvalidArgument(std::string(op) + ": " + name + " (" + t.describe() + ") has a negative size (" +
-                            std::to_string(n) + ") along dim " + std::to_string(d));
+      throw InvalidArgument(std::string(op) + ": " + name + " (" + t.describe() +
+                            ") has a negative size (" + std::to_string(n) + ") along dim " +
+                            std::to_string(d));
     empty = empty || n == 0;
     overflows = overflows || __builtin_mul_overflow(count, n, &count);
   }
@@ -73,7 +74,8 @@ void expect_no_self_overlap(const char* op, const char* name, const TensorView& 
       throw InvalidArgument(
           std::string(op) + ": output " + name + " (" + t.describe() +
           ") has strides under which two indices may reach one element; outputs need strides "
-          "that nest (sorted, each beyond the reach of the smaller ones: no zero or overlapping strides)");
+          "that nest (sorted, each beyond the reach of the smaller ones: no zero or overlapping "
+          "strides)");
     reach += stride * (size - 1);
   }
 }

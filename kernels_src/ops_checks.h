@@ -68,7 +68,8 @@ struct MergedDims {
   std::vector<int64_t> sizes;
   std::vector<std::vector<int64_t>> strides;  // [view][dim]
 };
-MergedDims merge_dims(const std::vector<int64_t>& sizes, const std::vector<std::vector<int64_t>>& strides,
+MergedDims merge_dims(const std::vector<int64_t>& sizes,
+                      const std::vector<std::vector<int64_t>>& strides,
                       int64_t max_size = INT64_MAX);
 
 // A view of `t` with other sizes and strides (same data, dtype, device).

@@ -352,7 +352,11 @@ void run_dora_norm(const TensorView& W, const TensorView& A, const TensorView& B
     add_call_options(print, config, eps);
     if ((p = last.repeated(print))) {
       // Where the memory lies: addresses (the fingerprint keeps only their alignment) and overlaps.
-      for (const auto& [n, t] : {std::pair{"W", &W}, {"A", &A}, {"B", &B}, {"m", &m}, {"norm", &norm},
+      for (const auto& [n, t] : {std::pair{"W", &W},
+                                 {"A", &A},
+                                 {"B", &B},
+                                 {"m", &m},
+                                 {"norm", &norm},
                                  {"scale", &scale}})
         expect_addressable("dora_norm", n, *t);
       expect_norm_outputs_disjoint("dora_norm", {{"W", &W}, {"A", &A}, {"B", &B}, {"m", &m}}, norm, scale);
@@ -701,7 +705,8 @@ TensorView checked_packed(const char* op, const Weight4bit& W, int64_t out, int6
   if (in % 2 != 0)
     throw InvalidArgument(std::string(op) + ": in (A's columns) must be even, two 4-bit codes per byte of a row; got " +
                           std::to_string(in));
-  for (const auto& [name, t] : {std::pair{"packed", &W.packed}, {"absmax", &W.absmax}, {"code", &W.code}})
+  for (const auto& [name, t] :
+       {std::pair{"packed", &W.packed}, {"absmax", &W.absmax}, {"code", &W.code}})
     expect_valid_view(op, name, *t);
   expect_dtype(op, "packed", W.packed, {DType::u8});
   expect_dtype(op, "absmax", W.absmax, {DType::f32});
@@ -785,8 +790,14 @@ void dora_norm_4bit(const Weight4bit& W, const TensorView& A, const TensorView& 
     print.add(uint64_t(W.blocksize));
     add_call_options(print, config, eps);
     if ((p = last.repeated(print))) {
-      for (const auto& [n, t] : {std::pair{"packed", &W.packed}, {"absmax", &W.absmax}, {"code", &W.code},
-                                 {"A", &A}, {"B", &B}, {"m", &m}, {"norm", &norm}, {"scale", &scale}})
+      for (const auto& [n, t] : {std::pair{"packed", &W.packed},
+                                 {"absmax", &W.absmax},
+                                 {"code", &W.code},
+                                 {"A", &A},
+                                 {"B", &B},
+                                 {"m", &m},
+                                 {"norm", &norm},
+                                 {"scale", &scale}})
         expect_addressable("dora_norm_4bit", n, *t);
       expect_norm_outputs_disjoint(
           "dora_norm_4bit",

@@ -189,7 +189,8 @@ void check_host_ids(const char* op, const TensorView& x, const TensorView& x1, i
 // The kernels count tokens in 32 bits: x's dims may each fit and their product not.
 void expect_token_count(const char* op, const TensorView& x) {
   if (x.numel() > INT32_MAX)
-    throw InvalidArgument(std::string(op) + ": x (" + x.describe() + ") holds " + std::to_string(x.numel()) +
+    throw InvalidArgument(std::string(op) + ": x (" + x.describe() + ") holds " +
+                          std::to_string(x.numel()) +
                           " tokens; at most 2^31 - 1 a call are supported");
 }
 

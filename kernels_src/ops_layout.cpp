@@ -281,14 +281,17 @@ void check_spec_axes(const std::string& p, const Layout& layout, const std::stri
   for (size_t d = 0; d < spec.dims.size(); ++d)
     for (const std::string& a : spec.dims[d].axes) {
       if (a.empty())
-        throw InvalidArgument(p + spec_text(layout, name) + " names a mesh axis with an empty name");
+        throw InvalidArgument(p + spec_text(layout, name) +
+                              " names a mesh axis with an empty name");
       if (!names.count(a))
-        throw InvalidArgument(p + spec_text(layout, name) + " names mesh axis '" + a + "', which the mesh lacks");
+        throw InvalidArgument(p + spec_text(layout, name) + " names mesh axis '" + a +
+                              "', which the mesh lacks");
       const auto [at, fresh] = seen.emplace(a, d);
       if (!fresh)
         throw InvalidArgument(p + spec_text(layout, name) +
-                              (at->second == d ? " names mesh axis '" + a + "' twice for one dimension"
-                                               : " splits two dimensions over mesh axis '" + a + "'"));
+                              (at->second == d
+                                   ? " names mesh axis '" + a + "' twice for one dimension"
+                                   : " splits two dimensions over mesh axis '" + a + "'"));
     }
 }
 

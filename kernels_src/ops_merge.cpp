@@ -264,7 +264,8 @@ void merge_flax(const char* op, const TensorView& kernel, const TensorView& lora
                 const TensorView& lora_b, double s, void* stream, const Config& config) {
   expect_finite_scale(op, s);
   // The ranks decide which dims are read below: valid ones first.
-  for (const auto& [n, t] : {std::pair{"kernel", &kernel}, {"lora_a", &lora_a}, {"lora_b", &lora_b}})
+  for (const auto& [n, t] :
+       {std::pair{"kernel", &kernel}, {"lora_a", &lora_a}, {"lora_b", &lora_b}})
     expect_valid_view(op, n, *t);
   if (lora_a.rank < 2)
     throw InvalidArgument(std::string(op) +

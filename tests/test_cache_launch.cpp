@@ -450,7 +450,9 @@ void check_resolved_kernel(const Device& dev) {
   // Sizes past 32 bits, as launch() refuses them (read as 32-bit, 2^32 + n ran as n).
   TensorView wide = views[0];
   wide.shape[0] += int64_t(1) << 32;
-  CHECK_THAT(test::thrown<InvalidArgument>([&] { launch(rk, {wide, views[2], Scalar(1.0), Scalar(0.0)}, grid, {}); }),
+  CHECK_THAT(test::thrown<InvalidArgument>([&] {
+               launch(rk, {wide, views[2], Scalar(1.0), Scalar(0.0)}, grid, {});
+             }),
              Catch::Contains("kerf kernels index dimensions with 32-bit integers"));
   // A cache clear drops it.
   clear_kernel_cache();

@@ -159,7 +159,8 @@ TEST_CASE("kerf-cache warms, lists, packs, verifies and prunes", "[cache][tool]"
   // A bundle cut short cannot be mounted at all: list, inspect and verify all call it bad (1).
   {
     const std::vector<char> image = *cache::read_file(bundle, size_t(1) << 30);
-    std::ofstream(dir / "short.kbundle", std::ios::binary).write(image.data(), std::streamsize(image.size() / 2));
+    std::ofstream(dir / "short.kbundle", std::ios::binary)
+        .write(image.data(), std::streamsize(image.size() / 2));
   }
   for (const char* command : {"list", "inspect", "verify"}) {
     CAPTURE(command);

@@ -239,7 +239,8 @@ TEST_CASE("loop-carried values must keep their type", "[dsl][errors]") {
 
 // A refused loop leaves the builder in the block around it: a body that catches the error
 // goes on tracing there (the loop's block, gone with the loop, was left current before).
-TEST_CASE("a loop refused for what its body returns leaves tracing in the block around it", "[dsl][errors]") {
+TEST_CASE("a loop refused for what its body returns leaves tracing in the block around it",
+          "[dsl][errors]") {
   for (const int how : {0, 1, 2}) {
     CAPTURE(how);
     Kernel k("caught_loop", [how](Builder& b) {
@@ -248,10 +249,13 @@ TEST_CASE("a loop refused for what its body returns leaves tracing in the block 
         if (how == 0)  // an empty Value
           (void)for_range(0, 4, 1, zeros({16}), [](const Value&, const Value&) { return Value(); });
         else if (how == 1)  // another type
-          (void)for_range(0, 4, 1, zeros({16}), [](const Value&, const Value& a) { return a.to(DType::f16); });
+          (void)for_range(0, 4, 1, zeros({16}),
+                          [](const Value&, const Value& a) { return a.to(DType::f16); });
         else  // two values for one
           (void)for_range(0, 4, 1, std::vector<Value>{zeros({16})},
-                          [](const Value&, const std::vector<Value>& a) { return std::vector<Value>{a[0], a[0]}; });
+                          [](const Value&, const std::vector<Value>& a) {
+                            return std::vector<Value>{a[0], a[0]};
+                          });
         FAIL("the loop was accepted");
       } catch (const DefinitionError& e) {
         CHECK(std::string(e.what()).find("'for'") != std::string::npos);
@@ -269,12 +273,14 @@ TEST_CASE("a loop refused for what its body returns leaves tracing in the block 
 // Tiles index their elements in 32 bits: a tile of more elements, or one whose count would
 // wrap 64 bits, is refused where it is made (its stack size wrapped to nothing on the CPU).
 TEST_CASE("a tile of more than 2^31 - 1 elements is a definition error", "[dsl][errors]") {
-  for (const ir::Shape& shape : {ir::Shape{int64_t(1) << 31}, ir::Shape{int64_t(1) << 62},
-                                 ir::Shape{int64_t(1) << 40, int64_t(1) << 40}, ir::Shape{65536, 65536}}) {
+  for (const ir::Shape& shape :
+       {ir::Shape{int64_t(1) << 31}, ir::Shape{int64_t(1) << 62},
+        ir::Shape{int64_t(1) << 40, int64_t(1) << 40}, ir::Shape{65536, 65536}}) {
     CAPTURE(shape);
     Kernel k("huge_tile", [shape](Builder& b) {
       auto out = b.tensor("out", 1);
-      auto acc = for_range(0, 1, 1, zeros(shape), [](const Value&, const Value& c) { return c + 1.0; });
+      auto acc =
+          for_range(0, 1, 1, zeros(shape), [](const Value&, const Value& c) { return c + 1.0; });
       store(out, {arange(16)}, zeros({16}) + sum(acc, 0).to(DType::f32));
     });
     expect_definition_error([&] { k.trace({ArgSpec::tensor(DType::f32, 1)}, {}); },

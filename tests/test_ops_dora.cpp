@@ -313,8 +313,8 @@ void check_repeated_calls(Device dev) {
   // The fingerprint keeps only an address's alignment: one whose elements would run past the
   // end of the address space is refused on the short path too.
   const uintptr_t low4 = reinterpret_cast<uintptr_t>(norm.data) & 15;
-  const TensorView high = TensorView::contiguous(reinterpret_cast<void*>(uintptr_t(0) - 64 + low4), DType::f32,
-                                                 {out}, dev);
+  const TensorView high = TensorView::contiguous(reinterpret_cast<void*>(uintptr_t(0) - 64 + low4),
+                                                 DType::f32, {out}, dev);
   CHECK_INVALID(ops::dora_norm(W.view(), A.view(), B.view(), m, s, high, scale, 0.0, nullptr),
                 "has strides that reach beyond the address space");
   CHECK_INVALID(ops::dora_norm(W.view(), A.view(), B.view(), m, s, norm, scale, -1.0, nullptr),

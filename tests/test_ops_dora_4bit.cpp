@@ -215,7 +215,8 @@ void check_4bit_repeated(Device dev) {
   };
   const TensorView m = slot(0), norm = slot(1), scale = slot(2);
   const double s = 0.5, eps = 0.0;
-  for (int call = 0; call < 6; ++call) {  // the last as the first: the checks below take the short path
+  for (int call = 0; call < 6;
+       ++call) {  // the last as the first: the checks below take the short path
     CAPTURE(call);
     if (call == 2) clear_kernel_cache();  // the kept kernel lapses: resolved again, then reused
     for (int64_t i = 0; i < W.packed.numel(); ++i) W.packed.set(i, double(rng() & 255));
@@ -229,7 +230,8 @@ void check_4bit_repeated(Device dev) {
       wv.code = TensorView::contiguous(wv.code.data, DType::f32, {16, 1}, dev);
     }
     if (call == 4) {  // any contiguous shapes, of the highest ranks
-      wv.absmax = TensorView::contiguous(wv.absmax.data, DType::f32, {1, 1, 1, 1, 1, 1, 1, wv.absmax.numel()}, dev);
+      wv.absmax = TensorView::contiguous(wv.absmax.data, DType::f32,
+                                         {1, 1, 1, 1, 1, 1, 1, wv.absmax.numel()}, dev);
       wv.code = TensorView::contiguous(wv.code.data, DType::f32, {2, 1, 2, 1, 2, 1, 2, 1}, dev);
     }
     ops::dora_norm_4bit(wv, A.view(), B.view(), m, s, norm, scale, eps, nullptr);
@@ -252,10 +254,11 @@ void check_4bit_repeated(Device dev) {
   // The fingerprint keeps only an address's alignment: one whose elements would run past the
   // end of the address space is refused on the short path too.
   const uintptr_t low4 = reinterpret_cast<uintptr_t>(norm.data) & 15;
-  const TensorView high = TensorView::contiguous(reinterpret_cast<void*>(uintptr_t(0) - 64 + low4), DType::f32,
-                                                 {out}, dev);
-  CHECK_INVALID(ops::dora_norm_4bit(W.view(bs), A.view(), B.view(), m, s, high, scale, eps, nullptr),
-                "dora_norm_4bit: norm (");
+  const TensorView high = TensorView::contiguous(reinterpret_cast<void*>(uintptr_t(0) - 64 + low4),
+                                                 DType::f32, {out}, dev);
+  CHECK_INVALID(
+      ops::dora_norm_4bit(W.view(bs), A.view(), B.view(), m, s, high, scale, eps, nullptr),
+      "dora_norm_4bit: norm (");
   CHECK_INVALID(ops::dora_norm_4bit(W.view(bs), A.view(), B.view(), m, s, norm, scale, -1.0, nullptr),
                 "dora_norm_4bit: eps must be >= 0");
   CHECK_INVALID(ops::dora_norm_4bit(W.view(bs), A.view(), B.view(), m, s, norm, scale, std::nan(""), nullptr),

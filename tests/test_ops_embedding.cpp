@@ -462,7 +462,8 @@ void check_ids_with_nothing_to_compute(Device dev) {
         dA(DType::f32, {r, 50}, dev), dB(DType::f32, {dim, r}, dev);
     dA.poison();
     try {
-      ops::lora_embedding_backward(b.X.view(), A.view(), B.view(), G.view(), 1.0, dA.view(), dB.view());
+      ops::lora_embedding_backward(b.X.view(), A.view(), B.view(), G.view(), 1.0, dA.view(),
+                                   dB.view());
     } catch (...) {
       // The CPU reads the ids before anything runs: a refused call leaves grad_A as it was
       // (dim 0 zeroed it first). A GPU reports them after its kernels, zeros written.

@@ -42,7 +42,8 @@ struct MergeCase {
   bool walk_rows = false;  // Config.meta WALK_ROWS: programs own columns, keep A's, and walk the rows
   bool cast_a = false;  // Config.meta CAST_A: an fp32 A rounded to the product's dtype first (the same answer)
   bool one_tile = false;  // Config.meta ONE_TILE (with STREAM): W's tile asked for first, added after the product
-  bool wgmma_ss = false;  // Config.meta WGMMA_SS (with WGMMA): the warpgroup dots read A from shared memory
+  bool wgmma_ss =
+      false;  // Config.meta WGMMA_SS (with WGMMA): the warpgroup dots read A from shared memory
 };
 
 ops::Config merge_config(const MergeCase& c) {
@@ -69,8 +70,9 @@ ops::Config merge_config(const MergeCase& c) {
 
 void check_merge(const MergeCase& c, Device dev, uint64_t seed) {
   CAPTURE(c.out, c.in, c.r, dtype_name(c.w), dtype_name(c.a), dtype_name(c.b), c.transposed,
-          c.offset, c.evict, c.warps_n, c.block_m, c.warps, seed, dev.str(), c.wgmma, c.split, c.cols_first,
-          c.block_k, c.stream, c.store_in_ring, c.walk_rows, c.cast_a, c.one_tile, c.wgmma_ss);
+          c.offset, c.evict, c.warps_n, c.block_m, c.warps, seed, dev.str(), c.wgmma, c.split,
+          c.cols_first, c.block_k, c.stream, c.store_in_ring, c.walk_rows, c.cast_a, c.one_tile,
+          c.wgmma_ss);
   std::mt19937_64 rng(seed);
   TestTensor Wbuf(c.w, {c.out * c.in + c.offset}, dev), A(c.a, {c.r, c.in}, dev),
       B(c.b, {c.out, c.r}, dev);
@@ -176,10 +178,12 @@ std::vector<MergeCase> merge_cases() {
   cases.push_back({300, 200, 64, DType::bf16, DType::bf16, DType::bf16, false, 0, 1.5, 0, 0, 64, 4, true});
   cases.push_back({130, 333, 16, DType::f16, DType::f32, DType::f32, true, 0, -0.5, 0, 0, 128, 8, true});
   // ... reading A's tiles from shared memory (WGMMA_SS): ranks 64 and 16.
-  MergeCase ss{300, 200, 64, DType::bf16, DType::bf16, DType::bf16, false, 0, 1.5, 0, 0, 64, 4, true};
+  MergeCase ss{300, 200, 64, DType::bf16, DType::bf16, DType::bf16, false,
+               0,   1.5, 0,  0,           64,          4,           true};
   ss.wgmma_ss = true;
   cases.push_back(ss);
-  MergeCase ss16{130, 333, 16, DType::f16, DType::f16, DType::f16, false, 0, -0.5, 0, 0, 128, 8, true};
+  MergeCase ss16{130, 333,  16, DType::f16, DType::f16, DType::f16, false,
+                 0,   -0.5, 0,  0,          128,        8,          true};
   ss16.wgmma_ss = true;
   cases.push_back(ss16);
   // Rows of 200 and 136 elements (multiples of 8, not 16); column slices on grid axis 0 (COLS_FIRST).

@@ -474,10 +474,13 @@ TEST_CASE("Layout::canonical is the same for layouts that mean the same thing", 
   CHECK_NOTHROW(a.check());
   for (const auto& [bad, message] : std::vector<std::pair<ops::Layout, std::string>>{
            {layout_of({{"t p", 2}}, {{"W", {"t p"}}}), "layout: mesh axis name 't p' holds one of"},
-           {layout_of({{"tp", -2}}, {{"W", {"tp"}}}), "layout: mesh axis 'tp' must have size >= 1, got -2"},
+           {layout_of({{"tp", -2}}, {{"W", {"tp"}}}),
+            "layout: mesh axis 'tp' must have size >= 1, got -2"},
            {layout_of({{"tp", 2}, {"tp", 2}}, {}), "layout: mesh axis 'tp' is named twice"},
-           {layout_of({}, {{"W", {"zz"}}}), "layout: W P('zz') names mesh axis 'zz', which the mesh lacks"},
-           {layout_of({{"tp", 2}}, {{"W", {"tp", "tp"}}}), "splits two dimensions over mesh axis 'tp'"}}) {
+           {layout_of({}, {{"W", {"zz"}}}),
+            "layout: W P('zz') names mesh axis 'zz', which the mesh lacks"},
+           {layout_of({{"tp", 2}}, {{"W", {"tp", "tp"}}}),
+            "splits two dimensions over mesh axis 'tp'"}}) {
     CAPTURE(message);
     CHECK_THAT(kerf::test::thrown<InvalidArgument>([&] { bad.check(); }), Catch::Contains(message));
   }

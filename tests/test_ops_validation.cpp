@@ -359,9 +359,11 @@ TEST_CASE("every op refuses views with elements but no memory, or strides that w
 // element repeated (zero strides) give them without memory to match.
 TEST_CASE("every op family refuses a dim of 2^31 elements or more", "[ops][validation]") {
   const int64_t big = int64_t(1) << 31;
-  const TensorView W = at(0, {8, big}, {0, 0}), A = at(4096, {2, big}, {0, 0}), B = t({8, 2}, DType::f32, 8192);
-  CHECK_REJECTS(InvalidArgument, ops::lora_merge(W, A, B, 1.0),
-                "lora_merge: W dimension 1 has 2147483648 elements; at most 2^31 - 1 are supported");
+  const TensorView W = at(0, {8, big}, {0, 0}), A = at(4096, {2, big}, {0, 0}),
+                   B = t({8, 2}, DType::f32, 8192);
+  CHECK_REJECTS(
+      InvalidArgument, ops::lora_merge(W, A, B, 1.0),
+      "lora_merge: W dimension 1 has 2147483648 elements; at most 2^31 - 1 are supported");
   const TensorView m = t({8}, DType::f32, 12100), norm = t({8}, DType::f32, 12200),
                    scale = t({8}, DType::f32, 12300);
   CHECK_REJECTS(InvalidArgument, ops::dora_norm(W, A, B, m, 1.0, norm, scale),
@@ -369,61 +371,74 @@ TEST_CASE("every op family refuses a dim of 2^31 elements or more", "[ops][valid
   const TensorView W3 = at(0, {2, big, 12}, {0, 0, 1}), A3 = t({2, 3, 12}, DType::f32, 4096),
                    B3 = at(32768, {2, big, 3}, {0, 0, 1});
   CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize(W3, A3, B3, 1.0, W3),
-                "moe_lora_materialize: W dimension 1 has 2147483648 elements; at most 2^31 - 1 are supported");
+                "moe_lora_materialize: W dimension 1 has 2147483648 elements; at most 2^31 - 1 are "
+                "supported");
   const TensorView x = t({2, 3}, DType::i64, 16000), E = at(0, {10, big}, {0, 0}),
                    eA = t({2, 10}, DType::f32, 8192), eB = at(40000, {big, 2}, {0, 0}),
                    out = at(50000, {2, 3, big}, {0, 0, 0});
-  CHECK_REJECTS(InvalidArgument, ops::lora_embedding(x, E, eA, eB, 1.0, out),
-                "lora_embedding: weight dimension 1 has 2147483648 elements; at most 2^31 - 1 are supported");
+  CHECK_REJECTS(
+      InvalidArgument, ops::lora_embedding(x, E, eA, eB, 1.0, out),
+      "lora_embedding: weight dimension 1 has 2147483648 elements; at most 2^31 - 1 are supported");
   // Tokens: each of x's dims fits, their product does not (one id repeated).
   const int64_t half = int64_t(1) << 16;
   const TensorView many = at(16000 * 4, {half, half}, {0, 0}, DType::i64),
-                   table = t({10, 4}, DType::f32, 4096), outs = at(40000 * 4, {half, half, 4}, {0, 0, 1}),
+                   table = t({10, 4}, DType::f32, 4096),
+                   outs = at(40000 * 4, {half, half, 4}, {0, 0, 1}),
                    gA = t({2, 10}, DType::f32, 11000), gB = t({4, 2}, DType::f32, 12000);
-  CHECK_REJECTS(InvalidArgument, ops::lora_embedding(many, table, eA, t({4, 2}, DType::f32, 9000), 1.0, outs),
-                "lora_embedding: x (i64[65536,65536] strides [0,0] on cpu) holds 4294967296 tokens; at most "
-                "2^31 - 1 a call are supported");
-  CHECK_REJECTS(InvalidArgument,
-                ops::lora_embedding_backward(many, eA, t({4, 2}, DType::f32, 9000), outs, 1.0, gA, gB),
-                "lora_embedding_backward: x (i64[65536,65536] strides [0,0] on cpu) holds 4294967296 tokens");
+  CHECK_REJECTS(
+      InvalidArgument, ops::lora_embedding(many, table, eA, t({4, 2}, DType::f32, 9000), 1.0, outs),
+      "lora_embedding: x (i64[65536,65536] strides [0,0] on cpu) holds 4294967296 tokens; at most "
+      "2^31 - 1 a call are supported");
+  CHECK_REJECTS(
+      InvalidArgument,
+      ops::lora_embedding_backward(many, eA, t({4, 2}, DType::f32, 9000), outs, 1.0, gA, gB),
+      "lora_embedding_backward: x (i64[65536,65536] strides [0,0] on cpu) holds 4294967296 tokens");
 }
 
 // Hand-built views the ops cannot take, refused by name before anything reads them: a rank
 // past the 8 a view holds, a negative size, and sizes whose product wraps a 64-bit count (to
 // 0 it would pass for empty: no memory checks, and a launch over a null W).
-TEST_CASE("every op refuses views of invalid rank, negative sizes or uncountable elements", "[ops][validation]") {
-  const TensorView W = t({8, 12}), A = t({2, 12}, DType::f32, 4096), B = t({8, 2}, DType::f32, 8192);
+TEST_CASE("every op refuses views of invalid rank, negative sizes or uncountable elements",
+          "[ops][validation]") {
+  const TensorView W = t({8, 12}), A = t({2, 12}, DType::f32, 4096),
+                   B = t({8, 2}, DType::f32, 8192);
   TensorView a9 = t({1, 1, 1, 1, 1, 1, 1, 1}, DType::f32, 4096), k9 = t({1, 1, 1, 1, 1, 1, 1, 1});
   a9.rank = 9;
   k9.rank = 9;
   CHECK_REJECTS(InvalidArgument, ops::lora_merge_flax(k9, a9, t({1, 1}, DType::f32, 8192), 1.0),
                 "lora_merge_flax: kernel is a f32 view of invalid rank 9 (at most 8) on cpu");
-  CHECK_REJECTS(InvalidArgument, ops::lora_merge_flax(t({1, 1}), a9, t({1, 1}, DType::f32, 8192), 1.0),
-                "lora_merge_flax: lora_a is a f32 view of invalid rank 9 (at most 8) on cpu");
-  ops::Weight4bit W4{t({48}, DType::u8, 50000), t({2}, DType::f32, 50100), t({16}, DType::f32, 50200), 64};
-  W4.absmax.rank = -3;
   CHECK_REJECTS(InvalidArgument,
-                ops::dora_norm_4bit(W4, t({2, 8}), t({6, 2}, DType::f32, 8192), t({6}, DType::f32, 12100), 1.0,
-                                    t({6}, DType::f32, 12200), t({6}, DType::f32, 12300)),
-                "dora_norm_4bit: absmax is a f32 view of invalid rank -3");
+                ops::lora_merge_flax(t({1, 1}), a9, t({1, 1}, DType::f32, 8192), 1.0),
+                "lora_merge_flax: lora_a is a f32 view of invalid rank 9 (at most 8) on cpu");
+  ops::Weight4bit W4{t({48}, DType::u8, 50000), t({2}, DType::f32, 50100),
+                     t({16}, DType::f32, 50200), 64};
+  W4.absmax.rank = -3;
+  CHECK_REJECTS(
+      InvalidArgument,
+      ops::dora_norm_4bit(W4, t({2, 8}), t({6, 2}, DType::f32, 8192), t({6}, DType::f32, 12100),
+                          1.0, t({6}, DType::f32, 12200), t({6}, DType::f32, 12300)),
+      "dora_norm_4bit: absmax is a f32 view of invalid rank -3");
 
   // (TensorView::strided refuses negative sizes: these are set by hand.)
   const auto sized = [](TensorView v, int d, int64_t n) {
     v.shape[size_t(d)] = n;
     return v;
   };
-  CHECK_REJECTS(InvalidArgument, ops::lora_merge(sized(W, 0, -3), A, sized(B, 0, -3), 1.0),
-                "lora_merge: W (f32[-3,12] strides [12,1] on cpu) has a negative size (-3) along dim 0");
+  CHECK_REJECTS(
+      InvalidArgument, ops::lora_merge(sized(W, 0, -3), A, sized(B, 0, -3), 1.0),
+      "lora_merge: W (f32[-3,12] strides [12,1] on cpu) has a negative size (-3) along dim 0");
   const TensorView m = t({8}, DType::f32, 12100), norm = t({8}, DType::f32, 12200),
                    scale = t({8}, DType::f32, 12300);
-  CHECK_REJECTS(InvalidArgument, ops::dora_norm(sized(W, 1, -12), sized(A, 1, -12), B, m, 1.0, norm, scale),
-                "dora_norm: W (f32[8,-12] strides [12,1] on cpu) has a negative size (-12) along dim 1");
+  CHECK_REJECTS(
+      InvalidArgument, ops::dora_norm(sized(W, 1, -12), sized(A, 1, -12), B, m, 1.0, norm, scale),
+      "dora_norm: W (f32[8,-12] strides [12,1] on cpu) has a negative size (-12) along dim 1");
   const TensorView x = t({2, 3}, DType::i64, 16000), out = t({2, 3, 4}, DType::f32, 10000);
   CHECK_REJECTS(InvalidArgument,
                 ops::lora_embedding(x, sized(t({10, 4}, DType::f32, 4096), 0, -10),
-                                    sized(t({2, 10}, DType::f32, 8192), 1, -10), t({4, 2}, DType::f32, 9000), 1.0,
-                                    out),
-                "lora_embedding: weight (f32[-10,4] strides [4,1] on cpu) has a negative size (-10) along dim 0");
+                                    sized(t({2, 10}, DType::f32, 8192), 1, -10),
+                                    t({4, 2}, DType::f32, 9000), 1.0, out),
+                "lora_embedding: weight (f32[-10,4] strides [4,1] on cpu) has a negative size "
+                "(-10) along dim 0");
 
   // 256 x 2^28 x 2^28 elements: 2^64, 0 in 64 bits. W null, its own W_eff (in place).
   const int64_t E = 256, N = int64_t(1) << 28, K = int64_t(1) << 28;
@@ -431,7 +446,8 @@ TEST_CASE("every op refuses views of invalid rank, negative sizes or uncountable
   CHECK(Wn.numel() == 0);  // what the count wraps to
   const TensorView A3 = at(4096 * 4, {E, 1, K}, {0, 0, 0}), B3 = at(8192 * 4, {E, N, 1}, {0, 0, 0});
   CHECK_REJECTS(InvalidArgument, ops::moe_lora_materialize(Wn, A3, B3, 1.0, Wn),
-                "moe_lora_materialize: W (f32[256,268435456,268435456] strides [72057594037927936,268435456,1] "
+                "moe_lora_materialize: W (f32[256,268435456,268435456] strides "
+                "[72057594037927936,268435456,1] "
                 "on cpu) has more elements than a 64-bit count holds");
   // The flax merge's kernel of 256^8 elements (null), adapters of one element repeated.
   const std::vector<int64_t> dims(8, 256), zeros(8, 0);

@@ -10,10 +10,10 @@
 #include <type_traits>
 
 #include "dlpack_abi.h"
-#include "module.h"
-#include "tensor_bridge.h"
 #include "kerf/error.h"
 #include "kerf/runtime/cuda.h"
+#include "module.h"
+#include "tensor_bridge.h"
 
 namespace kerf::python {
 
@@ -246,8 +246,8 @@ py::object Buffer::dlpack(py::handle stream, py::handle max_version, py::handle 
     try {
       *out = py::cast<std::remove_pointer_t<decltype(out)>>(h);
     } catch (const py::cast_error&) {
-      throw TypeError(std::string("kerf.Buffer.__dlpack__: ") + name + " must be " + want + ", got " +
-                      type_name(h));
+      throw TypeError(std::string("kerf.Buffer.__dlpack__: ") + name + " must be " + want +
+                      ", got " + type_name(h));
     }
   };
   if (stream && !stream.is_none() && PyBool_Check(stream.ptr()))
@@ -274,8 +274,9 @@ py::object Buffer::dlpack(py::handle stream, py::handle max_version, py::handle 
     long long s = 0;
     cast_arg(stream, "stream", "an int or None", &s);
     if (s != -1)
-      throw InvalidArgument("kerf.Buffer.__dlpack__: stream must be None for a buffer on the CPU, got " +
-                        std::to_string(s));
+      throw InvalidArgument(
+          "kerf.Buffer.__dlpack__: stream must be None for a buffer on the CPU, got " +
+          std::to_string(s));
   }
   bool versioned = false;
   if (max_version && !max_version.is_none()) {

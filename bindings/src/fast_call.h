@@ -52,7 +52,8 @@ inline py::handle convert(PyObject* o, py::handle*, const Function&, size_t) { r
 inline double convert(PyObject* o, double*, const Function& f, size_t i) {
   if (PyFloat_CheckExact(o)) return PyFloat_AS_DOUBLE(o);
   // A bool is an int to Python, but True as a scale or eps is a mistake, as for the int arguments.
-  if (PyBool_Check(o)) throw TypeError(f.name + "(): " + f.params[i] + " must be a float, got bool");
+  if (PyBool_Check(o))
+    throw TypeError(f.name + "(): " + f.params[i] + " must be a float, got bool");
   const double v = PyFloat_AsDouble(o);
   if (v == -1.0 && PyErr_Occurred()) {
     // An int too large for a double (10**400) is a number, just not one that fits.

@@ -25,7 +25,8 @@ namespace {
 // Config.meta from Python: a mapping of str names to ints (TypeError / ValueError naming the
 // entry otherwise).
 std::map<std::string, int64_t> meta_of(py::handle meta) {
-  if (!PyDict_Check(meta.ptr()) && !py::isinstance(meta, py::module_::import("collections.abc").attr("Mapping")))
+  if (!PyDict_Check(meta.ptr()) &&
+      !py::isinstance(meta, py::module_::import("collections.abc").attr("Mapping")))
     throw TypeError("Config: meta must be a dict of str names to ints, got " + type_name(meta));
   std::map<std::string, int64_t> out;
   for (const py::handle key : meta) {
@@ -42,7 +43,8 @@ std::map<std::string, int64_t> meta_of(py::handle meta) {
 ops::Config config_of(py::handle c, const char* op) {
   if (c.is_none()) return ops::Config{};
   if (!py::isinstance<ops::Config>(c))
-    throw TypeError(std::string(op) + ": config must be a kerf.Config or None, got " + type_name(c));
+    throw TypeError(std::string(op) + ": config must be a kerf.Config or None, got " +
+                    type_name(c));
   return c.cast<ops::Config>();
 }
 
@@ -63,29 +65,32 @@ empty Config (or none) lets the autotuner choose on a GPU; a Config with any
 field or meta entry set is the caller's choice for the call, which is then not
 tuned, its zero fields taking the op's own values.
 )doc");
-  config
-      .def(py::init([](py::handle block_m, py::handle block_k, py::handle split_k, py::handle num_warps,
-                       py::handle num_stages, py::handle meta) {
-             ops::Config c;
-             c.block_m = fast_call::int_argument(block_m.ptr(), "Config: block_m");
-             c.block_k = fast_call::int_argument(block_k.ptr(), "Config: block_k");
-             c.split_k = fast_call::int_argument(split_k.ptr(), "Config: split_k");
-             c.num_warps = fast_call::int_argument(num_warps.ptr(), "Config: num_warps");
-             c.num_stages = fast_call::int_argument(num_stages.ptr(), "Config: num_stages");
-             c.meta = meta_of(meta);
-             return c;
-           }),
-           py::kw_only(), py::arg("block_m") = 0, py::arg("block_k") = 0, py::arg("split_k") = 0,
-           py::arg("num_warps") = 0, py::arg("num_stages") = 0, py::arg("meta") = py::dict());
-  // The int fields: read as ints, set through int_argument (TypeError or ValueError naming the field).
+  config.def(py::init([](py::handle block_m, py::handle block_k, py::handle split_k,
+                         py::handle num_warps, py::handle num_stages, py::handle meta) {
+               ops::Config c;
+               c.block_m = fast_call::int_argument(block_m.ptr(), "Config: block_m");
+               c.block_k = fast_call::int_argument(block_k.ptr(), "Config: block_k");
+               c.split_k = fast_call::int_argument(split_k.ptr(), "Config: split_k");
+               c.num_warps = fast_call::int_argument(num_warps.ptr(), "Config: num_warps");
+               c.num_stages = fast_call::int_argument(num_stages.ptr(), "Config: num_stages");
+               c.meta = meta_of(meta);
+               return c;
+             }),
+             py::kw_only(), py::arg("block_m") = 0, py::arg("block_k") = 0, py::arg("split_k") = 0,
+             py::arg("num_warps") = 0, py::arg("num_stages") = 0, py::arg("meta") = py::dict());
+  // The int fields: read as ints, set through int_argument (TypeError or ValueError naming the
+  // field).
   using Field = int64_t ops::Config::*;
   for (const auto& [name, field, doc] :
-       {std::tuple<const char*, Field, const char*>{"block_m", &ops::Config::block_m,
-                                                    "Rows per program (BLOCK_N for MoE, tokens for the embedding)."},
+       {std::tuple<const char*, Field, const char*>{
+            "block_m", &ops::Config::block_m,
+            "Rows per program (BLOCK_N for MoE, tokens for the embedding)."},
         {"block_k", &ops::Config::block_k, "Columns per step."},
-        {"split_k", &ops::Config::split_k, "Programs sharing one row block's columns (DoRA norm, merge, MoE, embedding)."},
+        {"split_k", &ops::Config::split_k,
+         "Programs sharing one row block's columns (DoRA norm, merge, MoE, embedding)."},
         {"num_warps", &ops::Config::num_warps, "GPU threads per program / 32."},
-        {"num_stages", &ops::Config::num_stages, "Software-pipelining depth of the GPU kernels' loads."}})
+        {"num_stages", &ops::Config::num_stages,
+         "Software-pipelining depth of the GPU kernels' loads."}})
     config.def_property(
         name, [f = field](const ops::Config& c) { return c.*f; },
         [f = field, what = std::string("Config: ") + name](ops::Config& c, py::handle v) {
@@ -106,20 +111,25 @@ tuned, its zero fields taking the op's own values.
       .def("__repr__", &config_repr)
       // Equal when every field and meta entry is; copies and pickles carry them all
       // (a Config inside a deepcopied or pickled training setup).
-      .def("__eq__", [](const ops::Config& a, py::handle b) -> py::object {
-        if (!py::isinstance<ops::Config>(b)) return py::reinterpret_borrow<py::object>(Py_NotImplemented);
-        const ops::Config& c = b.cast<const ops::Config&>();
-        return py::bool_(a.block_m == c.block_m && a.block_k == c.block_k && a.split_k == c.split_k &&
-                         a.num_warps == c.num_warps && a.num_stages == c.num_stages && a.meta == c.meta);
-      })
+      .def("__eq__",
+           [](const ops::Config& a, py::handle b) -> py::object {
+             if (!py::isinstance<ops::Config>(b))
+               return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+             const ops::Config& c = b.cast<const ops::Config&>();
+             return py::bool_(a.block_m == c.block_m && a.block_k == c.block_k &&
+                              a.split_k == c.split_k && a.num_warps == c.num_warps &&
+                              a.num_stages == c.num_stages && a.meta == c.meta);
+           })
       .def("__copy__", [](const ops::Config& c) { return c; })
-      .def("__deepcopy__", [](const ops::Config& c, py::handle) { return c; }, py::arg("memo"))
+      .def(
+          "__deepcopy__", [](const ops::Config& c, py::handle) { return c; }, py::arg("memo"))
       .def(py::pickle(
           [](const ops::Config& c) {
             return py::make_tuple(c.block_m, c.block_k, c.split_k, c.num_warps, c.num_stages, c.meta);
           },
           [](const py::tuple& t) {
-            if (t.size() != 6) throw InvalidArgument("kerf.Config: a pickled state of 6 fields was expected");
+            if (t.size() != 6)
+              throw InvalidArgument("kerf.Config: a pickled state of 6 fields was expected");
             ops::Config c;
             c.block_m = t[0].cast<int64_t>();
             c.block_k = t[1].cast<int64_t>();
@@ -556,8 +566,7 @@ void bind_ops(py::module_& m) {
         l.check();  // a text the ops (and kerf-cache warm --layout) can take
         return l.canonical();
       },
-      py::arg("layout"),
-      "ops::Layout::canonical() of a layout dict; see kerf.ops.layout_text.");
+      py::arg("layout"), "ops::Layout::canonical() of a layout dict; see kerf.ops.layout_text.");
 
   // ---------------------------------------------------------------- introspection
   m.def("_torch_bridge_status", &torch_bridge_status,
