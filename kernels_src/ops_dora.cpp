@@ -254,10 +254,21 @@ void expect_norm_memory(const char* op, std::initializer_list<std::pair<const ch
   expect_norm_outputs_disjoint(op, inputs, norm, scale);
 }
 
+// A repeated call's memory checks (its fingerprint keeps only each address's alignment):
+// every view addressable, and norm and scale apart from the inputs and from each other.
+void expect_repeated_norm_memory(
+    const char* op, std::initializer_list<std::pair<const char*, const TensorView*>> inputs,
+    const TensorView& norm, const TensorView& scale) {
+  for (const auto& [name, t] : inputs) expect_addressable(op, name, *t);
+  expect_addressable(op, "norm", norm);
+  expect_addressable(op, "scale", scale);
+  expect_norm_outputs_disjoint(op, inputs, norm, scale);
+}
+
 // This thread's last call of one DoRA op: what its checks read (a fingerprint), its
 // plan and the kernel its launch resolved to. A call with the same fingerprint, no
 // Config meta and no layout (whose checks read more) has passed every check but
-// those of where its outputs lie, and reuses the plan and the kernel.
+// those of where its memory lies, and reuses the plan and the kernel.
 struct LastDoraCall {
   CallFingerprint print;
   std::shared_ptr<const DoraPlan> plan;
@@ -341,7 +352,7 @@ void run_dora_norm(const TensorView& W, const TensorView& A, const TensorView& B
                    const TensorView& norm, const TensorView& scale, double eps, void* stream, const Config& config,
                    const std::string& layout) {
   // A repeated call (the same shapes, strides, dtypes, devices, alignment and
-  // options as this thread's last one) runs only the checks of where its outputs lie.
+  // options as this thread's last one) runs only the checks of where its memory lies.
   expect_finite_scale("dora_norm", s);
   thread_local LastDoraCall last;
   const bool repeatable = layout.empty() && config.meta.empty() && !checks_only();
@@ -350,17 +361,9 @@ void run_dora_norm(const TensorView& W, const TensorView& A, const TensorView& B
   if (repeatable) {
     for (const TensorView* t : {&W, &A, &B, &m, &norm, &scale}) print.add(*t);
     add_call_options(print, config, eps);
-    if ((p = last.repeated(print))) {
-      // Where the memory lies: addresses (the fingerprint keeps only their alignment) and overlaps.
-      for (const auto& [n, t] : {std::pair{"W", &W},
-                                 {"A", &A},
-                                 {"B", &B},
-                                 {"m", &m},
-                                 {"norm", &norm},
-                                 {"scale", &scale}})
-        expect_addressable("dora_norm", n, *t);
-      expect_norm_outputs_disjoint("dora_norm", {{"W", &W}, {"A", &A}, {"B", &B}, {"m", &m}}, norm, scale);
-    }
+    if ((p = last.repeated(print)))
+      expect_repeated_norm_memory("dora_norm", {{"W", &W}, {"A", &A}, {"B", &B}, {"m", &m}}, norm,
+                                  scale);
   }
   if (!p) {
     const ProvisionalWatch provisional;
@@ -779,7 +782,7 @@ std::shared_ptr<const DoraPlan> checked_dora_4bit_plan(const Weight4bit& W, cons
 
 void dora_norm_4bit(const Weight4bit& W, const TensorView& A, const TensorView& B, const TensorView& m, double s,
                     const TensorView& norm, const TensorView& scale, double eps, void* stream, const Config& config) {
-  // A repeated call runs only the checks of where its outputs lie (see dora_norm).
+  // A repeated call runs only the checks of where its memory lies (see dora_norm).
   expect_finite_scale("dora_norm_4bit", s);
   thread_local LastDoraCall last;
   const bool repeatable = config.meta.empty() && !checks_only();
@@ -789,21 +792,15 @@ void dora_norm_4bit(const Weight4bit& W, const TensorView& A, const TensorView& 
     for (const TensorView* t : {&W.packed, &W.absmax, &W.code, &A, &B, &m, &norm, &scale}) print.add(*t);
     print.add(uint64_t(W.blocksize));
     add_call_options(print, config, eps);
-    if ((p = last.repeated(print))) {
-      for (const auto& [n, t] : {std::pair{"packed", &W.packed},
-                                 {"absmax", &W.absmax},
-                                 {"code", &W.code},
-                                 {"A", &A},
-                                 {"B", &B},
-                                 {"m", &m},
-                                 {"norm", &norm},
-                                 {"scale", &scale}})
-        expect_addressable("dora_norm_4bit", n, *t);
-      expect_norm_outputs_disjoint(
-          "dora_norm_4bit",
-          {{"packed", &W.packed}, {"absmax", &W.absmax}, {"code", &W.code}, {"A", &A}, {"B", &B}, {"m", &m}}, norm,
-          scale);
-    }
+    if ((p = last.repeated(print)))
+      expect_repeated_norm_memory("dora_norm_4bit",
+                                  {{"packed", &W.packed},
+                                   {"absmax", &W.absmax},
+                                   {"code", &W.code},
+                                   {"A", &A},
+                                   {"B", &B},
+                                   {"m", &m}},
+                                  norm, scale);
   }
   if (!p) {
     const ProvisionalWatch provisional;
