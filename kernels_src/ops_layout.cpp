@@ -275,8 +275,7 @@ std::set<std::string> checked_mesh(const std::string& p, const Layout& layout) {
 
 // Operand `name`'s spec names mesh axes the mesh has, each for one dimension at most.
 void check_spec_axes(const std::string& p, const Layout& layout, const std::string& name,
-                     const std::set<std::string>& names) {
-  const PartitionSpec& spec = layout.specs.at(name);
+                     const PartitionSpec& spec, const std::set<std::string>& names) {
   std::map<std::string, size_t> seen;  // axis -> the dimension it splits
   for (size_t d = 0; d < spec.dims.size(); ++d)
     for (const std::string& a : spec.dims[d].axes) {
@@ -328,7 +327,7 @@ LayoutSplits check_layout(const char* op, const Layout& layout,
       throw InvalidArgument(p + name + " has rank " + std::to_string(od->dims.size()) + " but its spec P(" + all +
                             ") names " + std::to_string(spec.dims.size()) + " dimensions");
     }
-    check_spec_axes(p, layout, name, names);
+    check_spec_axes(p, layout, name, spec, names);
   }
   LayoutSplits s;
   for (const OperandDims& o : operands) {
@@ -399,7 +398,7 @@ void expect_unsplit(const char* op, const Layout& layout, const LayoutSplits& sp
 void Layout::check() const {
   const std::string p = "layout: ";
   const std::set<std::string> names = detail::checked_mesh(p, *this);
-  for (const auto& entry : specs) detail::check_spec_axes(p, *this, entry.first, names);
+  for (const auto& [name, spec] : specs) detail::check_spec_axes(p, *this, name, spec, names);
 }
 
 }  // namespace kerf::ops

@@ -397,6 +397,8 @@ void run_flax_cases(Device dev) {
       // heads and head_dim that do not flatten (padded rows): a batch of launches.
       {{37}, {3, 5}, 4, DType::f32, DType::f32, 0.5, 2},
       {{2, 9}, {4, 6}, 3, DType::bf16, DType::f32, 1.0, 1},
+      // ... more of them than a launch's grid axis takes (65535): each looped on the host.
+      {{3}, {65537, 2}, 2, DType::f32, DType::f32, 0.75, 1},
   };
   uint64_t seed = 4200;
   for (const FlaxCase& c : cases) check_flax(c, dev, seed++);

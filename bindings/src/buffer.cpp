@@ -182,17 +182,16 @@ Buffer::Buffer(const std::vector<int64_t>& shape, DType dtype, Device device)
   // The byte count must fit (a wrapped product would make a small buffer that
   // claims a huge shape): at most 2^62 bytes, far beyond any memory. The nonzero
   // sizes of an empty buffer too, whose strides are their products.
-  uint64_t bytes_needed = uint64_t(dtype_size_bytes(dtype)), reach = bytes_needed;
-  bool too_big = false;
+  uint64_t reach = uint64_t(dtype_size_bytes(dtype));  // the bytes the nonzero sizes span
+  bool too_big = false, empty = false;
   for (int64_t d : shape) {
     if (d < 0) throw InvalidArgument("kerf.Buffer: sizes must be >= 0, got " + std::to_string(d));
     if (d == 0) {
-      bytes_needed = 0;
+      empty = true;
       continue;
     }
     too_big = too_big || reach > (uint64_t(1) << 62) / uint64_t(d);
     reach *= uint64_t(d);
-    bytes_needed *= uint64_t(d);
   }
   if (too_big) {
     std::string dims;
@@ -201,7 +200,7 @@ Buffer::Buffer(const std::vector<int64_t>& shape, DType dtype, Device device)
                           ": its sizes multiply past 2^62 bytes");
   }
   storage_ = std::make_shared<Storage>();
-  storage_->bytes = size_t(bytes_needed);
+  storage_->bytes = empty ? 0 : size_t(reach);
   // At least one aligned block, so that an empty buffer still has a real address.
   const size_t bytes = std::max<size_t>(
       kHostAlignment, (storage_->bytes + kHostAlignment - 1) / kHostAlignment * kHostAlignment);
@@ -250,8 +249,15 @@ py::object Buffer::dlpack(py::handle stream, py::handle max_version, py::handle 
                       ", got " + type_name(h));
     }
   };
-  if (stream && !stream.is_none() && PyBool_Check(stream.ptr()))
-    throw TypeError("kerf.Buffer.__dlpack__: stream must be an int or None, got bool");
+  // The consumer's stream, read once: None (unset), or an int (not a bool).
+  std::optional<long long> consumer_stream;
+  if (stream && !stream.is_none()) {
+    if (PyBool_Check(stream.ptr()))
+      throw TypeError("kerf.Buffer.__dlpack__: stream must be an int or None, got bool");
+    long long v = 0;
+    cast_arg(stream, "stream", "an int or None", &v);
+    consumer_stream = v;
+  }
   if (dl_device && !dl_device.is_none()) {
     std::pair<int, int> want;
     cast_arg(dl_device, "dl_device", "a (device type, device id) tuple of ints", &want);
@@ -262,21 +268,17 @@ py::object Buffer::dlpack(py::handle stream, py::handle max_version, py::handle 
   if (device_.is_cuda()) {
     // The consumer's stream: None, 1 (and the disallowed 0) are the legacy default stream;
     // -1 asks for no synchronization.
-    long long s = 1;
-    if (stream && !stream.is_none()) cast_arg(stream, "stream", "an int or None", &s);
+    const long long s = consumer_stream.value_or(1);
     if (s != -1) {
       void* consumer = s == 0 || s == 1 ? nullptr : reinterpret_cast<void*>(uintptr_t(s));
       py::gil_scoped_release nogil;
       wait_for(*this, consumer);
     }
-  } else if (stream && !stream.is_none()) {
+  } else if (consumer_stream && *consumer_stream != -1) {
     // A CPU buffer has no stream to order against: None (or -1, no synchronization) only.
-    long long s = 0;
-    cast_arg(stream, "stream", "an int or None", &s);
-    if (s != -1)
-      throw InvalidArgument(
-          "kerf.Buffer.__dlpack__: stream must be None for a buffer on the CPU, got " +
-          std::to_string(s));
+    throw InvalidArgument(
+        "kerf.Buffer.__dlpack__: stream must be None for a buffer on the CPU, got " +
+        std::to_string(*consumer_stream));
   }
   bool versioned = false;
   if (max_version && !max_version.is_none()) {
