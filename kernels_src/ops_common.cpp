@@ -197,16 +197,16 @@ bool casts(const TensorView& A, DType to) { return to != DType::f32 && A.dtype =
 
 }  // namespace
 
-TensorView compiled_a(const TensorView& A, DType to, std::vector<autotune::KernelCall>& calls) {
+TensorView compiled_a(const TensorView& A, DType to, std::vector<autotune::KernelCall>& calls, bool release) {
   if (!casts(A, to)) return A;
-  const RunCopies c = run_copies({{rank3_of(A), to}}, nullptr);
+  const RunCopies c = run_copies({{rank3_of(A), to}}, nullptr, release);
   calls.push_back(c.calls[0]);
   return in_rank_of(A, c.copies[0]);
 }
 
-RunA run_a(const TensorView& A, DType to, const LaunchOptions& options) {
+RunA run_a(const TensorView& A, DType to, const LaunchOptions& options, bool release) {
   if (!casts(A, to)) return {A, {}};
-  RunCopies c = run_copies({{rank3_of(A), to}}, &options);
+  RunCopies c = run_copies({{rank3_of(A), to}}, &options, release);
   RunA r;
   r.a = in_rank_of(A, c.copies[0]);
   r.lock = std::move(c.lock);
@@ -214,7 +214,8 @@ RunA run_a(const TensorView& A, DType to, const LaunchOptions& options) {
   return r;
 }
 
-RunCopies run_copies(const std::vector<std::pair<TensorView, DType>>& xs, const LaunchOptions* options) {
+RunCopies run_copies(const std::vector<std::pair<TensorView, DType>>& xs, const LaunchOptions* options,
+                     bool release) {
   RunCopies r;
   if (xs.empty()) return r;
   const Device dev = xs[0].first.device;
@@ -236,7 +237,8 @@ RunCopies run_copies(const std::vector<std::pair<TensorView, DType>>& xs, const 
   for (const auto& [x, to] : xs) {
     const TensorView copy = TensorView::contiguous(at, to, {x.shape[0], x.shape[1], x.shape[2]}, dev);
     at += bytes_of(x, to);
-    const CopyLaunch c = plan_copy_3d(x, copy, false);
+    CopyLaunch c = plan_copy_3d(x, copy, false);
+    if (release) c.call.meta["RELEASE"] = 1;
     if (options && copy.numel()) launch(*c.call.kernel, c.call.args, c.grid, c.call.meta, *options);
     r.copies.push_back(copy);
     r.calls.push_back(c.call);

@@ -345,7 +345,10 @@ DType cast_a_dtype(const Config& config, DType product);
 // A (rank 2 or 3, any strides) as a plan's kernel reads it, in its compile list:
 // when `to` asks to cast an f32 A, the cast's call (into unused memory) is
 // appended to `calls` and its contiguous copy returned; otherwise A.
-TensorView compiled_a(const TensorView& A, DType to, std::vector<autotune::KernelCall>& calls);
+// With `release` the cast lets the kernel launched after it start while it runs (RELEASE, for a
+// launch with LaunchOptions::overlap_prior whose kernel waits for it before reading the copy).
+TensorView compiled_a(const TensorView& A, DType to, std::vector<autotune::KernelCall>& calls,
+                      bool release = false);
 // The same in a run: the cast (one kernels::cast_3d launch) is queued on
 // `options.stream` into scratch memory private to that stream (to the calling
 // thread on the CPU), with no zero promise; `lock` keeps it until the kernel
@@ -357,18 +360,20 @@ struct RunA {
   std::unique_lock<std::mutex> lock;
   cuda::StreamOrderedBuffer graph_owned;
 };
-RunA run_a(const TensorView& A, DType to, const LaunchOptions& options);
+RunA run_a(const TensorView& A, DType to, const LaunchOptions& options, bool release = false);
 // Contiguous copies of rank-3 views, each rounded to its dtype, in one stretch of the same
 // stream-private scratch (as run_a, which is one such copy): `copies[i]` is xs[i].first in
 // dtype xs[i].second. `at`: where the copies lie (unused_memory() for compile lists: views
-// only, nothing launched); else the scratch is taken and the copies queued.
+// only, nothing launched); else the scratch is taken and the copies queued. With `release` each
+// copy lets the next launch start while it runs (as compiled_a's).
 struct RunCopies {
   std::vector<TensorView> copies;
   std::vector<autotune::KernelCall> calls;  // the copies' launches
   std::unique_lock<std::mutex> lock;
   cuda::StreamOrderedBuffer graph_owned;
 };
-RunCopies run_copies(const std::vector<std::pair<TensorView, DType>>& xs, const LaunchOptions* options);
+RunCopies run_copies(const std::vector<std::pair<TensorView, DType>>& xs, const LaunchOptions* options,
+                     bool release = false);
 // Two adapters as a kernel reads them: each given a dtype (`a_to`, `b_to`) copied contiguous
 // into it by run_copies (`options` as there), the other the view itself.
 struct CopiedAdapters {

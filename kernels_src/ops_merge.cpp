@@ -28,6 +28,9 @@ struct MergePlan {
   dsl::MetaMap meta;
   Grid grid;
   DType cast_a = DType::f32;  // CAST_A: what an f32 A is rounded to first, in one pass (f32: nothing)
+  // The one-tile form after A's cast on a GPU: the cast lets the merge start while it runs
+  // (RELEASE), and the merge asks for W's and B's tiles before it waits for the cast (WAIT_PRIOR).
+  bool overlap_cast = false;
 };
 
 // The op's own tile on an H100 (sm_90a) for a call whose Config names none (untuned, or a first
@@ -42,7 +45,10 @@ struct MergePlan {
 // for the ring tile below at R_PAD 32, the mma.sync tile at 16). On an H100 at r=32, 4096x4096 /
 // 8192x8192 / 14336x4096 all-bf16: 27.6 / 96.7 / 85.0 us (96.8-97.3% of a copy) against 29.7 /
 // 100.1 / 90.3 tuned before; at 8192x8192 an f16 W 96.6 against 100.4, f16 adapters 96.6 against
-// 101.6, fp32 adapters 101.2 (32x128; 116.8 at 32x64, 109.0 at 32x256) against 104.0. At r=16
+// 101.6, fp32 adapters 101.2 (32x128; 116.8 at 32x64, 109.0 at 32x256) against 104.0, and with
+// an fp32 A cast to bf16 first (CAST_A), the merge launched to overlap the cast (it asks for W's
+// and B's tiles, then waits for the cast before reading A), 96.5 (96.9%; 98.2 on 64x128, 8 warps,
+// 98.6 with the launches one after the other there), so at R_PAD 32 an fp32 A is cast. At r=16
 // 32x128: 27.3 / 96.2 / 84.7 (f16 W 96.2) against 30.8 / 102.7 / 94.1 (102.6) on the mma.sync tile
 // (32x64 was slower there: 111.7 at 8192x8192); a bf16 W with fp32 adapters (PEFT's) there runs
 // 64x128 on 8 warps: 94.3 us at 8192x8192 (98.7% of a copy) against 99.3 on 32x128 and 96.1 tuned
@@ -67,14 +73,17 @@ struct MergePlan {
 // where the one-tile form does not apply, as do an f16 W with fp32 adapters (TF32 products) above
 // rank 16.
 Config own_merge_config(const Config& config, const TensorView& W3, const Product& dot, bool fp32_adapters,
-                        int64_t r_pad, bool gpu) {
+                        bool fp32_a, int64_t r_pad, bool gpu) {
   if (!gpu || config.block_m || config.block_k || !is_half(W3.dtype) || r_pad > 64 || meta_or(config, "STREAM", 0) ||
       !wgmma_target(W3.device))
     return config;
   const bool half_product = is_half(dot.dtype) && !dot.tf32;
   if ((half_product ? r_pad <= 32 : dot.tf32 && r_pad <= 16) && one_tile_own_allowed(config, W3)) {
     if (half_product && fp32_adapters && r_pad == 16) return with_one_tile(config, 64, 128, 8);
-    return with_one_tile(config, 32, r_pad == 16 || fp32_adapters ? 128 : 64);
+    Config own = with_one_tile(config, 32, r_pad == 16 || fp32_adapters ? 128 : 64);
+    // At R_PAD 32 an fp32 A is cast first (its launch overlapped by the merge's).
+    if (half_product && fp32_a && r_pad == 32) own.meta.emplace("CAST_A", 1);
+    return own;
   }
   if (!half_product || r_pad < 32) return config;
   Config own = config;
@@ -93,7 +102,7 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
   const Product dot = merge_dot_dtype(W3.dtype, A3.dtype, B3.dtype, &scale_after);
   const int64_t r_pad = rank_pad(r);
   const bool fp32_adapters = A3.dtype == DType::f32 || B3.dtype == DType::f32;
-  const Config config = own_merge_config(given, W3, dot, fp32_adapters, r_pad, gpu);
+  const Config config = own_merge_config(given, W3, dot, fp32_adapters, A3.dtype == DType::f32, r_pad, gpu);
   // B's rows stay in registers: fewer rows per program at large ranks.
   const int64_t bm_default = gpu ? std::clamp<int64_t>(8192 / r_pad, 16, 64) : 16;
   const int64_t bm = config.block_m ? config.block_m : bm_default;
@@ -126,6 +135,10 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
   }
   const Config order = stream_plan(config, W3.dtype, steps, p.meta, &split);
   p.grid = row_slice_grid(cdiv(out, bm), split, G, order, p.meta);
+  if (gpu && A3.dtype == DType::f32 && p.cast_a != DType::f32 && p.meta.count("ONE_TILE")) {
+    p.overlap_cast = true;
+    p.meta["WAIT_PRIOR"] = 1;
+  }
   return p;
 }
 
@@ -133,7 +146,7 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
 std::vector<autotune::KernelCall> merge_calls(const MergePlan& p, const TensorView& W3, const TensorView& A3,
                                               const TensorView& B3, double s) {
   std::vector<autotune::KernelCall> calls;
-  const TensorView a = compiled_a(A3, p.cast_a, calls);
+  const TensorView a = compiled_a(A3, p.cast_a, calls, p.overlap_cast);
   calls.push_back({&kernels::lora_merge(), {W3, a, B3, Scalar(s)}, p.meta});
   return calls;
 }
@@ -145,8 +158,10 @@ void run_merge(const TensorView& W3, const TensorView& A3, const TensorView& B3,
   options.stream = stream;
   // CAST_A: A rounded to the product's dtype once (the kernel would round each tile it
   // reads the same way), so that every step reads half its bytes.
-  const RunA a = run_a(A3, p.cast_a, options);
-  launch(kernels::lora_merge(), {W3, a.a, B3, Scalar(s)}, p.grid, p.meta, options);
+  const RunA a = run_a(A3, p.cast_a, options, p.overlap_cast);
+  LaunchOptions merge_options = options;
+  merge_options.overlap_prior = p.overlap_cast;
+  launch(kernels::lora_merge(), {W3, a.a, B3, Scalar(s)}, p.grid, p.meta, merge_options);
 }
 
 std::vector<autotune::Config> merge_gpu_candidates() {

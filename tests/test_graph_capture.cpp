@@ -136,6 +136,33 @@ TEST_CASE("ops captured into a CUDA graph give an eager call's results launch af
                    102);
   }
 
+  SECTION("lora_merge in its one-tile form after its fp32 A's cast, the merge's launch overlapping the cast's") {
+    const int64_t out = 200, in = 520, r = 20;
+    TestTensor A(DType::f32, {r, in}, dev), B(DType::f32, {out, r}, dev);
+    std::vector<TestTensor> Ws;
+    for (int i = 0; i < 2; ++i) Ws.emplace_back(DType::bf16, std::vector<int64_t>{out, in}, dev);
+    ops::Config cfg;
+    cfg.block_m = 64;
+    cfg.block_k = 128;
+    cfg.num_warps = 8;
+    cfg.meta = {{"STREAM", 1}, {"ONE_TILE", 1}, {"CAST_A", 1}};
+    check_captured({"lora_merge",
+                    [&](std::mt19937_64& rng) {
+                      Ws[0].randomize(rng);
+                      for (int64_t i = 0; i < Ws[1].numel(); ++i) Ws[1].set(i, Ws[0].get(i));
+                      Ws[1].upload();
+                      A.randomize(rng, -0.5, 0.5);
+                      B.randomize(rng, -0.5, 0.5);
+                    },
+                    [&](int set, void* stream) {
+                      ops::lora_merge(Ws[size_t(set)].view(), A.view(), B.view(), 0.7, stream, cfg);
+                    },
+                    [&](int set) { return std::vector<TestTensor*>{&Ws[size_t(set)]}; },
+                    0.0,
+                    true},
+                   108);
+  }
+
   SECTION("moe_lora_materialize and its backward into bf16 gradients (an fp32 workspace flushed)") {
     const int64_t E = 3, N = 96, K = 80, r = 8;
     TestTensor W(DType::bf16, {E, N, K}, dev), A(DType::f32, {E, r, K}, dev), B(DType::f32, {E, N, r}, dev),

@@ -1060,19 +1060,23 @@ TEST_CASE("the merge's mixed-dtype own tiles and its WALK_ROWS and CAST_A plans 
                       c, 132);
   };
   // The untuned plans (the op's own tiles: one tile a program at ranks 17 to 32, the ring tile
-  // above, or asked for with ONE_TILE=0) of W and adapters of two dtypes.
+  // above, or asked for with ONE_TILE=0) of W and adapters of two dtypes; in the one-tile form an
+  // fp32 A is cast first, and the merge waits for the cast (WAIT_PRIOR).
   for (const auto& [w, ab] : {std::pair{DType::f16, DType::bf16}, {DType::bf16, DType::f16}, {DType::bf16, DType::f32}})
     for (const int64_t r : {17, 32, 64})
       for (const int64_t one_tile : {1, 0}) {
         CAPTURE(dtype_name(w), dtype_name(ab), r, one_tile);
         const std::vector<autotune::KernelCall> calls =
             planned(w, ab, r, one_tile ? autotune::Config{} : autotune::Config{{"ONE_TILE", 0}});
-        REQUIRE(calls.size() == 1);
+        const bool cast = r <= 32 && one_tile && ab == DType::f32;
+        REQUIRE(calls.size() == (cast ? 2u : 1u));
+        const autotune::KernelCall& merge = calls.back();
+        CHECK(merge.meta.count("WAIT_PRIOR") == (cast ? 1u : 0u));
         if (r <= 32 && one_tile)
-          CHECK(test::is_one_tile(calls[0].meta, "BLOCK_M", 32, ab == DType::f32 ? 128 : 64));
+          CHECK(test::is_one_tile(merge.meta, "BLOCK_M", 32, ab == DType::f32 ? 128 : 64));
         else
-          CHECK(test::is_ring_tile(calls[0].meta, "BLOCK_M", r > 32 ? 2 : 3));
-        compiles_without_spills(calls[0]);
+          CHECK(test::is_ring_tile(merge.meta, "BLOCK_M", r > 32 ? 2 : 3));
+        for (const autotune::KernelCall& call : calls) compiles_without_spills(call);
       }
   // Up to rank 16: the 32x128 one-tile form, TF32 products (an f16 W, fp32 adapters) included;
   // 64x128 on 8 warps for a bf16 W with fp32 adapters.

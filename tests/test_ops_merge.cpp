@@ -277,6 +277,11 @@ void run_merge_cases(Device dev) {
 // product): both product forms, fp32 W, rows and columns past the tile at ranks 32 to 64,
 // warps along the columns, fan_in_fan_out (strided W) and misaligned W (no vectors).
 std::vector<MergeCase> one_tile_cases() {
+  const auto cast_first = [](MergeCase c, int64_t warps) {
+    c.cast_a = true;
+    c.warps = warps;
+    return c;
+  };
   const auto one_tile = [](MergeCase c, int64_t bm, int64_t bk, int64_t warps_n = 0) {
     c = streamed(c, bm, bk, warps_n);
     c.one_tile = true;
@@ -290,6 +295,10 @@ std::vector<MergeCase> one_tile_cases() {
       one_tile({300, 200, 48, DType::bf16, DType::f32, DType::bf16}, 32, 128, 2),
       one_tile({40, 72, 8, DType::bf16, DType::f32, DType::f32, true}, 32, 64),
       one_tile({64, 128, 16, DType::f16, DType::f16, DType::f16, false, 1}, 64, 64),
+      // CAST_A: PEFT's fp32 adapters, A cast to bf16 by a launch the merge's overlaps on a GPU
+      // (the merge asks for W's and B's tiles, then waits for the cast before reading A).
+      cast_first(one_tile({200, 520, 20, DType::bf16, DType::f32, DType::f32}, 64, 128), 8),
+      cast_first(one_tile({130, 333, 32, DType::bf16, DType::f32, DType::bf16, false, 0, -0.5}, 32, 128), 4),
   };
 }
 
@@ -490,9 +499,16 @@ TEST_CASE("the merge's own config on sm_90a is one tile a program up to rank 32 
     const TensorView W = transposed ? TensorView::strided(p, w, {8192, 4096}, {1, 8192}, Device::cuda(0))
                                     : t(w, {8192, 4096});
     const std::vector<autotune::KernelCall> calls = op.kernels({W, t(ab, {r, 4096}), t(ab, {8192, r})}, c, 132);
-    REQUIRE(calls.size() == 1);
-    if (std::string(arch) == "sm_90a") CHECK(test::sm90a_smem_bytes(calls[0]) <= autotune::typical_max_shared_memory("sm_90a"));
-    return calls[0].meta;
+    REQUIRE((calls.size() == 1 || calls.size() == 2));
+    const autotune::KernelCall& merge = calls.back();
+    if (std::string(arch) == "sm_90a") CHECK(test::sm90a_smem_bytes(merge) <= autotune::typical_max_shared_memory("sm_90a"));
+    autotune::Config m = merge.meta;
+    if (calls.size() == 2) {  // an fp32 A cast first (CAST_A), waited for in the one-tile form
+      CHECK(ab == DType::f32);
+      CHECK(merge.meta.count("ONE_TILE") == merge.meta.count("WAIT_PRIOR"));
+      m["CAST_A"] = 1;
+    }
+    return m;
   };
   // The ring tile on two stages (the own tile's above rank 32) or three (at rank 32 and below).
   const auto ring_tile = [](const autotune::Config& m) {
@@ -503,8 +519,11 @@ TEST_CASE("the merge's own config on sm_90a is one tile a program up to rank 32 
     for (const int64_t r : {17, 32, 48, 64}) {
       CAPTURE(dtype_name(w), dtype_name(ab), r);
       const autotune::Config own = planned("sm_90a", w, ab, r, {});
+      // PEFT's fp32 adapters at ranks 17 to 32: A cast first, the merge overlapping the cast.
+      CHECK(own.count("CAST_A") == (ab == DType::f32 && r <= 32 ? 1u : 0u));
       if (r <= 32) {
         CHECK(test::is_one_tile(own, "BLOCK_M", 32, ab == DType::f32 ? 128 : 64));
+        if (ab == DType::f32) CHECK(own.at("WAIT_PRIOR") == 1);
         CHECK_FALSE(ring_tile(own));
         // ONE_TILE=0, STREAM=0, WALK_ROWS named, or W strided: the ring tile walking the rows,
         // three stages.
@@ -531,7 +550,9 @@ TEST_CASE("the merge's own config on sm_90a is one tile a program up to rank 32 
   for (const int64_t r : {1, 16}) {
     CAPTURE(r);
     CHECK(test::is_one_tile(planned("sm_90a", DType::bf16, DType::bf16, r, {}), "BLOCK_M", 32, 128));
-    CHECK(test::is_one_tile(planned("sm_90a", DType::bf16, DType::f32, r, {}), "BLOCK_M", 64, 128, 8));  // PEFT's
+    const autotune::Config peft = planned("sm_90a", DType::bf16, DType::f32, r, {});
+    CHECK(test::is_one_tile(peft, "BLOCK_M", 64, 128, 8));  // PEFT's, A read as it is
+    CHECK_FALSE(peft.count("CAST_A"));
     for (const autotune::Config& m : {planned("sm_90a", DType::bf16, DType::bf16, r, {{"ONE_TILE", 0}}),
                                       planned("sm_90a", DType::bf16, DType::bf16, r, {{"STREAM", 0}}),
                                       planned("sm_90a", DType::bf16, DType::bf16, r, {}, true)}) {
@@ -572,10 +593,50 @@ TEST_CASE("the merge's own config on sm_90a is one tile a program up to rank 32 
   CHECK(planned("sm_90a", DType::bf16, DType::bf16, 32, {{"ONE_TILE", 0}, {"num_stages", 2}}).at("num_stages") == 2);
   CHECK(deeper.count("store_in_ring"));
   CHECK(planned("sm_90a", DType::bf16, DType::bf16, 64, {{"BLOCK_M", 128}}).at("BLOCK_M") == 128);
+  CHECK_FALSE(planned("sm_90a", DType::bf16, DType::f32, 32, {{"CAST_A", 0}}).count("CAST_A"));
+  CHECK_FALSE(planned("sm_80", DType::bf16, DType::f32, 32, {}).count("CAST_A"));
   const autotune::Config wide = planned("sm_90a", DType::bf16, DType::bf16, 32, {{"num_warps", 8}});
   CHECK(wide.at("num_warps") == 8);
   CHECK(wide.at("ONE_TILE") == 1);
   CHECK(wide.at("BLOCK_M") == 32);
+}
+
+// CAST_A in the one-tile form on a GPU: the cast lets the merge's launch start (RELEASE) and
+// the merge waits for it (WAIT_PRIOR) after asking for W's and B's tiles; in other forms, on
+// the CPU, and with an A that needs no cast, neither.
+TEST_CASE("lora_merge's one-tile form after its fp32 A's cast overlaps the cast's launch on GPUs", "[ops][merge]") {
+  const autotune::TunableOp op = test::registered_op("lora_merge");
+  void* const p = test::planning_address();
+  const ops::detail::PlanningArch target("sm_90a");
+  const auto calls_of = [&](DType a, const autotune::Config& c) {
+    const auto t = [&](DType d, std::initializer_list<int64_t> shape) {
+      return TensorView::contiguous(p, d, shape, Device::cuda(0));
+    };
+    return op.kernels({t(DType::bf16, {8192, 4096}), t(a, {32, 4096}), t(DType::f32, {8192, 32})}, c, 132);
+  };
+  const autotune::Config one_tile{{"STREAM", 1}, {"ONE_TILE", 1}, {"CAST_A", 1},
+                                  {"BLOCK_M", 64}, {"BLOCK_K", 128}, {"num_warps", 8}};
+  const std::vector<autotune::KernelCall> overlapped = calls_of(DType::f32, one_tile);
+  REQUIRE(overlapped.size() == 2);
+  CHECK(overlapped[0].meta.at("RELEASE") == 1);
+  CHECK(overlapped[1].meta.at("ONE_TILE") == 1);
+  CHECK(overlapped[1].meta.at("WAIT_PRIOR") == 1);
+  // The ring tile reads A in every step: the cast ends before it starts.
+  const std::vector<autotune::KernelCall> ring =
+      calls_of(DType::f32, {{"CAST_A", 1}, {"WGMMA", 1}, {"STORE_IN_RING", 1}, {"BLOCK_M", 64}, {"BLOCK_K", 128}});
+  REQUIRE(ring.size() == 2);
+  CHECK_FALSE(ring[0].meta.count("RELEASE"));
+  CHECK_FALSE(ring[1].meta.count("WAIT_PRIOR"));
+  // A bf16 A: nothing to cast, nothing to wait for.
+  const std::vector<autotune::KernelCall> no_cast = calls_of(DType::bf16, one_tile);
+  REQUIRE(no_cast.size() == 1);
+  CHECK_FALSE(no_cast[0].meta.count("WAIT_PRIOR"));
+  // Without CAST_A: one launch.
+  autotune::Config uncast = one_tile;
+  uncast.erase("CAST_A");
+  const std::vector<autotune::KernelCall> plain = calls_of(DType::f32, uncast);
+  REQUIRE(plain.size() == 1);
+  CHECK_FALSE(plain[0].meta.count("WAIT_PRIOR"));
 }
 
 // f16 W and adapters at rank 64 on the 64x128 mma.sync tile on three stages (the op's own
