@@ -82,6 +82,30 @@ void check_captured(const CaptureCase& c, uint64_t seed, int launches = 2) {
   }
 }
 
+// lora_merge of a bf16 W [out, in] with fp32 adapters at rank r under `cfg`, in place,
+// captured (the second W a copy of the first at each draw).
+void check_merge_captured(int64_t out, int64_t in, int64_t r, const ops::Config& cfg, uint64_t seed) {
+  const Device dev = Device::cuda(0);
+  TestTensor A(DType::f32, {r, in}, dev), B(DType::f32, {out, r}, dev);
+  std::vector<TestTensor> Ws;
+  for (int i = 0; i < 2; ++i) Ws.emplace_back(DType::bf16, std::vector<int64_t>{out, in}, dev);
+  check_captured({"lora_merge",
+                  [&](std::mt19937_64& rng) {
+                    Ws[0].randomize(rng);
+                    for (int64_t i = 0; i < Ws[1].numel(); ++i) Ws[1].set(i, Ws[0].get(i));
+                    Ws[1].upload();
+                    A.randomize(rng, -0.5, 0.5);
+                    B.randomize(rng, -0.5, 0.5);
+                  },
+                  [&](int set, void* stream) {
+                    ops::lora_merge(Ws[size_t(set)].view(), A.view(), B.view(), 0.7, stream, cfg);
+                  },
+                  [&](int set) { return std::vector<TestTensor*>{&Ws[size_t(set)]}; },
+                  0.0,
+                  true},
+                 seed);
+}
+
 }  // namespace
 
 TEST_CASE("ops captured into a CUDA graph give an eager call's results launch after launch", "[gpu][ops][graph]") {
@@ -116,51 +140,15 @@ TEST_CASE("ops captured into a CUDA graph give an eager call's results launch af
                    101);
   }
 
-  SECTION("lora_merge in place") {
-    const int64_t out = 130, in = 200, r = 8;
-    TestTensor A(DType::f32, {r, in}, dev), B(DType::f32, {out, r}, dev);
-    std::vector<TestTensor> Ws;
-    for (int i = 0; i < 2; ++i) Ws.emplace_back(DType::bf16, std::vector<int64_t>{out, in}, dev);
-    check_captured({"lora_merge",
-                    [&](std::mt19937_64& rng) {
-                      Ws[0].randomize(rng);
-                      for (int64_t i = 0; i < Ws[1].numel(); ++i) Ws[1].set(i, Ws[0].get(i));
-                      Ws[1].upload();
-                      A.randomize(rng, -0.5, 0.5);
-                      B.randomize(rng, -0.5, 0.5);
-                    },
-                    [&](int set, void* stream) { ops::lora_merge(Ws[size_t(set)].view(), A.view(), B.view(), 0.7, stream); },
-                    [&](int set) { return std::vector<TestTensor*>{&Ws[size_t(set)]}; },
-                    0.0,
-                    true},
-                   102);
-  }
+  SECTION("lora_merge in place") { check_merge_captured(130, 200, 8, {}, 102); }
 
   SECTION("lora_merge in its one-tile form after its fp32 A's cast, the merge's launch overlapping the cast's") {
-    const int64_t out = 200, in = 520, r = 20;
-    TestTensor A(DType::f32, {r, in}, dev), B(DType::f32, {out, r}, dev);
-    std::vector<TestTensor> Ws;
-    for (int i = 0; i < 2; ++i) Ws.emplace_back(DType::bf16, std::vector<int64_t>{out, in}, dev);
     ops::Config cfg;
     cfg.block_m = 64;
     cfg.block_k = 128;
     cfg.num_warps = 8;
     cfg.meta = {{"STREAM", 1}, {"ONE_TILE", 1}, {"CAST_A", 1}};
-    check_captured({"lora_merge",
-                    [&](std::mt19937_64& rng) {
-                      Ws[0].randomize(rng);
-                      for (int64_t i = 0; i < Ws[1].numel(); ++i) Ws[1].set(i, Ws[0].get(i));
-                      Ws[1].upload();
-                      A.randomize(rng, -0.5, 0.5);
-                      B.randomize(rng, -0.5, 0.5);
-                    },
-                    [&](int set, void* stream) {
-                      ops::lora_merge(Ws[size_t(set)].view(), A.view(), B.view(), 0.7, stream, cfg);
-                    },
-                    [&](int set) { return std::vector<TestTensor*>{&Ws[size_t(set)]}; },
-                    0.0,
-                    true},
-                   108);
+    check_merge_captured(200, 520, 20, cfg, 108);
   }
 
   SECTION("moe_lora_materialize and its backward into bf16 gradients (an fp32 workspace flushed)") {
