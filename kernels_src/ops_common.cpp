@@ -197,7 +197,8 @@ bool casts(const TensorView& A, DType to) { return to != DType::f32 && A.dtype =
 
 }  // namespace
 
-TensorView compiled_a(const TensorView& A, DType to, std::vector<autotune::KernelCall>& calls, bool release) {
+TensorView compiled_a(const TensorView& A, DType to, std::vector<autotune::KernelCall>& calls,
+                      bool release) {
   if (!casts(A, to)) return A;
   const RunCopies c = run_copies({{rank3_of(A), to}}, nullptr, release);
   calls.push_back(c.calls[0]);
@@ -214,8 +215,8 @@ RunA run_a(const TensorView& A, DType to, const LaunchOptions& options, bool rel
   return r;
 }
 
-RunCopies run_copies(const std::vector<std::pair<TensorView, DType>>& xs, const LaunchOptions* options,
-                     bool release) {
+RunCopies run_copies(const std::vector<std::pair<TensorView, DType>>& xs,
+                     const LaunchOptions* options, bool release) {
   RunCopies r;
   if (xs.empty()) return r;
   const Device dev = xs[0].first.device;

@@ -372,8 +372,8 @@ struct RunCopies {
   std::unique_lock<std::mutex> lock;
   cuda::StreamOrderedBuffer graph_owned;
 };
-RunCopies run_copies(const std::vector<std::pair<TensorView, DType>>& xs, const LaunchOptions* options,
-                     bool release = false);
+RunCopies run_copies(const std::vector<std::pair<TensorView, DType>>& xs,
+                     const LaunchOptions* options, bool release = false);
 // Two adapters as a kernel reads them: each given a dtype (`a_to`, `b_to`) copied contiguous
 // into it by run_copies (`options` as there), the other the view itself.
 struct CopiedAdapters {

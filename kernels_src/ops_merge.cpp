@@ -72,8 +72,8 @@ struct MergePlan {
 // (107.9 against 104.3 at 8192x8192, walking columns), so ranks up to 16 keep the mma.sync tile
 // where the one-tile form does not apply, as do an f16 W with fp32 adapters (TF32 products) above
 // rank 16.
-Config own_merge_config(const Config& config, const TensorView& W3, const Product& dot, bool fp32_adapters,
-                        bool fp32_a, int64_t r_pad, bool gpu) {
+Config own_merge_config(const Config& config, const TensorView& W3, const Product& dot,
+                        bool fp32_adapters, bool fp32_a, int64_t r_pad, bool gpu) {
   if (!gpu || config.block_m || config.block_k || !is_half(W3.dtype) || r_pad > 64 || meta_or(config, "STREAM", 0) ||
       !wgmma_target(W3.device))
     return config;
@@ -102,7 +102,8 @@ MergePlan plan_merge(const TensorView& W3, const TensorView& A3, const TensorVie
   const Product dot = merge_dot_dtype(W3.dtype, A3.dtype, B3.dtype, &scale_after);
   const int64_t r_pad = rank_pad(r);
   const bool fp32_adapters = A3.dtype == DType::f32 || B3.dtype == DType::f32;
-  const Config config = own_merge_config(given, W3, dot, fp32_adapters, A3.dtype == DType::f32, r_pad, gpu);
+  const Config config =
+      own_merge_config(given, W3, dot, fp32_adapters, A3.dtype == DType::f32, r_pad, gpu);
   // B's rows stay in registers: fewer rows per program at large ranks.
   const int64_t bm_default = gpu ? std::clamp<int64_t>(8192 / r_pad, 16, 64) : 16;
   const int64_t bm = config.block_m ? config.block_m : bm_default;

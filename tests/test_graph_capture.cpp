@@ -84,7 +84,8 @@ void check_captured(const CaptureCase& c, uint64_t seed, int launches = 2) {
 
 // lora_merge of a bf16 W [out, in] with fp32 adapters at rank r under `cfg`, in place,
 // captured (the second W a copy of the first at each draw).
-void check_merge_captured(int64_t out, int64_t in, int64_t r, const ops::Config& cfg, uint64_t seed) {
+void check_merge_captured(int64_t out, int64_t in, int64_t r, const ops::Config& cfg,
+                          uint64_t seed) {
   const Device dev = Device::cuda(0);
   TestTensor A(DType::f32, {r, in}, dev), B(DType::f32, {out, r}, dev);
   std::vector<TestTensor> Ws;
@@ -100,9 +101,7 @@ void check_merge_captured(int64_t out, int64_t in, int64_t r, const ops::Config&
                   [&](int set, void* stream) {
                     ops::lora_merge(Ws[size_t(set)].view(), A.view(), B.view(), 0.7, stream, cfg);
                   },
-                  [&](int set) { return std::vector<TestTensor*>{&Ws[size_t(set)]}; },
-                  0.0,
-                  true},
+                  [&](int set) { return std::vector<TestTensor*>{&Ws[size_t(set)]}; }, 0.0, true},
                  seed);
 }
 
@@ -140,9 +139,13 @@ TEST_CASE("ops captured into a CUDA graph give an eager call's results launch af
                    101);
   }
 
-  SECTION("lora_merge in place") { check_merge_captured(130, 200, 8, {}, 102); }
+  SECTION("lora_merge in place") {
+    check_merge_captured(130, 200, 8, {}, 102);
+  }
 
-  SECTION("lora_merge in its one-tile form after its fp32 A's cast, the merge's launch overlapping the cast's") {
+  SECTION(
+      "lora_merge in its one-tile form after its fp32 A's cast, the merge's launch overlapping the "
+      "cast's") {
     ops::Config cfg;
     cfg.block_m = 64;
     cfg.block_k = 128;

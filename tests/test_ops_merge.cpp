@@ -298,7 +298,9 @@ std::vector<MergeCase> one_tile_cases() {
       // CAST_A: PEFT's fp32 adapters, A cast to bf16 by a launch the merge's overlaps on a GPU
       // (the merge asks for W's and B's tiles, then waits for the cast before reading A).
       cast_first(one_tile({200, 520, 20, DType::bf16, DType::f32, DType::f32}, 64, 128), 8),
-      cast_first(one_tile({130, 333, 32, DType::bf16, DType::f32, DType::bf16, false, 0, -0.5}, 32, 128), 4),
+      cast_first(
+          one_tile({130, 333, 32, DType::bf16, DType::f32, DType::bf16, false, 0, -0.5}, 32, 128),
+          4),
   };
 }
 
@@ -501,7 +503,8 @@ TEST_CASE("the merge's own config on sm_90a is one tile a program up to rank 32 
     const std::vector<autotune::KernelCall> calls = op.kernels({W, t(ab, {r, 4096}), t(ab, {8192, r})}, c, 132);
     REQUIRE((calls.size() == 1 || calls.size() == 2));
     const autotune::KernelCall& merge = calls.back();
-    if (std::string(arch) == "sm_90a") CHECK(test::sm90a_smem_bytes(merge) <= autotune::typical_max_shared_memory("sm_90a"));
+    if (std::string(arch) == "sm_90a")
+      CHECK(test::sm90a_smem_bytes(merge) <= autotune::typical_max_shared_memory("sm_90a"));
     autotune::Config m = merge.meta;
     if (calls.size() == 2) {  // an fp32 A cast first (CAST_A), waited for in the one-tile form
       CHECK(ab == DType::f32);
@@ -604,7 +607,8 @@ TEST_CASE("the merge's own config on sm_90a is one tile a program up to rank 32 
 // CAST_A in the one-tile form on a GPU: the cast lets the merge's launch start (RELEASE) and
 // the merge waits for it (WAIT_PRIOR) after asking for W's and B's tiles; in other forms, on
 // the CPU, and with an A that needs no cast, neither.
-TEST_CASE("lora_merge's one-tile form after its fp32 A's cast overlaps the cast's launch on GPUs", "[ops][merge]") {
+TEST_CASE("lora_merge's one-tile form after its fp32 A's cast overlaps the cast's launch on GPUs",
+          "[ops][merge]") {
   const autotune::TunableOp op = test::registered_op("lora_merge");
   void* const p = test::planning_address();
   const ops::detail::PlanningArch target("sm_90a");
@@ -612,9 +616,10 @@ TEST_CASE("lora_merge's one-tile form after its fp32 A's cast overlaps the cast'
     const auto t = [&](DType d, std::initializer_list<int64_t> shape) {
       return TensorView::contiguous(p, d, shape, Device::cuda(0));
     };
-    return op.kernels({t(DType::bf16, {8192, 4096}), t(a, {32, 4096}), t(DType::f32, {8192, 32})}, c, 132);
+    return op.kernels({t(DType::bf16, {8192, 4096}), t(a, {32, 4096}), t(DType::f32, {8192, 32})},
+                      c, 132);
   };
-  const autotune::Config one_tile{{"STREAM", 1}, {"ONE_TILE", 1}, {"CAST_A", 1},
+  const autotune::Config one_tile{{"STREAM", 1},   {"ONE_TILE", 1},  {"CAST_A", 1},
                                   {"BLOCK_M", 64}, {"BLOCK_K", 128}, {"num_warps", 8}};
   const std::vector<autotune::KernelCall> overlapped = calls_of(DType::f32, one_tile);
   REQUIRE(overlapped.size() == 2);
@@ -622,8 +627,9 @@ TEST_CASE("lora_merge's one-tile form after its fp32 A's cast overlaps the cast'
   CHECK(overlapped[1].meta.at("ONE_TILE") == 1);
   CHECK(overlapped[1].meta.at("WAIT_PRIOR") == 1);
   // The ring tile reads A in every step: the cast ends before it starts.
-  const std::vector<autotune::KernelCall> ring =
-      calls_of(DType::f32, {{"CAST_A", 1}, {"WGMMA", 1}, {"STORE_IN_RING", 1}, {"BLOCK_M", 64}, {"BLOCK_K", 128}});
+  const std::vector<autotune::KernelCall> ring = calls_of(
+      DType::f32,
+      {{"CAST_A", 1}, {"WGMMA", 1}, {"STORE_IN_RING", 1}, {"BLOCK_M", 64}, {"BLOCK_K", 128}});
   REQUIRE(ring.size() == 2);
   CHECK_FALSE(ring[0].meta.count("RELEASE"));
   CHECK_FALSE(ring[1].meta.count("WAIT_PRIOR"));
