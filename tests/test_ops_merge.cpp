@@ -605,8 +605,8 @@ TEST_CASE("the merge's own config on sm_90a is one tile a program up to rank 32 
 }
 
 // CAST_A in the one-tile form on a GPU: the cast lets the merge's launch start (RELEASE) and
-// the merge waits for it (WAIT_PRIOR) after asking for W's and B's tiles; in other forms, on
-// the CPU, and with an A that needs no cast, neither.
+// the merge waits for it (WAIT_PRIOR) after asking for W's and B's tiles; in other forms and
+// with an A that needs no cast, neither.
 TEST_CASE("lora_merge's one-tile form after its fp32 A's cast overlaps the cast's launch on GPUs",
           "[ops][merge]") {
   const autotune::TunableOp op = test::registered_op("lora_merge");
