@@ -24,6 +24,7 @@
 #include "kerf/jit/cpu_backend.h"
 #include "kerf/jit/cuda_codegen.h"
 #include "kerf/jit/launch.h"
+#include "kerf/jit/launch_count.h"
 #include "kerf/runtime/cuda.h"
 
 namespace kerf {
@@ -553,8 +554,11 @@ std::shared_ptr<Compiled> resolve(const dsl::Kernel& kernel, const std::vector<A
   return c;
 }
 
+thread_local uint64_t t_launches = 0;
+
 // Packs `args` and runs `c` over `grid` (not empty) on `options.stream`.
 void run(const Compiled& c, const std::vector<Arg>& args, Grid grid, const LaunchOptions& options) {
+  ++t_launches;  // counted before it may write anything (launch_count.h)
   constexpr size_t kInlineSlots = 64;
   jit::Slot inline_slots[kInlineSlots];
   std::vector<jit::Slot> heap_slots;
@@ -617,6 +621,10 @@ std::vector<dsl::ArgSpec> arg_specs(const std::vector<Arg>& args) {
                       : dsl::ArgSpec::scalar());
   }
   return specs;
+}
+
+uint64_t launches_on_this_thread() {
+  return t_launches;
 }
 
 LaunchInfo launch(const dsl::Kernel& kernel, const std::vector<Arg>& args, Grid grid,

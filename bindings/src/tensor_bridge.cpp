@@ -276,14 +276,25 @@ int64_t as_int64(PyObject* o) {
 }
 
 // A torch tensor kerf is about to write, read through Python: refused when autograd
-// would need to record the write, else its version counter is bumped as an in-place
-// torch op bumps it (where this torch can: torch.autograd.graph.increment_version).
-void prepare_torch_write(const TorchApi& api, py::handle obj, const char* op, const char* name) {
+// would need to record the write.
+void check_torch_write(const TorchApi& api, py::handle obj, const char* op, const char* name) {
   if (steal(PyObject_GetAttrString(obj.ptr(), "requires_grad")).ptr() == Py_True && api.is_grad_enabled &&
       steal(PyObject_CallNoArgs(api.is_grad_enabled)).ptr() == Py_True)
     throw_written_needs_grad(op, name);
-  if (api.increment_version) {
-    steal(PyObject_CallOneArg(api.increment_version, obj.ptr()));
+}
+
+}  // namespace
+
+// A torch tensor kerf may have written: its version counter bumped as an in-place torch op
+// bumps it (through kerf._torch_bridge, else where this torch can:
+// torch.autograd.graph.increment_version, else an in-place op on an empty view of it).
+void bump_torch_version(py::handle obj) {
+  const TorchApi* api = torch_api();
+  if (!api) return;
+  if (const KerfTorchBridge* bridge = torch_bridge(api); bridge && bridge->bump_version(obj.ptr()))
+    return;
+  if (api->increment_version) {
+    steal(PyObject_CallOneArg(api->increment_version, obj.ptr()));
     return;
   }
   // An older torch: an in-place op on an empty view of the tensor bumps the counter
@@ -299,6 +310,8 @@ void prepare_torch_write(const TorchApi& api, py::handle obj, const char* op, co
   const py::object empty = steal(PyObject_CallMethod(obj.ptr(), "as_strided", "((i)(i))", 0, 1));
   steal(PyObject_CallMethod(empty.ptr(), "add_", "(i)", 0));
 }
+
+namespace {
 
 TensorView torch_view(const TorchApi& api, py::handle obj, bool written, const char* op,
                       const char* name) {
@@ -320,7 +333,7 @@ TensorView torch_view(const TorchApi& api, py::handle obj, bool written, const c
       return v;
     }
   }
-  if (written) prepare_torch_write(api, obj, op, name);
+  if (written) check_torch_write(api, obj, op, name);
   const Names& n = names();
   PyObject* o = obj.ptr();
   TensorView v;
@@ -776,6 +789,8 @@ TensorView Call::convert(py::handle obj, const char* name, bool written) {
   if (is_plain_torch(torch, obj)) {
     framework = Framework::torch;
     v = torch_view(*torch, obj, written, op_, name);
+    // Its version counter is bumped once the op may have written it (run()).
+    if (written) written_torch_.push_back(obj);
     if (v.device.is_cuda()) resolve_stream(obj, framework, v.device.index);
   } else if (is_buffer(obj)) {
     framework = Framework::kerf;

@@ -23,11 +23,15 @@
 #include <utility>
 #include <vector>
 
+#include "kerf/jit/launch_count.h"
 #include "kerf/runtime/tensor.h"
 
 namespace kerf::python {
 
 namespace py = pybind11;
+
+// Bumps a torch tensor's version counter, as an in-place torch op does (a kerf op wrote it).
+void bump_torch_version(py::handle obj);
 
 // Which library made a tensor: outputs kerf allocates follow their inputs' library.
 enum class Framework : uint8_t { torch, numpy, kerf, other };
@@ -66,14 +70,21 @@ class Call {
   void* stream() const { return stream_; }
 
   // Runs `work` (the C++ op) without the GIL, then lets a pending Ctrl-C raise
-  // KeyboardInterrupt at once.
+  // KeyboardInterrupt at once. The torch tensors it writes have their version counters
+  // bumped after it, as an in-place torch op's are, unless it failed before launching
+  // anything (its checks refused the call: nothing was written, as for a refused torch op).
   template <class Work>
   void run(Work&& work) {
     check_unused_stream();
-    {
+    const uint64_t launches = launches_on_this_thread();
+    try {
       py::gil_scoped_release nogil;
       work();
+    } catch (...) {
+      if (launches_on_this_thread() != launches) bump_written();
+      throw;
     }
+    bump_written();
     check_signals();
   }
 
@@ -84,6 +95,10 @@ class Call {
   static void check_signals();
   // A stream= that no GPU tensor used (a CPU call) must still be a stream.
   void check_unused_stream();
+  void bump_written() {
+    for (const py::handle t : written_torch_) bump_torch_version(t);
+    written_torch_.clear();
+  }
 
   const char* op_;
   py::handle stream_arg_;
@@ -95,6 +110,7 @@ class Call {
   Device first_device_;
   bool have_first_ = false;
   std::vector<py::object> exports_;  // DLPack capsules, alive until the call returns
+  std::vector<py::handle> written_torch_;  // torch tensors the op writes (the caller's arguments)
 };
 
 // The parts of a tensor as kerf sees them (tests, debugging): conversion alone.

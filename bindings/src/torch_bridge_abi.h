@@ -18,7 +18,7 @@
 
 #include <cstdint>
 
-#define KERF_TORCH_BRIDGE_ABI 3
+#define KERF_TORCH_BRIDGE_ABI 4
 #define KERF_TORCH_BRIDGE_CAPSULE "kerf._torch_bridge._C_API"
 #define KERF_TORCH_BRIDGE_MAX_RANK 8
 
@@ -53,9 +53,9 @@ struct KerfTorchBridge {
   const char* torch_version;  // the torch.__version__ it was built against
   // `tensor` must be exactly a torch.Tensor or torch.nn.Parameter (the caller
   // checks the type). `written`: the pointer is for writing (copy-on-write
-  // storage is materialized, as Tensor.data_ptr() does), refused for a tensor
-  // that requires grad while grad mode is on, and the tensor's version counter
-  // is bumped, as an in-place torch op bumps it, so that autograd notices.
+  // storage is materialized, as Tensor.data_ptr() does) and refused for a tensor
+  // that requires grad while grad mode is on; its version counter is left to
+  // bump_version, called once the op may have written.
   int32_t (*view)(PyObject* tensor, int32_t written, KerfTorchTensor* out);
   // PyTorch's current stream on CUDA device `device` (a CUstream); 1 on success.
   int32_t (*current_stream)(int32_t device, void** stream);
@@ -70,6 +70,10 @@ struct KerfTorchBridge {
   // data[i]; 1 on success, 0 (nothing made) when the bridge cannot.
   int32_t (*empty_many)(const int64_t* shape, int32_t rank, int32_t dtype, int32_t device_index,
                         int32_t count, PyObject** tensors, void** data);
+  // Bumps `tensor`'s version counter, as an in-place torch op does, so that autograd
+  // notices a write; 1 on success, 0 when the bridge cannot (an inference tensor
+  // outside inference mode, which keeps no counter, or another type).
+  int32_t (*bump_version)(PyObject* tensor);
 };
 
 }  // extern "C"

@@ -77,10 +77,21 @@ int32_t view(PyObject* obj, int32_t written, KerfTorchTensor* out) {
     }
     if (t.requires_grad() && c10::GradMode::is_enabled()) return kKerfTorchWrittenNeedsGrad;
     out->data = t.mutable_data_ptr();
-    t.unsafeGetTensorImpl()->bump_version();  // throws for an inference tensor outside inference mode
     return kKerfTorchOk;
   } catch (...) {
     return kKerfTorchUnhandled;
+  }
+}
+
+int32_t bump_version(PyObject* obj) {
+  try {
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    if (!t.defined()) return 0;
+    // Throws for an inference tensor outside inference mode (it keeps no counter).
+    t.unsafeGetTensorImpl()->bump_version();
+    return 1;
+  } catch (...) {
+    return 0;
   }
 }
 
@@ -236,8 +247,10 @@ PyMethodDef methods[] = {
      "(grad_m = grad / norm) when m requires a gradient; used by kerf.autograd.dora_scale."},
     {nullptr, nullptr, 0, nullptr}};
 
-const KerfTorchBridge api = {KERF_TORCH_BRIDGE_ABI, sizeof(KerfTorchBridge), KERF_TORCH_VERSION,
-                             &view, &current_stream, &empty, &empty_many};
+const KerfTorchBridge api = {
+    KERF_TORCH_BRIDGE_ABI, sizeof(KerfTorchBridge), KERF_TORCH_VERSION,
+    &view, &current_stream, &empty, &empty_many, &bump_version,
+};
 
 // The torch.__version__ of this process, or "" when torch is not imported.
 std::string running_torch_version() {

@@ -147,6 +147,28 @@ def test_a_write_into_a_tensor_autograd_saved_fails_its_backward_as_an_in_place_
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_refused_call_leaves_the_version_counters_of_its_outputs_as_they_were(device, torch_path):
+    # As a torch in-place op refused for its shapes: nothing written, nothing for autograd to
+    # notice, so a backward that saved the tensor still runs.
+    x = torch.randn(3, 24, device=device, requires_grad=True)
+    W = torch.randn(16, 24, device=device)
+    y = (x @ W.t()).sum()
+    W0, before = W.clone(), W._version
+    with pytest.raises(ValueError, match="A"):
+        kerf.ops.lora_merge(W, torch.randn(2, 9, device=device), torch.randn(16, 2, device=device), 0.5)
+    assert W._version == before and torch.equal(W, W0)
+    norm, scale = torch.empty(8, device=device), torch.empty(8, device=device)
+    versions = (norm._version, scale._version)
+    with pytest.raises(ValueError):  # m of the wrong length
+        kerf.ops.dora_norm(torch.randn(8, 16, device=device), torch.randn(2, 16, device=device),
+                           torch.randn(8, 2, device=device), torch.rand(9, device=device), 0.5,
+                           norm=norm, scale=scale)
+    assert (norm._version, scale._version) == versions
+    y.backward()
+    assert torch.allclose(x.grad, W.sum(0).expand(3, 24))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_writing_into_a_tensor_that_requires_grad_needs_no_grad_mode(device, torch_path):
     W = torch.nn.Parameter(torch.randn(16, 24, device=device))
     A, B = torch.randn(4, 24, device=device), torch.randn(16, 4, device=device)
