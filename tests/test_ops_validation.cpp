@@ -4,7 +4,9 @@
 // GPU) need no back end; nothing here reads or writes the fake memory.
 #include <cstdint>
 #include <limits>
+#include <random>
 #include <string>
+#include <thread>
 
 #include "catch.h"
 #include "cpu_test_util.h"
@@ -12,6 +14,7 @@
 #include "error_test_util.h"
 #include "gpu_test_util.h"
 #include "kerf/error.h"
+#include "kerf/jit/launch_count.h"
 #include "kerf/ops/ops.h"
 #include "kernels_src/ops_checks.h"
 
@@ -493,6 +496,29 @@ TEST_CASE("misaligned and strided views take the general path and give the same 
   ops::lora_merge(W2.view_at(1, {32, 64}, {72, 1}), A.view(), B.view(), 0.5);
   for (int64_t i = 0; i < 32; ++i)
     for (int64_t j = 0; j < 64; ++j) CHECK(W2.get(1 + i * 72 + j) == W1.get(i * 64 + j));
+}
+
+// Python's bindings bump a torch output's version counter after a call that failed only when
+// it launched something (nothing is written but by a launch): a refused call launches nothing.
+TEST_CASE("a call its checks refuse launches nothing; one that runs counts its launches on its thread",
+          "[cpu][ops][validation]") {
+  KERF_REQUIRE_CPU_BACKEND();
+  const Device cpu = Device::cpu();
+  test::TestTensor W(DType::bf16, {32, 64}, cpu), A(DType::f32, {4, 64}, cpu), B(DType::f32, {32, 4}, cpu),
+      bad(DType::f32, {4, 63}, cpu);
+  std::mt19937_64 rng(9150);
+  W.randomize(rng);
+  A.randomize(rng);
+  B.randomize(rng);
+  const uint64_t before = launches_on_this_thread();
+  CHECK_THROWS_AS(ops::lora_merge(W.view(), bad.view(), B.view(), 0.5), InvalidArgument);
+  CHECK(launches_on_this_thread() == before);
+  ops::lora_merge(W.view(), A.view(), B.view(), 0.5);
+  const uint64_t after = launches_on_this_thread();
+  CHECK(after > before);
+  // Another thread's launches are its own.
+  std::thread([&] { ops::lora_merge(W.view(), A.view(), B.view(), 0.5); }).join();
+  CHECK(launches_on_this_thread() == after);
 }
 
 TEST_CASE("an op refuses Config.meta names it does not take and values out of range", "[ops][validation]") {
