@@ -500,12 +500,13 @@ TEST_CASE("misaligned and strided views take the general path and give the same 
 
 // Python's bindings bump a torch output's version counter after a call that failed only when
 // it launched something (nothing is written but by a launch): a refused call launches nothing.
-TEST_CASE("a call its checks refuse launches nothing; one that runs counts its launches on its thread",
-          "[cpu][ops][validation]") {
+TEST_CASE(
+    "a call its checks refuse launches nothing; one that runs counts its launches on its thread",
+    "[cpu][ops][validation]") {
   KERF_REQUIRE_CPU_BACKEND();
   const Device cpu = Device::cpu();
-  test::TestTensor W(DType::bf16, {32, 64}, cpu), A(DType::f32, {4, 64}, cpu), B(DType::f32, {32, 4}, cpu),
-      bad(DType::f32, {4, 63}, cpu);
+  test::TestTensor W(DType::bf16, {32, 64}, cpu), A(DType::f32, {4, 64}, cpu),
+      B(DType::f32, {32, 4}, cpu), bad(DType::f32, {4, 63}, cpu);
   std::mt19937_64 rng(9150);
   W.randomize(rng);
   A.randomize(rng);
