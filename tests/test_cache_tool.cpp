@@ -189,11 +189,17 @@ TEST_CASE("kerf-cache refuses arguments that would lose entries or store nothing
   CHECK(tool("", {"prune", "--max-size", "0"}).first == 2);
   // Sizes and ages: decimal numbers with a unit (ages need one), nothing else.
   for (const std::vector<std::string>& bad :
-       {std::vector<std::string>{"prune", "--max-age", "30"}, {"prune", "--max-age", "inf"},
-        {"prune", "--max-size", "0x10"}, {"prune", "--max-size", "nan"}, {"prune", "--max-size", "1e30"},
-        {"prune", "--max-size", "-1"}, {"warm", "--op", "dora_norm", "--shape", "8x8x2", "-j", "abc"},
+       {std::vector<std::string>{"prune", "--max-age", "30"},
+        {"prune", "--max-age", "inf"},
+        {"prune", "--max-size", "0x10"},
+        {"prune", "--max-size", "nan"},
+        {"prune", "--max-size", "1e30"},
+        {"prune", "--max-size", "-1"},
+        {"warm", "--op", "dora_norm", "--shape", "8x8x2", "-j", "abc"},
         {"warm", "--op", "dora_norm", "--shape", "8x8x2", "--arch", "bogus"},
-        {"warm", "--op", "dora_norm", "--shape", "99999999999999999999999x8x2"}, {"--dir", dir / "b", "list"}}) {
+        {"warm", "--op", "dora_norm", "--shape", "8x8x2", "--all-candidates", "--no-tune"},
+        {"warm", "--op", "dora_norm", "--shape", "99999999999999999999999x8x2"},
+        {"--dir", dir / "b", "list"}}) {
     CAPTURE(bad);
     CHECK(tool(dir / "cache", bad).first == 2);
   }

@@ -200,6 +200,10 @@ int warm(Args& args) {
     }
   }
   if (shapes.empty()) throw InvalidArgument("warm: give at least one --shape");
+  if (all_candidates && !tune)
+    throw InvalidArgument(
+        "warm: --all-candidates (every autotune candidate, for tuning on the target) does not "
+        "go with --no-tune (the default configurations only)");
   if (dtypes.empty()) dtypes = {DType::bf16};
   if (layouts.empty()) layouts = {""};
   const bool have_gpu = cuda::device_count() > 0;
@@ -296,7 +300,7 @@ int warm(Args& args) {
     // what an untuned call there runs instead (README, "Untuned calls").
     std::vector<autotune::Config> configs = {
         ops::detail::untuned_candidate(*item.op, views, item.arch, smem_limit, sms)};
-    if (all_candidates && tune) {
+    if (all_candidates) {
       const std::vector<autotune::Config> c = item.op->gpu_candidates();
       configs.insert(configs.end(), c.begin(), c.end());
     }
