@@ -165,7 +165,7 @@ def test_a_refused_call_leaves_the_version_counters_of_its_outputs_as_they_were(
                            norm=norm, scale=scale)
     assert (norm._version, scale._version) == versions
     y.backward()
-    assert torch.allclose(x.grad, W.sum(0).expand(3, 24))
+    assert torch.allclose(x.grad, W.sum(0).expand(3, 24), rtol=1e-5, atol=1e-5)  # float32 sums
 
 
 @pytest.mark.parametrize("device", DEVICES)
